@@ -1,0 +1,93 @@
+"""What a running task knows about the device it holds.
+
+CUDA's current device is per thread, and a worker runs several tasks at once in its
+thread pool, so the device a task holds is kept in a thread-local set by the guard just
+before the task's function runs (see :mod:`accelsched.binding`) and cleared after it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+
+__all__ = ["Lease", "current_device", "current_lease", "array_module", "holding"]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The devices one task holds while it runs.
+
+    ``devices`` are CUDA indices as this process sees them (positions within
+    ``CUDA_VISIBLE_DEVICES``); ``simulated`` is True for the fake GPUs of
+    :mod:`accelsched.testing`, on which no CUDA call can be made.
+    """
+
+    key: object
+    devices: tuple[int, ...]
+    simulated: bool = False
+
+    @property
+    def device(self) -> int:
+        return self.devices[0]
+
+
+_local = threading.local()
+
+
+def current_lease() -> Lease | None:
+    return getattr(_local, "lease", None)
+
+
+def current_device() -> int | None:
+    """The device index the running task holds; None outside a task holding a GPU."""
+    lease = current_lease()
+    return None if lease is None else lease.device
+
+
+def array_module() -> ModuleType:
+    """``cupy`` inside a task holding a real GPU, ``numpy`` everywhere else.
+
+    Write a step once against the returned module (``xp = array_module(); xp.sum(...)``)
+    and it runs on the device when placed on a GPU and on the host when it fell back.
+    On the simulated GPUs of :mod:`accelsched.testing` this is numpy: they cannot run
+    kernels, only account for memory.
+    """
+    lease = current_lease()
+    if lease is not None and not lease.simulated:
+        import cupy
+
+        return cupy
+    import numpy
+
+    return numpy
+
+
+@contextmanager
+def holding(lease: Lease) -> Iterator[Lease]:
+    """Make ``lease`` current in this thread and, on real GPUs, its device CUDA's current one."""
+    previous = current_lease()
+    _local.lease = lease
+    restore = None
+    try:
+        if not lease.simulated:
+            restore = _use_cuda_device(lease.device)
+        yield lease
+    finally:
+        _local.lease = previous
+        if restore is not None:
+            restore()
+
+
+def _use_cuda_device(device: int):  # type: ignore[no-untyped-def]
+    """Set CUDA's current device for this thread; returns a callable that restores it."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    runtime = cupy.cuda.runtime
+    before = runtime.getDevice()
+    runtime.setDevice(device)
+    return lambda: runtime.setDevice(before)

@@ -1,0 +1,47 @@
+"""How many device bytes a Python object keeps alive, and on which device.
+
+The leak estimate subtracts device memory held by results still in a worker's memory.
+A result's device footprint is asked once, when it enters or leaves the worker's data,
+through this dispatch: CuPy arrays are known, the simulated buffers of
+:mod:`accelsched.testing` register themselves, and users can register their own types
+(``device_nbytes.register(MyType)(fn)``) returning ``{device: nbytes}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dask.utils import Dispatch
+
+__all__ = ["device_nbytes"]
+
+device_nbytes = Dispatch(name="device_nbytes")
+
+
+@device_nbytes.register(object)
+def _host_only(obj: Any) -> dict[int, int]:
+    return {}
+
+
+@device_nbytes.register((list, tuple, set, frozenset))
+def _sequence(obj: Any) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for item in obj:
+        for dev, n in device_nbytes(item).items():
+            out[dev] = out.get(dev, 0) + n
+    return out
+
+
+@device_nbytes.register(dict)
+def _mapping(obj: dict) -> dict[int, int]:
+    return _sequence(list(obj.values()))
+
+
+@device_nbytes.register_lazy("cupy")
+def _register_cupy() -> None:
+    import cupy
+
+    @device_nbytes.register(cupy.ndarray)
+    def _cupy_array(arr: Any) -> dict[int, int]:
+        base = arr.base if arr.base is not None else arr
+        return {int(arr.device.id): int(base.data.mem.size)}
