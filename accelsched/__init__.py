@@ -1,0 +1,70 @@
+"""accelsched: GPUs as real, scarce, fallible hardware for Dask's distributed scheduler.
+
+- :class:`PlacementPlugin` (scheduler): verification gate, exclusive devices, strict
+  placement, CPU fallback, restart coordination.
+- :class:`GuardPlugin` (workers): NVML inventory, per-task device binding, pool freeing,
+  leak detection.
+- :func:`register` registers both; :func:`dual`, :func:`array_module` and
+  :func:`current_device` are for task code.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from accelsched import config as _config  # noqa: F401  (loads the config defaults)
+from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
+from accelsched.context import array_module, current_device
+from accelsched.dual import dual
+from accelsched.guard import GuardPlugin
+from accelsched.placement import PlacementPlugin
+
+try:
+    __version__ = version("accelsched")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "PlacementPlugin",
+    "GuardPlugin",
+    "register",
+    "dual",
+    "array_module",
+    "current_device",
+    "__version__",
+]
+
+
+def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]:
+    """Register the PlacementPlugin and the GuardPlugin on ``client``'s cluster.
+
+    Options go to the plugin that owns them (``fallback_timeout`` to placement,
+    ``leak_threshold`` to the guard, ...). Idempotent: when plugins of these names are
+    already registered, nothing changes (unregister them first to change options).
+    With an asynchronous client, await the result.
+    The scheduler plugin goes first so the guards' reports find it listening.
+    """
+    placement_names = {o.name for o in PLACEMENT_OPTIONS}
+    guard_names = {o.name for o in GUARD_OPTIONS}
+    unknown = sorted(set(options) - placement_names - guard_names)
+    if unknown:
+        raise TypeError(
+            f"register() got unknown option(s) {', '.join(map(repr, unknown))}; valid "
+            f"options: {', '.join(sorted(placement_names | guard_names))}"
+        )
+    placement = PlacementPlugin(**{k: v for k, v in options.items() if k in placement_names})
+    guard = GuardPlugin(**{k: v for k, v in options.items() if k in guard_names})
+    placement.idempotent = True  # type: ignore[attr-defined]
+    guard.idempotent = True  # type: ignore[attr-defined]
+    if getattr(client, "asynchronous", False):
+
+        async def register_both() -> tuple[PlacementPlugin, GuardPlugin]:
+            await client.register_plugin(placement)
+            await client.register_plugin(guard)
+            return placement, guard
+
+        return register_both()  # type: ignore[return-value]
+    client.register_plugin(placement)
+    client.register_plugin(guard)
+    return placement, guard

@@ -1,0 +1,105 @@
+"""Per-task device binding on a worker.
+
+The worker's state machine already caps how many GPU tasks run at once (its ``GPU``
+resource, which the GuardPlugin set to the devices it owns). What it does not do is give
+each running task its own device. :class:`LeaseTable` hands out devices, least busy
+first; :func:`wrap_task` wraps a task's run spec so that, in the executor thread, the task
+takes its lease, runs with that device current, and gives it back, whatever happens.
+Acquiring inside the thread means a task that is cancelled before it starts never holds
+a device.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dask._task_spec import GraphNode, Task, TaskRef
+
+__all__ = ["LeaseTable", "NoFreeDevice", "devices_needed", "wrap_task", "is_wrapped"]
+
+
+class NoFreeDevice(RuntimeError):
+    """More GPU tasks run at once than the worker owns devices (a resource mis-set)."""
+
+
+def devices_needed(amount: float) -> int:
+    """Devices a task asking for ``amount`` GPU units holds: fractions share one device."""
+    return max(1, math.ceil(amount)) if amount > 0 else 0
+
+
+class LeaseTable:
+    """Which task holds which device, in one worker. Thread-safe."""
+
+    def __init__(self, devices: Sequence[int] = ()) -> None:
+        self._lock = threading.Lock()
+        self._devices: list[int] = list(devices)
+        self._load: dict[int, float] = dict.fromkeys(self._devices, 0.0)
+        self._held: dict[Any, tuple[tuple[int, ...], float]] = {}
+
+    @property
+    def devices(self) -> list[int]:
+        return list(self._devices)
+
+    def set_devices(self, devices: Sequence[int]) -> None:
+        with self._lock:
+            self._devices = list(devices)
+            for d in self._devices:
+                self._load.setdefault(d, 0.0)
+
+    def acquire(self, key: Any, amount: float) -> tuple[int, ...]:
+        n = devices_needed(amount)
+        share = amount / n if n else 0.0
+        with self._lock:
+            free = sorted(
+                (d for d in self._devices if self._load[d] + share <= 1.0 + 1e-9),
+                key=lambda d: (self._load[d], d),
+            )
+            if len(free) < n:
+                raise NoFreeDevice(
+                    f"task {key!r} needs {n} device(s) but only {len(free)} of "
+                    f"{self._devices} are free; busy: {self.holders()}"
+                )
+            chosen = tuple(free[:n])
+            for d in chosen:
+                self._load[d] += share
+            self._held[key] = (chosen, share)
+            return chosen
+
+    def release(self, key: Any) -> None:
+        with self._lock:
+            chosen, share = self._held.pop(key, ((), 0.0))
+            for d in chosen:
+                self._load[d] = max(0.0, self._load[d] - share)
+
+    def holders(self) -> dict[Any, tuple[int, ...]]:
+        return {k: v[0] for k, v in self._held.items()}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+_RUNNER_ATTR = "__accelsched_runner__"
+
+
+def is_wrapped(spec: Any) -> bool:
+    return isinstance(spec, Task) and getattr(spec.func, _RUNNER_ATTR, False)
+
+
+def wrap_task(spec: GraphNode, runner: Callable[[GraphNode, dict], Any]) -> GraphNode:
+    """A Task with ``spec``'s key and dependencies that calls ``runner(spec, values)``.
+
+    The wrapper is a plain ``Task``, so the worker's validation and bookkeeping see
+    nothing unusual; only its function differs.
+    """
+    if is_wrapped(spec):
+        return spec
+    order = list(spec.dependencies)
+
+    def run(*dep_values: Any) -> Any:
+        return runner(spec, dict(zip(order, dep_values)))
+
+    setattr(run, _RUNNER_ATTR, True)
+    return Task(spec.key, run, *(TaskRef(dep) for dep in order))

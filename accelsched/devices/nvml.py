@@ -1,0 +1,184 @@
+"""The *monitor* seam: what NVML says about this process's devices.
+
+Every NVML question accelsched asks goes through :class:`NVMLMonitor`: the inventory a
+worker reports, the device memory its leak check reads, the context check for tasks that
+did not ask for a GPU. Nothing else imports ``pynvml``.
+
+No driver, no ``libnvidia-ml.so.1`` or no ``pynvml`` means zero GPUs: one log line, never
+an exception. Under :func:`accelsched.testing.fake_gpus` without a C compiler the monitor
+talks to the pure-Python stand-in instead of ``pynvml``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from accelsched.devices.visible import resolve_visible, visible_from_env
+
+__all__ = ["DeviceInfo", "MemoryReading", "NVMLMonitor"]
+
+logger = logging.getLogger(__name__)
+
+_init_lock = threading.Lock()
+_logged: set[str] = set()
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device this process can use: ``index`` is its CUDA index here."""
+
+    index: int
+    nvml_index: int
+    uuid: str
+    name: str
+    memory: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "uuid": self.uuid, "name": self.name, "memory": self.memory}
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """This process's device memory on one device.
+
+    ``exact`` is False when NVML gave no per-process figure (``usedGpuMemory`` None,
+    common under MIG and some virtualised GPUs) or listed no entry with our pid (in a
+    container without the host PID namespace NVML reports host pids). Then ``nbytes`` is
+    the device-wide used memory: other processes on the device are counted in, and a
+    baseline taken at start absorbs them as long as they stay steady.
+    """
+
+    nbytes: int
+    exact: bool
+    has_context: bool | None
+
+
+def _load_nvml() -> Any:
+    from accelsched.testing import standin
+
+    if standin.active():
+        return standin
+    import pynvml
+
+    return pynvml
+
+
+class NVMLMonitor:
+    """Devices visible to this process, through NVML, in CUDA order.
+
+    ``env`` defaults to ``os.environ`` (``CUDA_VISIBLE_DEVICES`` decides what is visible).
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None, pid: int | None = None) -> None:
+        self.pid = os.getpid() if pid is None else pid
+        self._env = env
+        self._nvml: Any = None
+        self.reason: str | None = None
+        self._devices: list[DeviceInfo] | None = None
+        self._handles: dict[int, Any] = {}
+
+    # --- availability -----------------------------------------------------------------
+
+    def _init(self) -> Any:
+        if self._nvml is not None or self.reason is not None:
+            return self._nvml
+        with _init_lock:
+            try:
+                nvml = _load_nvml()
+            except ImportError:
+                return self._unavailable("pynvml is not installed (pip install nvidia-ml-py)")
+            try:
+                nvml.nvmlInit()
+            except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+                return self._unavailable(f"NVML unavailable ({_describe(exc)})")
+            self._nvml = nvml
+            return nvml
+
+    def _unavailable(self, reason: str) -> None:
+        self.reason = reason
+        if reason not in _logged:
+            _logged.add(reason)
+            logger.info("accelsched: no GPUs in this process: %s", reason)
+        return None
+
+    @property
+    def available(self) -> bool:
+        return self._init() is not None
+
+    # --- inventory --------------------------------------------------------------------
+
+    def devices(self) -> list[DeviceInfo]:
+        """The devices this process may use (``CUDA_VISIBLE_DEVICES`` applied)."""
+        if self._devices is not None:
+            return self._devices
+        nvml = self._init()
+        if nvml is None:
+            self._devices = []
+            return self._devices
+        try:
+            count = nvml.nvmlDeviceGetCount()
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
+            order = resolve_visible(visible_from_env(self._env), uuids)
+            devices = []
+            for cuda_index, nvml_index in enumerate(order):
+                h = handles[nvml_index]
+                devices.append(
+                    DeviceInfo(
+                        index=cuda_index,
+                        nvml_index=nvml_index,
+                        uuid=uuids[nvml_index],
+                        name=_text(nvml.nvmlDeviceGetName(h)),
+                        memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+                    )
+                )
+                self._handles[cuda_index] = h
+        except Exception as exc:
+            self._unavailable(f"NVML failed while listing devices ({_describe(exc)})")
+            self._devices = []
+            return self._devices
+        self._devices = devices
+        return devices
+
+    def device(self, index: int) -> DeviceInfo:
+        for d in self.devices():
+            if d.index == index:
+                return d
+        raise IndexError(f"no visible device with CUDA index {index}")
+
+    # --- memory -----------------------------------------------------------------------
+
+    def used(self, index: int) -> int:
+        """Device-wide used memory (every process on the device)."""
+        self.devices()
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handles[index]).used)
+
+    def process_memory(self, index: int) -> MemoryReading:
+        """This process's device memory on the device with CUDA index ``index``."""
+        self.devices()
+        nvml = self._nvml
+        handle = self._handles[index]
+        procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        mine = [p for p in procs if p.pid == self.pid]
+        if mine and all(p.usedGpuMemory is not None for p in mine):
+            return MemoryReading(sum(int(p.usedGpuMemory) for p in mine), True, True)
+        has_context: bool | None = True if mine else (None if procs else False)
+        return MemoryReading(self.used(index), False, has_context)
+
+    def has_context(self, index: int) -> bool | None:
+        """Whether this process holds a CUDA context on the device (None: cannot tell)."""
+        return self.process_memory(index).has_context
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _describe(exc: BaseException) -> str:
+    name = type(exc).__name__
+    return f"{name}: {exc}" if str(exc) else name

@@ -1,0 +1,80 @@
+"""The events accelsched writes to the scheduler's event log, topic ``"accelsched"``.
+
+Events are the single record of what accelsched decided: tests, the demo and the CLI read
+them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` (below),
+``"worker"`` (an address, when one is concerned) and the figures that explain it.
+
+``gpu-verified``
+    A worker's GuardPlugin probed its devices through NVML and the scheduler granted them.
+    ``devices``: list of ``{"index", "uuid", "name", "memory"}``; ``granted``: GPU count.
+``gpu-corrected``
+    The GPU count a worker declared differs from what it owns. ``declared``, ``granted``,
+    ``reason`` (``"fewer-devices"``, ``"no-devices"``, ``"advertised"``, ``"shared"``).
+``gpu-rejected``
+    Devices a worker claimed were refused. ``uuids``, ``reason`` (``"owned"``: another
+    worker owns them, named in ``owner``; ``"unverified"``: no inventory reported).
+``unrequested-gpu-use``
+    A task that did not ask for a GPU created a CUDA context or grew its process's device
+    memory. ``key``, ``device``, ``nbytes``, ``context_created``, ``failed``.
+``fallback``
+    A GPU task runs its CPU form. ``key``, ``waited`` (seconds), ``reason``
+    (``"timeout"``, ``"no-gpu-capacity"``, ``"chain"``, ``"oom"``).
+``leak``
+    A worker's device memory, net of live results and pool caches, stayed above the
+    threshold. ``device``, ``nbytes``, ``threshold``, ``prefixes`` (task prefixes run since
+    the last clean check).
+``restart``
+    A worker was retired (its data moved to peers) and restarted through its nanny.
+    ``reason``, ``moved`` (keys moved), ``seconds``.
+``restart-deferred``
+    A restart was wanted but cannot happen without loss now. ``reason``
+    (``"no-peer"``, ``"no-nanny"``, ``"retire-failed"``, ``"concurrency"``).
+``quarantine``
+    A worker's GPUs are taken out of placement (GPU resource 0). ``reason``,
+    ``released`` (True when the quarantine ends).
+``gpu-unhealthy``
+    A device that was verified stopped answering NVML. ``device``, ``error``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+TOPIC: Final = "accelsched"
+
+GPU_VERIFIED: Final = "gpu-verified"
+GPU_CORRECTED: Final = "gpu-corrected"
+GPU_REJECTED: Final = "gpu-rejected"
+UNREQUESTED_GPU_USE: Final = "unrequested-gpu-use"
+FALLBACK: Final = "fallback"
+LEAK: Final = "leak"
+RESTART: Final = "restart"
+RESTART_DEFERRED: Final = "restart-deferred"
+QUARANTINE: Final = "quarantine"
+GPU_UNHEALTHY: Final = "gpu-unhealthy"
+
+ACTIONS: Final = frozenset(
+    {
+        GPU_VERIFIED,
+        GPU_CORRECTED,
+        GPU_REJECTED,
+        UNREQUESTED_GPU_USE,
+        FALLBACK,
+        LEAK,
+        RESTART,
+        RESTART_DEFERRED,
+        QUARANTINE,
+        GPU_UNHEALTHY,
+    }
+)
+
+
+def event(action: str, worker: str | None = None, **figures: Any) -> dict[str, Any]:
+    """Build an event dict; the action must be one documented above."""
+    if action not in ACTIONS:
+        raise ValueError(f"unknown accelsched event action {action!r}")
+    msg: dict[str, Any] = {"action": action}
+    if worker is not None:
+        msg["worker"] = worker
+    msg.update(figures)
+    return msg

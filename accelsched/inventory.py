@@ -1,0 +1,91 @@
+"""Who owns which GPU: decisions only, no distributed import.
+
+The worker side decides which of its visible devices it owns and what GPU count to
+advertise; the scheduler side keeps one owner per GPU UUID so two workers never drive the
+same device unless sharing is configured. The plugins feed these classes facts and carry
+out what they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+__all__ = ["owned", "Grant", "decide_count", "OwnershipRegistry"]
+
+T = TypeVar("T")
+
+
+def owned(visible: Sequence[T], *, under_dask_cuda: bool) -> list[T]:
+    """The devices a worker owns among those it can see.
+
+    A plain worker owns every device in its ``CUDA_VISIBLE_DEVICES``. dask-cuda starts
+    one worker per GPU and gives each all GPUs in rotated order ("1,0", "0,1"), so there
+    a worker owns exactly its first visible device.
+    """
+    return list(visible[:1]) if under_dask_cuda else list(visible)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What the GuardPlugin asks the scheduler for, and why it differs from the declaration."""
+
+    count: int
+    reason: str | None  # None: the declaration was right
+
+
+def decide_count(declared: float | None, owned_count: int, *, advertise_undeclared: bool) -> Grant:
+    """GPU count a worker should advertise, given what it declared and what it owns."""
+    if declared is None or declared == 0:
+        if owned_count and advertise_undeclared:
+            return Grant(owned_count, "advertised")
+        return Grant(0, None)
+    if owned_count == 0:
+        return Grant(0, "no-devices")
+    if declared > owned_count:
+        return Grant(owned_count, "fewer-devices")
+    if declared < owned_count:
+        # The user asked for fewer GPUs than the worker sees: honour the declaration.
+        return Grant(int(declared), None)
+    return Grant(owned_count, None)
+
+
+@dataclass
+class OwnershipRegistry:
+    """One owner per GPU UUID across the cluster (unless ``share``)."""
+
+    share: bool = False
+    owners: dict[str, str] = field(default_factory=dict)  # uuid -> worker address
+    _claims: dict[str, list[str]] = field(default_factory=dict)  # worker -> uuids
+
+    def claim(self, worker: str, uuids: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+        """Give ``worker`` the UUIDs nobody else owns; return (granted, {refused: owner})."""
+        self.release(worker)
+        granted: list[str] = []
+        refused: dict[str, str] = {}
+        for uuid in uuids:
+            owner = self.owners.get(uuid)
+            if owner is not None and owner != worker and not self.share:
+                refused[uuid] = owner
+                continue
+            self.owners.setdefault(uuid, worker)
+            granted.append(uuid)
+        self._claims[worker] = granted
+        return granted, refused
+
+    def release(self, worker: str) -> list[str]:
+        """Forget ``worker``'s claims (it left); its UUIDs become free to claim."""
+        uuids = self._claims.pop(worker, [])
+        for uuid in uuids:
+            if self.owners.get(uuid) == worker:
+                del self.owners[uuid]
+                # With sharing on, another claimant of the same UUID inherits it.
+                for other, claimed in self._claims.items():
+                    if uuid in claimed:
+                        self.owners[uuid] = other
+                        break
+        return uuids
+
+    def owned_by(self, worker: str) -> list[str]:
+        return list(self._claims.get(worker, []))

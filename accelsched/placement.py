@@ -1,0 +1,239 @@
+"""PlacementPlugin: the scheduler side of accelsched.
+
+distributed treats ``resources={"GPU": n}`` as a label a worker declares. This plugin
+makes the label mean something:
+
+- **Gate.** A worker's ``GPU`` resource counts only once its GuardPlugin has probed the
+  devices through NVML and reported them (``accelsched_inventory``). Workers register
+  before their plugins run, so the declared value is stripped at registration and every
+  later ``set_resources`` is clamped to what was granted.
+- **Exclusivity.** Two workers never own the same GPU UUID unless ``share_gpus``.
+- **Re-offer.** When a worker's verified GPUs arrive, ``no-worker`` GPU tasks are offered
+  to it at once (distributed does not do this on ``set_resources``).
+- **Hard GPU restrictions.** ``allow_other_workers`` on a GPU task would let distributed
+  place it on a GPU-less worker, where ``acquire_resources`` raises and the task wedges;
+  here the soft worker preference is dropped and the GPU restriction stays hard.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from time import time
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from accelsched import events
+from accelsched.config import PLACEMENT_OPTIONS, resolve_options
+from accelsched.inventory import OwnershipRegistry
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.scheduler import WorkerState
+
+__all__ = ["PlacementPlugin", "GPU"]
+
+logger = logging.getLogger(__name__)
+
+GPU = "GPU"
+INVENTORY_HANDLER = "accelsched_inventory"
+_ORIGINAL = "__accelsched_original__"
+
+
+class PlacementPlugin(SchedulerPlugin):
+    """Verification gate, strict GPU placement, CPU fallback and restart coordination.
+
+    Options (each also dask config under ``accelsched.placement.``, see
+    ``docs/configuration.md``): ``fallback_timeout``, ``fallback_interval``,
+    ``share_gpus``, ``max_restarts``, ``restart_window``, ``max_concurrent_restarts``.
+    Invalid values raise ``ValueError``/``TypeError`` here, on the client.
+    """
+
+    name = "accelsched-placement"
+
+    def __init__(self, **options: Any) -> None:
+        self.options = resolve_options(PLACEMENT_OPTIONS, options, type(self).__name__)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.registry = OwnershipRegistry(share=self.options["share_gpus"])
+        self.inventory: dict[str, list[dict[str, Any]]] = {}  # worker -> granted devices
+        self.granted: dict[str, int] = {}  # worker -> GPU count it may advertise
+        self.tokens: dict[str, str] = {}  # worker -> secret for requests it makes
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the options travel to the scheduler; state is rebuilt there.
+        return {"options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.options = state["options"]
+        self._init_state()
+
+    # --- SchedulerPlugin hooks ----------------------------------------------------------
+
+    async def start(self, scheduler: Scheduler) -> None:
+        """Install the gate and strip every worker's GPUs until its guard reports.
+
+        Runs again when the plugin is re-registered: the previous instance's handlers are
+        replaced here, never stacked.
+        """
+        self.scheduler = scheduler
+        scheduler.handlers[INVENTORY_HANDLER] = self._handle_inventory
+        original = scheduler.handlers["set_resources"]
+        original = getattr(original, _ORIGINAL, original)
+
+        def set_resources(worker: str, resources: dict | None = None) -> str:
+            return self._gated_set_resources(original, worker, resources)
+
+        setattr(set_resources, _ORIGINAL, original)
+        scheduler.handlers["set_resources"] = set_resources
+        for ws in list(scheduler.workers.values()):
+            self._set_gpu(ws, 0)
+        # Guards already running report again now that someone listens.
+        for addr in list(scheduler.workers):
+            scheduler._ongoing_background_tasks.call_soon(self._ask_report, addr)
+
+    async def _ask_report(self, addr: str) -> None:
+        assert self.scheduler is not None
+        try:
+            await self.scheduler.rpc(addr).accelsched_report()
+        except Exception as exc:  # a worker without the GuardPlugin, or gone
+            logger.debug("accelsched: %s did not report its GPUs: %r", addr, exc)
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        """Strip the declared GPU count: it counts only once the worker's guard reports.
+
+        Runs before distributed offers ``no-worker`` tasks to the new worker, so nothing
+        reaches it on the strength of a declaration.
+        """
+        ws = scheduler.workers[worker]
+        self._set_gpu(ws, self.granted.get(worker, 0))
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        """Free the worker's GPUs for the next claimant and forget its grant."""
+        self.registry.release(worker)
+        self.inventory.pop(worker, None)
+        self.granted.pop(worker, None)
+        self.tokens.pop(worker, None)
+
+    def update_graph(
+        self, scheduler: Scheduler, *, tasks: list | None = None, **kwargs: Any
+    ) -> None:
+        """Make GPU restrictions hard on new tasks (they are still ``released`` here)."""
+        for key in tasks or ():
+            ts = scheduler.tasks.get(key)
+            if ts is None or not ts.resource_restrictions:
+                continue
+            if GPU in ts.resource_restrictions and ts.loose_restrictions:
+                ts.loose_restrictions = False
+                ts.worker_restrictions = None
+                ts.host_restrictions = None
+
+    # --- the gate -----------------------------------------------------------------------
+
+    def _handle_inventory(
+        self,
+        worker: str,
+        devices: list[dict[str, Any]],
+        declared: float | None = None,
+        requested: int = 0,
+        reason: str | None = None,
+    ) -> dict[str, Any]:
+        """A GuardPlugin reports the devices it verified and the count it wants.
+
+        Returns the devices granted (a subset when another worker owns some) and a token
+        the worker presents on later requests. Idempotent: a repeated, unchanged report
+        changes nothing and logs nothing.
+        """
+        assert self.scheduler is not None
+        ws = self.scheduler.workers.get(worker)
+        if ws is None:
+            return {"status": "unknown-worker"}
+        wanted = devices[:requested]
+        previous = self.inventory.get(worker)
+        if previous is not None and [d["uuid"] for d in previous] == [d["uuid"] for d in wanted]:
+            return self._grant_reply(worker)
+        granted_uuids, refused = self.registry.claim(worker, [d["uuid"] for d in wanted])
+        granted = [d for d in wanted if d["uuid"] in granted_uuids]
+        self.inventory[worker] = granted
+        self.granted[worker] = len(granted)
+        self.tokens.setdefault(worker, secrets.token_hex(16))
+        if granted:
+            self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
+        if refused:
+            owners = sorted(set(refused.values()))
+            self._emit(
+                events.GPU_REJECTED,
+                worker,
+                uuids=sorted(refused),
+                reason="owned",
+                owner=owners[0] if len(owners) == 1 else owners,
+            )
+        if declared != len(granted) and (reason is not None or refused):
+            self._emit(
+                events.GPU_CORRECTED,
+                worker,
+                declared=declared,
+                granted=len(granted),
+                reason="owned" if refused else reason,
+            )
+        return self._grant_reply(worker)
+
+    def _grant_reply(self, worker: str) -> dict[str, Any]:
+        return {
+            "status": "OK",
+            "uuids": [d["uuid"] for d in self.inventory.get(worker, [])],
+            "token": self.tokens.get(worker),
+        }
+
+    def allowed_gpus(self, worker: str) -> int:
+        """The most GPUs ``worker`` may advertise now."""
+        return self.granted.get(worker, 0)
+
+    def _gated_set_resources(
+        self, original: Any, worker: str, resources: dict | None
+    ) -> str:
+        """distributed's ``set_resources`` handler, with GPU clamped to the grant."""
+        assert self.scheduler is not None
+        ws = self.scheduler.workers.get(worker)
+        if ws is None:
+            return original(worker=worker, resources=resources)
+        resources = dict(resources or {})
+        before = ws.resources.get(GPU, 0)
+        if GPU in resources or GPU in ws.resources:
+            resources[GPU] = min(resources.get(GPU, 0), self.allowed_gpus(worker))
+        used = dict(ws.used_resources)
+        result = original(worker=worker, resources=resources)
+        # add_resources zeroes used_resources; tasks already processing still use them.
+        for r, quantity in used.items():
+            if r in ws.used_resources:
+                ws.used_resources[r] = quantity
+        if resources.get(GPU, 0) > before:
+            self.reoffer(ws)
+        return result
+
+    def _set_gpu(self, ws: WorkerState, value: float) -> None:
+        """Set a worker's GPU resource on the scheduler, keeping what tasks use."""
+        assert self.scheduler is not None or ws is not None
+        ws.resources[GPU] = value
+        ws.used_resources.setdefault(GPU, 0)
+        scheduler = self.scheduler
+        if scheduler is not None:
+            scheduler.resources.setdefault(GPU, {})[ws.address] = value
+
+    def reoffer(self, ws: WorkerState) -> None:
+        """Offer ``no-worker`` tasks to ``ws`` (its GPUs just became valid)."""
+        assert self.scheduler is not None
+        recs = self.scheduler.bulk_schedule_unrunnable_after_adding_worker(ws)
+        if recs:
+            self.scheduler.transitions(recs, stimulus_id=f"accelsched-gpu-verified-{time()}")
+
+    # --- events -------------------------------------------------------------------------
+
+    def _emit(self, action: str, worker: str | None = None, **figures: Any) -> None:
+        assert self.scheduler is not None
+        msg = events.event(action, worker, **figures)
+        logger.info("accelsched %s", msg)
+        self.scheduler.log_event(events.TOPIC, msg)
