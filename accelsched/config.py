@@ -10,6 +10,7 @@ named, not later inside a scheduler or a worker.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +69,13 @@ def parse_optional_duration(name: str, value: Any) -> float | None:
         return None
     if value is True or not isinstance(value, (int, float, str)):
         raise _bad(name, value, "a duration like '5s', a number of seconds, or None", TypeError)
+    if isinstance(value, str):
+        # dask knows "m" and "minutes" but not the common "min"/"mins"
+        value_ = re.sub(r"(?<=[\d\s.])mins?$", "minutes", value.strip())
+    else:
+        value_ = value
     try:
-        seconds = parse_timedelta(value, default="seconds")
+        seconds = parse_timedelta(value_, default="seconds")
     except (ValueError, KeyError, TypeError):
         raise _bad(name, value, "a duration like '5s', a number of seconds, or None") from None
     if seconds is None or seconds < 0 or seconds != seconds:

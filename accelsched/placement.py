@@ -10,6 +10,8 @@ makes the label mean something:
 - **Exclusivity.** Two workers never own the same GPU UUID unless ``share_gpus``.
 - **Re-offer.** When a worker's verified GPUs arrive, ``no-worker`` GPU tasks are offered
   to it at once (distributed does not do this on ``set_resources``).
+- **CPU fallback.** A GPU task unrunnable past its ``fallback_timeout`` loses its GPU
+  restriction and runs anywhere (its ``dual`` CPU form); see :mod:`accelsched.fallback`.
 - **Hard GPU restrictions.** ``allow_other_workers`` on a GPU task would let distributed
   place it on a GPU-less worker, where ``acquire_resources`` raises and the task wedges;
   here the soft worker preference is dropped and the GPU restriction stays hard.
@@ -19,13 +21,18 @@ from __future__ import annotations
 
 import logging
 import secrets
-from time import time
+import warnings
+from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
+import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol import pickle
+from tornado.ioloop import PeriodicCallback
 
 from accelsched import events
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
+from accelsched.fallback import FallbackPolicy, parse_task_timeout
 from accelsched.inventory import OwnershipRegistry
 
 if TYPE_CHECKING:
@@ -38,7 +45,14 @@ logger = logging.getLogger(__name__)
 
 GPU = "GPU"
 INVENTORY_HANDLER = "accelsched_inventory"
+#: Annotation the scheduler puts on a task that fell back (value: the reason).
+FALLBACK_ANNOTATION = "accelsched_fallback"
+#: Task annotation overriding the plugin's default fallback timeout.
+TIMEOUT_ANNOTATION = "fallback_timeout"
 _ORIGINAL = "__accelsched_original__"
+_CALLBACK = "accelsched-fallback"
+#: An unsatisfiable resource parking tasks with an invalid annotation until they err.
+_INVALID = "accelsched-invalid-annotation"
 
 
 class PlacementPlugin(SchedulerPlugin):
@@ -62,6 +76,11 @@ class PlacementPlugin(SchedulerPlugin):
         self.inventory: dict[str, list[dict[str, Any]]] = {}  # worker -> granted devices
         self.granted: dict[str, int] = {}  # worker -> GPU count it may advertise
         self.tokens: dict[str, str] = {}  # worker -> secret for requests it makes
+        self.policy = FallbackPolicy(self.options["fallback_timeout"])
+        self.timeouts: dict[Any, float | None] = {}  # key -> annotated timeout
+        self.invalid: dict[Any, str] = {}  # key -> why its annotation is invalid
+        self.fell_back: set[Any] = set()  # keys that fell back for lack of GPUs
+        self._check_soon = False
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the options travel to the scheduler; state is rebuilt there.
@@ -91,6 +110,13 @@ class PlacementPlugin(SchedulerPlugin):
         scheduler.handlers["set_resources"] = set_resources
         for ws in list(scheduler.workers.values()):
             self._set_gpu(ws, 0)
+        old = scheduler.periodic_callbacks.pop(_CALLBACK, None)
+        if old is not None:
+            old.stop()
+        pc = PeriodicCallback(self.check_fallback, self.options["fallback_interval"] * 1000)
+        scheduler.periodic_callbacks[_CALLBACK] = pc
+        pc.start()
+        self._warn_no_workers_timeout(self.policy.default)
         # Guards already running report again now that someone listens.
         for addr in list(scheduler.workers):
             scheduler._ongoing_background_tasks.call_soon(self._ask_report, addr)
@@ -118,18 +144,128 @@ class PlacementPlugin(SchedulerPlugin):
         self.granted.pop(worker, None)
         self.tokens.pop(worker, None)
 
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            pc = self.scheduler.periodic_callbacks.get(_CALLBACK)
+            if pc is not None:
+                pc.stop()
+
     def update_graph(
         self, scheduler: Scheduler, *, tasks: list | None = None, **kwargs: Any
     ) -> None:
-        """Make GPU restrictions hard on new tasks (they are still ``released`` here)."""
+        """Prepare new GPU tasks (still ``released`` here, so editing them is safe).
+
+        Makes their GPU restriction hard and reads their ``fallback_timeout``
+        annotation. A task whose annotation is invalid is parked on an unsatisfiable
+        resource and errs at the next fallback check, naming the value.
+        """
         for key in tasks or ():
             ts = scheduler.tasks.get(key)
-            if ts is None or not ts.resource_restrictions:
+            if ts is None or not ts.resource_restrictions or GPU not in ts.resource_restrictions:
                 continue
-            if GPU in ts.resource_restrictions and ts.loose_restrictions:
+            if ts.loose_restrictions:
                 ts.loose_restrictions = False
                 ts.worker_restrictions = None
                 ts.host_restrictions = None
+            annotations = ts.annotations or {}
+            if TIMEOUT_ANNOTATION not in annotations:
+                continue
+            try:
+                timeout = parse_task_timeout(annotations[TIMEOUT_ANNOTATION])
+            except ValueError as exc:
+                self.invalid[key] = str(exc)
+                ts.resource_restrictions = {**ts.resource_restrictions, _INVALID: 1}
+                continue
+            self.timeouts[key] = timeout
+            self._warn_no_workers_timeout(timeout)
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        """Forget per-task state; look at a task entering ``no-worker`` soon.
+
+        Runs inside the transition loop, so it only schedules work.
+        """
+        if finish == "forgotten":
+            self.timeouts.pop(key, None)
+            self.invalid.pop(key, None)
+            self.fell_back.discard(key)
+        elif finish == "no-worker" and not self._check_soon and self.scheduler is not None:
+            if key in self.invalid or self.timeouts.get(key, self.policy.default) is not None:
+                self._check_soon = True
+                self.scheduler.loop.add_callback(self.check_fallback)
+
+    # --- fallback -----------------------------------------------------------------------
+
+    def check_fallback(self) -> None:
+        """Run the CPU form of GPU tasks unrunnable past their timeout.
+
+        Looks only at tasks in ``no-worker`` (``scheduler.unrunnable``): its cost does not
+        grow with the rest of the graph.
+        """
+        self._check_soon = False
+        scheduler = self.scheduler
+        if scheduler is None or not scheduler.unrunnable:
+            return
+        now = monotonic()
+        stimulus_id = f"accelsched-fallback-{time()}"
+        largest = max(scheduler.resources.get(GPU, {}).values(), default=0)
+        recs: dict[Any, str] = {}
+        for ts, since in list(scheduler.unrunnable.items()):
+            key = ts.key
+            if key in self.invalid:
+                self._err(ts, self.invalid.pop(key), stimulus_id)
+                continue
+            amount = (ts.resource_restrictions or {}).get(GPU)
+            if not amount:
+                continue
+            reason = self.policy.decide(
+                waited=now - since,
+                timeout=self.timeouts.get(key, self.policy.default),
+                predecessor_fell_back=any(d.key in self.fell_back for d in ts.dependencies),
+                gpu_capacity=largest >= amount,
+            )
+            if reason is None:
+                continue
+            self._fall_back(ts, reason, now - since)
+            recs[key] = "processing"
+        if recs:
+            scheduler.transitions(recs, stimulus_id=stimulus_id)
+
+    def _fall_back(self, ts: Any, reason: str, waited: float) -> None:
+        restrictions = dict(ts.resource_restrictions)
+        restrictions.pop(GPU, None)
+        ts.resource_restrictions = restrictions
+        ts.annotations = {**(ts.annotations or {}), FALLBACK_ANNOTATION: reason}
+        self.fell_back.add(ts.key)
+        self._emit(events.FALLBACK, None, key=ts.key, waited=round(waited, 3), reason=reason)
+
+    def _err(self, ts: Any, message: str, stimulus_id: str) -> None:
+        assert self.scheduler is not None
+        recs = self.scheduler.transition(
+            ts.key,
+            "erred",
+            exception=pickle.dumps(ValueError(f"task {ts.key!r}: {message}")),
+            cause=ts.key,
+            stimulus_id=stimulus_id,
+        )
+        self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+
+    def _warn_no_workers_timeout(self, timeout: float | None) -> None:
+        """Warn (once) when distributed would fail tasks before they could fall back."""
+        if timeout is None or getattr(self, "_warned_no_workers", False):
+            return
+        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
+        if limit is None:
+            return
+        limit_s = dask.utils.parse_timedelta(limit)
+        if limit_s is not None and limit_s < timeout:
+            self._warned_no_workers = True
+            msg = (
+                f"distributed.scheduler.no-workers-timeout ({limit_s}s) is shorter than "
+                f"accelsched's fallback timeout ({timeout}s): the scheduler will fail "
+                "unplaceable GPU tasks with NoValidWorkerError before they can fall back"
+            )
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
     # --- the gate -----------------------------------------------------------------------
 

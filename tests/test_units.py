@@ -1,0 +1,195 @@
+"""Decisions without a cluster: ownership, fallback timing, leases, options."""
+
+from __future__ import annotations
+
+import pickle
+
+import dask
+import pytest
+
+import accelsched
+from accelsched.binding import LeaseTable, NoFreeDevice
+from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
+from accelsched.devices.visible import parse_visible, resolve_visible
+from accelsched.fallback import CHAIN, NO_GPU_CAPACITY, TIMEOUT, FallbackPolicy, parse_task_timeout
+from accelsched.inventory import Grant, OwnershipRegistry, decide_count, owned
+
+UUIDS = [
+    "GPU-aaaaaaaa-0000-0000-0000-000000000000",
+    "GPU-bbbbbbbb-0000-0000-0000-000000000001",
+    "GPU-cccccccc-0000-0000-0000-000000000002",
+]
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, [0, 1, 2]),
+        ("", []),
+        ("1", [1]),
+        ("2,0", [2, 0]),
+        ("GPU-bbbbbbbb-0000-0000-0000-000000000001", [1]),
+        ("GPU-cccc,0", [2, 0]),  # unique prefix, like CUDA
+        ("0,7,1", [0]),  # CUDA stops at the first invalid entry
+        ("1,1", [1]),  # and at a repeated one
+        ("MIG-0000", []),
+    ],
+)
+def test_visible_devices(value: str | None, expected: list[int]) -> None:
+    assert resolve_visible(parse_visible(value), UUIDS) == expected
+
+
+def test_ownership_plain_and_dask_cuda() -> None:
+    assert owned([1, 0], under_dask_cuda=False) == [1, 0]
+    assert owned([1, 0], under_dask_cuda=True) == [1]
+    assert owned([], under_dask_cuda=True) == []
+
+
+@pytest.mark.parametrize(
+    "declared, has, advertise, expected",
+    [
+        (2, 2, True, Grant(2, None)),
+        (4, 2, True, Grant(2, "fewer-devices")),
+        (2, 0, True, Grant(0, "no-devices")),
+        (None, 2, True, Grant(2, "advertised")),
+        (None, 2, False, Grant(0, None)),
+        (0, 1, True, Grant(1, "advertised")),
+        (1, 2, True, Grant(1, None)),
+        (None, 0, True, Grant(0, None)),
+    ],
+)
+def test_decide_count(declared, has, advertise, expected) -> None:  # type: ignore[no-untyped-def]
+    assert decide_count(declared, has, advertise_undeclared=advertise) == expected
+
+
+def test_registry_exclusive_then_released() -> None:
+    reg = OwnershipRegistry()
+    assert reg.claim("a", UUIDS[:2]) == (UUIDS[:2], {})
+    assert reg.claim("b", UUIDS[1:]) == ([UUIDS[2]], {UUIDS[1]: "a"})
+    reg.release("a")
+    assert reg.claim("b", UUIDS[1:]) == (UUIDS[1:], {})
+    assert reg.owners == {UUIDS[1]: "b", UUIDS[2]: "b"}
+
+
+def test_registry_shared() -> None:
+    reg = OwnershipRegistry(share=True)
+    reg.claim("a", UUIDS[:1])
+    assert reg.claim("b", UUIDS[:1]) == (UUIDS[:1], {})
+    reg.release("a")
+    assert reg.owners[UUIDS[0]] == "b"
+
+
+def test_fallback_policy_numbers() -> None:
+    strict = FallbackPolicy(None)
+    assert strict.decide(waited=1e9, timeout=None, predecessor_fell_back=True, gpu_capacity=False) is None
+    p = FallbackPolicy(5.0)
+    assert p.timeout() == 5.0 and p.timeout(None) is None and p.timeout(0.0) == 0.0
+    kw = dict(predecessor_fell_back=False, gpu_capacity=False)
+    assert p.decide(waited=4.99, timeout=5.0, **kw) is None
+    assert p.decide(waited=5.0, timeout=5.0, **kw) == TIMEOUT
+    assert p.decide(waited=0.0, timeout=0.0, **kw) == NO_GPU_CAPACITY
+    assert p.decide(waited=0.0, timeout=5.0, predecessor_fell_back=True, gpu_capacity=False) == CHAIN
+    # GPU capacity came back: the successor waits its own timeout
+    assert p.decide(waited=1.0, timeout=5.0, predecessor_fell_back=True, gpu_capacity=True) is None
+
+
+@pytest.mark.parametrize("value, seconds", [("500ms", 0.5), (2, 2.0), ("1min", 60.0), (0, 0.0), (None, None), (False, None)])
+def test_task_timeout_parsing(value, seconds) -> None:  # type: ignore[no-untyped-def]
+    assert parse_task_timeout(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", -1, [1], True, "5 parsecs"])
+def test_task_timeout_invalid_names_value(value) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=repr(value).replace("[", r"\[").replace("]", r"\]")):
+        parse_task_timeout(value)
+
+
+def test_lease_table_distinct_devices_and_fractions() -> None:
+    t = LeaseTable([0, 1])
+    assert t.acquire("a", 1) == (0,)
+    assert t.acquire("b", 1) == (1,)
+    with pytest.raises(NoFreeDevice, match="'c'"):
+        t.acquire("c", 1)
+    t.release("a")
+    assert t.acquire("c", 1) == (0,)
+    t.release("b")
+    t.release("c")
+    assert t.acquire("two", 2) == (0, 1)
+    t.release("two")
+    assert t.acquire("h1", 0.5) == (0,)
+    assert t.acquire("h2", 0.5) == (1,)  # least busy first
+    assert t.acquire("h3", 0.5) == (0,)
+    assert len(t) == 3
+
+
+def test_options_validated_at_construction() -> None:
+    with pytest.raises(ValueError, match="fallback_timeout='soon'"):
+        accelsched.PlacementPlugin(fallback_timeout="soon")
+    with pytest.raises(ValueError, match="leak_threshold=-5"):
+        accelsched.GuardPlugin(leak_threshold=-5)
+    with pytest.raises(ValueError, match="unrequested_gpu='maybe'"):
+        accelsched.GuardPlugin(unrequested_gpu="maybe")
+    with pytest.raises(TypeError, match="share_gpus=1"):
+        accelsched.PlacementPlugin(share_gpus=1)
+    with pytest.raises(ValueError, match="fallback_interval=0"):
+        accelsched.PlacementPlugin(fallback_interval=0)
+    with pytest.raises(ValueError, match="leak_confirmations=0"):
+        accelsched.GuardPlugin(leak_confirmations=0)
+    with pytest.raises(TypeError, match="'fallback_timout'"):
+        accelsched.PlacementPlugin(fallback_timout=1)
+    with pytest.raises(TypeError, match="'bogus'"):
+        accelsched.register(object(), bogus=1)
+
+
+def test_config_and_env_and_arguments() -> None:
+    with dask.config.set({"accelsched.placement.fallback-timeout": "3s"}):
+        assert accelsched.PlacementPlugin().options["fallback_timeout"] == 3.0
+        assert accelsched.PlacementPlugin(fallback_timeout=None).options["fallback_timeout"] is None
+    with dask.config.set({"accelsched.guard.leak-threshold": "bad"}), pytest.raises(
+        ValueError, match="leak_threshold='bad'"
+    ):
+        accelsched.GuardPlugin()
+
+
+def test_env_override_in_subprocess() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DASK_ACCELSCHED__PLACEMENT__FALLBACK_TIMEOUT="750ms")
+    out = subprocess.run(
+        [sys.executable, "-c", "import accelsched; print(accelsched.PlacementPlugin().options['fallback_timeout'])"],
+        env=env, capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == "0.75"
+
+
+def test_thresholds() -> None:
+    opts = resolve_options(GUARD_OPTIONS, {"leak_threshold": "1GiB"}, "G")
+    assert opts["leak_threshold"] == Threshold(nbytes=2**30)
+    assert resolve_options(GUARD_OPTIONS, {"leak_threshold": 0.25}, "G")["leak_threshold"].resolve(400) == 100
+    assert resolve_options(GUARD_OPTIONS, {"leak_threshold": 4096}, "G")["leak_threshold"].resolve(1) == 4096
+    for bad in (0, 1.5, "lots", None):
+        with pytest.raises((ValueError, TypeError), match="leak_threshold"):
+            resolve_options(GUARD_OPTIONS, {"leak_threshold": bad}, "G")
+    assert resolve_options(PLACEMENT_OPTIONS, {}, "P")["share_gpus"] is False
+
+
+def test_plugins_pickle_only_options() -> None:
+    p = accelsched.PlacementPlugin(fallback_timeout="2s")
+    q = pickle.loads(pickle.dumps(p))
+    assert q.options == p.options and q.scheduler is None
+    g = pickle.loads(pickle.dumps(accelsched.GuardPlugin(leak_threshold="1GiB")))
+    assert g.options["leak_threshold"].nbytes == 2**30
+
+
+def test_dual_outside_tasks_runs_cpu_form() -> None:
+    f = accelsched.dual(lambda x: ("gpu", x), lambda x: ("cpu", x))
+    assert f(1) == ("cpu", 1)
+    assert pickle.loads(pickle.dumps(accelsched.dual(abs, round)))(-2.4) == -2  # CPU form
+    with pytest.raises(TypeError, match="cpu_fn"):
+        accelsched.dual(abs, 3)  # type: ignore[arg-type]
+    assert accelsched.current_device() is None
+    import numpy
+
+    assert accelsched.array_module() is numpy
