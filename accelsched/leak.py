@@ -1,0 +1,99 @@
+"""Is this worker leaking device memory? Decisions only, no distributed import.
+
+NVML sees a process's device memory as one number. Most of it is legitimate: the CUDA
+context and library handles (the *baseline*), results the worker still holds (*live*),
+and blocks an allocator caches or reserved up front (*retained*). What is left is the
+leak estimate; a leak is declared when it stays above the threshold for
+``confirmations`` consecutive checks, so a transient spike inside a running task does not
+restart anybody, and a big leak is acted on within a few checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from accelsched.devices.pool import PoolStats
+
+__all__ = ["estimate", "Baseline", "LeakDetector", "Verdict"]
+
+
+def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
+    """Device bytes of this process that nothing legitimate accounts for.
+
+    ``pool.cached`` is releasable and ``pool.fixed`` (an RMM pool) is reserved: both are
+    retained, not leaked. Live results come out of a fixed pool, so only the part of the
+    reservation that live results do not fill is subtracted besides them.
+    """
+    retained = pool.cached + max(0, pool.fixed - live)
+    return process - baseline - live - retained
+
+
+@dataclass
+class Baseline:
+    """What a process holds on a device besides its allocations: context, handles.
+
+    Measured as ``process - live - pool.held`` once a context exists, and lowered when a
+    later reading is smaller (a leak can only raise that figure). A leak in the very
+    task that created the context is therefore folded into the baseline.
+    """
+
+    value: int | None = None
+
+    def observe(self, process: int, live: int, pool_held: int) -> int:
+        candidate = max(0, process - live - pool_held)
+        if self.value is None or candidate < self.value:
+            self.value = candidate
+        return self.value
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One check's outcome for one device."""
+
+    device: int
+    estimate: int
+    threshold: int
+    above: int  # consecutive checks above the threshold, this one included
+    leak: bool
+
+
+@dataclass
+class LeakDetector:
+    """Counts consecutive checks above threshold, per device."""
+
+    confirmations: int = 2
+    _above: dict[int, int] = field(default_factory=dict)
+    _prefixes: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.confirmations < 1:
+            raise ValueError(f"invalid confirmations={self.confirmations!r}: expected >= 1")
+
+    def ran(self, prefix: str) -> None:
+        """Record a task prefix that ran since the last clean check (O(1))."""
+        self._prefixes.add(prefix)
+
+    def check(self, device: int, estimate: int, threshold: int) -> Verdict:
+        above = self._above.get(device, 0) + 1 if estimate > threshold else 0
+        self._above[device] = above
+        return Verdict(device, estimate, threshold, above, above >= self.confirmations)
+
+    def end_check(self, verdicts: Iterable[Verdict]) -> list[str]:
+        """Close a round of checks; return the prefixes to blame if any device leaked.
+
+        A round with every device at or below its threshold is clean: the prefixes seen so
+        far are forgotten.
+        """
+        verdicts = list(verdicts)
+        blamed = sorted(self._prefixes)
+        if all(v.above == 0 for v in verdicts):
+            self._prefixes.clear()
+        return blamed
+
+    def reset(self, device: int | None = None) -> None:
+        """Forget counts (after acting on a leak, so one leak is acted on once)."""
+        if device is None:
+            self._above.clear()
+        else:
+            self._above.pop(device, None)

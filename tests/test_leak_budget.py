@@ -1,0 +1,99 @@
+"""The leak detector and the restart budget, decided with numbers and no cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelsched.budget import RestartBudget
+from accelsched.devices.pool import PoolStats
+from accelsched.leak import Baseline, LeakDetector, estimate
+
+MiB = 2**20
+GiB = 2**30
+
+
+def test_estimate_nets_out_live_results_and_caches() -> None:
+    # context 300 MiB, 2 GiB of results held, 1 GiB cached by the pool: no leak
+    pool = PoolStats(held=3 * GiB, cached=GiB)
+    assert estimate(300 * MiB + 3 * GiB, 300 * MiB, 2 * GiB, pool) == 0
+    # the same plus 512 MiB referenced by nothing the worker knows about
+    assert estimate(300 * MiB + 3 * GiB + 512 * MiB, 300 * MiB, 2 * GiB, pool) == 512 * MiB
+
+
+def test_estimate_fixed_pool_is_retained_not_leaked() -> None:
+    # RMM-style 8 GiB pool; results live inside it; NVML sees context + the pool
+    pool = PoolStats(held=8 * GiB, fixed=8 * GiB)
+    for live in (0, GiB, 8 * GiB):
+        assert estimate(300 * MiB + 8 * GiB, 300 * MiB, live, pool) <= 0
+    # memory allocated outside the pool is still seen
+    assert estimate(300 * MiB + 9 * GiB, 300 * MiB, GiB, pool) == GiB
+
+
+def test_baseline_takes_the_smallest_footprint() -> None:
+    b = Baseline()
+    assert b.observe(process=500 * MiB, live=0, pool_held=200 * MiB) == 300 * MiB
+    assert b.observe(process=900 * MiB, live=100 * MiB, pool_held=200 * MiB) == 300 * MiB
+    assert b.observe(process=450 * MiB, live=0, pool_held=200 * MiB) == 250 * MiB
+    assert Baseline().observe(process=10, live=50, pool_held=0) == 0
+
+
+def test_leak_needs_consecutive_confirmations() -> None:
+    d = LeakDetector(confirmations=3)
+    t = GiB
+    assert [d.check(0, 2 * t, t).leak for _ in range(2)] == [False, False]
+    assert d.check(0, 0, t).above == 0  # a dip resets the count
+    verdicts = [d.check(0, 2 * t, t) for _ in range(3)]
+    assert [v.above for v in verdicts] == [1, 2, 3]
+    assert [v.leak for v in verdicts] == [False, False, True]
+    assert d.check(1, 2 * t, t).above == 1  # devices are counted apart
+
+
+def test_big_leak_acted_on_at_first_check_with_one_confirmation() -> None:
+    d = LeakDetector(confirmations=1)
+    assert d.check(0, GiB + 1, GiB).leak
+    assert not d.check(0, GiB, GiB).leak  # at the threshold is not above it
+
+
+def test_prefixes_since_last_clean_check() -> None:
+    d = LeakDetector(confirmations=1)
+    d.ran("load")
+    assert d.end_check([d.check(0, 0, 10)]) == ["load"]
+    d.ran("leaky")
+    assert d.end_check([d.check(0, 20, 10)]) == ["leaky"]  # not clean: kept
+    d.ran("after")
+    assert d.end_check([d.check(0, 20, 10)]) == ["after", "leaky"]
+    d.reset()
+    assert d.check(0, 20, 10).above == 1
+
+
+def test_detector_rejects_zero_confirmations() -> None:
+    with pytest.raises(ValueError, match="confirmations=0"):
+        LeakDetector(confirmations=0)
+
+
+def test_budget_per_worker_window() -> None:
+    b = RestartBudget(max_restarts=2, window=60.0, max_concurrent=5)
+    assert b.request("w", 0.0).allowed
+    b.done("w")
+    assert b.request("w", 10.0).allowed
+    b.done("w")
+    refused = b.request("w", 20.0)
+    assert not refused.allowed and refused.reason == "budget"
+    assert b.request("w", 60.5).allowed  # the first restart left the window
+    assert b.request("other", 61.0).allowed
+
+
+def test_budget_concurrency_and_uncounted() -> None:
+    b = RestartBudget(max_restarts=3, window=60.0, max_concurrent=1)
+    assert b.request("a", 0.0).allowed
+    assert b.request("a", 0.1).reason == "in-flight"
+    assert b.request("b", 0.1).reason == "concurrency"
+    b.done("a", counted=False)  # the restart did not happen: it does not count
+    assert b.recent("a", 0.2) == 0
+    assert b.request("b", 0.2).allowed
+    assert b.in_flight == {"b"}
+
+
+def test_budget_validates() -> None:
+    with pytest.raises(ValueError, match="max_concurrent=0"):
+        RestartBudget(max_restarts=1, window=1.0, max_concurrent=0)
