@@ -8,7 +8,7 @@ before the task's function runs (see :mod:`accelsched.binding`) and cleared afte
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
@@ -28,6 +28,8 @@ class Lease:
     key: object
     devices: tuple[int, ...]
     simulated: bool = False
+    #: ``report(action, **figures)``: sends an accelsched event from the task's worker.
+    report: Callable[..., None] | None = None
 
     @property
     def device(self) -> int:

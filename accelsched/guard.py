@@ -5,6 +5,11 @@
 - **Binding.** Give each running GPU task its own device, current in its thread.
 - **Unrequested use.** Notice a task that did not ask for a GPU but created a CUDA
   context or grew this process's device memory.
+- **Pools.** Free CuPy's (and the simulated) memory pools after GPU tasks.
+- **Leaks.** Every ``check_interval``, estimate device memory nothing legitimate holds
+  (:mod:`accelsched.leak`); on a confirmed leak, ask the scheduler to restart this worker
+  without losing data. Only the worker itself can ask: the request carries the token the
+  scheduler handed it at verification.
 """
 
 from __future__ import annotations
@@ -15,15 +20,20 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from dask.utils import key_split
 from distributed.diagnostics.plugin import WorkerPlugin
+from tornado.ioloop import PeriodicCallback
 
 from accelsched import events
 from accelsched.binding import LeaseTable, wrap_task
 from accelsched.config import GUARD_OPTIONS, resolve_options
 from accelsched.context import Lease, holding
+from accelsched.devices.arrays import device_nbytes, to_host
 from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
+from accelsched.devices.pool import PoolStats, active_pools
 from accelsched.inventory import Grant, decide_count, owned
-from accelsched.placement import GPU, INVENTORY_HANDLER
+from accelsched.leak import Baseline, LeakDetector, Verdict, estimate
+from accelsched.placement import FALLBACK_ANNOTATION, GPU, INVENTORY_HANDLER, RESTART_HANDLER
 
 if TYPE_CHECKING:
     from dask._task_spec import GraphNode
@@ -34,6 +44,7 @@ __all__ = ["GuardPlugin", "UnrequestedGPUUse"]
 logger = logging.getLogger(__name__)
 
 REPORT_HANDLER = "accelsched_report"
+_CALLBACK = "accelsched-guard"
 _DECLARED_ATTR = "_accelsched_declared"
 
 
@@ -95,6 +106,13 @@ class GuardPlugin(WorkerPlugin):
         self.token: str | None = None
         self.simulated = False
         self.leases = LeaseTable()
+        self.live: dict[Any, dict[int, int]] = {}  # key -> device bytes it holds
+        self.live_total: dict[int, int] = {}  # device -> bytes of live results
+        self.baselines: dict[int, Baseline] = {}
+        self.detector = LeakDetector(self.options["leak_confirmations"])
+        self.gpu_tasks = 0
+        self.restart_pending = False
+        self.last_verdicts: list[Verdict] = []
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
@@ -126,10 +144,20 @@ class GuardPlugin(WorkerPlugin):
         )
         worker.handlers[REPORT_HANDLER] = self.report
         await self.report()
+        old = worker.periodic_callbacks.pop(_CALLBACK, None)
+        if old is not None:
+            old.stop()
+        if self.visible:
+            pc = PeriodicCallback(self.check, self.options["check_interval"] * 1000)
+            worker.periodic_callbacks[_CALLBACK] = pc
+            pc.start()
 
     async def teardown(self, worker: Worker) -> None:
         if worker.handlers.get(REPORT_HANDLER) == self.report:
             del worker.handlers[REPORT_HANDLER]
+        pc = worker.periodic_callbacks.pop(_CALLBACK, None)
+        if pc is not None:
+            pc.stop()
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """Wrap a task's run spec as it starts executing (on the worker's event loop).
@@ -137,15 +165,24 @@ class GuardPlugin(WorkerPlugin):
         GPU tasks get a device lease; other tasks are watched for GPU use when devices
         are visible. The wrapping itself is O(1); the work happens in the task's thread.
         """
-        if finish != "executing" or self.worker is None:
+        if self.worker is None or not self.visible:
             return
+        if finish == "memory":
+            self._track_live(key)
+        elif start == "memory":
+            self._untrack_live(key)
+        if finish != "executing":
+            return
+        self.detector.ran(key_split(key))
         ts = self.worker.state.tasks.get(key)
         if ts is None or ts.run_spec is None or ts.run_spec.is_coro:
             return
         amount = (ts.resource_restrictions or {}).get(GPU, 0)
         if amount > 0 and self.devices:
             ts.run_spec = wrap_task(ts.run_spec, self._gpu_runner(key, amount))
-        elif self.visible and self.options["unrequested_gpu"] != "ignore":
+        elif (ts.annotations or {}).get(FALLBACK_ANNOTATION):
+            ts.run_spec = wrap_task(ts.run_spec, self._fallback_runner(key))
+        elif self.options["unrequested_gpu"] != "ignore":
             ts.run_spec = wrap_task(ts.run_spec, self._watch_runner(key))
 
     # --- inventory ----------------------------------------------------------------------
@@ -192,11 +229,27 @@ class GuardPlugin(WorkerPlugin):
             devices = self.leases.acquire(key, amount)
             _ACTIVITY.enter()
             try:
-                with holding(Lease(key, devices, simulated=self.simulated)):
-                    return spec(values)
+                with holding(Lease(key, devices, simulated=self.simulated, report=self._emit)):
+                    try:
+                        return spec(values)
+                    finally:
+                        self._after_gpu_task(devices)
             finally:
                 _ACTIVITY.exit()
                 self.leases.release(key)
+
+        return run
+
+    def _fallback_runner(self, key: Any):  # type: ignore[no-untyped-def]
+        """A fallen-back task: its device-array inputs are copied to the host first.
+
+        Only possible where CuPy is installed; elsewhere such inputs cannot even be
+        deserialized (see docs/fallback.md).
+        """
+        watch = self._watch_runner(key)
+
+        def run(spec: GraphNode, values: dict) -> Any:
+            return watch(spec, {k: to_host(v) for k, v in values.items()})
 
         return run
 
@@ -240,6 +293,101 @@ class GuardPlugin(WorkerPlugin):
                     f"device memory grew by {max(grew, 0)} bytes); annotate it with "
                     f"dask.annotate(resources={{'GPU': 1}})"
                 )
+
+    # --- pools and leaks ----------------------------------------------------------------
+
+    def _after_gpu_task(self, devices: tuple[int, ...]) -> None:
+        """Free the pools every ``free_pools_every`` GPU tasks (in the task's thread)."""
+        every = self.options["free_pools_every"]
+        self.gpu_tasks += 1
+        if not every or self.gpu_tasks % every:
+            return
+        above = self.options["free_pools_above"]
+        if above > 0:
+            assert self.monitor is not None
+            fractions = [self.monitor.used(d) / self.monitor.device(d).memory for d in devices]
+            if max(fractions, default=0) <= above:
+                return
+        for pool in active_pools():
+            pool.free_all()
+
+    def _track_live(self, key: Any) -> None:
+        worker = self.worker
+        assert worker is not None
+        data = worker.data
+        fast = getattr(data, "fast", data)
+        try:
+            value = fast[key] if key in fast else None
+        except Exception:
+            value = None
+        held = device_nbytes(value) if value is not None else {}
+        if held:
+            self.live[key] = held
+            for d, n in held.items():
+                self.live_total[d] = self.live_total.get(d, 0) + n
+
+    def _untrack_live(self, key: Any) -> None:
+        for d, n in self.live.pop(key, {}).items():
+            self.live_total[d] = self.live_total.get(d, 0) - n
+
+    def check(self) -> list[Verdict]:
+        """One leak check over this process's devices (periodic, on the event loop).
+
+        Devices with a GPU task running are skipped: a task's temporaries are neither
+        results nor leaks, and the estimate means nothing until it ends.
+        """
+        assert self.monitor is not None
+        busy = {d for devices in self.leases.holders().values() for d in devices}
+        pools = active_pools()
+        verdicts: list[Verdict] = []
+        for dev in self.visible:
+            if dev.index in busy:
+                continue
+            reading = self.monitor.process_memory(dev.index)
+            if reading.has_context is False:
+                continue
+            pool = sum((p.stats(dev.index) for p in pools), PoolStats())
+            live = self.live_total.get(dev.index, 0)
+            base = self.baselines.setdefault(dev.index, Baseline())
+            baseline = base.observe(reading.nbytes, live, pool.held)
+            leaked = estimate(reading.nbytes, baseline, live, pool)
+            threshold = self.options["leak_threshold"].resolve(dev.memory)
+            verdicts.append(self.detector.check(dev.index, leaked, threshold))
+        blamed = self.detector.end_check(verdicts)
+        self.last_verdicts = verdicts
+        leaks = [v for v in verdicts if v.leak]
+        if leaks:
+            for v in leaks:
+                self._emit(
+                    events.LEAK,
+                    device=v.device,
+                    nbytes=v.estimate,
+                    threshold=v.threshold,
+                    checks=v.above,
+                    prefixes=blamed,
+                )
+            self.detector.reset()
+            if self.options["restart_on_leak"] and not self.restart_pending:
+                assert self.worker is not None
+                self.restart_pending = True
+                self.worker.loop.add_callback(self._request_restart, leaks)
+        return verdicts
+
+    async def _request_restart(self, leaks: list[Verdict]) -> None:
+        worker = self.worker
+        assert worker is not None
+        try:
+            reply = await worker.scheduler.accelsched_restart(
+                worker=worker.contact_address,
+                token=self.token,
+                reason="leak",
+                nbytes=sum(v.estimate for v in leaks),
+            )
+            logger.info("accelsched: restart request answered %r", reply)
+        except Exception as exc:
+            logger.warning("accelsched: restart request (%s) failed: %r", RESTART_HANDLER, exc)
+        finally:
+            self.restart_pending = False
 
     # --- events -------------------------------------------------------------------------
 

@@ -12,6 +12,10 @@ makes the label mean something:
   to it at once (distributed does not do this on ``set_resources``).
 - **CPU fallback.** A GPU task unrunnable past its ``fallback_timeout`` loses its GPU
   restriction and runs anywhere (its ``dual`` CPU form); see :mod:`accelsched.fallback`.
+- **Lossless restarts.** A worker's guard may ask (``accelsched_restart``) to be
+  restarted; the plugin lets its executing tasks finish, retires it (its data moves to
+  peers), checks that worked, then restarts it through its nanny. When that cannot be
+  done without loss, or past the restart budget, the worker's GPUs are quarantined.
 - **Hard GPU restrictions.** ``allow_other_workers`` on a GPU task would let distributed
   place it on a GPU-less worker, where ``acquire_resources`` raises and the task wedges;
   here the soft worker preference is dropped and the GPU restriction stays hard.
@@ -19,6 +23,7 @@ makes the label mean something:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import warnings
@@ -27,10 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.core import Status
 from distributed.protocol import pickle
+from distributed.comm.addressing import get_address_host
 from tornado.ioloop import PeriodicCallback
 
 from accelsched import events
+from accelsched.budget import RestartBudget
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
 from accelsched.fallback import FallbackPolicy, parse_task_timeout
 from accelsched.inventory import OwnershipRegistry
@@ -45,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 GPU = "GPU"
 INVENTORY_HANDLER = "accelsched_inventory"
+RESTART_HANDLER = "accelsched_restart"
+#: How long a restart waits for the worker's executing tasks before giving up.
+DRAIN_TIMEOUT = 300.0
 #: Annotation the scheduler puts on a task that fell back (value: the reason).
 FALLBACK_ANNOTATION = "accelsched_fallback"
 #: Task annotation overriding the plugin's default fallback timeout.
@@ -81,6 +92,14 @@ class PlacementPlugin(SchedulerPlugin):
         self.invalid: dict[Any, str] = {}  # key -> why its annotation is invalid
         self.fell_back: set[Any] = set()  # keys that fell back for lack of GPUs
         self._check_soon = False
+        self._warned_no_workers = False
+        self.budget = RestartBudget(
+            self.options["max_restarts"],
+            self.options["restart_window"],
+            self.options["max_concurrent_restarts"],
+        )
+        self.quarantined: dict[str, str] = {}  # worker -> reason
+        self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the options travel to the scheduler; state is rebuilt there.
@@ -100,6 +119,7 @@ class PlacementPlugin(SchedulerPlugin):
         """
         self.scheduler = scheduler
         scheduler.handlers[INVENTORY_HANDLER] = self._handle_inventory
+        scheduler.handlers[RESTART_HANDLER] = self._handle_restart
         original = scheduler.handlers["set_resources"]
         original = getattr(original, _ORIGINAL, original)
 
@@ -143,6 +163,8 @@ class PlacementPlugin(SchedulerPlugin):
         self.inventory.pop(worker, None)
         self.granted.pop(worker, None)
         self.tokens.pop(worker, None)
+        self.quarantined.pop(worker, None)
+        self.deferred.pop(worker, None)
 
     async def close(self) -> None:
         if self.scheduler is not None:
@@ -325,7 +347,9 @@ class PlacementPlugin(SchedulerPlugin):
         }
 
     def allowed_gpus(self, worker: str) -> int:
-        """The most GPUs ``worker`` may advertise now."""
+        """The most GPUs ``worker`` may advertise now (0 while quarantined)."""
+        if worker in self.quarantined:
+            return 0
         return self.granted.get(worker, 0)
 
     def _gated_set_resources(
@@ -365,6 +389,128 @@ class PlacementPlugin(SchedulerPlugin):
         recs = self.scheduler.bulk_schedule_unrunnable_after_adding_worker(ws)
         if recs:
             self.scheduler.transitions(recs, stimulus_id=f"accelsched-gpu-verified-{time()}")
+
+    # --- restarts -----------------------------------------------------------------------
+
+    def _handle_restart(
+        self, comm: Any, worker: str, token: str | None = None, reason: str = "leak", **figures: Any
+    ) -> dict[str, Any]:
+        """A worker asks to be restarted. Only the worker itself may ask.
+
+        The request must carry the token this worker was given when its GPUs were
+        verified, and come from the worker's host. The restart itself runs in the
+        background; the reply says whether it was accepted.
+        """
+        assert self.scheduler is not None
+        ws = self.scheduler.workers.get(worker)
+        expected = self.tokens.get(worker)
+        peer = getattr(comm, "peer_address", None)
+        if (
+            ws is None
+            or expected is None
+            or not secrets.compare_digest(str(token), expected)
+            or (peer and get_address_host(peer) != ws.host)
+        ):
+            logger.warning(
+                "accelsched: refused a restart request for %s from %s: not that worker",
+                worker,
+                peer,
+            )
+            return {"status": "refused"}
+        if ws.nanny is None:
+            self._defer(worker, "no-nanny")
+            return {"status": "deferred", "reason": "no-nanny"}
+        if not any(w is not ws for w in self.scheduler.running):
+            self._defer(worker, "no-peer")
+            return {"status": "deferred", "reason": "no-peer"}
+        decision = self.budget.request(ws.nanny, monotonic())
+        if not decision.allowed:
+            if decision.reason == "budget":
+                self._quarantine(worker, "restart-budget")
+            else:
+                self._defer(worker, decision.reason or "concurrency")
+            return {"status": "deferred", "reason": decision.reason}
+        self.scheduler._ongoing_background_tasks.call_soon(
+            self._restart, worker, ws.nanny, reason
+        )
+        return {"status": "accepted"}
+
+    async def _restart(self, worker: str, budget_key: str, reason: str) -> None:
+        """Drain, retire, check, restart: the only order that loses nothing."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        stimulus_id = f"accelsched-restart-{time()}"
+        start = monotonic()
+        restarted = False
+        try:
+            ws = scheduler.workers.get(worker)
+            if ws is None:
+                return
+            # No new tasks for this worker (scheduler side only: the worker itself keeps
+            # running what it was given, so its executing tasks finish).
+            scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
+            deadline = monotonic() + DRAIN_TIMEOUT
+            while ws.processing and monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if ws.processing:
+                self._resume(ws, stimulus_id)
+                self._defer(worker, "busy")
+                return
+            moved = len(ws.has_what)
+            retired = await scheduler.retire_workers(
+                workers=[worker], close_workers=False, remove=False, stimulus_id=stimulus_id
+            )
+            if worker not in retired:
+                self._resume(ws, stimulus_id)
+                self._defer(worker, "no-peer")
+                return
+            if any(len(ts.who_has or ()) < 2 for ts in ws.has_what):
+                self._resume(ws, stimulus_id)
+                self._defer(worker, "retire-failed")
+                return
+            result = await scheduler.restart_workers(
+                [worker], wait_for_workers=False, on_error="return", stimulus_id=stimulus_id
+            )
+            restarted = result.get(worker) == "OK"
+            if restarted:
+                self._emit(
+                    events.RESTART,
+                    worker,
+                    reason=reason,
+                    moved=moved,
+                    seconds=round(monotonic() - start, 3),
+                )
+            else:
+                self._defer(worker, f"restart-failed: {result.get(worker)}")
+        finally:
+            self.budget.done(budget_key, counted=restarted)
+
+    def _resume(self, ws: WorkerState, stimulus_id: str) -> None:
+        """Undo a drain: the worker takes tasks again (its GPUs stay quarantined)."""
+        assert self.scheduler is not None
+        if ws.address not in self.scheduler.workers:
+            return
+        self.scheduler.stream_comms[ws.address].send(
+            {"op": "worker-status-change", "status": "running", "stimulus_id": stimulus_id}
+        )
+        self.scheduler.handle_worker_status_change(Status.running, ws, stimulus_id)
+
+    def _defer(self, worker: str, reason: str) -> None:
+        """The restart cannot happen without loss now: quarantine, and say so once."""
+        if self.deferred.get(worker) != reason:
+            self.deferred[worker] = reason
+            self._emit(events.RESTART_DEFERRED, worker, reason=reason)
+        self._quarantine(worker, f"restart-deferred: {reason}")
+
+    def _quarantine(self, worker: str, reason: str) -> None:
+        """Take the worker's GPUs out of placement; GPU tasks go elsewhere or fall back."""
+        assert self.scheduler is not None
+        ws = self.scheduler.workers.get(worker)
+        if ws is None or worker in self.quarantined:
+            return
+        self.quarantined[worker] = reason
+        self._set_gpu(ws, 0)
+        self._emit(events.QUARANTINE, worker, reason=reason, released=False)
 
     # --- events -------------------------------------------------------------------------
 

@@ -13,9 +13,17 @@ from typing import Any
 
 from dask.utils import Dispatch
 
-__all__ = ["device_nbytes"]
+__all__ = ["device_nbytes", "to_host"]
 
 device_nbytes = Dispatch(name="device_nbytes")
+
+#: Copy a device object to the host (for a task that fell back to a CPU worker).
+to_host = Dispatch(name="to_host")
+
+
+@to_host.register(object)
+def _already_host(obj: Any) -> Any:
+    return obj
 
 
 @device_nbytes.register(object)
@@ -40,6 +48,10 @@ def _mapping(obj: dict) -> dict[int, int]:
 @device_nbytes.register_lazy("cupy")
 def _register_cupy() -> None:
     import cupy
+
+    @to_host.register(cupy.ndarray)
+    def _cupy_to_host(arr: Any) -> Any:
+        return cupy.asnumpy(arr)
 
     @device_nbytes.register(cupy.ndarray)
     def _cupy_array(arr: Any) -> dict[int, int]:
