@@ -30,6 +30,8 @@ class Lease:
     simulated: bool = False
     #: ``report(action, **figures)``: sends an accelsched event from the task's worker.
     report: Callable[..., None] | None = None
+    #: Dotted names of exceptions meaning "out of device memory" (``oom_exceptions``).
+    oom_exceptions: tuple[str, ...] = ()
 
     @property
     def device(self) -> int:

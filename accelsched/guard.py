@@ -229,7 +229,13 @@ class GuardPlugin(WorkerPlugin):
             devices = self.leases.acquire(key, amount)
             _ACTIVITY.enter()
             try:
-                with holding(Lease(key, devices, simulated=self.simulated, report=self._emit)):
+                with holding(Lease(
+                        key,
+                        devices,
+                        simulated=self.simulated,
+                        report=self._emit,
+                        oom_exceptions=self.options["oom_exceptions"],
+                    )):
                     try:
                         return spec(values)
                     finally:
