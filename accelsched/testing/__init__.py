@@ -1,0 +1,353 @@
+"""GPUs on a CPU-only machine, seen through the real pynvml: test GPU scheduling in CI.
+
+Most CI runners have no GPU, yet a pipeline's GPU *scheduling* (which task lands on
+which worker and device, what happens when a GPU is missing, leaking or full, when a task
+falls back to CPU) is exactly what breaks unnoticed. ``fake_gpus`` makes a CPU machine
+look like a GPU machine to everything that asks NVML, in this process and in every
+process started inside it (a ``LocalCluster``'s nanny workers, ``subprocess``)::
+
+    from accelsched.testing import fake_gpus, device_alloc
+
+    with fake_gpus(count=2, memory="16GiB") as gpus:
+        with LocalCluster(n_workers=2, resources={"GPU": 1}) as cluster, Client(cluster):
+            ...  # tasks call device_alloc(nbytes) to use (or leak) device memory
+
+It builds a fake ``libnvidia-ml.so.1`` (a small C file, compiled once into a cache) and
+puts it first on ``LD_LIBRARY_PATH``, so the unmodified pynvml, distributed's GPU
+diagnostics and accelsched's monitor all read the devices, the memory and the per-process
+usage from one shared state directory, which :func:`device_alloc` writes with CuPy's and
+RMM's pool semantics. Without a C compiler a pure-Python stand-in
+(:mod:`accelsched.testing.standin`) serves accelsched's own monitor, with a warning.
+
+A process whose pynvml already loaded the real NVML keeps it (a loaded library cannot be
+replaced); ``fake_gpus`` detects that and warns, and processes it starts still see the
+fake GPUs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dask.utils import parse_bytes
+
+from accelsched.testing import build, state
+from accelsched.testing.pool import (
+    DeviceBuffer,
+    OutOfDeviceMemory,
+    SimulatedPool,
+    create_context,
+    device_alloc,
+    fixed_pool,
+)
+
+__all__ = [
+    "FakeGPUs",
+    "FakeNVMLWarning",
+    "fake_gpus",
+    "device_alloc",
+    "create_context",
+    "fixed_pool",
+    "DeviceBuffer",
+    "OutOfDeviceMemory",
+    "SimulatedPool",
+]
+
+MAX_DEVICES = 64  # the fake library's limit
+_ENV_KEYS = (state.ENV_DIR, state.ENV_STANDIN, "LD_LIBRARY_PATH")
+_active_lock = threading.Lock()
+_active = False
+_loaded: list[ctypes.CDLL] = []  # keep the fake library loaded for the process's life
+
+
+class FakeNVMLWarning(UserWarning):
+    """The fake GPUs are only partly visible (no compiler, or a real NVML already loaded)."""
+
+
+@dataclass
+class FakeGPUs:
+    """A running ``fake_gpus`` session.
+
+    ``env`` holds the variables a process needs to see the fake GPUs, for processes
+    started with an explicit environment; processes that inherit ``os.environ`` have
+    them already.
+    """
+
+    path: Path
+    uuids: tuple[str, ...]
+    names: tuple[str, ...]
+    memory: tuple[int, ...]
+    env: dict[str, str]
+    library: Path | None  # None when the pure-Python stand-in serves instead
+    _flags: state.Flags = field(repr=False)
+
+    @property
+    def count(self) -> int:
+        return len(self.uuids)
+
+    @property
+    def standin(self) -> bool:
+        return self.library is None
+
+    def set_flags(
+        self,
+        *,
+        process_memory: bool | None = None,
+        pid_offset: int | None = None,
+        context_memory: int | str | None = None,
+    ) -> None:
+        """Change how the fake driver reports, from the next NVML call on, in every process.
+
+        ``context_memory`` only reaches processes that first allocate afterwards (a
+        process's pool reads it once).
+        """
+        flags = self._flags
+        if process_memory is not None:
+            flags = replace(flags, process_memory=_check_bool(process_memory, "process_memory"))
+        if pid_offset is not None:
+            flags = replace(flags, pid_offset=_check_pid_offset(pid_offset))
+        if context_memory is not None:
+            flags = replace(flags, context_bytes=_parse_size(context_memory, "context_memory"))
+        state.write_flags(self.path, flags)
+        self._flags = flags
+
+
+@contextmanager
+def fake_gpus(
+    count: int = 2,
+    memory: int | str | Sequence[int | str] = "16GiB",
+    *,
+    names: str | Sequence[str] | None = None,
+    context_memory: int | str = "64MiB",
+    process_memory: bool = True,
+    pid_offset: int = 0,
+) -> Iterator[FakeGPUs]:
+    """Show ``count`` fake GPUs to this process and every process started inside.
+
+    ``memory`` is each device's total (``"16GiB"``, bytes, or one value per device);
+    ``names`` a name for all or one per device; ``context_memory`` what a CUDA context
+    costs a process on a device; ``process_memory=False`` makes NVML report per-process
+    memory as not available, and ``pid_offset`` shifts reported pids, as in containers
+    without the host PID namespace. On exit the environment is restored exactly and the
+    state directory removed. Sessions do not nest.
+    """
+    global _active
+    count = _check_count(count)
+    totals = _per_device(memory, count, "memory", lambda v: _parse_size(v, "memory", 1))
+    if names is None:
+        names = "NVIDIA Simulated GPU"
+    labels = _per_device(names, count, "names", _check_name)
+    flags = state.Flags(
+        process_memory=_check_bool(process_memory, "process_memory"),
+        pid_offset=_check_pid_offset(pid_offset),
+        context_bytes=_parse_size(context_memory, "context_memory"),
+    )
+    with _active_lock:
+        outer = os.environ.get(state.ENV_DIR)
+        if _active or outer:
+            raise RuntimeError(
+                "fake_gpus() is already active"
+                + (f" (ACCELSCHED_FAKE_NVML_DIR={outer})" if outer else "")
+                + ": sessions do not nest; use one session with the devices you need"
+            )
+        _active = True
+    saved_env = {key: os.environ.get(key) for key in _ENV_KEYS}
+    saved_nvml = _distributed_nvml_state()
+    path: Path | None = None
+    try:
+        path = Path(tempfile.mkdtemp(prefix="accelsched-fake-gpus-"))
+        devices = [
+            state.FakeDevice(state.new_uuid(), n, t) for n, t in zip(labels, totals, strict=True)
+        ]
+        state.write_devices(path, devices)
+        state.write_flags(path, flags)
+        (path / "proc").mkdir()
+        env = {state.ENV_DIR: str(path)}
+        library = _load_library()
+        if library is None:
+            env[state.ENV_STANDIN] = "1"
+        else:
+            os.environ.pop(state.ENV_STANDIN, None)  # restored on exit
+            previous = os.environ.get("LD_LIBRARY_PATH")
+            env["LD_LIBRARY_PATH"] = str(library.parent) + (f":{previous}" if previous else "")
+        os.environ.update(env)
+        _reset_distributed_nvml()
+        yield FakeGPUs(
+            path=path,
+            uuids=tuple(d.uuid for d in devices),
+            names=tuple(labels),
+            memory=tuple(totals),
+            env=env,
+            library=library,
+            _flags=flags,
+        )
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _restore_distributed_nvml(saved_nvml)
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        with _active_lock:
+            _active = False
+
+
+# ---- the library in this process ----
+
+
+def _load_library() -> Path | None:
+    """Build the fake library and load it here, or return None (stand-in) with a warning."""
+    directory = build.library_dir()
+    if directory is None:
+        warnings.warn(
+            "accelsched.testing.fake_gpus: the fake libnvidia-ml.so.1 could not be built "
+            "(no working C compiler; the log says why). Using the pure-Python stand-in: "
+            "accelsched sees the fake GPUs, pynvml itself (distributed's diagnostics, "
+            "dask-cuda) does not. Install a C compiler or set $CC for the full simulation.",
+            FakeNVMLWarning,
+            stacklevel=4,
+        )
+        return None
+    library = directory / build.SONAME
+    _warn_if_real_nvml_loaded()
+    if not any(lib._name == str(library) for lib in _loaded):
+        _loaded.append(ctypes.CDLL(str(library)))
+    return library
+
+
+def _warn_if_real_nvml_loaded() -> None:
+    """A library loaded in a process cannot be swapped: say so instead of lying quietly."""
+    real = None
+    pynvml = sys.modules.get("pynvml")
+    lib = getattr(pynvml, "nvmlLib", None)
+    if lib is not None and not hasattr(lib, "accelsched_fake_nvml"):
+        real = "pynvml already loaded the real NVML"
+    else:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            maps = ""
+        for line in maps.splitlines():
+            mapped = line.split(maxsplit=5)[-1]
+            if "libnvidia-ml.so" in mapped and "/fakenvml-" not in mapped:
+                real = f"the real NVML ({mapped}) is already loaded"
+                break
+    if real:
+        warnings.warn(
+            f"accelsched.testing.fake_gpus: {real} in this process, so this process keeps "
+            "seeing the real GPUs; processes started inside fake_gpus() see the fake ones. "
+            "Enter fake_gpus() before anything imports and initializes NVML.",
+            FakeNVMLWarning,
+            stacklevel=5,
+        )
+
+
+# ---- distributed's per-process NVML state ----
+# distributed.diagnostics.nvml remembers "no NVML" for the life of the process, and once
+# initialized it adds GPU metrics to every worker started in-process. A session makes it
+# look again, and its end puts it back as it found it.
+
+
+def _distributed_nvml_state() -> tuple[Any, ...] | None:
+    nvml: Any = sys.modules.get("distributed.diagnostics.nvml")
+    worker: Any = sys.modules.get("distributed.worker")
+    if nvml is None:
+        return None
+    metrics = getattr(worker, "DEFAULT_METRICS", {})
+    startup = getattr(worker, "DEFAULT_STARTUP_INFORMATION", {})
+    return (nvml.NVML_STATE, nvml.NVML_OWNER_PID, "gpu" in metrics, "gpu" in startup)
+
+
+def _reset_distributed_nvml() -> None:
+    nvml: Any = sys.modules.get("distributed.diagnostics.nvml")
+    if nvml is not None and nvml.NVML_STATE == nvml.NVMLState.DISABLED_LIBRARY_NOT_FOUND:
+        nvml.NVML_STATE = nvml.NVMLState.UNINITIALIZED
+
+
+def _restore_distributed_nvml(saved: tuple[Any, ...] | None) -> None:
+    nvml: Any = sys.modules.get("distributed.diagnostics.nvml")
+    if nvml is None:
+        return
+    if saved is None:  # imported during the session: as if it had never looked
+        saved = (nvml.NVMLState.UNINITIALIZED, None, False, False)
+    nvml.NVML_STATE, nvml.NVML_OWNER_PID, had_metrics, had_startup = saved
+    worker: Any = sys.modules.get("distributed.worker")
+    if worker is not None:
+        if not had_metrics:
+            worker.DEFAULT_METRICS.pop("gpu", None)
+        if not had_startup:
+            worker.DEFAULT_STARTUP_INFORMATION.pop("gpu", None)
+
+
+# ---- argument checks ----
+
+
+def _check_count(count: int) -> int:
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"fake_gpus: count must be an int, got {count!r}")
+    if not 0 <= count <= MAX_DEVICES:
+        raise ValueError(f"fake_gpus: count must be between 0 and {MAX_DEVICES}, got {count!r}")
+    return count
+
+
+def _parse_size(value: int | str, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"fake_gpus: {what} must be bytes (int) or a size string, got {value!r}")
+    try:
+        size = parse_bytes(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"fake_gpus: {what} is not a size: {value!r}") from e
+    if size < minimum:
+        raise ValueError(f"fake_gpus: {what} must be at least {minimum} bytes, got {value!r}")
+    return size
+
+
+def _check_name(value: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"fake_gpus: names must be strings, got {value!r}")
+    if not value.strip() or any(c in value for c in "\t\n\r") or len(value.encode()) > 95:
+        raise ValueError(
+            f"fake_gpus: a name must be non-empty, one line without tabs, "
+            f"at most 95 bytes; got {value!r}"
+        )
+    return value
+
+
+def _check_bool(value: bool, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"fake_gpus: {what} must be True or False, got {value!r}")
+    return value
+
+
+def _check_pid_offset(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"fake_gpus: pid_offset must be an int, got {value!r}")
+    if not 0 <= value < 2**31:
+        raise ValueError(f"fake_gpus: pid_offset must be between 0 and 2**31, got {value!r}")
+    return value
+
+
+def _per_device(value: Any, count: int, what: str, check: Any) -> list[Any]:
+    """One value for every device, or a sequence with one per device."""
+    if isinstance(value, (str, int)):
+        return [check(value)] * count
+    if not isinstance(value, Sequence):
+        raise TypeError(f"fake_gpus: {what} must be one value or a sequence, got {value!r}")
+    if len(value) != count:
+        raise ValueError(
+            f"fake_gpus: {what} must be one value or a sequence of {count} (one per "
+            f"device), got {value!r}"
+        )
+    return [check(v) for v in value]

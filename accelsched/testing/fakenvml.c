@@ -1,0 +1,533 @@
+/*
+ * A fake libnvidia-ml.so.1 for CPU-only machines (accelsched.testing).
+ *
+ * Loaded by the real pynvml bindings, it reports the GPUs described in the state
+ * directory named by ACCELSCHED_FAKE_NVML_DIR, re-read on every call so that every
+ * process (client, scheduler, nannies, workers) sees the same devices and the same
+ * per-process memory, written by accelsched.testing's simulated pool:
+ *
+ *   devices      one line per device, NVML index = line order: <uuid>\t<name>\t<total>
+ *   flags        optional lines: no_process_memory | pid_offset <n> | context_bytes <n>
+ *   proc/<pid>   lines "<nvml_index> <bytes>": that process's device memory
+ *
+ * A dead pid's file is ignored, as the driver frees a dead process's memory. Like
+ * the real library, devices are numbered physically: CUDA_VISIBLE_DEVICES is ignored.
+ * Struct layouts follow nvml.h (sizes are checked below against pynvml's).
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+typedef int nvmlReturn_t;
+typedef struct fake_device *nvmlDevice_t;
+
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+    NVML_ERROR_UNKNOWN = 999,
+};
+
+#define MAX_DEVICES 64
+#define MAX_PROCS 1024
+#define PATH_SIZE (4096 + 300) /* the state dir (< 4096) + "/proc/" + a file name */
+#define NOT_AVAILABLE_ULL 0xFFFFFFFFFFFFFFFFULL
+#define NOT_AVAILABLE_UINT 0xFFFFFFFFU
+#define NVML_MEMORY_V2 0x02000028U
+
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+typedef struct { unsigned int pid; unsigned long long usedGpuMemory; } nvmlProcessInfo_v1_t;
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t;
+typedef struct { unsigned int gpu, memory; } nvmlUtilization_t;
+
+_Static_assert(sizeof(nvmlMemory_t) == 24, "nvmlMemory_t");
+_Static_assert(sizeof(nvmlMemory_v2_t) == 40, "nvmlMemory_v2_t");
+_Static_assert(sizeof(nvmlProcessInfo_v1_t) == 16, "nvmlProcessInfo_v1_t");
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t");
+
+/* Handles are addresses inside this array: the index is the offset, nothing to free. */
+static char g_handles[MAX_DEVICES];
+static int g_refcount;
+
+/* Lets accelsched tell this library from a real NVML already loaded in a process. */
+int accelsched_fake_nvml = 1;
+
+struct device { char uuid[96]; char name[96]; unsigned long long total; };
+struct proc { unsigned int pid; unsigned long long bytes; };
+struct state {
+    char dir[4096];
+    unsigned count;
+    struct device dev[MAX_DEVICES];
+    int no_process_memory;
+    long long pid_offset;
+};
+
+/* Reads devices and flags; 0 on success. */
+static int load_state(struct state *st)
+{
+    const char *dir = getenv("ACCELSCHED_FAKE_NVML_DIR");
+    char path[PATH_SIZE], line[512];
+    FILE *f;
+
+    memset(st, 0, sizeof(*st));
+    if (dir == NULL || *dir == '\0' || strlen(dir) >= sizeof(st->dir))
+        return -1;
+    strcpy(st->dir, dir);
+    snprintf(path, sizeof(path), "%s/devices", dir);
+    if ((f = fopen(path, "r")) == NULL)
+        return -1;
+    while (st->count < MAX_DEVICES && fgets(line, sizeof(line), f)) {
+        struct device *d = &st->dev[st->count];
+        char *uuid = strtok(line, "\t\n"), *name = strtok(NULL, "\t\n");
+        char *total = strtok(NULL, "\t\n");
+        if (uuid == NULL || name == NULL || total == NULL)
+            continue;
+        snprintf(d->uuid, sizeof(d->uuid), "%s", uuid);
+        snprintf(d->name, sizeof(d->name), "%s", name);
+        d->total = strtoull(total, NULL, 10);
+        st->count++;
+    }
+    fclose(f);
+    snprintf(path, sizeof(path), "%s/flags", dir);
+    if ((f = fopen(path, "r")) != NULL) {
+        while (fgets(line, sizeof(line), f)) {
+            if (strncmp(line, "no_process_memory", 17) == 0)
+                st->no_process_memory = 1;
+            else if (strncmp(line, "pid_offset", 10) == 0)
+                st->pid_offset = strtoll(line + 10, NULL, 10);
+        }
+        fclose(f);
+    }
+    return 0;
+}
+
+static int alive(pid_t pid) { return kill(pid, 0) == 0 || errno != ESRCH; }
+
+static int by_pid(const void *a, const void *b)
+{
+    unsigned x = ((const struct proc *)a)->pid, y = ((const struct proc *)b)->pid;
+    return (x > y) - (x < y);
+}
+
+/* Live processes with a context on device `index`, sorted by pid; returns their count. */
+static unsigned load_procs(const struct state *st, unsigned index, struct proc *out)
+{
+    char path[PATH_SIZE], line[128];
+    unsigned n = 0;
+    struct dirent *e;
+    DIR *d;
+
+    snprintf(path, sizeof(path), "%s/proc", st->dir);
+    if ((d = opendir(path)) == NULL)
+        return 0;
+    while (n < MAX_PROCS && (e = readdir(d)) != NULL) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        FILE *f;
+        if (*e->d_name == '\0' || *end != '\0' || pid <= 0 || !alive((pid_t)pid))
+            continue;
+        snprintf(path, sizeof(path), "%s/proc/%s", st->dir, e->d_name);
+        if ((f = fopen(path, "r")) == NULL)
+            continue; /* replaced or removed meanwhile */
+        while (fgets(line, sizeof(line), f)) {
+            unsigned idx;
+            unsigned long long bytes;
+            if (sscanf(line, "%u %llu", &idx, &bytes) == 2 && idx == index) {
+                out[n].pid = (unsigned)pid;
+                out[n].bytes = bytes;
+                n++;
+                break;
+            }
+        }
+        fclose(f);
+    }
+    closedir(d);
+    qsort(out, n, sizeof(*out), by_pid);
+    return n;
+}
+
+static int initialized(void) { return __atomic_load_n(&g_refcount, __ATOMIC_SEQ_CST) > 0; }
+
+/* Common prologue of every device query: initialized, state readable, valid handle. */
+static nvmlReturn_t device_state(nvmlDevice_t h, struct state *st, unsigned *index)
+{
+    long off = (char *)h - g_handles;
+    if (!initialized() || load_state(st) != 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (h == NULL || off < 0 || off >= (long)st->count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *index = (unsigned)off;
+    return NVML_SUCCESS;
+}
+
+static unsigned long long device_used(const struct state *st, unsigned index)
+{
+    struct proc procs[MAX_PROCS];
+    unsigned long long used = 0;
+    unsigned n = load_procs(st, index, procs);
+    for (unsigned i = 0; i < n; i++)
+        used += procs[i].bytes;
+    return used;
+}
+
+static nvmlReturn_t copy_string(const char *src, char *dst, unsigned int length)
+{
+    if (dst == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(src) + 1 > length)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    strcpy(dst, src);
+    return NVML_SUCCESS;
+}
+
+/* ---- init / shutdown / errors ---- */
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    struct state st;
+    (void)flags;
+    if (load_state(&st) != 0)
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    __atomic_add_fetch(&g_refcount, 1, __ATOMIC_SEQ_CST);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+nvmlReturn_t nvmlShutdown(void)
+{
+    int now = __atomic_load_n(&g_refcount, __ATOMIC_SEQ_CST);
+    while (now > 0) {
+        if (__atomic_compare_exchange_n(&g_refcount, &now, now - 1, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST))
+            return NVML_SUCCESS;
+    }
+    return NVML_ERROR_UNINITIALIZED;
+}
+
+const char *nvmlErrorString(nvmlReturn_t result)
+{
+    switch (result) {
+    case 0: return "Success";
+    case 1: return "Uninitialized";
+    case 2: return "Invalid Argument";
+    case 3: return "Not Supported";
+    case 4: return "Insufficient Permissions";
+    case 5: return "Already Initialized";
+    case 6: return "Not Found";
+    case 7: return "Insufficient Size";
+    case 8: return "Insufficient External Power";
+    case 9: return "Driver Not Loaded";
+    case 10: return "Timeout";
+    case 11: return "Interrupt Request Issue";
+    case 12: return "NVML Shared Library Not Found";
+    case 13: return "Function Not Found";
+    case 14: return "Corrupted infoROM";
+    case 15: return "GPU is lost";
+    case 16: return "GPU requires restart";
+    case 17: return "The operating system has blocked the request.";
+    case 18: return "RM has detected an NVML/RM version mismatch.";
+    case 19: return "In use by another client";
+    case 20: return "Insufficient Memory";
+    case 21: return "No data";
+    case 22: return "The requested vgpu operation is not available on target device, "
+                    "becasue ECC is enabled";
+    case 23: return "Ran out of critical resources, other than memory";
+    case 24: return "The requested frequency is not supported";
+    case 25: return "The provided version is invalid/unsupported";
+    case 26: return "The requested functionality has been deprecated";
+    case 27: return "The system is not ready for the request";
+    case 28: return "The GPU was not found";
+    case 29: return "The operation is invalid in the current state";
+    case 30: return "The reset type is not supported";
+    default: return "Unknown Error";
+    }
+}
+
+/* ---- system ---- */
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    return copy_string("555.42.06", version, length);
+}
+
+nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
+{
+    return copy_string("12.555.42.06", version, length);
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version)
+{
+    if (version == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *version = 12050;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *version)
+{
+    return nvmlSystemGetCudaDriverVersion(version);
+}
+
+/* ---- device enumeration ---- */
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
+{
+    struct state st;
+    if (!initialized() || load_state(&st) != 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (count == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = st.count;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    struct state st;
+    if (!initialized() || load_state(&st) != 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (device == NULL || index >= st.count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *device = (nvmlDevice_t)&g_handles[index];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    struct state st;
+    if (!initialized() || load_state(&st) != 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (uuid == NULL || device == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < st.count; i++) {
+        if (strcmp(st.dev[i].uuid, uuid) == 0) {
+            *device = (nvmlDevice_t)&g_handles[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+/* ---- per-device queries ---- */
+
+/* Declares st and index for `device`, or returns the error. Buffers live on the stack
+ * (about 30 KiB with a process list): no shared state, so calls from threads can overlap. */
+#define DEVICE_PROLOGUE                                   \
+    struct state st;                                      \
+    unsigned index;                                       \
+    nvmlReturn_t ret = device_state(device, &st, &index); \
+    if (ret != NVML_SUCCESS)                              \
+        return ret;
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *out)
+{
+    DEVICE_PROLOGUE
+    if (out == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *out = index;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor)
+{
+    return nvmlDeviceGetIndex(device, minor);
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    DEVICE_PROLOGUE
+    return copy_string(st.dev[index].name, name, length);
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    DEVICE_PROLOGUE
+    return copy_string(st.dev[index].uuid, uuid, length);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    DEVICE_PROLOGUE
+    if (memory == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memory->total = st.dev[index].total;
+    memory->used = device_used(&st, index);
+    memory->free = memory->used < memory->total ? memory->total - memory->used : 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    nvmlMemory_t v1;
+    nvmlReturn_t ret;
+    if (memory == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (memory->version != NVML_MEMORY_V2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if ((ret = nvmlDeviceGetMemoryInfo(device, &v1)) != NVML_SUCCESS)
+        return ret;
+    memory->total = v1.total;
+    memory->reserved = 0;
+    memory->free = v1.free;
+    memory->used = v1.used;
+    return NVML_SUCCESS;
+}
+
+/* The count-query protocol shared by every process list: too small -> count, INSUFFICIENT_SIZE. */
+static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *count, void *infos,
+                                      int version)
+{
+    struct proc procs[MAX_PROCS];
+    DEVICE_PROLOGUE
+    if (count == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned n = load_procs(&st, index, procs);
+    if (*count < n || (n > 0 && infos == NULL)) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        unsigned pid = (unsigned)((long long)procs[i].pid + st.pid_offset);
+        unsigned long long bytes = st.no_process_memory ? NOT_AVAILABLE_ULL : procs[i].bytes;
+        if (version == 1) {
+            nvmlProcessInfo_v1_t *p = (nvmlProcessInfo_v1_t *)infos + i;
+            p->pid = pid;
+            p->usedGpuMemory = bytes;
+        } else {
+            nvmlProcessInfo_t *p = (nvmlProcessInfo_t *)infos + i;
+            p->pid = pid;
+            p->usedGpuMemory = bytes;
+            p->gpuInstanceId = NOT_AVAILABLE_UINT;
+            p->computeInstanceId = NOT_AVAILABLE_UINT;
+        }
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t d, unsigned int *c, void *i)
+{
+    return running_processes(d, c, i, 1);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t d, unsigned int *c, void *i)
+{
+    return running_processes(d, c, i, 2);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, void *i)
+{
+    return running_processes(d, c, i, 3);
+}
+
+/* Simulated GPUs run no graphics: always an empty list. */
+static nvmlReturn_t no_processes(nvmlDevice_t device, unsigned int *count)
+{
+    DEVICE_PROLOGUE
+    if (count == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t d, unsigned int *c, void *i)
+{
+    (void)i;
+    return no_processes(d, c);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t d, unsigned int *c, void *i)
+{
+    (void)i;
+    return no_processes(d, c);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t d, unsigned int *c, void *i)
+{
+    (void)i;
+    return no_processes(d, c);
+}
+
+/* Simulated GPUs compute nothing: utilization is always 0 %. */
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *util)
+{
+    DEVICE_PROLOGUE
+    if (util == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    util->gpu = 0;
+    util->memory = 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending)
+{
+    DEVICE_PROLOGUE
+    (void)current;
+    (void)pending;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    DEVICE_PROLOGUE
+    (void)count;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
+{
+    DEVICE_PROLOGUE
+    if (major == NULL || minor == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *major = 9;
+    *minor = 0;
+    return NVML_SUCCESS;
+}
+
+/* Every CPU this process may run on is "near" every fake GPU (dask-cuda asks this). */
+nvmlReturn_t nvmlDeviceGetCpuAffinity(nvmlDevice_t device, unsigned int size,
+                                      unsigned long long *cpus)
+{
+    cpu_set_t set;
+    DEVICE_PROLOGUE
+    if (cpus == NULL || size == 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(cpus, 0, size * sizeof(*cpus));
+    if (sched_getaffinity(0, sizeof(set), &set) != 0)
+        return NVML_ERROR_UNKNOWN;
+    for (unsigned cpu = 0; cpu < size * 64 && cpu < CPU_SETSIZE; cpu++)
+        if (CPU_ISSET(cpu, &set))
+            cpus[cpu / 64] |= 1ULL << (cpu % 64);
+    return NVML_SUCCESS;
+}

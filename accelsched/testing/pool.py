@@ -1,0 +1,453 @@
+"""Simulated device memory with CuPy's and RMM's pool semantics, visible through NVML.
+
+Leak detection has to tell memory a task leaked from memory a pool legitimately caches
+or reserves, and that is only testable if the test can produce all three on purpose.
+``device_alloc`` does, on the fake GPUs of :func:`accelsched.testing.fake_gpus`: every
+change is published to the state directory (``proc/<pid>``), so the fake NVML, and hence
+the guard's monitor, sees this process's memory exactly as nvidia-smi would see CuPy's:
+
+* a first allocation on a device creates a CUDA context (``context_bytes``) that no pool
+  owns and nothing but the process's death releases;
+* freed buffers go back to the pool's cache: NVML still counts them until ``free_all()``;
+* an RMM-style :func:`fixed_pool` is reserved up front and never shrinks;
+* ``leak=True`` buffers stay referenced until the process exits.
+
+Devices are CUDA indices of this process (what ``current_device()`` returns), mapped to
+NVML indices through ``CUDA_VISIBLE_DEVICES`` as CUDA would, once per session.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dask.sizeof import sizeof
+
+from accelsched.context import current_device
+from accelsched.devices import arrays
+from accelsched.devices.arrays import device_nbytes
+from accelsched.devices.pool import PoolStats, register_pool
+from accelsched.devices.visible import resolve_visible, visible_from_env
+from accelsched.testing import state
+
+__all__ = [
+    "DeviceBuffer",
+    "OutOfDeviceMemory",
+    "SimulatedPool",
+    "create_context",
+    "device_alloc",
+    "fixed_pool",
+]
+
+
+class OutOfDeviceMemory(MemoryError):
+    """A simulated allocation did not fit on its device (CuPy's ``OutOfMemoryError``)."""
+
+
+@dataclass
+class _Device:
+    """One device as this process's pools use it, in bytes."""
+
+    context: bool = False
+    held: int = 0  # CuPy-style pool: in use + cached
+    in_use: int = 0
+    fixed: int = 0  # RMM-style reservation
+    fixed_used: int = 0
+
+    @property
+    def cached(self) -> int:
+        return self.held - self.in_use
+
+    def footprint(self, context_bytes: int) -> int:
+        """What NVML reports for this process on this device."""
+        return (context_bytes if self.context else 0) + self.held + self.fixed
+
+
+@dataclass
+class _Session:
+    """One ``fake_gpus`` state directory as this process sees it.
+
+    The CUDA -> NVML mapping is fixed when the session starts, as CUDA fixes it at init.
+    """
+
+    path: Path
+    nvml: list[int]  # CUDA index -> NVML index
+    totals: list[int]  # by NVML index
+    context_bytes: int
+    pid: int = field(default_factory=os.getpid)
+    devices: dict[int, _Device] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: Path) -> _Session:
+        devices = state.read_devices(path)
+        nvml = resolve_visible(visible_from_env(), [d.uuid for d in devices])
+        flags = state.read_flags(path)
+        return cls(path, nvml, [d.total for d in devices], flags.context_bytes)
+
+    def check_device(self, device: int) -> None:
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"device must be a CUDA device index (int), got {device!r}")
+        if not 0 <= device < len(self.nvml):
+            raise ValueError(
+                f"device {device} is not visible: this process sees {len(self.nvml)} fake "
+                f"GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
+
+    def publish(self) -> None:
+        """Write this process's device memory for NVML; a forked child or ended session skips."""
+        if os.getpid() != self.pid:
+            return
+        usage = {
+            self.nvml[cuda]: dev.footprint(self.context_bytes)
+            for cuda, dev in self.devices.items()
+            if dev.context
+        }
+        with contextlib.suppress(FileNotFoundError):  # fake_gpus() ended: directory gone
+            state.write_proc(self.path, self.pid, usage)
+
+    def grow(self, cuda: int, dev: _Device, extra: int) -> None:
+        """Check that ``extra`` more bytes fit on the device, releasing the cache if needed.
+
+        CuPy does the same on an out-of-memory error: free all cached blocks, retry once.
+        """
+        if extra == 0:
+            return
+        index = self.nvml[cuda]
+        others = sum(
+            usage.get(index, 0)
+            for pid, usage in state.read_procs(self.path).items()
+            if pid != self.pid
+        )
+        total = self.totals[index]
+        if others + dev.footprint(self.context_bytes) + extra > total and dev.cached:
+            dev.held = dev.in_use
+            self.publish()
+        mine = dev.footprint(self.context_bytes)
+        if others + mine + extra > total:
+            raise OutOfDeviceMemory(
+                f"out of memory allocating {extra} bytes on fake GPU {cuda} (NVML index "
+                f"{index}): {max(0, total - others - mine)} of {total} bytes free"
+            )
+
+
+class SimulatedPool:
+    """The per-process pool behind :func:`device_alloc`, as the guard sees it.
+
+    Implements :class:`accelsched.devices.pool.DevicePool`; registered with
+    ``register_pool`` when first used. Buffers freed by garbage collection may be
+    finalized in any thread, even one that holds the pool's lock, so releases are queued
+    and applied by whoever holds the lock next (or at once when it is free).
+    """
+
+    name = "simulated"
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._session: _Session | None = None
+        self._pending: collections.deque[tuple[_Session, int, int, bool]] = collections.deque()
+
+    # ---- DevicePool ----
+
+    def active(self) -> bool:
+        session = self._live()
+        return session is not None and bool(session.devices)
+
+    def free_all(self) -> int:
+        with self._lock:
+            self._drain()
+            session = self._live()
+            if session is None:
+                return 0
+            released = sum(dev.cached for dev in session.devices.values())
+            for dev in session.devices.values():
+                dev.held = dev.in_use
+            session.publish()
+        self._flush()
+        return released
+
+    def stats(self, device: int) -> PoolStats:
+        session = self._live()
+        dev = None if session is None else session.devices.get(device)
+        if dev is None:
+            return PoolStats()
+        return PoolStats(held=dev.held + dev.fixed, cached=dev.cached, fixed=dev.fixed)
+
+    def _live(self) -> _Session | None:
+        """The session of the ``fake_gpus`` now in effect, if this process used it.
+
+        An ended session's memory went with its state directory: nothing to report.
+        """
+        session = self._session
+        return session if session is not None and session.path == state.state_dir() else None
+
+    # ---- used by the module functions ----
+
+    def _current(self) -> _Session:
+        """The session of the state directory now in the environment (lock held)."""
+        path = state.state_dir()
+        if path is None:
+            raise RuntimeError(
+                "no fake GPUs here: use accelsched.testing.fake_gpus() around this code, "
+                "or call it in a process started inside fake_gpus()"
+            )
+        if self._session is None or self._session.path != path:
+            self._session = _Session.open(path)
+        return self._session
+
+    def allocate(self, nbytes: int, device: int) -> tuple[_Session, bool]:
+        """Take ``nbytes`` on ``device``; return the session and whether the fixed pool paid."""
+        with self._lock:
+            self._drain()
+            session = self._current()
+            session.check_device(device)
+            dev = session.devices.setdefault(device, _Device())
+            context = 0 if dev.context else session.context_bytes
+            fixed = dev.fixed > 0 and dev.fixed - dev.fixed_used >= nbytes
+            grows = not fixed and dev.cached < nbytes
+            session.grow(device, dev, context + (nbytes if grows else 0))
+            if fixed:
+                dev.fixed_used += nbytes
+            else:
+                dev.held += nbytes if grows else 0
+                dev.in_use += nbytes
+            dev.context = True
+            session.publish()
+        self._flush()
+        return session, fixed
+
+    def visible(self) -> int:
+        """How many fake GPUs this process sees (its CUDA device count)."""
+        with self._lock:
+            return len(self._current().nvml)
+
+    def reserve(self, nbytes: int, device: int) -> None:
+        with self._lock:
+            self._drain()
+            session = self._current()
+            session.check_device(device)
+            dev = session.devices.setdefault(device, _Device())
+            if dev.fixed:
+                if dev.fixed != nbytes:
+                    raise ValueError(
+                        f"fake GPU {device} already has a fixed pool of {dev.fixed} bytes; "
+                        f"like RMM's, it cannot be resized to {nbytes}"
+                    )
+                return
+            session.grow(device, dev, nbytes + (0 if dev.context else session.context_bytes))
+            dev.fixed = nbytes
+            dev.context = True
+            session.publish()
+        self._flush()
+
+    def create_context(self, device: int) -> None:
+        with self._lock:
+            self._drain()
+            session = self._current()
+            session.check_device(device)
+            dev = session.devices.setdefault(device, _Device())
+            if not dev.context:
+                session.grow(device, dev, session.context_bytes)
+                dev.context = True
+                session.publish()
+        self._flush()
+
+    def release(self, session: _Session, device: int, nbytes: int, fixed: bool) -> None:
+        """Give a buffer's bytes back to its pool (called by finalizers)."""
+        self._pending.append((session, device, nbytes, fixed))
+        self._flush()
+
+    def _drain(self) -> None:
+        """Apply queued releases (lock held)."""
+        touched = []
+        while self._pending:
+            session, device, nbytes, fixed = self._pending.popleft()
+            dev = session.devices[device]
+            if fixed:
+                dev.fixed_used -= nbytes
+            else:
+                dev.in_use -= nbytes
+            touched.append(session)
+        for session in {id(s): s for s in touched}.values():
+            session.publish()
+
+    def _flush(self) -> None:
+        while self._pending and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+
+_POOL: SimulatedPool | None = None
+_POOL_LOCK = threading.Lock()
+_LEAKED: list[DeviceBuffer] = []
+
+
+def _pool() -> SimulatedPool:
+    """This process's pool, created and registered with the guard on first use."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = SimulatedPool()
+            register_pool(_POOL)
+        return _POOL
+
+
+def _after_fork() -> None:
+    """A forked child owns none of its parent's device memory (nor its CUDA context).
+
+    The pool object stays (it is registered with the guard) but forgets everything; the
+    parent's buffers, if released in the child, only touch their own old session.
+    """
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    if _POOL is not None:
+        _POOL._reset()
+    _LEAKED.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+class DeviceBuffer:
+    """Simulated device memory: ``nbytes`` on ``device`` until freed, carrying ``value``.
+
+    Create with :func:`device_alloc`. ``device`` is None once freed, or when the buffer
+    was unpickled where its device is not visible (detached). Pickling sends the value
+    and size; unpickling where fake GPUs are visible allocates again on the same CUDA
+    index, as deserializing a CuPy array does.
+    """
+
+    __slots__ = ("nbytes", "value", "_device", "_finalizer", "__weakref__")
+
+    def __init__(
+        self,
+        nbytes: int,
+        device: int | None,
+        value: Any = None,
+        finalizer: weakref.finalize | None = None,
+    ) -> None:
+        self.nbytes = nbytes
+        self.value = value
+        self._device = device
+        self._finalizer = finalizer
+
+    @property
+    def device(self) -> int | None:
+        if self._finalizer is None or not self._finalizer.alive:
+            return None
+        return self._device
+
+    def free(self) -> None:
+        """Return the bytes to the pool's cache now (idempotent)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        with contextlib.suppress(ValueError):
+            _LEAKED.remove(self)
+
+    def __reduce__(self) -> tuple[Any, tuple[int, int | None, Any]]:
+        return _rebuild, (self.nbytes, self.device, self.value)
+
+    def __repr__(self) -> str:
+        where = "detached" if self.device is None else f"on fake GPU {self.device}"
+        return f"<DeviceBuffer {self.nbytes} bytes {where}>"
+
+
+def _rebuild(nbytes: int, device: int | None, value: Any) -> DeviceBuffer:
+    path = state.state_dir()
+    if device is None or path is None:
+        return DeviceBuffer(nbytes, None, value)
+    if device >= _pool().visible():
+        return DeviceBuffer(nbytes, None, value)
+    return device_alloc(nbytes, device=device, value=value)
+
+
+@sizeof.register(DeviceBuffer)
+def _sizeof_buffer(buf: DeviceBuffer) -> int:
+    return buf.nbytes
+
+
+@device_nbytes.register(DeviceBuffer)
+def _device_nbytes_buffer(buf: DeviceBuffer) -> dict[int, int]:
+    device = buf.device
+    return {} if device is None else {device: buf.nbytes}
+
+
+if hasattr(arrays, "to_host"):
+
+    @arrays.to_host.register(DeviceBuffer)
+    def _buffer_to_host(buf: DeviceBuffer) -> DeviceBuffer:
+        """A fallen-back task gets the payload on the host: a detached buffer, same size."""
+        return DeviceBuffer(buf.nbytes, None, buf.value)
+
+
+def _device_or_current(device: int | None, what: str) -> int:
+    if device is None:
+        device = current_device()
+    if device is None:
+        raise RuntimeError(
+            f"{what}: no device given and no current device; call it inside a task holding "
+            "a GPU, or pass device=..."
+        )
+    return device
+
+
+def _check_nbytes(nbytes: int, what: str) -> None:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"{what}: nbytes must be an int, got {nbytes!r}")
+    if nbytes < 0:
+        raise ValueError(f"{what}: nbytes must be >= 0, got {nbytes!r}")
+
+
+def device_alloc(
+    nbytes: int, leak: bool = False, device: int | None = None, value: Any = None
+) -> DeviceBuffer:
+    """Allocate ``nbytes`` of simulated device memory on a fake GPU.
+
+    ``device`` defaults to the device of the running task (``current_device()``).
+    The bytes come from a fixed pool with room, else the pool's cache, else new device
+    memory (raising :class:`OutOfDeviceMemory` when the device is full even after freeing
+    the cache). With ``leak=True`` the buffer is kept alive until the process exits.
+    """
+    _check_nbytes(nbytes, "device_alloc")
+    device = _device_or_current(device, "device_alloc")
+    pool = _pool()
+    session, fixed = pool.allocate(nbytes, device)
+    buf = DeviceBuffer(nbytes, device, value)
+    buf._finalizer = weakref.finalize(buf, pool.release, session, device, nbytes, fixed)
+    buf._finalizer.atexit = False  # the process's death frees its device memory
+    if leak:
+        _LEAKED.append(buf)
+    return buf
+
+
+def create_context(device: int | None = None) -> None:
+    """Simulate a library creating a CUDA context on ``device`` without allocating.
+
+    The context's bytes show in NVML for this process and belong to no pool: only the
+    process's death releases them, as with real CUDA.
+    """
+    _pool().create_context(_device_or_current(device, "create_context"))
+
+
+def fixed_pool(nbytes: int, device: int | None = None) -> None:
+    """Reserve an RMM-style pool of ``nbytes`` on ``device``, visible in NVML at once.
+
+    Allocations come out of it while it has room; ``free_all()`` never shrinks it and
+    the guard's ``stats().fixed`` reports it. ``device`` defaults to the current task's
+    device, else CUDA device 0, as ``--rmm-pool-size`` reserves on a worker's first
+    visible device. Calling again with the same size is a no-op.
+    """
+    _check_nbytes(nbytes, "fixed_pool")
+    if device is None:
+        device = current_device()
+    _pool().reserve(nbytes, 0 if device is None else device)

@@ -1,0 +1,546 @@
+"""accelsched.testing: fake GPUs through the real pynvml, in this process and in children."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+from dask.sizeof import sizeof
+
+from accelsched.devices.arrays import device_nbytes
+from accelsched.devices.pool import POOLS
+from accelsched.testing import (
+    FakeGPUs,
+    FakeNVMLWarning,
+    OutOfDeviceMemory,
+    SimulatedPool,
+    build,
+    create_context,
+    device_alloc,
+    fake_gpus,
+    fixed_pool,
+    standin,
+    state,
+)
+from accelsched.testing import pool as pool_module
+
+MiB = 2**20
+GiB = 2**30
+CTX = 64 * MiB
+
+
+@pytest.fixture
+def gpus() -> Iterator[FakeGPUs]:
+    with fake_gpus(2, "16GiB", names=["NVIDIA Fake A100", "NVIDIA Fake H100"]) as g:
+        if g.standin:
+            pytest.skip("no C compiler: the fake library could not be built")
+        pynvml.nvmlInit()
+        try:
+            yield g
+        finally:
+            pynvml.nvmlShutdown()
+
+
+def the_pool() -> SimulatedPool:
+    pool = pool_module._POOL
+    assert pool is not None
+    return pool
+
+
+def used(index: int) -> int:
+    return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+
+
+def procs(index: int) -> dict[int, int | None]:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    return {p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+
+
+def snapshot(nvml: Any) -> dict[str, Any]:
+    """What accelsched's monitor reads, from pynvml or the stand-in."""
+    out: dict[str, Any] = {"driver": nvml.nvmlSystemGetDriverVersion(), "devices": []}
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        uuid = nvml.nvmlDeviceGetUUID(h)
+        mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        processes = nvml.nvmlDeviceGetComputeRunningProcesses(h)
+        out["devices"].append(
+            {
+                "index": nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(uuid)),
+                "name": nvml.nvmlDeviceGetName(h),
+                "uuid": uuid,
+                "memory": (mem.total, mem.used, mem.free),
+                "processes": sorted((p.pid, p.usedGpuMemory) for p in processes),
+            }
+        )
+    return out
+
+
+def run_child(code: str, env: dict[str, str] | None = None) -> Any:
+    """Run ``code`` in a fresh interpreter; it prints one JSON document."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- the fake library through the real pynvml ----
+
+
+def test_pynvml_sees_the_fake_gpus(gpus: FakeGPUs) -> None:
+    assert pynvml.nvmlDeviceGetCount() == 2
+    assert pynvml.nvmlSystemGetDriverVersion() == "555.42.06"
+    assert pynvml.nvmlSystemGetCudaDriverVersion() == 12050
+    assert pynvml.nvmlSystemGetCudaDriverVersion_v2() == 12050
+    assert pynvml.nvmlSystemGetNVMLVersion().startswith("12.")
+    for i, (uuid, name) in enumerate(zip(gpus.uuids, gpus.names, strict=True)):
+        assert uuid.startswith("GPU-") and len(uuid) == 40
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        assert pynvml.nvmlDeviceGetUUID(h) == uuid
+        assert pynvml.nvmlDeviceGetName(h) == name
+        assert pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(uuid)) == i
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        assert (mem.total, mem.used, mem.free) == (16 * GiB, 0, 16 * GiB)
+        v2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+        assert (v2.total, v2.reserved, v2.used, v2.free) == (16 * GiB, 0, 0, 16 * GiB)
+        util = pynvml.nvmlDeviceGetUtilizationRates(h)
+        assert (util.gpu, util.memory) == (0, 0)
+        assert pynvml.nvmlDeviceGetComputeRunningProcesses(h) == []
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            pynvml.nvmlDeviceGetMigMode(h)
+    assert gpus.uuids[0] != gpus.uuids[1]
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlDeviceGetHandleByIndex(2)
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlDeviceGetHandleByUUID("GPU-00000000-0000-0000-0000-000000000000")
+    with pytest.raises(pynvml.NVMLError_ArgumentVersionMismatch):
+        pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0), version=7)
+    assert pynvml.nvmlErrorString(pynvml.NVML_ERROR_DRIVER_NOT_LOADED) == "Driver Not Loaded"
+
+
+def test_running_processes_every_struct_version(gpus: FakeGPUs) -> None:
+    buf = device_alloc(10 * MiB, device=1)
+    me = os.getpid()
+    h = pynvml.nvmlDeviceGetHandleByIndex(1)
+    for fn in (
+        pynvml.nvmlDeviceGetComputeRunningProcesses_v2,
+        pynvml.nvmlDeviceGetComputeRunningProcesses_v3,
+    ):
+        (p,) = fn(h)
+        assert (p.pid, p.usedGpuMemory) == (me, CTX + 10 * MiB)
+        assert (p.gpuInstanceId, p.computeInstanceId) == (2**32 - 1, 2**32 - 1)
+    assert procs(0) == {}
+    assert pynvml.nvmlDeviceGetGraphicsRunningProcesses(h) == []
+
+    # v1 (16-byte structs), not wrapped by pynvml 13; count-query protocol by hand
+    class ProcV1(ctypes.Structure):
+        _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+
+    assert ctypes.sizeof(ProcV1) == 16
+    fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses")
+    count = ctypes.c_uint(0)
+    assert fn(h, ctypes.byref(count), None) == pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+    assert count.value == 1
+    array = (ProcV1 * 3)()
+    count.value = 3
+    assert fn(h, ctypes.byref(count), array) == pynvml.NVML_SUCCESS
+    assert (count.value, array[0].pid, array[0].usedGpuMemory) == (1, me, CTX + 10 * MiB)
+    assert array[1].pid == 0  # nothing written past the count
+    del buf
+
+
+def test_distributed_diagnostics(gpus: FakeGPUs) -> None:
+    from distributed.diagnostics import nvml
+
+    create_context(device=0)
+    device_alloc(5 * MiB, device=0, leak=True)
+    assert nvml.one_time() == {"memory-total": 16 * GiB, "name": "NVIDIA Fake A100"}
+    assert nvml.real_time() == {"utilization": 0, "memory-used": CTX + 5 * MiB}
+    ctx = nvml.has_cuda_context()
+    assert ctx.has_context and ctx.device_info.uuid == gpus.uuids[0]
+    assert nvml.get_device_index_and_uuid(gpus.uuids[1]).device_index == 1
+    assert nvml.get_device_mig_mode(0) == [0, 0]
+
+
+def test_no_state_dir_means_driver_not_loaded(gpus: FakeGPUs) -> None:
+    env = {k: v for k, v in os.environ.items() if k != state.ENV_DIR}
+    result = subprocess.run(
+        [sys.executable, "-c", "import pynvml; pynvml.nvmlInit()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "NVMLError_DriverNotLoaded" in result.stderr
+
+
+def test_child_process_and_dead_child(gpus: FakeGPUs) -> None:
+    """A child sees the same GPUs; its CUDA_VISIBLE_DEVICES maps allocations; death frees."""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
+                import json, sys, pynvml
+                from accelsched.testing import device_alloc
+                pynvml.nvmlInit()
+                hs = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                      for i in range(pynvml.nvmlDeviceGetCount())]
+                buf = device_alloc(100 * 2**20, device=0)  # CUDA 0 = NVML 1 here
+                print(json.dumps({
+                    "uuids": [pynvml.nvmlDeviceGetUUID(h) for h in hs],
+                    "names": [pynvml.nvmlDeviceGetName(h) for h in hs],
+                    "total": [pynvml.nvmlDeviceGetMemoryInfo(h).total for h in hs],
+                }), flush=True)
+                sys.stdin.read()
+                """
+            ),
+        ],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        seen = json.loads(child.stdout.readline())
+        assert seen == {
+            "uuids": list(gpus.uuids),
+            "names": list(gpus.names),
+            "total": [16 * GiB] * 2,
+        }
+        assert procs(1) == {child.pid: CTX + 100 * MiB}
+        assert (used(0), used(1)) == (0, CTX + 100 * MiB)
+    finally:
+        child.communicate("", timeout=60)
+    assert procs(1) == {} and used(1) == 0
+    assert (gpus.path / "proc" / str(child.pid)).exists()  # ignored: the pid is dead
+
+
+def test_nanny_worker_sees_fake_gpus(gpus: FakeGPUs) -> None:
+    from distributed import Client, LocalCluster
+
+    def work() -> tuple[int, str, int]:
+        from distributed.diagnostics import nvml
+
+        device_alloc(3 * MiB, device=0, leak=True)
+        return os.getpid(), nvml.one_time()["name"], nvml.real_time()["memory-used"]
+
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        pid, name, memory = client.submit(work).result()
+        assert pid != os.getpid()
+        assert (name, memory) == ("NVIDIA Fake A100", CTX + 3 * MiB)
+        assert procs(0) == {pid: CTX + 3 * MiB}
+
+
+# ---- the simulated pool ----
+
+
+def test_pool_caches_until_free_all(gpus: FakeGPUs) -> None:
+    a = device_alloc(100 * MiB, device=0, value="payload")
+    pool = the_pool()
+    assert pool in POOLS and pool.active()
+    assert (a.device, a.nbytes, a.value) == (0, 100 * MiB, "payload")
+    assert sizeof(a) == 100 * MiB and device_nbytes([a]) == {0: 100 * MiB}
+    assert used(0) == CTX + 100 * MiB
+    del a  # returned to the cache: NVML still counts it
+    assert pool.stats(0).held == 100 * MiB and pool.stats(0).cached == 100 * MiB
+    assert used(0) == CTX + 100 * MiB
+    b = device_alloc(40 * MiB, device=0)  # served from the cache
+    assert (pool.stats(0).held, pool.stats(0).cached) == (100 * MiB, 60 * MiB)
+    assert pool.free_all() == 60 * MiB
+    assert used(0) == CTX + 40 * MiB
+    b.free()
+    assert b.device is None and device_nbytes(b) == {}
+    b.free()  # idempotent
+    assert pool.free_all() == 40 * MiB
+    assert used(0) == CTX  # the context stays until the process dies
+    assert pool.stats(1) == pool.stats(1).__class__()
+
+
+def test_leaks_are_never_released(gpus: FakeGPUs) -> None:
+    device_alloc(30 * MiB, device=1, leak=True)
+    assert the_pool().free_all() == 0
+    assert used(1) == CTX + 30 * MiB
+    assert the_pool().stats(1).cached == 0
+
+
+def test_fixed_pool_is_reserved_and_constant(gpus: FakeGPUs) -> None:
+    fixed_pool(GiB, device=1)
+    pool = the_pool()
+    assert used(1) == CTX + GiB
+    bufs = [device_alloc(300 * MiB, device=1) for _ in range(3)]
+    assert used(1) == CTX + GiB
+    extra = device_alloc(300 * MiB, device=1)  # no room left in the fixed pool
+    assert used(1) == CTX + GiB + 300 * MiB
+    del bufs, extra
+    assert pool.free_all() == 300 * MiB
+    assert used(1) == CTX + GiB
+    stats = pool.stats(1)
+    assert (stats.held, stats.cached, stats.fixed) == (GiB, 0, GiB)
+    fixed_pool(GiB, device=1)  # same size: no-op
+    with pytest.raises(ValueError, match="cannot be resized"):
+        fixed_pool(2 * GiB, device=1)
+
+
+def test_out_of_memory_frees_the_cache_first() -> None:
+    with fake_gpus(1, "1GiB", context_memory=0) as g:
+        if g.standin:
+            pytest.skip("no C compiler")
+        a = device_alloc(700 * MiB, device=0)
+        b = device_alloc(200 * MiB, device=0)
+        with pytest.raises(OutOfDeviceMemory, match="fake GPU 0"):
+            device_alloc(400 * MiB, device=0)
+        del a  # cached, too small for the next one, which fits only once the cache is freed
+        c = device_alloc(800 * MiB, device=0)
+        assert the_pool().stats(0).held == 1000 * MiB
+        assert used(0) == 1000 * MiB
+        del b, c
+
+
+def test_threads_allocate_and_free_consistently(gpus: FakeGPUs) -> None:
+    def churn() -> None:
+        for _ in range(50):
+            bufs = [device_alloc(MiB, device=0) for _ in range(3)]
+            del bufs
+
+    threads = [threading.Thread(target=churn) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = the_pool().stats(0)
+    assert stats.held == stats.cached  # nothing in use
+    assert used(0) == CTX + stats.held
+
+
+def test_pickle_reallocates_or_detaches(gpus: FakeGPUs) -> None:
+    a = device_alloc(10 * MiB, device=1, value={"x": 1})
+    b = pickle.loads(pickle.dumps(a))
+    assert (b.device, b.nbytes, b.value) == (1, 10 * MiB, {"x": 1})
+    assert used(1) == CTX + 20 * MiB
+    child = run_child(
+        f"""
+        import json, pickle
+        b = pickle.loads({pickle.dumps(a)!r})
+        print(json.dumps([b.device, b.nbytes, b.value]))
+        """,
+        env={"CUDA_VISIBLE_DEVICES": "0"},  # one device: CUDA index 1 is not visible
+    )
+    assert child == [None, 10 * MiB, {"x": 1}]
+    del a, b
+
+
+def test_pickle_outside_fake_gpus_detaches() -> None:
+    with fake_gpus(1) as g:
+        if g.standin:
+            pytest.skip("no C compiler")
+        data = pickle.dumps(device_alloc(MiB, device=0, value=3))
+    buf = pickle.loads(data)
+    assert (buf.device, buf.nbytes, buf.value, device_nbytes(buf)) == (None, MiB, 3, {})
+    assert not the_pool().active() and the_pool().stats(0).held == 0  # the session ended
+
+
+def test_to_host_gives_a_detached_buffer(gpus: FakeGPUs) -> None:
+    from accelsched.devices import arrays
+
+    if not hasattr(arrays, "to_host"):
+        pytest.skip("no to_host dispatch")
+    buf = device_alloc(MiB, device=0, value=[1, 2])
+    host = arrays.to_host(buf)
+    assert (host.device, host.nbytes, host.value) == (None, MiB, [1, 2])
+    assert buf.device == 0
+
+
+def test_current_device_from_the_task_lease(gpus: FakeGPUs) -> None:
+    from accelsched.context import Lease, holding
+
+    with holding(Lease(key="k", devices=(1,), simulated=True)):
+        buf = device_alloc(MiB)
+        create_context()
+    assert buf.device == 1 and used(1) == CTX + MiB
+
+
+# ---- flags ----
+
+
+def test_no_process_memory(gpus: FakeGPUs) -> None:
+    device_alloc(MiB, device=0, leak=True)
+    gpus.set_flags(process_memory=False)
+    assert procs(0) == {os.getpid(): None}
+    assert used(0) == CTX + MiB  # device-wide memory is still known
+    standin.nvmlInit()
+    try:
+        (p,) = standin.nvmlDeviceGetComputeRunningProcesses(standin.nvmlDeviceGetHandleByIndex(0))
+        assert p.usedGpuMemory is None
+    finally:
+        standin.nvmlShutdown()
+
+
+def test_pid_offset(gpus: FakeGPUs) -> None:
+    from distributed.diagnostics import nvml
+
+    create_context(device=0)
+    gpus.set_flags(pid_offset=1000)
+    assert procs(0) == {os.getpid() + 1000: CTX}
+    assert not nvml.has_cuda_context().has_context  # as in a container
+    gpus.set_flags(pid_offset=0)
+    assert nvml.has_cuda_context().has_context
+
+
+# ---- the pure-Python stand-in ----
+
+
+def test_standin_gives_the_same_answers(gpus: FakeGPUs) -> None:
+    device_alloc(7 * MiB, device=1, leak=True)
+    standin.nvmlInit()
+    try:
+        assert snapshot(standin) == snapshot(pynvml)
+        for nvml in (standin, pynvml):
+            h = nvml.nvmlDeviceGetHandleByIndex(0)
+            v2 = nvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+            assert (v2.total, v2.used) == (16 * GiB, 0)
+            assert nvml.nvmlDeviceGetUtilizationRates(h).gpu == 0
+            with pytest.raises(pynvml.NVMLError_NotSupported):
+                nvml.nvmlDeviceGetMigMode(h)
+            with pytest.raises(pynvml.NVMLError_InvalidArgument):
+                nvml.nvmlDeviceGetHandleByIndex(5)
+            with pytest.raises(pynvml.NVMLError_NotFound):
+                nvml.nvmlDeviceGetHandleByUUID("GPU-nope")
+        with pytest.raises(standin.NVMLError_FunctionNotFound):
+            standin.nvmlDeviceGetPowerUsage(standin.StandinHandle(0))
+        assert not standin.active()
+    finally:
+        standin.nvmlShutdown()
+
+
+def test_standin_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("ACCELSCHED_CACHE_DIR", str(tmp_path / "cache"))
+    assert build.library_dir() is None
+    with pytest.warns(FakeNVMLWarning, match="stand-in"), fake_gpus(1, "8GiB", names="X") as g:
+        assert g.standin and g.library is None
+        assert g.env[state.ENV_STANDIN] == "1" and "LD_LIBRARY_PATH" not in g.env
+        assert standin.active()
+        standin.nvmlInit()
+        try:
+            buf = device_alloc(2 * MiB, device=0)
+            snap = snapshot(standin)
+            assert snap["devices"] == [
+                {
+                    "index": 0,
+                    "name": "X",
+                    "uuid": g.uuids[0],
+                    "memory": (8 * GiB, CTX + 2 * MiB, 8 * GiB - CTX - 2 * MiB),
+                    "processes": [(os.getpid(), CTX + 2 * MiB)],
+                }
+            ]
+            del buf
+        finally:
+            standin.nvmlShutdown()
+    assert not standin.active()
+    with pytest.raises(pynvml.NVMLError_DriverNotLoaded):
+        standin.nvmlInit()
+
+
+# ---- the session itself ----
+
+
+def test_environment_restored_and_directory_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/x")
+    monkeypatch.delenv(state.ENV_STANDIN, raising=False)
+    before = dict(os.environ)
+    with fake_gpus(3, ["1GiB", 2 * GiB, "3GiB"]) as g:
+        assert g.count == 3 and g.memory == (GiB, 2 * GiB, 3 * GiB)
+        assert os.environ[state.ENV_DIR] == str(g.path)
+        if not g.standin:
+            assert os.environ["LD_LIBRARY_PATH"] == f"{g.library.parent}:/opt/x"  # type: ignore[union-attr]
+        assert {k: os.environ[k] for k in g.env} == g.env
+        with pytest.raises(RuntimeError, match="already active"), fake_gpus():
+            pass
+    assert dict(os.environ) == before
+    assert not g.path.exists()
+
+
+def test_library_builds_once_even_concurrently(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACCELSCHED_CACHE_DIR", str(tmp_path))
+    compiler = build._compiler()
+    if compiler is None or shutil.which(compiler[0]) is None:
+        pytest.skip("no C compiler")
+    results: list[Path | None] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(build.library_dir())) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and results[0] is not None
+    assert [p.name for p in results[0].iterdir()] == [build.SONAME]  # no leftovers
+    assert results[0].parent == tmp_path
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"count": -1}, ValueError, "count"),
+        ({"count": "2"}, TypeError, "count"),
+        ({"count": True}, TypeError, "count"),
+        ({"memory": "lots"}, ValueError, "memory"),
+        ({"memory": 0}, ValueError, "memory"),
+        ({"memory": ["1GiB"]}, ValueError, "memory"),
+        ({"memory": 1.5}, TypeError, "memory"),
+        ({"names": ["a\tb", "c"]}, ValueError, "name"),
+        ({"names": [1, 2]}, TypeError, "names"),
+        ({"context_memory": "-1MiB"}, ValueError, "context_memory"),
+        ({"process_memory": "no"}, TypeError, "process_memory"),
+        ({"pid_offset": -5}, ValueError, "pid_offset"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match), fake_gpus(**kwargs):
+        pass
+    assert state.ENV_DIR not in os.environ
+
+
+def test_bad_allocations(gpus: FakeGPUs) -> None:
+    with pytest.raises(ValueError, match="-1"):
+        device_alloc(-1, device=0)
+    with pytest.raises(TypeError, match="1.5"):
+        device_alloc(1.5, device=0)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="inside a task holding a GPU, or pass device="):
+        device_alloc(1)
+    with pytest.raises(ValueError, match="device 2 is not visible"):
+        device_alloc(1, device=2)
+    with pytest.raises(TypeError, match="device"):
+        device_alloc(1, device="0")  # type: ignore[arg-type]
+
+
+def test_device_alloc_needs_fake_gpus() -> None:
+    with pytest.raises(RuntimeError, match="fake_gpus"):
+        device_alloc(1, device=0)
