@@ -33,7 +33,13 @@ from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
 from accelsched.inventory import Grant, decide_count, owned
 from accelsched.leak import Baseline, LeakDetector, Verdict, estimate
-from accelsched.placement import FALLBACK_ANNOTATION, GPU, INVENTORY_HANDLER, RESTART_HANDLER
+from accelsched.placement import (
+    FALLBACK_ANNOTATION,
+    GPU,
+    GUARD_NAME,
+    INVENTORY_HANDLER,
+    RESTART_HANDLER,
+)
 
 if TYPE_CHECKING:
     from dask._task_spec import GraphNode
@@ -89,7 +95,7 @@ class GuardPlugin(WorkerPlugin):
     ``docs/configuration.md``) are validated here, on the client.
     """
 
-    name = "accelsched-guard"
+    name = GUARD_NAME
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(GUARD_OPTIONS, options, type(self).__name__)

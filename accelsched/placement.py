@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 GPU = "GPU"
 INVENTORY_HANDLER = "accelsched_inventory"
 RESTART_HANDLER = "accelsched_restart"
+GUARD_NAME = "accelsched-guard"
 #: How long a restart waits for the worker's executing tasks before giving up.
 DRAIN_TIMEOUT = 300.0
 #: Annotation the scheduler puts on a task that fell back (value: the reason).
@@ -137,9 +138,11 @@ class PlacementPlugin(SchedulerPlugin):
         scheduler.periodic_callbacks[_CALLBACK] = pc
         pc.start()
         self._warn_no_workers_timeout(self.policy.default)
-        # Guards already running report again now that someone listens.
-        for addr in list(scheduler.workers):
-            scheduler._ongoing_background_tasks.call_soon(self._ask_report, addr)
+        # Guards already running report again now that someone listens. (A guard
+        # registered later reports from its own setup.)
+        if GUARD_NAME in getattr(scheduler, "worker_plugins", {}):
+            for addr in list(scheduler.workers):
+                scheduler._ongoing_background_tasks.call_soon(self._ask_report, addr)
 
     async def _ask_report(self, addr: str) -> None:
         assert self.scheduler is not None

@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from accelsched.testing import FakeGPUs, fake_gpus
+
+pytest_plugins = ["distributed.utils_test"]
+
+
+@pytest.fixture
+def fake_gpus_2() -> Iterator[FakeGPUs]:
+    """Two fake 16 GiB GPUs for this process and every process it starts."""
+    with fake_gpus(count=2, memory="16GiB") as gpus:
+        yield gpus

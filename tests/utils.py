@@ -1,0 +1,30 @@
+"""Shared helpers for the cluster tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from distributed import Scheduler
+
+
+async def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.02) -> None:
+    """Poll until ``predicate()`` is truthy; fail the test with what it waited for."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {predicate.__doc__ or predicate}")
+        await asyncio.sleep(interval)
+
+
+def events(s: Scheduler, action: str | None = None) -> list[dict[str, Any]]:
+    """accelsched events on the scheduler, optionally of one action."""
+    out = [msg for _, msg in s.get_events("accelsched")]
+    return [m for m in out if action is None or m["action"] == action]
+
+
+def gpus(s: Scheduler, addr: str) -> float:
+    """The GPU count the scheduler places against for ``addr``."""
+    return s.workers[addr].resources.get("GPU", 0)
