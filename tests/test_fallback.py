@@ -1,0 +1,219 @@
+"""Timeout-based CPU fallback on real clusters (scheduler validation on)."""
+
+from __future__ import annotations
+
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Nanny
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.testing import OutOfDeviceMemory, device_alloc
+from tests.utils import events, gpus, wait_for
+
+
+def where() -> str:
+    return "gpu" if accelsched.current_device() is not None else "cpu"
+
+
+step = accelsched.dual(lambda x: ("gpu", x), lambda x: ("cpu", x))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_gpu_less_cluster_falls_back_after_timeout(c, s, a):
+    await accelsched.register(c, fallback_timeout="300ms")
+    with dask.annotate(resources={"GPU": 1}):
+        fut = c.submit(step, 1, key="x")
+    t0 = time.monotonic()
+    assert await fut == ("cpu", 1)
+    assert time.monotonic() - t0 >= 0.3
+    (e,) = events(s, "fallback")
+    assert e["key"] == "x" and e["reason"] == "timeout" and e["waited"] >= 0.3
+    assert s.tasks["x"].annotations["accelsched_fallback"] == "timeout"
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_strict_by_default_tasks_keep_waiting(c, s, a):
+    await accelsched.register(c)
+    with dask.annotate(resources={"GPU": 1}):
+        fut = c.submit(step, 1, key="strict")
+    await wait_for(lambda: "strict" in s.tasks and s.tasks["strict"].state == "no-worker")
+    await _sleep(0.8)  # several rounds of the periodic fallback check
+    assert s.tasks["strict"].state == "no-worker"
+    assert not events(s, "fallback")
+    del fut
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_task_annotation_overrides_default_both_ways(c, s, a):
+    await accelsched.register(c, fallback_timeout="200ms")
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout=None):
+        strict = c.submit(step, 1, key="strict")
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout=0):
+        eager = c.submit(step, 2, key="eager")
+    assert await eager == ("cpu", 2)
+    await _sleep(0.6)
+    assert s.tasks["strict"].state == "no-worker"
+    (e,) = events(s, "fallback")
+    assert e["key"] == "eager" and e["reason"] == "no-gpu-capacity" and e["waited"] < 0.2
+    del strict
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_plugin_strict_task_opts_in(c, s, a):
+    await accelsched.register(c)  # default: never fall back
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="100ms"):
+        fut = c.submit(step, 3, key="opt-in")
+    assert await fut == ("cpu", 3)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_invalid_annotation_errs_that_task_only(c, s, a):
+    await accelsched.register(c, fallback_timeout="100ms")
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="soon"):
+        bad = c.submit(step, 1, key="bad")
+    with dask.annotate(resources={"GPU": 1}):
+        good = c.submit(step, 2, key="good")
+    with pytest.raises(ValueError, match="'soon'"):
+        await bad
+    assert await good == ("cpu", 2)
+    assert await c.submit(lambda: 42) == 42
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
+async def test_chain_falls_back_together(c, s, a):
+    await accelsched.register(c, fallback_timeout="1s")
+
+    def inc(x: int) -> int:
+        return x + 1
+
+    t0 = time.monotonic()
+    x = 0
+    with dask.annotate(resources={"GPU": 1}):
+        fut = c.submit(inc, x, key="chain-0")
+        for i in range(1, 6):
+            fut = c.submit(inc, fut, key=f"chain-{i}")
+    assert await fut == 6
+    elapsed = time.monotonic() - t0
+    assert elapsed < 2.5, elapsed  # one timeout plus the work, not six
+    reasons = [e["reason"] for e in events(s, "fallback")]
+    assert reasons == ["timeout"] + ["chain"] * 5
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, nthreads=[], Worker=Nanny)
+async def test_gpu_worker_joining_before_timeout_wins(c, s):
+    await accelsched.register(c, fallback_timeout="20s")
+    with dask.annotate(resources={"GPU": 1}):
+        fut = c.submit(step, 1, key="late")
+    await wait_for(lambda: "late" in s.tasks and s.tasks["late"].state == "no-worker")
+    async with Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": "0"}):
+        assert await fut == ("gpu", 1)
+    assert not events(s, "fallback")
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": ""}})],
+)
+async def test_gpu_worker_killed_mid_run_falls_back(c, s, cpu):
+    await accelsched.register(c, fallback_timeout="500ms")
+    gpu_worker = await Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": "0"})
+    await wait_for(lambda: gpu_worker.worker_address in s.workers and gpus(s, gpu_worker.worker_address) == 1)
+
+    def slow(x: int) -> str:
+        time.sleep(0.5)
+        return where()
+
+    with dask.annotate(resources={"GPU": 1}):
+        futs = c.map(slow, range(4), key=[f"slow-{i}" for i in range(4)])
+    await wait_for(lambda: any(ts.state == "processing" for ts in s.tasks.values()))
+    await gpu_worker.kill()
+    await gpu_worker.close()
+    results = await c.gather(futs)
+    assert "cpu" in results
+    fell = events(s, "fallback")
+    assert fell and all(e["reason"] in ("timeout", "chain") for e in fell)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_no_workers_timeout_shorter_than_fallback_warns(c, s, a):
+    with dask.config.set({"distributed.scheduler.no-workers-timeout": "1s"}):
+        with pytest.warns(RuntimeWarning, match="no-workers-timeout"):
+            await c.register_plugin(accelsched.PlacementPlugin(fallback_timeout="5s"))
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})])
+async def test_oom_in_gpu_form_retries_cpu_form(c, s, a):
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.worker_address) == 1)
+
+    def gpu_form(n: int) -> str:
+        device_alloc(n)  # more than the device has
+        return "gpu"
+
+    oom = accelsched.dual(gpu_form, lambda n: "cpu")
+    with dask.annotate(resources={"GPU": 1}):
+        assert await c.submit(oom, 64 * 2**30, key="big") == "cpu"
+        assert await c.submit(oom, 2**20, key="small") == "gpu"
+    await wait_for(lambda: events(s, "fallback"))
+    (e,) = events(s, "fallback")
+    assert e["key"] == "big" and e["reason"] == "oom" and "OutOfDeviceMemory" in e["error"]
+
+    def other_error(n: int) -> str:
+        raise ValueError("not an OOM")
+
+    with dask.annotate(resources={"GPU": 1}), pytest.raises(ValueError, match="not an OOM"):
+        await c.submit(accelsched.dual(other_error, lambda n: "cpu"), 1, key="plain-error")
+
+
+def test_oom_exception_is_the_simulated_one() -> None:
+    assert issubclass(OutOfDeviceMemory, MemoryError)
+
+
+def normalise(block: np.ndarray) -> np.ndarray:
+    xp = accelsched.array_module()
+    b = xp.asarray(block)
+    return (b - b.mean()) / (b.std() + 1)
+
+
+def pipeline() -> da.Array:
+    x = da.arange(4000, chunks=500, dtype="f8").reshape(40, 100).rechunk((10, 100))
+    with dask.annotate(resources={"GPU": 1}):
+        y = x.map_blocks(normalise, dtype="f8")
+    return (y**2).sum(axis=1)
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 2, {"env": {"CUDA_VISIBLE_DEVICES": "0,1"}})],
+)
+async def test_array_pipeline_same_numbers_on_gpu_and_fallback(c, s, a):
+    await accelsched.register(c, fallback_timeout="200ms")
+    await wait_for(lambda: gpus(s, a.worker_address) == 2)
+    on_gpu = await c.compute(pipeline(), optimize_graph=False)
+    assert not events(s, "fallback")
+    # the GPU worker leaves; a CPU-only one takes over and everything falls back
+    async with Nanny(s.address, nthreads=2, env={"CUDA_VISIBLE_DEVICES": ""}) as cpu:
+        await c.retire_workers([a.worker_address])
+        await wait_for(lambda: list(s.workers) == [cpu.worker_address])
+        on_cpu = await c.compute(pipeline(), optimize_graph=False)
+    assert events(s, "fallback")
+    np.testing.assert_allclose(on_gpu, on_cpu)
+    expected = pipeline().compute(scheduler="sync")
+    np.testing.assert_allclose(on_gpu, expected)
