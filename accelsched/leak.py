@@ -21,11 +21,13 @@ __all__ = ["estimate", "Baseline", "LeakDetector", "Verdict"]
 def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
     """Device bytes of this process that nothing legitimate accounts for.
 
-    ``pool.cached`` is releasable and ``pool.fixed`` (an RMM pool) is reserved: both are
-    retained, not leaked. Live results come out of a fixed pool, so only the part of the
-    reservation that live results do not fill is subtracted besides them.
+    ``pool.cached`` is releasable and the free part of ``pool.fixed`` (an RMM pool) is
+    reserved: both are retained, not leaked. When the pool cannot say how much of its
+    reservation is free, live results are assumed to come out of it, so only the part
+    they do not fill counts as retained. Leaks inside a fixed pool are invisible to NVML.
     """
-    retained = pool.cached + max(0, pool.fixed - live)
+    fixed_free = pool.fixed_free if pool.fixed_free is not None else max(0, pool.fixed - live)
+    retained = pool.cached + fixed_free
     return process - baseline - live - retained
 
 
@@ -33,15 +35,17 @@ def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
 class Baseline:
     """What a process holds on a device besides its allocations: context, handles.
 
-    Measured as ``process - live - pool.held`` once a context exists, and lowered when a
-    later reading is smaller (a leak can only raise that figure). A leak in the very
-    task that created the context is therefore folded into the baseline.
+    Measured as ``process - max(pool.held, live)`` once a context exists: results
+    allocated from a known pool are inside ``pool.held`` already, results from an
+    allocator no pool reports are not. Lowered when a later reading is smaller (a leak can
+    only raise that figure), so memory allocated outside every known pool before the first
+    check (by the task that created the context, say) is folded into the baseline.
     """
 
     value: int | None = None
 
     def observe(self, process: int, live: int, pool_held: int) -> int:
-        candidate = max(0, process - live - pool_held)
+        candidate = max(0, process - max(live, pool_held))
         if self.value is None or candidate < self.value:
             self.value = candidate
         return self.value

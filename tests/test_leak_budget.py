@@ -21,18 +21,25 @@ def test_estimate_nets_out_live_results_and_caches() -> None:
 
 
 def test_estimate_fixed_pool_is_retained_not_leaked() -> None:
-    # RMM-style 8 GiB pool; results live inside it; NVML sees context + the pool
-    pool = PoolStats(held=8 * GiB, fixed=8 * GiB)
+    # RMM-style 8 GiB pool that cannot say what is free; results live inside it
+    pool = PoolStats(held=8 * GiB, fixed=8 * GiB, fixed_free=None)
     for live in (0, GiB, 8 * GiB):
         assert estimate(300 * MiB + 8 * GiB, 300 * MiB, live, pool) <= 0
     # memory allocated outside the pool is still seen
     assert estimate(300 * MiB + 9 * GiB, 300 * MiB, GiB, pool) == GiB
+    # a pool that knows its free part: results held outside it are not double counted
+    known = PoolStats(held=10 * GiB, fixed=8 * GiB, fixed_free=7 * GiB)  # 2 GiB CuPy pool beside
+    assert estimate(300 * MiB + 10 * GiB, 300 * MiB, 3 * GiB, known) == 0
+    assert estimate(300 * MiB + 10 * GiB, 300 * MiB, 2 * GiB, known) == GiB
 
 
 def test_baseline_takes_the_smallest_footprint() -> None:
     b = Baseline()
     assert b.observe(process=500 * MiB, live=0, pool_held=200 * MiB) == 300 * MiB
-    assert b.observe(process=900 * MiB, live=100 * MiB, pool_held=200 * MiB) == 300 * MiB
+    # results allocated from the pool are inside pool_held: not subtracted twice
+    assert b.observe(process=1300 * MiB, live=1000 * MiB, pool_held=1000 * MiB) == 300 * MiB
+    # results from an allocator no pool reports
+    assert Baseline().observe(process=1300 * MiB, live=1000 * MiB, pool_held=0) == 300 * MiB
     assert b.observe(process=450 * MiB, live=0, pool_held=200 * MiB) == 250 * MiB
     assert Baseline().observe(process=10, live=50, pool_held=0) == 0
 

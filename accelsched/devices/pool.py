@@ -27,15 +27,26 @@ class PoolStats:
     ``held`` is everything the pool has taken from the driver (in use + cached + a fixed
     reservation). ``cached`` is the part that :meth:`DevicePool.free_all` could return.
     ``fixed`` is a reservation that cannot shrink (an RMM pool): retained, never a leak.
+    ``fixed_free`` is the unused part of that reservation, None when the pool cannot say
+    (RMM without a statistics adaptor).
     """
 
     held: int = 0
     cached: int = 0
     fixed: int = 0
+    fixed_free: int | None = 0
 
     def __add__(self, other: PoolStats) -> PoolStats:
+        free = (
+            None
+            if self.fixed_free is None or other.fixed_free is None
+            else self.fixed_free + other.fixed_free
+        )
         return PoolStats(
-            self.held + other.held, self.cached + other.cached, self.fixed + other.fixed
+            self.held + other.held,
+            self.cached + other.cached,
+            self.fixed + other.fixed,
+            free,
         )
 
 
@@ -125,7 +136,7 @@ def _rmm_stats(device: int) -> PoolStats:
         reserved = int(size() if callable(size) else (size or 0))
     except Exception:
         reserved = 0
-    return PoolStats(held=reserved, cached=0, fixed=reserved)
+    return PoolStats(held=reserved, cached=0, fixed=reserved, fixed_free=None)
 
 
 POOLS: list[DevicePool] = [CupyPool()]

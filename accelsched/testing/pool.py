@@ -179,7 +179,12 @@ class SimulatedPool:
         dev = None if session is None else session.devices.get(device)
         if dev is None:
             return PoolStats()
-        return PoolStats(held=dev.held + dev.fixed, cached=dev.cached, fixed=dev.fixed)
+        return PoolStats(
+            held=dev.held + dev.fixed,
+            cached=dev.cached,
+            fixed=dev.fixed,
+            fixed_free=dev.fixed - dev.fixed_used,
+        )
 
     def _live(self) -> _Session | None:
         """The session of the ``fake_gpus`` now in effect, if this process used it.

@@ -1,0 +1,203 @@
+"""Device-memory guards with real nanny processes on fake GPUs.
+
+A leak here is simulated device memory (``device_alloc(..., leak=True)``) that the fake
+NVML reports for the worker's pid until the process exits, exactly as the driver reports
+a CuPy array nobody frees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import dask
+import pytest
+from distributed import Nanny
+from distributed.core import rpc
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.testing import device_alloc, fixed_pool
+from tests.utils import events, gpus, wait_for
+
+pytestmark = pytest.mark.usefixtures("fake_gpus_2")
+
+MiB = 2**20
+GiB = 2**30
+FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
+
+
+def cvd(value: str, **kw: object) -> dict:
+    return {"env": {"CUDA_VISIBLE_DEVICES": value}, **kw}
+
+
+TWO_GPU_WORKERS = [("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd("1"))]
+
+
+def leaky(i: int) -> int:
+    device_alloc(512 * MiB, leak=True)
+    return i
+
+
+def result(i: int) -> object:
+    return device_alloc(64 * MiB, value=i)
+
+
+def computed_once(s, key) -> bool:  # type: ignore[no-untyped-def]
+    return sum(1 for t in s.story(key) if t[2] == "processing") == 1
+
+
+async def verified(s, *nannies: Nanny) -> None:  # type: ignore[no-untyped-def]
+    await wait_for(lambda: all(n.worker_address in s.workers and gpus(s, n.worker_address) >= 1 for n in nannies))
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=60)
+async def test_leak_restarts_only_that_worker_and_loses_nothing(c, s, a, b):
+    await accelsched.register(c, **FAST)
+    await verified(s, a, b)
+    target = a.worker_address
+    scattered = await c.scatter({"scattered": list(range(100))}, workers=[target])
+    with dask.annotate(resources={"GPU": 1}):
+        kept = [c.submit(result, i, key=f"result-{i}", workers=[target]) for i in range(3)]
+    await c.gather(kept)
+    assert all(s.tasks[f"result-{i}"].who_has == {s.workers[target]} for i in range(3))
+    b_before = b.worker_address
+
+    with dask.annotate(resources={"GPU": 1}):
+        await c.submit(leaky, 1, key="leaky-1", workers=[target])
+    await wait_for(lambda: events(s, "restart"), timeout=30)
+    (leak,) = events(s, "leak")
+    assert leak["worker"] == target and leak["nbytes"] >= 512 * MiB and "leaky" in leak["prefixes"]
+    (restart,) = events(s, "restart")
+    assert restart["worker"] == target and restart["moved"] >= 4
+    # the restarted worker comes back, verified; its peer was never touched
+    await wait_for(lambda: len(s.workers) == 2 and all(gpus(s, w) == 1 for w in s.workers), timeout=30)
+    assert b.worker_address == b_before
+    # every result and the scattered data survived, nothing was recomputed
+    assert [r.value for r in await c.gather(kept)] == [0, 1, 2]
+    assert await scattered["scattered"] == list(range(100))
+    for i in range(3):
+        assert computed_once(s, f"result-{i}")
+        assert s.tasks[f"result-{i}"].suspicious == 0
+    await asyncio.sleep(0.5)
+    assert len(events(s, "restart")) == 1  # exactly one
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=60)
+async def test_no_false_positive_on_benign_workloads(c, s, a, b):
+    await accelsched.register(c, free_pools_every=0, **FAST)
+    await verified(s, a, b)
+
+    def big_result(i: int) -> object:
+        return device_alloc(GiB, value=i)  # held in worker memory: live, not leaked
+
+    def cached_temporaries(i: int) -> int:
+        for _ in range(3):
+            device_alloc(GiB)  # freed at once: stays in the pool's cache (no freeing)
+        return i
+
+    def rmm_style(i: int) -> int:
+        fixed_pool(4 * GiB)
+        buf = device_alloc(GiB)
+        return buf.nbytes
+
+    with dask.annotate(resources={"GPU": 1}):
+        held = c.map(big_result, range(4))
+        await c.gather(held)
+        await c.gather(c.map(cached_temporaries, range(4)))
+        await c.gather(c.map(rmm_style, range(2)))
+    await asyncio.sleep(1.0)  # ten checks
+    assert not events(s, "leak")
+    checked = await c.run(lambda dask_worker: len(dask_worker.plugins["accelsched-guard"].last_verdicts))
+    assert all(n >= 1 for n in checked.values())  # the checks did run
+    del held
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
+async def test_single_worker_is_quarantined_not_restarted(c, s, a):
+    await accelsched.register(c, **FAST)
+    await verified(s, a)
+    with dask.annotate(resources={"GPU": 1}):
+        kept = c.submit(result, 7, key="kept")
+        await kept
+        await c.submit(leaky, 1, key="leaky-1")
+    await wait_for(lambda: events(s, "restart-deferred"))
+    (deferred,) = events(s, "restart-deferred")
+    assert deferred["reason"] == "no-peer"
+    await wait_for(lambda: events(s, "quarantine"))
+    assert gpus(s, a.worker_address) == 0
+    assert (await kept).value == 7
+    assert not events(s, "restart")
+    # GPU tasks now wait (or fall back) instead of landing on the leaking worker
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout=0):
+        assert await c.submit(accelsched.current_device, key="elsewhere") is None
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=60)
+async def test_restart_budget_stops_a_storm(c, s, a, b):
+    await accelsched.register(c, max_restarts=1, restart_window="1h", **FAST)
+    await verified(s, a, b)
+    target = a.worker_address
+    with dask.annotate(resources={"GPU": 1}):
+        await c.submit(leaky, 1, key="leaky-1", workers=[target])
+    await wait_for(lambda: events(s, "restart"), timeout=30)
+    await wait_for(lambda: len(s.workers) == 2 and all(gpus(s, w) == 1 for w in s.workers), timeout=30)
+    (new,) = set(s.workers) - {b.worker_address}
+    with dask.annotate(resources={"GPU": 1}):
+        await c.submit(leaky, 2, key="leaky-2", workers=[new])
+    await wait_for(lambda: any(e.get("reason") == "restart-budget" for e in events(s, "quarantine")))
+    assert len(events(s, "restart")) == 1
+    assert gpus(s, new) == 0
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=60)
+async def test_only_a_worker_can_ask_for_its_own_restart(c, s, a, b):
+    await accelsched.register(c, **FAST)
+    await verified(s, a, b)
+    placement = s.plugins["accelsched-placement"]
+    async with rpc(s.address) as r:
+        # a stranger without the token
+        assert (await r.accelsched_restart(worker=a.worker_address, token="guess"))["status"] == "refused"
+        # another worker with its own token naming a
+        b_token = placement.tokens[b.worker_address]
+        assert (await r.accelsched_restart(worker=a.worker_address, token=b_token))["status"] == "refused"
+    await asyncio.sleep(0.3)
+    assert not events(s, "restart") and len(s.workers) == 2
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
+async def test_pools_freed_after_gpu_tasks(c, s, a):
+    await accelsched.register(c)
+    await verified(s, a)
+
+    def temporaries() -> None:
+        device_alloc(GiB)
+
+    with dask.annotate(resources={"GPU": 1}):
+        await c.submit(temporaries, key="t")
+
+    def cached() -> int:
+        from accelsched.testing import SimulatedPool
+        from accelsched.devices.pool import POOLS
+
+        (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
+        return pool.stats(0).cached
+
+    assert await c.run(cached) == {a.worker_address: 0}
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
+async def test_pools_kept_when_freeing_is_off(c, s, a):
+    await accelsched.register(c, free_pools_every=0)
+    await verified(s, a)
+
+    with dask.annotate(resources={"GPU": 1}):
+        await c.submit(lambda: device_alloc(GiB).nbytes, key="t")
+
+    def cached() -> int:
+        from accelsched.testing import SimulatedPool
+        from accelsched.devices.pool import POOLS
+
+        (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
+        return pool.stats(0).cached
+
+    assert await c.run(cached) == {a.worker_address: GiB}
