@@ -365,7 +365,7 @@ class GuardPlugin(WorkerPlugin):
             leaked = estimate(reading.nbytes, baseline, live, pool)
             threshold = self.options["leak_threshold"].resolve(dev.memory)
             verdicts.append(self.detector.check(dev.index, leaked, threshold))
-        blamed = self.detector.end_check(verdicts)
+        blamed = self.detector.end_check(verdicts, complete=not busy)
         self.last_verdicts = verdicts
         leaks = [v for v in verdicts if v.leak]
         if leaks:
@@ -404,12 +404,12 @@ class GuardPlugin(WorkerPlugin):
     # --- events -------------------------------------------------------------------------
 
     def _emit(self, action: str, **figures: Any) -> None:
-        """Send an event to the scheduler's log; safe from any thread."""
+        """Send an event to the scheduler's log (``Worker.log_event`` is thread-safe)."""
         worker = self.worker
         assert worker is not None
         msg = events.event(action, worker.contact_address, **figures)
         logger.info("accelsched %s", msg)
-        worker.loop.add_callback(worker.log_event, events.TOPIC, msg)
+        worker.log_event(events.TOPIC, msg)
 
 
 def _under_dask_cuda(worker: Worker) -> bool:

@@ -83,15 +83,15 @@ class LeakDetector:
         self._above[device] = above
         return Verdict(device, estimate, threshold, above, above >= self.confirmations)
 
-    def end_check(self, verdicts: Iterable[Verdict]) -> list[str]:
+    def end_check(self, verdicts: Iterable[Verdict], *, complete: bool = True) -> list[str]:
         """Close a round of checks; return the prefixes to blame if any device leaked.
 
-        A round with every device at or below its threshold is clean: the prefixes seen so
-        far are forgotten.
+        A complete round (no device skipped) with every device at or below its threshold
+        is clean: the prefixes seen so far are forgotten.
         """
         verdicts = list(verdicts)
         blamed = sorted(self._prefixes)
-        if all(v.above == 0 for v in verdicts):
+        if complete and all(v.above == 0 for v in verdicts):
             self._prefixes.clear()
         return blamed
 
