@@ -93,6 +93,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.invalid: dict[Any, str] = {}  # key -> why its annotation is invalid
         self.fell_back: set[Any] = set()  # keys that fell back for lack of GPUs
         self._check_soon = False
+        self._timer: Any = None  # (deadline, handle) of the next precise check
         self._warned_no_workers = False
         self.budget = RestartBudget(
             self.options["max_restarts"],
@@ -230,10 +231,13 @@ class PlacementPlugin(SchedulerPlugin):
         scheduler = self.scheduler
         if scheduler is None or not scheduler.unrunnable:
             return
+        if scheduler.plugins.get(self.name) is not self:
+            return  # replaced by a newer registration; its timers may still fire
         now = monotonic()
         stimulus_id = f"accelsched-fallback-{time()}"
         largest = max(scheduler.resources.get(GPU, {}).values(), default=0)
         recs: dict[Any, str] = {}
+        next_deadline = float("inf")
         for ts, since in list(scheduler.unrunnable.items()):
             key = ts.key
             if key in self.invalid:
@@ -242,18 +246,43 @@ class PlacementPlugin(SchedulerPlugin):
             amount = (ts.resource_restrictions or {}).get(GPU)
             if not amount:
                 continue
+            timeout = self.timeouts.get(key, self.policy.default)
             reason = self.policy.decide(
                 waited=now - since,
-                timeout=self.timeouts.get(key, self.policy.default),
+                timeout=timeout,
                 predecessor_fell_back=any(d.key in self.fell_back for d in ts.dependencies),
                 gpu_capacity=largest >= amount,
             )
             if reason is None:
+                if timeout is not None:
+                    next_deadline = min(next_deadline, since + timeout)
                 continue
             self._fall_back(ts, reason, now - since)
             recs[key] = "processing"
         if recs:
             scheduler.transitions(recs, stimulus_id=stimulus_id)
+        self._wake_at(next_deadline)
+
+    def _wake_at(self, deadline: float) -> None:
+        """Check again exactly when the next timeout expires, not at the next tick.
+
+        The periodic check stays as a safety net; this keeps fallback latency close to
+        the timeout instead of up to one ``fallback_interval`` past it.
+        """
+        scheduler = self.scheduler
+        if scheduler is None or deadline == float("inf"):
+            return
+        if self._timer is not None:
+            if self._timer[0] <= deadline:
+                return
+            scheduler.loop.remove_timeout(self._timer[1])
+        delay = max(0.0, deadline - monotonic()) + 0.001
+
+        def fire() -> None:
+            self._timer = None
+            self.check_fallback()
+
+        self._timer = (deadline, scheduler.loop.call_later(delay, fire))
 
     def _fall_back(self, ts: Any, reason: str, waited: float) -> None:
         restrictions = dict(ts.resource_restrictions)

@@ -1,0 +1,92 @@
+"""Fallback latency: how long a GPU task waits before its CPU form runs, vs its timeout.
+
+Runs a GPU-less local cluster (two worker processes, no GPUs) with the PlacementPlugin
+and submits GPU-annotated tasks with several ``fallback_timeout`` values, then a chain of
+six GPU tasks. Figures come from the ``fallback`` events (``waited``) and from wall time
+on the client. Usage::
+
+    python benchmarks/bench_fallback.py [--repeat 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import dask
+from distributed import Client, LocalCluster
+
+import accelsched
+
+TIMEOUTS = [0, 0.25, 0.5, 1.0, 2.0]
+
+
+def cpu_or_gpu(i: int) -> str:
+    return "gpu" if accelsched.current_device() is not None else "cpu"
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def measure(client: Client, timeout: float, repeat: int) -> dict[str, Any]:
+    walls, waits = [], []
+    for r in range(repeat):
+        key = f"t{timeout}-{r}-{time.monotonic_ns()}"
+        start = time.monotonic()
+        with dask.annotate(resources={"GPU": 1}, fallback_timeout=timeout):
+            assert client.submit(cpu_or_gpu, r, key=key).result() == "cpu"
+        walls.append(time.monotonic() - start)
+        (event,) = [m for _, m in client.get_events("accelsched") if m.get("key") == key]
+        waits.append(event["waited"])
+    return {
+        "timeout_s": timeout,
+        "waited_median_s": statistics.median(waits),
+        "waited_max_s": max(waits),
+        "wall_median_s": statistics.median(walls),
+        "overshoot_median_ms": (statistics.median(waits) - timeout) * 1000,
+    }
+
+
+def chain(client: Client, length: int = 6, timeout: float = 1.0) -> dict[str, Any]:
+    start = time.monotonic()
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout=timeout):
+        fut = client.submit(inc, 0, key=f"chain-0-{start}")
+        for i in range(1, length):
+            fut = client.submit(inc, fut, key=f"chain-{i}-{start}")
+    assert fut.result() == length
+    return {"length": length, "timeout_s": timeout, "wall_s": time.monotonic() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+    ) as cluster, Client(cluster) as client:
+        accelsched.register(client)  # default interval: fallback-interval 250ms
+        rows = [measure(client, t, args.repeat) for t in TIMEOUTS]
+        chained = chain(client)
+    print(f"fallback latency, {args.repeat} runs each (check interval 250 ms)")
+    print(f"{'timeout':>8} {'waited med':>11} {'waited max':>11} {'wall med':>9} {'overshoot':>10}")
+    for r in rows:
+        print(
+            f"{r['timeout_s']:>7.2f}s {r['waited_median_s']:>10.3f}s {r['waited_max_s']:>10.3f}s "
+            f"{r['wall_median_s']:>8.3f}s {r['overshoot_median_ms']:>8.0f}ms"
+        )
+    print(
+        f"chain of {chained['length']} GPU tasks, timeout {chained['timeout_s']}s: "
+        f"{chained['wall_s']:.2f}s wall"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"single": rows, "chain": chained}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
