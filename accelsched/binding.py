@@ -99,7 +99,7 @@ def wrap_task(spec: GraphNode, runner: Callable[[GraphNode, dict], Any]) -> Grap
     order = list(spec.dependencies)
 
     def run(*dep_values: Any) -> Any:
-        return runner(spec, dict(zip(order, dep_values)))
+        return runner(spec, dict(zip(order, dep_values, strict=True)))
 
     setattr(run, _RUNNER_ATTR, True)
     return Task(spec.key, run, *(TaskRef(dep) for dep in order))

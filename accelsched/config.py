@@ -69,6 +69,7 @@ def parse_optional_duration(name: str, value: Any) -> float | None:
         return None
     if value is True or not isinstance(value, (int, float, str)):
         raise _bad(name, value, "a duration like '5s', a number of seconds, or None", TypeError)
+    value_: Any
     if isinstance(value, str):
         # dask knows "m" and "minutes" but not the common "min"/"mins"
         value_ = re.sub(r"(?<=[\d\s.])mins?$", "minutes", value.strip())
@@ -210,7 +211,9 @@ PLACEMENT_OPTIONS: tuple[Option, ...] = (
 
 GUARD_OPTIONS: tuple[Option, ...] = (
     Option("advertise_undeclared", "accelsched.guard.advertise-undeclared", parse_bool),
-    Option("unrequested_gpu", "accelsched.guard.unrequested-gpu", choice("report", "fail", "ignore")),
+    Option(
+        "unrequested_gpu", "accelsched.guard.unrequested-gpu", choice("report", "fail", "ignore")
+    ),
     Option("free_pools_every", "accelsched.guard.free-pools-every", parse_count),
     Option("free_pools_above", "accelsched.guard.free-pools-above", parse_fraction),
     Option("check_interval", "accelsched.guard.check-interval", parse_positive_duration),

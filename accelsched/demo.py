@@ -157,10 +157,10 @@ def _gpus(out: TextIO) -> Iterator[int]:
 def _table(rows: list[list[str]], header: list[str], out: TextIO) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = "  ".join("-" * w for w in widths)
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)), file=out)
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)), file=out)
     print(line, file=out)
     for r in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)), file=out)
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)), file=out)
     print(file=out)
 
 
@@ -169,7 +169,11 @@ def _events(client: Client, topic: str, since: float) -> list[dict[str, Any]]:
 
 
 def _placement_table(
-    client: Client, since: float, names: dict[str, str], uuids: dict[tuple[str, int], str], out: TextIO
+    client: Client,
+    since: float,
+    names: dict[str, str],
+    uuids: dict[tuple[str, int], str],
+    out: TextIO,
 ) -> None:
     fallbacks = {}
     for e in _events(client, accelsched.events.TOPIC, since):
@@ -265,11 +269,15 @@ def run(out: TextIO = sys.stdout) -> int:
     for name in ["distributed", *logging.root.manager.loggerDict]:
         if name.startswith("distributed"):
             logging.getLogger(name).setLevel(logging.ERROR)
-    with _gpus(out) as real, SpecCluster(
-        workers=_cluster_specs(real),
-        scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
-        silence_logs=logging.CRITICAL,
-    ) as cluster, Client(cluster) as client:
+    with (
+        _gpus(out) as real,
+        SpecCluster(
+            workers=_cluster_specs(real),
+            scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
+            silence_logs=logging.CRITICAL,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         client.wait_for_workers(len(cluster.workers))
         accelsched.register(
             client,
@@ -280,10 +288,10 @@ def run(out: TextIO = sys.stdout) -> int:
         )
         t0 = 0.0
         _wait(
-            lambda: sum(
-                1 for e in _events(client, "accelsched", t0) if e["action"] == "gpu-verified"
-            )
-            >= 1 + (real != 1),
+            lambda: (
+                sum(1 for e in _events(client, "accelsched", t0) if e["action"] == "gpu-verified")
+                >= 1 + (real != 1)
+            ),
             30,
             "GPU verification",
         )
@@ -296,9 +304,12 @@ def run(out: TextIO = sys.stdout) -> int:
                 str(w.name): w.resources.get("GPU", 0) for w in dask_scheduler.workers.values()
             }
         )
-        print("GPU resource the scheduler places against: " + ", ".join(
-            f"{n}={v:g}" for n, v in sorted(resources.items())
-        ) + "\n", file=out)
+        print(
+            "GPU resource the scheduler places against: "
+            + ", ".join(f"{n}={v:g}" for n, v in sorted(resources.items()))
+            + "\n",
+            file=out,
+        )
 
         print("== 1b. A GPU pipeline: every GPU step on a verified device ==", file=out)
         t1 = time.time()
@@ -343,13 +354,9 @@ def run(out: TextIO = sys.stdout) -> int:
 
         print("== 3. GPU workers retire mid-pipeline: GPU steps fall back to CPU ==", file=out)
         t3 = time.time()
-        gpu_workers = [
-            a for a, n in _names(client).items() if n.startswith("gpu")
-        ]
+        gpu_workers = [a for a, n in _names(client).items() if n.startswith("gpu")]
         fut = client.compute(pipeline(), optimize_graph=False)
-        _wait(
-            lambda: len(_events(client, DEMO_TOPIC, t3)) >= 2, 30, "the first GPU blocks"
-        )
+        _wait(lambda: len(_events(client, DEMO_TOPIC, t3)) >= 2, 30, "the first GPU blocks")
         client.retire_workers(gpu_workers)
         fell_back = fut.result()
         _placement_table(client, t3, {**names, **_names(client)}, _uuids(client), out)

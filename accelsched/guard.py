@@ -154,7 +154,7 @@ class GuardPlugin(WorkerPlugin):
         if old is not None:
             old.stop()
         if self.visible:
-            pc = PeriodicCallback(self.check, self.options["check_interval"] * 1000)
+            pc = PeriodicCallback(self._periodic_check, self.options["check_interval"] * 1000)
             worker.periodic_callbacks[_CALLBACK] = pc
             pc.start()
 
@@ -235,13 +235,15 @@ class GuardPlugin(WorkerPlugin):
             devices = self.leases.acquire(key, amount)
             _ACTIVITY.enter()
             try:
-                with holding(Lease(
+                with holding(
+                    Lease(
                         key,
                         devices,
                         simulated=self.simulated,
                         report=self._emit,
                         oom_exceptions=self.options["oom_exceptions"],
-                    )):
+                    )
+                ):
                     try:
                         return spec(values)
                     finally:
@@ -329,8 +331,8 @@ class GuardPlugin(WorkerPlugin):
         data = worker.data
         fast = getattr(data, "fast", data)
         try:
-            value = fast[key] if key in fast else None
-        except Exception:
+            value = fast.get(key)
+        except Exception:  # a value that cannot be read back is not counted
             value = None
         held = device_nbytes(value) if value is not None else {}
         if held:
@@ -341,6 +343,9 @@ class GuardPlugin(WorkerPlugin):
     def _untrack_live(self, key: Any) -> None:
         for d, n in self.live.pop(key, {}).items():
             self.live_total[d] = self.live_total.get(d, 0) - n
+
+    def _periodic_check(self) -> None:
+        self.check()
 
     def check(self) -> list[Verdict]:
         """One leak check over this process's devices (periodic, on the event loop).

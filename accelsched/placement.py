@@ -31,10 +31,10 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 import dask.config
-from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.core import Status
-from distributed.protocol import pickle
 from distributed.comm.addressing import get_address_host
+from distributed.core import Status
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol import pickle
 from tornado.ioloop import PeriodicCallback
 
 from accelsched import events
@@ -214,10 +214,14 @@ class PlacementPlugin(SchedulerPlugin):
             self.timeouts.pop(key, None)
             self.invalid.pop(key, None)
             self.fell_back.discard(key)
-        elif finish == "no-worker" and not self._check_soon and self.scheduler is not None:
-            if key in self.invalid or self.timeouts.get(key, self.policy.default) is not None:
-                self._check_soon = True
-                self.scheduler.loop.add_callback(self.check_fallback)
+        elif (
+            finish == "no-worker"
+            and not self._check_soon
+            and self.scheduler is not None
+            and (key in self.invalid or self.timeouts.get(key, self.policy.default) is not None)
+        ):
+            self._check_soon = True
+            self.scheduler.loop.add_callback(self.check_fallback)
 
     # --- fallback -----------------------------------------------------------------------
 
@@ -236,7 +240,7 @@ class PlacementPlugin(SchedulerPlugin):
         now = monotonic()
         stimulus_id = f"accelsched-fallback-{time()}"
         largest = max(scheduler.resources.get(GPU, {}).values(), default=0)
-        recs: dict[Any, str] = {}
+        recs: dict[Any, Any] = {}
         next_deadline = float("inf")
         for ts, since in list(scheduler.unrunnable.items()):
             key = ts.key
@@ -384,9 +388,7 @@ class PlacementPlugin(SchedulerPlugin):
             return 0
         return self.granted.get(worker, 0)
 
-    def _gated_set_resources(
-        self, original: Any, worker: str, resources: dict | None
-    ) -> str:
+    def _gated_set_resources(self, original: Any, worker: str, resources: dict | None) -> str:
         """distributed's ``set_resources`` handler, with GPU clamped to the grant."""
         assert self.scheduler is not None
         ws = self.scheduler.workers.get(worker)
@@ -462,9 +464,7 @@ class PlacementPlugin(SchedulerPlugin):
             else:
                 self._defer(worker, decision.reason or "concurrency")
             return {"status": "deferred", "reason": decision.reason}
-        self.scheduler._ongoing_background_tasks.call_soon(
-            self._restart, worker, ws.nanny, reason
-        )
+        self.scheduler._ongoing_background_tasks.call_soon(self._restart, worker, ws.nanny, reason)
         return {"status": "accepted"}
 
     async def _restart(self, worker: str, budget_key: str, reason: str) -> None:

@@ -66,9 +66,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    with LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-    ) as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         accelsched.register(client)  # default interval: fallback-interval 250ms
         rows = [measure(client, t, args.repeat) for t in TIMEOUTS]
         chained = chain(client)

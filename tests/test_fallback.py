@@ -131,7 +131,9 @@ async def test_gpu_worker_joining_before_timeout_wins(c, s):
 async def test_gpu_worker_killed_mid_run_falls_back(c, s, cpu):
     await accelsched.register(c, fallback_timeout="500ms")
     gpu_worker = await Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": "0"})
-    await wait_for(lambda: gpu_worker.worker_address in s.workers and gpus(s, gpu_worker.worker_address) == 1)
+    await wait_for(
+        lambda: gpu_worker.worker_address in s.workers and gpus(s, gpu_worker.worker_address) == 1
+    )
 
     def slow(x: int) -> str:
         time.sleep(0.5)
@@ -150,13 +152,17 @@ async def test_gpu_worker_killed_mid_run_falls_back(c, s, cpu):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_no_workers_timeout_shorter_than_fallback_warns(c, s, a):
-    with dask.config.set({"distributed.scheduler.no-workers-timeout": "1s"}):
-        with pytest.warns(RuntimeWarning, match="no-workers-timeout"):
-            await c.register_plugin(accelsched.PlacementPlugin(fallback_timeout="5s"))
+    with (
+        dask.config.set({"distributed.scheduler.no-workers-timeout": "1s"}),
+        pytest.warns(RuntimeWarning, match="no-workers-timeout"),
+    ):
+        await c.register_plugin(accelsched.PlacementPlugin(fallback_timeout="5s"))
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
-@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})])
+@gen_cluster(
+    client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})]
+)
 async def test_oom_in_gpu_form_retries_cpu_form(c, s, a):
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.worker_address) == 1)

@@ -47,7 +47,11 @@ def computed_once(s, key) -> bool:  # type: ignore[no-untyped-def]
 
 
 async def verified(s, *nannies: Nanny) -> None:  # type: ignore[no-untyped-def]
-    await wait_for(lambda: all(n.worker_address in s.workers and gpus(s, n.worker_address) >= 1 for n in nannies))
+    await wait_for(
+        lambda: all(
+            n.worker_address in s.workers and gpus(s, n.worker_address) >= 1 for n in nannies
+        )
+    )
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=60)
@@ -70,7 +74,9 @@ async def test_leak_restarts_only_that_worker_and_loses_nothing(c, s, a, b):
     (restart,) = events(s, "restart")
     assert restart["worker"] == target and restart["moved"] >= 4
     # the restarted worker comes back, verified; its peer was never touched
-    await wait_for(lambda: len(s.workers) == 2 and all(gpus(s, w) == 1 for w in s.workers), timeout=30)
+    await wait_for(
+        lambda: len(s.workers) == 2 and all(gpus(s, w) == 1 for w in s.workers), timeout=30
+    )
     assert b.worker_address == b_before
     # every result and the scattered data survived, nothing was recomputed
     assert [r.value for r in await c.gather(kept)] == [0, 1, 2]
@@ -107,7 +113,9 @@ async def test_no_false_positive_on_benign_workloads(c, s, a, b):
         await c.gather(c.map(rmm_style, range(2)))
     await asyncio.sleep(1.0)  # ten checks
     assert not events(s, "leak")
-    checked = await c.run(lambda dask_worker: len(dask_worker.plugins["accelsched-guard"].last_verdicts))
+    checked = await c.run(
+        lambda dask_worker: len(dask_worker.plugins["accelsched-guard"].last_verdicts)
+    )
     assert all(n >= 1 for n in checked.values())  # the checks did run
     del held
 
@@ -140,11 +148,15 @@ async def test_restart_budget_stops_a_storm(c, s, a, b):
     with dask.annotate(resources={"GPU": 1}):
         await c.submit(leaky, 1, key="leaky-1", workers=[target])
     await wait_for(lambda: events(s, "restart"), timeout=30)
-    await wait_for(lambda: len(s.workers) == 2 and all(gpus(s, w) == 1 for w in s.workers), timeout=30)
+    await wait_for(
+        lambda: len(s.workers) == 2 and all(gpus(s, w) == 1 for w in s.workers), timeout=30
+    )
     (new,) = set(s.workers) - {b.worker_address}
     with dask.annotate(resources={"GPU": 1}):
         await c.submit(leaky, 2, key="leaky-2", workers=[new])
-    await wait_for(lambda: any(e.get("reason") == "restart-budget" for e in events(s, "quarantine")))
+    await wait_for(
+        lambda: any(e.get("reason") == "restart-budget" for e in events(s, "quarantine"))
+    )
     assert len(events(s, "restart")) == 1
     assert gpus(s, new) == 0
 
@@ -156,10 +168,14 @@ async def test_only_a_worker_can_ask_for_its_own_restart(c, s, a, b):
     placement = s.plugins["accelsched-placement"]
     async with rpc(s.address) as r:
         # a stranger without the token
-        assert (await r.accelsched_restart(worker=a.worker_address, token="guess"))["status"] == "refused"
+        assert (await r.accelsched_restart(worker=a.worker_address, token="guess"))[
+            "status"
+        ] == "refused"
         # another worker with its own token naming a
         b_token = placement.tokens[b.worker_address]
-        assert (await r.accelsched_restart(worker=a.worker_address, token=b_token))["status"] == "refused"
+        assert (await r.accelsched_restart(worker=a.worker_address, token=b_token))[
+            "status"
+        ] == "refused"
     await asyncio.sleep(0.3)
     assert not events(s, "restart") and len(s.workers) == 2
 
@@ -176,8 +192,8 @@ async def test_pools_freed_after_gpu_tasks(c, s, a):
         await c.submit(temporaries, key="t")
 
     def cached() -> int:
-        from accelsched.testing import SimulatedPool
         from accelsched.devices.pool import POOLS
+        from accelsched.testing import SimulatedPool
 
         (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
         return pool.stats(0).cached
@@ -194,8 +210,8 @@ async def test_pools_kept_when_freeing_is_off(c, s, a):
         await c.submit(lambda: device_alloc(GiB).nbytes, key="t")
 
     def cached() -> int:
-        from accelsched.testing import SimulatedPool
         from accelsched.devices.pool import POOLS
+        from accelsched.testing import SimulatedPool
 
         (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
         return pool.stats(0).cached

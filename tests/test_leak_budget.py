@@ -73,7 +73,11 @@ def test_prefixes_since_last_clean_check() -> None:
     assert d.check(0, 20, 10).above == 1
     d.reset()
     d.ran("busy")
-    assert d.end_check([], complete=False) == ["after", "busy", "leaky"]  # a skipped device: not clean
+    assert d.end_check([], complete=False) == [
+        "after",
+        "busy",
+        "leaky",
+    ]  # a skipped device: not clean
     assert d.end_check([d.check(0, 0, 10)]) == ["after", "busy", "leaky"]
     assert d.end_check([d.check(0, 0, 10)]) == []
 

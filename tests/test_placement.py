@@ -7,12 +7,11 @@ process with validation on.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import dask
 import pytest
-from distributed import Event, Nanny, Worker, wait
+from distributed import Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
@@ -60,7 +59,10 @@ async def test_undeclared_gpus_are_advertised(c, s, a):
     (e,) = events(s, "gpu-corrected")
     assert e["reason"] == "advertised" and e["declared"] is None
     (v,) = events(s, "gpu-verified")
-    assert v["devices"][0]["uuid"] == s.plugins["accelsched-placement"].inventory[a.worker_address][0]["uuid"]
+    assert (
+        v["devices"][0]["uuid"]
+        == s.plugins["accelsched-placement"].inventory[a.worker_address][0]["uuid"]
+    )
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, env("1"))])
@@ -75,12 +77,15 @@ async def test_advertising_can_be_switched_off(c, s, a):
 
 @pytest.mark.parametrize("order", ["plugins-first", "workers-first"])
 def test_registration_order_gives_the_same_result(order: str, fake_gpus_2) -> None:
-    from distributed import LocalCluster, Client
+    from distributed import Client, LocalCluster
 
     def run() -> tuple:
-        with LocalCluster(
-            n_workers=0, processes=True, dashboard_address=":0", threads_per_worker=2
-        ) as cluster, Client(cluster) as client:
+        with (
+            LocalCluster(
+                n_workers=0, processes=True, dashboard_address=":0", threads_per_worker=2
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             if order == "plugins-first":
                 accelsched.register(client)
             cluster.scale(1)
@@ -88,7 +93,9 @@ def test_registration_order_gives_the_same_result(order: str, fake_gpus_2) -> No
             if order == "workers-first":
                 accelsched.register(client)
             deadline = time.monotonic() + 15
-            while not any(m["action"] == "gpu-verified" for _, m in client.get_events("accelsched")):
+            while not any(
+                m["action"] == "gpu-verified" for _, m in client.get_events("accelsched")
+            ):
                 assert time.monotonic() < deadline, "no gpu-verified event"
                 time.sleep(0.05)
             with dask.annotate(resources={"GPU": 1}):
@@ -112,9 +119,10 @@ def test_exclusive_ownership_by_uuid(share: bool, fake_gpus_2) -> None:
     from distributed import Client, LocalCluster
 
     uuid = fake_gpus_2.uuids[1]
-    with LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster, Client(
-        cluster
-    ) as client:
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         accelsched.register(client, share_gpus=share)
         cluster.scale(0)
         first = client.sync(_start_nanny, cluster.scheduler_address, "1")
@@ -132,7 +140,9 @@ def test_exclusive_ownership_by_uuid(share: bool, fake_gpus_2) -> None:
                 assert rejected["owner"] == first.worker_address
                 assert list(rejected["uuids"]) == [uuid]
             res = client.run_on_scheduler(
-                lambda dask_scheduler: {a: w.resources["GPU"] for a, w in dask_scheduler.workers.items()}
+                lambda dask_scheduler: {
+                    a: w.resources["GPU"] for a, w in dask_scheduler.workers.items()
+                }
             )
             assert res == {first.worker_address: 1, second.worker_address: 1 if share else 0}
             # the owner leaves: the GPU is free for the next claimant
@@ -195,7 +205,9 @@ async def test_gpu_worker_joining_later_gets_waiting_tasks(c, s, a):
     await accelsched.register(c)
     with dask.annotate(resources={"GPU": 1}):
         fut = c.submit(lambda: accelsched.current_device(), key="gpu-task")
-    await wait_for(lambda: s.tasks.get("gpu-task") is not None and s.tasks["gpu-task"].state == "no-worker")
+    await wait_for(
+        lambda: s.tasks.get("gpu-task") is not None and s.tasks["gpu-task"].state == "no-worker"
+    )
     async with Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": "1"}) as late:
         assert await fut == 0
         assert s.tasks["gpu-task"].who_has == {s.workers[late.worker_address]}
@@ -245,7 +257,9 @@ async def test_unrequested_gpu_use_can_fail_the_task(c, s, a):
     await accelsched.register(c, unrequested_gpu="fail")
     await wait_for(lambda: gpus(s, a.worker_address) == 1)
     fut = c.submit(lambda: device_alloc(2**20, device=0).nbytes, key="rogue")
-    with pytest.raises(RuntimeError, match="did not ask for a GPU.*rogue|rogue.*did not ask for a GPU"):
+    with pytest.raises(
+        RuntimeError, match="did not ask for a GPU.*rogue|rogue.*did not ask for a GPU"
+    ):
         await fut
     assert events(s, "unrequested-gpu-use")[0]["failed"] is True
 

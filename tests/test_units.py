@@ -81,19 +81,27 @@ def test_registry_shared() -> None:
 
 def test_fallback_policy_numbers() -> None:
     strict = FallbackPolicy(None)
-    assert strict.decide(waited=1e9, timeout=None, predecessor_fell_back=True, gpu_capacity=False) is None
+    assert (
+        strict.decide(waited=1e9, timeout=None, predecessor_fell_back=True, gpu_capacity=False)
+        is None
+    )
     p = FallbackPolicy(5.0)
     assert p.timeout() == 5.0 and p.timeout(None) is None and p.timeout(0.0) == 0.0
     kw = dict(predecessor_fell_back=False, gpu_capacity=False)
     assert p.decide(waited=4.99, timeout=5.0, **kw) is None
     assert p.decide(waited=5.0, timeout=5.0, **kw) == TIMEOUT
     assert p.decide(waited=0.0, timeout=0.0, **kw) == NO_GPU_CAPACITY
-    assert p.decide(waited=0.0, timeout=5.0, predecessor_fell_back=True, gpu_capacity=False) == CHAIN
+    assert (
+        p.decide(waited=0.0, timeout=5.0, predecessor_fell_back=True, gpu_capacity=False) == CHAIN
+    )
     # GPU capacity came back: the successor waits its own timeout
     assert p.decide(waited=1.0, timeout=5.0, predecessor_fell_back=True, gpu_capacity=True) is None
 
 
-@pytest.mark.parametrize("value, seconds", [("500ms", 0.5), (2, 2.0), ("1min", 60.0), (0, 0.0), (None, None), (False, None)])
+@pytest.mark.parametrize(
+    "value, seconds",
+    [("500ms", 0.5), (2, 2.0), ("1min", 60.0), (0, 0.0), (None, None), (False, None)],
+)
 def test_task_timeout_parsing(value, seconds) -> None:  # type: ignore[no-untyped-def]
     assert parse_task_timeout(value) == seconds
 
@@ -145,8 +153,9 @@ def test_config_and_env_and_arguments() -> None:
     with dask.config.set({"accelsched.placement.fallback-timeout": "3s"}):
         assert accelsched.PlacementPlugin().options["fallback_timeout"] == 3.0
         assert accelsched.PlacementPlugin(fallback_timeout=None).options["fallback_timeout"] is None
-    with dask.config.set({"accelsched.guard.leak-threshold": "bad"}), pytest.raises(
-        ValueError, match="leak_threshold='bad'"
+    with (
+        dask.config.set({"accelsched.guard.leak-threshold": "bad"}),
+        pytest.raises(ValueError, match="leak_threshold='bad'"),
     ):
         accelsched.GuardPlugin()
 
@@ -158,8 +167,15 @@ def test_env_override_in_subprocess() -> None:
 
     env = dict(os.environ, DASK_ACCELSCHED__PLACEMENT__FALLBACK_TIMEOUT="750ms")
     out = subprocess.run(
-        [sys.executable, "-c", "import accelsched; print(accelsched.PlacementPlugin().options['fallback_timeout'])"],
-        env=env, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import accelsched; print(accelsched.PlacementPlugin().options['fallback_timeout'])",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == "0.75"
 
@@ -167,8 +183,14 @@ def test_env_override_in_subprocess() -> None:
 def test_thresholds() -> None:
     opts = resolve_options(GUARD_OPTIONS, {"leak_threshold": "1GiB"}, "G")
     assert opts["leak_threshold"] == Threshold(nbytes=2**30)
-    assert resolve_options(GUARD_OPTIONS, {"leak_threshold": 0.25}, "G")["leak_threshold"].resolve(400) == 100
-    assert resolve_options(GUARD_OPTIONS, {"leak_threshold": 4096}, "G")["leak_threshold"].resolve(1) == 4096
+    assert (
+        resolve_options(GUARD_OPTIONS, {"leak_threshold": 0.25}, "G")["leak_threshold"].resolve(400)
+        == 100
+    )
+    assert (
+        resolve_options(GUARD_OPTIONS, {"leak_threshold": 4096}, "G")["leak_threshold"].resolve(1)
+        == 4096
+    )
     for bad in (0, 1.5, "lots", None):
         with pytest.raises((ValueError, TypeError), match="leak_threshold"):
             resolve_options(GUARD_OPTIONS, {"leak_threshold": bad}, "G")

@@ -9,13 +9,17 @@ from typing import Any
 from distributed import Scheduler
 
 
-async def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.02) -> None:
+async def wait_for(
+    predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.02
+) -> None:
     """Poll until ``predicate()`` is truthy; fail the test with what it waited for."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
         if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {predicate.__doc__ or predicate}")
+            raise AssertionError(
+                f"timed out after {timeout}s waiting for {predicate.__doc__ or predicate}"
+            )
         await asyncio.sleep(interval)
 
 

@@ -125,13 +125,11 @@ class CupyPool:
 
 def _rmm_stats(device: int) -> PoolStats:
     """RMM's pool is reserved up front and cannot shrink: all of it counts as fixed."""
-    rmm = sys.modules.get("rmm")
-    if rmm is None:
+    mr = sys.modules.get("rmm.mr")
+    if mr is None:
         return PoolStats()
     try:
-        import rmm.statistics  # noqa: F401  (only when rmm is already imported)
-
-        resource = rmm.mr.get_per_device_resource(device)
+        resource = mr.get_per_device_resource(device)
         size = getattr(resource, "pool_size", None)
         reserved = int(size() if callable(size) else (size or 0))
     except Exception:
