@@ -217,3 +217,41 @@ async def test_pools_kept_when_freeing_is_off(c, s, a):
         return pool.stats(0).cached
 
     assert await c.run(cached) == {a.worker_address: GiB}
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
+async def test_deferred_restart_happens_once_a_peer_joins(c, s, a):
+    await accelsched.register(c, **FAST)
+    await verified(s, a)
+    with dask.annotate(resources={"GPU": 1}):
+        kept = c.submit(result, 3, key="kept")
+        await kept
+        await c.submit(leaky, 1, key="leaky-1")
+    await wait_for(lambda: events(s, "restart-deferred"))
+    async with Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": "1"}) as peer:
+        await wait_for(lambda: events(s, "restart"), timeout=30)
+        (restart,) = events(s, "restart")
+        assert restart["worker"] == a.worker_address
+        assert (await kept).value == 3
+        assert computed_once(s, "kept")
+        await wait_for(lambda: len(s.workers) == 2 and all(gpus(s, w) == 1 for w in s.workers))
+        assert peer.worker_address in s.workers
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
+async def test_pools_freed_only_above_a_fraction(c, s, a):
+    await accelsched.register(c, free_pools_above=0.25)  # 4 GiB of the 16 GiB device
+    await verified(s, a)
+
+    def cached() -> int:
+        from accelsched.devices.pool import POOLS
+        from accelsched.testing import SimulatedPool
+
+        (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
+        return pool.stats(0).cached
+
+    with dask.annotate(resources={"GPU": 1}):
+        await c.submit(lambda: device_alloc(GiB).nbytes, key="small")
+        assert await c.run(cached) == {a.worker_address: GiB}  # 1 GiB used: kept
+        await c.submit(lambda: device_alloc(5 * GiB).nbytes, key="big")
+        assert await c.run(cached) == {a.worker_address: 0}  # 6 GiB used: freed

@@ -283,3 +283,24 @@ async def test_guard_without_placement_still_corrects(c, s, a):
         await c.register_plugin(accelsched.GuardPlugin())
     assert a.state.total_resources["GPU"] == 1
     assert gpus(s, a.address) == 1
+
+
+class _DaskCudaPlugin:
+    """Stands in for one of dask-cuda's worker plugins (dask-cuda itself pins an older
+    distributed than this suite runs, so it cannot be installed beside it): the guard
+    recognises dask-cuda workers by their plugins' module."""
+
+    __module__ = "dask_cuda.plugins"
+
+
+def test_dask_cuda_workers_own_their_first_visible_device(monkeypatch) -> None:
+    import sys
+    import types
+
+    from accelsched.guard import _under_dask_cuda
+
+    worker = types.SimpleNamespace(plugins={"cpu-affinity": _DaskCudaPlugin()})
+    assert not _under_dask_cuda(worker)  # type: ignore[arg-type]  # dask_cuda not imported
+    monkeypatch.setitem(sys.modules, "dask_cuda", types.ModuleType("dask_cuda"))
+    assert _under_dask_cuda(worker)  # type: ignore[arg-type]
+    assert not _under_dask_cuda(types.SimpleNamespace(plugins={"x": object()}))  # type: ignore[arg-type]
