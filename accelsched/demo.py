@@ -265,19 +265,43 @@ def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 # --- phases -------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _cluster(real: int, out: TextIO) -> Iterator[SpecCluster]:
+    """Real GPUs through dask-cuda when it is installed; plain nannies otherwise."""
+    specs = _cluster_specs(real)
+    local_cuda_cluster: Any = None
+    if real:
+        with contextlib.suppress(ImportError):
+            import dask_cuda
+
+            local_cuda_cluster = dask_cuda.LocalCUDACluster
+    if local_cuda_cluster is not None:
+        print("Starting the GPU workers with dask-cuda (LocalCUDACluster).", file=out)
+        # dask-cuda gives every worker all GPUs in rotated order; each owns its first.
+        with local_cuda_cluster(
+            n_workers=min(real, 2),
+            threads_per_worker=2,
+            resources={"GPU": 2},  # mis-declared on purpose: each owns one
+            dashboard_address=":0",
+            silence_logs=logging.CRITICAL,
+        ) as cluster:
+            cluster.worker_spec["cpu"] = specs["cpu"]
+            cluster.sync(cluster._correct_state)
+            yield cluster
+        return
+    with SpecCluster(
+        workers=specs,
+        scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
+        silence_logs=logging.CRITICAL,
+    ) as cluster:
+        yield cluster
+
+
 def run(out: TextIO = sys.stdout) -> int:
     for name in ["distributed", *logging.root.manager.loggerDict]:
         if name.startswith("distributed"):
             logging.getLogger(name).setLevel(logging.ERROR)
-    with (
-        _gpus(out) as real,
-        SpecCluster(
-            workers=_cluster_specs(real),
-            scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
-            silence_logs=logging.CRITICAL,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with _gpus(out) as real, _cluster(real, out) as cluster, Client(cluster) as client:
         client.wait_for_workers(len(cluster.workers))
         accelsched.register(
             client,
@@ -354,7 +378,7 @@ def run(out: TextIO = sys.stdout) -> int:
 
         print("== 3. GPU workers retire mid-pipeline: GPU steps fall back to CPU ==", file=out)
         t3 = time.time()
-        gpu_workers = [a for a, n in _names(client).items() if n.startswith("gpu")]
+        gpu_workers = sorted({w for w, _ in _uuids(client)} & set(_names(client)))
         fut = client.compute(pipeline(), optimize_graph=False)
         _wait(lambda: len(_events(client, DEMO_TOPIC, t3)) >= 2, 30, "the first GPU blocks")
         client.retire_workers(gpu_workers)
