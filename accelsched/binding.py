@@ -53,16 +53,18 @@ class LeaseTable:
         n = devices_needed(amount)
         share = amount / n if n else 0.0
         with self._lock:
-            free = sorted(
-                (d for d in self._devices if self._load[d] + share <= 1.0 + 1e-9),
-                key=lambda d: (self._load[d], d),
-            )
-            if len(free) < n:
+            by_load = sorted(self._devices, key=lambda d: (self._load[d], d))
+            # Whole devices: the worker's resource count guarantees enough are idle.
+            # Fractions (0.4, 1.5, ...) need not tile a device: least busy first, sharing
+            # beyond one device's worth when the worker runs that many.
+            idle = [d for d in by_load if self._load[d] == 0]
+            candidates = idle if share >= 1.0 else by_load
+            if len(candidates) < n:
                 raise NoFreeDevice(
-                    f"task {key!r} needs {n} device(s) but only {len(free)} of "
+                    f"task {key!r} needs {n} device(s) but only {len(candidates)} of "
                     f"{self._devices} are free; busy: {self.holders()}"
                 )
-            chosen = tuple(free[:n])
+            chosen = tuple(candidates[:n])
             for d in chosen:
                 self._load[d] += share
             self._held[key] = (chosen, share)

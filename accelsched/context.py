@@ -13,7 +13,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["Lease", "current_device", "current_lease", "array_module", "holding"]
+__all__ = [
+    "Lease",
+    "current_device",
+    "current_lease",
+    "array_module",
+    "holding",
+    "released",
+    "using_device",
+]
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,28 @@ def holding(lease: Lease) -> Iterator[Lease]:
         yield lease
     finally:
         _local.lease = previous
+        if restore is not None:
+            restore()
+
+
+@contextmanager
+def released() -> Iterator[None]:
+    """Run host code inside a GPU task as if it held no GPU (``dual``'s OOM retry)."""
+    previous = current_lease()
+    _local.lease = None
+    try:
+        yield
+    finally:
+        _local.lease = previous
+
+
+@contextmanager
+def using_device(device: int, *, simulated: bool) -> Iterator[None]:
+    """Make ``device`` CUDA's current one in this thread for a moment (real GPUs only)."""
+    restore = None if simulated else _use_cuda_device(device)
+    try:
+        yield
+    finally:
         if restore is not None:
             restore()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from accelsched.context import current_lease
+from accelsched.context import current_lease, released
 
 __all__ = ["dual", "Dual"]
 
@@ -51,7 +51,8 @@ class Dual(Generic[R]):
                     reason="oom",
                     error=f"{type(exc).__name__}: {exc}",
                 )
-        return self.cpu_fn(*args, **kwargs)
+        with released():  # the CPU form sees no GPU: array_module() is numpy
+            return self.cpu_fn(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Dual, (self.gpu_fn, self.cpu_fn))

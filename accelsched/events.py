@@ -4,36 +4,41 @@ Events are the single record of what accelsched decided: tests, the demo and the
 them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` (below),
 ``"worker"`` (an address, when one is concerned) and the figures that explain it.
 
-``gpu-verified``
+``gpu-verified`` (scheduler)
     A worker's GuardPlugin probed its devices through NVML and the scheduler granted them.
     ``devices``: list of ``{"index", "uuid", "name", "memory"}``; ``granted``: GPU count.
-``gpu-corrected``
-    The GPU count a worker declared differs from what it owns. ``declared``, ``granted``,
-    ``reason`` (``"fewer-devices"``, ``"no-devices"``, ``"advertised"``, ``"shared"``).
-``gpu-rejected``
-    Devices a worker claimed were refused. ``uuids``, ``reason`` (``"owned"``: another
-    worker owns them, named in ``owner``; ``"unverified"``: no inventory reported).
-``unrequested-gpu-use``
+``gpu-corrected`` (scheduler)
+    The GPU count a worker declared differs from what it was granted. ``declared``,
+    ``granted``, ``reason`` (``"fewer-devices"``, ``"no-devices"``, ``"advertised"``, or
+    ``"owned"`` when another worker owns some of its GPUs).
+``gpu-rejected`` (scheduler)
+    GPUs a worker claimed were refused because another worker owns them. ``uuids``,
+    ``reason`` (``"owned"``), ``owner`` (the owner's address, or a list of them).
+``unrequested-gpu-use`` (worker)
     A task that did not ask for a GPU created a CUDA context or grew its process's device
     memory. ``key``, ``device``, ``nbytes``, ``context_created``, ``failed``.
-``fallback``
+``fallback`` (scheduler; worker for ``oom``)
     A GPU task runs its CPU form. ``key``, ``waited`` (seconds), ``reason``
-    (``"timeout"``, ``"no-gpu-capacity"``, ``"chain"``, ``"oom"``).
-``leak``
+    (``"timeout"``, ``"no-gpu-capacity"``, ``"chain"``, ``"oom"``); ``error`` for ``oom``.
+``leak`` (worker)
     A worker's device memory, net of live results and pool caches, stayed above the
-    threshold. ``device``, ``nbytes``, ``threshold``, ``prefixes`` (task prefixes run since
-    the last clean check).
-``restart``
-    A worker was retired (its data moved to peers) and restarted through its nanny.
-    ``reason``, ``moved`` (keys moved), ``seconds``.
-``restart-deferred``
-    A restart was wanted but cannot happen without loss now. ``reason``
-    (``"no-peer"``, ``"no-nanny"``, ``"retire-failed"``, ``"concurrency"``).
-``quarantine``
-    A worker's GPUs are taken out of placement (GPU resource 0). ``reason``,
-    ``released`` (True when the quarantine ends).
-``gpu-unhealthy``
-    A device that was verified stopped answering NVML. ``device``, ``error``.
+    threshold. ``device``, ``nbytes``, ``threshold``, ``checks`` (consecutive checks
+    above it), ``prefixes`` (task prefixes run since the last clean check). Reported
+    once per leak (again only if it grows by another threshold).
+``restart`` (scheduler)
+    A worker was drained, retired (its data moved to peers) and restarted through its
+    nanny. ``reason``, ``moved`` (keys it held), ``seconds`` (request to restart).
+``restart-deferred`` (scheduler)
+    A restart was wanted but cannot happen without loss now; the worker is quarantined
+    and the guard asks again at its next confirmed leak. ``reason`` (``"no-peer"``,
+    ``"no-nanny"``, ``"busy"``, ``"retire-failed"``, ``"concurrency"``,
+    ``"restart-failed: ..."``). Said once per reason.
+``quarantine`` (scheduler)
+    A worker's GPUs are taken out of placement (its GPU resource is 0) until it restarts
+    or leaves. ``reason`` (``"restart-budget"`` or ``"restart-deferred: ..."``).
+``gpu-unhealthy`` (worker)
+    A verified device stopped answering NVML; the worker stops advertising it.
+    ``device``, ``uuid``, ``error``.
 """
 
 from __future__ import annotations

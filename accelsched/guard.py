@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -27,7 +28,7 @@ from tornado.ioloop import PeriodicCallback
 from accelsched import events
 from accelsched.binding import LeaseTable, wrap_task
 from accelsched.config import GUARD_OPTIONS, resolve_options
-from accelsched.context import Lease, holding
+from accelsched.context import Lease, holding, using_device
 from accelsched.devices.arrays import device_nbytes, to_host
 from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
@@ -116,8 +117,9 @@ class GuardPlugin(WorkerPlugin):
         self.live_total: dict[int, int] = {}  # device -> bytes of live results
         self.baselines: dict[int, Baseline] = {}
         self.detector = LeakDetector(self.options["leak_confirmations"])
-        self.gpu_tasks = 0
+        self._gpu_task_count = itertools.count(1)  # next() is atomic across threads
         self.restart_pending = False
+        self.reported_leaks: dict[int, int] = {}  # device -> bytes already reported
         self.last_verdicts: list[Verdict] = []
 
     def __getstate__(self) -> dict[str, Any]:
@@ -257,13 +259,14 @@ class GuardPlugin(WorkerPlugin):
     def _fallback_runner(self, key: Any):  # type: ignore[no-untyped-def]
         """A fallen-back task: its device-array inputs are copied to the host first.
 
-        Only possible where CuPy is installed; elsewhere such inputs cannot even be
-        deserialized (see docs/fallback.md).
+        Only possible on a worker that could receive them, one with CuPy and a GPU;
+        elsewhere such inputs cannot even be deserialized (see docs/fallback.md).
         """
-        watch = self._watch_runner(key)
+        watching = self.options["unrequested_gpu"] != "ignore"
+        inner = self._watch_runner(key) if watching else (lambda spec, values: spec(values))
 
         def run(spec: GraphNode, values: dict) -> Any:
-            return watch(spec, {k: to_host(v) for k, v in values.items()})
+            return inner(spec, {k: to_host(v) for k, v in values.items()})
 
         return run
 
@@ -313,8 +316,7 @@ class GuardPlugin(WorkerPlugin):
     def _after_gpu_task(self, devices: tuple[int, ...]) -> None:
         """Free the pools every ``free_pools_every`` GPU tasks (in the task's thread)."""
         every = self.options["free_pools_every"]
-        self.gpu_tasks += 1
-        if not every or self.gpu_tasks % every:
+        if not every or next(self._gpu_task_count) % every:
             return
         above = self.options["free_pools_above"]
         if above > 0:
@@ -322,8 +324,12 @@ class GuardPlugin(WorkerPlugin):
             fractions = [self.monitor.used(d) / self.monitor.device(d).memory for d in devices]
             if max(fractions, default=0) <= above:
                 return
-        for pool in active_pools():
-            pool.free_all()
+        pools = active_pools()
+        # CuPy frees the current device's pool: visit each device the task held
+        for device in devices:
+            with using_device(device, simulated=self.simulated):
+                for pool in pools:
+                    pool.free_all()
 
     def _track_live(self, key: Any) -> None:
         worker = self.worker
@@ -357,10 +363,14 @@ class GuardPlugin(WorkerPlugin):
         busy = {d for devices in self.leases.holders().values() for d in devices}
         pools = active_pools()
         verdicts: list[Verdict] = []
-        for dev in self.visible:
+        for dev in self.owned:
             if dev.index in busy:
                 continue
-            reading = self.monitor.process_memory(dev.index)
+            try:
+                reading = self.monitor.process_memory(dev.index)
+            except Exception as exc:  # NVMLError: the device stopped answering
+                self._unhealthy(dev, exc)
+                continue
             if reading.has_context is False:
                 continue
             pool = sum((p.stats(dev.index) for p in pools), PoolStats())
@@ -375,6 +385,11 @@ class GuardPlugin(WorkerPlugin):
         leaks = [v for v in verdicts if v.leak]
         if leaks:
             for v in leaks:
+                # While a restart is deferred the leak is confirmed again and again; say
+                # so once, and again only if it grew by another threshold's worth.
+                if v.estimate - self.reported_leaks.get(v.device, -v.threshold) < v.threshold:
+                    continue
+                self.reported_leaks[v.device] = v.estimate
                 self._emit(
                     events.LEAK,
                     device=v.device,
@@ -389,6 +404,17 @@ class GuardPlugin(WorkerPlugin):
                 self.restart_pending = True
                 self.worker.loop.add_callback(self._request_restart, leaks)
         return verdicts
+
+    def _unhealthy(self, dev: DeviceInfo, exc: BaseException) -> None:
+        """A verified device stopped answering NVML: stop placing GPU tasks on it."""
+        if dev not in self.devices:
+            return
+        self.devices = [d for d in self.devices if d != dev]
+        self.leases.set_devices([d.index for d in self.devices])
+        self._emit(events.GPU_UNHEALTHY, device=dev.index, uuid=dev.uuid, error=repr(exc))
+        worker = self.worker
+        assert worker is not None
+        worker.loop.add_callback(worker.set_resources, **{GPU: len(self.devices)})
 
     async def _request_restart(self, leaks: list[Verdict]) -> None:
         worker = self.worker

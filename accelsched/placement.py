@@ -101,6 +101,7 @@ class PlacementPlugin(SchedulerPlugin):
             self.options["max_concurrent_restarts"],
         )
         self.quarantined: dict[str, str] = {}  # worker -> reason
+        self.refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
         self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
 
     def __getstate__(self) -> dict[str, Any]:
@@ -162,8 +163,16 @@ class PlacementPlugin(SchedulerPlugin):
         self._set_gpu(ws, self.granted.get(worker, 0))
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
-        """Free the worker's GPUs for the next claimant and forget its grant."""
-        self.registry.release(worker)
+        """Free the worker's GPUs for the next claimant and forget its grant.
+
+        Workers that were refused one of those GPUs are asked to report again, so a GPU
+        whose owner left does not sit unused.
+        """
+        freed = set(self.registry.release(worker))
+        self.refused.pop(worker, None)
+        for other, uuids in list(self.refused.items()):
+            if uuids & freed and other in scheduler.workers:
+                scheduler._ongoing_background_tasks.call_soon(self._ask_report, other)
         self.inventory.pop(worker, None)
         self.granted.pop(worker, None)
         self.tokens.pop(worker, None)
@@ -347,11 +356,16 @@ class PlacementPlugin(SchedulerPlugin):
             return {"status": "unknown-worker"}
         wanted = devices[:requested]
         previous = self.inventory.get(worker)
-        if previous is not None and [d["uuid"] for d in previous] == [d["uuid"] for d in wanted]:
+        if (
+            previous is not None
+            and [d["uuid"] for d in previous] == [d["uuid"] for d in wanted]
+            and not self.refused.get(worker)
+        ):
             return self._grant_reply(worker)
         granted_uuids, refused = self.registry.claim(worker, [d["uuid"] for d in wanted])
         granted = [d for d in wanted if d["uuid"] in granted_uuids]
         self.inventory[worker] = granted
+        self.refused[worker] = set(refused)
         self.granted[worker] = len(granted)
         self.tokens.setdefault(worker, secrets.token_hex(16))
         if granted:
@@ -458,6 +472,8 @@ class PlacementPlugin(SchedulerPlugin):
             self._defer(worker, "no-peer")
             return {"status": "deferred", "reason": "no-peer"}
         decision = self.budget.request(ws.nanny, monotonic())
+        if decision.reason == "in-flight":
+            return {"status": "in-flight"}  # its restart is under way: nothing to do
         if not decision.allowed:
             if decision.reason == "budget":
                 self._quarantine(worker, "restart-budget")
@@ -513,6 +529,7 @@ class PlacementPlugin(SchedulerPlugin):
                     seconds=round(monotonic() - start, 3),
                 )
             else:
+                self._resume(ws, stimulus_id)
                 self._defer(worker, f"restart-failed: {result.get(worker)}")
         finally:
             self.budget.done(budget_key, counted=restarted)
@@ -542,7 +559,7 @@ class PlacementPlugin(SchedulerPlugin):
             return
         self.quarantined[worker] = reason
         self._set_gpu(ws, 0)
-        self._emit(events.QUARANTINE, worker, reason=reason, released=False)
+        self._emit(events.QUARANTINE, worker, reason=reason)
 
     # --- events -------------------------------------------------------------------------
 

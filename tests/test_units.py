@@ -128,6 +128,10 @@ def test_lease_table_distinct_devices_and_fractions() -> None:
     assert t.acquire("h2", 0.5) == (1,)  # least busy first
     assert t.acquire("h3", 0.5) == (0,)
     assert len(t) == 3
+    # fractions that do not tile a device never fail: 5 x 0.4 on two devices
+    f = LeaseTable([0, 1])
+    assert [f.acquire(i, 0.4) for i in range(5)] == [(0,), (1,), (0,), (1,), (0,)]
+    assert f.acquire("x", 1.5) == (1, 0)
 
 
 def test_options_validated_at_construction() -> None:

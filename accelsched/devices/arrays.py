@@ -26,6 +26,25 @@ def _already_host(obj: Any) -> Any:
     return obj
 
 
+@to_host.register((list, tuple))
+def _host_sequence(obj: Any) -> Any:
+    return type(obj)(to_host(item) for item in obj)
+
+
+@to_host.register(dict)
+def _host_mapping(obj: dict) -> dict:
+    return {k: to_host(v) for k, v in obj.items()}
+
+
+@to_host.register_lazy("cupy")
+def _register_cupy_to_host() -> None:
+    import cupy
+
+    @to_host.register(cupy.ndarray)
+    def _cupy_to_host(arr: Any) -> Any:
+        return cupy.asnumpy(arr)
+
+
 @device_nbytes.register(object)
 def _host_only(obj: Any) -> dict[int, int]:
     return {}
@@ -48,10 +67,6 @@ def _mapping(obj: dict) -> dict[int, int]:
 @device_nbytes.register_lazy("cupy")
 def _register_cupy() -> None:
     import cupy
-
-    @to_host.register(cupy.ndarray)
-    def _cupy_to_host(arr: Any) -> Any:
-        return cupy.asnumpy(arr)
 
     @device_nbytes.register(cupy.ndarray)
     def _cupy_array(arr: Any) -> dict[int, int]:
