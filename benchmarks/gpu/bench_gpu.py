@@ -245,7 +245,7 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
         g = GuardPlugin(**options)
         g.monitor = dev.monitor
         g.visible = dev.monitor.devices()
-        g.devices = list(g.visible)
+        g.owned = g.devices = list(g.visible)
         g.simulated = fake
         g.leases.set_devices([d.index for d in g.devices])
         g._emit = _no_event  # type: ignore[method-assign]
@@ -275,8 +275,9 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     dev.context()
     g = GuardPlugin(leak_threshold="64GiB", restart_on_leak=False)
     g.monitor = dev.monitor
-    g.visible = dev.monitor.devices()
+    g.visible = g.owned = dev.monitor.devices()
     g._emit = _no_event  # type: ignore[method-assign]
+    assert g.check(), "the check looked at no device"
     return {"check_one_device": per_call_us(g.check, 200 if quick else 1000)}
 
 
