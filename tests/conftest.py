@@ -2,11 +2,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import dask
 import pytest
 
 from accelsched.testing import FakeGPUs, fake_gpus
 
 pytest_plugins = ["distributed.utils_test"]
+
+# As the docs ask of users: low-level fusion would drop dask.annotate(resources=...).
+dask.config.set({"optimization.fuse.active": False})
 
 
 @pytest.fixture

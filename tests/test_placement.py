@@ -304,3 +304,12 @@ def test_dask_cuda_workers_own_their_first_visible_device(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "dask_cuda", types.ModuleType("dask_cuda"))
     assert _under_dask_cuda(worker)  # type: ignore[arg-type]
     assert not _under_dask_cuda(types.SimpleNamespace(plugins={"x": object()}))  # type: ignore[arg-type]
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_register_warns_when_fusion_would_drop_annotations(c, s):
+    with (
+        dask.config.set({"optimization.fuse.active": None}),
+        pytest.warns(UserWarning, match="optimization.fuse.active"),
+    ):
+        await accelsched.register(c)
