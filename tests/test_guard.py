@@ -42,6 +42,27 @@ def result(i: int) -> object:
     return device_alloc(64 * MiB, value=i)
 
 
+def cached_on_device_0() -> int:
+    """Bytes the simulated pool of this worker process caches on CUDA device 0."""
+    from accelsched.devices.pool import POOLS
+    from accelsched.testing import SimulatedPool
+
+    (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
+    return pool.stats(0).cached
+
+
+async def leak_on_only_worker(c, s, a, value: int):  # type: ignore[no-untyped-def]
+    """Keep a result on the only worker, leak there, wait for the deferral; the result."""
+    await accelsched.register(c, **FAST)
+    await verified(s, a)
+    with dask.annotate(resources={"GPU": 1}):
+        kept = c.submit(result, value, key="kept")
+        await kept
+        await c.submit(leaky, 1, key="leaky-1")
+    await wait_for(lambda: events(s, "restart-deferred"))
+    return kept
+
+
 def computed_once(s, key) -> bool:  # type: ignore[no-untyped-def]
     return sum(1 for t in s.story(key) if t[2] == "processing") == 1
 
@@ -122,13 +143,7 @@ async def test_no_false_positive_on_benign_workloads(c, s, a, b):
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
 async def test_single_worker_is_quarantined_not_restarted(c, s, a):
-    await accelsched.register(c, **FAST)
-    await verified(s, a)
-    with dask.annotate(resources={"GPU": 1}):
-        kept = c.submit(result, 7, key="kept")
-        await kept
-        await c.submit(leaky, 1, key="leaky-1")
-    await wait_for(lambda: events(s, "restart-deferred"))
+    kept = await leak_on_only_worker(c, s, a, 7)
     (deferred,) = events(s, "restart-deferred")
     assert deferred["reason"] == "no-peer"
     await wait_for(lambda: events(s, "quarantine"))
@@ -191,14 +206,7 @@ async def test_pools_freed_after_gpu_tasks(c, s, a):
     with dask.annotate(resources={"GPU": 1}):
         await c.submit(temporaries, key="t")
 
-    def cached() -> int:
-        from accelsched.devices.pool import POOLS
-        from accelsched.testing import SimulatedPool
-
-        (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
-        return pool.stats(0).cached
-
-    assert await c.run(cached) == {a.worker_address: 0}
+    assert await c.run(cached_on_device_0) == {a.worker_address: 0}
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
@@ -209,25 +217,12 @@ async def test_pools_kept_when_freeing_is_off(c, s, a):
     with dask.annotate(resources={"GPU": 1}):
         await c.submit(lambda: device_alloc(GiB).nbytes, key="t")
 
-    def cached() -> int:
-        from accelsched.devices.pool import POOLS
-        from accelsched.testing import SimulatedPool
-
-        (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
-        return pool.stats(0).cached
-
-    assert await c.run(cached) == {a.worker_address: GiB}
+    assert await c.run(cached_on_device_0) == {a.worker_address: GiB}
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
 async def test_deferred_restart_happens_once_a_peer_joins(c, s, a):
-    await accelsched.register(c, **FAST)
-    await verified(s, a)
-    with dask.annotate(resources={"GPU": 1}):
-        kept = c.submit(result, 3, key="kept")
-        await kept
-        await c.submit(leaky, 1, key="leaky-1")
-    await wait_for(lambda: events(s, "restart-deferred"))
+    kept = await leak_on_only_worker(c, s, a, 3)
     async with Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": "1"}) as peer:
         await wait_for(lambda: events(s, "restart"), timeout=30)
         (restart,) = events(s, "restart")
@@ -243,15 +238,8 @@ async def test_pools_freed_only_above_a_fraction(c, s, a):
     await accelsched.register(c, free_pools_above=0.25)  # 4 GiB of the 16 GiB device
     await verified(s, a)
 
-    def cached() -> int:
-        from accelsched.devices.pool import POOLS
-        from accelsched.testing import SimulatedPool
-
-        (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
-        return pool.stats(0).cached
-
     with dask.annotate(resources={"GPU": 1}):
         await c.submit(lambda: device_alloc(GiB).nbytes, key="small")
-        assert await c.run(cached) == {a.worker_address: GiB}  # 1 GiB used: kept
+        assert await c.run(cached_on_device_0) == {a.worker_address: GiB}  # 1 GiB used: kept
         await c.submit(lambda: device_alloc(5 * GiB).nbytes, key="big")
-        assert await c.run(cached) == {a.worker_address: 0}  # 6 GiB used: freed
+        assert await c.run(cached_on_device_0) == {a.worker_address: 0}  # 6 GiB used: freed
