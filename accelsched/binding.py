@@ -54,11 +54,17 @@ class LeaseTable:
         share = amount / n if n else 0.0
         with self._lock:
             by_load = sorted(self._devices, key=lambda d: (self._load[d], d))
-            # Whole devices: the worker's resource count guarantees enough are idle.
-            # Fractions (0.4, 1.5, ...) need not tile a device: least busy first, sharing
-            # beyond one device's worth when the worker runs that many.
-            idle = [d for d in by_load if self._load[d] == 0]
-            candidates = idle if share >= 1.0 else by_load
+            if share >= 1.0:
+                # whole devices: the worker's resource count guarantees enough are idle
+                candidates = [d for d in by_load if self._load[d] == 0]
+            else:
+                # fractions pack onto the fullest device they fit (best fit), keeping
+                # whole devices idle for whole-device tasks; amounts that do not tile a
+                # device (0.4, 1.5) go to the least busy when nothing fits
+                fits = [d for d in by_load if self._load[d] > 0 and self._load[d] + share <= 1]
+                candidates = sorted(fits, key=lambda d: -self._load[d]) + [
+                    d for d in by_load if d not in fits
+                ]
             if len(candidates) < n:
                 raise NoFreeDevice(
                     f"task {key!r} needs {n} device(s) but only {len(candidates)} of "

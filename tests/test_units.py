@@ -125,12 +125,13 @@ def test_lease_table_distinct_devices_and_fractions() -> None:
     assert t.acquire("two", 2) == (0, 1)
     t.release("two")
     assert t.acquire("h1", 0.5) == (0,)
-    assert t.acquire("h2", 0.5) == (1,)  # least busy first
-    assert t.acquire("h3", 0.5) == (0,)
-    assert len(t) == 3
+    assert t.acquire("h2", 0.5) == (0,)  # fractions pack: device 1 stays whole
+    assert t.acquire("whole", 1) == (1,)
+    assert t.acquire("h3", 0.5) == (0,)  # nothing fits: least busy
+    assert len(t) == 4
     # fractions that do not tile a device never fail: 5 x 0.4 on two devices
     f = LeaseTable([0, 1])
-    assert [f.acquire(i, 0.4) for i in range(5)] == [(0,), (1,), (0,), (1,), (0,)]
+    assert [f.acquire(i, 0.4) for i in range(5)] == [(0,), (0,), (1,), (1,), (0,)]
     assert f.acquire("x", 1.5) == (1, 0)
 
 
