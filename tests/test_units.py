@@ -220,3 +220,18 @@ def test_dual_outside_tasks_runs_cpu_form() -> None:
     import numpy
 
     assert accelsched.array_module() is numpy
+
+
+def test_device_nbytes_of_containers() -> None:
+    from accelsched.devices.arrays import SCAN_LIMIT, device_nbytes
+
+    class OnDevice:
+        def __init__(self, device: int, n: int) -> None:
+            self.device, self.n = device, n
+
+    device_nbytes.register(OnDevice)(lambda o: {o.device: o.n})
+    assert device_nbytes([OnDevice(0, 10), (OnDevice(1, 5), OnDevice(0, 1))]) == {0: 11, 1: 5}
+    assert device_nbytes({"a": OnDevice(1, 7), "b": 3}) == {1: 7}
+    assert device_nbytes(list(range(10 * SCAN_LIMIT))) == {}  # long host lists: not scanned
+    assert device_nbytes([OnDevice(0, 1)] * (10 * SCAN_LIMIT)) == {0: 10 * SCAN_LIMIT}
+    assert device_nbytes(b"bytes") == {}

@@ -50,10 +50,18 @@ def _host_only(obj: Any) -> dict[int, int]:
     return {}
 
 
+#: Containers longer than this are scanned only when their first item is on a device:
+#: the guard asks at every task's end, on the worker's event loop.
+SCAN_LIMIT = 32
+
+
 @device_nbytes.register((list, tuple, set, frozenset))
 def _sequence(obj: Any) -> dict[int, int]:
+    items = obj if isinstance(obj, (list, tuple)) else list(obj)
+    if len(items) > SCAN_LIMIT and (not items or not device_nbytes(items[0])):
+        return {}
     out: dict[int, int] = {}
-    for item in obj:
+    for item in items:
         for dev, n in device_nbytes(item).items():
             out[dev] = out.get(dev, 0) + n
     return out
