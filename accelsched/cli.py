@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from typing import TextIO
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run a local cluster (real GPUs when NVML sees any, else simulated ones) "
         "through placement, a leak and a fallback",
     )
+    events = sub.add_parser(
+        "events", help="print accelsched's events from a running cluster's scheduler"
+    )
+    events.add_argument("scheduler", help="scheduler address, e.g. tcp://127.0.0.1:8786")
+    events.add_argument("--action", action="append", help="only these actions (repeatable)")
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
     if args.command == "version":
@@ -24,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(accelsched.__version__)
         return 0
+    if args.command == "events":
+        return print_events(args.scheduler, args.action, sys.stdout)
     from accelsched.demo import run
 
     return run(sys.stdout)
@@ -31,3 +40,24 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def print_events(address: str, actions: list[str] | None, out: TextIO) -> int:
+    """``accelsched events``: the scheduler's accelsched events, oldest first."""
+    from distributed import Client
+
+    from accelsched import events
+
+    unknown = sorted(set(actions or ()) - events.ACTIONS)
+    if unknown:
+        print(f"unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}", file=sys.stderr)
+        return 2
+    with Client(address, timeout="10s") as client:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        names = {addr: str(w["name"]) for addr, w in info.items()}
+        for stamp, msg in client.get_events(events.TOPIC):
+            if actions and msg["action"] not in actions:
+                continue
+            when = time.strftime("%H:%M:%S", time.localtime(stamp))
+            print(f"{when} [{msg['action']}] {events.describe(msg, names)}", file=out)
+    return 0

@@ -207,35 +207,11 @@ def _placement_table(
         )
 
 
-def _describe(e: dict[str, Any], names: dict[str, str]) -> str:
-    w = names.get(e.get("worker", ""), e.get("worker", ""))
-    a = e["action"]
-    if a == "gpu-verified":
-        return f"{w}: verified {e['granted']} GPU(s) " + ", ".join(
-            f"{d['index']}={d['uuid'][:12]}" for d in e["devices"]
-        )
-    if a == "gpu-corrected":
-        return f"{w}: declared GPU={e['declared']}, granted {e['granted']} ({e['reason']})"
-    if a == "gpu-rejected":
-        return f"{w}: refused {e['uuids']} ({e['reason']}, owner {e.get('owner')})"
-    if a == "leak":
-        return (
-            f"{w}: device {e['device']} leaks {e['nbytes'] / MiB:.0f} MiB "
-            f"(threshold {e['threshold'] / MiB:.0f} MiB, prefixes {e['prefixes']})"
-        )
-    if a == "restart":
-        return f"{w}: retired ({e['moved']} keys moved to peers) and restarted in {e['seconds']}s"
-    if a == "fallback":
-        return f"task {e['key']}: fell back after {e['waited']}s ({e['reason']})"
-    details = {k: v for k, v in e.items() if k not in ("action", "worker")}
-    return f"{w}: {details}"
-
-
 def _event_lines(client: Client, since: float, names: dict[str, str], out: TextIO, skip=()) -> None:  # type: ignore[no-untyped-def]
     for e in _events(client, accelsched.events.TOPIC, since):
         if e["action"] in skip:
             continue
-        print(f"  [{e['action']}] {_describe(e, names)}", file=out)
+        print(f"  [{e['action']}] {accelsched.events.describe(e, names)}", file=out)
     print(file=out)
 
 

@@ -43,6 +43,7 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Final
 
 TOPIC: Final = "accelsched"
@@ -83,3 +84,35 @@ def event(action: str, worker: str | None = None, **figures: Any) -> dict[str, A
         msg["worker"] = worker
     msg.update(figures)
     return msg
+
+
+def describe(msg: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:
+    """One line a person can read, for the demo and ``accelsched events``.
+
+    ``names`` maps worker addresses to worker names.
+    """
+    names = names or {}
+    w = names.get(msg.get("worker", ""), msg.get("worker", ""))
+    a = msg["action"]
+    mib = 2**20
+    if a == GPU_VERIFIED:
+        devices = ", ".join(f"{d['index']}={d['uuid'][:12]}" for d in msg["devices"])
+        return f"{w}: verified {msg['granted']} GPU(s) {devices}"
+    if a == GPU_CORRECTED:
+        return f"{w}: declared GPU={msg['declared']}, granted {msg['granted']} ({msg['reason']})"
+    if a == GPU_REJECTED:
+        return f"{w}: refused {list(msg['uuids'])} ({msg['reason']}, owner {msg.get('owner')})"
+    if a == LEAK:
+        return (
+            f"{w}: device {msg['device']} leaks {msg['nbytes'] / mib:.0f} MiB "
+            f"(threshold {msg['threshold'] / mib:.0f} MiB, prefixes {list(msg['prefixes'])})"
+        )
+    if a == RESTART:
+        return (
+            f"{w}: retired ({msg['moved']} keys moved to peers) and restarted in {msg['seconds']}s"
+        )
+    if a == FALLBACK:
+        where = f" on {w}" if w else ""
+        return f"task {msg['key']!r}{where}: fell back after {msg['waited']}s ({msg['reason']})"
+    details = {k: v for k, v in msg.items() if k not in ("action", "worker")}
+    return f"{w}: {details}"
