@@ -37,7 +37,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import pickle
 from tornado.ioloop import PeriodicCallback
 
-from accelsched import events
+from accelsched import events, metrics
 from accelsched.budget import RestartBudget
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
 from accelsched.fallback import FallbackPolicy, parse_task_timeout
@@ -178,6 +178,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.tokens.pop(worker, None)
         self.quarantined.pop(worker, None)
         self.deferred.pop(worker, None)
+        self._update_gpu_gauge()
 
     async def close(self) -> None:
         if self.scheduler is not None:
@@ -562,6 +563,20 @@ class PlacementPlugin(SchedulerPlugin):
         self._emit(events.QUARANTINE, worker, reason=reason)
 
     # --- events -------------------------------------------------------------------------
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        """Every event the scheduler logs: feed accelsched's own to the metrics.
+
+        Worker-side events (``leak``, ``unrequested-gpu-use``, ...) arrive here too.
+        """
+        if topic == events.TOPIC and isinstance(msg, dict):
+            metrics.observe(msg)
+            if msg.get("action") in (events.GPU_VERIFIED, events.QUARANTINE):
+                self._update_gpu_gauge()
+
+    def _update_gpu_gauge(self) -> None:
+        quarantined = sum(self.granted.get(w, 0) for w in self.quarantined)
+        metrics.set_gpus(sum(self.granted.values()) - quarantined, quarantined)
 
     def _emit(self, action: str, worker: str | None = None, **figures: Any) -> None:
         assert self.scheduler is not None

@@ -223,3 +223,23 @@ async def test_array_pipeline_same_numbers_on_gpu_and_fallback(c, s, a):
     np.testing.assert_allclose(on_gpu, on_cpu)
     expected = pipeline().compute(scheduler="sync")
     np.testing.assert_allclose(on_gpu, expected)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_fallbacks_reach_prometheus_metrics(c, s, a):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.REGISTRY
+
+    def count() -> float:
+        value = registry.get_sample_value("accelsched_events_total", {"action": "fallback"})
+        return value or 0.0
+
+    before = count()
+    await accelsched.register(c, fallback_timeout=0)
+    with dask.annotate(resources={"GPU": 1}):
+        await c.gather(c.map(step, range(3), key=[f"m-{i}" for i in range(3)]))
+    assert count() == before + 3
+    waits = registry.get_sample_value(
+        "accelsched_fallback_wait_seconds_count", {"reason": "no-gpu-capacity"}
+    )
+    assert waits is not None and waits >= 3

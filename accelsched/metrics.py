@@ -1,0 +1,65 @@
+"""Prometheus metrics, derived from accelsched's events.
+
+distributed's scheduler serves ``prometheus_client``'s global registry at ``/metrics``
+when ``prometheus_client`` is installed (``pip install "accelsched[metrics]"``), so these
+collectors appear there beside distributed's own. They are fed from the PlacementPlugin's
+``log_event`` hook, which sees every accelsched event the scheduler logs, the workers'
+included: events stay the single source of truth. Without ``prometheus_client`` this
+module does nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+__all__ = ["observe", "set_gpus"]
+
+
+@lru_cache(maxsize=1)
+def _collectors() -> dict[str, Any] | None:
+    """Create the collectors once per process (the registry refuses duplicates)."""
+    try:
+        import prometheus_client as pc
+    except ImportError:
+        return None
+    return {
+        "events": pc.Counter(
+            "accelsched_events", "accelsched events logged, by action", ["action"]
+        ),
+        "fallback_wait": pc.Histogram(
+            "accelsched_fallback_wait_seconds",
+            "Seconds a GPU task waited unplaced before its CPU form ran",
+            ["reason"],
+            buckets=(0.0, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, float("inf")),
+        ),
+        "leaked": pc.Histogram(
+            "accelsched_leak_bytes",
+            "Device bytes a confirmed leak held",
+            buckets=tuple(2.0**k for k in range(20, 38, 2)) + (float("inf"),),
+        ),
+        "gpus": pc.Gauge("accelsched_gpus", "GPUs in the cluster, by state", ["state"]),
+    }
+
+
+def observe(msg: Mapping[str, Any]) -> None:
+    """Count one accelsched event."""
+    c = _collectors()
+    if c is None:
+        return
+    action = msg.get("action", "unknown")
+    c["events"].labels(action=action).inc()
+    if action == "fallback":
+        c["fallback_wait"].labels(reason=msg.get("reason", "")).observe(msg.get("waited", 0))
+    elif action == "leak":
+        c["leaked"].observe(msg.get("nbytes", 0))
+
+
+def set_gpus(verified: int, quarantined: int) -> None:
+    """GPUs placement may use, and GPUs of quarantined workers."""
+    c = _collectors()
+    if c is None:
+        return
+    c["gpus"].labels(state="verified").set(verified)
+    c["gpus"].labels(state="quarantined").set(quarantined)
