@@ -55,8 +55,13 @@ class LeaseTable:
         with self._lock:
             by_load = sorted(self._devices, key=lambda d: (self._load[d], d))
             if share >= 1.0:
-                # whole devices: the worker's resource count guarantees enough are idle
-                candidates = [d for d in by_load if self._load[d] == 0]
+                # Whole devices: idle ones first. Fractions can leave every device partly
+                # used while the worker's total says a whole one is free (fragmentation):
+                # then share the least busy rather than fail. Devices fully held by other
+                # whole-device tasks are never shared.
+                candidates = [d for d in by_load if self._load[d] == 0] + [
+                    d for d in by_load if 0 < self._load[d] < 1 - 1e-9
+                ]
             else:
                 # fractions pack onto the fullest device they fit (best fit), keeping
                 # whole devices idle for whole-device tasks; amounts that do not tile a
@@ -68,7 +73,7 @@ class LeaseTable:
             if len(candidates) < n:
                 raise NoFreeDevice(
                     f"task {key!r} needs {n} device(s) but only {len(candidates)} of "
-                    f"{self._devices} are free; busy: {self.holders()}"
+                    f"{self._devices} are free; busy: {dict(self._held)}"
                 )
             chosen = tuple(candidates[:n])
             for d in chosen:
@@ -83,7 +88,8 @@ class LeaseTable:
                 self._load[d] = max(0.0, self._load[d] - share)
 
     def holders(self) -> dict[Any, tuple[int, ...]]:
-        return {k: v[0] for k, v in self._held.items()}
+        with self._lock:
+            return {k: v[0] for k, v in self._held.items()}
 
     def __len__(self) -> int:
         return len(self._held)

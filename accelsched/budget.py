@@ -42,10 +42,14 @@ class RestartBudget:
             return 0
         while history and history[0] <= now - self.window:
             history.popleft()
+        if not history:
+            del self._history[key]  # workers come and go: keep only recent restarts
         return len(history)
 
     def request(self, key: str, now: float) -> Decision:
         """May ``key`` restart now? Grants start a restart that :meth:`done` ends."""
+        for other in [k for k in self._history if k != key]:
+            self.recent(other, now)  # forget keys whose restarts left the window
         if key in self._in_flight:
             return Decision(False, "in-flight")
         if self.recent(key, now) >= self.max_restarts:

@@ -59,11 +59,11 @@ class UnrequestedGPUUse(RuntimeError):
     """A task that did not ask for a GPU used one (``unrequested_gpu="fail"``)."""
 
 
-class _GPUActivity:
-    """GPU tasks running in this process, across all its workers.
+class _Activity:
+    """Wrapped tasks (GPU or watched) running in this process, across all its workers.
 
-    Device memory is read per process, so a CPU task's growth can be blamed on it only
-    when no GPU task of any worker in the process ran meanwhile.
+    Device memory is read per process, so a task's growth can be blamed on it only when
+    it ran alone: no other wrapped task started or ended while it ran.
     """
 
     def __init__(self) -> None:
@@ -71,22 +71,25 @@ class _GPUActivity:
         self.running = 0
         self.generation = 0
 
-    def enter(self) -> None:
+    def enter(self) -> int | None:
+        """Count a task in; return a token when it is alone, else None."""
         with self.lock:
+            alone = self.running == 0
             self.running += 1
             self.generation += 1
+            return self.generation if alone else None
+
+    def still_alone(self, token: int | None) -> bool:
+        with self.lock:
+            return token is not None and self.generation == token
 
     def exit(self) -> None:
         with self.lock:
             self.running -= 1
             self.generation += 1
 
-    def quiet(self) -> tuple[bool, int]:
-        with self.lock:
-            return self.running == 0, self.generation
 
-
-_ACTIVITY = _GPUActivity()
+_ACTIVITY = _Activity()
 
 
 class GuardPlugin(WorkerPlugin):
@@ -120,6 +123,7 @@ class GuardPlugin(WorkerPlugin):
         self._gpu_task_count = itertools.count(1)  # next() is atomic across threads
         self.restart_pending = False
         self.reported_leaks: dict[int, int] = {}  # device -> bytes already reported
+        self.used_devices: set[int] = set()  # devices GPU tasks of this worker held
         self.last_verdicts: list[Verdict] = []
 
     def __getstate__(self) -> dict[str, Any]:
@@ -185,6 +189,9 @@ class GuardPlugin(WorkerPlugin):
         ts = self.worker.state.tasks.get(key)
         if ts is None or ts.run_spec is None or ts.run_spec.is_coro:
             return
+        executor = self.worker.executors.get((ts.annotations or {}).get("executor", "default"))
+        if "ThreadPoolExecutor" not in str(type(executor)):
+            return  # another process runs it (distributed's own test): nothing to bind
         amount = (ts.resource_restrictions or {}).get(GPU, 0)
         if amount > 0 and self.devices:
             ts.run_spec = wrap_task(ts.run_spec, self._gpu_runner(key, amount))
@@ -235,6 +242,7 @@ class GuardPlugin(WorkerPlugin):
     def _gpu_runner(self, key: Any, amount: float):  # type: ignore[no-untyped-def]
         def run(spec: GraphNode, values: dict) -> Any:
             devices = self.leases.acquire(key, amount)
+            self.used_devices.update(devices)
             _ACTIVITY.enter()
             try:
                 with holding(
@@ -272,12 +280,15 @@ class GuardPlugin(WorkerPlugin):
 
     def _watch_runner(self, key: Any):  # type: ignore[no-untyped-def]
         def run(spec: GraphNode, values: dict) -> Any:
-            quiet, generation = _ACTIVITY.quiet()
-            before = self._readings() if quiet else None
-            result = spec(values)
-            if before is not None and _ACTIVITY.quiet() == (True, generation):
-                self._check_unrequested(key, before, self._readings())
-            return result
+            token = _ACTIVITY.enter()
+            try:
+                before = self._readings() if token is not None else None
+                result = spec(values)
+                if before is not None and _ACTIVITY.still_alone(token):
+                    self._check_unrequested(key, before, self._readings())
+                return result
+            finally:
+                _ACTIVITY.exit()
 
         return run
 
@@ -290,6 +301,8 @@ class GuardPlugin(WorkerPlugin):
     ) -> None:
         for device, now in after.items():
             then = before[device]
+            if not (now.exact and then.exact):
+                continue  # not this process's own figure: another process may have grown
             grew = now.nbytes - then.nbytes
             created = bool(now.has_context) and then.has_context is False
             if grew <= 0 and not created:
@@ -371,7 +384,9 @@ class GuardPlugin(WorkerPlugin):
             except Exception as exc:  # NVMLError: the device stopped answering
                 self._unhealthy(dev, exc)
                 continue
-            if reading.has_context is False:
+            if dev.index not in self.used_devices:
+                continue  # no GPU task of this worker held it: nothing of ours to judge
+            if reading.has_context is False or not reading.attributable:
                 continue
             pool = sum((p.stats(dev.index) for p in pools), PoolStats())
             live = self.live_total.get(dev.index, 0)
@@ -402,29 +417,35 @@ class GuardPlugin(WorkerPlugin):
             if self.options["restart_on_leak"] and not self.restart_pending:
                 assert self.worker is not None
                 self.restart_pending = True
-                self.worker.loop.add_callback(self._request_restart, leaks)
+                self.worker.loop.add_callback(
+                    self._request_restart, "leak", sum(v.estimate for v in leaks)
+                )
         return verdicts
 
     def _unhealthy(self, dev: DeviceInfo, exc: BaseException) -> None:
-        """A verified device stopped answering NVML: stop placing GPU tasks on it."""
+        """A verified device stopped answering NVML: restart the worker without it.
+
+        Lowering the worker's GPU count in place would strand tasks distributed already
+        assigned against the old count; a lossless restart re-probes the devices and the
+        new process reports only those that answer. Until then no new lease lands on it.
+        """
         if dev not in self.devices:
             return
-        self.devices = [d for d in self.devices if d != dev]
-        self.leases.set_devices([d.index for d in self.devices])
+        remaining = [d.index for d in self.devices if d != dev]
+        if remaining:
+            self.leases.set_devices(remaining)
         self._emit(events.GPU_UNHEALTHY, device=dev.index, uuid=dev.uuid, error=repr(exc))
-        worker = self.worker
-        assert worker is not None
-        worker.loop.add_callback(worker.set_resources, **{GPU: len(self.devices)})
+        if not self.restart_pending:
+            assert self.worker is not None
+            self.restart_pending = True
+            self.worker.loop.add_callback(self._request_restart, "gpu-unhealthy", 0)
 
-    async def _request_restart(self, leaks: list[Verdict]) -> None:
+    async def _request_restart(self, reason: str, nbytes: int) -> None:
         worker = self.worker
         assert worker is not None
         try:
             reply = await worker.scheduler.accelsched_restart(
-                worker=worker.contact_address,
-                token=self.token,
-                reason="leak",
-                nbytes=sum(v.estimate for v in leaks),
+                worker=worker.contact_address, token=self.token, reason=reason, nbytes=nbytes
             )
             logger.info("accelsched: restart request answered %r", reply)
         except Exception as exc:

@@ -31,7 +31,6 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 import dask.config
-from distributed.comm.addressing import get_address_host
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import pickle
@@ -103,6 +102,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.quarantined: dict[str, str] = {}  # worker -> reason
         self.refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
         self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
+        self._retire_lock = asyncio.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the options travel to the scheduler; state is rebuilt there.
@@ -127,6 +127,8 @@ class PlacementPlugin(SchedulerPlugin):
         original = getattr(original, _ORIGINAL, original)
 
         def set_resources(worker: str, resources: dict | None = None) -> str:
+            if not self._active():  # unregistered: distributed's own behaviour again
+                return original(worker=worker, resources=resources)
             return self._gated_set_resources(original, worker, resources)
 
         setattr(set_resources, _ORIGINAL, original)
@@ -145,6 +147,11 @@ class PlacementPlugin(SchedulerPlugin):
         if GUARD_NAME in getattr(scheduler, "worker_plugins", {}):
             for addr in list(scheduler.workers):
                 scheduler._ongoing_background_tasks.call_soon(self._ask_report, addr)
+
+    def _active(self) -> bool:
+        """Whether this instance is the registered one (``unregister_scheduler_plugin``
+        neither closes a plugin nor removes what its ``start`` installed)."""
+        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
 
     async def _ask_report(self, addr: str) -> None:
         assert self.scheduler is not None
@@ -197,7 +204,12 @@ class PlacementPlugin(SchedulerPlugin):
         """
         for key in tasks or ():
             ts = scheduler.tasks.get(key)
-            if ts is None or not ts.resource_restrictions or GPU not in ts.resource_restrictions:
+            if (
+                ts is None
+                or ts.state != "released"  # a resubmitted task already placed: leave it
+                or not ts.resource_restrictions
+                or GPU not in ts.resource_restrictions
+            ):
                 continue
             if ts.loose_restrictions:
                 ts.loose_restrictions = False
@@ -245,8 +257,8 @@ class PlacementPlugin(SchedulerPlugin):
         scheduler = self.scheduler
         if scheduler is None or not scheduler.unrunnable:
             return
-        if scheduler.plugins.get(self.name) is not self:
-            return  # replaced by a newer registration; its timers may still fire
+        if not self._active():
+            return  # unregistered or replaced; its timers may still fire
         now = monotonic()
         stimulus_id = f"accelsched-fallback-{time()}"
         largest = max(scheduler.resources.get(GPU, {}).values(), default=0)
@@ -255,7 +267,7 @@ class PlacementPlugin(SchedulerPlugin):
         for ts, since in list(scheduler.unrunnable.items()):
             key = ts.key
             if key in self.invalid:
-                self._err(ts, self.invalid.pop(key), stimulus_id)
+                self._err(ts, self.invalid[key], stimulus_id)  # kept: a retry errs again
                 continue
             amount = (ts.resource_restrictions or {}).get(GPU)
             if not amount:
@@ -352,6 +364,8 @@ class PlacementPlugin(SchedulerPlugin):
         changes nothing and logs nothing.
         """
         assert self.scheduler is not None
+        if not self._active():
+            return {"status": "no-plugin"}
         ws = self.scheduler.workers.get(worker)
         if ws is None:
             return {"status": "unknown-worker"}
@@ -446,20 +460,19 @@ class PlacementPlugin(SchedulerPlugin):
     ) -> dict[str, Any]:
         """A worker asks to be restarted. Only the worker itself may ask.
 
-        The request must carry the token this worker was given when its GPUs were
-        verified, and come from the worker's host. The restart itself runs in the
+        The request must carry the secret token the scheduler handed this worker, over
+        the worker's own connection, when its GPUs were verified. (The connection's
+        address is no proof either way: a multi-homed worker or one behind NAT connects
+        from another address than it advertises.) The restart itself runs in the
         background; the reply says whether it was accepted.
         """
         assert self.scheduler is not None
+        if not self._active():
+            return {"status": "no-plugin"}
         ws = self.scheduler.workers.get(worker)
         expected = self.tokens.get(worker)
         peer = getattr(comm, "peer_address", None)
-        if (
-            ws is None
-            or expected is None
-            or not secrets.compare_digest(str(token), expected)
-            or (peer and get_address_host(peer) != ws.host)
-        ):
+        if ws is None or expected is None or not secrets.compare_digest(str(token), expected):
             logger.warning(
                 "accelsched: refused a restart request for %s from %s: not that worker",
                 worker,
@@ -491,8 +504,8 @@ class PlacementPlugin(SchedulerPlugin):
         stimulus_id = f"accelsched-restart-{time()}"
         start = monotonic()
         restarted = False
+        ws = scheduler.workers.get(worker)
         try:
-            ws = scheduler.workers.get(worker)
             if ws is None:
                 return
             # No new tasks for this worker (scheduler side only: the worker itself keeps
@@ -502,38 +515,56 @@ class PlacementPlugin(SchedulerPlugin):
             while ws.processing and monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if ws.processing:
-                self._resume(ws, stimulus_id)
-                self._defer(worker, "busy")
+                self._give_up(ws, "busy", stimulus_id)
                 return
-            moved = len(ws.has_what)
-            retired = await scheduler.retire_workers(
-                workers=[worker], close_workers=False, remove=False, stimulus_id=stimulus_id
-            )
-            if worker not in retired:
-                self._resume(ws, stimulus_id)
-                self._defer(worker, "no-peer")
-                return
-            if any(len(ts.who_has or ()) < 2 for ts in ws.has_what):
-                self._resume(ws, stimulus_id)
-                self._defer(worker, "retire-failed")
-                return
-            result = await scheduler.restart_workers(
-                [worker], wait_for_workers=False, on_error="return", stimulus_id=stimulus_id
-            )
-            restarted = result.get(worker) == "OK"
-            if restarted:
-                self._emit(
-                    events.RESTART,
-                    worker,
-                    reason=reason,
-                    moved=moved,
-                    seconds=round(monotonic() - start, 3),
+            # Retire and kill one worker at a time: while a retired worker is still
+            # registered, another retirement could drop the only other copy of its keys
+            # ("the retired worker still has it") just before it is killed.
+            async with self._retire_lock:
+                if worker not in scheduler.workers:
+                    return
+                moved = len(ws.has_what)
+                retired = await scheduler.retire_workers(
+                    workers=[worker], close_workers=False, remove=False, stimulus_id=stimulus_id
                 )
-            else:
-                self._resume(ws, stimulus_id)
-                self._defer(worker, f"restart-failed: {result.get(worker)}")
+                if worker not in retired:
+                    self._give_up(ws, "no-peer", stimulus_id)
+                    return
+                if any(len(ts.who_has or ()) < 2 for ts in ws.has_what):
+                    self._give_up(ws, "retire-failed", stimulus_id)
+                    return
+                result = await scheduler.restart_workers(
+                    [worker], wait_for_workers=False, on_error="return", stimulus_id=stimulus_id
+                )
+                restarted = result.get(worker) == "OK"
+                if not restarted:
+                    self._give_up(ws, f"restart-failed: {result.get(worker)}", stimulus_id)
+                    return
+                deadline = monotonic() + 30
+                while worker in scheduler.workers and monotonic() < deadline:
+                    await asyncio.sleep(0.01)  # gone from who_has before the next retire
+            self._emit(
+                events.RESTART,
+                worker,
+                reason=reason,
+                moved=moved,
+                seconds=round(monotonic() - start, 3),
+            )
+        except Exception as exc:
+            logger.exception("accelsched: restart of %s failed", worker)
+            if ws is not None:
+                self._give_up(ws, f"restart-failed: {exc!r}", stimulus_id)
         finally:
             self.budget.done(budget_key, counted=restarted)
+
+    def _give_up(self, ws: WorkerState, reason: str, stimulus_id: str) -> None:
+        """Quarantine first, then take the worker back into service.
+
+        In this order the GPU tasks that piled up during the drain are not offered to the
+        worker that leaks: they wait for (or fall back from) other GPUs.
+        """
+        self._defer(ws.address, reason)
+        self._resume(ws, stimulus_id)
 
     def _resume(self, ws: WorkerState, stimulus_id: str) -> None:
         """Undo a drain: the worker takes tasks again (its GPUs stay quarantined)."""
@@ -547,6 +578,8 @@ class PlacementPlugin(SchedulerPlugin):
 
     def _defer(self, worker: str, reason: str) -> None:
         """The restart cannot happen without loss now: quarantine, and say so once."""
+        if self.scheduler is None or worker not in self.scheduler.workers:
+            return  # it left meanwhile: nothing to defer
         if self.deferred.get(worker) != reason:
             self.deferred[worker] = reason
             self._emit(events.RESTART_DEFERRED, worker, reason=reason)

@@ -243,3 +243,33 @@ async def test_pools_freed_only_above_a_fraction(c, s, a):
         assert await c.run(cached_on_device_0) == {a.worker_address: GiB}  # 1 GiB used: kept
         await c.submit(lambda: device_alloc(5 * GiB).nbytes, key="big")
         assert await c.run(cached_on_device_0) == {a.worker_address: 0}  # 6 GiB used: freed
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=90)
+async def test_concurrent_restarts_lose_nothing(c, s, a, b):
+    """A second restart starts while the first retired worker is being killed.
+
+    The first retirement copied ``k`` to b; were b retired now, distributed would drop
+    b's copy ("a still has it") just before a is killed. Retire-and-kill runs one worker
+    at a time, so b's retirement waits until a is gone and keeps ``k``.
+    """
+    await accelsched.register(c, max_concurrent_restarts=2, **FAST)
+    await verified(s, a, b)
+    placement = s.plugins["accelsched-placement"]
+    A, B = a.worker_address, b.worker_address
+    k = await c.scatter({"k": 123}, workers=[A])
+    second: list[asyncio.Task] = []
+    restart_workers = s.restart_workers
+
+    async def restart_a_while_b_starts(workers, **kwargs):  # type: ignore[no-untyped-def]
+        if workers == [A] and not second:
+            assert placement.budget.request(s.workers[B].nanny, 0).allowed
+            second.append(asyncio.create_task(placement._restart(B, s.workers[B].nanny, "leak")))
+            await asyncio.sleep(1.0)  # let b's restart run as far as it may
+        return await restart_workers(workers, **kwargs)
+
+    s.restart_workers = restart_a_while_b_starts
+    assert placement.budget.request(s.workers[A].nanny, 0).allowed
+    await placement._restart(A, s.workers[A].nanny, "leak")
+    await second[0]
+    assert await k["k"] == 123

@@ -113,3 +113,12 @@ def test_budget_concurrency_and_uncounted() -> None:
 def test_budget_validates() -> None:
     with pytest.raises(ValueError, match="max_concurrent=0"):
         RestartBudget(max_restarts=1, window=1.0, max_concurrent=0)
+
+
+def test_budget_forgets_workers_outside_the_window() -> None:
+    b = RestartBudget(max_restarts=1, window=10.0, max_concurrent=5)
+    for i in range(50):
+        assert b.request(f"w{i}", float(i)).allowed
+        b.done(f"w{i}")
+    assert b.request("last", 100.0).allowed
+    assert set(b._history) == {"last"}

@@ -9,6 +9,7 @@ through this dispatch: CuPy arrays are known, the simulated buffers of
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from dask.utils import Dispatch
@@ -28,12 +29,24 @@ def _already_host(obj: Any) -> Any:
 
 @to_host.register((list, tuple))
 def _host_sequence(obj: Any) -> Any:
-    return type(obj)(to_host(item) for item in obj)
+    items = [to_host(item) for item in obj]
+    if all(new is old for new, old in zip(items, obj, strict=True)):
+        return obj  # nothing on a device: the very same object
+    if isinstance(obj, list):
+        return items if type(obj) is list else type(obj)(items)
+    if hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*items)
+    return type(obj)(items)
 
 
 @to_host.register(dict)
 def _host_mapping(obj: dict) -> dict:
-    return {k: to_host(v) for k, v in obj.items()}
+    converted = {k: to_host(v) for k, v in obj.items()}
+    if all(converted[k] is v for k, v in obj.items()):
+        return obj
+    out = copy.copy(obj)  # keeps defaultdict's factory, OrderedDict's order, ...
+    out.update(converted)
+    return out
 
 
 @to_host.register_lazy("cupy")

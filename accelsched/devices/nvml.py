@@ -56,6 +56,10 @@ class MemoryReading:
     nbytes: int
     exact: bool
     has_context: bool | None
+    #: The figure is this process's alone: exact, or the only process NVML lists on the
+    #: device (a container's pid namespace, a MIG device without per-process figures).
+    #: The guard draws no conclusion from a reading that is not attributable.
+    attributable: bool = True
 
 
 def _load_nvml() -> Any:
@@ -164,11 +168,17 @@ class NVMLMonitor:
         nvml = self._nvml
         handle = self._handles[index]
         procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        if not procs:
+            return MemoryReading(0, True, False)  # nobody, so not this process, holds it
         mine = [p for p in procs if p.pid == self.pid]
         if mine and all(p.usedGpuMemory is not None for p in mine):
             return MemoryReading(sum(int(p.usedGpuMemory) for p in mine), True, True)
-        has_context: bool | None = True if mine else (None if procs else False)
-        return MemoryReading(self.used(index), False, has_context)
+        has_context: bool | None = True if mine else None
+        if len(procs) == 1 and procs[0].usedGpuMemory is not None:
+            # one process on the device, under another pid: with exclusive ownership it
+            # is this worker seen from the host's pid namespace
+            return MemoryReading(int(procs[0].usedGpuMemory), False, has_context, True)
+        return MemoryReading(self.used(index), False, has_context, False)
 
     def has_context(self, index: int) -> bool | None:
         """Whether this process holds a CUDA context on the device (None: cannot tell)."""

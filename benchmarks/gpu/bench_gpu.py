@@ -276,6 +276,7 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     g = GuardPlugin(leak_threshold="64GiB", restart_on_leak=False)
     g.monitor = dev.monitor
     g.visible = g.owned = dev.monitor.devices()
+    g.used_devices = {d.index for d in g.owned}
     g._emit = _no_event  # type: ignore[method-assign]
     assert g.check(), "the check looked at no device"
     return {"check_one_device": per_call_us(g.check, 200 if quick else 1000)}

@@ -1,0 +1,205 @@
+"""Failure modes found in review, each pinned by a test on a real cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+from collections import OrderedDict, defaultdict, namedtuple
+from concurrent.futures import ProcessPoolExecutor
+
+import dask
+import pytest
+from distributed import Event, Nanny, Worker
+from distributed.utils_test import gen_cluster
+
+import accelsched
+import accelsched.placement as placement_module
+from accelsched.devices.arrays import to_host
+from accelsched.testing import device_alloc
+from tests.utils import events, gpus, wait_for
+
+pytestmark = pytest.mark.usefixtures("fake_gpus_2")
+
+
+def hold(name: str) -> int:
+    Event(name).wait()
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2, {"resources": {"GPU": 2}})], timeout=30)
+async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
+    """GPU tasks that piled up during a drain must not land on the worker given up on."""
+    old = placement_module.DRAIN_TIMEOUT
+    placement_module.DRAIN_TIMEOUT = 1.0
+    try:
+        await accelsched.register(c)
+        await wait_for(lambda: gpus(s, a.address) == 2)
+        plugin = s.plugins["accelsched-placement"]
+        with dask.annotate(resources={"GPU": 1}):
+            busy = c.submit(hold, "x", key="busy")
+        await wait_for(lambda: "busy" in s.tasks and s.tasks["busy"].state == "processing")
+        restart = asyncio.ensure_future(plugin._restart(a.address, "nanny", "leak"))
+        await asyncio.sleep(0.2)
+        with dask.annotate(resources={"GPU": 1}):
+            late = c.submit(accelsched.current_device, key="late")
+        await wait_for(lambda: "late" in s.tasks and s.tasks["late"].state == "no-worker")
+        await restart
+        assert [e["reason"] for e in events(s, "restart-deferred")] == ["busy"]
+        assert s.tasks["late"].state == "no-worker" and gpus(s, a.address) == 0
+        await Event("x").set()
+        assert await busy == 1
+        del late
+    finally:
+        placement_module.DRAIN_TIMEOUT = old
+
+
+def innocent() -> str:
+    Event("go").wait()
+    time.sleep(0.3)
+    return "innocent ok"
+
+
+def rogue() -> int:
+    Event("go").wait()
+    return device_alloc(2**20, device=0, leak=True).nbytes
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 2, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})],
+    timeout=30,
+)
+async def test_overlapping_cpu_tasks_are_not_blamed(c, s, a):
+    await accelsched.register(c, unrequested_gpu="fail")
+    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
+    fi = c.submit(innocent, key="innocent")
+    fr = c.submit(rogue, key="rogue")
+    await asyncio.sleep(0.5)
+    await Event("go").set()
+    assert await fi == "innocent ok"
+    assert await fr == 2**20  # ran alongside another task: growth not attributable
+
+
+def waits_for_go() -> str:
+    Event("go").wait()
+    return "ok"
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})],
+    timeout=30,
+)
+async def test_other_processes_growth_is_not_blamed(c, s, a, fake_gpus_2):
+    await accelsched.register(c, unrequested_gpu="fail")
+    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
+    fake_gpus_2.set_flags(pid_offset=100000)  # a container without the host PID namespace
+    fut = c.submit(waits_for_go, key="plain")
+    await asyncio.sleep(0.5)
+    device_alloc(2**30, device=0)  # another process on that GPU
+    await Event("go").set()
+    assert await fut == "ok"
+    assert not events(s, "unrequested-gpu-use")
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+@gen_cluster(client=True, nthreads=[], timeout=30)
+async def test_tasks_in_a_process_pool_are_not_wrapped(c, s):
+    await accelsched.register(c)
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        async with Worker(s.address, nthreads=1, executor={"processes": pool}):
+            with dask.annotate(executor="processes"):
+                assert await c.submit(inc, 1, key="p") == 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=30)
+async def test_invalid_annotation_errs_again_on_retry(c, s, a):
+    await accelsched.register(c)
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="bogus"):
+        fut = c.submit(inc, 1, key="bad")
+    with pytest.raises(ValueError, match="'bogus'"):
+        await fut
+    await c.retry([fut])
+    with pytest.raises(ValueError, match="'bogus'"):
+        await fut
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}})],
+    timeout=60,
+)
+async def test_unregistered_placement_steps_aside(c, s, a):
+    await accelsched.register(c)
+    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
+    await c.unregister_scheduler_plugin("accelsched-placement")
+    old = a.worker_address
+    await c.restart_workers([old])
+    await wait_for(lambda: len(s.workers) == 1 and old not in s.workers)
+    (new,) = s.workers
+    await wait_for(lambda: gpus(s, new) == 1)  # no stale gate, no stale owner
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=30)
+async def test_restart_request_from_another_address_than_advertised(c, s, peer):
+    from distributed.utils import open_port
+
+    await accelsched.register(c)
+    port = open_port()
+    async with Worker(
+        s.address, host="0.0.0.0", port=port, contact_address=f"tcp://127.0.0.2:{port}"
+    ) as w:
+        await wait_for(lambda: w.plugins.get("accelsched-guard") is not None)
+        guard = w.plugins["accelsched-guard"]
+        await wait_for(lambda: guard.token is not None)
+        reply = await w.scheduler.accelsched_restart(
+            worker=w.contact_address, token=guard.token, reason="leak"
+        )
+        assert reply["status"] != "refused"
+
+
+def test_to_host_keeps_container_types() -> None:
+    point = namedtuple("point", "x y")
+    p = point(1, 2)
+    assert to_host(p) is p
+    d = defaultdict(list, a=[1])
+    assert to_host(d) is d
+    o = OrderedDict(b=1, a=2)
+    assert to_host(o) is o
+    assert to_host([1, (2, 3)]) == [1, (2, 3)]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4, {"resources": {"GPU": 2}})], timeout=30)
+async def test_unhealthy_device_does_not_strand_tasks(c, s, a):
+    await accelsched.register(c, check_interval="100ms")
+    await wait_for(lambda: gpus(s, a.address) == 2)
+    with dask.annotate(resources={"GPU": 1}):
+        one = c.submit(hold, "y", key="one")
+    await wait_for(lambda: "one" in a.state.tasks and a.state.tasks["one"].state == "executing")
+    with dask.annotate(resources={"GPU": 2}):
+        two = c.submit(accelsched.current_device, key="two")
+    guard = a.plugins["accelsched-guard"]
+    busy = {d for ds in guard.leases.holders().values() for d in ds}
+    real = guard.monitor.process_memory
+
+    def lost(index: int):  # type: ignore[no-untyped-def]
+        if index not in busy:
+            raise RuntimeError("NVML: GPU is lost")  # stands in for NVMLError_GpuIsLost
+        return real(index)
+
+    guard.monitor.process_memory = lost
+    await wait_for(lambda: events(s, "gpu-unhealthy"))
+    (e,) = events(s, "gpu-unhealthy")
+    assert e["device"] not in busy
+    await Event("y").set()
+    assert await one == 1
+    # the two-GPU task cannot get two healthy devices: it errs instead of hanging
+    with pytest.raises(Exception, match="device"):
+        await two
