@@ -25,8 +25,6 @@ _DEFAULTS = os.path.join(os.path.dirname(__file__), "accelsched.yaml")
 with open(_DEFAULTS) as _f:
     dask.config.update_defaults(yaml.safe_load(_f))
 
-_UNSET = object()
-
 
 @dataclass(frozen=True)
 class Option:

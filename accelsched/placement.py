@@ -240,7 +240,7 @@ class PlacementPlugin(SchedulerPlugin):
             finish == "no-worker"
             and not self._check_soon
             and self.scheduler is not None
-            and (key in self.invalid or self.timeouts.get(key, self.policy.default) is not None)
+            and (key in self.invalid or self._timeout_of(key) is not None)
         ):
             self._check_soon = True
             self.scheduler.loop.add_callback(self.check_fallback)
@@ -272,7 +272,7 @@ class PlacementPlugin(SchedulerPlugin):
             amount = (ts.resource_restrictions or {}).get(GPU)
             if not amount:
                 continue
-            timeout = self.timeouts.get(key, self.policy.default)
+            timeout = self._timeout_of(key)
             reason = self.policy.decide(
                 waited=now - since,
                 timeout=timeout,
@@ -309,6 +309,14 @@ class PlacementPlugin(SchedulerPlugin):
             self.check_fallback()
 
         self._timer = (deadline, scheduler.loop.call_later(delay, fire))
+
+    def _timeout_of(self, key: Any) -> float | None:
+        """The task's annotated timeout, else the plugin default (the policy's rule)."""
+        return (
+            self.policy.timeout(self.timeouts[key])
+            if key in self.timeouts
+            else self.policy.timeout()
+        )
 
     def _fall_back(self, ts: Any, reason: str, waited: float) -> None:
         restrictions = dict(ts.resource_restrictions)
