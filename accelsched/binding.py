@@ -3,22 +3,19 @@
 The worker's state machine already caps how many GPU tasks run at once (its ``GPU``
 resource, which the GuardPlugin set to the devices it owns). What it does not do is give
 each running task its own device. :class:`LeaseTable` hands out devices, least busy
-first; :func:`wrap_task` wraps a task's run spec so that, in the executor thread, the task
-takes its lease, runs with that device current, and gives it back, whatever happens.
-Acquiring inside the thread means a task that is cancelled before it starts never holds
-a device.
+first. Decisions only, no distributed import: :mod:`accelsched.worker.binding` acquires a
+lease in the task's executor thread, so a task cancelled before it starts never holds a
+device.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from dask._task_spec import GraphNode, Task, TaskRef
-
-__all__ = ["LeaseTable", "NoFreeDevice", "devices_needed", "wrap_task", "is_wrapped"]
+__all__ = ["LeaseTable", "NoFreeDevice", "devices_needed"]
 
 
 class NoFreeDevice(RuntimeError):
@@ -93,27 +90,3 @@ class LeaseTable:
 
     def __len__(self) -> int:
         return len(self._held)
-
-
-_RUNNER_ATTR = "__accelsched_runner__"
-
-
-def is_wrapped(spec: Any) -> bool:
-    return isinstance(spec, Task) and getattr(spec.func, _RUNNER_ATTR, False)
-
-
-def wrap_task(spec: GraphNode, runner: Callable[[GraphNode, dict], Any]) -> GraphNode:
-    """A Task with ``spec``'s key and dependencies that calls ``runner(spec, values)``.
-
-    The wrapper is a plain ``Task``, so the worker's validation and bookkeeping see
-    nothing unusual; only its function differs.
-    """
-    if is_wrapped(spec):
-        return spec
-    order = list(spec.dependencies)
-
-    def run(*dep_values: Any) -> Any:
-        return runner(spec, dict(zip(order, dep_values, strict=True)))
-
-    setattr(run, _RUNNER_ATTR, True)
-    return Task(spec.key, run, *(TaskRef(dep) for dep in order))

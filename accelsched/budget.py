@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
-__all__ = ["RestartBudget", "Decision"]
+__all__ = ["RestartBudget", "Decision", "Admission", "admit_restart"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +70,48 @@ class RestartBudget:
     @property
     def in_flight(self) -> frozenset[str]:
         return frozenset(self._in_flight)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The answer to a worker's restart request, and what the scheduler does about it.
+
+    ``status`` is the reply's (``RestartReply``); ``act`` is ``"restart"`` (start it),
+    ``"defer"`` (cannot happen without loss now: say so, quarantine the worker's GPUs),
+    ``"quarantine"`` (over budget: quarantine only) or ``"none"``.
+    """
+
+    status: Literal["accepted", "refused", "deferred", "in-flight"]
+    act: Literal["restart", "defer", "quarantine", "none"]
+    reason: str | None = None
+
+
+def admit_restart(
+    budget: RestartBudget,
+    key: str,
+    now: float,
+    *,
+    authentic: bool,
+    has_nanny: bool,
+    has_peer: bool,
+) -> Admission:
+    """Whether a worker's restart may start now.
+
+    ``authentic``: the request comes from the worker itself. ``has_nanny``: something can
+    start it again. ``has_peer``: another running worker can take its data. ``key``
+    identifies the worker across restarts (its nanny), for the budget.
+    """
+    if not authentic:
+        return Admission("refused", "none")
+    if not has_nanny:
+        return Admission("deferred", "defer", "no-nanny")
+    if not has_peer:
+        return Admission("deferred", "defer", "no-peer")
+    decision = budget.request(key, now)
+    if decision.allowed:
+        return Admission("accepted", "restart")
+    if decision.reason == "in-flight":
+        return Admission("in-flight", "none")  # its restart is under way: nothing to do
+    if decision.reason == "budget":
+        return Admission("deferred", "quarantine", "budget")
+    return Admission("deferred", "defer", decision.reason or "concurrency")

@@ -8,11 +8,22 @@ the policy answers with the reason to fall back, or None to keep waiting.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from accelsched.config import parse_optional_duration
 
-__all__ = ["FallbackPolicy", "TIMEOUT", "NO_GPU_CAPACITY", "CHAIN", "OOM", "parse_task_timeout"]
+__all__ = [
+    "FallbackPolicy",
+    "Waiting",
+    "Sweep",
+    "TIMEOUT",
+    "NO_GPU_CAPACITY",
+    "CHAIN",
+    "OOM",
+    "parse_task_timeout",
+]
 
 TIMEOUT = "timeout"  # the task's own timeout expired
 NO_GPU_CAPACITY = "no-gpu-capacity"  # timeout 0: no GPU worker can take it now
@@ -65,3 +76,44 @@ class FallbackPolicy:
         if waited >= timeout:
             return TIMEOUT
         return None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """One unrunnable GPU task, as the scheduler sees it at a check."""
+
+    key: Hashable
+    since: float  # when it became unrunnable (same clock as ``now``)
+    amount: float  # GPUs it asks for
+    timeout: float | None  # its timeout (annotation or default); None: strict
+    predecessor_fell_back: bool = False
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What one check decided: tasks to run in their CPU form now, and when to look again."""
+
+    fall_back: list[tuple[Hashable, str, float]]  # (key, reason, seconds waited)
+    wake_at: float | None  # the earliest deadline still ahead; None: nothing to time
+
+
+def sweep(
+    policy: FallbackPolicy, waiting: Iterable[Waiting], *, now: float, largest: float
+) -> Sweep:
+    """Decide for every waiting task; ``largest`` is the most GPUs one worker offers now."""
+    fall_back: list[tuple[Hashable, str, float]] = []
+    wake_at: float | None = None
+    for w in waiting:
+        waited = now - w.since
+        reason = policy.decide(
+            waited=waited,
+            timeout=w.timeout,
+            predecessor_fell_back=w.predecessor_fell_back,
+            gpu_capacity=largest >= w.amount,
+        )
+        if reason is not None:
+            fall_back.append((w.key, reason, waited))
+        elif w.timeout is not None:
+            deadline = w.since + w.timeout
+            wake_at = deadline if wake_at is None else min(wake_at, deadline)
+    return Sweep(fall_back, wake_at)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-__all__ = ["owned", "Grant", "decide_count", "OwnershipRegistry"]
+__all__ = ["owned", "Claim", "decide_claim", "OwnershipRegistry"]
 
 T = TypeVar("T")
 
@@ -28,27 +28,28 @@ def owned(visible: Sequence[T], *, under_dask_cuda: bool) -> list[T]:
 
 
 @dataclass(frozen=True)
-class Grant:
-    """What the GuardPlugin asks the scheduler for, and why it differs from the declaration."""
+class Claim:
+    """The GPU count a worker asks the scheduler for, and why it differs from its
+    declaration. (What the scheduler grants may be less: see :class:`OwnershipRegistry`.)"""
 
     count: int
     reason: str | None  # None: the declaration was right
 
 
-def decide_count(declared: float | None, owned_count: int, *, advertise_undeclared: bool) -> Grant:
-    """GPU count a worker should advertise, given what it declared and what it owns."""
+def decide_claim(declared: float | None, owned_count: int, *, advertise_undeclared: bool) -> Claim:
+    """GPU count a worker should ask for, given what it declared and what it owns."""
     if declared is None or declared == 0:
         if owned_count and advertise_undeclared:
-            return Grant(owned_count, "advertised")
-        return Grant(0, None)
+            return Claim(owned_count, "advertised")
+        return Claim(0, None)
     if owned_count == 0:
-        return Grant(0, "no-devices")
+        return Claim(0, "no-devices")
     if declared > owned_count:
-        return Grant(owned_count, "fewer-devices")
+        return Claim(owned_count, "fewer-devices")
     if declared < owned_count:
         # The user asked for fewer GPUs than the worker sees: honour the declaration.
-        return Grant(int(declared), None)
-    return Grant(owned_count, None)
+        return Claim(int(declared), None)
+    return Claim(owned_count, None)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from accelsched.devices.pool import PoolStats
 
-__all__ = ["estimate", "Baseline", "LeakDetector", "Verdict"]
+__all__ = ["estimate", "Baseline", "LeakDetector", "LeakReports", "Verdict"]
 
 
 def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
@@ -101,3 +101,22 @@ class LeakDetector:
             self._above.clear()
         else:
             self._above.pop(device, None)
+
+
+@dataclass
+class LeakReports:
+    """Which confirmed leaks are news: one ``leak`` event per leak, not one per check.
+
+    While a restart is deferred the same leak is confirmed at every check; it is reported
+    once, and again only when it grew by another threshold's worth.
+    """
+
+    _reported: dict[int, int] = field(default_factory=dict)  # device -> bytes reported
+
+    def is_news(self, verdict: Verdict) -> bool:
+        """Whether to report ``verdict`` (a confirmed leak); remembers it when so."""
+        last = self._reported.get(verdict.device)
+        if last is not None and verdict.estimate - last < verdict.threshold:
+            return False
+        self._reported[verdict.device] = verdict.estimate
+        return True

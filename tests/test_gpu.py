@@ -481,7 +481,7 @@ async def test_no_false_positive_with_large_cupy_results_held(c, s, gpu, cpu):
 
     def verdicts(dask_worker) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
         guard = dask_worker.plugins["accelsched-guard"]
-        return [(v.estimate, v.threshold) for v in guard.last_verdicts]
+        return [(v.estimate, v.threshold) for v in guard.leaks.last_verdicts]
 
     seen = (await c.run(verdicts, workers=[gpu.worker_address]))[gpu.worker_address]
     assert not events(s, "leak"), (events(s, "leak"), seen)

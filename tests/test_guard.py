@@ -135,7 +135,7 @@ async def test_no_false_positive_on_benign_workloads(c, s, a, b):
     await asyncio.sleep(1.0)  # ten checks
     assert not events(s, "leak")
     checked = await c.run(
-        lambda dask_worker: len(dask_worker.plugins["accelsched-guard"].last_verdicts)
+        lambda dask_worker: len(dask_worker.plugins["accelsched-guard"].leaks.last_verdicts)
     )
     assert all(n >= 1 for n in checked.values())  # the checks did run
     del held
@@ -187,7 +187,7 @@ async def test_only_a_worker_can_ask_for_its_own_restart(c, s, a, b):
             "status"
         ] == "refused"
         # another worker with its own token naming a
-        b_token = placement.tokens[b.worker_address]
+        b_token = placement.gate.tokens[b.worker_address]
         assert (await r.accelsched_restart(worker=a.worker_address, token=b_token))[
             "status"
         ] == "refused"
@@ -263,13 +263,17 @@ async def test_concurrent_restarts_lose_nothing(c, s, a, b):
 
     async def restart_a_while_b_starts(workers, **kwargs):  # type: ignore[no-untyped-def]
         if workers == [A] and not second:
-            assert placement.budget.request(s.workers[B].nanny, 0).allowed
-            second.append(asyncio.create_task(placement._restart(B, s.workers[B].nanny, "leak")))
+            assert placement.restarts.budget.request(s.workers[B].nanny, 0).allowed
+            second.append(
+                asyncio.create_task(
+                    placement.restarts.restart(s.workers[B], s.workers[B].nanny, "leak")
+                )
+            )
             await asyncio.sleep(1.0)  # let b's restart run as far as it may
         return await restart_workers(workers, **kwargs)
 
     s.restart_workers = restart_a_while_b_starts
-    assert placement.budget.request(s.workers[A].nanny, 0).allowed
-    await placement._restart(A, s.workers[A].nanny, "leak")
+    assert placement.restarts.budget.request(s.workers[A].nanny, 0).allowed
+    await placement.restarts.restart(s.workers[A], s.workers[A].nanny, "leak")
     await second[0]
     assert await k["k"] == 123

@@ -61,7 +61,7 @@ async def test_undeclared_gpus_are_advertised(c, s, a):
     (v,) = events(s, "gpu-verified")
     assert (
         v["devices"][0]["uuid"]
-        == s.plugins["accelsched-placement"].inventory[a.worker_address][0]["uuid"]
+        == s.plugins["accelsched-placement"].gate.granted[a.worker_address][0]["uuid"]
     )
 
 
@@ -70,7 +70,7 @@ async def test_advertising_can_be_switched_off(c, s, a):
     await accelsched.register(c, advertise_undeclared=False)
     await wait_for(lambda: "accelsched-guard" in s.worker_plugins)
     await c.run(lambda: None)  # the guard's setup has run once run() answers
-    await wait_for(lambda: a.worker_address in s.plugins["accelsched-placement"].tokens)
+    await wait_for(lambda: a.worker_address in s.plugins["accelsched-placement"].gate.tokens)
     assert gpus(s, a.worker_address) == 0
     assert not events(s, "gpu-verified")
 
@@ -297,13 +297,13 @@ def test_dask_cuda_workers_own_their_first_visible_device(monkeypatch) -> None:
     import sys
     import types
 
-    from accelsched.guard import _under_dask_cuda
+    from accelsched.worker.inventory import under_dask_cuda
 
     worker = types.SimpleNamespace(plugins={"cpu-affinity": _DaskCudaPlugin()})
-    assert not _under_dask_cuda(worker)  # type: ignore[arg-type]  # dask_cuda not imported
+    assert not under_dask_cuda(worker)  # type: ignore[arg-type]  # dask_cuda not imported
     monkeypatch.setitem(sys.modules, "dask_cuda", types.ModuleType("dask_cuda"))
-    assert _under_dask_cuda(worker)  # type: ignore[arg-type]
-    assert not _under_dask_cuda(types.SimpleNamespace(plugins={"x": object()}))  # type: ignore[arg-type]
+    assert under_dask_cuda(worker)  # type: ignore[arg-type]
+    assert not under_dask_cuda(types.SimpleNamespace(plugins={"x": object()}))  # type: ignore[arg-type]
 
 
 @gen_cluster(client=True, nthreads=[])

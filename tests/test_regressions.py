@@ -14,7 +14,7 @@ from distributed import Event, Nanny, Worker
 from distributed.utils_test import gen_cluster
 
 import accelsched
-import accelsched.placement as placement_module
+import accelsched.scheduler.restarts as restarts_module
 from accelsched.devices.arrays import to_host
 from accelsched.testing import device_alloc
 from tests.utils import events, gpus, wait_for
@@ -30,8 +30,8 @@ def hold(name: str) -> int:
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2, {"resources": {"GPU": 2}})], timeout=30)
 async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
     """GPU tasks that piled up during a drain must not land on the worker given up on."""
-    old = placement_module.DRAIN_TIMEOUT
-    placement_module.DRAIN_TIMEOUT = 1.0
+    old = restarts_module.DRAIN_TIMEOUT
+    restarts_module.DRAIN_TIMEOUT = 1.0
     try:
         await accelsched.register(c)
         await wait_for(lambda: gpus(s, a.address) == 2)
@@ -39,7 +39,7 @@ async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
         with dask.annotate(resources={"GPU": 1}):
             busy = c.submit(hold, "x", key="busy")
         await wait_for(lambda: "busy" in s.tasks and s.tasks["busy"].state == "processing")
-        restart = asyncio.ensure_future(plugin._restart(a.address, "nanny", "leak"))
+        restart = asyncio.ensure_future(plugin.restarts.restart(s.workers[a.address], "nanny", "leak"))
         await asyncio.sleep(0.2)
         with dask.annotate(resources={"GPU": 1}):
             late = c.submit(accelsched.current_device, key="late")
@@ -51,7 +51,7 @@ async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
         assert await busy == 1
         del late
     finally:
-        placement_module.DRAIN_TIMEOUT = old
+        restarts_module.DRAIN_TIMEOUT = old
 
 
 def innocent() -> str:
@@ -158,9 +158,9 @@ async def test_restart_request_from_another_address_than_advertised(c, s, peer):
     ) as w:
         await wait_for(lambda: w.plugins.get("accelsched-guard") is not None)
         guard = w.plugins["accelsched-guard"]
-        await wait_for(lambda: guard.token is not None)
+        await wait_for(lambda: guard.inventory.token is not None)
         reply = await w.scheduler.accelsched_restart(
-            worker=w.contact_address, token=guard.token, reason="leak"
+            worker=w.contact_address, token=guard.inventory.token, reason="leak"
         )
         assert reply["status"] != "refused"
 
@@ -186,15 +186,15 @@ async def test_unhealthy_device_does_not_strand_tasks(c, s, a):
     with dask.annotate(resources={"GPU": 2}):
         two = c.submit(accelsched.current_device, key="two")
     guard = a.plugins["accelsched-guard"]
-    busy = {d for ds in guard.leases.holders().values() for d in ds}
-    real = guard.monitor.process_memory
+    busy = {d for ds in guard.binder.leases.holders().values() for d in ds}
+    real = guard.inventory.monitor.process_memory
 
     def lost(index: int):  # type: ignore[no-untyped-def]
         if index not in busy:
             raise RuntimeError("NVML: GPU is lost")  # stands in for NVMLError_GpuIsLost
         return real(index)
 
-    guard.monitor.process_memory = lost
+    guard.inventory.monitor.process_memory = lost
     await wait_for(lambda: events(s, "gpu-unhealthy"))
     (e,) = events(s, "gpu-unhealthy")
     assert e["device"] not in busy

@@ -12,7 +12,7 @@ from accelsched.binding import LeaseTable, NoFreeDevice
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
 from accelsched.devices.visible import parse_visible, resolve_visible
 from accelsched.fallback import CHAIN, NO_GPU_CAPACITY, TIMEOUT, FallbackPolicy, parse_task_timeout
-from accelsched.inventory import Grant, OwnershipRegistry, decide_count, owned
+from accelsched.inventory import Claim, OwnershipRegistry, decide_claim, owned
 
 UUIDS = [
     "GPU-aaaaaaaa-0000-0000-0000-000000000000",
@@ -48,18 +48,18 @@ def test_ownership_plain_and_dask_cuda() -> None:
 @pytest.mark.parametrize(
     "declared, has, advertise, expected",
     [
-        (2, 2, True, Grant(2, None)),
-        (4, 2, True, Grant(2, "fewer-devices")),
-        (2, 0, True, Grant(0, "no-devices")),
-        (None, 2, True, Grant(2, "advertised")),
-        (None, 2, False, Grant(0, None)),
-        (0, 1, True, Grant(1, "advertised")),
-        (1, 2, True, Grant(1, None)),
-        (None, 0, True, Grant(0, None)),
+        (2, 2, True, Claim(2, None)),
+        (4, 2, True, Claim(2, "fewer-devices")),
+        (2, 0, True, Claim(0, "no-devices")),
+        (None, 2, True, Claim(2, "advertised")),
+        (None, 2, False, Claim(0, None)),
+        (0, 1, True, Claim(1, "advertised")),
+        (1, 2, True, Claim(1, None)),
+        (None, 0, True, Claim(0, None)),
     ],
 )
-def test_decide_count(declared, has, advertise, expected) -> None:  # type: ignore[no-untyped-def]
-    assert decide_count(declared, has, advertise_undeclared=advertise) == expected
+def test_decide_claim(declared, has, advertise, expected) -> None:  # type: ignore[no-untyped-def]
+    assert decide_claim(declared, has, advertise_undeclared=advertise) == expected
 
 
 def test_registry_exclusive_then_released() -> None:

@@ -37,19 +37,22 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
-from dask.utils import parse_bytes
-
+from accelsched import internals
 from accelsched.testing import build, state
-from accelsched.testing.pool import (
-    DeviceBuffer,
-    OutOfDeviceMemory,
-    SimulatedPool,
-    create_context,
-    device_alloc,
-    fixed_pool,
+from accelsched.testing.buffers import DeviceBuffer, create_context, device_alloc, fixed_pool
+from accelsched.testing.checks import (
+    MAX_DEVICES as MAX_DEVICES,
 )
+from accelsched.testing.checks import (
+    _check_bool,
+    _check_count,
+    _check_name,
+    _check_pid_offset,
+    _parse_size,
+    _per_device,
+)
+from accelsched.testing.pool import OutOfDeviceMemory, SimulatedPool
 
 __all__ = [
     "FakeGPUs",
@@ -63,7 +66,6 @@ __all__ = [
     "SimulatedPool",
 ]
 
-MAX_DEVICES = 64  # the fake library's limit
 _ENV_KEYS = (state.ENV_DIR, state.ENV_STANDIN, "LD_LIBRARY_PATH")
 _active_lock = threading.Lock()
 _active = False
@@ -162,7 +164,7 @@ def fake_gpus(
             )
         _active = True
     saved_env = {key: os.environ.get(key) for key in _ENV_KEYS}
-    saved_nvml = _distributed_nvml_state()
+    saved_nvml = internals.distributed_nvml_state()
     path: Path | None = None
     try:
         path = Path(tempfile.mkdtemp(prefix="accelsched-fake-gpus-"))
@@ -181,7 +183,7 @@ def fake_gpus(
             previous = os.environ.get("LD_LIBRARY_PATH")
             env["LD_LIBRARY_PATH"] = str(library.parent) + (f":{previous}" if previous else "")
         os.environ.update(env)
-        _reset_distributed_nvml()
+        internals.reset_distributed_nvml()
         yield FakeGPUs(
             path=path,
             uuids=tuple(d.uuid for d in devices),
@@ -197,7 +199,7 @@ def fake_gpus(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        _restore_distributed_nvml(saved_nvml)
+        internals.restore_distributed_nvml(saved_nvml)
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
         with _active_lock:
@@ -252,102 +254,3 @@ def _warn_if_real_nvml_loaded() -> None:
             FakeNVMLWarning,
             stacklevel=5,
         )
-
-
-# ---- distributed's per-process NVML state ----
-# distributed.diagnostics.nvml remembers "no NVML" for the life of the process, and once
-# initialized it adds GPU metrics to every worker started in-process. A session makes it
-# look again, and its end puts it back as it found it.
-
-
-def _distributed_nvml_state() -> tuple[Any, ...] | None:
-    nvml: Any = sys.modules.get("distributed.diagnostics.nvml")
-    worker: Any = sys.modules.get("distributed.worker")
-    if nvml is None:
-        return None
-    metrics = getattr(worker, "DEFAULT_METRICS", {})
-    startup = getattr(worker, "DEFAULT_STARTUP_INFORMATION", {})
-    return (nvml.NVML_STATE, nvml.NVML_OWNER_PID, "gpu" in metrics, "gpu" in startup)
-
-
-def _reset_distributed_nvml() -> None:
-    nvml: Any = sys.modules.get("distributed.diagnostics.nvml")
-    if nvml is not None and nvml.NVML_STATE == nvml.NVMLState.DISABLED_LIBRARY_NOT_FOUND:
-        nvml.NVML_STATE = nvml.NVMLState.UNINITIALIZED
-
-
-def _restore_distributed_nvml(saved: tuple[Any, ...] | None) -> None:
-    nvml: Any = sys.modules.get("distributed.diagnostics.nvml")
-    if nvml is None:
-        return
-    if saved is None:  # imported during the session: as if it had never looked
-        saved = (nvml.NVMLState.UNINITIALIZED, None, False, False)
-    nvml.NVML_STATE, nvml.NVML_OWNER_PID, had_metrics, had_startup = saved
-    worker: Any = sys.modules.get("distributed.worker")
-    if worker is not None:
-        if not had_metrics:
-            worker.DEFAULT_METRICS.pop("gpu", None)
-        if not had_startup:
-            worker.DEFAULT_STARTUP_INFORMATION.pop("gpu", None)
-
-
-# ---- argument checks ----
-
-
-def _check_count(count: int) -> int:
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise TypeError(f"fake_gpus: count must be an int, got {count!r}")
-    if not 0 <= count <= MAX_DEVICES:
-        raise ValueError(f"fake_gpus: count must be between 0 and {MAX_DEVICES}, got {count!r}")
-    return count
-
-
-def _parse_size(value: int | str, what: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"fake_gpus: {what} must be bytes (int) or a size string, got {value!r}")
-    try:
-        size = parse_bytes(value)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"fake_gpus: {what} is not a size: {value!r}") from e
-    if size < minimum:
-        raise ValueError(f"fake_gpus: {what} must be at least {minimum} bytes, got {value!r}")
-    return size
-
-
-def _check_name(value: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"fake_gpus: names must be strings, got {value!r}")
-    if not value.strip() or any(c in value for c in "\t\n\r") or len(value.encode()) > 95:
-        raise ValueError(
-            f"fake_gpus: a name must be non-empty, one line without tabs, "
-            f"at most 95 bytes; got {value!r}"
-        )
-    return value
-
-
-def _check_bool(value: bool, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"fake_gpus: {what} must be True or False, got {value!r}")
-    return value
-
-
-def _check_pid_offset(value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"fake_gpus: pid_offset must be an int, got {value!r}")
-    if not 0 <= value < 2**31:
-        raise ValueError(f"fake_gpus: pid_offset must be between 0 and 2**31, got {value!r}")
-    return value
-
-
-def _per_device(value: Any, count: int, what: str, check: Any) -> list[Any]:
-    """One value for every device, or a sequence with one per device."""
-    if isinstance(value, (str, int)):
-        return [check(value)] * count
-    if not isinstance(value, Sequence):
-        raise TypeError(f"fake_gpus: {what} must be one value or a sequence, got {value!r}")
-    if len(value) != count:
-        raise ValueError(
-            f"fake_gpus: {what} must be one value or a sequence of {count} (one per "
-            f"device), got {value!r}"
-        )
-    return [check(v) for v in value]

@@ -1,10 +1,11 @@
-"""Simulated device memory with CuPy's and RMM's pool semantics, visible through NVML.
+"""The simulated pool: device memory with CuPy's and RMM's pool semantics, seen by NVML.
 
 Leak detection has to tell memory a task leaked from memory a pool legitimately caches
 or reserves, and that is only testable if the test can produce all three on purpose.
-``device_alloc`` does, on the fake GPUs of :func:`accelsched.testing.fake_gpus`: every
-change is published to the state directory (``proc/<pid>``), so the fake NVML, and hence
-the guard's monitor, sees this process's memory exactly as nvidia-smi would see CuPy's:
+``device_alloc`` (:mod:`accelsched.testing.buffers`) does, on the fake GPUs of
+:func:`accelsched.testing.fake_gpus`: every change is published to the state directory
+(``proc/<pid>``), so the fake NVML, and hence the guard's monitor, sees this process's
+memory exactly as nvidia-smi would see CuPy's:
 
 * a first allocation on a device creates a CUDA context (``context_bytes``) that no pool
   owns and nothing but the process's death releases;
@@ -22,28 +23,14 @@ import collections
 import contextlib
 import os
 import threading
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from dask.sizeof import sizeof
-
-from accelsched.context import current_device
-from accelsched.devices import arrays
-from accelsched.devices.arrays import device_nbytes
 from accelsched.devices.pool import PoolStats, register_pool
 from accelsched.devices.visible import resolve_visible, visible_from_env
 from accelsched.testing import state
 
-__all__ = [
-    "DeviceBuffer",
-    "OutOfDeviceMemory",
-    "SimulatedPool",
-    "create_context",
-    "device_alloc",
-    "fixed_pool",
-]
+__all__ = ["OutOfDeviceMemory", "SimulatedPool"]
 
 
 class OutOfDeviceMemory(MemoryError):
@@ -137,7 +124,7 @@ class _Session:
 
 
 class SimulatedPool:
-    """The per-process pool behind :func:`device_alloc`, as the guard sees it.
+    """The per-process pool behind ``device_alloc``, as the guard sees it.
 
     Implements :class:`accelsched.devices.pool.DevicePool`; registered with
     ``register_pool`` when first used. Buffers freed by garbage collection may be
@@ -294,7 +281,6 @@ class SimulatedPool:
 
 _POOL: SimulatedPool | None = None
 _POOL_LOCK = threading.Lock()
-_LEAKED: list[DeviceBuffer] = []
 
 
 def _pool() -> SimulatedPool:
@@ -317,142 +303,6 @@ def _after_fork() -> None:
     _POOL_LOCK = threading.Lock()
     if _POOL is not None:
         _POOL._reset()
-    _LEAKED.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork)
-
-
-class DeviceBuffer:
-    """Simulated device memory: ``nbytes`` on ``device`` until freed, carrying ``value``.
-
-    Create with :func:`device_alloc`. ``device`` is None once freed, or when the buffer
-    was unpickled where its device is not visible (detached). Pickling sends the value
-    and size; unpickling where fake GPUs are visible allocates again on the same CUDA
-    index, as deserializing a CuPy array does.
-    """
-
-    __slots__ = ("nbytes", "value", "_device", "_finalizer", "__weakref__")
-
-    def __init__(
-        self,
-        nbytes: int,
-        device: int | None,
-        value: Any = None,
-        finalizer: weakref.finalize | None = None,
-    ) -> None:
-        self.nbytes = nbytes
-        self.value = value
-        self._device = device
-        self._finalizer = finalizer
-
-    @property
-    def device(self) -> int | None:
-        if self._finalizer is None or not self._finalizer.alive:
-            return None
-        return self._device
-
-    def free(self) -> None:
-        """Return the bytes to the pool's cache now (idempotent)."""
-        if self._finalizer is not None:
-            self._finalizer()
-        with contextlib.suppress(ValueError):
-            _LEAKED.remove(self)
-
-    def __reduce__(self) -> tuple[Any, tuple[int, int | None, Any]]:
-        return _rebuild, (self.nbytes, self.device, self.value)
-
-    def __repr__(self) -> str:
-        where = "detached" if self.device is None else f"on fake GPU {self.device}"
-        return f"<DeviceBuffer {self.nbytes} bytes {where}>"
-
-
-def _rebuild(nbytes: int, device: int | None, value: Any) -> DeviceBuffer:
-    path = state.state_dir()
-    if device is None or path is None:
-        return DeviceBuffer(nbytes, None, value)
-    if device >= _pool().visible():
-        return DeviceBuffer(nbytes, None, value)
-    return device_alloc(nbytes, device=device, value=value)
-
-
-@sizeof.register(DeviceBuffer)
-def _sizeof_buffer(buf: DeviceBuffer) -> int:
-    return buf.nbytes
-
-
-@device_nbytes.register(DeviceBuffer)
-def _device_nbytes_buffer(buf: DeviceBuffer) -> dict[int, int]:
-    device = buf.device
-    return {} if device is None else {device: buf.nbytes}
-
-
-if hasattr(arrays, "to_host"):
-
-    @arrays.to_host.register(DeviceBuffer)
-    def _buffer_to_host(buf: DeviceBuffer) -> DeviceBuffer:
-        """A fallen-back task gets the payload on the host: a detached buffer, same size."""
-        return DeviceBuffer(buf.nbytes, None, buf.value)
-
-
-def _device_or_current(device: int | None, what: str) -> int:
-    if device is None:
-        device = current_device()
-    if device is None:
-        raise RuntimeError(
-            f"{what}: no device given and no current device; call it inside a task holding "
-            "a GPU, or pass device=..."
-        )
-    return device
-
-
-def _check_nbytes(nbytes: int, what: str) -> None:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise TypeError(f"{what}: nbytes must be an int, got {nbytes!r}")
-    if nbytes < 0:
-        raise ValueError(f"{what}: nbytes must be >= 0, got {nbytes!r}")
-
-
-def device_alloc(
-    nbytes: int, leak: bool = False, device: int | None = None, value: Any = None
-) -> DeviceBuffer:
-    """Allocate ``nbytes`` of simulated device memory on a fake GPU.
-
-    ``device`` defaults to the device of the running task (``current_device()``).
-    The bytes come from a fixed pool with room, else the pool's cache, else new device
-    memory (raising :class:`OutOfDeviceMemory` when the device is full even after freeing
-    the cache). With ``leak=True`` the buffer is kept alive until the process exits.
-    """
-    _check_nbytes(nbytes, "device_alloc")
-    device = _device_or_current(device, "device_alloc")
-    pool = _pool()
-    session, fixed = pool.allocate(nbytes, device)
-    buf = DeviceBuffer(nbytes, device, value)
-    buf._finalizer = weakref.finalize(buf, pool.release, session, device, nbytes, fixed)
-    buf._finalizer.atexit = False  # the process's death frees its device memory
-    if leak:
-        _LEAKED.append(buf)
-    return buf
-
-
-def create_context(device: int | None = None) -> None:
-    """Simulate a library creating a CUDA context on ``device`` without allocating.
-
-    The context's bytes show in NVML for this process and belong to no pool: only the
-    process's death releases them, as with real CUDA.
-    """
-    _pool().create_context(_device_or_current(device, "create_context"))
-
-
-def fixed_pool(nbytes: int, device: int | None = None) -> None:
-    """Reserve an RMM-style pool of ``nbytes`` on ``device``, visible in NVML at once.
-
-    Allocations come out of it while it has room; ``free_all()`` never shrinks it and
-    the guard's ``stats().fixed`` reports it. ``device`` defaults to the current task's
-    device, else CUDA device 0, as ``--rmm-pool-size`` reserves on a worker's first
-    visible device. Calling again with the same size is a no-op.
-    """
-    _check_nbytes(nbytes, "fixed_pool")
-    if device is None:
-        device = current_device()
-    _pool().reserve(nbytes, 0 if device is None else device)

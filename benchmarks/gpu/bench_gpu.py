@@ -16,7 +16,7 @@ Measured:
 - ``cluster_tasks``: µs per tiny GPU task end to end, without then with the plugins
   (scheduler round trips dominate; the difference is the guard's share, noisy).
 - ``nvml_query``: µs per ``NVMLMonitor.process_memory`` and ``used``.
-- ``guard_check``: µs per periodic leak check (``GuardPlugin.check``) over one device.
+- ``guard_check``: µs per periodic leak check (``LeakCheck.check``) over one device.
 - ``free_all_blocks``: µs per ``CupyPool.free_all()`` with ~1 GiB cached (one block,
   many blocks) and with nothing cached, and what NVML saw go back.
 - ``context_baseline``: this process's device memory after CUDA context creation, the
@@ -228,8 +228,10 @@ def bench_free_all(fake: bool, quick: bool) -> dict:
 def bench_guard_runner(fake: bool, quick: bool) -> dict:
     from dask._task_spec import Task
 
-    from accelsched.binding import wrap_task
-    from accelsched.guard import GuardPlugin
+    from accelsched.internals import wrap_task
+    from accelsched.worker.binding import Binder
+    from accelsched.worker.pools import PoolFreer
+    from accelsched.worker.watch import Watch
 
     dev = Device(fake)
     dev.context()
@@ -240,26 +242,21 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 
     spec = Task("tiny-0", tiny)
     out: dict[str, Any] = {"bare_task": per_call_us(lambda: spec({}), n)}
+    visible = dev.monitor.devices()
 
-    def guard(**options: Any) -> GuardPlugin:
-        g = GuardPlugin(**options)
-        g.monitor = dev.monitor
-        g.visible = dev.monitor.devices()
-        g.owned = g.devices = list(g.visible)
-        g.simulated = fake
-        g.leases.set_devices([d.index for d in g.devices])
-        g._emit = _no_event  # type: ignore[method-assign]
-        return g
+    def binder(every: int) -> Binder:
+        pools = PoolFreer(every=every, above=0.0, monitor=dev.monitor, simulated=fake)
+        b = Binder(simulated=fake, oom_exceptions=(), pools=pools, emit=_no_event)
+        b.set_devices([d.index for d in visible])
+        return b
 
-    for label, options in (
-        ("gpu_runner_free_every_task", {"free_pools_every": 1}),
-        ("gpu_runner_no_freeing", {"free_pools_every": 0}),
-    ):
-        run = guard(**options)._gpu_runner("tiny-0", 1)
+    for label, every in (("gpu_runner_free_every_task", 1), ("gpu_runner_no_freeing", 0)):
+        run = binder(every).gpu_runner("tiny-0", 1)
         out[label] = per_call_us(functools.partial(run, spec, {}), n)
-    watch = guard()._watch_runner("tiny-0")
-    out["watch_runner_cpu_task"] = per_call_us(lambda: watch(spec, {}), max(200, n // 10))
-    runner = guard()._gpu_runner("tiny-0", 1)
+    watch = Watch(monitor=dev.monitor, visible=visible, fail=False, emit=_no_event)
+    watch_run = watch.runner("tiny-0")
+    out["watch_runner_cpu_task"] = per_call_us(lambda: watch_run(spec, {}), max(200, n // 10))
+    runner = binder(0).gpu_runner("tiny-0", 1)
     out["wrap_task"] = per_call_us(lambda: wrap_task(spec, runner), n)
     for label in ("gpu_runner_free_every_task", "gpu_runner_no_freeing", "watch_runner_cpu_task"):
         out[label]["overhead_us"] = round(
@@ -269,21 +266,31 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 
 
 def bench_guard_check(fake: bool, quick: bool) -> dict:
-    from accelsched.guard import GuardPlugin
+    from accelsched.binding import LeaseTable
+    from accelsched.config import Threshold
+    from accelsched.worker.leaks import LeakCheck
 
     dev = Device(fake)
     dev.context()
-    g = GuardPlugin(leak_threshold="64GiB", restart_on_leak=False)
-    g.monitor = dev.monitor
-    g.visible = g.owned = dev.monitor.devices()
-    g.used_devices = {d.index for d in g.owned}
-    g._emit = _no_event  # type: ignore[method-assign]
-    assert g.check(), "the check looked at no device"
-    return {"check_one_device": per_call_us(g.check, 200 if quick else 1000)}
+    owned = dev.monitor.devices()
+    check = LeakCheck(
+        monitor=dev.monitor,
+        owned=owned,
+        granted=lambda: owned,
+        leases=LeaseTable([d.index for d in owned]),
+        used={d.index for d in owned},
+        threshold=Threshold(nbytes=64 * 2**30),
+        confirmations=2,
+        restart_on_leak=False,
+        ask_restart=lambda reason, nbytes: None,
+        emit=_no_event,
+    )
+    assert check.check(), "the check looked at no device"
+    return {"check_one_device": per_call_us(check.check, 200 if quick else 1000)}
 
 
 def _no_event(action: str, **figures: Any) -> None:
-    """Stands in for GuardPlugin._emit outside a worker."""
+    """Stands in for the guard's event sender outside a worker."""
 
 
 CONTEXT_PROBE = r"""

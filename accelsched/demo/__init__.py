@@ -1,0 +1,205 @@
+"""``accelsched demo``: a small cluster that shows every part of accelsched at work.
+
+On a machine where NVML sees GPUs the cluster uses them (through dask-cuda when it is
+installed); elsewhere it runs on the fake GPUs of :mod:`accelsched.testing`. Three
+phases, each printed as a table built from events (``client.get_events``):
+
+1. **Placement.** Two GPU workers and one CPU-only worker, two of them mis-declared; a
+   dask.array pipeline with GPU-annotated steps, each block on its own device.
+2. **Leak.** One step leaks device memory on one worker; the guard notices, the worker
+   is retired and restarted, and every result still arrives.
+3. **Fallback.** The GPU workers retire in the middle of the pipeline; GPU steps that
+   cannot be placed within their timeout run their CPU form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import numpy as np
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+import accelsched
+from accelsched import internals
+from accelsched.demo.report import event_lines, events, placement_table, uuids, wait, worker_names
+from accelsched.demo.steps import DEMO_TOPIC, blocks, leaky_square, pipeline
+from accelsched.devices.nvml import NVMLMonitor
+
+__all__ = ["run", "main"]
+
+
+def _cluster_specs(real_gpus: int) -> dict[str, dict[str, Any]]:
+    def nanny(cvd: str, **resources: float) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "nthreads": 2,
+            "env": {"CUDA_VISIBLE_DEVICES": cvd},
+            "silence_logs": logging.CRITICAL,
+        }
+        if resources:
+            options["resources"] = resources
+        return {"cls": Nanny, "options": options}
+
+    if real_gpus >= 2:
+        return {"gpu-0": nanny("0", GPU=2), "gpu-1": nanny("1", GPU=1), "cpu": nanny("", GPU=1)}
+    if real_gpus == 1:
+        return {"gpu-0": nanny("0", GPU=2), "cpu": nanny("", GPU=1), "cpu-2": nanny("")}
+    # fake GPUs: gpu-0 declares 2 but owns 1; cpu declares a GPU it does not have
+    return {"gpu-0": nanny("0", GPU=2), "gpu-1": nanny("1", GPU=1), "cpu": nanny("", GPU=1)}
+
+
+@contextlib.contextmanager
+def _gpus(out: TextIO) -> Iterator[int]:
+    monitor = NVMLMonitor(env={})
+    real = len(monitor.devices())
+    if real:
+        names = ", ".join(sorted({d.name for d in monitor.devices()}))
+        print(f"NVML sees {real} GPU(s): {names}", file=out)
+        yield real
+        return
+    from accelsched.testing import fake_gpus
+
+    with fake_gpus(count=2, memory="16GiB") as fake:
+        print(
+            f"No GPU visible to NVML here: running on {fake.count} simulated 16 GiB GPUs "
+            "(accelsched.testing.fake_gpus, served through the real pynvml).",
+            file=out,
+        )
+        yield 0
+
+
+@contextlib.contextmanager
+def _cluster(real: int, out: TextIO) -> Iterator[SpecCluster]:
+    """Real GPUs through dask-cuda when it is installed; plain nannies otherwise."""
+    specs = _cluster_specs(real)
+    local_cuda_cluster: Any = None
+    if real:
+        with contextlib.suppress(ImportError):
+            import dask_cuda
+
+            local_cuda_cluster = dask_cuda.LocalCUDACluster
+    if local_cuda_cluster is not None:
+        print("Starting the GPU workers with dask-cuda (LocalCUDACluster).", file=out)
+        # dask-cuda gives every worker all GPUs in rotated order; each owns its first.
+        with local_cuda_cluster(
+            n_workers=min(real, 2),
+            threads_per_worker=2,
+            resources={"GPU": 2},  # mis-declared on purpose: each owns one
+            dashboard_address=":0",
+            silence_logs=logging.CRITICAL,
+        ) as cluster:
+            internals.add_spec_worker(cluster, "cpu", specs["cpu"])
+            yield cluster
+        return
+    with SpecCluster(
+        workers=specs,
+        scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
+        silence_logs=logging.CRITICAL,
+    ) as cluster:
+        yield cluster
+
+
+def run(out: TextIO = sys.stdout) -> int:
+    for name in ["distributed", *logging.root.manager.loggerDict]:
+        if name.startswith("distributed"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    with _gpus(out) as real, _cluster(real, out) as cluster, Client(cluster) as client:
+        client.wait_for_workers(len(cluster.workers))
+        accelsched.register(
+            client,
+            fallback_timeout="1s",
+            check_interval="200ms",
+            leak_threshold="1GiB",
+            leak_confirmations=2,
+        )
+        t0 = 0.0
+        wait(
+            lambda: (
+                sum(1 for e in events(client, "accelsched", t0) if e["action"] == "gpu-verified")
+                >= 1 + (real != 1)
+            ),
+            30,
+            "GPU verification",
+        )
+        time.sleep(0.5)
+        names = worker_names(client)
+        print("\n== 1. Verified inventory: declarations are checked against NVML ==", file=out)
+        event_lines(client, t0, names, out)
+        resources = client.run_on_scheduler(
+            lambda dask_scheduler: {
+                str(w.name): w.resources.get("GPU", 0) for w in dask_scheduler.workers.values()
+            }
+        )
+        print(
+            "GPU resource the scheduler places against: "
+            + ", ".join(f"{n}={v:g}" for n, v in sorted(resources.items()))
+            + "\n",
+            file=out,
+        )
+
+        print("== 1b. A GPU pipeline: every GPU step on a verified device ==", file=out)
+        t1 = time.time()
+        expected = pipeline().compute(scheduler="sync")
+        on_gpu = client.compute(pipeline(), optimize_graph=False).result()
+        placement_table(client, t1, names, uuids(client), out)
+        np.testing.assert_allclose(on_gpu, expected)
+
+        print("== 2. A leaking step: detected, worker restarted, nothing lost ==", file=out)
+        t2 = time.time()
+        kept = client.persist(blocks(leaky_square), optimize_graph=False)
+        leaked = client.compute(kept.sum(axis=1)).result()
+        wait(
+            lambda: any(e["action"] == "restart" for e in events(client, "accelsched", t2)),
+            60,
+            "the leaking worker's restart",
+        )
+        wait(
+            lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == len(names),
+            60,
+            "the restarted worker",
+        )
+        gpu_count = len({w for w, _ in uuids(client)} & set(names))
+        wait(
+            lambda: len({w for w, _ in uuids(client)} & set(worker_names(client))) == gpu_count,
+            60,
+            "the restarted worker's GPUs to be verified",
+        )
+        restarted = {
+            e["worker"] for e in events(client, "accelsched", t2) if e["action"] == "restart"
+        }
+        untouched = {a for a in names if a not in restarted}
+        names = {**names, **worker_names(client)}
+        event_lines(client, t2, names, out, skip=("gpu-verified", "gpu-corrected"))
+        again = client.compute(kept.sum(axis=1)).result()  # from the persisted blocks
+        np.testing.assert_allclose(again, expected)
+        np.testing.assert_allclose(leaked, expected)
+        assert untouched <= set(worker_names(client)), "a peer worker was restarted"
+        ran = [e for e in events(client, DEMO_TOPIC, t2) if e["step"] == "square"]
+        assert len(ran) == kept.npartitions, f"blocks recomputed: {len(ran)} runs"
+        print(
+            f"All {kept.npartitions} persisted blocks survived the restart, none recomputed; the "
+            f"{len(again)} sums match the host computation; "
+            f"only {', '.join(sorted(names[w] for w in restarted))} restarted, "
+            f"its peers ({', '.join(sorted(names[w] for w in untouched))}) kept running.\n",
+            file=out,
+        )
+
+        print("== 3. GPU workers retire mid-pipeline: GPU steps fall back to CPU ==", file=out)
+        t3 = time.time()
+        gpu_workers = sorted({w for w, _ in uuids(client)} & set(worker_names(client)))
+        fut = client.compute(pipeline(), optimize_graph=False)
+        wait(lambda: len(events(client, DEMO_TOPIC, t3)) >= 2, 30, "the first GPU blocks")
+        client.retire_workers(gpu_workers)
+        fell_back = fut.result()
+        placement_table(client, t3, {**names, **worker_names(client)}, uuids(client), out)
+        np.testing.assert_allclose(fell_back, expected)
+        print("Same numbers on the GPU path and the fallback path.", file=out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run()

@@ -1,0 +1,123 @@
+"""The one door to distributed's (and dask's) internals.
+
+accelsched needs a few things distributed has no public API for: offering ``no-worker``
+tasks to a worker whose GPUs were just verified, knowing since when a task has been
+unrunnable, setting a worker's GPU count on the scheduler, draining a worker, wrapping a
+task's execution on the worker. Each such need is one function here, and nothing else in
+accelsched touches a private attribute or relies on undocumented behaviour (a test greps
+for it). When distributed changes one of them, this is the only module to mend.
+
+Hook exceptions are logged and swallowed by distributed, so a silent break would look
+like accelsched simply not placing or binding. :func:`check_scheduler` and
+:func:`check_worker` therefore verify, when the plugins start, everything this module
+relies on, and fail the registration with :class:`IncompatibleDistributed` naming what
+changed and the versions known to work. ``docs/architecture.md`` lists each use and why.
+
+The door is this package: one function per need, grouped by what it touches
+(:mod:`.contract`, :mod:`.servers`, :mod:`.scheduler`, :mod:`.worker`, :mod:`.diagnostics`),
+all re-exported here so callers write ``internals.spawn(...)``.
+"""
+
+from accelsched.internals.contract import (
+    TESTED_DISTRIBUTED,
+    IncompatibleDistributed,
+    check_scheduler,
+    check_worker,
+)
+from accelsched.internals.diagnostics import (
+    add_spec_worker,
+    distributed_nvml_state,
+    reset_distributed_nvml,
+    restore_distributed_nvml,
+)
+from accelsched.internals.scheduler import (
+    annotate,
+    apply_resources,
+    drain,
+    fail_task,
+    harden_restrictions,
+    has_running_peer,
+    holds_sole_copy,
+    is_processing,
+    is_registered,
+    keys_held,
+    largest_gpu_count,
+    offer_unrunnable,
+    restart,
+    resume,
+    retire,
+    run_now,
+    set_resource_restrictions,
+    set_worker_gpus,
+    unrunnable,
+    wait_gone,
+    worker_plugin_registered,
+    wrap_set_resources,
+)
+from accelsched.internals.servers import (
+    call_later,
+    call_soon,
+    cancel_call,
+    install_handler,
+    remove_handler,
+    spawn,
+    start_periodic,
+    stop_periodic,
+)
+from accelsched.internals.worker import (
+    TaskView,
+    advertises_gpus,
+    declared_gpus,
+    plugin_modules,
+    stored_value,
+    wrap_execution,
+    wrap_task,
+)
+
+__all__ = [
+    "TESTED_DISTRIBUTED",
+    "IncompatibleDistributed",
+    "TaskView",
+    "add_spec_worker",
+    "advertises_gpus",
+    "annotate",
+    "apply_resources",
+    "call_later",
+    "call_soon",
+    "cancel_call",
+    "check_scheduler",
+    "check_worker",
+    "declared_gpus",
+    "distributed_nvml_state",
+    "drain",
+    "fail_task",
+    "harden_restrictions",
+    "has_running_peer",
+    "holds_sole_copy",
+    "install_handler",
+    "is_processing",
+    "is_registered",
+    "keys_held",
+    "largest_gpu_count",
+    "offer_unrunnable",
+    "plugin_modules",
+    "remove_handler",
+    "reset_distributed_nvml",
+    "restart",
+    "restore_distributed_nvml",
+    "resume",
+    "retire",
+    "run_now",
+    "set_resource_restrictions",
+    "set_worker_gpus",
+    "spawn",
+    "start_periodic",
+    "stop_periodic",
+    "stored_value",
+    "unrunnable",
+    "wait_gone",
+    "worker_plugin_registered",
+    "wrap_execution",
+    "wrap_set_resources",
+    "wrap_task",
+]

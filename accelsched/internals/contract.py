@@ -1,0 +1,136 @@
+"""The contract: everything the door relies on, verified when the plugins start.
+
+Hook exceptions are logged and swallowed by distributed; a check at ``start``/``setup``
+fails ``client.register_plugin`` instead, naming what changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distributed import Scheduler, Worker
+
+#: The oldest and newest distributed releases CI runs the whole suite against
+#: (``.ci/run``); ``pyproject.toml`` pins the same range.
+TESTED_DISTRIBUTED: tuple[str, str] = ("2026.7.1", "2026.8.0")
+
+
+class IncompatibleDistributed(RuntimeError):
+    """distributed changed something accelsched relies on; registration fails loudly."""
+
+
+def _distributed_version() -> str:
+    try:
+        return version("distributed")
+    except PackageNotFoundError:  # pragma: no cover - a source checkout of distributed
+        return "unknown"
+
+
+def _raise_if(problems: list[str], side: str) -> None:
+    if not problems:
+        return
+    oldest, newest = TESTED_DISTRIBUTED
+    raise IncompatibleDistributed(
+        f"accelsched cannot run on this {side}: distributed {_distributed_version()} "
+        f"changed what it relies on: {'; '.join(problems)}. accelsched is known to work "
+        f"with distributed {oldest} to {newest}; install a version in that range."
+    )
+
+
+def _missing_attributes(cls: type, names: tuple[str, ...]) -> list[str]:
+    """Slots and properties are attributes of the class itself."""
+    return [f"{cls.__name__}.{n} is gone" for n in names if not hasattr(cls, n)]
+
+
+def _missing_params(fn: Any, names: tuple[str, ...], owner: str) -> list[str]:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return [f"{owner} is not inspectable"]
+    return [f"{owner}() no longer takes {n}=" for n in names if n not in params]
+
+
+def check_scheduler(scheduler: Scheduler) -> None:
+    """Verify what the scheduler side relies on; raise IncompatibleDistributed if not."""
+    from distributed.scheduler import TaskState, WorkerState
+
+    problems: list[str] = []
+    handlers = getattr(scheduler, "handlers", None)
+    if not isinstance(handlers, dict) or "set_resources" not in handlers:
+        problems.append("Scheduler.handlers has no 'set_resources' handler")
+    if not isinstance(getattr(scheduler, "unrunnable", None), dict):
+        problems.append("Scheduler.unrunnable is not a dict of task -> time it became unrunnable")
+    for name in ("resources", "periodic_callbacks", "stream_comms", "worker_plugins"):
+        if not isinstance(getattr(scheduler, name, None), dict):
+            problems.append(f"Scheduler.{name} is not a dict")
+    if not isinstance(getattr(scheduler, "running", None), set):
+        problems.append("Scheduler.running is not a set of WorkerState")
+    if not callable(getattr(getattr(scheduler, "_ongoing_background_tasks", None), "call_soon", 0)):
+        problems.append("Scheduler._ongoing_background_tasks.call_soon is gone")
+    for name in (
+        "bulk_schedule_unrunnable_after_adding_worker",
+        "transitions",
+        "handle_worker_status_change",
+    ):
+        if not callable(getattr(scheduler, name, None)):
+            problems.append(f"Scheduler.{name} is gone")
+    problems += _missing_params(
+        type(scheduler).retire_workers,
+        ("workers", "close_workers", "remove", "stimulus_id"),
+        "Scheduler.retire_workers",
+    )
+    problems += _missing_params(
+        type(scheduler).restart_workers,
+        ("workers", "wait_for_workers", "on_error", "stimulus_id"),
+        "Scheduler.restart_workers",
+    )
+    problems += _missing_attributes(
+        WorkerState, ("resources", "used_resources", "processing", "has_what", "nanny", "status")
+    )
+    problems += _missing_attributes(
+        TaskState,
+        (
+            "resource_restrictions",
+            "loose_restrictions",
+            "worker_restrictions",
+            "host_restrictions",
+            "annotations",
+            "dependencies",
+            "who_has",
+        ),
+    )
+    _raise_if(problems, "scheduler")
+
+
+def check_worker(worker: Worker) -> None:
+    """Verify what the worker side relies on; raise IncompatibleDistributed if not."""
+    from distributed.worker_state_machine import TaskState
+
+    problems: list[str] = []
+    for name in ("handlers", "periodic_callbacks", "executors"):
+        if not isinstance(getattr(worker, name, None), dict):
+            problems.append(f"Worker.{name} is not a dict")
+    state = getattr(worker, "state", None)
+    for name in ("tasks", "total_resources"):
+        if not isinstance(getattr(state, name, None), dict):
+            problems.append(f"Worker.state.{name} is not a dict")
+    if not callable(getattr(getattr(worker, "_ongoing_background_tasks", None), "call_soon", 0)):
+        problems.append("Worker._ongoing_background_tasks.call_soon is gone")
+    fields = {f.name for f in dataclasses.fields(TaskState)}
+    problems += [
+        f"worker TaskState.{n} is gone"
+        for n in ("run_spec", "annotations", "resource_restrictions")
+        if n not in fields
+    ]
+    try:
+        from dask._task_spec import GraphNode, Task, TaskRef  # noqa: F401
+    except ImportError:
+        problems.append("dask._task_spec no longer has Task, TaskRef and GraphNode")
+    else:
+        if not hasattr(GraphNode, "is_coro") or not hasattr(GraphNode, "dependencies"):
+            problems.append("dask._task_spec.GraphNode lost is_coro or dependencies")
+    _raise_if(problems, "worker")

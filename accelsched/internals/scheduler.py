@@ -1,0 +1,195 @@
+"""The scheduler's state: plugins, GPU resources, unrunnable tasks, draining a worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from time import time
+from typing import TYPE_CHECKING, Any
+
+from distributed.core import Status
+from distributed.protocol import pickle
+
+from accelsched.protocol import GPU
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.scheduler import TaskState, WorkerState
+
+_ORIGINAL = "__accelsched_original__"
+
+# --- scheduler: plugins -----------------------------------------------------------------
+
+
+def is_registered(scheduler: Scheduler, name: str, plugin: Any) -> bool:
+    """Whether ``plugin`` is the one registered under ``name`` (distributed neither closes
+    an unregistered plugin nor removes what its ``start`` installed)."""
+    return scheduler.plugins.get(name) is plugin
+
+
+def worker_plugin_registered(scheduler: Scheduler, name: str) -> bool:
+    return name in scheduler.worker_plugins
+
+
+# --- scheduler: GPU resources -----------------------------------------------------------
+
+
+def wrap_set_resources(
+    scheduler: Scheduler, handler: Callable[[Callable[..., Any], str, dict | None], Any]
+) -> None:
+    """Route distributed's ``set_resources`` handler through ``handler(original, worker,
+    resources)``. Wraps distributed's own handler, never a previous wrapper."""
+    original = scheduler.handlers["set_resources"]
+    original = getattr(original, _ORIGINAL, original)
+
+    def set_resources(worker: str, resources: dict | None = None) -> Any:
+        return handler(original, worker, resources)
+
+    setattr(set_resources, _ORIGINAL, original)
+    scheduler.handlers["set_resources"] = set_resources
+
+
+def apply_resources(
+    original: Callable[..., Any], scheduler: Scheduler, worker: str, resources: dict
+) -> Any:
+    """Call distributed's ``set_resources``, keeping what running tasks use.
+
+    ``Scheduler.add_resources`` zeroes ``used_resources``; tasks already processing on
+    the worker still hold theirs, and releasing them later would go negative.
+    """
+    ws = scheduler.workers.get(worker)
+    used = dict(ws.used_resources) if ws is not None else {}
+    result = original(worker=worker, resources=resources)
+    if ws is not None:
+        for r, quantity in used.items():
+            if r in ws.used_resources:
+                ws.used_resources[r] = quantity
+    return result
+
+
+def set_worker_gpus(scheduler: Scheduler, ws: WorkerState, count: float) -> None:
+    """The GPU count the scheduler places against for ``ws``, keeping what tasks use."""
+    ws.resources[GPU] = count
+    ws.used_resources.setdefault(GPU, 0)
+    scheduler.resources.setdefault(GPU, {})[ws.address] = count
+
+
+def largest_gpu_count(scheduler: Scheduler) -> float:
+    """The most GPUs any one worker offers now (what one task could be placed against)."""
+    return max(scheduler.resources.get(GPU, {}).values(), default=0)
+
+
+# --- scheduler: tasks ------------------------------------------------------------------
+
+
+def unrunnable(scheduler: Scheduler) -> Mapping[TaskState, float]:
+    """Tasks in ``no-worker`` and the (monotonic) time each became unrunnable."""
+    return scheduler.unrunnable
+
+
+def harden_restrictions(ts: TaskState) -> None:
+    """Drop a task's soft worker preference (``allow_other_workers``): a GPU task placed
+    on a GPU-less worker raises in its ``acquire_resources`` and wedges."""
+    if ts.loose_restrictions:
+        ts.loose_restrictions = False
+        ts.worker_restrictions = None
+        ts.host_restrictions = None
+
+
+def set_resource_restrictions(ts: TaskState, restrictions: dict[str, float]) -> None:
+    """Edit a task's resource restrictions (safe while it is released or unrunnable)."""
+    ts.resource_restrictions = restrictions
+
+
+def annotate(ts: TaskState, name: str, value: Any) -> None:
+    """Add an annotation the worker receives with the task."""
+    ts.annotations = {**(ts.annotations or {}), name: value}
+
+
+def run_now(scheduler: Scheduler, keys: list[Any], stimulus_id: str) -> None:
+    """Send unrunnable tasks (whose restrictions now allow it) to a worker."""
+    if keys:
+        scheduler.transitions(dict.fromkeys(keys, "processing"), stimulus_id=stimulus_id)
+
+
+def fail_task(scheduler: Scheduler, key: Any, exc: BaseException, stimulus_id: str) -> None:
+    """Err a task with ``exc`` (the client sees it as the task's exception)."""
+    recs = scheduler.transition(
+        key, "erred", exception=pickle.dumps(exc), cause=key, stimulus_id=stimulus_id
+    )
+    scheduler.transitions(recs, stimulus_id=stimulus_id)
+
+
+def offer_unrunnable(scheduler: Scheduler, ws: WorkerState) -> None:
+    """Offer ``no-worker`` tasks to ``ws`` (``add_resources`` does not)."""
+    recs = scheduler.bulk_schedule_unrunnable_after_adding_worker(ws)
+    if recs:
+        scheduler.transitions(recs, stimulus_id=f"accelsched-gpu-verified-{time()}")
+
+
+# --- scheduler: draining and restarting a worker --------------------------------------
+
+
+def has_running_peer(scheduler: Scheduler, ws: WorkerState) -> bool:
+    return any(w is not ws for w in scheduler.running)
+
+
+def is_processing(ws: WorkerState) -> bool:
+    return bool(ws.processing)
+
+
+def keys_held(ws: WorkerState) -> int:
+    return len(ws.has_what)
+
+
+def holds_sole_copy(ws: WorkerState) -> bool:
+    """Whether some key on ``ws`` exists nowhere else."""
+    return any(len(ts.who_has or ()) < 2 for ts in ws.has_what)
+
+
+def drain(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> Status:
+    """No new tasks for ``ws`` (scheduler side only: what it runs finishes); returns its
+    previous status for :func:`resume`."""
+    previous = ws.status
+    scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
+    return previous
+
+
+def resume(scheduler: Scheduler, ws: WorkerState, previous: Status, stimulus_id: str) -> None:
+    """Undo :func:`drain`: back to ``previous`` (``paused`` stays paused) on both sides.
+
+    A failed retirement tells the worker it is closing gracefully, so the worker is told
+    too; only a worker still registered under the same state object is touched.
+    """
+    if scheduler.workers.get(ws.address) is not ws:
+        return
+    if previous not in (Status.running, Status.paused):
+        previous = Status.running
+    scheduler.stream_comms[ws.address].send(
+        {"op": "worker-status-change", "status": previous.name, "stimulus_id": stimulus_id}
+    )
+    scheduler.handle_worker_status_change(previous, ws, stimulus_id)
+
+
+async def retire(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> bool:
+    """Copy ``ws``'s unique keys to peers, keeping it registered; True when it worked."""
+    retired = await scheduler.retire_workers(
+        workers=[ws.address], close_workers=False, remove=False, stimulus_id=stimulus_id
+    )
+    return ws.address in retired
+
+
+async def restart(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> str:
+    """Restart ``ws`` through its nanny; returns distributed's word for it (``"OK"``)."""
+    result = await scheduler.restart_workers(
+        [ws.address], wait_for_workers=False, on_error="return", stimulus_id=stimulus_id
+    )
+    return str(result.get(ws.address))
+
+
+async def wait_gone(scheduler: Scheduler, ws: WorkerState, timeout: float) -> None:
+    """Wait until ``ws`` left the scheduler (its keys gone from ``who_has``)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while scheduler.workers.get(ws.address) is ws and loop.time() < deadline:
+        await asyncio.sleep(0.01)

@@ -1,0 +1,103 @@
+"""The worker's state: its declaration, its stored results, a task's execution."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from accelsched.protocol import GPU
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+_RUNNER = "__accelsched_runner__"
+_DECLARED = "_accelsched_declared"
+
+
+def declared_gpus(worker: Worker) -> float | None:
+    """The GPU count the worker was started with, before accelsched corrected it.
+
+    Remembered on the worker object so a re-registered guard sees the declaration, not
+    its predecessor's correction.
+    """
+    if not hasattr(worker, _DECLARED):
+        setattr(worker, _DECLARED, worker.state.total_resources.get(GPU))
+    return getattr(worker, _DECLARED)
+
+
+def advertises_gpus(worker: Worker) -> bool:
+    return GPU in worker.state.total_resources
+
+
+def plugin_modules(worker: Worker) -> list[str]:
+    """Modules of the worker's plugins (dask-cuda adds its own)."""
+    return [type(p).__module__ for p in getattr(worker, "plugins", {}).values()]
+
+
+def stored_value(worker: Worker, key: Any) -> Any:
+    """The value of ``key`` in the worker's memory (not read back from spill), or None."""
+    data = worker.data
+    fast = getattr(data, "fast", data)
+    try:
+        return fast.get(key)
+    except Exception:  # a value that cannot be read back is not counted
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskView:
+    """What the guard needs to know of a task starting on a worker."""
+
+    key: Any
+    resources: Mapping[str, float]
+    annotations: Mapping[str, Any]
+
+
+def wrap_execution(
+    worker: Worker,
+    key: Any,
+    choose: Callable[[TaskView], Callable[[Any, dict], Any] | None],
+) -> None:
+    """Let ``choose`` wrap the task ``key`` as it starts executing (worker event loop).
+
+    ``choose`` returns a runner ``runner(spec, values)`` that runs the task in the
+    executor thread (``spec(values)``), or None to leave it. Coroutine tasks and tasks
+    for an executor that is not a thread pool (another process runs them) are left
+    alone: nothing can be bound there.
+    """
+    ts = worker.state.tasks.get(key)
+    if ts is None or ts.run_spec is None or ts.run_spec.is_coro:
+        return
+    annotations = ts.annotations or {}
+    executor = worker.executors.get(annotations.get("executor", "default"))
+    if not _is_thread_pool(executor):
+        return
+    runner = choose(TaskView(key, ts.resource_restrictions or {}, annotations))
+    if runner is not None:
+        ts.run_spec = wrap_task(ts.run_spec, runner)
+
+
+def _is_thread_pool(executor: Any) -> bool:
+    """distributed's executor is its own copy of ``ThreadPoolExecutor``, not a subclass of
+    ``concurrent.futures``'s: go by name."""
+    return any(cls.__name__ == "ThreadPoolExecutor" for cls in type(executor).__mro__)
+
+
+def wrap_task(spec: Any, runner: Callable[[Any, dict], Any]) -> Any:
+    """A Task with ``spec``'s key and dependencies that calls ``runner(spec, values)``.
+
+    The wrapper is a plain ``Task``, so the worker's validation and bookkeeping see
+    nothing unusual; only its function differs. Wrapping twice is a no-op.
+    """
+    from dask._task_spec import Task, TaskRef
+
+    if isinstance(spec, Task) and getattr(spec.func, _RUNNER, False):
+        return spec
+    order = list(spec.dependencies)
+
+    def run(*dep_values: Any) -> Any:
+        return runner(spec, dict(zip(order, dep_values, strict=True)))
+
+    setattr(run, _RUNNER, True)
+    return Task(spec.key, run, *(TaskRef(dep) for dep in order))

@@ -1,0 +1,135 @@
+"""What the scheduler side and the worker side of accelsched say to each other.
+
+Every name that crosses a process boundary lives here, and every message and reply has a
+type: the PlacementPlugin (scheduler) and the GuardPlugin (workers) import this module
+and nothing of each other. Messages travel as plain dicts (distributed's RPC serializes
+them with msgpack), so the types are ``TypedDict``\\ s with ``Literal`` statuses; a
+checker catches a misspelt status or key on either side.
+
+Scheduler handlers (``await worker.scheduler.<name>(**request)``):
+
+``accelsched_inventory`` (:data:`INVENTORY_HANDLER`)
+    A guard reports the devices it verified through NVML and the GPU count it asks for
+    (:class:`InventoryRequest`); the reply (:class:`InventoryReply`) lists the UUIDs the
+    scheduler granted and a token for later requests.
+``accelsched_restart`` (:data:`RESTART_HANDLER`)
+    A guard asks for its own worker to be restarted (:class:`RestartRequest`); the reply
+    (:class:`RestartReply`) says whether the restart was accepted.
+
+Worker handler (``await scheduler.rpc(addr).<name>()``):
+
+``accelsched_report`` (:data:`REPORT_HANDLER`)
+    The scheduler asks a guard to report its inventory again (a new PlacementPlugin, or a
+    GPU whose owner left); the reply is :class:`ReportReply`.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, TypedDict
+
+__all__ = [
+    "GPU",
+    "PLACEMENT_PLUGIN",
+    "GUARD_PLUGIN",
+    "INVENTORY_HANDLER",
+    "RESTART_HANDLER",
+    "REPORT_HANDLER",
+    "TIMEOUT_ANNOTATION",
+    "FALLBACK_ANNOTATION",
+    "INVALID_RESOURCE",
+    "DeviceRecord",
+    "InventoryRequest",
+    "InventoryReply",
+    "RestartRequest",
+    "RestartReply",
+    "RestartStatus",
+    "ReportReply",
+]
+
+#: The resource name GPU tasks ask for (``dask.annotate(resources={"GPU": 1})``).
+GPU: Final = "GPU"
+
+#: Plugin names: ``client.register_plugin`` registers under them, so re-registering
+#: replaces rather than stacks, and each side can tell whether the other is installed.
+PLACEMENT_PLUGIN: Final = "accelsched-placement"
+GUARD_PLUGIN: Final = "accelsched-guard"
+
+INVENTORY_HANDLER: Final = "accelsched_inventory"
+RESTART_HANDLER: Final = "accelsched_restart"
+REPORT_HANDLER: Final = "accelsched_report"
+
+#: Task annotation overriding the default fallback timeout (``dask.annotate``).
+TIMEOUT_ANNOTATION: Final = "fallback_timeout"
+#: Annotation the scheduler puts on a task that fell back (value: the reason). The worker
+#: reads it to copy the task's device-array inputs to the host.
+FALLBACK_ANNOTATION: Final = "accelsched_fallback"
+#: An unsatisfiable resource that parks a task with an invalid annotation until it errs.
+INVALID_RESOURCE: Final = "accelsched-invalid-annotation"
+
+
+class DeviceRecord(TypedDict):
+    """One device as a guard reports it: ``index`` is its CUDA index in that worker."""
+
+    index: int
+    uuid: str
+    name: str
+    memory: int
+
+
+class InventoryRequest(TypedDict):
+    """A guard's report: the devices it owns and how many it asks to advertise.
+
+    ``declared`` is the worker's own ``GPU`` resource (None when it declared none);
+    ``requested`` how many of ``devices`` (in order) it asks for; ``reason`` why that
+    differs from ``declared`` (see :func:`accelsched.inventory.decide_claim`).
+    """
+
+    worker: str
+    devices: list[DeviceRecord]
+    declared: float | None
+    requested: int
+    reason: str | None
+
+
+class _InventoryReplyBase(TypedDict):
+    status: Literal["OK", "no-plugin", "unknown-worker"]
+
+
+class InventoryReply(_InventoryReplyBase, total=False):
+    """``OK`` with the granted ``uuids`` and the worker's ``token``; otherwise why not."""
+
+    uuids: list[str]
+    token: str
+
+
+class RestartRequest(TypedDict):
+    """A guard asks for its worker's lossless restart; ``token`` proves who asks."""
+
+    worker: str
+    token: str | None
+    reason: str
+    nbytes: int
+
+
+RestartStatus = Literal["accepted", "refused", "deferred", "in-flight", "no-plugin"]
+
+
+class _RestartReplyBase(TypedDict):
+    status: RestartStatus
+
+
+class RestartReply(_RestartReplyBase, total=False):
+    """``accepted`` (under way), ``in-flight`` (already under way), ``deferred`` (cannot
+    happen without loss now: ``reason``), ``refused`` (not that worker), ``no-plugin``."""
+
+    reason: str
+
+
+class _ReportReplyBase(TypedDict):
+    status: str
+
+
+class ReportReply(_ReportReplyBase, total=False):
+    """``OK`` with the CUDA indices the worker now advertises; else the scheduler's status."""
+
+    devices: list[int]

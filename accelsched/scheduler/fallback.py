@@ -1,0 +1,215 @@
+"""CPU fallback on the scheduler: carrying out what :mod:`accelsched.fallback` decides.
+
+New GPU tasks are prepared in ``update_graph`` (their restriction made hard, their
+``fallback_timeout`` annotation read). A check looks at the tasks in ``no-worker``, asks
+:func:`accelsched.fallback.sweep` which fall back now and when the next deadline is, lifts
+the GPU restriction of those that fall back (marking them, so the worker copies their
+device inputs to the host) and sends them on. Checks run on a periodic tick, as soon as a
+timed task becomes unrunnable, and exactly at the next deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from time import monotonic, time
+from typing import TYPE_CHECKING, Any
+
+import dask.config
+import dask.utils
+
+from accelsched import events, internals
+from accelsched.fallback import FallbackPolicy, Waiting, parse_task_timeout, sweep
+from accelsched.protocol import FALLBACK_ANNOTATION, GPU, INVALID_RESOURCE, TIMEOUT_ANNOTATION
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+__all__ = ["Fallback"]
+
+logger = logging.getLogger(__name__)
+
+_PERIODIC = "accelsched-fallback"
+
+
+class Fallback:
+    """Per-task timeouts, the fallback checks and their timers."""
+
+    def __init__(
+        self,
+        *,
+        timeout: float | None,
+        interval: float,
+        emit: Callable[..., None],
+        active: Callable[[], bool],
+    ) -> None:
+        self.scheduler: Scheduler | None = None
+        self.policy = FallbackPolicy(timeout)
+        self.interval = interval
+        self.timeouts: dict[Any, float | None] = {}  # key -> annotated timeout
+        self.invalid: dict[Any, str] = {}  # key -> why its annotation is invalid
+        self.fell_back: set[Any] = set()  # keys that fell back for lack of GPUs
+        self._check_soon = False
+        self._timer: tuple[float, Any] | None = None  # (deadline, handle)
+        self._warned_no_workers = False
+        self._emit = emit
+        self._active = active
+
+    def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        internals.start_periodic(scheduler, _PERIODIC, self.check, self.interval)
+        self._warn_no_workers_timeout(self.policy.default)
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            internals.stop_periodic(self.scheduler, _PERIODIC)
+
+    # --- hooks ---------------------------------------------------------------------------
+
+    def prepare(self, scheduler: Scheduler, keys: Any) -> None:
+        """Prepare new GPU tasks (still ``released``, so editing them is safe).
+
+        An invalid annotation parks its task on an unsatisfiable resource; it errs at the
+        next check, naming the value.
+        """
+        for key in keys or ():
+            ts = scheduler.tasks.get(key)
+            if (
+                ts is None
+                or ts.state != "released"  # a resubmitted task already placed: leave it
+                or not ts.resource_restrictions
+                or GPU not in ts.resource_restrictions
+            ):
+                continue
+            internals.harden_restrictions(ts)
+            annotations = ts.annotations or {}
+            if TIMEOUT_ANNOTATION not in annotations:
+                continue
+            try:
+                timeout = parse_task_timeout(annotations[TIMEOUT_ANNOTATION])
+            except ValueError as exc:
+                self.invalid[key] = str(exc)
+                internals.set_resource_restrictions(
+                    ts, {**ts.resource_restrictions, INVALID_RESOURCE: 1}
+                )
+                continue
+            self.timeouts[key] = timeout
+            self._warn_no_workers_timeout(timeout)
+
+    def transition(self, key: Any, finish: str) -> None:
+        """Forget a forgotten task; check soon when a timed task becomes unrunnable.
+
+        Runs inside the transition loop, so it only schedules work.
+        """
+        if finish == "forgotten":
+            self.timeouts.pop(key, None)
+            self.invalid.pop(key, None)
+            self.fell_back.discard(key)
+        elif (
+            finish == "no-worker"
+            and not self._check_soon
+            and self.scheduler is not None
+            and (key in self.invalid or self.timeout_of(key) is not None)
+        ):
+            self._check_soon = True
+            internals.call_soon(self.scheduler, self.check)
+
+    def timeout_of(self, key: Any) -> float | None:
+        """The task's annotated timeout, else the default (the policy's rule)."""
+        if key in self.timeouts:
+            return self.policy.timeout(self.timeouts[key])
+        return self.policy.timeout()
+
+    # --- the check -----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Run the CPU form of GPU tasks unrunnable past their timeout.
+
+        Looks only at tasks in ``no-worker``: its cost does not grow with the rest of the
+        graph.
+        """
+        self._check_soon = False
+        scheduler = self.scheduler
+        if scheduler is None or not self._active():
+            return  # unregistered or replaced; its timers may still fire
+        unrunnable = internals.unrunnable(scheduler)
+        if not unrunnable:
+            return
+        stimulus_id = f"accelsched-fallback-{time()}"
+        waiting: list[Waiting] = []
+        tasks: dict[Any, Any] = {}
+        for ts, since in list(unrunnable.items()):
+            key = ts.key
+            if key in self.invalid:  # kept: a retry errs again
+                internals.fail_task(
+                    scheduler, key, ValueError(f"task {key!r}: {self.invalid[key]}"), stimulus_id
+                )
+                continue
+            amount = (ts.resource_restrictions or {}).get(GPU)
+            if not amount:
+                continue
+            tasks[key] = ts
+            waiting.append(
+                Waiting(
+                    key,
+                    since,
+                    amount,
+                    self.timeout_of(key),
+                    any(d.key in self.fell_back for d in ts.dependencies),
+                )
+            )
+        decided = sweep(
+            self.policy, waiting, now=monotonic(), largest=internals.largest_gpu_count(scheduler)
+        )
+        for fell, reason, waited in decided.fall_back:
+            self._fall_back(tasks[fell], reason, waited)
+        internals.run_now(scheduler, [fell for fell, _, _ in decided.fall_back], stimulus_id)
+        if decided.wake_at is not None:
+            self._wake_at(decided.wake_at)
+
+    def _fall_back(self, ts: Any, reason: str, waited: float) -> None:
+        restrictions = dict(ts.resource_restrictions)
+        restrictions.pop(GPU, None)
+        internals.set_resource_restrictions(ts, restrictions)
+        internals.annotate(ts, FALLBACK_ANNOTATION, reason)
+        self.fell_back.add(ts.key)
+        self._emit(events.FALLBACK, None, key=ts.key, waited=round(waited, 3), reason=reason)
+
+    def _wake_at(self, deadline: float) -> None:
+        """Check again exactly when the next timeout expires, not at the next tick.
+
+        The periodic check stays as a safety net; this keeps fallback latency close to
+        the timeout instead of up to one ``fallback_interval`` past it.
+        """
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if self._timer is not None:
+            if self._timer[0] <= deadline:
+                return
+            internals.cancel_call(scheduler, self._timer[1])
+
+        def fire() -> None:
+            self._timer = None
+            self.check()
+
+        delay = max(0.0, deadline - monotonic()) + 0.001
+        self._timer = (deadline, internals.call_later(scheduler, delay, fire))
+
+    def _warn_no_workers_timeout(self, timeout: float | None) -> None:
+        """Warn (once) when distributed would fail tasks before they could fall back."""
+        if timeout is None or self._warned_no_workers:
+            return
+        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
+        if limit is None:
+            return
+        limit_s = dask.utils.parse_timedelta(limit)
+        if limit_s is not None and limit_s < timeout:
+            self._warned_no_workers = True
+            msg = (
+                f"distributed.scheduler.no-workers-timeout ({limit_s}s) is shorter than "
+                f"accelsched's fallback timeout ({timeout}s): the scheduler will fail "
+                "unplaceable GPU tasks with NoValidWorkerError before they can fall back"
+            )
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)

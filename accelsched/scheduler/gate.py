@@ -1,0 +1,202 @@
+"""The verification gate: a worker's GPUs count only once its guard has verified them.
+
+Workers register before their plugins run, so a declared ``GPU`` resource is live before
+anything has checked it. The gate strips it at registration (:meth:`Gate.add_worker`),
+grants devices when the worker's guard reports them (``accelsched_inventory``), keeps one
+owner per GPU UUID (:class:`~accelsched.inventory.OwnershipRegistry`), clamps every later
+``set_resources`` to the grant, takes a worker's GPUs out of placement while it is
+quarantined, and offers ``no-worker`` tasks to a worker whose GPUs just arrived
+(distributed does not re-offer on ``set_resources``).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from accelsched import events, internals, metrics
+from accelsched.inventory import OwnershipRegistry
+from accelsched.protocol import (
+    GPU,
+    GUARD_PLUGIN,
+    INVENTORY_HANDLER,
+    REPORT_HANDLER,
+    DeviceRecord,
+    InventoryReply,
+)
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.scheduler import WorkerState
+
+__all__ = ["Gate"]
+
+logger = logging.getLogger(__name__)
+
+Emit = Callable[..., None]
+
+
+class Gate:
+    """Grants, ownership, tokens and quarantine, per worker address."""
+
+    def __init__(self, *, share_gpus: bool, emit: Emit, active: Callable[[], bool]) -> None:
+        self.scheduler: Scheduler | None = None
+        self.registry = OwnershipRegistry(share=share_gpus)
+        self.granted: dict[str, list[DeviceRecord]] = {}  # worker -> devices granted
+        self.refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
+        self.tokens: dict[str, str] = {}  # worker -> secret for requests it makes
+        self.quarantined: dict[str, str] = {}  # worker -> reason
+        self._emit = emit
+        self._active = active
+
+    # --- wiring ------------------------------------------------------------------------
+
+    def start(self, scheduler: Scheduler) -> None:
+        """Serve the inventory handler, gate ``set_resources``, strip every worker's GPUs.
+
+        Guards already running report again now that someone listens (a guard registered
+        later reports from its own setup).
+        """
+        self.scheduler = scheduler
+        internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
+        internals.wrap_set_resources(scheduler, self.set_resources)
+        for ws in list(scheduler.workers.values()):
+            internals.set_worker_gpus(scheduler, ws, 0)
+        if internals.worker_plugin_registered(scheduler, GUARD_PLUGIN):
+            for addr in list(scheduler.workers):
+                internals.spawn(scheduler, self._ask_report, addr)
+
+    def add_worker(self, ws: WorkerState) -> None:
+        """The declared count does not count: nothing reaches the worker on its word."""
+        assert self.scheduler is not None
+        internals.set_worker_gpus(self.scheduler, ws, self.allowed_gpus(ws.address))
+
+    def remove_worker(self, worker: str) -> None:
+        """Free the worker's GPUs; workers refused one of them are asked to report again,
+        so a GPU whose owner left does not sit unused."""
+        assert self.scheduler is not None
+        freed = set(self.registry.release(worker))
+        self.refused.pop(worker, None)
+        for other, uuids in list(self.refused.items()):
+            if uuids & freed and other in self.scheduler.workers:
+                internals.spawn(self.scheduler, self._ask_report, other)
+        self.granted.pop(worker, None)
+        self.tokens.pop(worker, None)
+        self.quarantined.pop(worker, None)
+        self.update_gauge()
+
+    async def _ask_report(self, addr: str) -> None:
+        assert self.scheduler is not None
+        try:
+            await getattr(self.scheduler.rpc(addr), REPORT_HANDLER)()
+        except Exception as exc:  # a worker without the GuardPlugin, or gone
+            logger.debug("accelsched: %s did not report its GPUs: %r", addr, exc)
+
+    # --- the inventory handler -----------------------------------------------------------
+
+    def handle_inventory(
+        self,
+        worker: str,
+        devices: list[DeviceRecord],
+        declared: float | None = None,
+        requested: int = 0,
+        reason: str | None = None,
+    ) -> InventoryReply:
+        """A guard reports the devices it verified and the count it asks for.
+
+        Grants a subset when another worker owns some. Idempotent: a repeated, unchanged
+        report changes nothing and logs nothing.
+        """
+        assert self.scheduler is not None
+        if not self._active():
+            return {"status": "no-plugin"}
+        if worker not in self.scheduler.workers:
+            return {"status": "unknown-worker"}
+        wanted = devices[:requested]
+        previous = self.granted.get(worker)
+        if (
+            previous is not None
+            and [d["uuid"] for d in previous] == [d["uuid"] for d in wanted]
+            and not self.refused.get(worker)
+        ):
+            return self._reply(worker)
+        granted_uuids, refused = self.registry.claim(worker, [d["uuid"] for d in wanted])
+        granted = [d for d in wanted if d["uuid"] in granted_uuids]
+        self.granted[worker] = granted
+        self.refused[worker] = set(refused)
+        self.tokens.setdefault(worker, secrets.token_hex(16))
+        if granted:
+            self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
+        if refused:
+            owners = sorted(set(refused.values()))
+            self._emit(
+                events.GPU_REJECTED,
+                worker,
+                uuids=sorted(refused),
+                reason="owned",
+                owner=owners[0] if len(owners) == 1 else owners,
+            )
+        if declared != len(granted) and (reason is not None or refused):
+            self._emit(
+                events.GPU_CORRECTED,
+                worker,
+                declared=declared,
+                granted=len(granted),
+                reason="owned" if refused else reason,
+            )
+        return self._reply(worker)
+
+    def _reply(self, worker: str) -> InventoryReply:
+        return {
+            "status": "OK",
+            "uuids": [d["uuid"] for d in self.granted.get(worker, [])],
+            "token": self.tokens[worker],
+        }
+
+    def authentic(self, worker: str, token: Any) -> bool:
+        """Whether ``token`` is the one handed to ``worker`` at verification."""
+        expected = self.tokens.get(worker)
+        return expected is not None and secrets.compare_digest(str(token), expected)
+
+    # --- the GPU count placement sees ------------------------------------------------------
+
+    def allowed_gpus(self, worker: str) -> int:
+        """The most GPUs ``worker`` may advertise now (0 while quarantined)."""
+        if worker in self.quarantined:
+            return 0
+        return len(self.granted.get(worker, ()))
+
+    def set_resources(
+        self, original: Callable[..., Any], worker: str, resources: dict | None
+    ) -> Any:
+        """distributed's ``set_resources`` handler, with GPU clamped to the grant."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        ws = scheduler.workers.get(worker)
+        if ws is None or not self._active():  # unregistered: distributed's own behaviour
+            return original(worker=worker, resources=resources)
+        resources = dict(resources or {})
+        before = ws.resources.get(GPU, 0)
+        if GPU in resources or GPU in ws.resources:
+            resources[GPU] = min(resources.get(GPU, 0), self.allowed_gpus(worker))
+        result = internals.apply_resources(original, scheduler, worker, resources)
+        if resources.get(GPU, 0) > before:
+            internals.offer_unrunnable(scheduler, ws)
+        return result
+
+    def quarantine(self, worker: str, reason: str) -> None:
+        """Take the worker's GPUs out of placement; GPU tasks go elsewhere or fall back."""
+        assert self.scheduler is not None
+        ws = self.scheduler.workers.get(worker)
+        if ws is None or worker in self.quarantined:
+            return
+        self.quarantined[worker] = reason
+        internals.set_worker_gpus(self.scheduler, ws, 0)
+        self._emit(events.QUARANTINE, worker, reason=reason)
+
+    def update_gauge(self) -> None:
+        granted = {w: len(d) for w, d in self.granted.items()}
+        quarantined = sum(granted.get(w, 0) for w in self.quarantined)
+        metrics.set_gpus(sum(granted.values()) - quarantined, quarantined)

@@ -1,0 +1,182 @@
+"""Restart coordination: a leaking worker restarts without losing data, or is quarantined.
+
+A worker's guard asks (``accelsched_restart``); :func:`accelsched.budget.admit_restart`
+decides whether the restart may start now. An admitted restart drains the worker (its
+executing tasks finish), retires it (its keys move to peers), checks that worked, then
+restarts it through its nanny: the only order that loses nothing. When it cannot happen
+without loss, or past the restart budget, the worker's GPUs are quarantined instead
+(:meth:`accelsched.scheduler.gate.Gate.quarantine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from time import monotonic, time
+from typing import TYPE_CHECKING, Any
+
+from accelsched import events, internals
+from accelsched.budget import RestartBudget, admit_restart
+from accelsched.protocol import RestartReply
+from accelsched.scheduler.gate import Gate
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.core import Status
+    from distributed.scheduler import WorkerState
+
+__all__ = ["Restarts", "DRAIN_TIMEOUT"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a restart waits for the worker's executing tasks before giving up.
+DRAIN_TIMEOUT = 300.0
+#: How long a restart waits for the old process to leave the scheduler.
+GONE_TIMEOUT = 30.0
+
+
+class Restarts:
+    """Admits restart requests and carries them out one retirement at a time."""
+
+    def __init__(
+        self,
+        *,
+        budget: RestartBudget,
+        gate: Gate,
+        emit: Callable[..., None],
+        active: Callable[[], bool],
+    ) -> None:
+        self.scheduler: Scheduler | None = None
+        self.budget = budget
+        self.gate = gate
+        self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
+        # Retire and kill one worker at a time: while a retired worker is still
+        # registered, another retirement could drop the only other copy of its keys
+        # ("the retired worker still has it") just before it is killed.
+        self._retire_lock = asyncio.Lock()
+        self._emit = emit
+        self._active = active
+
+    def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def remove_worker(self, worker: str) -> None:
+        self.deferred.pop(worker, None)
+
+    def handle_restart(
+        self,
+        comm: Any,
+        worker: str,
+        token: str | None = None,
+        reason: str = "leak",
+        **figures: Any,
+    ) -> RestartReply:
+        """A worker asks to be restarted. Only the worker itself may ask.
+
+        The request must carry the token the scheduler handed this worker when its GPUs
+        were verified. (The connection's address is no proof either way: a multi-homed
+        worker or one behind NAT connects from another address than it advertises.) The
+        restart runs in the background; the reply says whether it was accepted.
+        """
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if not self._active():
+            return {"status": "no-plugin"}
+        ws = scheduler.workers.get(worker)
+        authentic = ws is not None and self.gate.authentic(worker, token)
+        if ws is None or not authentic:
+            logger.warning(
+                "accelsched: refused a restart request for %s from %s: not that worker",
+                worker,
+                getattr(comm, "peer_address", None),
+            )
+            return {"status": "refused"}
+        admission = admit_restart(
+            self.budget,
+            ws.nanny or worker,
+            monotonic(),
+            authentic=True,
+            has_nanny=ws.nanny is not None,
+            has_peer=internals.has_running_peer(scheduler, ws),
+        )
+        if admission.act == "restart":
+            assert ws.nanny is not None
+            internals.spawn(scheduler, self.restart, ws, ws.nanny, reason)
+        elif admission.act == "defer":
+            self.defer(worker, admission.reason or "")
+        elif admission.act == "quarantine":
+            self.gate.quarantine(worker, "restart-budget")
+        reply: RestartReply = {"status": admission.status}
+        if admission.status == "deferred" and admission.reason:
+            reply["reason"] = admission.reason
+        return reply
+
+    async def restart(self, ws: WorkerState, budget_key: str, reason: str) -> None:
+        """Drain, retire, check, restart: the only order that loses nothing."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        worker = ws.address
+        stimulus_id = f"accelsched-restart-{time()}"
+        start = monotonic()
+        restarted = False
+        previous: Status | None = None
+        try:
+            if scheduler.workers.get(worker) is not ws:
+                return  # it left (or another process took its address) meanwhile
+            previous = internals.drain(scheduler, ws, stimulus_id)
+            deadline = monotonic() + DRAIN_TIMEOUT
+            while internals.is_processing(ws) and monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if internals.is_processing(ws):
+                self._give_up(ws, previous, "busy", stimulus_id)
+                return
+            async with self._retire_lock:
+                if scheduler.workers.get(worker) is not ws:
+                    return
+                moved = internals.keys_held(ws)
+                if not await internals.retire(scheduler, ws, stimulus_id):
+                    self._give_up(ws, previous, "no-peer", stimulus_id)
+                    return
+                if internals.holds_sole_copy(ws):
+                    self._give_up(ws, previous, "retire-failed", stimulus_id)
+                    return
+                outcome = await internals.restart(scheduler, ws, stimulus_id)
+                restarted = outcome == "OK"
+                if not restarted:
+                    self._give_up(ws, previous, f"restart-failed: {outcome}", stimulus_id)
+                    return
+                # gone from who_has before the next retirement
+                await internals.wait_gone(scheduler, ws, GONE_TIMEOUT)
+            self._emit(
+                events.RESTART,
+                worker,
+                reason=reason,
+                moved=moved,
+                seconds=round(monotonic() - start, 3),
+            )
+        except Exception as exc:
+            logger.exception("accelsched: restart of %s failed", worker)
+            if previous is not None:
+                self._give_up(ws, previous, f"restart-failed: {exc!r}", stimulus_id)
+        finally:
+            self.budget.done(budget_key, counted=restarted)
+
+    def _give_up(self, ws: WorkerState, previous: Status, reason: str, stimulus_id: str) -> None:
+        """Quarantine first, then take the worker back into service.
+
+        In this order the GPU tasks that piled up during the drain are not offered to the
+        worker that leaks: they wait for (or fall back from) other GPUs.
+        """
+        assert self.scheduler is not None
+        self.defer(ws.address, reason)
+        internals.resume(self.scheduler, ws, previous, stimulus_id)
+
+    def defer(self, worker: str, reason: str) -> None:
+        """The restart cannot happen without loss now: quarantine, and say so once."""
+        if self.scheduler is None or worker not in self.scheduler.workers:
+            return  # it left meanwhile: nothing to defer
+        if self.deferred.get(worker) != reason:
+            self.deferred[worker] = reason
+            self._emit(events.RESTART_DEFERRED, worker, reason=reason)
+        self.gate.quarantine(worker, f"restart-deferred: {reason}")

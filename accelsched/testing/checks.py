@@ -1,0 +1,70 @@
+"""Argument checks for :func:`accelsched.testing.fake_gpus`: each error names the value."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dask.utils import parse_bytes
+
+#: The fake library's limit.
+MAX_DEVICES = 64
+
+
+def _check_count(count: int) -> int:
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"fake_gpus: count must be an int, got {count!r}")
+    if not 0 <= count <= MAX_DEVICES:
+        raise ValueError(f"fake_gpus: count must be between 0 and {MAX_DEVICES}, got {count!r}")
+    return count
+
+
+def _parse_size(value: int | str, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"fake_gpus: {what} must be bytes (int) or a size string, got {value!r}")
+    try:
+        size = parse_bytes(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"fake_gpus: {what} is not a size: {value!r}") from e
+    if size < minimum:
+        raise ValueError(f"fake_gpus: {what} must be at least {minimum} bytes, got {value!r}")
+    return size
+
+
+def _check_name(value: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"fake_gpus: names must be strings, got {value!r}")
+    if not value.strip() or any(c in value for c in "\t\n\r") or len(value.encode()) > 95:
+        raise ValueError(
+            f"fake_gpus: a name must be non-empty, one line without tabs, "
+            f"at most 95 bytes; got {value!r}"
+        )
+    return value
+
+
+def _check_bool(value: bool, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"fake_gpus: {what} must be True or False, got {value!r}")
+    return value
+
+
+def _check_pid_offset(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"fake_gpus: pid_offset must be an int, got {value!r}")
+    if not 0 <= value < 2**31:
+        raise ValueError(f"fake_gpus: pid_offset must be between 0 and 2**31, got {value!r}")
+    return value
+
+
+def _per_device(value: Any, count: int, what: str, check: Any) -> list[Any]:
+    """One value for every device, or a sequence with one per device."""
+    if isinstance(value, (str, int)):
+        return [check(value)] * count
+    if not isinstance(value, Sequence):
+        raise TypeError(f"fake_gpus: {what} must be one value or a sequence, got {value!r}")
+    if len(value) != count:
+        raise ValueError(
+            f"fake_gpus: {what} must be one value or a sequence of {count} (one per "
+            f"device), got {value!r}"
+        )
+    return [check(v) for v in value]

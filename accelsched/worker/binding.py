@@ -1,0 +1,88 @@
+"""Per-task device binding on the worker: each GPU task holds its own device(s).
+
+The worker's state machine caps how many GPU tasks run at once (its ``GPU`` resource).
+The runners here, called in the task's executor thread, take a lease from the
+:class:`~accelsched.binding.LeaseTable`, make the device current for the task
+(:func:`accelsched.context.holding`), free pools as the task ends, and give the lease
+back whatever happens. A task that fell back to its CPU form gets its device-array
+inputs copied to the host first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from accelsched.binding import LeaseTable
+from accelsched.context import Lease, holding
+from accelsched.devices.arrays import to_host
+from accelsched.worker.pools import PoolFreer
+from accelsched.worker.watch import ACTIVITY
+
+__all__ = ["Binder"]
+
+Runner = Callable[[Any, dict], Any]
+
+
+class Binder:
+    """Leases of this worker's granted devices, and the runners that take them."""
+
+    def __init__(
+        self,
+        *,
+        simulated: bool,
+        oom_exceptions: tuple[str, ...],
+        pools: PoolFreer,
+        emit: Callable[..., None],
+    ) -> None:
+        self.leases = LeaseTable()
+        self.simulated = simulated
+        self.oom_exceptions = oom_exceptions
+        self.pools = pools
+        self.used: set[int] = set()  # devices GPU tasks of this worker held
+        self._emit = emit
+
+    def set_devices(self, indices: list[int]) -> None:
+        self.leases.set_devices(indices)
+
+    def busy(self) -> set[int]:
+        """Devices a running GPU task holds now."""
+        return {d for devices in self.leases.holders().values() for d in devices}
+
+    def gpu_runner(self, key: Any, amount: float) -> Runner:
+        def run(spec: Any, values: dict) -> Any:
+            devices = self.leases.acquire(key, amount)
+            self.used.update(devices)
+            ACTIVITY.enter()
+            try:
+                lease = Lease(
+                    key,
+                    devices,
+                    simulated=self.simulated,
+                    report=self._emit,
+                    oom_exceptions=self.oom_exceptions,
+                )
+                with holding(lease):
+                    try:
+                        return spec(values)
+                    finally:
+                        self.pools.after_gpu_task(devices)
+            finally:
+                ACTIVITY.exit()
+                self.leases.release(key)
+
+        return run
+
+    @staticmethod
+    def fallback_runner(inner: Runner | None) -> Runner:
+        """A fallen-back task: its device-array inputs are copied to the host first.
+
+        Only possible on a worker that could receive them, one with CuPy and a GPU;
+        elsewhere such inputs cannot even be deserialized (see docs/fallback.md).
+        """
+
+        def run(spec: Any, values: dict) -> Any:
+            host = {k: to_host(v) for k, v in values.items()}
+            return inner(spec, host) if inner is not None else spec(host)
+
+        return run

@@ -1,0 +1,148 @@
+"""The worker's verified inventory and what it says to the scheduler about itself.
+
+At setup the guard probes the devices through NVML, decides which this worker owns
+(:func:`accelsched.inventory.owned`) and how many it asks for
+(:func:`accelsched.inventory.decide_claim`), reports them (``accelsched_inventory``) and
+advertises only what the scheduler granted. Later it may ask for its own restart
+(``accelsched_restart``), presenting the token it was handed with the grant.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from accelsched import internals
+from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
+from accelsched.inventory import Claim, decide_claim, owned
+from accelsched.protocol import (
+    GPU,
+    INVENTORY_HANDLER,
+    RESTART_HANDLER,
+    DeviceRecord,
+    InventoryReply,
+    InventoryRequest,
+    ReportReply,
+    RestartReply,
+    RestartRequest,
+)
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+__all__ = ["Inventory", "under_dask_cuda"]
+
+logger = logging.getLogger(__name__)
+
+
+def _record(d: DeviceInfo) -> DeviceRecord:
+    return {"index": d.index, "uuid": d.uuid, "name": d.name, "memory": d.memory}
+
+
+class Inventory:
+    """Devices visible, owned and granted, and the token that proves who this worker is."""
+
+    def __init__(self, *, advertise_undeclared: bool) -> None:
+        self.advertise_undeclared = advertise_undeclared
+        self.worker: Worker | None = None
+        self.monitor: NVMLMonitor | None = None
+        self.simulated = False
+        self.visible: list[DeviceInfo] = []
+        self.owned: list[DeviceInfo] = []
+        self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
+        self.claim = Claim(0, None)  # what this worker asks for
+        self.declared: float | None = None
+        self.token: str | None = None
+        self.restart_pending = False
+
+    def probe(self, worker: Worker) -> None:
+        """Read the devices through NVML and decide what to claim (no scheduler yet)."""
+        self.worker = worker
+        self.declared = internals.declared_gpus(worker)
+        self.monitor = NVMLMonitor()
+        self.simulated = bool(os.environ.get("ACCELSCHED_FAKE_NVML_DIR"))
+        self.visible = self.monitor.devices()
+        self.owned = owned(self.visible, under_dask_cuda=under_dask_cuda(worker))
+        self.claim = decide_claim(
+            self.declared, len(self.owned), advertise_undeclared=self.advertise_undeclared
+        )
+
+    async def report(self, on_granted: Callable[[list[int]], None]) -> ReportReply:
+        """Report the owned devices and advertise what the scheduler granted.
+
+        ``on_granted`` receives the CUDA indices granted, before the worker advertises
+        them, so no GPU task can start before its devices are known.
+        """
+        worker = self.worker
+        assert worker is not None
+        request: InventoryRequest = {
+            "worker": str(worker.contact_address),
+            "devices": [_record(d) for d in self.owned],
+            "declared": self.declared,
+            "requested": self.claim.count,
+            "reason": self.claim.reason,
+        }
+        reply: InventoryReply | None
+        try:
+            reply = await getattr(worker.scheduler, INVENTORY_HANDLER)(**request)
+        except Exception as exc:
+            logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
+            reply = None
+        if isinstance(reply, dict) and reply.get("status") == "OK":
+            granted = set(reply.get("uuids", ()))
+            self.token = reply.get("token")
+        elif reply is None:
+            # No PlacementPlugin: nothing enforces placement, but the worker still
+            # advertises only what it owns.
+            logger.warning(
+                "accelsched: no PlacementPlugin on the scheduler (handler %r missing); "
+                "correcting this worker's GPU count without verification",
+                INVENTORY_HANDLER,
+            )
+            granted = {d.uuid for d in self.owned[: self.claim.count]}
+        else:
+            return {"status": str(reply.get("status") if isinstance(reply, dict) else reply)}
+        self.granted = [d for d in self.owned if d.uuid in granted]
+        on_granted([d.index for d in self.granted])
+        if self.granted or internals.advertises_gpus(worker):
+            await worker.set_resources(**{GPU: len(self.granted)})
+        return {"status": "OK", "devices": [d.index for d in self.granted]}
+
+    def ask_restart(self, reason: str, nbytes: int) -> None:
+        """Ask the scheduler, once at a time, to restart this worker without loss."""
+        if self.restart_pending:
+            return
+        assert self.worker is not None
+        self.restart_pending = True
+        internals.spawn(self.worker, self._request_restart, reason, nbytes)
+
+    async def _request_restart(self, reason: str, nbytes: int) -> None:
+        worker = self.worker
+        assert worker is not None
+        request: RestartRequest = {
+            "worker": str(worker.contact_address),
+            "token": self.token,
+            "reason": reason,
+            "nbytes": nbytes,
+        }
+        try:
+            reply: RestartReply = await getattr(worker.scheduler, RESTART_HANDLER)(**request)
+            logger.info("accelsched: restart request answered %r", reply)
+        except Exception as exc:
+            logger.warning("accelsched: restart request (%s) failed: %r", RESTART_HANDLER, exc)
+        finally:
+            self.restart_pending = False
+
+
+def under_dask_cuda(worker: Any) -> bool:
+    """True for workers started by dask-cuda (LocalCUDACluster, ``dask cuda worker``).
+
+    dask-cuda gives its workers plugins of its own (CPU affinity, RMM setup, ...), and
+    only then is ``dask_cuda`` imported in the worker process.
+    """
+    if "dask_cuda" not in sys.modules:
+        return False
+    return any(m.startswith("dask_cuda") for m in internals.plugin_modules(worker))

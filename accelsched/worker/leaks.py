@@ -1,0 +1,143 @@
+"""The leak check: device memory that nothing legitimate holds, checked periodically.
+
+Live results are tracked as they enter and leave the worker's memory
+(:func:`accelsched.devices.arrays.device_nbytes`); each check reads this process's
+device memory through NVML, takes off the baseline, live results and pool caches
+(:func:`accelsched.leak.estimate`), and lets :class:`~accelsched.leak.LeakDetector`
+confirm a leak over consecutive checks. A confirmed leak is reported once
+(:class:`~accelsched.leak.LeakReports`) and, with ``restart_on_leak``, the worker asks
+for its own lossless restart. A device that stops answering NVML is withdrawn and the
+worker asks for a restart too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from accelsched import events
+from accelsched.binding import LeaseTable
+from accelsched.config import Threshold
+from accelsched.devices.arrays import device_nbytes
+from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
+from accelsched.devices.pool import PoolStats, active_pools
+from accelsched.leak import Baseline, LeakDetector, LeakReports, Verdict, estimate
+
+__all__ = ["LeakCheck"]
+
+
+class LeakCheck:
+    """Live results, baselines and the detector for this worker's owned devices."""
+
+    def __init__(
+        self,
+        *,
+        monitor: NVMLMonitor,
+        owned: list[DeviceInfo],
+        granted: Callable[[], list[DeviceInfo]],
+        leases: LeaseTable,
+        used: set[int],
+        threshold: Threshold,
+        confirmations: int,
+        restart_on_leak: bool,
+        ask_restart: Callable[[str, int], None],
+        emit: Callable[..., None],
+    ) -> None:
+        self.monitor = monitor
+        self.owned = owned
+        self._granted = granted
+        self.leases = leases
+        self.used = used
+        self.threshold = threshold
+        self.restart_on_leak = restart_on_leak
+        self._ask_restart = ask_restart
+        self._emit = emit
+        self.detector = LeakDetector(confirmations)
+        self.reports = LeakReports()
+        self.live: dict[Any, dict[int, int]] = {}  # key -> device bytes it holds
+        self.live_total: dict[int, int] = {}  # device -> bytes of live results
+        self.baselines: dict[int, Baseline] = {}
+        self.last_verdicts: list[Verdict] = []
+
+    # --- live results (worker event loop) ----------------------------------------------
+
+    def stored(self, key: Any, value: Any) -> None:
+        """``key`` entered the worker's memory holding ``value``."""
+        held = device_nbytes(value) if value is not None else {}
+        if held:
+            self.live[key] = held
+            for d, n in held.items():
+                self.live_total[d] = self.live_total.get(d, 0) + n
+
+    def released(self, key: Any) -> None:
+        for d, n in self.live.pop(key, {}).items():
+            self.live_total[d] = self.live_total.get(d, 0) - n
+
+    def ran(self, prefix: str) -> None:
+        self.detector.ran(prefix)
+
+    # --- the check -----------------------------------------------------------------------
+
+    def check(self) -> list[Verdict]:
+        """One leak check over this process's devices (periodic, on the event loop).
+
+        Devices with a GPU task running are skipped: a task's temporaries are neither
+        results nor leaks, and the estimate means nothing until it ends.
+        """
+        busy = {d for devices in self.leases.holders().values() for d in devices}
+        pools = active_pools()
+        verdicts: list[Verdict] = []
+        for dev in self.owned:
+            if dev.index in busy:
+                continue
+            try:
+                reading = self.monitor.process_memory(dev.index)
+            except Exception as exc:  # NVMLError: the device stopped answering
+                self._unhealthy(dev, exc)
+                continue
+            if dev.index not in self.used:
+                continue  # no GPU task of this worker held it: nothing of ours to judge
+            if reading.has_context is False or not reading.attributable:
+                continue
+            pool = sum((p.stats(dev.index) for p in pools), PoolStats())
+            live = self.live_total.get(dev.index, 0)
+            base = self.baselines.setdefault(dev.index, Baseline())
+            baseline = base.observe(reading.nbytes, live, pool.held)
+            leaked = estimate(reading.nbytes, baseline, live, pool)
+            verdicts.append(
+                self.detector.check(dev.index, leaked, self.threshold.resolve(dev.memory))
+            )
+        blamed = self.detector.end_check(verdicts, complete=not busy)
+        self.last_verdicts = verdicts
+        leaks = [v for v in verdicts if v.leak]
+        if leaks:
+            for v in leaks:
+                if self.reports.is_news(v):
+                    self._emit(
+                        events.LEAK,
+                        device=v.device,
+                        nbytes=v.estimate,
+                        threshold=v.threshold,
+                        checks=v.above,
+                        prefixes=blamed,
+                    )
+            self.detector.reset()
+            if self.restart_on_leak:
+                self._ask_restart("leak", sum(v.estimate for v in leaks))
+        return verdicts
+
+    def _unhealthy(self, dev: DeviceInfo, exc: BaseException) -> None:
+        """A verified device stopped answering NVML: restart the worker without it.
+
+        Lowering the worker's GPU count in place would strand tasks distributed already
+        assigned against the old count; a lossless restart re-probes the devices and the
+        new process reports only those that answer. Until then no new lease lands on it.
+        """
+        granted = self._granted()
+        if dev not in granted:
+            return
+        remaining = [d.index for d in granted if d != dev]
+        if remaining:
+            self.leases.set_devices(remaining)
+        self._emit(events.GPU_UNHEALTHY, device=dev.index, uuid=dev.uuid, error=repr(exc))
+        self._ask_restart("gpu-unhealthy", 0)

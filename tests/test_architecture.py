@@ -1,0 +1,216 @@
+"""The layout the code promises (docs/architecture.md), checked on the source itself."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from distributed import Scheduler
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched import internals
+
+PACKAGE = Path(accelsched.__file__).parent
+ROOT = PACKAGE.parent
+SOURCES = sorted(p for p in PACKAGE.rglob("*.py"))
+
+SCHEDULER_SIDE = {"accelsched.placement"} | {
+    f"accelsched.scheduler.{p.stem}" for p in (PACKAGE / "scheduler").glob("*.py")
+}
+WORKER_SIDE = {"accelsched.guard"} | {
+    f"accelsched.worker.{p.stem}" for p in (PACKAGE / "worker").glob("*.py")
+}
+#: Decisions only: no distributed, nothing of either side.
+PURE = {
+    "accelsched.protocol",
+    "accelsched.events",
+    "accelsched.inventory",
+    "accelsched.fallback",
+    "accelsched.budget",
+    "accelsched.leak",
+    "accelsched.binding",
+    "accelsched.unrequested",
+}
+
+#: Private attributes and undocumented behaviour of distributed (and dask) that only
+#: accelsched/internals/ may touch.
+PRIVATE = [
+    r"_ongoing_background_tasks",
+    r"stream_comms",
+    r"(?<!internals)\.unrunnable\b",
+    r"bulk_schedule_unrunnable",
+    r"\.handlers\b",
+    r"periodic_callbacks",
+    r"_task_spec",
+    r"\brun_spec\b",
+    r"used_resources",
+    r"scheduler\.transitions?\(",
+    r"handle_worker_status_change",
+    r"scheduler\.(restart|retire)_workers",
+    r"\.executors\b",
+    r"state\.tasks",
+    r"total_resources",
+    r"worker_plugins",
+    r"NVML_STATE",
+    r"_correct_state",
+    r"scheduler\.resources",
+    r"scheduler\.running\b",
+    r"(loose|worker|host)_restrictions",
+    r"\.resource_restrictions\s*=",
+    r"\.annotations\s*=",
+    r"\b(scheduler|worker|ws|ts|cluster|server)\._[a-z]\w*",
+]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def code_lines(path: Path) -> list[tuple[int, str]]:
+    """Lines without comments and docstrings (they may name what they explain)."""
+    tree = ast.parse(path.read_text())
+    docs: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docs |= set(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if n in docs:
+            continue
+        code = line.split("#", 1)[0]
+        if code.strip():
+            out.append((n, code))
+    return out
+
+
+def test_private_distributed_use_only_in_the_door() -> None:
+    pattern = re.compile("|".join(PRIVATE))
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in SOURCES
+        if "internals" not in p.relative_to(PACKAGE).parts
+        for n, line in code_lines(p)
+        if pattern.search(line)
+    ]
+    assert not found, "private distributed use outside accelsched/internals/:\n" + "\n".join(
+        found
+    )
+
+
+def test_the_grep_would_catch_a_private_use() -> None:
+    """The check above is not vacuous: the door itself matches it."""
+    pattern = re.compile("|".join(PRIVATE))
+    hits = [
+        line
+        for p in (PACKAGE / "internals").glob("*.py")
+        for _, line in code_lines(p)
+        if pattern.search(line)
+    ]
+    assert len(hits) >= 20
+
+
+@pytest.mark.parametrize(
+    "side, other", [(SCHEDULER_SIDE, WORKER_SIDE), (WORKER_SIDE, SCHEDULER_SIDE)]
+)
+def test_sides_speak_only_through_the_protocol(side: set[str], other: set[str]) -> None:
+    assert side and other
+    for path in SOURCES:
+        name = module_name(path)
+        if name not in side:
+            continue
+        crossing = {m for m in imports(path) if m in other or m.rsplit(".", 1)[0] in other}
+        assert not crossing, f"{name} imports {crossing} from the other side"
+
+
+def test_decision_modules_import_no_distributed() -> None:
+    for path in SOURCES:
+        name = module_name(path)
+        if name not in PURE:
+            continue
+        bad = {
+            m
+            for m in imports(path)
+            if m.split(".")[0] in ("distributed", "tornado")
+            or m.startswith("dask._task_spec")
+            or m in SCHEDULER_SIDE | WORKER_SIDE
+        }
+        assert not bad, f"{name} is a decision module but imports {bad}"
+
+
+#: "No module over about 300 lines": one concern a module, readable in a sitting.
+MAX_LINES = 310
+
+
+def test_no_module_over_about_300_lines() -> None:
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in SOURCES
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
+
+
+def test_pins_match_the_tested_range() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    oldest, newest = internals.TESTED_DISTRIBUTED
+    major, minor, _ = newest.split(".")
+    for pkg in ("distributed", "dask[array]"):
+        (pin,) = [d for d in project["dependencies"] if d.startswith(pkg + ">")]
+        assert pin == f"{pkg}>={oldest},<{major}.{int(minor) + 1}", pin
+    ci = (ROOT / ".ci" / "oldest.txt").read_text().split()
+    assert sorted(ci) == [f"dask=={oldest}", f"distributed=={oldest}"]
+
+
+# --- the contract check on a real cluster -------------------------------------------------
+# A distributed that changed cannot be installed beside this one: each test alters one
+# internal of a real scheduler or worker for the length of a registration, and puts it back.
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_changed_scheduler_internals_fail_registration(c, s: Scheduler) -> None:
+    saved = s.unrunnable
+    s.unrunnable = set()  # type: ignore[assignment]  # what distributed had before 2024
+    try:
+        with pytest.raises(internals.IncompatibleDistributed) as info:
+            await c.register_plugin(accelsched.PlacementPlugin())
+    finally:
+        s.unrunnable = saved
+    message = str(info.value)
+    assert "Scheduler.unrunnable" in message
+    assert internals.TESTED_DISTRIBUTED[0] in message and internals.TESTED_DISTRIBUTED[1] in message
+    assert "accelsched-placement" not in s.plugins
+    await c.register_plugin(accelsched.PlacementPlugin())  # intact again: registers
+    assert "accelsched-placement" in s.plugins
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_changed_worker_internals_fail_registration(c, s, a) -> None:
+    saved = a.executors
+    a.executors = None  # type: ignore[assignment]
+    try:
+        with pytest.raises(internals.IncompatibleDistributed, match=r"Worker\.executors"):
+            await c.register_plugin(accelsched.GuardPlugin())
+    finally:
+        a.executors = saved
