@@ -1,0 +1,130 @@
+"""The decisions the plugins carry out, tested with numbers (no cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelsched.budget import RestartBudget, admit_restart
+from accelsched.devices.nvml import MemoryReading
+from accelsched.fallback import CHAIN, NO_GPU_CAPACITY, TIMEOUT, FallbackPolicy, Waiting, sweep
+from accelsched.leak import LeakReports, Verdict
+from accelsched.unrequested import Use, classify
+
+# --- which tasks fall back now, and when to look again --------------------------------
+
+
+def test_sweep_falls_back_what_is_due_and_wakes_at_the_next_deadline() -> None:
+    policy = FallbackPolicy(default=5.0)
+    waiting = [
+        Waiting("due", since=0.0, amount=1, timeout=5.0),  # waited 10 s of 5
+        Waiting("later", since=8.0, amount=1, timeout=5.0),  # deadline 13
+        Waiting("soon", since=9.0, amount=1, timeout=2.0),  # deadline 11
+        Waiting("strict", since=0.0, amount=1, timeout=None),  # never
+    ]
+    decided = sweep(policy, waiting, now=10.0, largest=0)
+    assert decided.fall_back == [("due", TIMEOUT, 10.0)]
+    assert decided.wake_at == 11.0
+
+
+def test_sweep_zero_timeout_and_chains_depend_on_capacity() -> None:
+    policy = FallbackPolicy(default=None)
+    waiting = [
+        Waiting("zero", since=3.0, amount=1, timeout=0.0),
+        Waiting("chained", since=3.0, amount=2, timeout=60.0, predecessor_fell_back=True),
+    ]
+    none_fits = sweep(policy, waiting, now=3.0, largest=1)
+    assert none_fits.fall_back == [("zero", NO_GPU_CAPACITY, 0.0), ("chained", CHAIN, 0.0)]
+    assert none_fits.wake_at is None
+    fits = sweep(policy, waiting[1:], now=3.0, largest=2)  # a 2-GPU worker exists
+    assert fits.fall_back == [] and fits.wake_at == 63.0
+
+
+def test_sweep_of_nothing_sets_no_timer() -> None:
+    decided = sweep(FallbackPolicy(1.0), [], now=0.0, largest=0)
+    assert decided.fall_back == [] and decided.wake_at is None
+
+
+# --- restart admission ------------------------------------------------------------------
+
+
+def admit(budget: RestartBudget, now: float = 0.0, **facts: bool):  # type: ignore[no-untyped-def]
+    return admit_restart(
+        budget,
+        "nanny-a",
+        now,
+        **{"authentic": True, "has_nanny": True, "has_peer": True, **facts},
+    )
+
+
+def test_admission_refuses_strangers_and_defers_what_would_lose_data() -> None:
+    budget = RestartBudget(max_restarts=3, window=60.0)
+    a = admit(budget, authentic=False)
+    assert (a.status, a.act) == ("refused", "none")
+    a = admit(budget, has_nanny=False)
+    assert (a.status, a.act, a.reason) == ("deferred", "defer", "no-nanny")
+    a = admit(budget, has_peer=False)
+    assert (a.status, a.act, a.reason) == ("deferred", "defer", "no-peer")
+    assert budget.in_flight == frozenset()  # none of them took budget
+
+
+def test_admission_counts_the_budget() -> None:
+    budget = RestartBudget(max_restarts=2, window=60.0, max_concurrent=1)
+    first = admit(budget, now=0.0)
+    assert (first.status, first.act) == ("accepted", "restart")
+    again = admit(budget, now=1.0)
+    assert (again.status, again.act) == ("in-flight", "none")
+    budget.done("nanny-a")
+    assert admit(budget, now=2.0).act == "restart"
+    budget.done("nanny-a")
+    over = admit(budget, now=3.0)  # a third within 60 s
+    assert (over.status, over.act, over.reason) == ("deferred", "quarantine", "budget")
+    assert admit(budget, now=61.0).act == "restart"  # the first left the window
+
+
+def test_admission_defers_on_concurrency() -> None:
+    budget = RestartBudget(max_restarts=5, window=60.0, max_concurrent=1)
+    assert budget.request("nanny-b", 0.0).allowed
+    a = admit(budget)
+    assert (a.status, a.act, a.reason) == ("deferred", "defer", "concurrency")
+
+
+# --- de-duplication of leak reports -------------------------------------------------------
+
+
+def verdict(device: int, estimate: int, threshold: int = 100) -> Verdict:
+    return Verdict(device, estimate, threshold, above=2, leak=True)
+
+
+def test_a_leak_is_reported_once_and_again_only_when_it_grew_by_a_threshold() -> None:
+    reports = LeakReports()
+    assert reports.is_news(verdict(0, 150))
+    assert not reports.is_news(verdict(0, 150))
+    assert not reports.is_news(verdict(0, 249))  # grew by 99 < 100
+    assert reports.is_news(verdict(0, 250))
+    assert reports.is_news(verdict(1, 150))  # another device is another leak
+    assert not reports.is_news(verdict(0, 300))
+
+
+# --- classification of unrequested GPU use ------------------------------------------------
+
+
+def r(nbytes: int, exact: bool = True, context: bool | None = True) -> MemoryReading:
+    return MemoryReading(nbytes, exact, context)
+
+
+@pytest.mark.parametrize(
+    "before, after, expected",
+    [
+        ({0: r(100)}, {0: r(100)}, []),  # nothing happened
+        ({0: r(100)}, {0: r(612)}, [Use(0, 512, False)]),  # grew
+        ({0: r(0, context=False)}, {0: r(0)}, [Use(0, 0, True)]),  # made a context only
+        ({0: r(612)}, {0: r(100)}, []),  # shrank: freed, not used
+        ({0: r(100, exact=False)}, {0: r(900, exact=False)}, []),  # device-wide figures
+        ({0: r(100)}, {0: r(900, exact=False)}, []),  # one side not this process's own
+        ({0: r(0, context=None)}, {0: r(0)}, []),  # could not tell before: no context claim
+        ({0: r(0), 1: r(0)}, {0: r(0), 1: r(64)}, [Use(1, 64, False)]),
+        ({}, {0: r(64)}, []),  # no reading before: nothing to compare
+    ],
+)
+def test_classify(before, after, expected) -> None:  # type: ignore[no-untyped-def]
+    assert classify(before, after) == expected
