@@ -39,7 +39,9 @@ async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
         with dask.annotate(resources={"GPU": 1}):
             busy = c.submit(hold, "x", key="busy")
         await wait_for(lambda: "busy" in s.tasks and s.tasks["busy"].state == "processing")
-        restart = asyncio.ensure_future(plugin.restarts.restart(s.workers[a.address], "nanny", "leak"))
+        restart = asyncio.ensure_future(
+            plugin.restarts.restart(s.workers[a.address], "nanny", "leak")
+        )
         await asyncio.sleep(0.2)
         with dask.annotate(resources={"GPU": 1}):
             late = c.submit(accelsched.current_device, key="late")
