@@ -9,6 +9,7 @@ named, not later inside a scheduler or a worker.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -58,34 +59,60 @@ def resolve_options(
 
 
 def _bad(name: str, value: Any, expected: str, exc: type[Exception] = ValueError) -> Exception:
-    return exc(f"invalid {name}={value!r}: expected {expected}")
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:40] + "..." + shown[-10:]
+    return exc(f"invalid {name}={shown}: expected {expected}")
+
+
+#: A duration string: a number (at least one digit), then an optional unit.
+_DURATION = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*[a-zA-Z]*$")
+
+#: The shortest interval a periodic check may run at: faster only burns CPU.
+MIN_INTERVAL = 0.01
 
 
 def parse_optional_duration(name: str, value: Any) -> float | None:
     """None/False: never; 0: immediately; a number of seconds or a dask duration string."""
+    expected = "a duration like '5s', a number of seconds, or None"
     if value is None or value is False:
         return None
     if value is True or not isinstance(value, (int, float, str)):
-        raise _bad(name, value, "a duration like '5s', a number of seconds, or None", TypeError)
+        raise _bad(name, value, expected, TypeError)
     value_: Any
     if isinstance(value, str):
+        text = value.strip().removeprefix("+")
+        if not _DURATION.match(text):  # "", "s", ".": no number at all
+            raise _bad(name, value, expected)
+        if text.startswith("-"):
+            raise _bad(name, value, "a finite, non-negative duration")
+        if text.startswith("."):  # dask reads ".5s" as "1.5s"
+            text = "0" + text
         # dask knows "m" and "minutes" but not the common "min"/"mins"
-        value_ = re.sub(r"(?<=[\d\s.])mins?$", "minutes", value.strip())
+        value_ = re.sub(r"(?<=[\d\s.])mins?$", "minutes", text)
     else:
         value_ = value
     try:
-        seconds = parse_timedelta(value_, default="seconds")
-    except (ValueError, KeyError, TypeError):
-        raise _bad(name, value, "a duration like '5s', a number of seconds, or None") from None
-    if seconds is None or seconds < 0 or seconds != seconds:
-        raise _bad(name, value, "a non-negative duration")
-    return float(seconds)
+        seconds = float(parse_timedelta(value_, default="seconds"))
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError):
+        raise _bad(name, value, expected) from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise _bad(name, value, "a finite, non-negative duration")
+    return seconds
 
 
 def parse_positive_duration(name: str, value: Any) -> float:
     seconds = parse_optional_duration(name, value)
     if seconds is None or seconds <= 0:
         raise _bad(name, value, "a positive duration like '250ms' or '1s'")
+    return seconds
+
+
+def parse_interval(name: str, value: Any) -> float:
+    """A periodic check's interval: at least :data:`MIN_INTERVAL`."""
+    seconds = parse_positive_duration(name, value)
+    if seconds < MIN_INTERVAL:
+        raise _bad(name, value, f"an interval of at least {MIN_INTERVAL * 1000:g}ms")
     return seconds
 
 
@@ -174,14 +201,16 @@ def parse_threshold(name: str, value: Any) -> Threshold:
         f = float(value)
         if 0 < f < 1:
             return Threshold(fraction=f)
-        if f >= 1 and f == int(f):
+        if math.isfinite(f) and f >= 1 and f == int(f):
             return Threshold(nbytes=int(f))
         raise _bad(name, value, expected)
+    if isinstance(value, str) and not any(c.isdigit() for c in value):
+        raise _bad(name, value, expected)  # dask reads "" or "GiB" as 1 of the unit
     try:
         n = parse_bytes(value) if isinstance(value, str) else int(value)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, IndexError, OverflowError):
         raise _bad(name, value, expected) from None
-    if n <= 0:
+    if n <= 0 or n >= 2**63:
         raise _bad(name, value, expected)
     return Threshold(nbytes=int(n))
 
@@ -196,7 +225,7 @@ def _is_float(s: str) -> bool:
 
 PLACEMENT_OPTIONS: tuple[Option, ...] = (
     Option("fallback_timeout", "accelsched.placement.fallback-timeout", parse_optional_duration),
-    Option("fallback_interval", "accelsched.placement.fallback-interval", parse_positive_duration),
+    Option("fallback_interval", "accelsched.placement.fallback-interval", parse_interval),
     Option("share_gpus", "accelsched.placement.share-gpus", parse_bool),
     Option("max_restarts", "accelsched.placement.max-restarts", parse_count),
     Option("restart_window", "accelsched.placement.restart-window", parse_positive_duration),
@@ -214,7 +243,7 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     ),
     Option("free_pools_every", "accelsched.guard.free-pools-every", parse_count),
     Option("free_pools_above", "accelsched.guard.free-pools-above", parse_fraction),
-    Option("check_interval", "accelsched.guard.check-interval", parse_positive_duration),
+    Option("check_interval", "accelsched.guard.check-interval", parse_interval),
     Option("leak_threshold", "accelsched.guard.leak-threshold", parse_threshold),
     Option("leak_confirmations", "accelsched.guard.leak-confirmations", parse_positive_count),
     Option("restart_on_leak", "accelsched.guard.restart-on-leak", parse_bool),

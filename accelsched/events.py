@@ -37,8 +37,16 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
     A worker's GPUs are taken out of placement (its GPU resource is 0) until it restarts
     or leaves. ``reason`` (``"restart-budget"`` or ``"restart-deferred: ..."``).
 ``gpu-unhealthy`` (worker)
-    A verified device stopped answering NVML; the worker stops advertising it.
+    A verified device stopped answering NVML: no new lease lands on it, the worker
+    advertises one GPU fewer, and it asks for a lossless restart. Said once per failure.
     ``device``, ``uuid``, ``error``.
+``gpu-recovered`` (worker)
+    A device withdrawn as unhealthy answers NVML again and is offered again
+    (``recover_gpus``). ``device``, ``uuid``.
+``request-refused`` (scheduler)
+    A request naming a worker did not come from that worker: the worker, called back at
+    its registered address, did not confirm it. Nothing changed. ``handler``, ``peer``
+    (the address the request came from).
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ RESTART: Final = "restart"
 RESTART_DEFERRED: Final = "restart-deferred"
 QUARANTINE: Final = "quarantine"
 GPU_UNHEALTHY: Final = "gpu-unhealthy"
+GPU_RECOVERED: Final = "gpu-recovered"
+REQUEST_REFUSED: Final = "request-refused"
 
 ACTIONS: Final = frozenset(
     {
@@ -71,6 +81,8 @@ ACTIONS: Final = frozenset(
         RESTART_DEFERRED,
         QUARANTINE,
         GPU_UNHEALTHY,
+        GPU_RECOVERED,
+        REQUEST_REFUSED,
     }
 )
 

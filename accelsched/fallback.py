@@ -23,6 +23,7 @@ __all__ = [
     "CHAIN",
     "OOM",
     "parse_task_timeout",
+    "invalid_amount",
 ]
 
 TIMEOUT = "timeout"  # the task's own timeout expired
@@ -39,6 +40,18 @@ def parse_task_timeout(value: Any) -> float | None:
         return parse_optional_duration("fallback_timeout annotation", value)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+
+
+def invalid_amount(amount: Any) -> str | None:
+    """Why ``resources={"GPU": amount}`` cannot be placed, or None when it can.
+
+    Zero, negative, NaN and infinite amounts would match GPU-less or every worker in
+    plain distributed, or none at all; they err instead, naming the value.
+    """
+    ok = isinstance(amount, (int, float)) and not isinstance(amount, bool)
+    if ok and 0 < amount < float("inf"):
+        return None
+    return f"invalid resources={{'GPU': {amount!r}}}: expected a positive, finite number of GPUs"
 
 
 class FallbackPolicy:

@@ -27,7 +27,14 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from accelsched import events, internals
 from accelsched.config import GUARD_OPTIONS, resolve_options
-from accelsched.protocol import FALLBACK_ANNOTATION, GPU, GUARD_PLUGIN, REPORT_HANDLER, ReportReply
+from accelsched.protocol import (
+    CONFIRM_HANDLER,
+    FALLBACK_ANNOTATION,
+    GPU,
+    GUARD_PLUGIN,
+    REPORT_HANDLER,
+    ReportReply,
+)
 from accelsched.worker.binding import Binder, Runner
 from accelsched.worker.inventory import Inventory
 from accelsched.worker.leaks import LeakCheck
@@ -119,7 +126,13 @@ class GuardPlugin(WorkerPlugin):
             emit=self._emit,
         )
         internals.install_handler(worker, REPORT_HANDLER, self.report)
-        await self.report()
+        internals.install_handler(worker, CONFIRM_HANDLER, inv.confirm)
+        if internals.serving(worker):
+            await self.report()
+        else:
+            # Set up while the worker starts: it answers no RPC (the scheduler's
+            # confirmation call included) until this returns, so report right after.
+            internals.spawn(worker, self.report)
         internals.stop_periodic(worker, _PERIODIC)
         if inv.visible:
             internals.start_periodic(worker, _PERIODIC, self.check, o["check_interval"])
@@ -127,6 +140,7 @@ class GuardPlugin(WorkerPlugin):
     async def teardown(self, worker: Worker) -> None:
         """Unregistered: remove the report handler and stop the leak check."""
         internals.remove_handler(worker, REPORT_HANDLER, self.report)
+        internals.remove_handler(worker, CONFIRM_HANDLER, self.inventory.confirm)
         internals.stop_periodic(worker, _PERIODIC)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:

@@ -8,11 +8,19 @@ out what they return.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-__all__ = ["owned", "Claim", "decide_claim", "OwnershipRegistry"]
+__all__ = [
+    "owned",
+    "Claim",
+    "decide_claim",
+    "valid_declaration",
+    "declared_count",
+    "OwnershipRegistry",
+]
 
 T = TypeVar("T")
 
@@ -36,8 +44,30 @@ class Claim:
     reason: str | None  # None: the declaration was right
 
 
-def decide_claim(declared: float | None, owned_count: int, *, advertise_undeclared: bool) -> Claim:
-    """GPU count a worker should ask for, given what it declared and what it owns."""
+def valid_declaration(declared: object) -> bool:
+    """A declared GPU count distributed can place against: a finite number >= 0."""
+    return (
+        isinstance(declared, (int, float))
+        and not isinstance(declared, bool)
+        and math.isfinite(declared)
+        and declared >= 0
+    )
+
+
+def declared_count(declared: object) -> float | None:
+    """The declaration as a count for the scheduler's events; None when it is none."""
+    return declared if isinstance(declared, (int, float)) and valid_declaration(declared) else None
+
+
+def decide_claim(declared: object, owned_count: int, *, advertise_undeclared: bool) -> Claim:
+    """GPU count a worker should ask for, given what it declared and what it owns.
+
+    A declaration that is no count at all (``"two"``, NaN, -1) claims nothing; the reason
+    names it, so the scheduler's ``gpu-corrected`` event says why.
+    """
+    if declared is not None and not valid_declaration(declared):
+        return Claim(0, f"invalid-declaration: {declared!r}")
+    assert declared is None or isinstance(declared, (int, float))
     if declared is None or declared == 0:
         if owned_count and advertise_undeclared:
             return Claim(owned_count, "advertised")

@@ -96,9 +96,23 @@ class PlacementPlugin(SchedulerPlugin):
         internals.check_scheduler(scheduler)
         self.scheduler = scheduler
         internals.install_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
+        internals.notify_unregistered(scheduler)
         self.restarts.start(scheduler)
         self.fallback.start(scheduler)
         self.gate.start(scheduler)
+
+    def unregistered(self) -> None:
+        """``client.unregister_scheduler_plugin``: leave the scheduler as it was found.
+
+        Handlers and ``set_resources`` go back to distributed's, the periodic check stops,
+        and every worker's GPU count is its declaration again.
+        """
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        self.fallback.close()
+        internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
+        self.gate.stop()
 
     async def close(self) -> None:
         """The scheduler closes: stop the periodic check."""

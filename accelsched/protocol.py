@@ -11,16 +11,22 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
 ``accelsched_inventory`` (:data:`INVENTORY_HANDLER`)
     A guard reports the devices it verified through NVML and the GPU count it asks for
     (:class:`InventoryRequest`); the reply (:class:`InventoryReply`) lists the UUIDs the
-    scheduler granted and a token for later requests.
+    scheduler granted.
 ``accelsched_restart`` (:data:`RESTART_HANDLER`)
     A guard asks for its own worker to be restarted (:class:`RestartRequest`); the reply
     (:class:`RestartReply`) says whether the restart was accepted.
 
-Worker handler (``await scheduler.rpc(addr).<name>()``):
+Worker handlers (``await scheduler.rpc(addr).<name>(...)``):
 
 ``accelsched_report`` (:data:`REPORT_HANDLER`)
     The scheduler asks a guard to report its inventory again (a new PlacementPlugin, or a
     GPU whose owner left); the reply is :class:`ReportReply`.
+``accelsched_confirm`` (:data:`CONFIRM_HANDLER`)
+    Who speaks for a worker: every request above names a worker and carries a one-time
+    ``request`` id. Before acting, the scheduler calls the named worker back at the
+    address it registered under and asks whether the request is its own
+    (:class:`ConfirmReply`). A client or another worker naming it is refused, and nothing
+    secret ever leaves the scheduler or the worker.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ __all__ = [
     "INVENTORY_HANDLER",
     "RESTART_HANDLER",
     "REPORT_HANDLER",
+    "CONFIRM_HANDLER",
     "TIMEOUT_ANNOTATION",
     "FALLBACK_ANNOTATION",
     "INVALID_RESOURCE",
@@ -44,6 +51,7 @@ __all__ = [
     "RestartReply",
     "RestartStatus",
     "ReportReply",
+    "ConfirmReply",
 ]
 
 #: The resource name GPU tasks ask for (``dask.annotate(resources={"GPU": 1})``).
@@ -57,6 +65,7 @@ GUARD_PLUGIN: Final = "accelsched-guard"
 INVENTORY_HANDLER: Final = "accelsched_inventory"
 RESTART_HANDLER: Final = "accelsched_restart"
 REPORT_HANDLER: Final = "accelsched_report"
+CONFIRM_HANDLER: Final = "accelsched_confirm"
 
 #: Task annotation overriding the default fallback timeout (``dask.annotate``).
 TIMEOUT_ANNOTATION: Final = "fallback_timeout"
@@ -81,10 +90,12 @@ class InventoryRequest(TypedDict):
 
     ``declared`` is the worker's own ``GPU`` resource (None when it declared none);
     ``requested`` how many of ``devices`` (in order) it asks for; ``reason`` why that
-    differs from ``declared`` (see :func:`accelsched.inventory.decide_claim`).
+    differs from ``declared`` (see :func:`accelsched.inventory.decide_claim`);
+    ``request`` the one-time id the worker confirms when called back.
     """
 
     worker: str
+    request: str
     devices: list[DeviceRecord]
     declared: float | None
     requested: int
@@ -92,21 +103,21 @@ class InventoryRequest(TypedDict):
 
 
 class _InventoryReplyBase(TypedDict):
-    status: Literal["OK", "no-plugin", "unknown-worker"]
+    status: Literal["OK", "no-plugin", "unknown-worker", "refused"]
 
 
 class InventoryReply(_InventoryReplyBase, total=False):
-    """``OK`` with the granted ``uuids`` and the worker's ``token``; otherwise why not."""
+    """``OK`` with the granted ``uuids``; otherwise why not (``refused``: the named worker
+    did not confirm the request)."""
 
     uuids: list[str]
-    token: str
 
 
 class RestartRequest(TypedDict):
-    """A guard asks for its worker's lossless restart; ``token`` proves who asks."""
+    """A guard asks for its worker's lossless restart; the worker confirms ``request``."""
 
     worker: str
-    token: str | None
+    request: str
     reason: str
     nbytes: int
 
@@ -133,3 +144,9 @@ class ReportReply(_ReportReplyBase, total=False):
     """``OK`` with the CUDA indices the worker now advertises; else the scheduler's status."""
 
     devices: list[int]
+
+
+class ConfirmReply(TypedDict):
+    """Whether the named worker has ``request`` outstanding: it asked, nobody else."""
+
+    confirmed: bool

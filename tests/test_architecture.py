@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -36,33 +38,43 @@ PURE = {
 }
 
 #: Private attributes and undocumented behaviour of distributed (and dask) that only
-#: accelsched/internals/ may touch.
+#: accelsched/internals/ may touch: names flagged on whatever object they are reached.
 PRIVATE = [
     r"_ongoing_background_tasks",
     r"stream_comms",
     r"(?<!internals)\.unrunnable\b",
+    r"[\"']unrunnable[\"']",
     r"bulk_schedule_unrunnable",
     r"\.handlers\b",
     r"periodic_callbacks",
     r"_task_spec",
     r"\brun_spec\b",
     r"used_resources",
-    r"scheduler\.transitions?\(",
+    r"(?<!fallback)\.transitions?\(",
     r"handle_worker_status_change",
-    r"scheduler\.(restart|retire)_workers",
+    r"(?<!client)\.(restart|retire)_workers\b",
     r"\.executors\b",
     r"state\.tasks",
     r"total_resources",
     r"worker_plugins",
     r"NVML_STATE",
     r"_correct_state",
-    r"scheduler\.resources",
-    r"scheduler\.running\b",
+    r"_startup_lock",
+    r"\.has_what\b",
+    r"\.who_has\b",
+    r"\.processing\b",
+    r"\.data\.fast\b",
+    r"(?<!internals)\.resources\s*\[[^]]*\]\s*=",
+    r"\b(scheduler|s)\.resources\b",
+    r"\b(scheduler|s)\.running\b",
     r"(loose|worker|host)_restrictions",
-    r"\.resource_restrictions\s*=",
-    r"\.annotations\s*=",
-    r"\b(scheduler|worker|ws|ts|cluster|server)\._[a-z]\w*",
+    r"\.(resource_restrictions|annotations)\s*(\[[^]]*\]\s*)?=(?!=)",
+    r"\.(resource_restrictions|annotations|resources)\.(pop|update|setdefault|clear)\(",
 ]
+#: Names whose private parts are not distributed's: our own objects (a simulated buffer,
+#: pool), a ctypes library handle, pynvml's error table.
+OWN_PRIVATE_OK = {"self", "cls", "buf", "_POOL", "lib"}
+OWN_PRIVATE_CHAINS = {"pynvml.NVMLError"}
 
 
 def module_name(path: Path) -> str:
@@ -85,8 +97,9 @@ def imports(path: Path) -> set[str]:
 
 
 def code_lines(path: Path) -> list[tuple[int, str]]:
-    """Lines without comments and docstrings (they may name what they explain)."""
-    tree = ast.parse(path.read_text())
+    """Source lines without comments and docstrings (they may name what they explain)."""
+    text = path.read_text()
+    tree = ast.parse(text)
     docs: set[int] = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
@@ -94,14 +107,27 @@ def code_lines(path: Path) -> list[tuple[int, str]]:
             value = body[0].value
             if isinstance(value, ast.Constant) and isinstance(value.value, str):
                 docs |= set(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if n in docs:
-            continue
-        code = line.split("#", 1)[0]
-        if code.strip():
-            out.append((n, code))
-    return out
+    lines = text.splitlines()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            lines[row - 1] = lines[row - 1][:col]
+    return [(n, line) for n, line in enumerate(lines, 1) if n not in docs and line.strip()]
+
+
+def private_attributes(path: Path) -> list[str]:
+    """``x._name`` where ``x`` is not one of our own objects (dunders aside)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in OWN_PRIVATE_OK)
+            and ast.unparse(node.value) not in OWN_PRIVATE_CHAINS
+        ):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    return found
 
 
 def test_private_distributed_use_only_in_the_door() -> None:
@@ -116,6 +142,16 @@ def test_private_distributed_use_only_in_the_door() -> None:
     assert not found, "private distributed use outside accelsched/internals/:\n" + "\n".join(
         found
     )
+
+
+def test_no_private_attribute_outside_the_door() -> None:
+    found = [
+        hit
+        for p in SOURCES
+        if "internals" not in p.relative_to(PACKAGE).parts
+        for hit in private_attributes(p)
+    ]
+    assert not found, "private attributes outside accelsched/internals/:\n" + "\n".join(found)
 
 
 def test_the_grep_would_catch_a_private_use() -> None:

@@ -128,3 +128,71 @@ def r(nbytes: int, exact: bool = True, context: bool | None = True) -> MemoryRea
 )
 def test_classify(before, after, expected) -> None:  # type: ignore[no-untyped-def]
     assert classify(before, after) == expected
+
+
+# --- option and declaration parsing ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value", ["", " ", "s", ".", "1e400s", 10**400, float("nan"), float("inf"), "-5s", "inf"]
+)
+def test_durations_that_are_no_duration_name_the_option(value: object) -> None:
+    from accelsched.config import parse_optional_duration
+
+    with pytest.raises(ValueError, match=r"invalid fallback_timeout="):
+        parse_optional_duration("fallback_timeout", value)
+
+
+@pytest.mark.parametrize(
+    "value, seconds", [(".5s", 0.5), ("+2s", 2.0), ("1.5min", 90.0), ("250ms", 0.25), (0, 0.0)]
+)
+def test_durations(value: object, seconds: float) -> None:
+    from accelsched.config import parse_optional_duration
+
+    assert parse_optional_duration("x", value) == seconds
+
+
+@pytest.mark.parametrize("value", ["1us", "5ms", 0.001])
+def test_intervals_have_a_floor(value: object) -> None:
+    from accelsched.config import parse_interval
+
+    with pytest.raises(ValueError, match=r"at least 10ms"):
+        parse_interval("check_interval", value)
+
+
+@pytest.mark.parametrize("value", ["", "GiB", float("inf"), float("nan"), "1e400", 10**400, 0])
+def test_thresholds_that_are_no_size_name_the_option(value: object) -> None:
+    from accelsched.config import parse_threshold
+
+    with pytest.raises(ValueError, match=r"invalid leak_threshold="):
+        parse_threshold("leak_threshold", value)
+
+
+@pytest.mark.parametrize(
+    "declared, reason",
+    [
+        ("two", "invalid-declaration: 'two'"),
+        (float("nan"), "invalid-declaration: nan"),
+        (-1, "invalid-declaration: -1"),
+        (True, "invalid-declaration: True"),
+    ],
+)
+def test_declarations_that_are_no_count_claim_nothing(declared: object, reason: str) -> None:
+    from accelsched.inventory import Claim, decide_claim, declared_count
+
+    assert decide_claim(declared, 2, advertise_undeclared=True) == Claim(0, reason)
+    assert declared_count(declared) is None
+
+
+@pytest.mark.parametrize("amount", [0, -1, float("nan"), float("inf"), "1", True, None])
+def test_odd_gpu_amounts_are_invalid(amount: object) -> None:
+    from accelsched.fallback import invalid_amount
+
+    assert "expected a positive, finite number of GPUs" in (invalid_amount(amount) or "")
+
+
+@pytest.mark.parametrize("amount", [1, 2, 0.5, 0.25])
+def test_gpu_amounts(amount: float) -> None:
+    from accelsched.fallback import invalid_amount
+
+    assert invalid_amount(amount) is None

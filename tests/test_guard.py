@@ -180,19 +180,20 @@ async def test_restart_budget_stops_a_storm(c, s, a, b):
 async def test_only_a_worker_can_ask_for_its_own_restart(c, s, a, b):
     await accelsched.register(c, **FAST)
     await verified(s, a, b)
-    placement = s.plugins["accelsched-placement"]
+    # b has a request of its own outstanding: naming a, it proves nothing
+    outstanding = await c.run(
+        lambda dask_worker: dask_worker.plugins["accelsched-guard"].inventory._new_request(),
+        workers=[b.worker_address],
+    )
     async with rpc(s.address) as r:
-        # a stranger without the token
-        assert (await r.accelsched_restart(worker=a.worker_address, token="guess"))[
-            "status"
-        ] == "refused"
-        # another worker with its own token naming a
-        b_token = placement.gate.tokens[b.worker_address]
-        assert (await r.accelsched_restart(worker=a.worker_address, token=b_token))[
-            "status"
-        ] == "refused"
+        for request in ("guess", outstanding[b.worker_address]):
+            reply = await r.accelsched_restart(worker=a.worker_address, request=request)
+            assert reply["status"] == "refused"
     await asyncio.sleep(0.3)
     assert not events(s, "restart") and len(s.workers) == 2
+    refused = events(s, "request-refused")
+    assert [e["worker"] for e in refused] == [a.worker_address] * 2
+    assert {e["handler"] for e in refused} == {"accelsched_restart"}
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)

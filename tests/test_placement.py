@@ -70,7 +70,7 @@ async def test_advertising_can_be_switched_off(c, s, a):
     await accelsched.register(c, advertise_undeclared=False)
     await wait_for(lambda: "accelsched-guard" in s.worker_plugins)
     await c.run(lambda: None)  # the guard's setup has run once run() answers
-    await wait_for(lambda: a.worker_address in s.plugins["accelsched-placement"].gate.tokens)
+    await wait_for(lambda: a.worker_address in s.plugins["accelsched-placement"].gate.granted)
     assert gpus(s, a.worker_address) == 0
     assert not events(s, "gpu-verified")
 
@@ -141,7 +141,7 @@ def test_exclusive_ownership_by_uuid(share: bool, fake_gpus_2) -> None:
                 assert list(rejected["uuids"]) == [uuid]
             res = client.run_on_scheduler(
                 lambda dask_scheduler: {
-                    a: w.resources["GPU"] for a, w in dask_scheduler.workers.items()
+                    a: w.resources.get("GPU", 0) for a, w in dask_scheduler.workers.items()
                 }
             )
             assert res == {first.worker_address: 1, second.worker_address: 1 if share else 0}

@@ -159,12 +159,12 @@ async def test_restart_request_from_another_address_than_advertised(c, s, peer):
         s.address, host="0.0.0.0", port=port, contact_address=f"tcp://127.0.0.2:{port}"
     ) as w:
         await wait_for(lambda: w.plugins.get("accelsched-guard") is not None)
-        guard = w.plugins["accelsched-guard"]
-        await wait_for(lambda: guard.inventory.token is not None)
-        reply = await w.scheduler.accelsched_restart(
-            worker=w.contact_address, token=guard.inventory.token, reason="leak"
-        )
-        assert reply["status"] != "refused"
+        w.plugins["accelsched-guard"].inventory.ask_restart("leak", 0)
+        # confirmed by calling it back at its advertised address: not refused, but a
+        # worker without a nanny cannot restart
+        await wait_for(lambda: events(s, "restart-deferred"))
+        assert events(s, "restart-deferred")[0]["reason"] == "no-nanny"
+        assert not events(s, "request-refused")
 
 
 def test_to_host_keeps_container_types() -> None:

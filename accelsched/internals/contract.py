@@ -60,11 +60,12 @@ def check_scheduler(scheduler: Scheduler) -> None:
 
     problems: list[str] = []
     handlers = getattr(scheduler, "handlers", None)
-    if not isinstance(handlers, dict) or "set_resources" not in handlers:
-        problems.append("Scheduler.handlers has no 'set_resources' handler")
+    for name in ("set_resources", "unregister_scheduler_plugin"):
+        if not isinstance(handlers, dict) or name not in handlers:
+            problems.append(f"Scheduler.handlers has no {name!r} handler")
     if not isinstance(getattr(scheduler, "unrunnable", None), dict):
         problems.append("Scheduler.unrunnable is not a dict of task -> time it became unrunnable")
-    for name in ("resources", "periodic_callbacks", "stream_comms", "worker_plugins"):
+    for name in ("resources", "periodic_callbacks", "stream_comms", "worker_plugins", "plugins"):
         if not isinstance(getattr(scheduler, name, None), dict):
             problems.append(f"Scheduler.{name} is not a dict")
     if not isinstance(getattr(scheduler, "running", None), set):
@@ -73,6 +74,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
         problems.append("Scheduler._ongoing_background_tasks.call_soon is gone")
     for name in (
         "bulk_schedule_unrunnable_after_adding_worker",
+        "transition",
         "transitions",
         "handle_worker_status_change",
     ):
@@ -111,7 +113,7 @@ def check_worker(worker: Worker) -> None:
     from distributed.worker_state_machine import TaskState
 
     problems: list[str] = []
-    for name in ("handlers", "periodic_callbacks", "executors"):
+    for name in ("handlers", "periodic_callbacks", "executors", "plugins"):
         if not isinstance(getattr(worker, name, None), dict):
             problems.append(f"Worker.{name} is not a dict")
     state = getattr(worker, "state", None)
@@ -120,7 +122,14 @@ def check_worker(worker: Worker) -> None:
             problems.append(f"Worker.state.{name} is not a dict")
     if not callable(getattr(getattr(worker, "_ongoing_background_tasks", None), "call_soon", 0)):
         problems.append("Worker._ongoing_background_tasks.call_soon is gone")
-    fields = {f.name for f in dataclasses.fields(TaskState)}
+    if not callable(getattr(getattr(worker, "_startup_lock", None), "locked", None)):
+        problems.append("Worker._startup_lock (held while the worker starts) is gone")
+    if not hasattr(getattr(worker, "data", None), "get"):
+        problems.append("Worker.data is not a mapping")
+    try:
+        fields = {f.name for f in dataclasses.fields(TaskState)}
+    except TypeError:
+        fields = set()
     problems += [
         f"worker TaskState.{n} is gone"
         for n in ("run_spec", "annotations", "resource_restrictions")

@@ -27,6 +27,29 @@ def is_registered(scheduler: Scheduler, name: str, plugin: Any) -> bool:
     return scheduler.plugins.get(name) is plugin
 
 
+def notify_unregistered(scheduler: Scheduler) -> None:
+    """Call ``plugin.unregistered()`` when a client unregisters a scheduler plugin that
+    has one (distributed calls no hook then: not even ``close``)."""
+    original = scheduler.handlers["unregister_scheduler_plugin"]
+    original = getattr(original, _ORIGINAL, original)
+
+    async def unregister_scheduler_plugin(name: str) -> None:
+        plugin = scheduler.plugins.get(name)
+        await original(name=name)
+        hook = getattr(plugin, "unregistered", None)
+        if callable(hook):
+            hook()
+
+    setattr(unregister_scheduler_plugin, _ORIGINAL, original)
+    scheduler.handlers["unregister_scheduler_plugin"] = unregister_scheduler_plugin
+
+
+def restore_set_resources(scheduler: Scheduler) -> None:
+    """Undo :func:`wrap_set_resources`: distributed's own handler again."""
+    handler = scheduler.handlers["set_resources"]
+    scheduler.handlers["set_resources"] = getattr(handler, _ORIGINAL, handler)
+
+
 def worker_plugin_registered(scheduler: Scheduler, name: str) -> bool:
     return name in scheduler.worker_plugins
 
@@ -147,19 +170,19 @@ def holds_sole_copy(ws: WorkerState) -> bool:
     return any(len(ts.who_has or ()) < 2 for ts in ws.has_what)
 
 
-def drain(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> Status:
-    """No new tasks for ``ws`` (scheduler side only: what it runs finishes); returns its
-    previous status for :func:`resume`."""
-    previous = ws.status
+def drain(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> None:
+    """No new tasks for ``ws`` (scheduler side only: what it runs finishes). Keep its
+    ``ws.status`` from before for :func:`resume`."""
     scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
-    return previous
 
 
 def resume(scheduler: Scheduler, ws: WorkerState, previous: Status, stimulus_id: str) -> None:
-    """Undo :func:`drain`: back to ``previous`` (``paused`` stays paused) on both sides.
+    """Undo :func:`drain`: back to ``previous`` on both sides.
 
-    A failed retirement tells the worker it is closing gracefully, so the worker is told
-    too; only a worker still registered under the same state object is touched.
+    A worker its memory monitor had paused stays paused (the monitor unpauses it when its
+    memory allows, as it would have without the drain). A failed retirement tells the
+    worker it is closing gracefully, so the worker is told too; only a worker still
+    registered under the same state object is touched.
     """
     if scheduler.workers.get(ws.address) is not ws:
         return

@@ -8,6 +8,13 @@ from typing import Any
 from tornado.ioloop import PeriodicCallback
 
 
+def serving(server: Any) -> bool:
+    """Whether the server answers RPCs now: every incoming comm first awaits the
+    server's start, which holds ``_startup_lock`` until ``start_unsafe`` returns (worker
+    plugins registered before a worker starts are set up inside it)."""
+    return not server._startup_lock.locked()
+
+
 def install_handler(server: Any, name: str, handler: Callable[..., Any]) -> None:
     """Serve ``handler`` as RPC ``name`` (replacing a previous instance's)."""
     server.handlers[name] = handler

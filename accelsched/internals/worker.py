@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from accelsched.inventory import valid_declaration
 from accelsched.protocol import GPU
 
 if TYPE_CHECKING:
@@ -15,7 +16,7 @@ _RUNNER = "__accelsched_runner__"
 _DECLARED = "_accelsched_declared"
 
 
-def declared_gpus(worker: Worker) -> float | None:
+def declared_gpus(worker: Worker) -> object:
     """The GPU count the worker was started with, before accelsched corrected it.
 
     Remembered on the worker object so a re-registered guard sees the declaration, not
@@ -24,6 +25,21 @@ def declared_gpus(worker: Worker) -> float | None:
     if not hasattr(worker, _DECLARED):
         setattr(worker, _DECLARED, worker.state.total_resources.get(GPU))
     return getattr(worker, _DECLARED)
+
+
+async def set_own_gpus(worker: Worker, count: int) -> None:
+    """``worker.set_resources(GPU=count)``, even over a declaration that is no number.
+
+    ``Worker.set_resources`` adjusts availability by the difference to the old total: from
+    ``"two"`` it raises, from NaN availability stays NaN and no GPU task ever starts.
+    Nothing can hold such a GPU, so the count starts again from zero.
+    """
+    state = worker.state
+    total = state.total_resources.get(GPU)
+    if total is not None and not valid_declaration(total):
+        state.total_resources[GPU] = 0
+        state.available_resources[GPU] = 0
+    await worker.set_resources(**{GPU: count})
 
 
 def advertises_gpus(worker: Worker) -> bool:

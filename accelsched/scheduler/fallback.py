@@ -20,7 +20,7 @@ import dask.config
 import dask.utils
 
 from accelsched import events, internals
-from accelsched.fallback import FallbackPolicy, Waiting, parse_task_timeout, sweep
+from accelsched.fallback import FallbackPolicy, Waiting, invalid_amount, parse_task_timeout, sweep
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, INVALID_RESOURCE, TIMEOUT_ANNOTATION
 
 if TYPE_CHECKING:
@@ -74,28 +74,43 @@ class Fallback:
         next check, naming the value.
         """
         for key in keys or ():
-            ts = scheduler.tasks.get(key)
-            if (
-                ts is None
-                or ts.state != "released"  # a resubmitted task already placed: leave it
-                or not ts.resource_restrictions
-                or GPU not in ts.resource_restrictions
-            ):
-                continue
-            internals.harden_restrictions(ts)
-            annotations = ts.annotations or {}
-            if TIMEOUT_ANNOTATION not in annotations:
-                continue
             try:
-                timeout = parse_task_timeout(annotations[TIMEOUT_ANNOTATION])
-            except ValueError as exc:
-                self.invalid[key] = str(exc)
-                internals.set_resource_restrictions(
-                    ts, {**ts.resource_restrictions, INVALID_RESOURCE: 1}
-                )
-                continue
-            self.timeouts[key] = timeout
-            self._warn_no_workers_timeout(timeout)
+                self._prepare_one(scheduler.tasks.get(key))
+            except Exception as exc:  # one odd task must not cost its neighbours theirs
+                logger.exception("accelsched: could not prepare task %r", key)
+                ts = scheduler.tasks.get(key)
+                if ts is not None and ts.state == "released":
+                    self._park(ts, f"accelsched could not read its annotations: {exc!r}")
+
+    def _prepare_one(self, ts: Any) -> None:
+        if (
+            ts is None
+            or ts.state != "released"  # a resubmitted task already placed: leave it
+            or not ts.resource_restrictions
+            or GPU not in ts.resource_restrictions
+        ):
+            return
+        internals.harden_restrictions(ts)
+        problem = invalid_amount(ts.resource_restrictions[GPU])
+        if problem is not None:
+            self._park(ts, problem)
+            return
+        annotations = ts.annotations or {}
+        if TIMEOUT_ANNOTATION not in annotations:
+            return
+        try:
+            timeout = parse_task_timeout(annotations[TIMEOUT_ANNOTATION])
+        except ValueError as exc:
+            self._park(ts, str(exc))
+            return
+        self.timeouts[ts.key] = timeout
+        self._warn_no_workers_timeout(timeout)
+
+    def _park(self, ts: Any, problem: str) -> None:
+        """An invalid task waits on an unsatisfiable resource and errs alone at the next
+        check, naming the value; its neighbours keep their own annotations."""
+        self.invalid[ts.key] = problem
+        internals.set_resource_restrictions(ts, {**ts.resource_restrictions, INVALID_RESOURCE: 1})
 
     def transition(self, key: Any, finish: str) -> None:
         """Forget a forgotten task; check soon when a timed task becomes unrunnable.

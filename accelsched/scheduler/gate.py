@@ -6,23 +6,30 @@ grants devices when the worker's guard reports them (``accelsched_inventory``), 
 owner per GPU UUID (:class:`~accelsched.inventory.OwnershipRegistry`), clamps every later
 ``set_resources`` to the grant, takes a worker's GPUs out of placement while it is
 quarantined, and offers ``no-worker`` tasks to a worker whose GPUs just arrived
-(distributed does not re-offer on ``set_resources``).
+(distributed does not re-offer on ``set_resources``). A worker that never declared a GPU
+is never entered into the scheduler's ``GPU`` resource, and unregistering the plugin puts
+every declaration back.
+
+Only a worker speaks for itself: every request names a worker and carries a one-time id,
+which that worker, called back at the address it registered under, must confirm
+(:meth:`Gate.confirmed`).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals, metrics
 from accelsched.inventory import OwnershipRegistry
 from accelsched.protocol import (
+    CONFIRM_HANDLER,
     GPU,
     GUARD_PLUGIN,
     INVENTORY_HANDLER,
     REPORT_HANDLER,
+    ConfirmReply,
     DeviceRecord,
     InventoryReply,
 )
@@ -39,14 +46,14 @@ Emit = Callable[..., None]
 
 
 class Gate:
-    """Grants, ownership, tokens and quarantine, per worker address."""
+    """Grants, ownership, declarations and quarantine, per worker address."""
 
     def __init__(self, *, share_gpus: bool, emit: Emit, active: Callable[[], bool]) -> None:
         self.scheduler: Scheduler | None = None
         self.registry = OwnershipRegistry(share=share_gpus)
         self.granted: dict[str, list[DeviceRecord]] = {}  # worker -> devices granted
         self.refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
-        self.tokens: dict[str, str] = {}  # worker -> secret for requests it makes
+        self.declared: dict[str, float] = {}  # worker -> GPU count it registered with
         self.quarantined: dict[str, str] = {}  # worker -> reason
         self._emit = emit
         self._active = active
@@ -63,15 +70,35 @@ class Gate:
         internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.wrap_set_resources(scheduler, self.set_resources)
         for ws in list(scheduler.workers.values()):
-            internals.set_worker_gpus(scheduler, ws, 0)
+            self.add_worker(ws)
         if internals.worker_plugin_registered(scheduler, GUARD_PLUGIN):
             for addr in list(scheduler.workers):
                 internals.spawn(scheduler, self._ask_report, addr)
 
     def add_worker(self, ws: WorkerState) -> None:
-        """The declared count does not count: nothing reaches the worker on its word."""
+        """The declared count does not count: nothing reaches the worker on its word.
+
+        A worker that declared no GPU stays out of the ``GPU`` resource altogether (a
+        ``GPU: 0`` entry would make it valid for ``resources={"GPU": 0}`` tasks, which its
+        own state machine cannot run).
+        """
         assert self.scheduler is not None
+        if GPU not in ws.resources:
+            return
+        self.declared.setdefault(ws.address, ws.resources[GPU])
         internals.set_worker_gpus(self.scheduler, ws, self.allowed_gpus(ws.address))
+
+    def stop(self) -> None:
+        """The plugin was unregistered: distributed's handlers, and every worker's GPU
+        count as it was declared."""
+        assert self.scheduler is not None
+        internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
+        internals.restore_set_resources(self.scheduler)
+        for addr, count in self.declared.items():
+            ws = self.scheduler.workers.get(addr)
+            if ws is not None:
+                internals.set_worker_gpus(self.scheduler, ws, count)
+        self.declared.clear()
 
     def remove_worker(self, worker: str) -> None:
         """Free the worker's GPUs; workers refused one of them are asked to report again,
@@ -83,7 +110,7 @@ class Gate:
             if uuids & freed and other in self.scheduler.workers:
                 internals.spawn(self.scheduler, self._ask_report, other)
         self.granted.pop(worker, None)
-        self.tokens.pop(worker, None)
+        self.declared.pop(worker, None)
         self.quarantined.pop(worker, None)
         self.update_gauge()
 
@@ -96,10 +123,38 @@ class Gate:
 
     # --- the inventory handler -----------------------------------------------------------
 
-    def handle_inventory(
+    async def confirmed(self, comm: Any, worker: str, request: Any, handler: str) -> bool:
+        """Whether ``worker`` itself sent ``request``: ask it, at its registered address.
+
+        The connection's own address proves nothing either way (a multi-homed worker or
+        one behind NAT connects from another address than it advertises); the callback
+        reaches the process that registered, and only it knows its outstanding ids.
+        """
+        assert self.scheduler is not None
+        reply: ConfirmReply | None = None
+        if isinstance(request, str) and request:
+            try:
+                reply = await getattr(self.scheduler.rpc(worker), CONFIRM_HANDLER)(request=request)
+            except Exception as exc:  # gone, no guard, or not a worker at all
+                logger.debug("accelsched: %s could not confirm a request: %r", worker, exc)
+        if isinstance(reply, dict) and reply.get("confirmed") is True:
+            return True
+        peer = getattr(comm, "peer_address", None)
+        logger.warning(
+            "accelsched: refused %s naming %s from %s: that worker did not send it",
+            handler,
+            worker,
+            peer,
+        )
+        self._emit(events.REQUEST_REFUSED, worker, handler=handler, peer=str(peer))
+        return False
+
+    async def handle_inventory(
         self,
+        comm: Any,
         worker: str,
         devices: list[DeviceRecord],
+        request: str = "",
         declared: float | None = None,
         requested: int = 0,
         reason: str | None = None,
@@ -114,6 +169,10 @@ class Gate:
             return {"status": "no-plugin"}
         if worker not in self.scheduler.workers:
             return {"status": "unknown-worker"}
+        if not await self.confirmed(comm, worker, request, INVENTORY_HANDLER):
+            return {"status": "refused"}
+        if worker not in self.scheduler.workers:  # it left while it was asked
+            return {"status": "unknown-worker"}
         wanted = devices[:requested]
         previous = self.granted.get(worker)
         if (
@@ -126,7 +185,6 @@ class Gate:
         granted = [d for d in wanted if d["uuid"] in granted_uuids]
         self.granted[worker] = granted
         self.refused[worker] = set(refused)
-        self.tokens.setdefault(worker, secrets.token_hex(16))
         if granted:
             self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
         if refused:
@@ -149,16 +207,7 @@ class Gate:
         return self._reply(worker)
 
     def _reply(self, worker: str) -> InventoryReply:
-        return {
-            "status": "OK",
-            "uuids": [d["uuid"] for d in self.granted.get(worker, [])],
-            "token": self.tokens[worker],
-        }
-
-    def authentic(self, worker: str, token: Any) -> bool:
-        """Whether ``token`` is the one handed to ``worker`` at verification."""
-        expected = self.tokens.get(worker)
-        return expected is not None and secrets.compare_digest(str(token), expected)
+        return {"status": "OK", "uuids": [d["uuid"] for d in self.granted.get(worker, [])]}
 
     # --- the GPU count placement sees ------------------------------------------------------
 
@@ -193,7 +242,8 @@ class Gate:
         if ws is None or worker in self.quarantined:
             return
         self.quarantined[worker] = reason
-        internals.set_worker_gpus(self.scheduler, ws, 0)
+        if GPU in ws.resources:
+            internals.set_worker_gpus(self.scheduler, ws, 0)
         self._emit(events.QUARANTINE, worker, reason=reason)
 
     def update_gauge(self) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
 from accelsched.budget import RestartBudget, admit_restart
-from accelsched.protocol import RestartReply
+from accelsched.protocol import RESTART_HANDLER, RestartReply
 from accelsched.scheduler.gate import Gate
 
 if TYPE_CHECKING:
@@ -64,33 +64,30 @@ class Restarts:
     def remove_worker(self, worker: str) -> None:
         self.deferred.pop(worker, None)
 
-    def handle_restart(
+    async def handle_restart(
         self,
         comm: Any,
         worker: str,
-        token: str | None = None,
+        request: str = "",
         reason: str = "leak",
         **figures: Any,
     ) -> RestartReply:
         """A worker asks to be restarted. Only the worker itself may ask.
 
-        The request must carry the token the scheduler handed this worker when its GPUs
-        were verified. (The connection's address is no proof either way: a multi-homed
-        worker or one behind NAT connects from another address than it advertises.) The
-        restart runs in the background; the reply says whether it was accepted.
+        The worker, called back at the address it registered under, must confirm the
+        request (:meth:`~accelsched.scheduler.gate.Gate.confirmed`). The restart runs in
+        the background; the reply says whether it was accepted.
         """
         scheduler = self.scheduler
         assert scheduler is not None
         if not self._active():
             return {"status": "no-plugin"}
+        if worker not in scheduler.workers or not await self.gate.confirmed(
+            comm, worker, request, RESTART_HANDLER
+        ):
+            return {"status": "refused"}
         ws = scheduler.workers.get(worker)
-        authentic = ws is not None and self.gate.authentic(worker, token)
-        if ws is None or not authentic:
-            logger.warning(
-                "accelsched: refused a restart request for %s from %s: not that worker",
-                worker,
-                getattr(comm, "peer_address", None),
-            )
+        if ws is None:  # it left while it was asked
             return {"status": "refused"}
         admission = admit_restart(
             self.budget,
@@ -124,7 +121,8 @@ class Restarts:
         try:
             if scheduler.workers.get(worker) is not ws:
                 return  # it left (or another process took its address) meanwhile
-            previous = internals.drain(scheduler, ws, stimulus_id)
+            previous = ws.status  # what to resume to if this fails from here on
+            internals.drain(scheduler, ws, stimulus_id)
             deadline = monotonic() + DRAIN_TIMEOUT
             while internals.is_processing(ws) and monotonic() < deadline:
                 await asyncio.sleep(0.05)

@@ -4,24 +4,26 @@ At setup the guard probes the devices through NVML, decides which this worker ow
 (:func:`accelsched.inventory.owned`) and how many it asks for
 (:func:`accelsched.inventory.decide_claim`), reports them (``accelsched_inventory``) and
 advertises only what the scheduler granted. Later it may ask for its own restart
-(``accelsched_restart``), presenting the token it was handed with the grant.
+(``accelsched_restart``). Each request carries a one-time id the scheduler checks by
+calling this worker back (``accelsched_confirm``): only this process can confirm it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
-from accelsched.inventory import Claim, decide_claim, owned
+from accelsched.inventory import Claim, decide_claim, declared_count, owned
 from accelsched.protocol import (
-    GPU,
     INVENTORY_HANDLER,
     RESTART_HANDLER,
+    ConfirmReply,
     DeviceRecord,
     InventoryReply,
     InventoryRequest,
@@ -43,7 +45,7 @@ def _record(d: DeviceInfo) -> DeviceRecord:
 
 
 class Inventory:
-    """Devices visible, owned and granted, and the token that proves who this worker is."""
+    """Devices visible, owned and granted; the requests this worker has outstanding."""
 
     def __init__(self, *, advertise_undeclared: bool) -> None:
         self.advertise_undeclared = advertise_undeclared
@@ -54,8 +56,8 @@ class Inventory:
         self.owned: list[DeviceInfo] = []
         self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
         self.claim = Claim(0, None)  # what this worker asks for
-        self.declared: float | None = None
-        self.token: str | None = None
+        self.declared: object = None  # as the worker was started: maybe no number at all
+        self.pending: set[str] = set()  # ids of requests this worker sent, unanswered
         self.restart_pending = False
 
     def probe(self, worker: Worker) -> None:
@@ -80,8 +82,9 @@ class Inventory:
         assert worker is not None
         request: InventoryRequest = {
             "worker": str(worker.contact_address),
+            "request": self._new_request(),
             "devices": [_record(d) for d in self.owned],
-            "declared": self.declared,
+            "declared": declared_count(self.declared),
             "requested": self.claim.count,
             "reason": self.claim.reason,
         }
@@ -91,9 +94,10 @@ class Inventory:
         except Exception as exc:
             logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
             reply = None
+        finally:
+            self.pending.discard(request["request"])
         if isinstance(reply, dict) and reply.get("status") == "OK":
             granted = set(reply.get("uuids", ()))
-            self.token = reply.get("token")
         elif reply is None:
             # No PlacementPlugin: nothing enforces placement, but the worker still
             # advertises only what it owns.
@@ -108,7 +112,7 @@ class Inventory:
         self.granted = [d for d in self.owned if d.uuid in granted]
         on_granted([d.index for d in self.granted])
         if self.granted or internals.advertises_gpus(worker):
-            await worker.set_resources(**{GPU: len(self.granted)})
+            await internals.set_own_gpus(worker, len(self.granted))
         return {"status": "OK", "devices": [d.index for d in self.granted]}
 
     def ask_restart(self, reason: str, nbytes: int) -> None:
@@ -116,15 +120,19 @@ class Inventory:
         if self.restart_pending:
             return
         assert self.worker is not None
-        self.restart_pending = True
-        internals.spawn(self.worker, self._request_restart, reason, nbytes)
+        try:
+            internals.spawn(self.worker, self._request_restart, reason, nbytes)
+        except Exception as exc:  # the worker is closing: nothing to restart
+            logger.info("accelsched: restart request not sent: %r", exc)
+        else:
+            self.restart_pending = True
 
     async def _request_restart(self, reason: str, nbytes: int) -> None:
         worker = self.worker
         assert worker is not None
         request: RestartRequest = {
             "worker": str(worker.contact_address),
-            "token": self.token,
+            "request": self._new_request(),
             "reason": reason,
             "nbytes": nbytes,
         }
@@ -134,7 +142,20 @@ class Inventory:
         except Exception as exc:
             logger.warning("accelsched: restart request (%s) failed: %r", RESTART_HANDLER, exc)
         finally:
+            self.pending.discard(request["request"])
             self.restart_pending = False
+
+    def _new_request(self) -> str:
+        request = secrets.token_hex(16)
+        self.pending.add(request)
+        return request
+
+    def confirm(self, request: str = "") -> ConfirmReply:
+        """``accelsched_confirm``: whether this worker sent ``request`` (and awaits it)."""
+        mine = any(
+            secrets.compare_digest(str(request), outstanding) for outstanding in list(self.pending)
+        )
+        return {"confirmed": mine}
 
 
 def under_dask_cuda(worker: Any) -> bool:

@@ -1,0 +1,165 @@
+"""Who may speak for a worker, and odd GPU amounts: nothing changes on anyone's word but
+the worker's own, and no task can take down a worker. Real nanny workers on fake GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import dask
+import pytest
+from distributed import Nanny
+from distributed.core import rpc
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from tests.utils import events, gpus, wait_for
+
+pytestmark = pytest.mark.usefixtures("fake_gpus_2")
+
+
+def cvd(value: str, **kw: object) -> dict:
+    return {"env": {"CUDA_VISIBLE_DEVICES": value}, **kw}
+
+
+#: a (GPU 0, declares 1), b (GPU 1, declares 1), g (no GPU, declares none)
+WORKERS = [
+    ("127.0.0.1", 1, cvd("0", resources={"GPU": 1})),
+    ("127.0.0.1", 1, cvd("1", resources={"GPU": 1})),
+    ("127.0.0.1", 1, cvd("")),
+]
+
+
+def snapshot(s: Any) -> dict[str, Any]:
+    """Everything a forged request could change, on the scheduler."""
+    gate = s.plugins["accelsched-placement"].gate
+    return {
+        "resources": copy.deepcopy(s.resources),
+        "worker_resources": {a: dict(ws.resources) for a, ws in s.workers.items()},
+        "granted": copy.deepcopy(gate.granted),
+        "owners": dict(gate.registry.owners),
+        "quarantined": dict(gate.quarantined),
+        "workers": set(s.workers),
+        "budget": s.plugins["accelsched-placement"].restarts.budget.in_flight,
+    }
+
+
+async def outstanding_request(c: Any, worker: str) -> str:
+    """A request id ``worker`` itself has outstanding: the best a forger could lay hands on."""
+    ids = await c.run(
+        lambda dask_worker: dask_worker.plugins["accelsched-guard"].inventory._new_request(),
+        workers=[worker],
+    )
+    return ids[worker]
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_nobody_but_a_worker_speaks_for_it(c, s, a, b, g):
+    await accelsched.register(c)
+    A, B, G = a.worker_address, b.worker_address, g.worker_address
+    await wait_for(lambda: gpus(s, A) == 1 and gpus(s, B) == 1)
+    published = {e["worker"]: list(e["devices"]) for e in events(s, "gpu-verified")}
+    before = snapshot(s)
+    # what an attacker can find: every worker's published devices, and request ids the
+    # workers really have outstanding (their own, not the target's)
+    ids = {w: await outstanding_request(c, w) for w in (A, B, G)}
+    candidates: list[tuple[str, dict[str, Any]]] = []
+    for request in ("", "guess", *ids.values()):
+        candidates += [
+            # release a's GPU / give b's GPU to a / a GPU-less worker takes a's GPU
+            (
+                "accelsched_inventory",
+                dict(worker=A, devices=[], requested=0, declared=1, request=request),
+            ),
+            (
+                "accelsched_inventory",
+                dict(worker=A, devices=published[B], requested=1, request=request),
+            ),
+            (
+                "accelsched_inventory",
+                dict(worker=G, devices=published[A], requested=1, request=request),
+            ),
+            # inflate b with made-up UUIDs
+            (
+                "accelsched_inventory",
+                dict(
+                    worker=B,
+                    devices=published[B] + [{**published[B][0], "uuid": "GPU-made-up"}],
+                    requested=2,
+                    request=request,
+                ),
+            ),
+            # restart b, or spend its budget until it is quarantined
+            *[("accelsched_restart", dict(worker=B, request=request, reason="leak"))] * 4,
+        ]
+    # a worker's own outstanding id never leaves it: a forger only has the others'
+    forged = [(h, kw) for h, kw in candidates if kw["request"] != ids[kw["worker"]]]
+    # ... from a client connection
+    async with rpc(s.address) as r:
+        for handler, kwargs in forged:
+            reply = await getattr(r, handler)(**kwargs)
+            assert reply["status"] == "refused", (handler, kwargs, reply)
+    # ... and from another worker's own connection to the scheduler
+    for handler, kwargs in forged[:8]:
+        reply = await c.run(
+            _call_scheduler, handler, kwargs, workers=[G if kwargs["worker"] != G else A]
+        )
+        assert next(iter(reply.values()))["status"] == "refused", (handler, kwargs)
+    await asyncio.sleep(0.5)  # any restart would be under way by now
+    assert snapshot(s) == before
+    assert not events(s, "restart") and not events(s, "quarantine")
+    assert not events(s, "restart-deferred")
+    refused = events(s, "request-refused")
+    assert len(refused) == len(forged) + 8
+    assert {e["handler"] for e in refused} == {"accelsched_inventory", "accelsched_restart"}
+    # the workers' own handlers give nothing away and change nothing
+    async with rpc(A) as worker:
+        assert await worker.accelsched_confirm(request="guess") == {"confirmed": False}
+        assert (await worker.accelsched_report())["status"] == "OK"
+    await asyncio.sleep(0.2)
+    assert snapshot(s) == before
+    # and a GPU task still runs on a verified GPU
+    with dask.annotate(resources={"GPU": 1}):
+        assert await c.submit(accelsched.current_device, pure=False) == 0
+
+
+async def _call_scheduler(handler: str, kwargs: dict, dask_worker: Any) -> dict:
+    """Runs on a worker: call the scheduler over that worker's own connection pool."""
+    return await getattr(dask_worker.scheduler, handler)(**kwargs)
+
+
+# --- odd GPU amounts ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("amount", [0, -1, float("nan"), float("inf")])
+def test_odd_gpu_amounts_err_and_harm_no_worker(amount: float) -> None:
+    @gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=60)
+    async def run(c, s, a, b, g):  # type: ignore[no-untyped-def]
+        await accelsched.register(c)
+        await wait_for(lambda: gpus(s, a.worker_address) == 1)
+        with dask.annotate(resources={"GPU": amount}):
+            bad = c.submit(int, 1, key="odd")
+        with pytest.raises(ValueError, match=r"GPU"):
+            await bad
+        # every worker survived, and GPU work goes on
+        assert len(s.workers) == 3
+        with dask.annotate(resources={"GPU": 1}):
+            assert await c.submit(accelsched.current_device, pure=False) == 0
+        assert await c.submit(int, 2, workers=[g.worker_address], pure=False) == 2
+
+    run()
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=60)
+async def test_workers_without_gpus_stay_out_of_the_gpu_resource(c, s, a, b, g):
+    before = {addr: dict(ws.resources) for addr, ws in s.workers.items()}
+    assert "GPU" not in before[g.worker_address]
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.worker_address) == 1 and gpus(s, b.worker_address) == 1)
+    assert g.worker_address not in s.resources["GPU"]
+    assert "GPU" not in s.workers[g.worker_address].resources
+    await c.unregister_scheduler_plugin("accelsched-placement")
+    # unregistered: every declaration as it was
+    assert {addr: dict(ws.resources) for addr, ws in s.workers.items()} == before
+    assert set(s.resources["GPU"]) == {a.worker_address, b.worker_address}
