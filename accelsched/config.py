@@ -247,5 +247,6 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     Option("leak_threshold", "accelsched.guard.leak-threshold", parse_threshold),
     Option("leak_confirmations", "accelsched.guard.leak-confirmations", parse_positive_count),
     Option("restart_on_leak", "accelsched.guard.restart-on-leak", parse_bool),
+    Option("recover_gpus", "accelsched.guard.recover-gpus", parse_bool),
     Option("oom_exceptions", "accelsched.guard.oom-exceptions", parse_dotted_names),
 )

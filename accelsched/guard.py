@@ -122,7 +122,9 @@ class GuardPlugin(WorkerPlugin):
             threshold=o["leak_threshold"],
             confirmations=o["leak_confirmations"],
             restart_on_leak=o["restart_on_leak"],
+            recover=o["recover_gpus"],
             ask_restart=inv.ask_restart,
+            withdraw=self._withdraw,
             emit=self._emit,
         )
         internals.install_handler(worker, REPORT_HANDLER, self.report)
@@ -173,6 +175,19 @@ class GuardPlugin(WorkerPlugin):
         return watch
 
     # --- for the parts and for tests ------------------------------------------------------
+
+    def _withdraw(self, device: int, withdrawn: bool) -> None:
+        """Stop (or resume) offering ``device``: leases at once, the count right after."""
+        assert self.worker is not None and self.binder is not None
+        if withdrawn:
+            self.inventory.withdrawn.add(device)
+        else:
+            self.inventory.withdrawn.discard(device)
+        usable = [
+            d.index for d in self.inventory.granted if d.index not in self.inventory.withdrawn
+        ]
+        self.binder.set_devices(usable)
+        internals.spawn(self.worker, self.inventory.offer, self.binder.set_devices)
 
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""

@@ -139,9 +139,7 @@ def test_private_distributed_use_only_in_the_door() -> None:
         for n, line in code_lines(p)
         if pattern.search(line)
     ]
-    assert not found, "private distributed use outside accelsched/internals/:\n" + "\n".join(
-        found
-    )
+    assert not found, "private distributed use outside accelsched/internals/:\n" + "\n".join(found)
 
 
 def test_no_private_attribute_outside_the_door() -> None:

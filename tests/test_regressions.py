@@ -176,32 +176,3 @@ def test_to_host_keeps_container_types() -> None:
     o = OrderedDict(b=1, a=2)
     assert to_host(o) is o
     assert to_host([1, (2, 3)]) == [1, (2, 3)]
-
-
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 4, {"resources": {"GPU": 2}})], timeout=30)
-async def test_unhealthy_device_does_not_strand_tasks(c, s, a):
-    await accelsched.register(c, check_interval="100ms")
-    await wait_for(lambda: gpus(s, a.address) == 2)
-    with dask.annotate(resources={"GPU": 1}):
-        one = c.submit(hold, "y", key="one")
-    await wait_for(lambda: "one" in a.state.tasks and a.state.tasks["one"].state == "executing")
-    with dask.annotate(resources={"GPU": 2}):
-        two = c.submit(accelsched.current_device, key="two")
-    guard = a.plugins["accelsched-guard"]
-    busy = {d for ds in guard.binder.leases.holders().values() for d in ds}
-    real = guard.inventory.monitor.process_memory
-
-    def lost(index: int):  # type: ignore[no-untyped-def]
-        if index not in busy:
-            raise RuntimeError("NVML: GPU is lost")  # stands in for NVMLError_GpuIsLost
-        return real(index)
-
-    guard.inventory.monitor.process_memory = lost
-    await wait_for(lambda: events(s, "gpu-unhealthy"))
-    (e,) = events(s, "gpu-unhealthy")
-    assert e["device"] not in busy
-    await Event("y").set()
-    assert await one == 1
-    # the two-GPU task cannot get two healthy devices: it errs instead of hanging
-    with pytest.raises(Exception, match="device"):
-        await two

@@ -127,20 +127,29 @@ class NVMLMonitor:
         try:
             count = nvml.nvmlDeviceGetCount()
             handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-            uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
+            uuids = [self._uuid(nvml, h) for h in handles]
             order = resolve_visible(visible_from_env(self._env), uuids)
             devices = []
             for cuda_index, nvml_index in enumerate(order):
                 h = handles[nvml_index]
-                devices.append(
-                    DeviceInfo(
-                        index=cuda_index,
+                try:
+                    info = DeviceInfo(
+                        index=cuda_index,  # CUDA's numbering, failing devices included
                         nvml_index=nvml_index,
-                        uuid=uuids[nvml_index],
+                        uuid=uuids[nvml_index] or _text(nvml.nvmlDeviceGetUUID(h)),
                         name=_text(nvml.nvmlDeviceGetName(h)),
                         memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
                     )
-                )
+                    nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
+                except Exception as exc:  # this device does not answer: not ours to use
+                    logger.warning(
+                        "accelsched: GPU %d (NVML %d) does not answer NVML and is left out: %s",
+                        cuda_index,
+                        nvml_index,
+                        _describe(exc),
+                    )
+                    continue
+                devices.append(info)
                 self._handles[cuda_index] = h
         except Exception as exc:
             self._unavailable(f"NVML failed while listing devices ({_describe(exc)})")
@@ -148,6 +157,15 @@ class NVMLMonitor:
             return self._devices
         self._devices = devices
         return devices
+
+    @staticmethod
+    def _uuid(nvml: Any, handle: Any) -> str:
+        """The device's UUID, or "" when it does not answer (it can still be named by
+        index in ``CUDA_VISIBLE_DEVICES``)."""
+        try:
+            return _text(nvml.nvmlDeviceGetUUID(handle))
+        except Exception:
+            return ""
 
     def device(self, index: int) -> DeviceInfo:
         for d in self.devices():

@@ -143,6 +143,21 @@ def fail_task(scheduler: Scheduler, key: Any, exc: BaseException, stimulus_id: s
     scheduler.transitions(recs, stimulus_id=stimulus_id)
 
 
+def release_unfit(scheduler: Scheduler, ws: WorkerState, count: float) -> int:
+    """Send back the tasks assigned to ``ws`` that need more than ``count`` GPUs.
+
+    The worker's state machine would hold them forever (and block its other GPU tasks
+    behind them); released, the scheduler places them again against the new counts.
+    Returns how many went back.
+    """
+    unfit = [ts.key for ts in ws.processing if (ts.resource_restrictions or {}).get(GPU, 0) > count]
+    if unfit:
+        scheduler.transitions(
+            dict.fromkeys(unfit, "released"), stimulus_id=f"accelsched-gpu-withdrawn-{time()}"
+        )
+    return len(unfit)
+
+
 def offer_unrunnable(scheduler: Scheduler, ws: WorkerState) -> None:
     """Offer ``no-worker`` tasks to ``ws`` (``add_resources`` does not)."""
     recs = scheduler.bulk_schedule_unrunnable_after_adding_worker(ws)

@@ -231,8 +231,11 @@ class Gate:
         if GPU in resources or GPU in ws.resources:
             resources[GPU] = min(resources.get(GPU, 0), self.allowed_gpus(worker))
         result = internals.apply_resources(original, scheduler, worker, resources)
-        if resources.get(GPU, 0) > before:
+        after = resources.get(GPU, 0)
+        if after > before:
             internals.offer_unrunnable(scheduler, ws)
+        elif after < before:  # a device withdrawn: what no longer fits goes elsewhere
+            internals.release_unfit(scheduler, ws, after)
         return result
 
     def quarantine(self, worker: str, reason: str) -> None:

@@ -97,12 +97,15 @@ class Restarts:
             has_nanny=ws.nanny is not None,
             has_peer=internals.has_running_peer(scheduler, ws),
         )
+        # A leaking worker must take no GPU task until it restarts; one whose failing
+        # device is already withdrawn may go on with the devices that answer.
+        quarantine = reason != "gpu-unhealthy"
         if admission.act == "restart":
             assert ws.nanny is not None
             internals.spawn(scheduler, self.restart, ws, ws.nanny, reason)
         elif admission.act == "defer":
-            self.defer(worker, admission.reason or "")
-        elif admission.act == "quarantine":
+            self.defer(worker, admission.reason or "", quarantine=quarantine)
+        elif admission.act == "quarantine" and quarantine:
             self.gate.quarantine(worker, "restart-budget")
         reply: RestartReply = {"status": admission.status}
         if admission.status == "deferred" and admission.reason:
@@ -127,22 +130,22 @@ class Restarts:
             while internals.is_processing(ws) and monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if internals.is_processing(ws):
-                self._give_up(ws, previous, "busy", stimulus_id)
+                self._give_up(ws, previous, "busy", stimulus_id, reason)
                 return
             async with self._retire_lock:
                 if scheduler.workers.get(worker) is not ws:
                     return
                 moved = internals.keys_held(ws)
                 if not await internals.retire(scheduler, ws, stimulus_id):
-                    self._give_up(ws, previous, "no-peer", stimulus_id)
+                    self._give_up(ws, previous, "no-peer", stimulus_id, reason)
                     return
                 if internals.holds_sole_copy(ws):
-                    self._give_up(ws, previous, "retire-failed", stimulus_id)
+                    self._give_up(ws, previous, "retire-failed", stimulus_id, reason)
                     return
                 outcome = await internals.restart(scheduler, ws, stimulus_id)
                 restarted = outcome == "OK"
                 if not restarted:
-                    self._give_up(ws, previous, f"restart-failed: {outcome}", stimulus_id)
+                    self._give_up(ws, previous, f"restart-failed: {outcome}", stimulus_id, reason)
                     return
                 # gone from who_has before the next retirement
                 await internals.wait_gone(scheduler, ws, GONE_TIMEOUT)
@@ -156,25 +159,28 @@ class Restarts:
         except Exception as exc:
             logger.exception("accelsched: restart of %s failed", worker)
             if previous is not None:
-                self._give_up(ws, previous, f"restart-failed: {exc!r}", stimulus_id)
+                self._give_up(ws, previous, f"restart-failed: {exc!r}", stimulus_id, reason)
         finally:
             self.budget.done(budget_key, counted=restarted)
 
-    def _give_up(self, ws: WorkerState, previous: Status, reason: str, stimulus_id: str) -> None:
+    def _give_up(
+        self, ws: WorkerState, previous: Status, reason: str, stimulus_id: str, why: str
+    ) -> None:
         """Quarantine first, then take the worker back into service.
 
         In this order the GPU tasks that piled up during the drain are not offered to the
         worker that leaks: they wait for (or fall back from) other GPUs.
         """
         assert self.scheduler is not None
-        self.defer(ws.address, reason)
+        self.defer(ws.address, reason, quarantine=why != "gpu-unhealthy")
         internals.resume(self.scheduler, ws, previous, stimulus_id)
 
-    def defer(self, worker: str, reason: str) -> None:
-        """The restart cannot happen without loss now: quarantine, and say so once."""
+    def defer(self, worker: str, reason: str, *, quarantine: bool = True) -> None:
+        """The restart cannot happen without loss now: say so once, and quarantine."""
         if self.scheduler is None or worker not in self.scheduler.workers:
             return  # it left meanwhile: nothing to defer
         if self.deferred.get(worker) != reason:
             self.deferred[worker] = reason
             self._emit(events.RESTART_DEFERRED, worker, reason=reason)
-        self.gate.quarantine(worker, f"restart-deferred: {reason}")
+        if quarantine:
+            self.gate.quarantine(worker, f"restart-deferred: {reason}")

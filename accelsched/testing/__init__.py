@@ -101,6 +101,34 @@ class FakeGPUs:
     def standin(self) -> bool:
         return self.library is None
 
+    def fail(self, device: int, calls: str = "all") -> None:
+        """Make NVML fail on fake GPU ``device`` (its NVML index), in every process, from
+        the next call on: ``calls="all"`` every device query (NVML_ERROR_UNKNOWN),
+        ``"memory"`` or ``"processes"`` only those queries, ``"lost"`` every query with
+        NVML_ERROR_GPU_IS_LOST (a GPU that fell off the bus)."""
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"fake_gpus: device must be an int, got {device!r}")
+        if not 0 <= device < self.count:
+            raise ValueError(f"fake_gpus: no device {device!r}; devices are 0..{self.count - 1}")
+        if calls not in state.FAULT_KINDS:
+            raise ValueError(
+                f"fake_gpus: calls must be one of {', '.join(state.FAULT_KINDS)}, got {calls!r}"
+            )
+        self._write(replace(self._flags, faults=self._flags.faults | {(device, calls)}))
+
+    def lose(self, device: int) -> None:
+        """``fail(device, "lost")``: the GPU fell off the bus."""
+        self.fail(device, "lost")
+
+    def recover(self, device: int | None = None) -> None:
+        """Undo :meth:`fail` for ``device``, or for every device."""
+        faults = {f for f in self._flags.faults if device is not None and f[0] != device}
+        self._write(replace(self._flags, faults=frozenset(faults)))
+
+    def _write(self, flags: state.Flags) -> None:
+        state.write_flags(self.path, flags)
+        self._flags = flags
+
     def set_flags(
         self,
         *,
@@ -120,8 +148,7 @@ class FakeGPUs:
             flags = replace(flags, pid_offset=_check_pid_offset(pid_offset))
         if context_memory is not None:
             flags = replace(flags, context_bytes=_parse_size(context_memory, "context_memory"))
-        state.write_flags(self.path, flags)
-        self._flags = flags
+        self._write(flags)
 
 
 @contextmanager

@@ -7,7 +7,8 @@
  * per-process memory, written by accelsched.testing's simulated pool:
  *
  *   devices      one line per device, NVML index = line order: <uuid>\t<name>\t<total>
- *   flags        optional lines: no_process_memory | pid_offset <n> | context_bytes <n>
+ *   flags        optional lines: no_process_memory | pid_offset <n> | context_bytes <n> |
+ *                fault <nvml_index> all|memory|processes|lost  (injected NVML errors)
  *   proc/<pid>   lines "<nvml_index> <bytes>": that process's device memory
  *
  * A dead pid's file is ignored, as the driver frees a dead process's memory. Like
@@ -36,6 +37,7 @@ enum {
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_GPU_IS_LOST = 15,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
     NVML_ERROR_UNKNOWN = 999,
 };
@@ -80,7 +82,14 @@ struct state {
     struct device dev[MAX_DEVICES];
     int no_process_memory;
     long long pid_offset;
+    unsigned char fault[MAX_DEVICES]; /* FAULT_* bits per NVML index */
 };
+
+/* Injected faults: which device queries fail, and how. */
+#define FAULT_ALL 1u       /* every query: NVML_ERROR_UNKNOWN */
+#define FAULT_MEMORY 2u    /* memory info only */
+#define FAULT_PROCESSES 4u /* process lists only */
+#define FAULT_LOST 8u      /* every query: NVML_ERROR_GPU_IS_LOST */
 
 /* Reads devices and flags; 0 on success. */
 static int load_state(struct state *st)
@@ -115,6 +124,22 @@ static int load_state(struct state *st)
                 st->no_process_memory = 1;
             else if (strncmp(line, "pid_offset", 10) == 0)
                 st->pid_offset = strtoll(line + 10, NULL, 10);
+            else if (strncmp(line, "fault ", 6) == 0) {
+                char *end;
+                unsigned long i = strtoul(line + 6, &end, 10);
+                while (*end == ' ')
+                    end++;
+                if (i >= MAX_DEVICES)
+                    continue;
+                if (strncmp(end, "all", 3) == 0)
+                    st->fault[i] |= FAULT_ALL;
+                else if (strncmp(end, "memory", 6) == 0)
+                    st->fault[i] |= FAULT_MEMORY;
+                else if (strncmp(end, "processes", 9) == 0)
+                    st->fault[i] |= FAULT_PROCESSES;
+                else if (strncmp(end, "lost", 4) == 0)
+                    st->fault[i] |= FAULT_LOST;
+            }
         }
         fclose(f);
     }
@@ -168,8 +193,10 @@ static unsigned load_procs(const struct state *st, unsigned index, struct proc *
 
 static int initialized(void) { return __atomic_load_n(&g_refcount, __ATOMIC_SEQ_CST) > 0; }
 
-/* Common prologue of every device query: initialized, state readable, valid handle. */
-static nvmlReturn_t device_state(nvmlDevice_t h, struct state *st, unsigned *index)
+/* Common prologue of every device query: initialized, state readable, valid handle, and
+ * no fault injected for this kind of query (`kind`: FAULT_MEMORY, FAULT_PROCESSES or 0). */
+static nvmlReturn_t device_state(nvmlDevice_t h, struct state *st, unsigned *index,
+                                 unsigned kind)
 {
     long off = (char *)h - g_handles;
     if (!initialized() || load_state(st) != 0)
@@ -177,6 +204,10 @@ static nvmlReturn_t device_state(nvmlDevice_t h, struct state *st, unsigned *ind
     if (h == NULL || off < 0 || off >= (long)st->count)
         return NVML_ERROR_INVALID_ARGUMENT;
     *index = (unsigned)off;
+    if (st->fault[off] & FAULT_LOST)
+        return NVML_ERROR_GPU_IS_LOST;
+    if (st->fault[off] & (FAULT_ALL | kind))
+        return NVML_ERROR_UNKNOWN;
     return NVML_SUCCESS;
 }
 
@@ -343,12 +374,13 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
 
 /* Declares st and index for `device`, or returns the error. Buffers live on the stack
  * (about 30 KiB with a process list): no shared state, so calls from threads can overlap. */
-#define DEVICE_PROLOGUE                                   \
-    struct state st;                                      \
-    unsigned index;                                       \
-    nvmlReturn_t ret = device_state(device, &st, &index); \
-    if (ret != NVML_SUCCESS)                              \
+#define DEVICE_PROLOGUE_OF(kind)                                \
+    struct state st;                                            \
+    unsigned index;                                             \
+    nvmlReturn_t ret = device_state(device, &st, &index, kind); \
+    if (ret != NVML_SUCCESS)                                    \
         return ret;
+#define DEVICE_PROLOGUE DEVICE_PROLOGUE_OF(0)
 
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *out)
 {
@@ -378,7 +410,7 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int len
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
-    DEVICE_PROLOGUE
+    DEVICE_PROLOGUE_OF(FAULT_MEMORY)
     if (memory == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     memory->total = st.dev[index].total;
@@ -409,7 +441,7 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *count, 
                                       int version)
 {
     struct proc procs[MAX_PROCS];
-    DEVICE_PROLOGUE
+    DEVICE_PROLOGUE_OF(FAULT_PROCESSES)
     if (count == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     unsigned n = load_procs(&st, index, procs);

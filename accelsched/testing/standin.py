@@ -84,10 +84,17 @@ def _devices() -> tuple[Path, list[state.FakeDevice]]:
         _fail(pynvml.NVML_ERROR_UNINITIALIZED)
 
 
-def _device(handle: StandinHandle) -> tuple[Path, int, state.FakeDevice]:
+def _device(handle: StandinHandle, kind: str = "") -> tuple[Path, int, state.FakeDevice]:
+    """The device behind ``handle``, or the error the C library returns, injected faults
+    included (``kind``: ``"memory"`` or ``"processes"`` for those queries)."""
     path, devices = _devices()
     if not isinstance(handle, StandinHandle) or not 0 <= handle.index < len(devices):
         _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    faults = {k for i, k in state.read_flags(path).faults if i == handle.index}
+    if "lost" in faults:
+        _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+    if "all" in faults or kind in faults:
+        _fail(pynvml.NVML_ERROR_UNKNOWN)
     return path, handle.index, devices[handle.index]
 
 
@@ -177,7 +184,7 @@ def nvmlDeviceGetUUID(handle: StandinHandle) -> str:
 def nvmlDeviceGetMemoryInfo(
     handle: StandinHandle, version: int | None = None
 ) -> pynvml.c_nvmlMemory_t | pynvml.c_nvmlMemory_v2_t:
-    path, index, device = _device(handle)
+    path, index, device = _device(handle, "memory")
     used = state.device_used(path, index)
     free = max(0, device.total - used)
     if not version:
@@ -190,7 +197,7 @@ def nvmlDeviceGetMemoryInfo(
 
 
 def nvmlDeviceGetComputeRunningProcesses_v3(handle: StandinHandle) -> list[Any]:
-    path, index, _ = _device(handle)
+    path, index, _ = _device(handle, "processes")
     flags = state.read_flags(path)
     not_available = pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value
     return [

@@ -10,7 +10,8 @@ the devices and on who holds how much memory, with no server to keep alive.
 ``flags`` (optional)
     ``no_process_memory`` (per-process memory not available, as under WDDM or some
     containers), ``pid_offset <n>`` (reported pids = real pid + n, as in a container
-    without the host PID namespace), ``context_bytes <n>`` (what a CUDA context costs).
+    without the host PID namespace), ``context_bytes <n>`` (what a CUDA context costs),
+    ``fault <nvml_index> <kind>`` (injected NVML errors, see :data:`FAULT_KINDS`).
 ``proc/<pid>``
     ``<nvml_index> <bytes>`` per device the process has a context on, bytes including
     the context. Written atomically; the file of a dead pid is ignored, as the driver
@@ -57,6 +58,12 @@ class FakeDevice:
     total: int
 
 
+#: Injected NVML faults on one device: ``all`` (every device query fails with
+#: NVML_ERROR_UNKNOWN), ``memory`` / ``processes`` (only memory info / only process lists
+#: fail), ``lost`` (every query fails with NVML_ERROR_GPU_IS_LOST).
+FAULT_KINDS = ("all", "memory", "processes", "lost")
+
+
 @dataclass(frozen=True)
 class Flags:
     """Ways the fake driver departs from the plain case; see the module docstring."""
@@ -64,6 +71,7 @@ class Flags:
     process_memory: bool = True
     pid_offset: int = 0
     context_bytes: int = DEFAULT_CONTEXT_BYTES
+    faults: frozenset[tuple[int, str]] = frozenset()  # (NVML index, kind)
 
 
 def state_dir(env: Mapping[str, str] | None = None) -> Path | None:
@@ -104,19 +112,27 @@ def read_flags(path: Path) -> Flags:
     except FileNotFoundError:
         return Flags()
     values: dict[str, str] = {}
+    faults: set[tuple[int, str]] = set()
     for line in lines:
         key, _, value = line.strip().partition(" ")
+        if key == "fault":
+            index, _, kind = value.strip().partition(" ")
+            if index.isdigit() and kind.strip() in FAULT_KINDS:
+                faults.add((int(index), kind.strip()))
+            continue
         values[key] = value.strip()
     return Flags(
         process_memory="no_process_memory" not in values,
         pid_offset=int(values.get("pid_offset") or 0),
         context_bytes=int(values.get("context_bytes") or DEFAULT_CONTEXT_BYTES),
+        faults=frozenset(faults),
     )
 
 
 def write_flags(path: Path, flags: Flags) -> None:
     lines = [] if flags.process_memory else ["no_process_memory"]
     lines += [f"pid_offset {flags.pid_offset}", f"context_bytes {flags.context_bytes}"]
+    lines += [f"fault {index} {kind}" for index, kind in sorted(flags.faults)]
     _atomic_write(path / "flags", "".join(line + "\n" for line in lines))
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from accelsched.binding import LeaseTable
+from distributed import Reschedule
+
+from accelsched.binding import LeaseTable, NoFreeDevice
 from accelsched.context import Lease, holding
 from accelsched.devices.arrays import to_host
 from accelsched.worker.pools import PoolFreer
@@ -51,7 +53,12 @@ class Binder:
 
     def gpu_runner(self, key: Any, amount: float) -> Runner:
         def run(spec: Any, values: dict) -> Any:
-            devices = self.leases.acquire(key, amount)
+            try:
+                devices = self.leases.acquire(key, amount)
+            except NoFreeDevice:
+                # its devices were withdrawn (unhealthy) after it was assigned here: the
+                # scheduler places it again against this worker's lower count
+                raise Reschedule() from None
             self.used.update(devices)
             ACTIVITY.enter()
             try:

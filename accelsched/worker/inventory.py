@@ -55,6 +55,7 @@ class Inventory:
         self.visible: list[DeviceInfo] = []
         self.owned: list[DeviceInfo] = []
         self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
+        self.withdrawn: set[int] = set()  # granted, but failing NVML: not offered
         self.claim = Claim(0, None)  # what this worker asks for
         self.declared: object = None  # as the worker was started: maybe no number at all
         self.pending: set[str] = set()  # ids of requests this worker sent, unanswered
@@ -110,10 +111,21 @@ class Inventory:
         else:
             return {"status": str(reply.get("status") if isinstance(reply, dict) else reply)}
         self.granted = [d for d in self.owned if d.uuid in granted]
-        on_granted([d.index for d in self.granted])
-        if self.granted or internals.advertises_gpus(worker):
-            await internals.set_own_gpus(worker, len(self.granted))
-        return {"status": "OK", "devices": [d.index for d in self.granted]}
+        return {"status": "OK", "devices": await self.offer(on_granted)}
+
+    async def offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
+        """Advertise the granted devices that are not withdrawn; returns their indices.
+
+        ``on_usable`` receives them first, so no GPU task starts before its devices are
+        known, and none is leased a withdrawn device.
+        """
+        worker = self.worker
+        assert worker is not None
+        usable = [d.index for d in self.granted if d.index not in self.withdrawn]
+        on_usable(usable)
+        if usable or self.granted or internals.advertises_gpus(worker):
+            await internals.set_own_gpus(worker, len(usable))
+        return usable
 
     def ask_restart(self, reason: str, nbytes: int) -> None:
         """Ask the scheduler, once at a time, to restart this worker without loss."""

@@ -6,8 +6,9 @@ device memory through NVML, takes off the baseline, live results and pool caches
 (:func:`accelsched.leak.estimate`), and lets :class:`~accelsched.leak.LeakDetector`
 confirm a leak over consecutive checks. A confirmed leak is reported once
 (:class:`~accelsched.leak.LeakReports`) and, with ``restart_on_leak``, the worker asks
-for its own lossless restart. A device that stops answering NVML is withdrawn and the
-worker asks for a restart too.
+for its own lossless restart. A device that stops answering NVML is withdrawn once (and
+offered again when it answers, with ``recover_gpus``) and the worker asks for a restart
+too.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class LeakCheck:
         threshold: Threshold,
         confirmations: int,
         restart_on_leak: bool,
+        recover: bool,
         ask_restart: Callable[[str, int], None],
+        withdraw: Callable[[int, bool], None],
         emit: Callable[..., None],
     ) -> None:
         self.monitor = monitor
@@ -50,7 +53,9 @@ class LeakCheck:
         self.used = used
         self.threshold = threshold
         self.restart_on_leak = restart_on_leak
+        self.recover = recover
         self._ask_restart = ask_restart
+        self._withdraw = withdraw  # (device, withdrawn?): stop or resume offering it
         self._emit = emit
         self.detector = LeakDetector(confirmations)
         self.reports = LeakReports()
@@ -58,6 +63,7 @@ class LeakCheck:
         self.live_total: dict[int, int] = {}  # device -> bytes of live results
         self.baselines: dict[int, Baseline] = {}
         self.last_verdicts: list[Verdict] = []
+        self.failing: dict[int, DeviceInfo] = {}  # devices withdrawn as unhealthy
 
     # --- live results (worker event loop) ----------------------------------------------
 
@@ -82,18 +88,27 @@ class LeakCheck:
         """One leak check over this process's devices (periodic, on the event loop).
 
         Devices with a GPU task running are skipped: a task's temporaries are neither
-        results nor leaks, and the estimate means nothing until it ends.
+        results nor leaks, and the estimate means nothing until it ends. Which devices are
+        busy is read before and after NVML, so a task starting in between is not judged.
         """
-        busy = {d for devices in self.leases.holders().values() for d in devices}
+        busy = self._busy()
         pools = active_pools()
         verdicts: list[Verdict] = []
+        readings = {}
         for dev in self.owned:
             if dev.index in busy:
                 continue
             try:
-                reading = self.monitor.process_memory(dev.index)
+                readings[dev.index] = self.monitor.process_memory(dev.index)
             except Exception as exc:  # NVMLError: the device stopped answering
                 self._unhealthy(dev, exc)
+                continue
+            if dev.index in self.failing:
+                self._recovered(dev)
+        busy |= self._busy()
+        for dev in self.owned:
+            reading = readings.get(dev.index)
+            if reading is None or dev.index in busy:
                 continue
             if dev.index not in self.used:
                 continue  # no GPU task of this worker held it: nothing of ours to judge
@@ -126,18 +141,27 @@ class LeakCheck:
                 self._ask_restart("leak", sum(v.estimate for v in leaks))
         return verdicts
 
-    def _unhealthy(self, dev: DeviceInfo, exc: BaseException) -> None:
-        """A verified device stopped answering NVML: restart the worker without it.
+    def _busy(self) -> set[int]:
+        return {d for devices in self.leases.holders().values() for d in devices}
 
-        Lowering the worker's GPU count in place would strand tasks distributed already
-        assigned against the old count; a lossless restart re-probes the devices and the
-        new process reports only those that answer. Until then no new lease lands on it.
+    def _unhealthy(self, dev: DeviceInfo, exc: BaseException) -> None:
+        """A verified device stopped answering NVML: withdraw it, once, and restart.
+
+        No new lease lands on it and the worker advertises one GPU fewer (tasks assigned
+        against the old count that no longer fit go back to the scheduler); a lossless
+        restart re-probes the devices, and the new process reports only those that answer.
         """
-        granted = self._granted()
-        if dev not in granted:
+        if dev.index in self.failing or dev not in self._granted():
             return
-        remaining = [d.index for d in granted if d != dev]
-        if remaining:
-            self.leases.set_devices(remaining)
+        self.failing[dev.index] = dev
         self._emit(events.GPU_UNHEALTHY, device=dev.index, uuid=dev.uuid, error=repr(exc))
+        self._withdraw(dev.index, True)
         self._ask_restart("gpu-unhealthy", 0)
+
+    def _recovered(self, dev: DeviceInfo) -> None:
+        """A withdrawn device answers again: offer it again (``recover_gpus``)."""
+        if not self.recover:
+            return
+        del self.failing[dev.index]
+        self._emit(events.GPU_RECOVERED, device=dev.index, uuid=dev.uuid)
+        self._withdraw(dev.index, False)

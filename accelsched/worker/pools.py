@@ -31,7 +31,10 @@ class PoolFreer:
         if not self.every or next(self._count) % self.every:
             return
         if self.above > 0:
-            fractions = [self.monitor.used(d) / self.monitor.device(d).memory for d in devices]
+            try:
+                fractions = [self.monitor.used(d) / self.monitor.device(d).memory for d in devices]
+            except Exception:  # NVML does not answer: free anyway, never fail the task
+                fractions = [1.0]
             if max(fractions, default=0) <= self.above:
                 return
         pools = active_pools()

@@ -86,7 +86,15 @@ class Watch:
         return run
 
     def _readings(self) -> dict[int, MemoryReading]:
-        return {d.index: self.monitor.process_memory(d.index) for d in self.visible}
+        """This process's memory on each device that answers NVML (a failing device is
+        the leak check's business, never the task's)."""
+        out = {}
+        for d in self.visible:
+            try:
+                out[d.index] = self.monitor.process_memory(d.index)
+            except Exception:
+                continue
+        return out
 
     def _judge(
         self, key: Any, before: dict[int, MemoryReading], after: dict[int, MemoryReading]

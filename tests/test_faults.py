@@ -1,0 +1,183 @@
+"""NVML faults, injected through ``FakeGPUs.fail`` / ``lose`` / ``recover``: they never
+reach user tasks; a failing GPU is withdrawn once, without stranding tasks, offered again
+when it answers, and its worker still restarts losslessly when a peer exists."""
+
+from __future__ import annotations
+
+import asyncio
+
+import dask
+import pynvml
+import pytest
+from distributed import Event, Nanny
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.devices.nvml import NVMLMonitor
+from accelsched.testing import fake_gpus, standin
+from tests.utils import events, gpus, wait_for
+
+# ---- the fault-injection API, honoured by the fake library and the stand-in --------------
+
+
+@pytest.mark.parametrize(
+    "calls, failing, error",
+    [
+        ("all", {"uuid", "memory", "processes"}, pynvml.NVMLError_Unknown),
+        ("memory", {"memory"}, pynvml.NVMLError_Unknown),
+        ("processes", {"processes"}, pynvml.NVMLError_Unknown),
+        ("lost", {"uuid", "memory", "processes"}, pynvml.NVMLError_GpuIsLost),
+    ],
+)
+def test_fault_kinds_in_the_library_and_the_standin(
+    calls: str, failing: set[str], error: type
+) -> None:
+    with fake_gpus(2) as g:
+        libraries = [standin] if g.standin else [pynvml, standin]
+        g.fail(1, calls)
+        for nvml in libraries:
+            nvml.nvmlInit()
+            try:
+                queries = {
+                    "uuid": nvml.nvmlDeviceGetUUID,
+                    "memory": nvml.nvmlDeviceGetMemoryInfo,
+                    "processes": nvml.nvmlDeviceGetComputeRunningProcesses,
+                }
+                healthy, broken = (nvml.nvmlDeviceGetHandleByIndex(i) for i in (0, 1))
+                for name, query in queries.items():
+                    query(healthy)
+                    if name in failing:
+                        with pytest.raises(error):
+                            query(broken)
+                    else:
+                        query(broken)
+                g.recover(1)
+                for query in queries.values():
+                    query(broken)
+                g.fail(1, calls)
+            finally:
+                nvml.nvmlShutdown()
+
+
+def test_fault_arguments_are_checked() -> None:
+    with fake_gpus(2) as g:
+        with pytest.raises(ValueError, match="no device 2"):
+            g.fail(2)
+        with pytest.raises(ValueError, match="calls must be one of"):
+            g.fail(0, "power")
+        with pytest.raises(TypeError, match="device must be an int"):
+            g.fail("0")  # type: ignore[arg-type]
+
+
+def test_a_failing_device_is_left_out_of_a_new_inventory() -> None:
+    with fake_gpus(3) as g:
+        g.lose(1)
+        devices = NVMLMonitor(env={}).devices()
+        # CUDA's numbering is kept: device 2 is still CUDA index 2
+        assert [(d.index, d.uuid) for d in devices] == [(0, g.uuids[0]), (2, g.uuids[2])]
+
+
+# ---- on a cluster ------------------------------------------------------------------------
+
+
+def hold(name: str) -> int | None:
+    Event(name).wait()
+    return accelsched.current_device()
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def busy_device(worker) -> int:  # type: ignore[no-untyped-def]
+    guard = worker.plugins["accelsched-guard"]
+    (devices,) = guard.binder.leases.holders().values()
+    return devices[0]
+
+
+@pytest.mark.parametrize("recover", [True, False])
+def test_failing_gpu_is_withdrawn_once_and_offered_again(recover: bool) -> None:
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 4, {"resources": {"GPU": 2}})], timeout=60)
+    async def run(c, s, a):  # type: ignore[no-untyped-def]
+        await accelsched.register(
+            c, check_interval="50ms", unrequested_gpu="fail", recover_gpus=recover
+        )
+        await wait_for(lambda: gpus(s, a.address) == 2)
+        with dask.annotate(resources={"GPU": 1}):
+            one = c.submit(hold, "one", key="one")
+        await wait_for(lambda: "one" in a.state.tasks and a.state.tasks["one"].state == "executing")
+        held = busy_device(a)
+        with dask.annotate(resources={"GPU": 2}):
+            two = c.submit(accelsched.current_device, key="two")  # assigned, waits for one
+        await wait_for(lambda: "two" in a.state.tasks)
+        g.fail(1 - held)  # in-process workers see every GPU: CUDA index = NVML index
+
+        await wait_for(lambda: gpus(s, a.address) == 1)
+        # the 2-GPU task no longer fits here: back to the scheduler, not stranded
+        await wait_for(lambda: s.tasks["two"].state == "no-worker")
+        # NVML faults never reach user tasks (unrequested_gpu="fail" reads NVML around them)
+        assert await c.gather(c.map(inc, range(20))) == list(range(1, 21))
+        # the running task keeps its device; then GPU work goes on on the one that answers
+        await Event("one").set()
+        assert await one == held
+        with dask.annotate(resources={"GPU": 1}):
+            assert await c.submit(accelsched.current_device, key="more") == held
+        await asyncio.sleep(0.5)  # ten checks
+        (unhealthy,) = events(s, "gpu-unhealthy")
+        assert unhealthy["device"] == 1 - held and "Unknown" in unhealthy["error"]
+        # no nanny: the restart is deferred, and the worker is not quarantined for it
+        assert [e["reason"] for e in events(s, "restart-deferred")] == ["no-nanny"]
+        assert not events(s, "quarantine")
+
+        g.recover()
+        if recover:
+            await wait_for(lambda: events(s, "gpu-recovered"))
+            await wait_for(lambda: gpus(s, a.address) == 2)
+        else:
+            await asyncio.sleep(0.5)
+            assert not events(s, "gpu-recovered") and gpus(s, a.address) == 1
+        if recover:
+            assert await two in (0, 1)
+        else:
+            assert s.tasks["two"].state == "no-worker"
+        assert len(events(s, "gpu-unhealthy")) == 1
+
+    with fake_gpus(2) as g:
+        run()
+
+
+def _cvd(value: str) -> dict:
+    return {"env": {"CUDA_VISIBLE_DEVICES": value}}
+
+
+def test_lost_gpu_restarts_its_worker_losslessly() -> None:
+    @gen_cluster(
+        client=True,
+        Worker=Nanny,
+        nthreads=[("127.0.0.1", 1, _cvd("0")), ("127.0.0.1", 1, _cvd("1"))],
+        timeout=90,
+        # distributed's own GPU diagnostics cannot start a worker whose first visible
+        # GPU is lost (NVMLError_GpuIsLost at start-up); see docs/reliability.md
+        config={"distributed.diagnostics.nvml": False},
+    )
+    async def run(c, s, a, b):  # type: ignore[no-untyped-def]
+        await accelsched.register(c, check_interval="100ms")
+        A = a.worker_address
+        await wait_for(lambda: gpus(s, A) == 1 and gpus(s, b.worker_address) == 1)
+        kept = await c.scatter({"kept": 42}, workers=[A])
+        g.lose(0)
+        await wait_for(lambda: events(s, "restart"), timeout=30)
+        (restart,) = events(s, "restart")
+        assert restart["worker"] == A and restart["reason"] == "gpu-unhealthy"
+        await wait_for(lambda: len(s.workers) == 2 and A not in s.workers)
+        (new,) = set(s.workers) - {b.worker_address}
+        # the new process left the lost GPU out: nothing to verify, nothing placed there
+        await c.run(lambda: None, workers=[new])
+        assert gpus(s, new) == 0
+        assert await kept["kept"] == 42
+        with dask.annotate(resources={"GPU": 1}):
+            assert await c.submit(accelsched.current_device, key="after") == 0
+        assert s.tasks["after"].who_has == {s.workers[b.worker_address]}
+
+    with fake_gpus(2) as g:
+        run()
