@@ -163,3 +163,67 @@ async def test_workers_without_gpus_stay_out_of_the_gpu_resource(c, s, a, b, g):
     # unregistered: every declaration as it was
     assert {addr: dict(ws.resources) for addr, ws in s.workers.items()} == before
     assert set(s.resources["GPU"]) == {a.worker_address, b.worker_address}
+
+
+# --- one bad annotation errs alone ----------------------------------------------------------
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd(""))], timeout=30)
+async def test_a_bad_annotation_errs_alone_and_neighbours_keep_theirs(c, s, a):
+    """No GPU anywhere: the valid tasks of the same submission fall back as annotated."""
+    await accelsched.register(c)  # no default timeout: strict unless annotated
+    futures = {}
+    for key, timeout in [("ok-0", 0), ("bad-empty", ""), ("bad-huge", "1e400s"), ("ok-1", "1s")]:
+        with dask.annotate(resources={"GPU": 1}, fallback_timeout=timeout):
+            futures[key] = c.submit(int, 7, key=key)
+    assert await futures["ok-0"] == 7 and await futures["ok-1"] == 7
+    for key, value in [("bad-empty", "''"), ("bad-huge", "'1e400s'")]:
+        with pytest.raises(ValueError, match=rf"fallback_timeout annotation={value}"):
+            await futures[key]
+    reasons = {e["key"]: e["reason"] for e in events(s, "fallback")}
+    assert reasons == {"ok-0": "no-gpu-capacity", "ok-1": "timeout"}
+
+
+# --- worker declarations that are no count ------------------------------------------------
+
+
+@pytest.mark.parametrize("declared", ["two", float("nan"), -1])
+def test_a_declaration_that_is_no_count_harms_nobody(declared: object) -> None:
+    @gen_cluster(
+        client=True,
+        Worker=Nanny,
+        nthreads=[("127.0.0.1", 1, cvd("0", resources={"GPU": declared}))],
+        timeout=60,
+    )
+    async def run(c, s, a):  # type: ignore[no-untyped-def]
+        await accelsched.register(c)  # no bare TypeError from the worker's setup
+        await wait_for(lambda: events(s, "gpu-corrected"))
+        (e,) = events(s, "gpu-corrected")
+        assert e["reason"] == f"invalid-declaration: {declared!r}" and e["granted"] == 0
+        assert gpus(s, a.worker_address) == 0
+        # the worker lives, runs plain tasks, and no GPU task is stranded on it
+        assert await c.submit(int, 3, pure=False) == 3
+        with dask.annotate(resources={"GPU": 1}, fallback_timeout=0):
+            assert await c.submit(accelsched.current_device, key="gpu") is None
+        assert s.tasks["gpu"].annotations.get("accelsched_fallback") == "no-gpu-capacity"
+
+    run()
+
+
+# --- an empty environment value -------------------------------------------------------------
+
+
+def test_an_empty_environment_value_names_the_option() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DASK_ACCELSCHED__GUARD__CHECK_INTERVAL="")
+    out = subprocess.run(
+        [sys.executable, "-c", "import accelsched; accelsched.GuardPlugin()"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1
+    assert "ValueError: invalid check_interval=''" in out.stderr

@@ -1,0 +1,138 @@
+"""A chaos run: a dask.array pipeline with GPU steps over TLS on four fake-GPU nanny
+workers and one CPU worker, while tasks leak, a worker is SIGKILLed, another retires and a
+GPU stops answering NVML. Results must equal numpy's, scattered inputs survive, no task is
+given up on, and restarts stay within budget.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from distributed import Nanny, wait
+from distributed.security import Security
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.testing import device_alloc, fake_gpus
+from tests.utils import events, gpus, wait_for
+
+pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
+
+MiB = 2**20
+BLOCKS = 240  # x 4 steps + the reduction tree: over 1000 tasks
+LEAK_EVERY = 40  # about one block in 40 leaks 384 MiB in its GPU form
+MAX_RESTARTS = 3
+
+
+def _normalise(block: np.ndarray) -> np.ndarray:
+    return (block - block.mean()) / (block.std() + 1e-9)
+
+
+def _square(block: np.ndarray) -> np.ndarray:
+    return block**2
+
+
+def _leaky_square(block: np.ndarray) -> np.ndarray:
+    """On a GPU: about one block in LEAK_EVERY (chosen by its data) leaks device memory."""
+    if int(abs(block[0, 0]) * 1e6) % LEAK_EVERY == 7:
+        device_alloc(384 * MiB, leak=True)
+    return block**2
+
+
+normalise = accelsched.dual(_normalise, _normalise)
+square = accelsched.dual(_leaky_square, _square)
+
+
+def squares(x: da.Array) -> da.Array:
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="3s"):
+        return x.map_blocks(normalise, dtype="f8").map_blocks(square, dtype="f8")
+
+
+def reference(x: np.ndarray, chunk: int) -> np.ndarray:
+    blocks = [x[i : i + chunk] for i in range(0, len(x), chunk)]
+    return np.concatenate([_square(_normalise(b)).sum(axis=1) for b in blocks])
+
+
+def cvd(value: str) -> tuple[str, int, dict[str, Any]]:
+    return ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": value}})
+
+
+def test_chaos_pipeline_over_tls() -> None:
+    security = Security.temporary()
+
+    @gen_cluster(
+        client=True,
+        Worker=Nanny,
+        nthreads=[cvd("0"), cvd("1"), cvd("2"), cvd("3"), cvd("")],
+        security=security,
+        timeout=240,
+        # distributed's own GPU diagnostics cannot bear a GPU failing NVML
+        config={"distributed.diagnostics.nvml": False},
+    )
+    async def run(c, s, *nannies):  # type: ignore[no-untyped-def]
+        assert s.address.startswith("tls://")
+        await accelsched.register(
+            c,
+            check_interval="100ms",
+            leak_threshold="256MiB",
+            max_restarts=MAX_RESTARTS,
+            max_concurrent_restarts=2,
+        )
+        gpu_workers = [n.worker_address for n in nannies[:4]]
+        await wait_for(lambda: all(gpus(s, w) == 1 for w in gpu_workers), timeout=30)
+        rng = np.random.default_rng(7)
+        inputs = [rng.random(1000) for _ in range(8)]
+        # on every worker but the one SIGKILLed below (a killed process takes its scattered
+        # data along, in plain distributed too); restarts and the retirement must keep it
+        survivors = [n.worker_address for n in nannies[1:]]
+        scattered = await c.scatter(inputs, workers=survivors, broadcast=False)
+
+        data = rng.random((BLOCKS * 10, 50))
+        x = da.from_array(data, chunks=(10, 50))
+        n_tasks = len(squares(x).sum(axis=1).__dask_graph__())
+        assert n_tasks >= 1000
+        kept = c.persist(squares(x), optimize_graph=False)
+
+        # chaos, while it runs
+        await wait_for(lambda: _done(s) > 100, timeout=60)
+        pid = (await c.run(os.getpid, workers=[gpu_workers[0]]))[gpu_workers[0]]
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(lambda: _done(s) > 300, timeout=60)
+        await c.retire_workers([gpu_workers[1]])
+        g.fail(2)  # the third GPU worker's device stops answering NVML
+        await wait(kept)
+        # the leaks are confirmed once their devices idle; their workers restart,
+        # their blocks moving to peers first
+        try:
+            await wait_for(
+                lambda: any(e["reason"] == "leak" for e in events(s, "restart")), timeout=20
+            )
+        except AssertionError:
+            for e in events(s):
+                print("EVT", e)
+            raise
+        result = await c.compute(kept.sum(axis=1), optimize_graph=False)
+
+        np.testing.assert_allclose(result, reference(data, 10))
+        for given, kept in zip(inputs, await c.gather(scattered), strict=True):
+            np.testing.assert_array_equal(given, kept)
+        restarts = Counter(e["worker"] for e in events(s, "restart"))
+        assert all(n <= MAX_RESTARTS for n in restarts.values()), restarts
+        counts = {"tasks": n_tasks, **Counter(e["action"] for e in events(s))}
+        print(f"\nchaos run: {counts}")
+        assert counts.get("leak", 0) >= 1 and counts.get("gpu-unhealthy", 0) == 1
+
+    with fake_gpus(count=4, memory="16GiB") as g:
+        run()
+
+
+def _done(s: Any) -> int:
+    return sum(1 for ts in s.tasks.values() if ts.state in ("memory", "released", "forgotten"))
+
