@@ -248,3 +248,23 @@ async def test_changed_worker_internals_fail_registration(c, s, a) -> None:
             await c.register_plugin(accelsched.GuardPlugin())
     finally:
         a.executors = saved
+
+
+def test_every_test_the_reliability_table_names_exists() -> None:
+    """docs/reliability.md gives a test per row: each one it names must exist."""
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    body = [r for r in rows if not r.startswith(("| Input", "| Fault"))]
+    assert len(body) >= 25
+    missing = []
+    for row in body:
+        cited = re.findall(r"`(?:(test_\w+)\.py)?::(test_\w+)(?:\[[^]]*\])?`", row)
+        assert cited, f"a row without a test: {row}"
+        module = None
+        for mod, name in cited:
+            module = mod or module
+            assert module, row
+            source = (ROOT / "tests" / f"{module}.py").read_text()
+            if not re.search(rf"^(async )?def {name}\(", source, re.M):
+                missing.append(f"{module}.py::{name}")
+    assert not missing, missing
