@@ -135,4 +135,3 @@ def test_chaos_pipeline_over_tls() -> None:
 
 def _done(s: Any) -> int:
     return sum(1 for ts in s.tasks.values() if ts.state in ("memory", "released", "forgotten"))
-
