@@ -4,22 +4,19 @@
   placement, CPU fallback, restart coordination.
 - :class:`GuardPlugin` (workers): NVML inventory, per-task device binding, pool freeing,
   leak detection.
-- :func:`register` registers both; :func:`dual`, :func:`array_module` and
-  :func:`current_device` are for task code.
+- :func:`register` registers both; :func:`dual` and :func:`gpu` mark GPU steps in code,
+  :func:`array_module` and :func:`current_device` are for task code.
 """
 
 from __future__ import annotations
 
-import warnings
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
-
-import dask.config
 
 from accelsched import config as _config  # noqa: F401  (loads the config defaults)
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
 from accelsched.context import array_module, current_device
-from accelsched.dual import dual
+from accelsched.dual import dual, gpu
 from accelsched.guard import GuardPlugin
 from accelsched.placement import PlacementPlugin
 
@@ -33,6 +30,7 @@ __all__ = [
     "GuardPlugin",
     "register",
     "dual",
+    "gpu",
     "array_module",
     "current_device",
     "__version__",
@@ -58,7 +56,6 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
         )
     placement = PlacementPlugin(**{k: v for k, v in options.items() if k in placement_names})
     guard = GuardPlugin(**{k: v for k, v in options.items() if k in guard_names})
-    _warn_if_fusion_drops_annotations()
     placement.idempotent = True  # type: ignore[attr-defined]
     guard.idempotent = True  # type: ignore[attr-defined]
     if getattr(client, "asynchronous", False):
@@ -73,20 +70,3 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     client.register_plugin(guard)
     return placement, guard
 
-
-def _warn_if_fusion_drops_annotations() -> None:
-    """Low-level task fusion drops ``dask.annotate`` annotations (dask#7036).
-
-    A dask.array step annotated ``resources={"GPU": 1}`` then reaches the scheduler as a
-    plain task: nothing places it on a GPU and nothing guards it. distributed documents
-    the fix, which is the user's to choose because it changes every computation.
-    """
-    if dask.config.get("optimization.fuse.active", None) is not False:
-        warnings.warn(
-            "dask's low-level task fusion (optimization.fuse.active) drops "
-            "dask.annotate(resources=...) from fused dask.array tasks, so GPU steps would "
-            "run unplaced and unguarded. Set dask.config.set({'optimization.fuse.active': "
-            "False}) in the client process, or compute with optimize_graph=False.",
-            UserWarning,
-            stacklevel=3,
-        )

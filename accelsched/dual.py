@@ -1,4 +1,6 @@
-"""``dual(gpu_fn, cpu_fn)``: one task, two implementations.
+"""``dual(gpu_fn, cpu_fn)`` and ``@gpu``: GPU steps marked in code.
+
+``dual(gpu_fn, cpu_fn)``: one task, two implementations.
 
 The scheduler decides at placement time whether a GPU task runs on a GPU or falls back
 to a CPU worker; the task's function decides nothing. ``dual`` makes that choice inside
@@ -8,16 +10,28 @@ When the GPU form runs out of device memory (an exception named in the guard's
 ``oom_exceptions``, CuPy's ``OutOfMemoryError`` by default), the task is retried once in
 its CPU form, in the same thread, and a ``fallback`` event with reason ``oom`` is sent.
 Exceptions are matched by name, so CuPy is never imported to check them.
+
+``@gpu`` (or ``@gpu(count=2, fallback_timeout="5s")``) marks a GPU-only step. Both carry
+a :class:`~accelsched.marks.Mark`: any task that calls one, wherever it sits in the graph,
+is a GPU task, with no ``dask.annotate`` (see :mod:`accelsched.marks`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import sys
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from accelsched.context import current_lease, released
+from accelsched.fallback import parse_task_timeout
+from accelsched.marks import Mark
 
-__all__ = ["dual", "Dual"]
+__all__ = ["dual", "Dual", "gpu", "GPUStep"]
+
+#: A dual step needs one GPU and falls back after the plugin's default timeout.
+_DUAL_MARK = Mark(count=1)
 
 R = TypeVar("R")
 
@@ -26,6 +40,7 @@ class Dual(Generic[R]):
     """A picklable callable running ``gpu_fn`` under a GPU lease and ``cpu_fn`` otherwise."""
 
     __slots__ = ("gpu_fn", "cpu_fn")
+    __accelsched_gpu__ = _DUAL_MARK
 
     def __init__(self, gpu_fn: Callable[..., R], cpu_fn: Callable[..., R]) -> None:
         for name, fn in (("gpu_fn", gpu_fn), ("cpu_fn", cpu_fn)):
@@ -76,3 +91,82 @@ def _name(fn: Callable[..., Any]) -> str:
 def dual(gpu_fn: Callable[..., R], cpu_fn: Callable[..., R]) -> Dual[R]:
     """Return a callable that runs ``gpu_fn`` on a GPU and ``cpu_fn`` when it fell back."""
     return Dual(gpu_fn, cpu_fn)
+
+
+class GPUStep(Generic[R]):
+    """A picklable GPU-only step: ``fn`` itself, marked as needing ``count`` GPUs.
+
+    Placed on a GPU like a ``dual`` step. Without a ``fallback_timeout`` it waits for a
+    GPU as long as it takes (unless the plugin's default says otherwise); with one, it
+    runs on the host after that long unplaced, where ``array_module()`` is numpy.
+    """
+
+    __slots__ = ("fn", "__accelsched_gpu__", "__dict__")
+
+    def __init__(self, fn: Callable[..., R], mark: Mark) -> None:
+        if not callable(fn):
+            raise TypeError(f"gpu() needs a callable, got {fn!r}")
+        self.fn = fn
+        self.__accelsched_gpu__ = mark
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        # ``@gpu`` on a module-level function puts this object where the function was:
+        # pickled by name, as the function itself would be (its own name now finds this)
+        module = sys.modules.get(getattr(self, "__module__", "") or "")
+        target: Any = module
+        for part in (getattr(self, "__qualname__", "") or "").split("."):
+            target = getattr(target, part, None)
+        if target is self:
+            return str(self.__qualname__)
+        return (GPUStep, (self.fn, self.__accelsched_gpu__))
+
+    def __repr__(self) -> str:
+        return f"gpu({_name(self.fn)}, count={self.__accelsched_gpu__.count:g})"
+
+
+def _gpu_mark(count: Any, fallback_timeout: Any, given: bool) -> Mark:
+    if (
+        isinstance(count, bool)
+        or not isinstance(count, (int, float))
+        or not math.isfinite(count)
+        or count <= 0
+    ):
+        raise ValueError(f"gpu(): invalid count={count!r}: expected a positive number of GPUs")
+    timeout = parse_task_timeout(fallback_timeout) if given else None
+    return Mark(count=count, timeout=timeout, timeout_given=given)
+
+
+_UNSET: Any = object()
+
+
+@overload
+def gpu(fn: Callable[..., R], /) -> GPUStep[R]: ...
+
+
+@overload
+def gpu(
+    *, count: float = 1, fallback_timeout: Any = ...
+) -> Callable[[Callable[..., R]], GPUStep[R]]: ...
+
+
+def gpu(
+    fn: Callable[..., R] | None = None, /, *, count: float = 1, fallback_timeout: Any = _UNSET
+) -> Any:
+    """Mark a GPU step: ``@gpu`` or ``@gpu(count=1, fallback_timeout="5s")``.
+
+    Any task that calls the step, wherever dask puts it, is placed on verified GPUs and
+    bound to its own device(s), with no ``dask.annotate``. Bad arguments raise here,
+    naming the value.
+    """
+    mark = _gpu_mark(
+        count,
+        None if fallback_timeout is _UNSET else fallback_timeout,
+        fallback_timeout is not _UNSET,
+    )
+    if fn is not None:
+        return GPUStep(fn, mark)
+    return lambda f: GPUStep(f, mark)

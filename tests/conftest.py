@@ -9,7 +9,9 @@ from accelsched.testing import FakeGPUs, fake_gpus
 
 pytest_plugins = ["distributed.utils_test"]
 
-# As the docs ask of users: low-level fusion would drop dask.annotate(resources=...).
+# For the tests that use dask.annotate(resources=...) on dask.array graphs: low-level
+# fusion drops annotations (steps marked in code need no setting: test_marks.py sets the
+# defaults back where it checks that).
 dask.config.set({"optimization.fuse.active": False})
 
 

@@ -5,7 +5,8 @@ installed); elsewhere it runs on the fake GPUs of :mod:`accelsched.testing`. Thr
 phases, each printed as a table built from events (``client.get_events``):
 
 1. **Placement.** Two GPU workers and one CPU-only worker, two of them mis-declared; a
-   dask.array pipeline with GPU-annotated steps, each block on its own device.
+   dask.array pipeline whose GPU steps are marked in code (``@accelsched.gpu``), with
+   dask's default optimisation, each block on its own device.
 2. **Leak.** One step leaks device memory on one worker; the guard notices, the worker
    is retired and restarted, and every result still arrives.
 3. **Fallback.** The GPU workers retire in the middle of the pipeline; GPU steps that
@@ -144,13 +145,13 @@ def run(out: TextIO = sys.stdout) -> int:
         print("== 1b. A GPU pipeline: every GPU step on a verified device ==", file=out)
         t1 = time.time()
         expected = pipeline().compute(scheduler="sync")
-        on_gpu = client.compute(pipeline(), optimize_graph=False).result()
+        on_gpu = client.compute(pipeline()).result()
         placement_table(client, t1, names, uuids(client), out)
         np.testing.assert_allclose(on_gpu, expected)
 
         print("== 2. A leaking step: detected, worker restarted, nothing lost ==", file=out)
         t2 = time.time()
-        kept = client.persist(blocks(leaky_square), optimize_graph=False)
+        kept = client.persist(blocks(leaky_square))
         leaked = client.compute(kept.sum(axis=1)).result()
         wait(
             lambda: any(e["action"] == "restart" for e in events(client, "accelsched", t2)),
@@ -191,7 +192,7 @@ def run(out: TextIO = sys.stdout) -> int:
         print("== 3. GPU workers retire mid-pipeline: GPU steps fall back to CPU ==", file=out)
         t3 = time.time()
         gpu_workers = sorted({w for w, _ in uuids(client)} & set(worker_names(client)))
-        fut = client.compute(pipeline(), optimize_graph=False)
+        fut = client.compute(pipeline())
         wait(lambda: len(events(client, DEMO_TOPIC, t3)) >= 2, 30, "the first GPU blocks")
         client.retire_workers(gpu_workers)
         fell_back = fut.result()

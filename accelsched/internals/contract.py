@@ -103,6 +103,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
             "annotations",
             "dependencies",
             "who_has",
+            "run_spec",
         ),
     )
     _raise_if(problems, "scheduler")

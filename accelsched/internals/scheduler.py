@@ -110,6 +110,11 @@ def unrunnable(scheduler: Scheduler) -> Mapping[TaskState, float]:
     return scheduler.unrunnable
 
 
+def task_spec(ts: TaskState) -> Any:
+    """The task's run spec as the scheduler unpickled it (functions included)."""
+    return ts.run_spec
+
+
 def harden_restrictions(ts: TaskState) -> None:
     """Drop a task's soft worker preference (``allow_other_workers``): a GPU task placed
     on a GPU-less worker raises in its ``acquire_resources`` and wedges."""

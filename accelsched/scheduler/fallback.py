@@ -21,6 +21,7 @@ import dask.utils
 
 from accelsched import events, internals
 from accelsched.fallback import FallbackPolicy, Waiting, invalid_amount, parse_task_timeout, sweep
+from accelsched.marks import find_mark
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, INVALID_RESOURCE, TIMEOUT_ANNOTATION
 
 if TYPE_CHECKING:
@@ -70,8 +71,9 @@ class Fallback:
     def prepare(self, scheduler: Scheduler, keys: Any) -> None:
         """Prepare new GPU tasks (still ``released``, so editing them is safe).
 
-        An invalid annotation parks its task on an unsatisfiable resource; it errs at the
-        next check, naming the value.
+        A task is a GPU task when it is annotated ``resources={"GPU": n}`` or calls a
+        marked step (:mod:`accelsched.marks`). An invalid annotation parks its task on an
+        unsatisfiable resource; it errs at the next check, naming the value.
         """
         for key in keys or ():
             try:
@@ -83,13 +85,17 @@ class Fallback:
                     self._park(ts, f"accelsched could not read its annotations: {exc!r}")
 
     def _prepare_one(self, ts: Any) -> None:
-        if (
-            ts is None
-            or ts.state != "released"  # a resubmitted task already placed: leave it
-            or not ts.resource_restrictions
-            or GPU not in ts.resource_restrictions
-        ):
+        if ts is None or ts.state != "released":  # a resubmitted task already placed
             return
+        mark = None
+        if GPU not in (ts.resource_restrictions or {}):
+            # no annotation (or fusion / query planning dropped it): a marked step?
+            mark = find_mark(internals.task_spec(ts))
+            if mark is None:
+                return
+            internals.set_resource_restrictions(
+                ts, {**(ts.resource_restrictions or {}), GPU: mark.count}
+            )
         internals.harden_restrictions(ts)
         problem = invalid_amount(ts.resource_restrictions[GPU])
         if problem is not None:
@@ -97,6 +103,9 @@ class Fallback:
             return
         annotations = ts.annotations or {}
         if TIMEOUT_ANNOTATION not in annotations:
+            if mark is not None and mark.timeout_given:  # the step's own timeout
+                self.timeouts[ts.key] = mark.timeout
+                self._warn_no_workers_timeout(mark.timeout)
             return
         try:
             timeout = parse_task_timeout(annotations[TIMEOUT_ANNOTATION])

@@ -1,0 +1,177 @@
+"""GPU steps marked in code (``dual``, ``@gpu``) reach placement wherever dask puts them:
+fused dask.array tasks, DataFrame partitions under query planning, delayed calls,
+``client.submit``; with fusion at dask's defaults and no ``dask.annotate``."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import pickle
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask._task_spec import DataNode, Task, TaskRef
+from distributed import Nanny
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.marks import Mark, find_mark
+from tests.utils import events, gpus, wait_for
+
+# ---- the walk, with numbers ---------------------------------------------------------------
+
+
+def host(x):  # type: ignore[no-untyped-def]
+    return x
+
+
+def on_device(x):  # type: ignore[no-untyped-def]
+    return x
+
+
+step = accelsched.dual(on_device, host)
+
+
+@accelsched.gpu(count=2, fallback_timeout="5s")
+def big(x):  # type: ignore[no-untyped-def]
+    return x
+
+
+@accelsched.gpu
+def small(x):  # type: ignore[no-untyped-def]
+    return x
+
+
+def test_marks_found_where_dask_nests_them() -> None:
+    assert find_mark(Task("k", host, 1)) is None
+    assert find_mark(Task("k", step, 1)) == Mark(count=1)
+    # a DataFrame partition: apply_and_enforce(..., _func=<step>)
+    assert find_mark(Task("k", host, TaskRef("a"), _func=step)) == Mark(count=1)
+    # a fused task: a subgraph of tasks in a dict argument
+    fused = Task("k", host, {"inner": Task("i", big, 1), "other": Task("o", host, 2)})
+    assert find_mark(fused) == Mark(count=2, timeout=5.0, timeout_given=True)
+    # partials, compositions, lists
+    assert find_mark(functools.partial(small, 1)) == Mark(count=1)
+    assert find_mark(Task("k", host, [functools.partial(host, step)])) == Mark(count=1)
+    # several steps: the largest count, the shortest own timeout
+    both = Task("k", host, Task("a", step, 1), Task("b", big, 1))
+    assert find_mark(both) == Mark(count=2, timeout=5.0, timeout_given=True)
+
+
+def test_the_walk_never_enters_data_and_is_bounded() -> None:
+    class Trap:
+        """An array-like whose attributes must not be walked."""
+
+        __array__ = None
+
+        @property
+        def func(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("walked into data")
+
+    assert find_mark(Task("k", host, DataNode(None, Trap()))) is None
+    deep: object = step
+    for _ in range(5000):
+        deep = [deep]
+    assert find_mark(deep) is None  # past MAX_VISITS: unmarked, and quickly
+    assert find_mark(deep, max_visits=10_000) == Mark(count=1)
+
+
+def test_gpu_decorator_validates_and_pickles() -> None:
+    assert small(3) == 3 and small.__name__ == "small" and big.__doc__ is None
+    again = pickle.loads(pickle.dumps(big))
+    assert again(4) == 4 and find_mark(again) == Mark(count=2, timeout=5.0, timeout_given=True)
+    with pytest.raises(ValueError, match=r"invalid count=0"):
+        accelsched.gpu(count=0)
+    with pytest.raises(ValueError, match=r"invalid count=nan"):
+        accelsched.gpu(count=float("nan"))
+    with pytest.raises(ValueError, match=r"fallback_timeout annotation='soon'"):
+        accelsched.gpu(fallback_timeout="soon")
+    with pytest.raises(TypeError, match="needs a callable"):
+        accelsched.gpu(3)  # type: ignore[call-overload]
+    strict = accelsched.gpu(fallback_timeout=None)(host)
+    assert find_mark(strict) == Mark(count=1, timeout=None, timeout_given=True)
+
+
+# ---- on a cluster, with fusion and query planning at dask's defaults ---------------------
+
+
+def cvd(value: str) -> tuple[str, int, dict]:
+    return ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": value}})
+
+
+def where_gpu(block):  # type: ignore[no-untyped-def]
+    """On a GPU: the block filled with the device index; on the host: -1."""
+    return np.full_like(block, accelsched.current_device(), dtype="f8")
+
+
+def where_host(block):  # type: ignore[no-untyped-def]
+    return np.full_like(block, -1, dtype="f8")
+
+
+where = accelsched.dual(where_gpu, where_host)
+
+
+def device_now(*args):  # type: ignore[no-untyped-def]
+    return accelsched.current_device()
+
+
+def _tag_gpu(part):  # type: ignore[no-untyped-def]
+    return part.assign(dev=float(accelsched.current_device()))
+
+
+def _tag_host(part):  # type: ignore[no-untyped-def]
+    return part.assign(dev=-1.0)
+
+
+tag = accelsched.dual(_tag_gpu, _tag_host)
+
+
+defaults = {"optimization.fuse.active": None, "dataframe.query-planning": None}
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0"), cvd("")], timeout=60)
+async def test_marked_steps_are_placed_with_fusion_and_query_planning(c, s, gpu, cpu):
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, gpu.worker_address) == 1)
+    with dask.config.set(defaults):
+        # dask.array, fused (default optimization): every block on the GPU
+        x = da.ones((400, 10), chunks=(10, 10))
+        y = (x.map_blocks(where) + 0).sum(axis=1)
+        assert (await c.compute(y) == 0).all()
+        # a DataFrame partition under query planning
+        pd = pytest.importorskip("pandas")
+        dd = pytest.importorskip("dask.dataframe")
+        df = dd.from_pandas(pd.DataFrame({"a": np.arange(40.0)}), npartitions=4)
+        out = df.map_partitions(tag, meta={"a": "f8", "dev": "f8"})
+        assert set((await c.compute(out.dev)).tolist()) == {0.0}
+        # delayed calls, submit and map of a @gpu step
+        assert await c.compute(dask.delayed(accelsched.gpu(device_now))(1)) == 0
+        assert await c.submit(accelsched.gpu(device_now), 1) == 0
+        assert await c.gather(c.map(accelsched.gpu(device_now), range(3))) == [0, 0, 0]
+    # nothing ran on the CPU worker, nothing fell back
+    assert not events(s, "fallback")
+    assert not events(s, "unrequested-gpu-use")
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("")], timeout=60)
+async def test_marked_steps_fall_back_by_their_own_or_the_default_timeout(c, s, cpu):
+    await accelsched.register(c, fallback_timeout="300ms")
+    with dask.config.set(defaults):
+        x = da.ones((40, 10), chunks=(10, 10))
+        assert (await c.compute(x.map_blocks(where).sum(axis=1)) == -10).all()
+        quick = accelsched.gpu(fallback_timeout=0)(device_now)
+        assert await c.submit(quick, 1, key="quick") is None
+        strict = accelsched.gpu(fallback_timeout=None)(device_now)
+        waiting = c.submit(strict, 1, key="strict")
+        await wait_for(lambda: "strict" in s.tasks and s.tasks["strict"].state == "no-worker")
+        await asyncio.sleep(0.6)  # past the default timeout: still waiting
+        assert s.tasks["strict"].state == "no-worker"
+    reasons = {e["key"]: e["reason"] for e in events(s, "fallback")}
+    assert reasons["quick"] == "no-gpu-capacity"
+    assert "strict" not in reasons
+    assert sum(1 for r in reasons.values() if r in ("timeout", "chain")) >= 4
+    del waiting
