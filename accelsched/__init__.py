@@ -69,4 +69,3 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     client.register_plugin(placement)
     client.register_plugin(guard)
     return placement, guard
-

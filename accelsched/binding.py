@@ -84,6 +84,14 @@ class LeaseTable:
             for d in chosen:
                 self._load[d] = max(0.0, self._load[d] - share)
 
+    def alone(self, key: Any) -> bool:
+        """Whether ``key`` holds its devices alone (no other task shares one now)."""
+        with self._lock:
+            mine = set(self._held.get(key, ((), 0.0))[0])
+            return bool(mine) and not any(
+                mine & set(devices) for k, (devices, _) in self._held.items() if k != key
+            )
+
     def holders(self) -> dict[Any, tuple[int, ...]]:
         with self._lock:
             return {k: v[0] for k, v in self._held.items()}

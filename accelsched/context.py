@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 __all__ = [
     "Lease",
@@ -40,6 +41,13 @@ class Lease:
     report: Callable[..., None] | None = None
     #: Dotted names of exceptions meaning "out of device memory" (``oom_exceptions``).
     oom_exceptions: tuple[str, ...] = ()
+    #: ``meter(step_name, call)``: runs ``call()`` measuring what that marked step leaves
+    #: on the device (the guard's attribution); None where nothing measures.
+    meter: Callable[[str, Callable[[], Any]], Any] | None = None
+
+    def run_step(self, name: str, call: Callable[[], Any]) -> Any:
+        """Run one marked step of the task, measured when the guard can."""
+        return call() if self.meter is None else self.meter(name, call)
 
     @property
     def device(self) -> int:

@@ -54,7 +54,7 @@ class Dual(Generic[R]):
         if lease is None:
             return self.cpu_fn(*args, **kwargs)
         try:
-            return self.gpu_fn(*args, **kwargs)
+            return lease.run_step(_name(self.gpu_fn), lambda: self.gpu_fn(*args, **kwargs))
         except Exception as exc:
             if not _named(exc, lease.oom_exceptions):
                 raise
@@ -111,7 +111,10 @@ class GPUStep(Generic[R]):
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
-        return self.fn(*args, **kwargs)
+        lease = current_lease()
+        if lease is None:
+            return self.fn(*args, **kwargs)
+        return lease.run_step(_name(self.fn), lambda: self.fn(*args, **kwargs))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
         # ``@gpu`` on a module-level function puts this object where the function was:

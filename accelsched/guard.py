@@ -38,6 +38,7 @@ from accelsched.protocol import (
 from accelsched.worker.binding import Binder, Runner
 from accelsched.worker.inventory import Inventory
 from accelsched.worker.leaks import LeakCheck
+from accelsched.worker.ledger import Ledger
 from accelsched.worker.pools import PoolFreer
 from accelsched.worker.watch import UnrequestedGPUUse, Watch
 
@@ -95,6 +96,7 @@ class GuardPlugin(WorkerPlugin):
         inv = self.inventory
         inv.probe(worker)
         assert inv.monitor is not None
+        ledger = Ledger(inv.monitor)
         self.binder = Binder(
             simulated=inv.simulated,
             oom_exceptions=o["oom_exceptions"],
@@ -105,6 +107,8 @@ class GuardPlugin(WorkerPlugin):
                 simulated=inv.simulated,
             ),
             emit=self._emit,
+            ledger=ledger,
+            residue=self._residue,
         )
         if o["unrequested_gpu"] != "ignore":
             self.watch = Watch(
@@ -126,6 +130,7 @@ class GuardPlugin(WorkerPlugin):
             ask_restart=inv.ask_restart,
             withdraw=self._withdraw,
             emit=self._emit,
+            ledger=ledger,
         )
         internals.install_handler(worker, REPORT_HANDLER, self.report)
         internals.install_handler(worker, CONFIRM_HANDLER, inv.confirm)
@@ -156,7 +161,10 @@ class GuardPlugin(WorkerPlugin):
             return
         assert self.leaks is not None
         if finish == "memory":
-            self.leaks.stored(key, internals.stored_value(self.worker, key))
+            value = internals.stored_value(self.worker, key)
+            # computed here (executing), or data from elsewhere: a peer's transfer, a
+            # replica, a scatter
+            self.leaks.stored(key, value, arrived=start not in ("executing", "long-running"))
         elif start == "memory":
             self.leaks.released(key)
         if finish == "executing":
@@ -175,6 +183,10 @@ class GuardPlugin(WorkerPlugin):
         return watch
 
     # --- for the parts and for tests ------------------------------------------------------
+
+    def _residue(self, name: str, nbytes: int) -> None:
+        if self.leaks is not None:
+            self.leaks.residue(name, nbytes)
 
     def _withdraw(self, device: int, withdrawn: bool) -> None:
         """Stop (or resume) offering ``device``: leases at once, the count right after."""

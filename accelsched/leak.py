@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from accelsched.devices.pool import PoolStats
 
-__all__ = ["estimate", "Baseline", "LeakDetector", "LeakReports", "Verdict"]
+__all__ = ["estimate", "Baseline", "LeakDetector", "LeakReports", "Attribution", "Verdict"]
 
 
 def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
@@ -120,3 +120,26 @@ class LeakReports:
             return False
         self._reported[verdict.device] = verdict.estimate
         return True
+
+
+@dataclass
+class Attribution:
+    """Which task prefixes left device memory behind that nothing holds.
+
+    A GPU task's *residue* is what its run added to its device beyond the result it
+    returned (measured growth minus the result's known size). Residues add up per
+    prefix until a clean check; a leak event names the prefixes ranked by bytes.
+    """
+
+    _bytes: dict[str, int] = field(default_factory=dict)
+
+    def record(self, prefix: str, residue: int) -> None:
+        if residue > 0:
+            self._bytes[prefix] = self._bytes.get(prefix, 0) + residue
+
+    def ranked(self) -> list[tuple[str, int]]:
+        """Prefixes with their residue, most first (ties by name)."""
+        return sorted(self._bytes.items(), key=lambda kv: (-kv[1], kv[0]))
+
+    def clear(self) -> None:
+        self._bytes.clear()

@@ -40,6 +40,7 @@ def _record(step: str, block_info: dict | None) -> None:
 def normalise(block: np.ndarray, block_info: dict | None = None) -> np.ndarray:
     """Device-agnostic: numpy on the host, cupy on a real GPU."""
     _record("normalise", block_info)
+    _device_scratch(block)
     xp = accelsched.array_module()
     b = xp.asarray(block)
     out = (b - b.mean()) / (b.std() + 1e-9)
@@ -68,6 +69,15 @@ def leaky_square(block: np.ndarray, block_info: dict | None = None) -> np.ndarra
 
             _LEAKED.append(cupy.zeros(1536 * MiB // 8))
     return square(block, block_info)
+
+
+def _device_scratch(block: np.ndarray) -> None:
+    """On simulated GPUs, use device memory as a real step would (a temporary the size of
+    the block, back to the pool when the step ends): the process gets its CUDA context."""
+    if _simulated() and accelsched.current_device() is not None:
+        from accelsched.testing import device_alloc
+
+        device_alloc(block.nbytes)
 
 
 def _simulated() -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 from dask.utils import Dispatch
 
-__all__ = ["device_nbytes", "to_host"]
+__all__ = ["device_nbytes", "to_host", "knows", "GPU_LIBRARIES"]
 
 device_nbytes = Dispatch(name="device_nbytes")
 
@@ -58,9 +58,86 @@ def _register_cupy_to_host() -> None:
         return cupy.asnumpy(arr)
 
 
+#: Libraries whose objects hold device memory that dask's ``sizeof`` (their own
+#: registrations) measures: a second source where no ``device_nbytes`` rule is registered.
+GPU_LIBRARIES = frozenset({"cudf", "dask_cudf", "rmm", "torch", "cupy", "numba", "cuml"})
+
+
 @device_nbytes.register(object)
-def _host_only(obj: Any) -> dict[int, int]:
-    return {}
+def _by_protocol(obj: Any) -> dict[int, int]:
+    """Objects with no registered rule: what their protocols or library tell.
+
+    ``__cuda_array_interface__`` (numba, cupy-likes) and ``__dlpack_device__`` name device
+    arrays; a type from a GPU library (cudf, rmm, torch, ...) is sized by dask's
+    ``sizeof``, which those libraries register. Anything else holds nothing known.
+    """
+    device = _device_of(obj)
+    if device is None:
+        return {}
+    nbytes = getattr(obj, "nbytes", None)
+    if not isinstance(nbytes, int):
+        interface = getattr(obj, "__cuda_array_interface__", None)
+        nbytes = _interface_nbytes(interface) if isinstance(interface, dict) else None
+    if not isinstance(nbytes, int):
+        from dask.sizeof import sizeof
+
+        nbytes = int(sizeof(obj))
+    return {device: nbytes} if nbytes > 0 else {}
+
+
+def _device_of(obj: Any) -> int | None:
+    """The CUDA device ``obj`` lives on, or None when it is not known to be on one."""
+    dlpack = getattr(obj, "__dlpack_device__", None)
+    if callable(dlpack):
+        try:
+            kind, index = dlpack()
+        except Exception:
+            return None
+        return int(index) if int(kind) in (2, 3, 13) else None  # CUDA, CUDA host, managed
+    on_gpu = hasattr(obj, "__cuda_array_interface__") or (
+        type(obj).__module__.split(".")[0] in GPU_LIBRARIES
+    )
+    if not on_gpu:
+        return None
+    device = getattr(getattr(obj, "device", None), "id", None)
+    if isinstance(device, int):
+        return device
+    from accelsched.context import current_device
+
+    return current_device() or 0
+
+
+def _interface_nbytes(interface: dict) -> int | None:
+    try:
+        count = 1
+        for n in interface["shape"]:
+            count *= int(n)
+        return count * int(interface["typestr"][2:])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+#: Types known to hold no device memory: a result of one of these is fully accounted.
+HOST_TYPES: tuple[type, ...] = (int, float, complex, str, bytes, bool, type(None))
+
+
+def knows(value: Any) -> bool:
+    """Whether ``device_nbytes(value)`` is knowledge rather than a shrug.
+
+    True for registered types, host types (numpy, pandas, Python scalars) and objects a
+    protocol describes; False for an object of a type nobody described (a cudf frame
+    with no rule, say): its device memory, if any, is unknown.
+    """
+    if isinstance(value, HOST_TYPES) or _device_of(value) is not None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(knows(v) for v in value[:SCAN_LIMIT])
+    if isinstance(value, dict):
+        return all(knows(v) for v in list(value.values())[:SCAN_LIMIT])
+    if device_nbytes.dispatch(type(value)) is not _by_protocol:
+        return True
+    module = type(value).__module__.split(".")[0]
+    return module in ("numpy", "pandas", "pyarrow", "scipy")
 
 
 #: Containers longer than this are scanned only when their first item is on a device:

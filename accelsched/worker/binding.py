@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dask.utils import key_split
 from distributed import Reschedule
 
 from accelsched.binding import LeaseTable, NoFreeDevice
 from accelsched.context import Lease, holding
 from accelsched.devices.arrays import to_host
+from accelsched.worker.ledger import Ledger
 from accelsched.worker.pools import PoolFreer
 from accelsched.worker.watch import ACTIVITY
 
@@ -36,6 +38,8 @@ class Binder:
         oom_exceptions: tuple[str, ...],
         pools: PoolFreer,
         emit: Callable[..., None],
+        ledger: Ledger | None = None,
+        residue: Callable[[str, int], None] | None = None,
     ) -> None:
         self.leases = LeaseTable()
         self.simulated = simulated
@@ -43,6 +47,8 @@ class Binder:
         self.pools = pools
         self.used: set[int] = set()  # devices GPU tasks of this worker held
         self._emit = emit
+        self.ledger = ledger  # measures what each task leaves on its devices
+        self._residue = residue  # (step or task prefix, bytes it left behind)
 
     def set_devices(self, indices: list[int]) -> None:
         self.leases.set_devices(indices)
@@ -62,16 +68,25 @@ class Binder:
             self.used.update(devices)
             ACTIVITY.enter()
             try:
+                steps: list[int] = []  # marked steps measured inside this task
                 lease = Lease(
                     key,
                     devices,
                     simulated=self.simulated,
                     report=self._emit,
                     oom_exceptions=self.oom_exceptions,
+                    meter=self._meter(key, devices, steps),
                 )
                 with holding(lease):
                     try:
-                        return spec(values)
+                        before = self._measure_before(key, devices)
+                        result = spec(values)
+                        if before is not None and self.leases.alone(key):
+                            assert self.ledger is not None
+                            left = self.ledger.after(key, before, result)
+                            if self._residue is not None and not steps:
+                                self._residue(key_split(key), left)
+                        return result
                     finally:
                         self.pools.after_gpu_task(devices)
             finally:
@@ -79,6 +94,36 @@ class Binder:
                 self.leases.release(key)
 
         return run
+
+    def _meter(
+        self, key: Any, devices: tuple[int, ...], steps: list[int]
+    ) -> Callable[[str, Callable[[], Any]], Any] | None:
+        """Measures each outermost marked step the task calls: the attribution names the
+        step that left memory behind, even inside a fused task."""
+        if self.ledger is None or self._residue is None:
+            return None
+        depth = [0]
+
+        def meter(name: str, call: Callable[[], Any]) -> Any:
+            before = self._measure_before(key, devices) if depth[0] == 0 else None
+            depth[0] += 1
+            try:
+                result = call()
+            finally:
+                depth[0] -= 1
+            if before is not None and self.leases.alone(key):
+                assert self.ledger is not None and self._residue is not None
+                steps.append(1)
+                self._residue(name, self.ledger.residue(before, result))
+            return result
+
+        return meter
+
+    def _measure_before(self, key: Any, devices: tuple[int, ...]) -> dict[int, int] | None:
+        """A reading to measure the task by, when it holds its devices alone."""
+        if self.ledger is None or not self.leases.alone(key):
+            return None
+        return self.ledger.before(devices)
 
     @staticmethod
     def fallback_runner(inner: Runner | None) -> Runner:

@@ -13,18 +13,24 @@ too.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from accelsched import events
 from accelsched.binding import LeaseTable
 from accelsched.config import Threshold
-from accelsched.devices.arrays import device_nbytes
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
-from accelsched.leak import Baseline, LeakDetector, LeakReports, Verdict, estimate
+from accelsched.leak import Attribution, Baseline, LeakDetector, LeakReports, Verdict, estimate
+from accelsched.worker.ledger import Ledger
 
 __all__ = ["LeakCheck"]
+
+
+def complete_and_clean(verdicts: list[Verdict], busy: set[int]) -> bool:
+    """A check that looked at every device and found each at or under its threshold."""
+    return not busy and all(v.above == 0 for v in verdicts)
 
 
 class LeakCheck:
@@ -45,6 +51,7 @@ class LeakCheck:
         ask_restart: Callable[[str, int], None],
         withdraw: Callable[[int, bool], None],
         emit: Callable[..., None],
+        ledger: Ledger,
     ) -> None:
         self.monitor = monitor
         self.owned = owned
@@ -64,12 +71,20 @@ class LeakCheck:
         self.baselines: dict[int, Baseline] = {}
         self.last_verdicts: list[Verdict] = []
         self.failing: dict[int, DeviceInfo] = {}  # devices withdrawn as unhealthy
+        self.ledger = ledger
+        self.attribution = Attribution()
+        self._attribution_lock = threading.Lock()  # residues come from executor threads
 
     # --- live results (worker event loop) ----------------------------------------------
 
-    def stored(self, key: Any, value: Any) -> None:
-        """``key`` entered the worker's memory holding ``value``."""
-        held = device_nbytes(value) if value is not None else {}
+    def stored(self, key: Any, value: Any, *, arrived: bool = False) -> None:
+        """``key`` entered the worker's memory holding ``value``: computed here (measured
+        by its task, else known by type) or ``arrived`` from a peer (known by type, else
+        measured on its idle devices)."""
+        if arrived:
+            held = self.ledger.arrived(value, {d.index for d in self.owned} - self._busy())
+        else:
+            held = self.ledger.held(key, value)
         if held:
             self.live[key] = held
             for d, n in held.items():
@@ -78,6 +93,13 @@ class LeakCheck:
     def released(self, key: Any) -> None:
         for d, n in self.live.pop(key, {}).items():
             self.live_total[d] = self.live_total.get(d, 0) - n
+            self.ledger.forget(d)  # its memory went back unmeasured
+
+    def residue(self, name: str, nbytes: int) -> None:
+        """A step or task (``name``) left ``nbytes`` behind beyond its result (executor
+        thread)."""
+        with self._attribution_lock:
+            self.attribution.record(name, nbytes)
 
     def ran(self, prefix: str) -> None:
         self.detector.ran(prefix)
@@ -119,22 +141,32 @@ class LeakCheck:
             base = self.baselines.setdefault(dev.index, Baseline())
             baseline = base.observe(reading.nbytes, live, pool.held)
             leaked = estimate(reading.nbytes, baseline, live, pool)
-            verdicts.append(
-                self.detector.check(dev.index, leaked, self.threshold.resolve(dev.memory))
-            )
+            verdict = self.detector.check(dev.index, leaked, self.threshold.resolve(dev.memory))
+            verdicts.append(verdict)
+            if verdict.above == 0:  # nothing unexplained: a base for measuring arrivals
+                self.ledger.settle(dev.index, reading.nbytes - pool.cached - pool.fixed)
         blamed = self.detector.end_check(verdicts, complete=not busy)
+        with self._attribution_lock:
+            attributed = self.attribution.ranked()
+            if complete_and_clean(verdicts, busy):
+                self.attribution.clear()
         self.last_verdicts = verdicts
         leaks = [v for v in verdicts if v.leak]
         if leaks:
             for v in leaks:
                 if self.reports.is_news(v):
+                    explained = sum(n for _, n in attributed)
                     self._emit(
                         events.LEAK,
                         device=v.device,
                         nbytes=v.estimate,
                         threshold=v.threshold,
                         checks=v.above,
-                        prefixes=blamed,
+                        # the prefixes whose runs left memory behind, most first; when
+                        # no run could be measured, every prefix run since a clean check
+                        prefixes=[p for p, _ in attributed] or blamed,
+                        attributed=dict(attributed),
+                        unexplained=max(0, v.estimate - explained),
                     )
             self.detector.reset()
             if self.restart_on_leak:

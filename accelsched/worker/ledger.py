@@ -1,0 +1,123 @@
+"""Device memory accounted by measurement: what each GPU task leaves on its device.
+
+Knowing a result's device footprint from its type fails for every type nobody described
+(a cudf frame, a torch tensor): such a result looks like a leak. So the guard measures.
+Around a GPU task that holds its devices alone, it reads this process's device memory net
+of pool caches; the growth is held against the key the task produced until that key is
+released (and the type's own figure, when known, is a second source). What the run added
+beyond its known result is its *residue*, the memory it left behind: attributed to its
+prefix. Data arriving from a peer is measured the same way when its device is idle.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from accelsched.devices.arrays import device_nbytes, knows
+from accelsched.devices.nvml import NVMLMonitor
+from accelsched.devices.pool import PoolStats, active_pools
+
+__all__ = ["Ledger"]
+
+
+class Ledger:
+    """Measured device bytes per key; the last fully explained reading per device."""
+
+    def __init__(self, monitor: NVMLMonitor) -> None:
+        self.monitor = monitor
+        self._lock = threading.Lock()
+        self._measured: dict[Any, dict[int, int]] = {}  # key -> {device: bytes}
+        self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
+
+    def noncache(self, device: int) -> int | None:
+        """This process's bytes on ``device`` minus what pools cache or reserve; None
+        when NVML cannot tell (no figure of its own, no context yet, or an error)."""
+        try:
+            reading = self.monitor.process_memory(device)
+        except Exception:
+            return None
+        if not reading.attributable or not reading.has_context:
+            return None  # a context made now would be counted as the task's
+        pool = sum((p.stats(device) for p in active_pools()), PoolStats())
+        return reading.nbytes - pool.cached - pool.fixed
+
+    # --- around a GPU task (its executor thread) ----------------------------------------
+
+    def before(self, devices: tuple[int, ...]) -> dict[int, int] | None:
+        readings = {d: self.noncache(d) for d in devices}
+        if any(v is None for v in readings.values()):
+            return None
+        return readings  # type: ignore[return-value]
+
+    def residue(self, before: dict[int, int], result: Any) -> int:
+        """What a step added beyond its known result (0 when its type is unknown)."""
+        if not knows(result):
+            return 0
+        known = device_nbytes(result)
+        left = 0
+        for device, then in before.items():
+            now = self.noncache(device)
+            if now is not None:
+                left += max(0, now - then - known.get(device, 0))
+        return left
+
+    def after(self, key: Any, before: dict[int, int], result: Any) -> int:
+        """Hold the task's growth against ``key``; return its residue (bytes left behind
+        beyond its known result: 0 when the result's type is unknown)."""
+        known = device_nbytes(result) if knows(result) else None
+        held: dict[int, int] = {}
+        residue = 0
+        for device, then in before.items():
+            now = self.noncache(device)
+            if now is None:
+                continue
+            grew = max(0, now - then)
+            size = known.get(device, 0) if known is not None else grew
+            held[device] = max(grew, size)
+            residue += max(0, grew - size)
+            with self._lock:
+                self._settled[device] = now
+        with self._lock:
+            self._measured[key] = held
+        return residue
+
+    # --- on the event loop ----------------------------------------------------------------
+
+    def held(self, key: Any, value: Any) -> dict[int, int]:
+        """What ``key`` holds: measured at production, else known from its type."""
+        with self._lock:
+            measured = self._measured.pop(key, None)
+        known = device_nbytes(value) if value is not None else {}
+        if measured is None:
+            return known
+        return {d: max(measured.get(d, 0), known.get(d, 0)) for d in {*measured, *known}}
+
+    def arrived(self, value: Any, idle: set[int]) -> dict[int, int]:
+        """What data from a peer holds: its type's figure, else the growth on idle
+        devices since the last explained reading."""
+        if knows(value):
+            return device_nbytes(value)
+        out = {}
+        for device in idle:
+            now = self.noncache(device)
+            with self._lock:
+                then = self._settled.get(device)
+                if now is not None:
+                    self._settled[device] = now
+            if now is not None and then is not None and now > then:
+                out[device] = now - then
+        return out
+
+    def settle(self, device: int, noncache: int | None) -> None:
+        """Everything on ``device`` is explained now (a check found no leak there)."""
+        with self._lock:
+            if noncache is None:
+                self._settled.pop(device, None)
+            else:
+                self._settled[device] = noncache
+
+    def forget(self, device: int) -> None:
+        """Memory on ``device`` changed unmeasured (a key released): no base to compare."""
+        with self._lock:
+            self._settled.pop(device, None)

@@ -1,0 +1,153 @@
+"""Device memory accounted by measurement: results of types accelsched knows nothing
+about (as cudf frames, torch tensors) are held, not leaked, where they are made and where
+they move; a real leak beside them is caught, attributed to its step, and restarts only
+its worker. Real nanny workers on fake GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import dask
+import pytest
+from distributed import Nanny
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.devices.arrays import knows
+from accelsched.leak import Attribution
+from accelsched.testing import device_alloc
+from tests.utils import events, gpus, wait_for
+
+pytestmark = pytest.mark.usefixtures("fake_gpus_2")
+
+MiB = 2**20
+FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
+
+
+class Frame:
+    """Stands in for a cudf.DataFrame: device memory behind a type with no rule anywhere
+    (no ``device_nbytes`` registration, no array protocol, not from a GPU library)."""
+
+    def __init__(self, nbytes: int, value: int) -> None:
+        self.payload = device_alloc(nbytes, value=value)  # moves (reallocated) with it
+
+    @property
+    def value(self) -> int:
+        return self.payload.value
+
+
+@accelsched.gpu
+def make_frame(nbytes: int, value: int) -> Frame:
+    return Frame(nbytes, value)
+
+
+@accelsched.gpu
+def warm_up() -> int:
+    """A first GPU task: the process gets its CUDA context, as real GPU work does."""
+    device_alloc(MiB)
+    return 0
+
+
+@accelsched.gpu
+def leaky(i: int) -> int:
+    device_alloc(512 * MiB, leak=True)
+    return i
+
+
+def cvd(value: str) -> tuple[str, int, dict]:
+    return ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": value}})
+
+
+def test_an_unknown_type_is_not_known() -> None:
+    assert not knows(object()) and not knows(Frame.__new__(Frame))
+    assert knows(1) and knows("x") and knows([1, 2.0])
+    np = pytest.importorskip("numpy")
+    assert knows(np.zeros(3))
+
+
+def test_attribution_ranks_by_bytes() -> None:
+    a = Attribution()
+    for prefix, n in [("load", 0), ("clean", 10), ("train", 500), ("clean", 20), ("x", -5)]:
+        a.record(prefix, n)
+    assert a.ranked() == [("train", 500), ("clean", 30)]
+    a.clear()
+    assert a.ranked() == []
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0"), cvd("1")], timeout=90)
+async def test_opaque_results_are_held_where_made_and_where_moved(c, s, a, b):
+    await accelsched.register(c, **FAST)
+    A, B = a.worker_address, b.worker_address
+    await wait_for(lambda: gpus(s, A) == 1 and gpus(s, B) == 1)
+    await c.gather([c.submit(warm_up, workers=[w], pure=False) for w in (A, B)])
+    # a 1 GiB result of an unknown type, kept on A: measured when made, held, not leaked
+    frame = c.submit(make_frame, 1024 * MiB, 7, workers=[A], key="frame")
+    await frame
+    await asyncio.sleep(0.6)  # six checks
+    assert not events(s, "leak"), (events(s), A, B)
+    # it moves to B as data (a transfer): measured on arrival there, held, not leaked
+    await c.replicate([frame], n=2)
+    await wait_for(lambda: len(s.tasks["frame"].who_has or ()) == 2)
+    await asyncio.sleep(0.6)
+    assert not events(s, "leak") and not events(s, "restart")
+
+    # a real leak beside it, on B: caught, named, and only B restarts
+    await c.submit(leaky, 1, workers=[B], key="leaky-1")
+    await wait_for(lambda: events(s, "restart"), timeout=30)
+    (leak,) = events(s, "leak")
+    assert leak["worker"] == B and list(leak["prefixes"]) == ["leaky"]
+    assert leak["attributed"]["leaky"] >= 512 * MiB and leak["unexplained"] < 256 * MiB
+    # the restart moved B's copies to A; memory following keys causes no cascade
+    await wait_for(lambda: len(s.workers) == 2 and B not in s.workers)
+    await asyncio.sleep(1.0)
+    assert len(events(s, "leak")) == 1 and len(events(s, "restart")) == 1
+    assert not events(s, "quarantine") and not events(s, "restart-deferred")
+    assert (await frame).value == 7
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0"), cvd("1")], timeout=90)
+async def test_leak_inside_a_fused_task_is_named_by_its_step(c, s, a, b):
+    """Five step types fused into one task per block; one leaks: it is named first."""
+    da = pytest.importorskip("dask.array")
+    await accelsched.register(c, **FAST)
+    await wait_for(lambda: gpus(s, a.worker_address) == 1 and gpus(s, b.worker_address) == 1)
+    x = da.ones((40, 10), chunks=(10, 10))
+    steps = [step_load, step_clean, step_scale, step_leak, step_total]
+    y = x
+    for step in steps:
+        y = y.map_blocks(step, dtype="f8")
+    with dask.config.set({"optimization.fuse.active": None}):
+        await c.compute(y.sum())
+    await wait_for(lambda: events(s, "leak"), timeout=30)
+    assert all(e["prefixes"][0] == "step_leak" for e in events(s, "leak"))
+
+
+def _scratch(block):  # type: ignore[no-untyped-def]
+    device_alloc(int(block.nbytes) * 1000)  # a temporary: back to the pool at once
+    return block
+
+
+@accelsched.gpu
+def step_load(block):  # type: ignore[no-untyped-def]
+    return _scratch(block)
+
+
+@accelsched.gpu
+def step_clean(block):  # type: ignore[no-untyped-def]
+    return _scratch(block)
+
+
+@accelsched.gpu
+def step_scale(block):  # type: ignore[no-untyped-def]
+    return _scratch(block) * 2
+
+
+@accelsched.gpu
+def step_leak(block):  # type: ignore[no-untyped-def]
+    device_alloc(160 * MiB, leak=True)
+    return _scratch(block)
+
+
+@accelsched.gpu
+def step_total(block):  # type: ignore[no-untyped-def]
+    return _scratch(block) + 1
