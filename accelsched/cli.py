@@ -56,6 +56,8 @@ def print_events(address: str, actions: list[str] | None, out: TextIO) -> int:
         info = client.scheduler_info(n_workers=-1)["workers"]
         names = {addr: str(w["name"]) for addr, w in info.items()}
         for stamp, msg in client.get_events(events.TOPIC):
+            if not isinstance(msg, dict) or msg.get("action") not in events.ACTIONS:
+                continue  # any client may log to any topic: not one of ours
             if actions and msg["action"] not in actions:
                 continue
             when = time.strftime("%H:%M:%S", time.localtime(stamp))

@@ -19,13 +19,12 @@ is a GPU task, with no ``dask.annotate`` (see :mod:`accelsched.marks`).
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
 from accelsched.context import current_lease, released
-from accelsched.fallback import parse_task_timeout
+from accelsched.fallback import invalid_amount, parse_task_timeout
 from accelsched.marks import Mark
 
 __all__ = ["dual", "Dual", "gpu", "GPUStep"]
@@ -68,6 +67,10 @@ class Dual(Generic[R]):
                 )
         with released():  # the CPU form sees no GPU: array_module() is numpy
             return self.cpu_fn(*args, **kwargs)
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        """As a method: bound to its instance, and still marked (a partial of this)."""
+        return self if obj is None else functools.partial(self, obj)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Dual, (self.gpu_fn, self.cpu_fn))
@@ -116,6 +119,10 @@ class GPUStep(Generic[R]):
             return self.fn(*args, **kwargs)
         return lease.run_step(_name(self.fn), lambda: self.fn(*args, **kwargs))
 
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        """As a method: bound to its instance, and still marked (a partial of this)."""
+        return self if obj is None else functools.partial(self, obj)
+
     def __reduce__(self) -> str | tuple[Any, ...]:
         # ``@gpu`` on a module-level function puts this object where the function was:
         # pickled by name, as the function itself would be (its own name now finds this)
@@ -132,12 +139,7 @@ class GPUStep(Generic[R]):
 
 
 def _gpu_mark(count: Any, fallback_timeout: Any, given: bool) -> Mark:
-    if (
-        isinstance(count, bool)
-        or not isinstance(count, (int, float))
-        or not math.isfinite(count)
-        or count <= 0
-    ):
+    if invalid_amount(count) is not None:
         raise ValueError(f"gpu(): invalid count={count!r}: expected a positive number of GPUs")
     timeout = parse_task_timeout(fallback_timeout) if given else None
     return Mark(count=count, timeout=timeout, timeout_given=given)

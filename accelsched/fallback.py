@@ -8,6 +8,7 @@ the policy answers with the reason to fall back, or None to keep waiting.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +49,12 @@ def invalid_amount(amount: Any) -> str | None:
     Zero, negative, NaN and infinite amounts would match GPU-less or every worker in
     plain distributed, or none at all; they err instead, naming the value.
     """
-    ok = isinstance(amount, (int, float)) and not isinstance(amount, bool)
-    if ok and 0 < amount < float("inf"):
-        return None
+    ok = isinstance(amount, numbers.Real) and not isinstance(amount, bool)
+    try:
+        if ok and 0 < float(amount) < float("inf"):
+            return None
+    except (OverflowError, ValueError):
+        pass
     return f"invalid resources={{'GPU': {amount!r}}}: expected a positive, finite number of GPUs"
 
 

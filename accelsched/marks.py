@@ -12,6 +12,8 @@ no distributed import, and no dask internals (the walk goes by attributes).
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,9 @@ MARK_ATTRIBUTE = "__accelsched_gpu__"
 
 #: At most this many objects are looked at per task: a task is a small tree of calls,
 #: and the walk must never cost what the task's data would (arrays are never entered).
-MAX_VISITS = 2000
+MAX_VISITS = 1000
+#: Of a long list or dict argument, only this many items are looked at: data, not calls.
+MAX_ITEMS = 64
 
 _NO_TIMEOUT: Any = None
 
@@ -40,7 +44,7 @@ class Mark:
 
 
 def mark_of(obj: Any) -> Mark | None:
-    """The mark ``obj`` carries itself, if any (never raises: any object may be asked)."""
+    """The mark ``obj`` carries, if any (never raises: any object may be asked)."""
     try:
         mark = getattr(obj, MARK_ATTRIBUTE, None)
     except Exception:
@@ -51,10 +55,10 @@ def mark_of(obj: Any) -> Mark | None:
 def _children(obj: Any) -> Iterator[Any]:
     """What a task node or a callable nests: calls, their arguments, composed functions."""
     if isinstance(obj, dict):
-        yield from obj.values()
+        yield from itertools.islice(obj.values(), MAX_ITEMS)
         return
     if isinstance(obj, (list, tuple, set, frozenset)):
-        yield from obj
+        yield from itertools.islice(obj, MAX_ITEMS)
         return
     if isinstance(obj, (str, bytes, int, float, complex, bool)) or obj is None:
         return
@@ -68,6 +72,8 @@ def _children(obj: Any) -> Iterator[Any]:
             value = None
         if value is not None:
             yield value
+            if name == "func":  # what is called: an instance whose class's __call__ is marked
+                yield type(value).__dict__.get("__call__")
     for name in ("args", "kwargs", "keywords"):
         try:
             value = getattr(obj, name, None)
@@ -84,11 +90,11 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     step's own fallback timeout counts when only one is given (several: the shortest).
     """
     found: list[Mark] = []
-    stack = [spec]
+    queue = deque([spec])  # breadth first: a task's own function before its arguments'
     seen: set[int] = set()
     visits = 0
-    while stack and visits < max_visits:
-        obj = stack.pop()
+    while queue and visits < max_visits:
+        obj = queue.popleft()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
@@ -97,9 +103,12 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
         if mark is not None:
             found.append(mark)
             continue
-        if hasattr(obj, "__array__") or hasattr(obj, "__cuda_array_interface__"):
-            continue  # data, however large: nothing to call in there
-        stack.extend(_children(obj))
+        try:
+            if hasattr(obj, "__array__") or hasattr(obj, "__cuda_array_interface__"):
+                continue  # data, however large: nothing to call in there
+            queue.extend(_children(obj))
+        except Exception:  # an object whose attributes misbehave: nothing to learn there
+            continue
     if not found:
         return None
     given = [m.timeout for m in found if m.timeout_given]

@@ -12,6 +12,10 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
     A guard reports the devices it verified through NVML and the GPU count it asks for
     (:class:`InventoryRequest`); the reply (:class:`InventoryReply`) lists the UUIDs the
     scheduler granted.
+``accelsched_offer`` (:data:`OFFER_HANDLER`)
+    A guard says how many of its granted GPUs it offers now (fewer while one is
+    withdrawn as unhealthy) (:class:`OfferRequest`). The scheduler places against the
+    smaller of this and the grant; ``set_resources`` calls cannot change it.
 ``accelsched_restart`` (:data:`RESTART_HANDLER`)
     A guard asks for its own worker to be restarted (:class:`RestartRequest`); the reply
     (:class:`RestartReply`) says whether the restart was accepted.
@@ -39,6 +43,7 @@ __all__ = [
     "GUARD_PLUGIN",
     "INVENTORY_HANDLER",
     "RESTART_HANDLER",
+    "OFFER_HANDLER",
     "REPORT_HANDLER",
     "CONFIRM_HANDLER",
     "TIMEOUT_ANNOTATION",
@@ -48,6 +53,8 @@ __all__ = [
     "InventoryRequest",
     "InventoryReply",
     "RestartRequest",
+    "OfferRequest",
+    "OfferReply",
     "RestartReply",
     "RestartStatus",
     "ReportReply",
@@ -64,6 +71,7 @@ GUARD_PLUGIN: Final = "accelsched-guard"
 
 INVENTORY_HANDLER: Final = "accelsched_inventory"
 RESTART_HANDLER: Final = "accelsched_restart"
+OFFER_HANDLER: Final = "accelsched_offer"
 REPORT_HANDLER: Final = "accelsched_report"
 CONFIRM_HANDLER: Final = "accelsched_confirm"
 
@@ -111,6 +119,21 @@ class InventoryReply(_InventoryReplyBase, total=False):
     did not confirm the request)."""
 
     uuids: list[str]
+
+
+class OfferRequest(TypedDict):
+    """A guard offers ``count`` of its granted GPUs; the worker confirms ``request``."""
+
+    worker: str
+    request: str
+    count: int
+
+
+class OfferReply(TypedDict):
+    """``OK`` with the ``count`` placement uses now; else why not (``count`` 0)."""
+
+    status: Literal["OK", "no-plugin", "unknown-worker", "refused", "invalid"]
+    count: int
 
 
 class RestartRequest(TypedDict):

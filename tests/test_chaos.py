@@ -107,6 +107,14 @@ def test_chaos_pipeline_over_tls() -> None:
         await wait_for(lambda: _done(s) > 300, timeout=60)
         await c.retire_workers([gpu_workers[1]])
         g.fail(2)  # the third GPU worker's device stops answering NVML
+        third = nannies[2].name  # its address changes if a leak restarts it meanwhile
+        # withdrawn (gpu-unhealthy), or left out by a process started since
+        await wait_for(
+            lambda: any(
+                ws.name == third and ws.resources.get("GPU", 0) == 0 for ws in s.workers.values()
+            ),
+            timeout=30,
+        )
         await wait(kept)
         # the leaks are confirmed once their devices idle; their workers restart,
         # their blocks moving to peers first
@@ -127,7 +135,7 @@ def test_chaos_pipeline_over_tls() -> None:
         assert all(n <= MAX_RESTARTS for n in restarts.values()), restarts
         counts = {"tasks": n_tasks, **Counter(e["action"] for e in events(s))}
         print(f"\nchaos run: {counts}")
-        assert counts.get("leak", 0) >= 1 and counts.get("gpu-unhealthy", 0) == 1
+        assert counts.get("leak", 0) >= 1 and counts.get("gpu-unhealthy", 0) <= 1
 
     with fake_gpus(count=4, memory="16GiB") as g:
         run()

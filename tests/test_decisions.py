@@ -196,3 +196,24 @@ def test_gpu_amounts(amount: float) -> None:
     from accelsched.fallback import invalid_amount
 
     assert invalid_amount(amount) is None
+
+
+# --- when a failing GPU is healthy again ------------------------------------------------
+
+
+def test_a_device_comes_back_after_a_streak_that_doubles_with_each_failure() -> None:
+    from accelsched.health import DeviceHealth
+
+    h = DeviceHealth(streak=3, ceiling=10)
+    assert not h.answered(0)  # healthy: nothing to bring back
+    assert h.failed(0) and not h.failed(0)  # withdrawn once, said once
+    assert [h.answered(0) for _ in range(3)] == [False, False, True]
+    assert h.failed(0) and h.needed(0) == 6
+    assert [h.answered(0) for _ in range(5)] == [False] * 5
+    assert not h.failed(0)  # a failure mid-streak: still out, streak starts over
+    assert [h.answered(0) for _ in range(6)] == [False] * 5 + [True]
+    h.failed(0)
+    assert h.needed(0) == 10  # the ceiling
+    assert h.failed(1) and h.needed(1) == 3  # devices apart
+    with pytest.raises(ValueError):
+        DeviceHealth(streak=0)

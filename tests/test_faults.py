@@ -95,8 +95,10 @@ def busy_device(worker) -> int:  # type: ignore[no-untyped-def]
     return devices[0]
 
 
-@pytest.mark.parametrize("recover", [True, False])
-def test_failing_gpu_is_withdrawn_once_and_offered_again(recover: bool) -> None:
+@pytest.mark.parametrize(
+    "calls, recover", [("all", True), ("all", False), ("memory", True), ("processes", True)]
+)
+def test_failing_gpu_is_withdrawn_once_and_offered_again(calls: str, recover: bool) -> None:
     @gen_cluster(client=True, nthreads=[("127.0.0.1", 4, {"resources": {"GPU": 2}})], timeout=60)
     async def run(c, s, a):  # type: ignore[no-untyped-def]
         await accelsched.register(
@@ -110,7 +112,7 @@ def test_failing_gpu_is_withdrawn_once_and_offered_again(recover: bool) -> None:
         with dask.annotate(resources={"GPU": 2}):
             two = c.submit(accelsched.current_device, key="two")  # assigned, waits for one
         await wait_for(lambda: "two" in a.state.tasks)
-        g.fail(1 - held)  # in-process workers see every GPU: CUDA index = NVML index
+        g.fail(1 - held, calls)  # in-process workers see every GPU: CUDA index = NVML index
 
         await wait_for(lambda: gpus(s, a.address) == 1)
         # the 2-GPU task no longer fits here: back to the scheduler, not stranded
@@ -125,6 +127,7 @@ def test_failing_gpu_is_withdrawn_once_and_offered_again(recover: bool) -> None:
         await asyncio.sleep(0.5)  # ten checks
         (unhealthy,) = events(s, "gpu-unhealthy")
         assert unhealthy["device"] == 1 - held and "Unknown" in unhealthy["error"]
+        assert gpus(s, a.address) == 1  # still one fewer, whatever the fault's kind
         # no nanny: the restart is deferred, and the worker is not quarantined for it
         assert [e["reason"] for e in events(s, "restart-deferred")] == ["no-nanny"]
         assert not events(s, "quarantine")
@@ -178,6 +181,25 @@ def test_lost_gpu_restarts_its_worker_losslessly() -> None:
         with dask.annotate(resources={"GPU": 1}):
             assert await c.submit(accelsched.current_device, key="after") == 0
         assert s.tasks["after"].who_has == {s.workers[b.worker_address]}
+
+    with fake_gpus(2) as g:
+        run()
+
+
+def test_a_flapping_gpu_is_reported_once_and_kept_out() -> None:
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 2, {"resources": {"GPU": 2}})], timeout=60)
+    async def run(c, s, a):  # type: ignore[no-untyped-def]
+        await accelsched.register(c, check_interval="50ms")
+        await wait_for(lambda: gpus(s, a.address) == 2)
+        for _ in range(16):  # fails and answers by turns, faster than it may come back
+            g.fail(1)
+            await asyncio.sleep(0.06)
+            g.recover(1)
+            await asyncio.sleep(0.06)
+        assert len(events(s, "gpu-unhealthy")) == 1
+        assert not events(s, "gpu-recovered") and gpus(s, a.address) == 1
+        await wait_for(lambda: events(s, "gpu-recovered"), timeout=10)  # steady: back
+        await wait_for(lambda: gpus(s, a.address) == 2)
 
     with fake_gpus(2) as g:
         run()

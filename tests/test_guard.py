@@ -191,9 +191,8 @@ async def test_only_a_worker_can_ask_for_its_own_restart(c, s, a, b):
             assert reply["status"] == "refused"
     await asyncio.sleep(0.3)
     assert not events(s, "restart") and len(s.workers) == 2
-    refused = events(s, "request-refused")
-    assert [e["worker"] for e in refused] == [a.worker_address] * 2
-    assert {e["handler"] for e in refused} == {"accelsched_restart"}
+    (refused,) = events(s, "request-refused")  # the second within the minute: counted
+    assert refused["worker"] == a.worker_address and refused["handler"] == "accelsched_restart"
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)

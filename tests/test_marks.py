@@ -175,3 +175,45 @@ async def test_marked_steps_fall_back_by_their_own_or_the_default_timeout(c, s, 
     assert "strict" not in reasons
     assert sum(1 for r in reasons.values() if r in ("timeout", "chain")) >= 4
     del waiting
+
+
+class Model:
+    @accelsched.gpu
+    def predict(self, x):  # type: ignore[no-untyped-def]
+        return (x, accelsched.current_device())
+
+    @accelsched.gpu(count=2)
+    def __call__(self, x):  # type: ignore[no-untyped-def]
+        return x
+
+
+class AttrDict(dict):
+    """Attribute access raises KeyError: the walk must shrug, not fail the submission."""
+
+    __getattr__ = dict.__getitem__
+
+
+def test_methods_and_callable_instances_stay_marked() -> None:
+    m = Model()
+    assert m.predict(3) == (3, None) and m(4) == 4  # bound, on the host
+    assert find_mark(Task("k", m.predict, 1)) == Mark(count=1)
+    assert find_mark(Task("k", m, 1)) == Mark(count=2)
+    assert pickle.loads(pickle.dumps(m.predict))(5) == (5, None)
+
+
+def test_the_task_function_is_found_before_long_arguments() -> None:
+    assert find_mark(Task("k", step, list(range(5000)))) == Mark(count=1)
+    assert find_mark(Task("k", host, list(range(5000)) + [step])) is None  # data, not calls
+    assert find_mark(functools.partial(host, AttrDict(a=1))) is None
+    assert find_mark(Task("k", step, AttrDict(a=1))) == Mark(count=1)
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0")], timeout=60)
+async def test_an_odd_neighbour_costs_no_task_its_mark(c, s, gpu):
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, gpu.worker_address) == 1)
+    odd = c.submit(functools.partial(host, AttrDict(a=1)), key="odd")
+    marked = c.submit(accelsched.gpu(device_now), 1, key="marked")
+    long = c.submit(accelsched.gpu(device_now), list(range(3000)), key="long")
+    assert await marked == 0 and await long == 0 and await odd == {"a": 1}

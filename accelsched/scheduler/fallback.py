@@ -119,7 +119,13 @@ class Fallback:
         """An invalid task waits on an unsatisfiable resource and errs alone at the next
         check, naming the value; its neighbours keep their own annotations."""
         self.invalid[ts.key] = problem
-        internals.set_resource_restrictions(ts, {**ts.resource_restrictions, INVALID_RESOURCE: 1})
+        # only what distributed can compare stays beside the unsatisfiable resource
+        kept = {
+            name: amount
+            for name, amount in (ts.resource_restrictions or {}).items()
+            if invalid_amount(amount) is None
+        }
+        internals.set_resource_restrictions(ts, {**kept, INVALID_RESOURCE: 1})
 
     def transition(self, key: Any, finish: str) -> None:
         """Forget a forgotten task; check soon when a timed task becomes unrunnable.

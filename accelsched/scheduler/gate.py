@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals, metrics
@@ -28,10 +29,12 @@ from accelsched.protocol import (
     GPU,
     GUARD_PLUGIN,
     INVENTORY_HANDLER,
+    OFFER_HANDLER,
     REPORT_HANDLER,
     ConfirmReply,
     DeviceRecord,
     InventoryReply,
+    OfferReply,
 )
 
 if TYPE_CHECKING:
@@ -41,6 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["Gate"]
 
 logger = logging.getLogger(__name__)
+
+#: At most one ``request-refused`` event per worker and handler this often (seconds).
+REFUSED_EVERY = 60.0
 
 Emit = Callable[..., None]
 
@@ -54,6 +60,8 @@ class Gate:
         self.granted: dict[str, list[DeviceRecord]] = {}  # worker -> devices granted
         self.refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
         self.declared: dict[str, float] = {}  # worker -> GPU count it registered with
+        self.offered: dict[str, int] = {}  # worker -> granted GPUs its guard offers now
+        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last, since)
         self.quarantined: dict[str, str] = {}  # worker -> reason
         self._emit = emit
         self._active = active
@@ -68,6 +76,7 @@ class Gate:
         """
         self.scheduler = scheduler
         internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
+        internals.install_handler(scheduler, OFFER_HANDLER, self.handle_offer)
         internals.wrap_set_resources(scheduler, self.set_resources)
         for ws in list(scheduler.workers.values()):
             self.add_worker(ws)
@@ -93,6 +102,7 @@ class Gate:
         count as it was declared."""
         assert self.scheduler is not None
         internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
+        internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
         internals.restore_set_resources(self.scheduler)
         for addr, count in self.declared.items():
             ws = self.scheduler.workers.get(addr)
@@ -111,6 +121,7 @@ class Gate:
                 internals.spawn(self.scheduler, self._ask_report, other)
         self.granted.pop(worker, None)
         self.declared.pop(worker, None)
+        self.offered.pop(worker, None)
         self.quarantined.pop(worker, None)
         self.update_gauge()
 
@@ -139,15 +150,26 @@ class Gate:
                 logger.debug("accelsched: %s could not confirm a request: %r", worker, exc)
         if isinstance(reply, dict) and reply.get("confirmed") is True:
             return True
-        peer = getattr(comm, "peer_address", None)
+        self._refused_request(worker, handler, str(getattr(comm, "peer_address", None)))
+        return False
+
+    def _refused_request(self, worker: str, handler: str, peer: str) -> None:
+        """Log a refusal; a flood of them (forged in a loop) logs one a minute per worker
+        and handler, with how many it stands for, so it cannot push other events out."""
+        now = monotonic()
+        key = (worker, handler)
+        last, suppressed = self._refusals.get(key, (None, 0))
+        if last is not None and now - last < REFUSED_EVERY:
+            self._refusals[key] = (last, suppressed + 1)
+            return
+        self._refusals[key] = (now, 0)
         logger.warning(
             "accelsched: refused %s naming %s from %s: that worker did not send it",
             handler,
             worker,
             peer,
         )
-        self._emit(events.REQUEST_REFUSED, worker, handler=handler, peer=str(peer))
-        return False
+        self._emit(events.REQUEST_REFUSED, worker, handler=handler, peer=peer, repeats=suppressed)
 
     async def handle_inventory(
         self,
@@ -217,25 +239,65 @@ class Gate:
             return 0
         return len(self.granted.get(worker, ()))
 
+    def placed_gpus(self, worker: str) -> int:
+        """The GPU count placement uses: what the guard offers, within the grant."""
+        return min(self.offered.get(worker, 0), self.allowed_gpus(worker))
+
+    async def handle_offer(
+        self, comm: Any, worker: str, request: str = "", count: Any = 0
+    ) -> OfferReply:
+        """A guard offers ``count`` of its granted GPUs (fewer while one is withdrawn)."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if not self._active():
+            return {"status": "no-plugin", "count": 0}
+        if worker not in scheduler.workers:
+            return {"status": "unknown-worker", "count": 0}
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            return {"status": "invalid", "count": 0}
+        if not await self.confirmed(comm, worker, request, OFFER_HANDLER):
+            return {"status": "refused", "count": 0}
+        ws = scheduler.workers.get(worker)
+        if ws is None:
+            return {"status": "unknown-worker", "count": 0}
+        self.offered[worker] = count
+        self._place(ws)
+        return {"status": "OK", "count": self.placed_gpus(worker)}
+
+    def _place(self, ws: WorkerState) -> None:
+        """Set the worker's GPU count to :meth:`placed_gpus`; offer or send back tasks."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        after = self.placed_gpus(ws.address)
+        if GPU not in ws.resources and not after:
+            return  # never declared, nothing granted: stays out of the GPU resource
+        before = ws.resources.get(GPU, 0)
+        internals.set_worker_gpus(scheduler, ws, after)
+        if after > before:
+            internals.offer_unrunnable(scheduler, ws)
+        elif after < before:  # a device withdrawn: what no longer fits goes elsewhere
+            internals.release_unfit(scheduler, ws, after)
+
     def set_resources(
         self, original: Callable[..., Any], worker: str, resources: dict | None
     ) -> Any:
-        """distributed's ``set_resources`` handler, with GPU clamped to the grant."""
+        """distributed's ``set_resources`` handler; the GPU figure is the gate's own.
+
+        Anyone can call ``set_resources`` naming any worker, so a ``GPU`` value in it
+        counts for nothing: placement uses what the worker's guard offered (confirmed)
+        within its grant. Other resources pass through.
+        """
         scheduler = self.scheduler
         assert scheduler is not None
         ws = scheduler.workers.get(worker)
         if ws is None or not self._active():  # unregistered: distributed's own behaviour
             return original(worker=worker, resources=resources)
         resources = dict(resources or {})
-        before = ws.resources.get(GPU, 0)
-        if GPU in resources or GPU in ws.resources:
-            resources[GPU] = min(resources.get(GPU, 0), self.allowed_gpus(worker))
+        resources.pop(GPU, None)
+        if GPU in ws.resources:
+            resources[GPU] = ws.resources[GPU]  # kept as the gate set it
         result = internals.apply_resources(original, scheduler, worker, resources)
-        after = resources.get(GPU, 0)
-        if after > before:
-            internals.offer_unrunnable(scheduler, ws)
-        elif after < before:  # a device withdrawn: what no longer fits goes elsewhere
-            internals.release_unfit(scheduler, ws, after)
+        self._place(ws)
         return result
 
     def quarantine(self, worker: str, reason: str) -> None:

@@ -22,11 +22,13 @@ from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.inventory import Claim, decide_claim, declared_count, owned
 from accelsched.protocol import (
     INVENTORY_HANDLER,
+    OFFER_HANDLER,
     RESTART_HANDLER,
     ConfirmReply,
     DeviceRecord,
     InventoryReply,
     InventoryRequest,
+    OfferRequest,
     ReportReply,
     RestartReply,
     RestartRequest,
@@ -123,6 +125,17 @@ class Inventory:
         assert worker is not None
         usable = [d.index for d in self.granted if d.index not in self.withdrawn]
         on_usable(usable)
+        request: OfferRequest = {
+            "worker": str(worker.contact_address),
+            "request": self._new_request(),
+            "count": len(usable),
+        }
+        try:
+            await getattr(worker.scheduler, OFFER_HANDLER)(**request)
+        except Exception as exc:  # no PlacementPlugin: the worker's own count only
+            logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
+        finally:
+            self.pending.discard(request["request"])
         if usable or self.granted or internals.advertises_gpus(worker):
             await internals.set_own_gpus(worker, len(usable))
         return usable

@@ -22,6 +22,7 @@ from accelsched.binding import LeaseTable
 from accelsched.config import Threshold
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
+from accelsched.health import DeviceHealth
 from accelsched.leak import Attribution, Baseline, LeakDetector, LeakReports, Verdict, estimate
 from accelsched.worker.ledger import Ledger
 
@@ -71,6 +72,7 @@ class LeakCheck:
         self.baselines: dict[int, Baseline] = {}
         self.last_verdicts: list[Verdict] = []
         self.failing: dict[int, DeviceInfo] = {}  # devices withdrawn as unhealthy
+        self.health = DeviceHealth()
         self.ledger = ledger
         self.attribution = Attribution()
         self._attribution_lock = threading.Lock()  # residues come from executor threads
@@ -122,10 +124,12 @@ class LeakCheck:
                 continue
             try:
                 readings[dev.index] = self.monitor.process_memory(dev.index)
+                self.monitor.used(dev.index)  # its memory info, which pools and users read
             except Exception as exc:  # NVMLError: the device stopped answering
+                readings.pop(dev.index, None)
                 self._unhealthy(dev, exc)
                 continue
-            if dev.index in self.failing:
+            if self.health.answered(dev.index):
                 self._recovered(dev)
         busy |= self._busy()
         for dev in self.owned:
@@ -183,17 +187,19 @@ class LeakCheck:
         against the old count that no longer fit go back to the scheduler); a lossless
         restart re-probes the devices, and the new process reports only those that answer.
         """
-        if dev.index in self.failing or dev not in self._granted():
-            return
+        if dev not in self._granted() or not self.health.failed(dev.index):
+            return  # not ours to offer, or withdrawn already: said once
         self.failing[dev.index] = dev
         self._emit(events.GPU_UNHEALTHY, device=dev.index, uuid=dev.uuid, error=repr(exc))
         self._withdraw(dev.index, True)
         self._ask_restart("gpu-unhealthy", 0)
 
     def _recovered(self, dev: DeviceInfo) -> None:
-        """A withdrawn device answers again: offer it again (``recover_gpus``)."""
+        """A withdrawn device answered long enough (:class:`~accelsched.health.DeviceHealth`):
+        offer it again (``recover_gpus``)."""
         if not self.recover:
+            self.health.withdrawn.add(dev.index)  # stays out until the worker restarts
             return
-        del self.failing[dev.index]
+        self.failing.pop(dev.index, None)
         self._emit(events.GPU_RECOVERED, device=dev.index, uuid=dev.uuid)
         self._withdraw(dev.index, False)

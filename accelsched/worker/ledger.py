@@ -73,8 +73,10 @@ class Ledger:
             if now is None:
                 continue
             grew = max(0, now - then)
+            # a known result holds its own size, and what else the run left is residue;
+            # an unknown one holds all the growth (nothing can tell it from a leak)
             size = known.get(device, 0) if known is not None else grew
-            held[device] = max(grew, size)
+            held[device] = size
             residue += max(0, grew - size)
             with self._lock:
                 self._settled[device] = now
