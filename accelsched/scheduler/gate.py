@@ -11,31 +11,28 @@ is never entered into the scheduler's ``GPU`` resource, and unregistering the pl
 every declaration back.
 
 Only a worker speaks for itself: every request names a worker and carries a one-time id,
-which that worker, called back at the address it registered under, must confirm
-(:meth:`Gate.confirmed`).
+which that worker must confirm (:mod:`accelsched.scheduler.authority`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals, metrics
 from accelsched.inventory import OwnershipRegistry
 from accelsched.protocol import (
-    CONFIRM_HANDLER,
     GPU,
     GUARD_PLUGIN,
     INVENTORY_HANDLER,
     OFFER_HANDLER,
     REPORT_HANDLER,
-    ConfirmReply,
     DeviceRecord,
     InventoryReply,
     OfferReply,
 )
+from accelsched.scheduler.authority import Authority
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -44,9 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["Gate"]
 
 logger = logging.getLogger(__name__)
-
-#: At most one ``request-refused`` event per worker and handler this often (seconds).
-REFUSED_EVERY = 60.0
 
 Emit = Callable[..., None]
 
@@ -61,7 +55,7 @@ class Gate:
         self.refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
         self.declared: dict[str, float] = {}  # worker -> GPU count it registered with
         self.offered: dict[str, int] = {}  # worker -> granted GPUs its guard offers now
-        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last, since)
+        self.authority = Authority(emit=emit)
         self.quarantined: dict[str, str] = {}  # worker -> reason
         self._emit = emit
         self._active = active
@@ -75,6 +69,7 @@ class Gate:
         later reports from its own setup).
         """
         self.scheduler = scheduler
+        self.authority.scheduler = scheduler
         internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.install_handler(scheduler, OFFER_HANDLER, self.handle_offer)
         internals.wrap_set_resources(scheduler, self.set_resources)
@@ -134,43 +129,6 @@ class Gate:
 
     # --- the inventory handler -----------------------------------------------------------
 
-    async def confirmed(self, comm: Any, worker: str, request: Any, handler: str) -> bool:
-        """Whether ``worker`` itself sent ``request``: ask it, at its registered address.
-
-        The connection's own address proves nothing either way (a multi-homed worker or
-        one behind NAT connects from another address than it advertises); the callback
-        reaches the process that registered, and only it knows its outstanding ids.
-        """
-        assert self.scheduler is not None
-        reply: ConfirmReply | None = None
-        if isinstance(request, str) and request:
-            try:
-                reply = await getattr(self.scheduler.rpc(worker), CONFIRM_HANDLER)(request=request)
-            except Exception as exc:  # gone, no guard, or not a worker at all
-                logger.debug("accelsched: %s could not confirm a request: %r", worker, exc)
-        if isinstance(reply, dict) and reply.get("confirmed") is True:
-            return True
-        self._refused_request(worker, handler, str(getattr(comm, "peer_address", None)))
-        return False
-
-    def _refused_request(self, worker: str, handler: str, peer: str) -> None:
-        """Log a refusal; a flood of them (forged in a loop) logs one a minute per worker
-        and handler, with how many it stands for, so it cannot push other events out."""
-        now = monotonic()
-        key = (worker, handler)
-        last, suppressed = self._refusals.get(key, (None, 0))
-        if last is not None and now - last < REFUSED_EVERY:
-            self._refusals[key] = (last, suppressed + 1)
-            return
-        self._refusals[key] = (now, 0)
-        logger.warning(
-            "accelsched: refused %s naming %s from %s: that worker did not send it",
-            handler,
-            worker,
-            peer,
-        )
-        self._emit(events.REQUEST_REFUSED, worker, handler=handler, peer=peer, repeats=suppressed)
-
     async def handle_inventory(
         self,
         comm: Any,
@@ -191,7 +149,7 @@ class Gate:
             return {"status": "no-plugin"}
         if worker not in self.scheduler.workers:
             return {"status": "unknown-worker"}
-        if not await self.confirmed(comm, worker, request, INVENTORY_HANDLER):
+        if not await self.authority.confirmed(comm, worker, request, INVENTORY_HANDLER):
             return {"status": "refused"}
         if worker not in self.scheduler.workers:  # it left while it was asked
             return {"status": "unknown-worker"}
@@ -255,7 +213,7 @@ class Gate:
             return {"status": "unknown-worker", "count": 0}
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             return {"status": "invalid", "count": 0}
-        if not await self.confirmed(comm, worker, request, OFFER_HANDLER):
+        if not await self.authority.confirmed(comm, worker, request, OFFER_HANDLER):
             return {"status": "refused", "count": 0}
         ws = scheduler.workers.get(worker)
         if ws is None:

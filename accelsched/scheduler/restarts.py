@@ -82,7 +82,7 @@ class Restarts:
         assert scheduler is not None
         if not self._active():
             return {"status": "no-plugin"}
-        if worker not in scheduler.workers or not await self.gate.confirmed(
+        if worker not in scheduler.workers or not await self.gate.authority.confirmed(
             comm, worker, request, RESTART_HANDLER
         ):
             return {"status": "refused"}

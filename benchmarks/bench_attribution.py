@@ -1,0 +1,136 @@
+"""Leak attribution on simulated GPUs: does the ``leak`` event name the step that leaked?
+
+A pipeline of five GPU step types (``@accelsched.gpu``) over 8 blocks; in each run one
+step type, chosen in turn, leaks 320 MiB on one block. Every step also uses device
+memory the way real steps do (temporaries returned to the pool), so the other four leave
+pool cache behind, not leaks. Two nanny workers with one simulated 16 GiB GPU each; the
+guard checks every 100 ms with a 256 MiB threshold. A run counts as right when the first
+prefix of its ``leak`` event is the leaking step. Both graph shapes are run: fused (dask's
+default: all five steps in one task per block, measured step by step inside it) and
+unfused (one task per step).
+
+Usage::
+
+    python benchmarks/bench_attribution.py [--runs 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+import accelsched
+from accelsched.testing import device_alloc, fake_gpus
+
+MiB = 2**20
+STEPS = ["load", "clean", "scale", "join", "total"]
+
+
+def _work(block: np.ndarray, stage: int, leaks: bool) -> np.ndarray:
+    device_alloc(64 * MiB)  # a temporary: back to the pool when the step returns
+    if leaks and block[0, 0] == stage:  # block 0 (each stage adds 1): one leak a run
+        device_alloc(320 * MiB, leak=True)
+    return block + 1
+
+
+def _step(name: str) -> Any:
+    stage = STEPS.index(name)
+
+    def step(block: np.ndarray, leaky: str = "") -> np.ndarray:
+        return _work(block, stage, leaks=leaky == name)
+
+    step.__name__ = step.__qualname__ = name
+    return accelsched.gpu(step)
+
+
+load, clean, scale, join, total = (_step(name) for name in STEPS)
+
+
+def pipeline(leaky: str) -> da.Array:
+    x = da.arange(8 * 4 * 4, chunks=16).reshape((32, 4)).rechunk((4, 4)).astype("f8")
+    x = x - x.min()  # block 0 starts at 0
+    for step in (load, clean, scale, join, total):
+        x = x.map_blocks(step, leaky=leaky, dtype="f8")
+    return x.sum()
+
+
+def run(runs: int, fused: bool, client: Client) -> dict[str, Any]:
+    right = 0
+    named: list[tuple[str, list[str]]] = []
+    for i in range(runs):
+        leaky = STEPS[i % len(STEPS)]
+        since = time.time()
+        with dask.config.set({"optimization.fuse.active": None if fused else False}):
+            client.compute(pipeline(leaky)).result()
+        deadline = time.monotonic() + 30
+        leak = None
+        while leak is None and time.monotonic() < deadline:
+            leaks = [m for t, m in client.get_events("accelsched") if t >= since]
+            leak = next((m for m in leaks if m["action"] == "leak"), None)
+            time.sleep(0.05)
+        prefixes = list(leak["prefixes"]) if leak else []
+        named.append((leaky, prefixes))
+        right += bool(prefixes) and prefixes[0] == leaky
+        # wait for the restart to finish before the next run
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if len(client.scheduler_info(n_workers=-1)["workers"]) == 2 and any(
+                m["action"] == "restart" for t, m in client.get_events("accelsched") if t >= since
+            ):
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)  # the restarted worker verifies its GPU
+    return {"runs": runs, "right": right, "named": named}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    out: dict[str, Any] = {}
+    with fake_gpus(count=2, memory="16GiB"):
+        workers = {
+            f"gpu-{i}": {
+                "cls": Nanny,
+                "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": str(i)}},
+            }
+            for i in range(2)
+        }
+        scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+        with (
+            SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR) as cl,
+            Client(cl) as client,
+        ):
+            accelsched.register(
+                client,
+                check_interval="100ms",
+                leak_threshold="256MiB",
+                leak_confirmations=2,
+                max_restarts=1000,
+            )
+            client.wait_for_workers(2)
+            time.sleep(1)
+            for fused in (True, False):
+                label = "fused" if fused else "unfused"
+                out[label] = run(args.runs, fused, client)
+                r = out[label]
+                print(f"{label:8s} right in {r['right']}/{r['runs']} runs")
+                for leaky, prefixes in r["named"]:
+                    if not prefixes or prefixes[0] != leaky:
+                        print(f"   leaked in {leaky!r}, named {prefixes}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
