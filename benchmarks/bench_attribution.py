@@ -78,6 +78,11 @@ def run(runs: int, fused: bool, client: Client) -> dict[str, Any]:
             time.sleep(0.05)
         prefixes = list(leak["prefixes"]) if leak else []
         named.append((leaky, prefixes))
+        print(
+            f"  run {i + 1}: leaked in {leaky}, named {prefixes} "
+            f"({time.time() - since:.1f}s)",
+            flush=True,
+        )
         right += bool(prefixes) and prefixes[0] == leaky
         # wait for the restart to finish before the next run
         deadline = time.monotonic() + 30
@@ -119,6 +124,10 @@ def main() -> None:
             )
             client.wait_for_workers(2)
             time.sleep(1)
+            # a first GPU task on each worker: its CUDA context, as any real GPU work makes
+            warm = accelsched.gpu(lambda: device_alloc(MiB) and None)
+            addrs = list(client.scheduler_info()["workers"])
+            client.gather([client.submit(warm, workers=[w], pure=False) for w in addrs])
             for fused in (True, False):
                 label = "fused" if fused else "unfused"
                 out[label] = run(args.runs, fused, client)
