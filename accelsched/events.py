@@ -23,13 +23,16 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
 ``leak`` (worker)
     A worker's device memory, net of live results and pool caches, stayed above the
     threshold. ``device``, ``nbytes``, ``threshold``, ``checks`` (consecutive checks
-    above it), ``prefixes`` (task prefixes run since the last clean check). Reported
+    above it), ``prefixes`` (the steps whose measured runs left memory behind, most
+    first; else every task prefix run since the last clean check), ``attributed``
+    (``{step: bytes}``), ``unexplained`` (bytes no measured run accounts for). Reported
     once per leak (again only if it grows by another threshold).
 ``restart`` (scheduler)
     A worker was drained, retired (its data moved to peers) and restarted through its
     nanny. ``reason``, ``moved`` (keys it held), ``seconds`` (request to restart).
 ``restart-deferred`` (scheduler)
-    A restart was wanted but cannot happen without loss now; the worker is quarantined
+    A restart was wanted but cannot happen without loss now; a leaking worker is
+    quarantined (one asking for an unhealthy device is not: that device is withdrawn)
     and the guard asks again at its next confirmed leak. ``reason`` (``"no-peer"``,
     ``"no-nanny"``, ``"busy"``, ``"retire-failed"``, ``"concurrency"``,
     ``"restart-failed: ..."``). Said once per reason.

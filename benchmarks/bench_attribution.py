@@ -62,6 +62,24 @@ def pipeline(leaky: str) -> da.Array:
     return x.sum()
 
 
+def _ready(dask_scheduler: Any) -> int:
+    """Workers running with their GPU verified and placed."""
+    return sum(1 for w in dask_scheduler.running if w.resources.get("GPU", 0) >= 1)
+
+
+def _state(dask_scheduler: Any) -> Any:
+    from collections import Counter
+
+    return (
+        Counter(ts.state for ts in dask_scheduler.tasks.values()),
+        {
+            a: (str(w.status), dict(w.resources), len(w.processing))
+            for a, w in dask_scheduler.workers.items()
+        },
+        [str(w.address) for w in dask_scheduler.running],
+    )
+
+
 def run(runs: int, fused: bool, client: Client) -> dict[str, Any]:
     right = 0
     named: list[tuple[str, list[str]]] = []
@@ -69,7 +87,13 @@ def run(runs: int, fused: bool, client: Client) -> dict[str, Any]:
         leaky = STEPS[i % len(STEPS)]
         since = time.time()
         with dask.config.set({"optimization.fuse.active": None if fused else False}):
-            client.compute(pipeline(leaky)).result()
+            try:
+                client.compute(pipeline(leaky)).result(timeout=60)
+            except TimeoutError:
+                for _, m in client.get_events("accelsched")[-12:]:
+                    print("   ", accelsched.events.describe(m))
+                print(client.run_on_scheduler(_state))
+                raise
         deadline = time.monotonic() + 30
         leak = None
         while leak is None and time.monotonic() < deadline:
@@ -79,20 +103,20 @@ def run(runs: int, fused: bool, client: Client) -> dict[str, Any]:
         prefixes = list(leak["prefixes"]) if leak else []
         named.append((leaky, prefixes))
         print(
-            f"  run {i + 1}: leaked in {leaky}, named {prefixes} "
-            f"({time.time() - since:.1f}s)",
+            f"  run {i + 1}: leaked in {leaky}, named {prefixes} ({time.time() - since:.1f}s)",
             flush=True,
         )
         right += bool(prefixes) and prefixes[0] == leaky
-        # wait for the restart to finish before the next run
+        # the next run starts once the restart is over: both workers running, verified
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if len(client.scheduler_info(n_workers=-1)["workers"]) == 2 and any(
+            restarted = any(
                 m["action"] == "restart" for t, m in client.get_events("accelsched") if t >= since
-            ):
+            )
+            if restarted and client.run_on_scheduler(_ready) == 2:
                 break
             time.sleep(0.05)
-        time.sleep(0.5)  # the restarted worker verifies its GPU
+        time.sleep(2.0)  # restarts well apart: this measures attribution, not restart storms
     return {"runs": runs, "right": right, "named": named}
 
 
