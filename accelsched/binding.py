@@ -35,6 +35,7 @@ class LeaseTable:
         self._devices: list[int] = list(devices)
         self._load: dict[int, float] = dict.fromkeys(self._devices, 0.0)
         self._held: dict[Any, tuple[tuple[int, ...], float]] = {}
+        self._gen: dict[int, int] = {}  # device -> acquisitions and releases so far
 
     @property
     def devices(self) -> list[int]:
@@ -75,6 +76,7 @@ class LeaseTable:
             chosen = tuple(candidates[:n])
             for d in chosen:
                 self._load[d] += share
+                self._gen[d] = self._gen.get(d, 0) + 1
             self._held[key] = (chosen, share)
             return chosen
 
@@ -83,14 +85,23 @@ class LeaseTable:
             chosen, share = self._held.pop(key, ((), 0.0))
             for d in chosen:
                 self._load[d] = max(0.0, self._load[d] - share)
+                self._gen[d] = self._gen.get(d, 0) + 1
 
-    def alone(self, key: Any) -> bool:
-        """Whether ``key`` holds its devices alone (no other task shares one now)."""
+    def alone_token(self, key: Any) -> tuple[int, ...] | None:
+        """A token when ``key`` holds its devices alone now, else None. While
+        :meth:`still_alone` says so, no other task took or gave back any of them."""
         with self._lock:
-            mine = set(self._held.get(key, ((), 0.0))[0])
-            return bool(mine) and not any(
-                mine & set(devices) for k, (devices, _) in self._held.items() if k != key
-            )
+            mine = self._held.get(key, ((), 0.0))[0]
+            if not mine or any(
+                set(mine) & set(devices) for k, (devices, _) in self._held.items() if k != key
+            ):
+                return None
+            return tuple(self._gen.get(d, 0) for d in mine)
+
+    def still_alone(self, key: Any, token: tuple[int, ...] | None) -> bool:
+        with self._lock:
+            mine = self._held.get(key, ((), 0.0))[0]
+            return token is not None and token == tuple(self._gen.get(d, 0) for d in mine)
 
     def holders(self) -> dict[Any, tuple[int, ...]]:
         with self._lock:

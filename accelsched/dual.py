@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from accelsched.context import current_lease, released
 from accelsched.fallback import invalid_amount, parse_task_timeout
-from accelsched.marks import Mark
+from accelsched.marks import Mark, note_marked
 
 __all__ = ["dual", "Dual", "gpu", "GPUStep"]
 
@@ -47,6 +47,7 @@ class Dual(Generic[R]):
                 raise TypeError(f"dual() {name} must be callable, got {fn!r}")
         self.gpu_fn = gpu_fn
         self.cpu_fn = cpu_fn
+        note_marked()
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         lease = current_lease()
@@ -111,6 +112,7 @@ class GPUStep(Generic[R]):
             raise TypeError(f"gpu() needs a callable, got {fn!r}")
         self.fn = fn
         self.__accelsched_gpu__ = mark
+        note_marked()
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:

@@ -167,6 +167,8 @@ class GuardPlugin(WorkerPlugin):
             self.leaks.stored(key, value, arrived=start not in ("executing", "long-running"))
         elif start == "memory":
             self.leaks.released(key)
+        if finish == "forgotten":
+            self.leaks.ledger.drop(key)
         if finish == "executing":
             self.leaks.ran(key_split(key))
             internals.wrap_execution(self.worker, key, self._runner)
@@ -184,9 +186,9 @@ class GuardPlugin(WorkerPlugin):
 
     # --- for the parts and for tests ------------------------------------------------------
 
-    def _residue(self, name: str, nbytes: int) -> None:
+    def _residue(self, name: str, residues: dict[int, int]) -> None:
         if self.leaks is not None:
-            self.leaks.residue(name, nbytes)
+            self.leaks.residue(name, residues)
 
     def _withdraw(self, device: int, withdrawn: bool) -> None:
         """Stop (or resume) offering ``device``: leases at once, the count right after."""

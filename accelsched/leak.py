@@ -131,15 +131,19 @@ class Attribution:
     prefix until a clean check; a leak event names the prefixes ranked by bytes.
     """
 
-    _bytes: dict[str, int] = field(default_factory=dict)
+    _bytes: dict[int, dict[str, int]] = field(default_factory=dict)  # device -> prefix -> n
 
-    def record(self, prefix: str, residue: int) -> None:
-        if residue > 0:
-            self._bytes[prefix] = self._bytes.get(prefix, 0) + residue
+    def record(self, prefix: str, residues: dict[int, int]) -> None:
+        """What a run of ``prefix`` left behind, per device."""
+        for device, n in residues.items():
+            if n > 0:
+                per = self._bytes.setdefault(device, {})
+                per[prefix] = per.get(prefix, 0) + n
 
-    def ranked(self) -> list[tuple[str, int]]:
-        """Prefixes with their residue, most first (ties by name)."""
-        return sorted(self._bytes.items(), key=lambda kv: (-kv[1], kv[0]))
+    def ranked(self, device: int) -> list[tuple[str, int]]:
+        """Prefixes with what they left on ``device``, most first (ties by name)."""
+        per = self._bytes.get(device, {})
+        return sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))
 
     def clear(self) -> None:
         self._bytes.clear()

@@ -31,6 +31,16 @@ MAX_ITEMS = 64
 
 _NO_TIMEOUT: Any = None
 
+#: Whether this process ever built (or unpickled) a marked step: until then no task can
+#: call one, and the scheduler skips the walk altogether.
+_seen = False
+
+
+def note_marked() -> None:
+    """A marked step exists in this process (``dual``/``gpu`` call this)."""
+    global _seen
+    _seen = True
+
 
 @dataclass(frozen=True)
 class Mark:
@@ -89,6 +99,8 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     Several marked steps in one task (fused) need as many GPUs as the largest of them; a
     step's own fallback timeout counts when only one is given (several: the shortest).
     """
+    if not _seen:
+        return None
     found: list[Mark] = []
     queue = deque([spec])  # breadth first: a task's own function before its arguments'
     seen: set[int] = set()

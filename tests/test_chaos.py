@@ -131,8 +131,10 @@ def test_chaos_pipeline_over_tls() -> None:
         np.testing.assert_allclose(result, reference(data, 10))
         for given, kept in zip(inputs, await c.gather(scattered), strict=True):
             np.testing.assert_array_equal(given, kept)
-        restarts = Counter(e["worker"] for e in events(s, "restart"))
-        assert all(n <= MAX_RESTARTS for n in restarts.values()), restarts
+        # the budget is per worker (its nanny), and a restarted worker has a new address
+        restarts = len(events(s, "restart"))
+        assert restarts <= MAX_RESTARTS * len(gpu_workers), restarts
+        assert not events(s, "quarantine")  # nothing came near the budget
         counts = {"tasks": n_tasks, **Counter(e["action"] for e in events(s))}
         print(f"\nchaos run: {counts}")
         assert counts.get("leak", 0) >= 1 and counts.get("gpu-unhealthy", 0) <= 1

@@ -65,13 +65,31 @@ def test_an_unknown_type_is_not_known() -> None:
     assert knows(np.zeros(3))
 
 
-def test_attribution_ranks_by_bytes() -> None:
+def test_attribution_ranks_by_bytes_per_device() -> None:
     a = Attribution()
     for prefix, n in [("load", 0), ("clean", 10), ("train", 500), ("clean", 20), ("x", -5)]:
-        a.record(prefix, n)
-    assert a.ranked() == [("train", 500), ("clean", 30)]
+        a.record(prefix, {0: n})
+    a.record("other", {1: 900})
+    assert a.ranked(0) == [("train", 500), ("clean", 30)]
+    assert a.ranked(1) == [("other", 900)] and a.ranked(2) == []
     a.clear()
-    assert a.ranked() == []
+    assert a.ranked(0) == []
+
+
+def test_a_lease_proves_it_was_alone_for_the_whole_run() -> None:
+    from accelsched.binding import LeaseTable
+
+    t = LeaseTable([0, 1])
+    t.acquire("a", 0.5)
+    token = t.alone_token("a")
+    assert token is not None and t.still_alone("a", token)
+    t.acquire("b", 0.5)  # packs onto a's device
+    assert t.alone_token("a") is None
+    t.release("b")  # gone again: but it was there meanwhile
+    assert not t.still_alone("a", token)
+    assert t.still_alone("a", t.alone_token("a"))
+    t.acquire("c", 1)  # another device: a stays alone
+    assert t.still_alone("a", t.alone_token("a"))
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0"), cvd("1")], timeout=90)

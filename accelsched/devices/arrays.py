@@ -126,10 +126,13 @@ def knows(value: Any) -> bool:
 
     True for registered types, host types (numpy, pandas, Python scalars) and objects a
     protocol describes; False for an object of a type nobody described (a cudf frame
-    with no rule, say): its device memory, if any, is unknown.
+    with no rule, say): its device memory, if any, is measured, and what dask's
+    ``sizeof`` says of it (on the device the task held, else device 0) is only a guess.
     """
-    if isinstance(value, HOST_TYPES) or _device_of(value) is not None:
+    if isinstance(value, HOST_TYPES):
         return True
+    if hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack_device__"):
+        return True  # the protocol tells where it lives and how big it is (host: nothing)
     if isinstance(value, (list, tuple)):
         return all(knows(v) for v in value[:SCAN_LIMIT])
     if isinstance(value, dict):

@@ -153,6 +153,10 @@ class Gate:
             return {"status": "refused"}
         if worker not in self.scheduler.workers:  # it left while it was asked
             return {"status": "unknown-worker"}
+        if isinstance(declared, (int, float)) and worker in self.declared:
+            # the worker's own word on what it was started with: a gate registered after
+            # an earlier one found the count that one had corrected
+            self.declared[worker] = declared
         wanted = devices[:requested]
         previous = self.granted.get(worker)
         if (

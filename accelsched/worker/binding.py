@@ -39,7 +39,7 @@ class Binder:
         pools: PoolFreer,
         emit: Callable[..., None],
         ledger: Ledger | None = None,
-        residue: Callable[[str, int], None] | None = None,
+        residue: Callable[[str, dict[int, int]], None] | None = None,
     ) -> None:
         self.leases = LeaseTable()
         self.simulated = simulated
@@ -52,10 +52,6 @@ class Binder:
 
     def set_devices(self, indices: list[int]) -> None:
         self.leases.set_devices(indices)
-
-    def busy(self) -> set[int]:
-        """Devices a running GPU task holds now."""
-        return {d for devices in self.leases.holders().values() for d in devices}
 
     def gpu_runner(self, key: Any, amount: float) -> Runner:
         def run(spec: Any, values: dict) -> Any:
@@ -81,11 +77,7 @@ class Binder:
                     try:
                         before = self._measure_before(key, devices)
                         result = spec(values)
-                        if before is not None and self.leases.alone(key):
-                            assert self.ledger is not None
-                            left = self.ledger.after(key, before, result)
-                            if self._residue is not None and not steps:
-                                self._residue(key_split(key), left)
+                        self._measured(key, devices, before, result, steps)
                         return result
                     finally:
                         self.pools.after_gpu_task(devices)
@@ -94,6 +86,26 @@ class Binder:
                 self.leases.release(key)
 
         return run
+
+    def _measured(
+        self,
+        key: Any,
+        devices: tuple[int, ...],
+        before: tuple[Any, dict[int, int]] | None,
+        result: Any,
+        steps: list[int],
+    ) -> None:
+        """Hold what the task added against its key; attribute what it left behind."""
+        if self.ledger is None:
+            return
+        token, reading = before if before is not None else (None, None)
+        if reading is None or not self.leases.still_alone(key, token):
+            for d in devices:  # memory changed unmeasured: no base for arrivals there
+                self.ledger.forget(d)
+            return
+        left = self.ledger.after(key, reading, result)
+        if self._residue is not None and not steps:
+            self._residue(key_split(key), left)
 
     def _meter(
         self, key: Any, devices: tuple[int, ...], steps: list[int]
@@ -111,19 +123,26 @@ class Binder:
                 result = call()
             finally:
                 depth[0] -= 1
-            if before is not None and self.leases.alone(key):
+            if before is not None and self.leases.still_alone(key, before[0]):
                 assert self.ledger is not None and self._residue is not None
                 steps.append(1)
-                self._residue(name, self.ledger.residue(before, result))
+                self._residue(name, self.ledger.residue(before[1], result))
             return result
 
         return meter
 
-    def _measure_before(self, key: Any, devices: tuple[int, ...]) -> dict[int, int] | None:
-        """A reading to measure the task by, when it holds its devices alone."""
-        if self.ledger is None or not self.leases.alone(key):
+    def _measure_before(
+        self, key: Any, devices: tuple[int, ...]
+    ) -> tuple[Any, dict[int, int]] | None:
+        """(alone token, reading) to measure the task by, when it holds its devices alone:
+        the token proves at the end that no other task took or gave back one meanwhile."""
+        if self.ledger is None:
             return None
-        return self.ledger.before(devices)
+        token = self.leases.alone_token(key)
+        if token is None:
+            return None
+        reading = self.ledger.before(devices)
+        return None if reading is None else (token, reading)
 
     @staticmethod
     def fallback_runner(inner: Runner | None) -> Runner:

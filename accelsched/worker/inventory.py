@@ -10,6 +10,7 @@ calling this worker back (``accelsched_confirm``): only this process can confirm
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -62,6 +63,7 @@ class Inventory:
         self.declared: object = None  # as the worker was started: maybe no number at all
         self.pending: set[str] = set()  # ids of requests this worker sent, unanswered
         self.restart_pending = False
+        self._offering = asyncio.Lock()
 
     def probe(self, worker: Worker) -> None:
         """Read the devices through NVML and decide what to claim (no scheduler yet)."""
@@ -121,6 +123,10 @@ class Inventory:
         ``on_usable`` receives them first, so no GPU task starts before its devices are
         known, and none is leased a withdrawn device.
         """
+        async with self._offering:  # one at a time: the latest state is the last said
+            return await self._offer(on_usable)
+
+    async def _offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
         worker = self.worker
         assert worker is not None
         usable = [d.index for d in self.granted if d.index not in self.withdrawn]

@@ -97,11 +97,11 @@ class LeakCheck:
             self.live_total[d] = self.live_total.get(d, 0) - n
             self.ledger.forget(d)  # its memory went back unmeasured
 
-    def residue(self, name: str, nbytes: int) -> None:
-        """A step or task (``name``) left ``nbytes`` behind beyond its result (executor
-        thread)."""
+    def residue(self, name: str, residues: dict[int, int]) -> None:
+        """A step or task (``name``) left these bytes behind per device, beyond its result
+        (executor thread)."""
         with self._attribution_lock:
-            self.attribution.record(name, nbytes)
+            self.attribution.record(name, residues)
 
     def ran(self, prefix: str) -> None:
         self.detector.ran(prefix)
@@ -151,7 +151,7 @@ class LeakCheck:
                 self.ledger.settle(dev.index, reading.nbytes - pool.cached - pool.fixed)
         blamed = self.detector.end_check(verdicts, complete=not busy)
         with self._attribution_lock:
-            attributed = self.attribution.ranked()
+            attributed = {v.device: self.attribution.ranked(v.device) for v in verdicts}
             if complete_and_clean(verdicts, busy):
                 self.attribution.clear()
         self.last_verdicts = verdicts
@@ -159,7 +159,8 @@ class LeakCheck:
         if leaks:
             for v in leaks:
                 if self.reports.is_news(v):
-                    explained = sum(n for _, n in attributed)
+                    ranked = attributed.get(v.device, [])
+                    explained = sum(n for _, n in ranked)
                     self._emit(
                         events.LEAK,
                         device=v.device,
@@ -168,8 +169,8 @@ class LeakCheck:
                         checks=v.above,
                         # the prefixes whose runs left memory behind, most first; when
                         # no run could be measured, every prefix run since a clean check
-                        prefixes=[p for p, _ in attributed] or blamed,
-                        attributed=dict(attributed),
+                        prefixes=[p for p, _ in ranked] or blamed,
+                        attributed=dict(ranked),
                         unexplained=max(0, v.estimate - explained),
                     )
             self.detector.reset()

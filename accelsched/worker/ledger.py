@@ -50,24 +50,25 @@ class Ledger:
             return None
         return readings  # type: ignore[return-value]
 
-    def residue(self, before: dict[int, int], result: Any) -> int:
-        """What a step added beyond its known result (0 when its type is unknown)."""
+    def residue(self, before: dict[int, int], result: Any) -> dict[int, int]:
+        """What a step added beyond its known result, per device (nothing when the
+        result's type is unknown: its growth may be the result itself)."""
         if not knows(result):
-            return 0
+            return {}
         known = device_nbytes(result)
-        left = 0
+        left = {}
         for device, then in before.items():
             now = self.noncache(device)
             if now is not None:
-                left += max(0, now - then - known.get(device, 0))
+                left[device] = max(0, now - then - known.get(device, 0))
         return left
 
-    def after(self, key: Any, before: dict[int, int], result: Any) -> int:
+    def after(self, key: Any, before: dict[int, int], result: Any) -> dict[int, int]:
         """Hold the task's growth against ``key``; return its residue (bytes left behind
         beyond its known result: 0 when the result's type is unknown)."""
         known = device_nbytes(result) if knows(result) else None
         held: dict[int, int] = {}
-        residue = 0
+        residue: dict[int, int] = {}
         for device, then in before.items():
             now = self.noncache(device)
             if now is None:
@@ -77,7 +78,7 @@ class Ledger:
             # an unknown one holds all the growth (nothing can tell it from a leak)
             size = known.get(device, 0) if known is not None else grew
             held[device] = size
-            residue += max(0, grew - size)
+            residue[device] = max(0, grew - size)
             with self._lock:
                 self._settled[device] = now
         with self._lock:
@@ -90,10 +91,14 @@ class Ledger:
         """What ``key`` holds: measured at production, else known from its type."""
         with self._lock:
             measured = self._measured.pop(key, None)
-        known = device_nbytes(value) if value is not None else {}
-        if measured is None:
-            return known
-        return {d: max(measured.get(d, 0), known.get(d, 0)) for d in {*measured, *known}}
+        if measured is not None:
+            return measured  # the measurement wins: type knowledge only where none exists
+        return device_nbytes(value) if value is not None else {}
+
+    def drop(self, key: Any) -> None:
+        """``key`` will not enter memory (cancelled, forgotten): forget its measurement."""
+        with self._lock:
+            self._measured.pop(key, None)
 
     def arrived(self, value: Any, idle: set[int]) -> dict[int, int]:
         """What data from a peer holds: its type's figure, else the growth on idle
@@ -102,14 +107,18 @@ class Ledger:
             return device_nbytes(value)
         out = {}
         for device in idle:
-            now = self.noncache(device)
             with self._lock:
                 then = self._settled.get(device)
-                if now is not None:
-                    self._settled[device] = now
-            if now is not None and then is not None and now > then:
+            if then is None:
+                continue  # no explained base to measure from: type knowledge only
+            now = self.noncache(device)
+            if now is None:
+                continue
+            with self._lock:
+                self._settled[device] = now
+            if now > then:
                 out[device] = now - then
-        return out
+        return out or device_nbytes(value)
 
     def settle(self, device: int, noncache: int | None) -> None:
         """Everything on ``device`` is explained now (a check found no leak there)."""
