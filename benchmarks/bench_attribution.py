@@ -17,9 +17,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import dask
@@ -80,10 +82,10 @@ def _state(dask_scheduler: Any) -> Any:
     )
 
 
-def run(runs: int, fused: bool, client: Client) -> dict[str, Any]:
+def run(runs: int, fused: bool, client: Client, first: int = 0) -> dict[str, Any]:
     right = 0
     named: list[tuple[str, list[str]]] = []
-    for i in range(runs):
+    for i in range(first, first + runs):
         leaky = STEPS[i % len(STEPS)]
         since = time.time()
         with dask.config.set({"optimization.fuse.active": None if fused else False}):
@@ -123,46 +125,63 @@ def run(runs: int, fused: bool, client: Client) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--per-cluster", type=int, default=5)
     parser.add_argument("--json")
     args = parser.parse_args()
     out: dict[str, Any] = {}
     with fake_gpus(count=2, memory="16GiB"):
-        workers = {
-            f"gpu-{i}": {
-                "cls": Nanny,
-                "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": str(i)}},
-            }
-            for i in range(2)
-        }
-        scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
-        with (
-            SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR) as cl,
-            Client(cl) as client,
-        ):
-            accelsched.register(
-                client,
-                check_interval="100ms",
-                leak_threshold="256MiB",
-                leak_confirmations=2,
-                max_restarts=1000,
-            )
-            client.wait_for_workers(2)
-            time.sleep(1)
-            # a first GPU task on each worker: its CUDA context, as any real GPU work makes
-            warm = accelsched.gpu(lambda: device_alloc(MiB) and None)
-            addrs = list(client.scheduler_info()["workers"])
-            client.gather([client.submit(warm, workers=[w], pure=False) for w in addrs])
-            for fused in (True, False):
-                label = "fused" if fused else "unfused"
-                out[label] = run(args.runs, fused, client)
-                r = out[label]
-                print(f"{label:8s} right in {r['right']}/{r['runs']} runs")
-                for leaky, prefixes in r["named"]:
-                    if not prefixes or prefixes[0] != leaky:
-                        print(f"   leaked in {leaky!r}, named {prefixes}")
+        for fused in (True, False):
+            label = "fused" if fused else "unfused"
+            total: dict[str, Any] = {"runs": 0, "right": 0, "named": []}
+            done = 0
+            while done < args.runs:
+                batch = min(args.per_cluster, args.runs - done)
+                with _cluster() as client:
+                    r = run(batch, fused, client, first=done)
+                for k in ("runs", "right"):
+                    total[k] += r[k]
+                total["named"] += r["named"]
+                done += batch
+            out[label] = total
+            print(f"{label:8s} right in {total['right']}/{total['runs']} runs")
+            for leaky, prefixes in total["named"]:
+                if not prefixes or prefixes[0] != leaky:
+                    print(f"   leaked in {leaky!r}, named {prefixes}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+
+
+@contextlib.contextmanager
+def _cluster() -> Iterator[Client]:
+    """A fresh cluster for a few runs (each run restarts a worker)."""
+    workers = {
+        f"gpu-{i}": {
+            "cls": Nanny,
+            "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": str(i)}},
+        }
+        for i in range(2)
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    with (
+        SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR) as cl,
+        Client(cl) as client,
+    ):
+        accelsched.register(
+            client,
+            check_interval="100ms",
+            leak_threshold="256MiB",
+            leak_confirmations=2,
+            max_restarts=1000,
+        )
+        client.wait_for_workers(2)
+        while client.run_on_scheduler(_ready) < 2:
+            time.sleep(0.05)
+        # a first GPU task on each worker: its CUDA context, as any real GPU work makes
+        warm = accelsched.gpu(lambda: device_alloc(MiB) and None)
+        addrs = list(client.scheduler_info()["workers"])
+        client.gather([client.submit(warm, workers=[w], pure=False) for w in addrs])
+        yield client
 
 
 if __name__ == "__main__":

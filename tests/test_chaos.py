@@ -134,7 +134,7 @@ def test_chaos_pipeline_over_tls() -> None:
         # the budget is per worker (its nanny), and a restarted worker has a new address
         restarts = len(events(s, "restart"))
         assert restarts <= MAX_RESTARTS * len(gpu_workers), restarts
-        assert not events(s, "quarantine")  # nothing came near the budget
+        assert not any(e["reason"] == "restart-budget" for e in events(s, "quarantine"))
         counts = {"tasks": n_tasks, **Counter(e["action"] for e in events(s))}
         print(f"\nchaos run: {counts}")
         assert counts.get("leak", 0) >= 1 and counts.get("gpu-unhealthy", 0) <= 1
