@@ -71,7 +71,6 @@ class LeakCheck:
         self.live_total: dict[int, int] = {}  # device -> bytes of live results
         self.baselines: dict[int, Baseline] = {}
         self.last_verdicts: list[Verdict] = []
-        self.failing: dict[int, DeviceInfo] = {}  # devices withdrawn as unhealthy
         self.health = DeviceHealth()
         self.ledger = ledger
         self.attribution = Attribution()
@@ -190,7 +189,6 @@ class LeakCheck:
         """
         if dev not in self._granted() or not self.health.failed(dev.index):
             return  # not ours to offer, or withdrawn already: said once
-        self.failing[dev.index] = dev
         self._emit(events.GPU_UNHEALTHY, device=dev.index, uuid=dev.uuid, error=repr(exc))
         self._withdraw(dev.index, True)
         self._ask_restart("gpu-unhealthy", 0)
@@ -201,6 +199,5 @@ class LeakCheck:
         if not self.recover:
             self.health.withdrawn.add(dev.index)  # stays out until the worker restarts
             return
-        self.failing.pop(dev.index, None)
         self._emit(events.GPU_RECOVERED, device=dev.index, uuid=dev.uuid)
         self._withdraw(dev.index, False)
