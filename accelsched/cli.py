@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     events.add_argument("scheduler", help="scheduler address, e.g. tcp://127.0.0.1:8786")
     events.add_argument("--action", action="append", help="only these actions (repeatable)")
+    events.add_argument(
+        "--timeout", default="10s", help="how long to try to reach the scheduler (default 10s)"
+    )
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
     if args.command == "version":
@@ -32,17 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         print(accelsched.__version__)
         return 0
     if args.command == "events":
-        return print_events(args.scheduler, args.action, sys.stdout)
+        return print_events(args.scheduler, args.action, sys.stdout, timeout=args.timeout)
     from accelsched.demo import run
 
     return run(sys.stdout)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
-def print_events(address: str, actions: list[str] | None, out: TextIO) -> int:
+def print_events(address: str, actions: list[str] | None, out: TextIO, timeout: str = "10s") -> int:
     """``accelsched events``: the scheduler's accelsched events, oldest first."""
     from distributed import Client
 
@@ -52,7 +51,12 @@ def print_events(address: str, actions: list[str] | None, out: TextIO) -> int:
     if unknown:
         print(f"unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}", file=sys.stderr)
         return 2
-    with Client(address, timeout="10s") as client:
+    try:
+        client = Client(address, timeout=timeout)
+    except (OSError, TimeoutError) as exc:
+        print(f"accelsched events: cannot reach a scheduler at {address}: {exc}", file=sys.stderr)
+        return 1
+    with client:
         info = client.scheduler_info(n_workers=-1)["workers"]
         names = {addr: str(w["name"]) for addr, w in info.items()}
         for stamp, msg in client.get_events(events.TOPIC):
@@ -63,3 +67,7 @@ def print_events(address: str, actions: list[str] | None, out: TextIO) -> int:
             when = time.strftime("%H:%M:%S", time.localtime(stamp))
             print(f"{when} [{msg['action']}] {events.describe(msg, names)}", file=out)
     return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

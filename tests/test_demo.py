@@ -47,3 +47,11 @@ def test_events_cli_prints_what_happened(fake_gpus_2) -> None:
         assert "declared GPU=4, granted 2 (fewer-devices)" in out.getvalue()
         assert "[gpu-verified]" not in out.getvalue()
         assert main(["events", cluster.scheduler_address, "--action", "bogus"]) == 2
+
+
+def test_events_cli_names_an_unreachable_scheduler(capsys) -> None:  # type: ignore[no-untyped-def]
+    from accelsched.cli import main
+
+    assert main(["events", "tcp://127.0.0.1:1", "--timeout", "1s"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach a scheduler at tcp://127.0.0.1:1" in err[0]
