@@ -5,8 +5,11 @@ worker reports, the device memory its leak check reads, the context check for ta
 did not ask for a GPU. Nothing else imports ``pynvml``.
 
 No driver, no ``libnvidia-ml.so.1`` or no ``pynvml`` means zero GPUs: one log line, never
-an exception. Under :func:`accelsched.testing.fake_gpus` without a C compiler the monitor
-talks to the pure-Python stand-in instead of ``pynvml``.
+an exception. MIG devices are found under their parent GPU (NVML does not count them)
+and stand for it as CUDA does (:func:`accelsched.devices.visible.resolve_devices`): a
+worker's device is then the MIG device, with its own UUID, memory and processes.
+Under :func:`accelsched.testing.fake_gpus` without a C compiler the monitor talks to the
+pure-Python stand-in instead of ``pynvml``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from accelsched.devices.visible import resolve_visible, visible_from_env
+from accelsched.devices.visible import resolve_devices, visible_from_env
 
 __all__ = ["DeviceInfo", "MemoryReading", "NVMLMonitor"]
 
@@ -30,13 +33,18 @@ _logged: set[str] = set()
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """One device this process can use: ``index`` is its CUDA index here."""
+    """One device this process can use: ``index`` is its CUDA index here.
+
+    For a MIG device, ``uuid``, ``name`` and ``memory`` are the MIG device's own,
+    ``nvml_index`` is its parent GPU's and ``parent`` the parent's UUID (None otherwise).
+    """
 
     index: int
     nvml_index: int
     uuid: str
     name: str
     memory: int
+    parent: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name, "memory": self.memory}
@@ -128,17 +136,21 @@ class NVMLMonitor:
             count = nvml.nvmlDeviceGetCount()
             handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
             uuids = [self._uuid(nvml, h) for h in handles]
-            order = resolve_visible(visible_from_env(self._env), uuids)
+            migs = {i: self._migs(nvml, h) for i, h in enumerate(handles) if _mig_mode(nvml, h)}
+            under = {i: list(found) for i, found in migs.items()}
+            order = resolve_devices(visible_from_env(self._env), uuids, under)
             devices = []
-            for cuda_index, nvml_index in enumerate(order):
-                h = handles[nvml_index]
+            for cuda_index, visible in enumerate(order):
+                nvml_index, mig = visible.nvml_index, visible.mig_uuid
+                h = handles[nvml_index] if mig is None else migs[nvml_index][mig]
                 try:
                     info = DeviceInfo(
                         index=cuda_index,  # CUDA's numbering, failing devices included
                         nvml_index=nvml_index,
-                        uuid=uuids[nvml_index] or _text(nvml.nvmlDeviceGetUUID(h)),
+                        uuid=mig or uuids[nvml_index] or _text(nvml.nvmlDeviceGetUUID(h)),
                         name=_text(nvml.nvmlDeviceGetName(h)),
                         memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+                        parent=None if mig is None else uuids[nvml_index],
                     )
                     nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
                 except Exception as exc:  # this device does not answer: not ours to use
@@ -166,6 +178,24 @@ class NVMLMonitor:
             return _text(nvml.nvmlDeviceGetUUID(handle))
         except Exception:
             return ""
+
+    @staticmethod
+    def _migs(nvml: Any, handle: Any) -> dict[str, Any]:
+        """The MIG devices of a GPU in MIG mode: UUID -> handle, in NVML's order. An index
+        with no MIG device behind it (NOT_FOUND) or one that does not answer is skipped."""
+        out: dict[str, Any] = {}
+        try:
+            count = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+        except Exception as exc:
+            logger.warning("accelsched: MIG devices cannot be listed: %s", _describe(exc))
+            return out
+        for i in range(count):
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+                out[_text(nvml.nvmlDeviceGetUUID(mig))] = mig
+            except Exception:  # NVMLError_NotFound: no MIG device at this index
+                continue
+        return out
 
     def device(self, index: int) -> DeviceInfo:
         for d in self.devices():
@@ -201,6 +231,16 @@ class NVMLMonitor:
     def has_context(self, index: int) -> bool | None:
         """Whether this process holds a CUDA context on the device (None: cannot tell)."""
         return self.process_memory(index).has_context
+
+
+def _mig_mode(nvml: Any, handle: Any) -> bool:
+    """Whether a GPU is in MIG mode now; a GPU (or library) without MIG answers
+    NOT_SUPPORTED (or lacks the function): not in MIG mode."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except Exception:
+        return False
+    return bool(current == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1))
 
 
 def _text(value: Any) -> str:

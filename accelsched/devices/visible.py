@@ -4,6 +4,14 @@ NVML ignores ``CUDA_VISIBLE_DEVICES`` and numbers devices physically; CUDA numbe
 visible ones from 0 in the order listed. Everything in accelsched that talks to CUDA
 (leases, ``current_device()``) uses CUDA indices; everything that talks to NVML uses
 NVML indices; this module is the one place that maps between them.
+
+MIG: NVML lists a MIG device (``MIG-<uuid>``) under its parent GPU, not in the device
+count. CUDA runs work on MIG devices, never on a GPU in MIG mode as a whole, and a CUDA
+process enumerates **one MIG device at most** ("only enumeration of a single MIG
+instance is supported", NVIDIA's MIG user guide, for CUDA 11/R450 and CUDA 12/R525;
+``CUDA_VISIBLE_DEVICES=MIG-a,MIG-b`` gives ``cudaGetDeviceCount() == 1``). So
+:func:`resolve_devices` keeps the first MIG device it meets and leaves out later ones,
+with a warning; GPUs not in MIG mode listed around it stay visible.
 """
 
 from __future__ import annotations
@@ -11,10 +19,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-__all__ = ["parse_visible", "resolve_visible", "visible_from_env"]
+__all__ = ["Visible", "parse_visible", "resolve_devices", "resolve_visible", "visible_from_env"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Visible:
+    """One CUDA device: the GPU with NVML index ``nvml_index``, or its MIG device
+    ``mig_uuid``."""
+
+    nvml_index: int
+    mig_uuid: str | None = None
 
 
 def parse_visible(value: str | None) -> list[str] | None:
@@ -32,37 +50,81 @@ def visible_from_env(env: Mapping[str, str] | None = None) -> list[str] | None:
 
 
 def resolve_visible(entries: Sequence[str] | None, uuids: Sequence[str]) -> list[int]:
-    """Map visible-device entries to NVML indices, in CUDA order.
+    """Map visible-device entries to NVML indices, in CUDA order, on a machine without MIG.
 
-    Entries are indices, ``GPU-`` UUIDs or unique UUID prefixes (as CUDA accepts), or
-    ``MIG-`` UUIDs, which are matched to their parent device when NVML lists them.
+    Entries are indices, ``GPU-`` UUIDs or unique UUID prefixes (as CUDA accepts).
     Like CUDA, the list ends at the first entry that names no device, or names one twice.
     """
-    if entries is None:
-        return list(range(len(uuids)))
-    out: list[int] = []
-    for entry in entries:
-        index = _match(entry, uuids)
-        if index is None or index in out:
+    return [v.nvml_index for v in resolve_devices(entries, uuids)]
+
+
+def resolve_devices(
+    entries: Sequence[str] | None,
+    uuids: Sequence[str],
+    migs: Mapping[int, Sequence[str]] | None = None,
+) -> list[Visible]:
+    """The CUDA devices of a process, in CUDA order.
+
+    ``uuids``: the GPUs' UUIDs by NVML index; ``migs``: for each GPU in MIG mode (its
+    NVML index), the UUIDs of its MIG devices by their index under it (none: no MIG).
+    Entries are indices, ``GPU-`` UUIDs or unique prefixes, ``MIG-`` UUIDs or unique
+    prefixes. A GPU in MIG mode named as a whole (or every device, when ``entries`` is
+    None) stands for its first MIG device, as CUDA enumerates it. Only the first MIG
+    device met is kept (see the module docstring); a MIG-mode GPU with no MIG device
+    adds nothing. Like CUDA, the list ends at the first entry that names no device, or
+    names one twice.
+    """
+    migs = migs or {}
+    names: Sequence[str] = [str(i) for i in range(len(uuids))] if entries is None else entries
+    out: list[Visible] = []
+    seen: set[tuple[int, str | None]] = set()
+    mig_taken = False
+    for entry in names:
+        found = _match(entry, uuids, migs)
+        if found is None or (found.nvml_index, found.mig_uuid) in seen:
             logger.warning(
                 "CUDA_VISIBLE_DEVICES entry %r names no device (or repeats one); "
                 "CUDA ignores it and every entry after it",
                 entry,
             )
             break
-        out.append(index)
+        seen.add((found.nvml_index, found.mig_uuid))
+        if found.nvml_index in migs and found.mig_uuid is None:
+            continue  # a GPU in MIG mode without MIG devices: nothing CUDA can use
+        if found.mig_uuid is not None:
+            if mig_taken:
+                logger.warning(
+                    "CUDA_VISIBLE_DEVICES entry %r is a second MIG device; a CUDA process "
+                    "enumerates one MIG device only, so it is left out",
+                    entry,
+                )
+                continue
+            mig_taken = True
+        out.append(found)
     return out
 
 
-def _match(entry: str, uuids: Sequence[str]) -> int | None:
+def _match(entry: str, uuids: Sequence[str], migs: Mapping[int, Sequence[str]]) -> Visible | None:
     if entry.isdigit():
         i = int(entry)
-        return i if i < len(uuids) else None
+        return _whole(i, migs) if i < len(uuids) else None
     if entry.startswith("MIG-"):
-        # MIG instances are not enumerated by this inventory; a MIG UUID is reported
-        # only when NVML lists the instance's UUID itself.
-        hits = [i for i, u in enumerate(uuids) if u == entry]
-        return hits[0] if hits else None
+        hits = [
+            Visible(parent, uuid)
+            for parent, under in migs.items()
+            for uuid in under
+            if uuid.startswith(entry)
+        ]
+        exact = [v for v in hits if v.mig_uuid == entry]
+        return exact[0] if exact else hits[0] if len(hits) == 1 else None
     needle = entry if entry.startswith("GPU-") else "GPU-" + entry
-    hits = [i for i, u in enumerate(uuids) if u.startswith(needle)]
-    return hits[0] if len(hits) == 1 else None
+    gpus = [i for i, u in enumerate(uuids) if u.startswith(needle)]
+    return _whole(gpus[0], migs) if len(gpus) == 1 else None
+
+
+def _whole(index: int, migs: Mapping[int, Sequence[str]]) -> Visible:
+    """GPU ``index`` named as a whole: itself, or its first MIG device in MIG mode."""
+    under = migs.get(index)
+    if under:
+        return Visible(index, under[0])
+    return Visible(index)

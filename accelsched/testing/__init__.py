@@ -52,6 +52,7 @@ from accelsched.testing.checks import (
     _parse_size,
     _per_device,
 )
+from accelsched.testing.mig import check_mig, mig_devices
 from accelsched.testing.pool import OutOfDeviceMemory, SimulatedPool
 
 __all__ = [
@@ -92,6 +93,12 @@ class FakeGPUs:
     env: dict[str, str]
     library: Path | None  # None when the pure-Python stand-in serves instead
     _flags: state.Flags = field(repr=False)
+    #: The MIG devices, every GPU's in NVML order (``mig=`` of :func:`fake_gpus`).
+    mig: tuple[state.FakeMig, ...] = ()
+
+    def mig_uuids(self, device: int) -> tuple[str, ...]:
+        """UUIDs (``MIG-...``) of the MIG devices of GPU ``device`` (its NVML index)."""
+        return tuple(m.uuid for m in self.mig if m.parent == device)
 
     @property
     def count(self) -> int:
@@ -160,6 +167,7 @@ def fake_gpus(
     context_memory: int | str = "64MiB",
     process_memory: bool = True,
     pid_offset: int = 0,
+    mig: Sequence[str] | Sequence[Sequence[str] | None] | None = None,
 ) -> Iterator[FakeGPUs]:
     """Show ``count`` fake GPUs to this process and every process started inside.
 
@@ -167,7 +175,9 @@ def fake_gpus(
     ``names`` a name for all or one per device; ``context_memory`` what a CUDA context
     costs a process on a device; ``process_memory=False`` makes NVML report per-process
     memory as not available, and ``pid_offset`` shifts reported pids, as in containers
-    without the host PID namespace. On exit the environment is restored exactly and the
+    without the host PID namespace. ``mig`` puts GPUs in MIG mode with MIG devices
+    (``["3g.40gb", "3g.40gb"]`` for every GPU, or one list or None per GPU; see
+    :mod:`accelsched.testing.mig`). On exit the environment is restored exactly and the
     state directory removed. Sessions do not nest.
     """
     global _active
@@ -176,6 +186,8 @@ def fake_gpus(
     if names is None:
         names = "NVIDIA Simulated GPU"
     labels = _per_device(names, count, "names", _check_name)
+    partitions = check_mig(mig, count, totals)
+    migs = mig_devices(partitions, labels)
     flags = state.Flags(
         process_memory=_check_bool(process_memory, "process_memory"),
         pid_offset=_check_pid_offset(pid_offset),
@@ -196,9 +208,11 @@ def fake_gpus(
     try:
         path = Path(tempfile.mkdtemp(prefix="accelsched-fake-gpus-"))
         devices = [
-            state.FakeDevice(state.new_uuid(), n, t) for n, t in zip(labels, totals, strict=True)
+            state.FakeDevice(state.new_uuid(), n, t, p is not None)
+            for n, t, p in zip(labels, totals, partitions, strict=True)
         ]
         state.write_devices(path, devices)
+        state.write_migs(path, migs)
         state.write_flags(path, flags)
         (path / "proc").mkdir()
         env = {state.ENV_DIR: str(path)}
@@ -219,6 +233,7 @@ def fake_gpus(
             env=env,
             library=library,
             _flags=flags,
+            mig=tuple(migs),
         )
     finally:
         for key, value in saved_env.items():

@@ -6,13 +6,20 @@
  * process (client, scheduler, nannies, workers) sees the same devices and the same
  * per-process memory, written by accelsched.testing's simulated pool:
  *
- *   devices      one line per device, NVML index = line order: <uuid>\t<name>\t<total>
+ *   devices      one line per device, NVML index = line order:
+ *                <uuid>\t<name>\t<total>[\tmig]  ("mig": the GPU is in MIG mode)
+ *   mig          optional, one line per MIG device (GPU instance + compute instance):
+ *                <parent nvml index>\t<MIG-uuid>\t<name>\t<total>\t<gi id>\t<ci id>
  *   flags        optional lines: no_process_memory | pid_offset <n> | context_bytes <n> |
  *                fault <nvml_index> all|memory|processes|lost  (injected NVML errors)
- *   proc/<pid>   lines "<nvml_index> <bytes>": that process's device memory
+ *   proc/<pid>   lines "<slot> <bytes>": that process's device memory, where a slot is
+ *                an NVML index for a whole GPU, and count + k for the k-th line of `mig`
  *
  * A dead pid's file is ignored, as the driver frees a dead process's memory. Like
- * the real library, devices are numbered physically: CUDA_VISIBLE_DEVICES is ignored.
+ * the real library, devices are numbered physically: CUDA_VISIBLE_DEVICES is ignored,
+ * and MIG devices are not counted by nvmlDeviceGetCount: they are reached through
+ * their parent (nvmlDeviceGetMigDeviceHandleByIndex) or by UUID. A MIG-mode GPU's
+ * memory is the sum of its instances'; a fault on a GPU reaches its MIG devices.
  * Struct layouts follow nvml.h (sizes are checked below against pynvml's).
  */
 #define _GNU_SOURCE
@@ -23,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdint.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -43,6 +51,8 @@ enum {
 };
 
 #define MAX_DEVICES 64
+#define MAX_MIGS 128         /* MIG devices over all GPUs */
+#define MAX_MIG_PER_GPU 7    /* what nvmlDeviceGetMaxMigDeviceCount says (A100, H100, H200) */
 #define MAX_PROCS 1024
 #define PATH_SIZE (4096 + 300) /* the state dir (< 4096) + "/proc/" + a file name */
 #define NOT_AVAILABLE_ULL 0xFFFFFFFFFFFFFFFFULL
@@ -67,19 +77,30 @@ _Static_assert(sizeof(nvmlMemory_v2_t) == 40, "nvmlMemory_v2_t");
 _Static_assert(sizeof(nvmlProcessInfo_v1_t) == 16, "nvmlProcessInfo_v1_t");
 _Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t");
 
-/* Handles are addresses inside this array: the index is the offset, nothing to free. */
+/* Handles are addresses inside these arrays: the index is the offset, nothing to free.
+ * A MIG device's handle is its line in `mig`. */
 static char g_handles[MAX_DEVICES];
+static char g_mig_handles[MAX_MIGS];
 static int g_refcount;
 
 /* Lets accelsched tell this library from a real NVML already loaded in a process. */
 int accelsched_fake_nvml = 1;
 
-struct device { char uuid[96]; char name[96]; unsigned long long total; };
-struct proc { unsigned int pid; unsigned long long bytes; };
+struct device { char uuid[96]; char name[96]; unsigned long long total; int mig_mode; };
+struct mig {
+    char uuid[96];
+    char name[96];
+    unsigned long long total;
+    unsigned parent, position; /* position: its index under the parent */
+    unsigned gi, ci;
+};
+struct proc { unsigned int pid; unsigned long long bytes; unsigned gi, ci; };
 struct state {
     char dir[4096];
     unsigned count;
     struct device dev[MAX_DEVICES];
+    unsigned nmig;
+    struct mig mig[MAX_MIGS];
     int no_process_memory;
     long long pid_offset;
     unsigned char fault[MAX_DEVICES]; /* FAULT_* bits per NVML index */
@@ -90,6 +111,40 @@ struct state {
 #define FAULT_MEMORY 2u    /* memory info only */
 #define FAULT_PROCESSES 4u /* process lists only */
 #define FAULT_LOST 8u      /* every query: NVML_ERROR_GPU_IS_LOST */
+
+/* Reads the MIG devices of GPUs in MIG mode, at most MAX_MIG_PER_GPU each. */
+static void load_migs(struct state *st)
+{
+    char path[PATH_SIZE], line[512];
+    unsigned per_gpu[MAX_DEVICES] = {0};
+    FILE *f;
+
+    snprintf(path, sizeof(path), "%s/mig", st->dir);
+    if ((f = fopen(path, "r")) == NULL)
+        return;
+    while (st->nmig < MAX_MIGS && fgets(line, sizeof(line), f)) {
+        struct mig *m = &st->mig[st->nmig];
+        char *parent = strtok(line, "\t\n"), *uuid = strtok(NULL, "\t\n");
+        char *name = strtok(NULL, "\t\n"), *total = strtok(NULL, "\t\n");
+        char *gi = strtok(NULL, "\t\n"), *ci = strtok(NULL, "\t\n");
+        unsigned long p;
+        if (parent == NULL || uuid == NULL || name == NULL || total == NULL || gi == NULL ||
+            ci == NULL)
+            continue;
+        p = strtoul(parent, NULL, 10);
+        if (p >= st->count || !st->dev[p].mig_mode || per_gpu[p] >= MAX_MIG_PER_GPU)
+            continue;
+        snprintf(m->uuid, sizeof(m->uuid), "%s", uuid);
+        snprintf(m->name, sizeof(m->name), "%s", name);
+        m->total = strtoull(total, NULL, 10);
+        m->parent = (unsigned)p;
+        m->position = per_gpu[p]++;
+        m->gi = (unsigned)strtoul(gi, NULL, 10);
+        m->ci = (unsigned)strtoul(ci, NULL, 10);
+        st->nmig++;
+    }
+    fclose(f);
+}
 
 /* Reads devices and flags; 0 on success. */
 static int load_state(struct state *st)
@@ -108,15 +163,17 @@ static int load_state(struct state *st)
     while (st->count < MAX_DEVICES && fgets(line, sizeof(line), f)) {
         struct device *d = &st->dev[st->count];
         char *uuid = strtok(line, "\t\n"), *name = strtok(NULL, "\t\n");
-        char *total = strtok(NULL, "\t\n");
+        char *total = strtok(NULL, "\t\n"), *mode = strtok(NULL, "\t\n");
         if (uuid == NULL || name == NULL || total == NULL)
             continue;
         snprintf(d->uuid, sizeof(d->uuid), "%s", uuid);
         snprintf(d->name, sizeof(d->name), "%s", name);
         d->total = strtoull(total, NULL, 10);
+        d->mig_mode = mode != NULL && strcmp(mode, "mig") == 0;
         st->count++;
     }
     fclose(f);
+    load_migs(st);
     snprintf(path, sizeof(path), "%s/flags", dir);
     if ((f = fopen(path, "r")) != NULL) {
         while (fgets(line, sizeof(line), f)) {
@@ -150,12 +207,30 @@ static int alive(pid_t pid) { return kill(pid, 0) == 0 || errno != ESRCH; }
 
 static int by_pid(const void *a, const void *b)
 {
-    unsigned x = ((const struct proc *)a)->pid, y = ((const struct proc *)b)->pid;
-    return (x > y) - (x < y);
+    const struct proc *x = a, *y = b;
+    if (x->pid != y->pid)
+        return (x->pid > y->pid) - (x->pid < y->pid);
+    return (x->gi > y->gi) - (x->gi < y->gi);
 }
 
-/* Live processes with a context on device `index`, sorted by pid; returns their count. */
-static unsigned load_procs(const struct state *st, unsigned index, struct proc *out)
+/* What a handle names: a whole GPU, or a MIG device (`mig` >= 0, its line in `mig`). */
+struct target { unsigned gpu; int mig; };
+
+/* Whether memory in `slot` (see the header) is on `t`: a MIG device holds its own slot, a
+ * whole GPU its own and every one of its MIG devices'. */
+static int on_target(const struct state *st, const struct target *t, unsigned slot)
+{
+    if (t->mig >= 0)
+        return slot == st->count + (unsigned)t->mig;
+    if (slot == t->gpu)
+        return 1;
+    return slot >= st->count && slot - st->count < st->nmig &&
+           st->mig[slot - st->count].parent == t->gpu;
+}
+
+/* Live processes' memory on `t`, sorted by pid, one entry per process and MIG device
+ * (GPU and compute instance ids NOT_AVAILABLE outside MIG); returns their count. */
+static unsigned load_procs(const struct state *st, const struct target *t, struct proc *out)
 {
     char path[PATH_SIZE], line[128];
     unsigned n = 0;
@@ -174,14 +249,16 @@ static unsigned load_procs(const struct state *st, unsigned index, struct proc *
         snprintf(path, sizeof(path), "%s/proc/%s", st->dir, e->d_name);
         if ((f = fopen(path, "r")) == NULL)
             continue; /* replaced or removed meanwhile */
-        while (fgets(line, sizeof(line), f)) {
-            unsigned idx;
+        while (n < MAX_PROCS && fgets(line, sizeof(line), f)) {
+            unsigned slot;
             unsigned long long bytes;
-            if (sscanf(line, "%u %llu", &idx, &bytes) == 2 && idx == index) {
+            if (sscanf(line, "%u %llu", &slot, &bytes) == 2 && on_target(st, t, slot)) {
+                int mig = slot >= st->count ? (int)(slot - st->count) : -1;
                 out[n].pid = (unsigned)pid;
                 out[n].bytes = bytes;
+                out[n].gi = mig >= 0 ? st->mig[mig].gi : NOT_AVAILABLE_UINT;
+                out[n].ci = mig >= 0 ? st->mig[mig].ci : NOT_AVAILABLE_UINT;
                 n++;
-                break;
             }
         }
         fclose(f);
@@ -194,28 +271,35 @@ static unsigned load_procs(const struct state *st, unsigned index, struct proc *
 static int initialized(void) { return __atomic_load_n(&g_refcount, __ATOMIC_SEQ_CST) > 0; }
 
 /* Common prologue of every device query: initialized, state readable, valid handle, and
- * no fault injected for this kind of query (`kind`: FAULT_MEMORY, FAULT_PROCESSES or 0). */
-static nvmlReturn_t device_state(nvmlDevice_t h, struct state *st, unsigned *index,
+ * no fault injected for this kind of query (`kind`: FAULT_MEMORY, FAULT_PROCESSES or 0)
+ * on the GPU (a MIG device's parent). */
+static nvmlReturn_t device_state(nvmlDevice_t h, struct state *st, struct target *t,
                                  unsigned kind)
 {
-    long off = (char *)h - g_handles;
+    uintptr_t p = (uintptr_t)h, gpus = (uintptr_t)g_handles, migs = (uintptr_t)g_mig_handles;
     if (!initialized() || load_state(st) != 0)
         return NVML_ERROR_UNINITIALIZED;
-    if (h == NULL || off < 0 || off >= (long)st->count)
+    if (h != NULL && p >= gpus && p - gpus < st->count) {
+        t->gpu = (unsigned)(p - gpus);
+        t->mig = -1;
+    } else if (h != NULL && p >= migs && p - migs < st->nmig) {
+        t->mig = (int)(p - migs);
+        t->gpu = st->mig[t->mig].parent;
+    } else {
         return NVML_ERROR_INVALID_ARGUMENT;
-    *index = (unsigned)off;
-    if (st->fault[off] & FAULT_LOST)
+    }
+    if (st->fault[t->gpu] & FAULT_LOST)
         return NVML_ERROR_GPU_IS_LOST;
-    if (st->fault[off] & (FAULT_ALL | kind))
+    if (st->fault[t->gpu] & (FAULT_ALL | kind))
         return NVML_ERROR_UNKNOWN;
     return NVML_SUCCESS;
 }
 
-static unsigned long long device_used(const struct state *st, unsigned index)
+static unsigned long long device_used(const struct state *st, const struct target *t)
 {
     struct proc procs[MAX_PROCS];
     unsigned long long used = 0;
-    unsigned n = load_procs(st, index, procs);
+    unsigned n = load_procs(st, t, procs);
     for (unsigned i = 0; i < n; i++)
         used += procs[i].bytes;
     return used;
@@ -367,27 +451,34 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
             return NVML_SUCCESS;
         }
     }
+    for (unsigned i = 0; i < st.nmig; i++) {
+        if (strcmp(st.mig[i].uuid, uuid) == 0) {
+            *device = (nvmlDevice_t)&g_mig_handles[i];
+            return NVML_SUCCESS;
+        }
+    }
     return NVML_ERROR_NOT_FOUND;
 }
 
 /* ---- per-device queries ---- */
 
-/* Declares st and index for `device`, or returns the error. Buffers live on the stack
- * (about 30 KiB with a process list): no shared state, so calls from threads can overlap. */
-#define DEVICE_PROLOGUE_OF(kind)                                \
-    struct state st;                                            \
-    unsigned index;                                             \
-    nvmlReturn_t ret = device_state(device, &st, &index, kind); \
-    if (ret != NVML_SUCCESS)                                    \
+/* Declares st and t for `device`, or returns the error. Buffers live on the stack
+ * (about 60 KiB with a process list): no shared state, so calls from threads can overlap. */
+#define DEVICE_PROLOGUE_OF(kind)                            \
+    struct state st;                                        \
+    struct target t;                                        \
+    nvmlReturn_t ret = device_state(device, &st, &t, kind); \
+    if (ret != NVML_SUCCESS)                                \
         return ret;
 #define DEVICE_PROLOGUE DEVICE_PROLOGUE_OF(0)
 
+/* A MIG device answers with its parent's index (as distributed's diagnostics expect). */
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *out)
 {
     DEVICE_PROLOGUE
     if (out == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *out = index;
+    *out = t.gpu;
     return NVML_SUCCESS;
 }
 
@@ -399,13 +490,13 @@ nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor)
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
     DEVICE_PROLOGUE
-    return copy_string(st.dev[index].name, name, length);
+    return copy_string(t.mig >= 0 ? st.mig[t.mig].name : st.dev[t.gpu].name, name, length);
 }
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
     DEVICE_PROLOGUE
-    return copy_string(st.dev[index].uuid, uuid, length);
+    return copy_string(t.mig >= 0 ? st.mig[t.mig].uuid : st.dev[t.gpu].uuid, uuid, length);
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
@@ -413,8 +504,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
     DEVICE_PROLOGUE_OF(FAULT_MEMORY)
     if (memory == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    memory->total = st.dev[index].total;
-    memory->used = device_used(&st, index);
+    memory->total = t.mig >= 0 ? st.mig[t.mig].total : st.dev[t.gpu].total;
+    memory->used = device_used(&st, &t);
     memory->free = memory->used < memory->total ? memory->total - memory->used : 0;
     return NVML_SUCCESS;
 }
@@ -444,7 +535,7 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *count, 
     DEVICE_PROLOGUE_OF(FAULT_PROCESSES)
     if (count == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    unsigned n = load_procs(&st, index, procs);
+    unsigned n = load_procs(&st, &t, procs);
     if (*count < n || (n > 0 && infos == NULL)) {
         *count = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
@@ -460,8 +551,8 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *count, 
             nvmlProcessInfo_t *p = (nvmlProcessInfo_t *)infos + i;
             p->pid = pid;
             p->usedGpuMemory = bytes;
-            p->gpuInstanceId = NOT_AVAILABLE_UINT;
-            p->computeInstanceId = NOT_AVAILABLE_UINT;
+            p->gpuInstanceId = procs[i].gi;
+            p->computeInstanceId = procs[i].ci;
         }
     }
     *count = n;
@@ -511,10 +602,13 @@ nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t d, unsigned i
     return no_processes(d, c);
 }
 
-/* Simulated GPUs compute nothing: utilization is always 0 %. */
+/* Simulated GPUs compute nothing: utilization is always 0 %. Like the real library,
+ * neither a MIG device nor a GPU in MIG mode reports it. */
 nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *util)
 {
     DEVICE_PROLOGUE
+    if (t.mig >= 0 || st.dev[t.gpu].mig_mode)
+        return NVML_ERROR_NOT_SUPPORTED;
     if (util == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     util->gpu = 0;
@@ -522,19 +616,92 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
     return NVML_SUCCESS;
 }
 
+/* ---- MIG ---- */
+
+/* A GPU simulated without MIG is not MIG-capable: NOT_SUPPORTED, as on a consumer GPU.
+ * A MIG device has no mode of its own (NOT_SUPPORTED too). A GPU given partitions is in
+ * MIG mode, current and pending. */
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending)
 {
     DEVICE_PROLOGUE
-    (void)current;
-    (void)pending;
-    return NVML_ERROR_NOT_SUPPORTED;
+    if (t.mig >= 0 || !st.dev[t.gpu].mig_mode)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (current == NULL || pending == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *current = 1; /* NVML_DEVICE_MIG_ENABLE */
+    *pending = 1;
+    return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
 {
     DEVICE_PROLOGUE
-    (void)count;
-    return NVML_ERROR_NOT_SUPPORTED;
+    if (t.mig >= 0 || !st.dev[t.gpu].mig_mode)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (count == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = MAX_MIG_PER_GPU;
+    return NVML_SUCCESS;
+}
+
+/* Indices run 0 .. max-1; one with no MIG device behind it is NOT_FOUND. */
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                 nvmlDevice_t *migDevice)
+{
+    DEVICE_PROLOGUE
+    if (t.mig >= 0 || !st.dev[t.gpu].mig_mode)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (migDevice == NULL || index >= MAX_MIG_PER_GPU)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < st.nmig; i++) {
+        if (st.mig[i].parent == t.gpu && st.mig[i].position == index) {
+            *migDevice = (nvmlDevice_t)&g_mig_handles[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t device,
+                                                          nvmlDevice_t *parent)
+{
+    DEVICE_PROLOGUE
+    if (t.mig < 0 || parent == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *parent = (nvmlDevice_t)&g_handles[t.gpu];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
+{
+    DEVICE_PROLOGUE
+    if (isMigDevice == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *isMigDevice = t.mig >= 0;
+    return NVML_SUCCESS;
+}
+
+/* Only MIG devices have instance ids; a whole GPU answers NOT_SUPPORTED. */
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    DEVICE_PROLOGUE
+    if (t.mig < 0)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (id == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *id = st.mig[t.mig].gi;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    DEVICE_PROLOGUE
+    if (t.mig < 0)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (id == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *id = st.mig[t.mig].ci;
+    return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)

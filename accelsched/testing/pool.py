@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelsched.devices.pool import PoolStats, register_pool
-from accelsched.devices.visible import resolve_visible, visible_from_env
+from accelsched.devices.visible import visible_from_env
 from accelsched.testing import state
 
 __all__ = ["OutOfDeviceMemory", "SimulatedPool"]
@@ -64,18 +64,17 @@ class _Session:
     """
 
     path: Path
-    nvml: list[int]  # CUDA index -> NVML index
-    totals: list[int]  # by NVML index
+    nvml: list[int]  # CUDA index -> NVML index (a slot: MIG devices after the GPUs)
+    totals: list[int]  # by NVML index (slot)
     context_bytes: int
     pid: int = field(default_factory=os.getpid)
     devices: dict[int, _Device] = field(default_factory=dict)
 
     @classmethod
     def open(cls, path: Path) -> _Session:
-        devices = state.read_devices(path)
-        nvml = resolve_visible(visible_from_env(), [d.uuid for d in devices])
+        nvml, totals = state.visible_slots(path, visible_from_env())  # MIG devices too
         flags = state.read_flags(path)
-        return cls(path, nvml, [d.total for d in devices], flags.context_bytes)
+        return cls(path, nvml, totals, flags.context_bytes)
 
     def check_device(self, device: int) -> None:
         if isinstance(device, bool) or not isinstance(device, int):

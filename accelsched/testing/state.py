@@ -6,16 +6,21 @@ every query: that is what lets a client, a scheduler and nanny-started workers a
 the devices and on who holds how much memory, with no server to keep alive.
 
 ``devices``
-    One line per device, NVML index = line order: ``<uuid>\\t<name>\\t<total_bytes>``.
+    One line per device, NVML index = line order: ``<uuid>\\t<name>\\t<total_bytes>``,
+    and ``\\tmig`` for a GPU in MIG mode.
+``mig`` (optional)
+    One line per MIG device (a GPU instance with one compute instance), in the order its
+    parent enumerates them: ``<parent_index>\\t<MIG-uuid>\\t<name>\\t<total_bytes>\\t<gi>\\t<ci>``.
 ``flags`` (optional)
     ``no_process_memory`` (per-process memory not available, as under WDDM or some
     containers), ``pid_offset <n>`` (reported pids = real pid + n, as in a container
     without the host PID namespace), ``context_bytes <n>`` (what a CUDA context costs),
     ``fault <nvml_index> <kind>`` (injected NVML errors, see :data:`FAULT_KINDS`).
 ``proc/<pid>``
-    ``<nvml_index> <bytes>`` per device the process has a context on, bytes including
-    the context. Written atomically; the file of a dead pid is ignored, as the driver
-    frees a dead process's memory.
+    ``<slot> <bytes>`` per device the process has a context on, bytes including the
+    context. A slot is a GPU's NVML index, or ``count + k`` for the k-th MIG device of
+    ``mig`` (:func:`read_slots`). Written atomically; the file of a dead pid is ignored,
+    as the driver frees a dead process's memory.
 """
 
 from __future__ import annotations
@@ -28,16 +33,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from accelsched.devices.visible import resolve_devices
+
 __all__ = [
     "ENV_DIR",
     "ENV_STANDIN",
     "DEFAULT_CONTEXT_BYTES",
     "FakeDevice",
+    "FakeMig",
     "Flags",
     "state_dir",
     "new_uuid",
     "read_devices",
     "write_devices",
+    "read_migs",
+    "write_migs",
+    "read_slots",
+    "visible_slots",
     "read_flags",
     "write_flags",
     "alive",
@@ -53,9 +65,25 @@ DEFAULT_CONTEXT_BYTES = 64 * 2**20
 
 @dataclass(frozen=True)
 class FakeDevice:
+    """A simulated GPU; ``mig``: in MIG mode (CUDA uses its MIG devices, not itself)."""
+
     uuid: str
     name: str
     total: int
+    mig: bool = False
+
+
+@dataclass(frozen=True)
+class FakeMig:
+    """A simulated MIG device: one GPU instance (``gpu_instance``) of GPU ``parent`` (its
+    NVML index) with one compute instance, ``total`` bytes of its own memory."""
+
+    uuid: str
+    name: str
+    total: int
+    parent: int
+    gpu_instance: int
+    compute_instance: int = 0
 
 
 #: Injected NVML faults on one device: ``all`` (every device query fails with
@@ -80,10 +108,11 @@ def state_dir(env: Mapping[str, str] | None = None) -> Path | None:
     return Path(value) if value else None
 
 
-def new_uuid() -> str:
-    """A random UUID in NVML's form, ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``."""
+def new_uuid(prefix: str = "GPU") -> str:
+    """A random UUID in NVML's form, ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``
+    (``prefix="MIG"`` for a MIG device, as drivers from R470 on name them)."""
     h = secrets.token_hex(16)
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    return f"{prefix}-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -97,13 +126,78 @@ def read_devices(path: Path) -> list[FakeDevice]:
     devices = []
     for line in (path / "devices").read_text().splitlines():
         parts = line.split("\t")
-        if len(parts) == 3:
-            devices.append(FakeDevice(parts[0], parts[1], int(parts[2])))
+        if len(parts) in (3, 4):
+            mig = len(parts) == 4 and parts[3] == "mig"
+            devices.append(FakeDevice(parts[0], parts[1], int(parts[2]), mig))
     return devices
 
 
 def write_devices(path: Path, devices: list[FakeDevice]) -> None:
-    _atomic_write(path / "devices", "".join(f"{d.uuid}\t{d.name}\t{d.total}\n" for d in devices))
+    _atomic_write(
+        path / "devices",
+        "".join(
+            f"{d.uuid}\t{d.name}\t{d.total}{chr(9) + 'mig' if d.mig else ''}\n" for d in devices
+        ),
+    )
+
+
+#: What ``nvmlDeviceGetMaxMigDeviceCount`` answers (A100, H100, H200).
+MAX_MIG_PER_GPU = 7
+
+
+def read_migs(path: Path, devices: list[FakeDevice] | None = None) -> list[FakeMig]:
+    """The MIG devices, as the fake library reads them: only under GPUs in MIG mode, at
+    most :data:`MAX_MIG_PER_GPU` each."""
+    if devices is None:
+        devices = read_devices(path)
+    try:
+        lines = (path / "mig").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out: list[FakeMig] = []
+    for line in lines:
+        parts = line.split("\t")
+        if len(parts) != 6 or not all(p.isdigit() for p in (parts[0], *parts[3:])):
+            continue
+        parent = int(parts[0])
+        if parent >= len(devices) or not devices[parent].mig:
+            continue
+        if sum(1 for m in out if m.parent == parent) >= MAX_MIG_PER_GPU:
+            continue
+        out.append(FakeMig(parts[1], parts[2], int(parts[3]), parent, int(parts[4]), int(parts[5])))
+    return out
+
+
+def write_migs(path: Path, migs: list[FakeMig]) -> None:
+    _atomic_write(
+        path / "mig",
+        "".join(
+            f"{m.parent}\t{m.uuid}\t{m.name}\t{m.total}\t{m.gpu_instance}\t{m.compute_instance}\n"
+            for m in migs
+        ),
+    )
+
+
+def read_slots(path: Path) -> tuple[list[FakeDevice], list[FakeMig]]:
+    """The GPUs and the MIG devices; the slot of MIG device k is ``len(gpus) + k``."""
+    devices = read_devices(path)
+    return devices, read_migs(path, devices)
+
+
+def visible_slots(path: Path, entries: list[str] | None) -> tuple[list[int], list[int]]:
+    """For a process whose ``CUDA_VISIBLE_DEVICES`` gives ``entries``: the slot of each
+    CUDA device, in CUDA order (as CUDA enumerates, one MIG device at most), and every
+    slot's total bytes."""
+    devices, migs = read_slots(path)
+    under: dict[int, list[str]] = {i: [] for i, d in enumerate(devices) if d.mig}
+    for m in migs:
+        under[m.parent].append(m.uuid)
+    slot = {m.uuid: len(devices) + k for k, m in enumerate(migs)}
+    cuda = [
+        v.nvml_index if v.mig_uuid is None else slot[v.mig_uuid]
+        for v in resolve_devices(entries, [d.uuid for d in devices], under)
+    ]
+    return cuda, [d.total for d in devices] + [m.total for m in migs]
 
 
 def read_flags(path: Path) -> Flags:
@@ -177,6 +271,11 @@ def write_proc(path: Path, pid: int, usage: Mapping[int, int]) -> None:
     _atomic_write(target, "".join(f"{i} {n}\n" for i, n in sorted(usage.items())))
 
 
-def device_used(path: Path, index: int) -> int:
-    """Device memory used on NVML device ``index``, as NVML reports it."""
-    return sum(usage.get(index, 0) for usage in read_procs(path).values())
+def device_used(path: Path, slot: int, count: int | None = None) -> int:
+    """Device memory used in ``slot``, as NVML reports it; with ``count`` (the number of
+    GPUs), a GPU's slot also sums the slots of its MIG devices."""
+    slots = {slot}
+    if count is not None and slot < count:
+        migs = read_migs(path)
+        slots |= {count + k for k, m in enumerate(migs) if m.parent == slot}
+    return sum(n for usage in read_procs(path).values() for s, n in usage.items() if s in slots)
