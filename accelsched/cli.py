@@ -14,10 +14,15 @@ def main(argv: list[str] | None = None) -> int:
         description="GPUs as real, scarce, fallible hardware for Dask's distributed scheduler.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser(
+    demo = sub.add_parser(
         "demo",
         help="run a local cluster (real GPUs when NVML sees any, else simulated ones) "
-        "through placement, a leak and a fallback",
+        "through placement, a leak and a fallback, and write an HTML report",
+    )
+    demo.add_argument(
+        "--report",
+        metavar="PATH",
+        help="where to write the report: a .html file or a folder (default ./accelsched-demo.html)",
     )
     events = sub.add_parser(
         "events", help="print accelsched's events from a running cluster's scheduler"
@@ -36,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "events":
         return print_events(args.scheduler, args.action, sys.stdout, timeout=args.timeout)
-    from accelsched.demo import run
+    from accelsched.demo import main as demo_main
 
-    return run(sys.stdout)
+    return demo_main(args.report)
 
 
 def print_events(address: str, actions: list[str] | None, out: TextIO, timeout: str = "10s") -> int:

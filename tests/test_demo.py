@@ -4,15 +4,39 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from accelsched.demo import run
+import pytest
+
+from accelsched.demo import STAGES, main
+from accelsched.demo.chart import report_path
+
+# A record from logging's or distributed's formatters, or a Python warning.
+LOG_LINE = re.compile(
+    r"(^\d{4}-\d\d-\d\d[ T][\d:,.]+ - )|( - (DEBUG|INFO|WARNING|ERROR) - )|Warning: "
+)
 
 
-def test_demo_shows_placement_leak_and_fallback() -> None:
-    out = io.StringIO()
-    assert run(out) == 0
-    text = out.getvalue()
+def test_demo_shows_placement_leak_and_fallback_and_writes_its_report(tmp_path: Path) -> None:
+    """The command the README gives, as a user runs it: every line it prints is its own."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelsched", "demo", "--report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == ""
+    text = proc.stdout
+    lines = text.splitlines()
+    assert not [line for line in lines if LOG_LINE.search(line)], text
+    stages = [m.group(1) for line in lines if (m := re.match(r"\[(\d+)/(\d+)\] \S", line))]
+    assert stages == [str(n) for n in range(1, STAGES + 1)], text
+
     assert "declared GPU=2, granted 1 (fewer-devices)" in text
     assert "declared GPU=1, granted 0 (no-devices)" in text
     leak = re.search(r"\[leak\] (gpu-\d): device 0 leaks 1536 MiB", text)
@@ -22,6 +46,24 @@ def test_demo_shows_placement_leak_and_fallback() -> None:
     assert "none recomputed" in text
     assert "CPU (fallback)" in text and "fell back to their CPU form" in text
     assert "Same numbers on the GPU path and the fallback path." in text
+
+    report = tmp_path / "accelsched-demo.html"
+    assert lines[-1] == f"Report written to {report.resolve()}"
+    page = report.read_text()
+    for worker in ("gpu-0", "gpu-1", "cpu"):  # a memory line per worker
+        assert f'"{worker}"' in page
+    assert f'"{leak.group(1)}: retired' in page  # the restart marker's description
+    assert '"restart"' in page and '"leak"' in page and '"fallback"' in page
+    assert "<script" in page and "cdn.bokeh.org" not in page  # bokeh inline: opens offline
+
+
+@pytest.mark.parametrize("bad", ["report.png", "no-such-folder/report.html"])
+def test_demo_refuses_a_report_path_it_cannot_write(tmp_path: Path, bad: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=re.escape(repr(str(tmp_path / bad)))):
+        report_path(tmp_path / bad)
+    assert main(str(tmp_path / bad), out=io.StringIO()) == 2  # before any cluster starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "invalid report path" in err[0]
 
 
 def test_events_cli_prints_what_happened(fake_gpus_2) -> None:

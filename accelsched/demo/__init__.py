@@ -11,6 +11,12 @@ phases, each printed as a table built from events (``client.get_events``):
    is retired and restarted, and every result still arrives.
 3. **Fallback.** The GPU workers retire in the middle of the pipeline; GPU steps that
    cannot be placed within their timeout run their CPU form.
+
+Each stage prints one progress line (``[n/6] ...``) when it begins; logging is kept to
+errors meanwhile (:mod:`accelsched.demo.quiet`). At the end it writes a standalone HTML
+page (:mod:`accelsched.demo.chart`): the device memory of each worker process over the
+run, sampled through NVML (:mod:`accelsched.demo.memory`), with the leak, restart and
+fallback events marked.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -27,11 +34,14 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import accelsched
 from accelsched import internals
+from accelsched.demo.chart import DEFAULT_REPORT, report_path, write_report
+from accelsched.demo.memory import Sampler
+from accelsched.demo.quiet import quiet_logs
 from accelsched.demo.report import event_lines, events, placement_table, uuids, wait, worker_names
 from accelsched.demo.steps import DEMO_TOPIC, blocks, leaky_square, pipeline
 from accelsched.devices.nvml import NVMLMonitor
 
-__all__ = ["run", "main"]
+__all__ = ["STAGES", "main", "run"]
 
 
 def _cluster_specs(real_gpus: int) -> dict[str, dict[str, Any]]:
@@ -104,103 +114,145 @@ def _cluster(real: int, out: TextIO) -> Iterator[SpecCluster]:
         yield cluster
 
 
-def run(out: TextIO = sys.stdout) -> int:
-    for name in ["distributed", *logging.root.manager.loggerDict]:
-        if name.startswith("distributed"):
-            logging.getLogger(name).setLevel(logging.ERROR)
-    with _gpus(out) as real, _cluster(real, out) as cluster, Client(cluster) as client:
-        client.wait_for_workers(len(cluster.workers))
-        accelsched.register(
-            client,
-            fallback_timeout="1s",
-            check_interval="200ms",
-            leak_threshold="1GiB",
-            leak_confirmations=2,
-        )
-        t0 = 0.0
-        wait(
-            lambda: (
-                sum(1 for e in events(client, "accelsched", t0) if e["action"] == "gpu-verified")
-                >= 1 + (real != 1)
-            ),
-            30,
-            "GPU verification",
-        )
-        time.sleep(0.5)
-        names = worker_names(client)
-        print("\n== 1. Verified inventory: declarations are checked against NVML ==", file=out)
-        event_lines(client, t0, names, out)
-        resources = client.run_on_scheduler(
-            lambda dask_scheduler: {
-                str(w.name): w.resources.get("GPU", 0) for w in dask_scheduler.workers.values()
-            }
-        )
-        print(
-            "GPU resource the scheduler places against: "
-            + ", ".join(f"{n}={v:g}" for n, v in sorted(resources.items()))
-            + "\n",
-            file=out,
-        )
+STAGES = 6
 
-        print("== 1b. A GPU pipeline: every GPU step on a verified device ==", file=out)
-        t1 = time.time()
-        expected = pipeline().compute(scheduler="sync")
-        on_gpu = client.compute(pipeline()).result()
-        placement_table(client, t1, names, uuids(client), out)
-        np.testing.assert_allclose(on_gpu, expected)
 
-        print("== 2. A leaking step: detected, worker restarted, nothing lost ==", file=out)
-        t2 = time.time()
-        kept = client.persist(blocks(leaky_square))
-        leaked = client.compute(kept.sum(axis=1)).result()
-        wait(
-            lambda: any(e["action"] == "restart" for e in events(client, "accelsched", t2)),
-            60,
-            "the leaking worker's restart",
-        )
-        wait(
-            lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == len(names),
-            60,
-            "the restarted worker",
-        )
-        gpu_count = len({w for w, _ in uuids(client)} & set(names))
-        wait(
-            lambda: len({w for w, _ in uuids(client)} & set(worker_names(client))) == gpu_count,
-            60,
-            "the restarted worker's GPUs to be verified",
-        )
-        restarted = {
-            e["worker"] for e in events(client, "accelsched", t2) if e["action"] == "restart"
-        }
-        untouched = {a for a in names if a not in restarted}
-        names = {**names, **worker_names(client)}
-        event_lines(client, t2, names, out, skip=("gpu-verified", "gpu-corrected"))
-        again = client.compute(kept.sum(axis=1)).result()  # from the persisted blocks
-        np.testing.assert_allclose(again, expected)
-        np.testing.assert_allclose(leaked, expected)
-        assert untouched <= set(worker_names(client)), "a peer worker was restarted"
-        ran = [e for e in events(client, DEMO_TOPIC, t2) if e["step"] == "square"]
-        assert len(ran) == kept.npartitions, f"blocks recomputed: {len(ran)} runs"
-        print(
-            f"All {kept.npartitions} persisted blocks survived the restart, none recomputed; the "
-            f"{len(again)} sums match the host computation; "
-            f"only {', '.join(sorted(names[w] for w in restarted))} restarted, "
-            f"its peers ({', '.join(sorted(names[w] for w in untouched))}) kept running.\n",
-            file=out,
-        )
+def _stage(n: int, text: str, out: TextIO) -> None:
+    """The one progress line of stage ``n`` (``[n/6] ...``), printed when it begins."""
+    print(f"[{n}/{STAGES}] {text}", file=out, flush=True)
 
-        print("== 3. GPU workers retire mid-pipeline: GPU steps fall back to CPU ==", file=out)
-        t3 = time.time()
-        gpu_workers = sorted({w for w, _ in uuids(client)} & set(worker_names(client)))
-        fut = client.compute(pipeline())
-        wait(lambda: len(events(client, DEMO_TOPIC, t3)) >= 2, 30, "the first GPU blocks")
-        client.retire_workers(gpu_workers)
-        fell_back = fut.result()
-        placement_table(client, t3, {**names, **worker_names(client)}, uuids(client), out)
-        np.testing.assert_allclose(fell_back, expected)
-        print("Same numbers on the GPU path and the fallback path.", file=out)
+
+def main(report: str | Path | None = None, out: TextIO = sys.stdout) -> int:
+    """``accelsched demo [--report PATH]``: exit 2 with one line for a bad path."""
+    try:
+        path = report_path(DEFAULT_REPORT if report is None else report)
+    except ValueError as exc:
+        print(f"accelsched demo: {exc}", file=sys.stderr)
+        return 2
+    return run(out, report=path)
+
+
+def run(out: TextIO = sys.stdout, report: str | Path = DEFAULT_REPORT) -> int:
+    """Run the three phases, print what happened, write the HTML report to ``report``
+    (a ``.html`` file or a folder; checked before anything starts)."""
+    path = report_path(report)
+    start = time.time()
+    with quiet_logs(), _gpus(out) as real:
+        _stage(1, "Starting a local cluster: 3 workers, a scheduler with accelsched", out)
+        with _cluster(real, out) as cluster, Client(cluster) as client:
+            client.wait_for_workers(len(cluster.workers))
+            with Sampler(client, start) as sampler:
+                seen = _phases(client, real, start, out)
+            seen.update(worker_names(client))
+            _stage(6, "Writing the report", out)
+            written = write_report(
+                path,
+                sampler.samples,
+                client.get_events(accelsched.events.TOPIC),
+                seen,
+                start,
+                note=(
+                    f"Device memory each worker process holds, summed over its GPUs: NVML's "
+                    f"per-process figure, read on every worker every {sampler.interval:g} s "
+                    f"({'real GPUs' if real else 'simulated GPUs: the figures are the simulation'}"
+                    "'s). Markers: leak (x) and restart (inverted triangle) on the worker's "
+                    "line, fallback (triangle) at 0 for tasks the scheduler moved to a CPU. "
+                    "Hover a marker for the event."
+                ),
+            )
+    print(f"Report written to {written}", file=out)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run()
+def _phases(client: Client, real: int, start: float, out: TextIO) -> dict[str, str]:
+    """Stages 2 to 5; returns every worker address seen, with its name."""
+    _stage(2, "Verifying each worker's GPUs against NVML", out)
+    accelsched.register(
+        client,
+        fallback_timeout="1s",
+        check_interval="200ms",
+        leak_threshold="1GiB",
+        leak_confirmations=2,
+    )
+    t0 = 0.0
+    wait(
+        lambda: (
+            sum(1 for e in events(client, "accelsched", t0) if e["action"] == "gpu-verified")
+            >= 1 + (real != 1)
+        ),
+        30,
+        "GPU verification",
+    )
+    time.sleep(0.5)
+    names = worker_names(client)
+    seen = dict(names)
+    event_lines(client, t0, names, out)
+    resources = client.run_on_scheduler(
+        lambda dask_scheduler: {
+            str(w.name): w.resources.get("GPU", 0) for w in dask_scheduler.workers.values()
+        }
+    )
+    print(
+        "GPU resource the scheduler places against: "
+        + ", ".join(f"{n}={v:g}" for n, v in sorted(resources.items()))
+        + "\n",
+        file=out,
+    )
+
+    _stage(3, "A GPU pipeline: every GPU step on a verified device", out)
+    t1 = time.time()
+    expected = pipeline().compute(scheduler="sync")
+    on_gpu = client.compute(pipeline()).result()
+    placement_table(client, t1, names, uuids(client), out)
+    np.testing.assert_allclose(on_gpu, expected)
+
+    _stage(4, "A leaking step: detected, its worker restarted, nothing lost", out)
+    t2 = time.time()
+    kept = client.persist(blocks(leaky_square))
+    leaked = client.compute(kept.sum(axis=1)).result()
+    wait(
+        lambda: any(e["action"] == "restart" for e in events(client, "accelsched", t2)),
+        60,
+        "the leaking worker's restart",
+    )
+    wait(
+        lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == len(names),
+        60,
+        "the restarted worker",
+    )
+    gpu_count = len({w for w, _ in uuids(client)} & set(names))
+    wait(
+        lambda: len({w for w, _ in uuids(client)} & set(worker_names(client))) == gpu_count,
+        60,
+        "the restarted worker's GPUs to be verified",
+    )
+    restarted = {e["worker"] for e in events(client, "accelsched", t2) if e["action"] == "restart"}
+    untouched = {a for a in names if a not in restarted}
+    names = {**names, **worker_names(client)}
+    seen.update(names)
+    event_lines(client, t2, names, out, skip=("gpu-verified", "gpu-corrected"))
+    again = client.compute(kept.sum(axis=1)).result()  # from the persisted blocks
+    np.testing.assert_allclose(again, expected)
+    np.testing.assert_allclose(leaked, expected)
+    assert untouched <= set(worker_names(client)), "a peer worker was restarted"
+    ran = [e for e in events(client, DEMO_TOPIC, t2) if e["step"] == "square"]
+    assert len(ran) == kept.npartitions, f"blocks recomputed: {len(ran)} runs"
+    print(
+        f"All {kept.npartitions} persisted blocks survived the restart, none recomputed; the "
+        f"{len(again)} sums match the host computation; "
+        f"only {', '.join(sorted(names[w] for w in restarted))} restarted, "
+        f"its peers ({', '.join(sorted(names[w] for w in untouched))}) kept running.\n",
+        file=out,
+    )
+
+    _stage(5, "GPU workers retire mid-pipeline: GPU steps fall back to CPU", out)
+    t3 = time.time()
+    gpu_workers = sorted({w for w, _ in uuids(client)} & set(worker_names(client)))
+    fut = client.compute(pipeline())
+    wait(lambda: len(events(client, DEMO_TOPIC, t3)) >= 2, 30, "the first GPU blocks")
+    client.retire_workers(gpu_workers)
+    fell_back = fut.result()
+    placement_table(client, t3, {**names, **worker_names(client)}, uuids(client), out)
+    np.testing.assert_allclose(fell_back, expected)
+    print("Same numbers on the GPU path and the fallback path.\n", file=out)
+    return seen

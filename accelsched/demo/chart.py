@@ -1,0 +1,134 @@
+"""The demo's report: one standalone HTML page (bokeh, resources inline: it opens
+offline) with the device memory of every worker over the run, and the leak, restart and
+fallback events marked where and when they happened."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from accelsched import events as ev
+from accelsched.demo.memory import Sample
+
+__all__ = ["DEFAULT_REPORT", "MARKED", "report_path", "write_report"]
+
+DEFAULT_REPORT = "accelsched-demo.html"
+MiB = 2**20
+
+#: The actions the chart marks, and how: (marker, colour).
+MARKED: dict[str, tuple[str, str]] = {
+    ev.LEAK: ("x", "crimson"),
+    ev.RESTART: ("inverted_triangle", "black"),
+    ev.FALLBACK: ("triangle", "darkorange"),
+}
+
+
+def report_path(value: str | Path) -> Path:
+    """Where ``accelsched demo --report`` writes: a ``.html`` file in a folder that
+    exists, or a folder that exists (the file is then ``accelsched-demo.html`` in it).
+    Checked before the demo starts, so a typo costs no cluster run."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        path = path / DEFAULT_REPORT
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"invalid report path {str(value)!r}: expected a .html file or a folder")
+    if not path.parent.is_dir():
+        raise ValueError(
+            f"invalid report path {str(value)!r}: folder {str(path.parent)!r} does not exist"
+        )
+    return path.resolve()
+
+
+def _marks(
+    samples: Sequence[Sample],
+    events: Iterable[tuple[float, Mapping[str, Any]]],
+    names: Mapping[str, str],
+    start: float,
+) -> dict[str, dict[str, list[Any]]]:
+    """Per marked action: when, which worker, at what height (the worker's memory in the
+    sample just before the event; 0 for scheduler-side fallbacks) and what happened."""
+    out: dict[str, dict[str, list[Any]]] = {
+        a: {"t": [], "mib": [], "worker": [], "what": []} for a in MARKED
+    }
+    for stamp, msg in events:
+        action = msg.get("action")
+        if action not in MARKED:
+            continue
+        t = stamp - start
+        addr = msg.get("worker")
+        worker = names.get(addr, addr) if addr else "scheduler"
+        before = [s.nbytes for s in samples if s.worker == worker and s.t <= t]
+        col = out[action]
+        col["t"].append(t)
+        col["mib"].append(before[-1] / MiB if before else 0.0)
+        col["worker"].append(worker)
+        col["what"].append(ev.describe(msg, names))
+    return out
+
+
+def write_report(
+    path: Path,
+    samples: Sequence[Sample],
+    events: Iterable[tuple[float, Mapping[str, Any]]],
+    names: Mapping[str, str],
+    start: float,
+    note: str,
+) -> Path:
+    """Draw the chart and write the page; return its path."""
+    from bokeh.embed import file_html
+    from bokeh.layouts import column
+    from bokeh.models import ColumnDataSource, HoverTool
+    from bokeh.models.renderers import DataRenderer
+    from bokeh.models.widgets import Div
+    from bokeh.palettes import Category10_10
+    from bokeh.plotting import figure
+    from bokeh.resources import INLINE
+
+    fig = figure(
+        title="Device memory held by each worker process (NVML, per process)",
+        x_axis_label="seconds since the demo started",
+        y_axis_label="device memory (MiB)",
+        width=900,
+        height=420,
+        tools="pan,wheel_zoom,box_zoom,reset,save",
+    )
+    for i, worker in enumerate(sorted({s.worker for s in samples})):
+        mine = [s for s in samples if s.worker == worker]
+        source = ColumnDataSource(
+            {
+                "t": [s.t for s in mine],
+                "mib": [s.nbytes / MiB for s in mine],
+                "worker": [worker] * len(mine),
+            }
+        )
+        colour = Category10_10[i % 10]
+        fig.step("t", "mib", source=source, mode="after", color=colour, legend_label=worker)
+        fig.scatter("t", "mib", source=source, size=3, color=colour, legend_label=worker)
+    hover: list[DataRenderer] = []
+    for action, cols in _marks(samples, events, names, start).items():
+        if not cols["t"]:
+            continue
+        marker, colour = MARKED[action]
+        hover.append(
+            fig.scatter(
+                "t",
+                "mib",
+                source=ColumnDataSource({**cols, "action": [action] * len(cols["t"])}),
+                marker=marker,
+                size=14,
+                line_width=2,
+                color=colour,
+                fill_alpha=0.2,
+                legend_label=action,
+            )
+        )
+    fig.add_tools(
+        HoverTool(renderers=hover, tooltips=[("", "@action: @what"), ("at", "@t{0.00} s")])
+    )
+    fig.legend.location = "top_left"
+    fig.legend.click_policy = "hide"
+    page = column(Div(text=f"<h2>accelsched demo</h2><p>{html.escape(note)}</p>"), fig)
+    path.write_text(file_html(page, INLINE, "accelsched demo"), encoding="utf-8")
+    return path
