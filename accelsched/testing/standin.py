@@ -14,15 +14,22 @@ Use it as a module: ``nvml = standin if standin.active() else pynvml``.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
 import pynvml
 
-from accelsched.testing import state
+from accelsched.testing import standin_handles, state
+from accelsched.testing.standin_handles import StandinHandle, Target, device, devices, fail
+from accelsched.testing.standin_mig import (
+    nvmlDeviceGetComputeInstanceId,
+    nvmlDeviceGetDeviceHandleFromMigDeviceHandle,
+    nvmlDeviceGetGpuInstanceId,
+    nvmlDeviceGetMaxMigDeviceCount,
+    nvmlDeviceGetMigDeviceHandleByIndex,
+    nvmlDeviceGetMigMode,
+    nvmlDeviceIsMigDeviceHandle,
+)
 
 __all__ = [
     "active",
@@ -47,14 +54,17 @@ __all__ = [
     "nvmlDeviceGetComputeRunningProcesses_v3",
     "nvmlDeviceGetUtilizationRates",
     "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex",
+    "nvmlDeviceGetDeviceHandleFromMigDeviceHandle",
+    "nvmlDeviceIsMigDeviceHandle",
+    "nvmlDeviceGetGpuInstanceId",
+    "nvmlDeviceGetComputeInstanceId",
 ]
 
 DRIVER_VERSION = "555.42.06"
 NVML_VERSION = "12.555.42.06"
 CUDA_DRIVER_VERSION = 12050
-
-_lock = threading.Lock()
-_refcount = 0
 
 
 def active() -> bool:
@@ -62,52 +72,14 @@ def active() -> bool:
     return os.environ.get(state.ENV_STANDIN) == "1" and state.state_dir() is not None
 
 
-@dataclass(frozen=True)
-class StandinHandle:
-    """A device handle: what pynvml's opaque pointer is to the C library."""
-
-    index: int
-
-
-def _fail(code: int) -> NoReturn:
-    raise pynvml.NVMLError(code)
-
-
-def _devices() -> tuple[Path, list[state.FakeDevice]]:
-    """The state as an initialized library sees it, or the error the C library returns."""
-    path = state.state_dir()
-    if _refcount <= 0 or path is None:
-        _fail(pynvml.NVML_ERROR_UNINITIALIZED)
-    try:
-        return path, state.read_devices(path)
-    except OSError:
-        _fail(pynvml.NVML_ERROR_UNINITIALIZED)
-
-
-def _device(handle: StandinHandle, kind: str = "") -> tuple[Path, int, state.FakeDevice]:
-    """The device behind ``handle``, or the error the C library returns, injected faults
-    included (``kind``: ``"memory"`` or ``"processes"`` for those queries)."""
-    path, devices = _devices()
-    if not isinstance(handle, StandinHandle) or not 0 <= handle.index < len(devices):
-        _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    faults = {k for i, k in state.read_flags(path).faults if i == handle.index}
-    if "lost" in faults:
-        _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
-    if "all" in faults or kind in faults:
-        _fail(pynvml.NVML_ERROR_UNKNOWN)
-    return path, handle.index, devices[handle.index]
-
-
 # ---- init / shutdown / errors ----
 
 
 def nvmlInitWithFlags(flags: int) -> None:
-    global _refcount
     path = state.state_dir()
     if path is None or not (path / "devices").is_file():
-        _fail(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
-    with _lock:
-        _refcount += 1
+        fail(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    standin_handles.init()
 
 
 def nvmlInit() -> None:
@@ -115,11 +87,7 @@ def nvmlInit() -> None:
 
 
 def nvmlShutdown() -> None:
-    global _refcount
-    with _lock:
-        if _refcount <= 0:
-            _fail(pynvml.NVML_ERROR_UNINITIALIZED)
-        _refcount -= 1
+    standin_handles.shutdown()
 
 
 def nvmlErrorString(result: int) -> str:
@@ -132,7 +100,7 @@ def nvmlErrorString(result: int) -> str:
 
 
 def nvmlSystemGetDriverVersion() -> str:
-    _devices()
+    devices()
     return DRIVER_VERSION
 
 
@@ -152,66 +120,88 @@ def nvmlSystemGetCudaDriverVersion_v2() -> int:
 
 
 def nvmlDeviceGetCount() -> int:
-    return len(_devices()[1])
+    return len(devices()[1])
 
 
 def nvmlDeviceGetHandleByIndex(index: int) -> StandinHandle:
-    if not 0 <= index < len(_devices()[1]):
-        _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    if not 0 <= index < len(devices()[1]):
+        fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     return StandinHandle(index)
 
 
 def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> StandinHandle:
     text = uuid.decode() if isinstance(uuid, bytes) else uuid
-    for i, device in enumerate(_devices()[1]):
-        if device.uuid == text:
+    path, gpus = devices()
+    for i, gpu in enumerate(gpus):
+        if gpu.uuid == text:
             return StandinHandle(i)
-    _fail(pynvml.NVML_ERROR_NOT_FOUND)
+    for k, mig in enumerate(state.read_migs(path, gpus)):
+        if mig.uuid == text:
+            return StandinHandle(mig.parent, k)
+    fail(pynvml.NVML_ERROR_NOT_FOUND)
 
 
 def nvmlDeviceGetIndex(handle: StandinHandle) -> int:
-    return _device(handle)[1]
+    """A MIG device answers with its parent's index, as the library does."""
+    device(handle)
+    return handle.index
 
 
 def nvmlDeviceGetName(handle: StandinHandle) -> str:
-    return _device(handle)[2].name
+    t = device(handle)
+    return (t.mig or t.gpu).name
 
 
 def nvmlDeviceGetUUID(handle: StandinHandle) -> str:
-    return _device(handle)[2].uuid
+    t = device(handle)
+    return (t.mig or t.gpu).uuid
 
 
 def nvmlDeviceGetMemoryInfo(
     handle: StandinHandle, version: int | None = None
 ) -> pynvml.c_nvmlMemory_t | pynvml.c_nvmlMemory_v2_t:
-    path, index, device = _device(handle, "memory")
-    used = state.device_used(path, index)
-    free = max(0, device.total - used)
+    t = device(handle, "memory")
+    total = (t.mig or t.gpu).total
+    used = sum(n for usage in state.read_procs(t.path).values() for s, n in _on(usage, t))
+    free = max(0, total - used)
     if not version:
-        return pynvml.c_nvmlMemory_t(total=device.total, free=free, used=used)
+        return pynvml.c_nvmlMemory_t(total=total, free=free, used=used)
     if version != pynvml.nvmlMemory_v2:
-        _fail(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
-    return pynvml.c_nvmlMemory_v2_t(
-        version=version, total=device.total, reserved=0, free=free, used=used
-    )
+        fail(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=0, free=free, used=used)
+
+
+def _on(usage: dict[int, int], t: Target) -> list[tuple[int, int]]:
+    """A process's (slot, bytes) on the target, by slot."""
+    return sorted((s, n) for s, n in usage.items() if s in t.slots)
 
 
 def nvmlDeviceGetComputeRunningProcesses_v3(handle: StandinHandle) -> list[Any]:
-    path, index, _ = _device(handle, "processes")
-    flags = state.read_flags(path)
+    """One entry per process and MIG device, by pid, as the library lists them."""
+    t = device(handle, "processes")
+    flags = state.read_flags(t.path)
+    gpus, migs = state.read_slots(t.path)
     not_available = pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value
-    return [
-        pynvml.nvmlFriendlyObject(
-            {
+
+    def instance(slot: int) -> tuple[int, int]:
+        if slot < len(gpus):
+            return not_available, not_available
+        m = migs[slot - len(gpus)]
+        return m.gpu_instance, m.compute_instance
+
+    out = []
+    for pid, usage in state.read_procs(t.path).items():
+        on = sorted(_on(usage, t), key=lambda sn: instance(sn[0]))
+        for slot, nbytes in on:
+            gi, ci = instance(slot)
+            fields: dict[str, int | None] = {
                 "pid": (pid + flags.pid_offset) % 2**32,
-                "usedGpuMemory": usage[index] if flags.process_memory else None,
-                "gpuInstanceId": not_available,
-                "computeInstanceId": not_available,
+                "usedGpuMemory": nbytes if flags.process_memory else None,
+                "gpuInstanceId": gi,
+                "computeInstanceId": ci,
             }
-        )
-        for pid, usage in state.read_procs(path).items()
-        if index in usage
-    ]
+            out.append(pynvml.nvmlFriendlyObject(fields))
+    return out
 
 
 nvmlDeviceGetComputeRunningProcesses_v2 = nvmlDeviceGetComputeRunningProcesses_v3
@@ -219,13 +209,10 @@ nvmlDeviceGetComputeRunningProcesses = nvmlDeviceGetComputeRunningProcesses_v3
 
 
 def nvmlDeviceGetUtilizationRates(handle: StandinHandle) -> pynvml.c_nvmlUtilization_t:
-    _device(handle)
+    t = device(handle)
+    if t.mig is not None or t.gpu.mig:
+        fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
     return pynvml.c_nvmlUtilization_t(gpu=0, memory=0)
-
-
-def nvmlDeviceGetMigMode(handle: StandinHandle) -> list[int]:
-    _device(handle)
-    _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
 
 def __getattr__(name: str) -> Any:
@@ -245,7 +232,7 @@ _HELPERS = {"nvmlExceptionClass", "nvmlStructToFriendlyObject", "nvmlFriendlyObj
 
 def _missing(name: str) -> Callable[..., NoReturn]:
     def missing(*args: Any, **kwargs: Any) -> NoReturn:
-        _fail(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        fail(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
     missing.__name__ = name
     return missing
