@@ -1,17 +1,23 @@
-"""Command line: ``accelsched demo`` (also ``python -m accelsched demo``)."""
+"""Command line: ``accelsched demo|status|events|version`` (also ``python -m accelsched``).
+
+``status`` and ``events`` live in :mod:`accelsched.status`, with their exit codes.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from typing import TextIO
+
+from accelsched.status import EXIT_CODES_HELP, print_events, print_status
+
+__all__ = ["main", "print_events", "print_status"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="accelsched",
         description="GPUs as real, scarce, fallible hardware for Dask's distributed scheduler.",
+        epilog=f"status and events: {EXIT_CODES_HELP}",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
@@ -32,6 +38,27 @@ def main(argv: list[str] | None = None) -> int:
     events.add_argument(
         "--timeout", default="10s", help="how long to try to reach the scheduler (default 10s)"
     )
+    status = sub.add_parser(
+        "status",
+        help="a table per worker: verified GPUs, leases, leak estimate, quarantine, "
+        "restarts, fallbacks",
+        epilog=EXIT_CODES_HELP,
+    )
+    status.add_argument("scheduler", help="scheduler address, e.g. tcp://127.0.0.1:8786")
+    status.add_argument(
+        "--json", action="store_true", help="print the snapshot as JSON (one object a line)"
+    )
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=_seconds,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2) until Ctrl-C",
+    )
+    status.add_argument(
+        "--timeout", default="10s", help="how long to try to reach the scheduler (default 10s)"
+    )
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
     if args.command == "version":
@@ -41,37 +68,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "events":
         return print_events(args.scheduler, args.action, sys.stdout, timeout=args.timeout)
+    if args.command == "status":
+        return print_status(
+            args.scheduler, sys.stdout, as_json=args.json, watch=args.watch, timeout=args.timeout
+        )
     from accelsched.demo import main as demo_main
 
     return demo_main(args.report)
 
 
-def print_events(address: str, actions: list[str] | None, out: TextIO, timeout: str = "10s") -> int:
-    """``accelsched events``: the scheduler's accelsched events, oldest first."""
-    from distributed import Client
-
-    from accelsched import events
-
-    unknown = sorted(set(actions or ()) - events.ACTIONS)
-    if unknown:
-        print(f"unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}", file=sys.stderr)
-        return 2
+def _seconds(value: str) -> float:
+    """``--watch`` SECONDS: a positive number."""
     try:
-        client = Client(address, timeout=timeout)
-    except (OSError, TimeoutError) as exc:
-        print(f"accelsched events: cannot reach a scheduler at {address}: {exc}", file=sys.stderr)
-        return 1
-    with client:
-        info = client.scheduler_info(n_workers=-1)["workers"]
-        names = {addr: str(w["name"]) for addr, w in info.items()}
-        for stamp, msg in client.get_events(events.TOPIC):
-            if not isinstance(msg, dict) or msg.get("action") not in events.ACTIONS:
-                continue  # any client may log to any topic: not one of ours
-            if actions and msg["action"] not in actions:
-                continue
-            when = time.strftime("%H:%M:%S", time.localtime(stamp))
-            print(f"{when} [{msg['action']}] {events.describe(msg, names)}", file=out)
-    return 0
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid SECONDS {value!r}: expected a number > 0")
+    return seconds
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -31,11 +31,13 @@ from accelsched.protocol import (
     CONFIRM_HANDLER,
     FALLBACK_ANNOTATION,
     GPU,
+    GUARD_METRIC,
     GUARD_PLUGIN,
     REPORT_HANDLER,
     ReportReply,
 )
 from accelsched.worker.binding import Binder, Runner
+from accelsched.worker.figures import Figures
 from accelsched.worker.inventory import Inventory
 from accelsched.worker.leaks import LeakCheck
 from accelsched.worker.ledger import Ledger
@@ -72,6 +74,7 @@ class GuardPlugin(WorkerPlugin):
         self.binder: Binder | None = None
         self.watch: Watch | None = None
         self.leaks: LeakCheck | None = None
+        self.figures: Figures | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
@@ -132,6 +135,13 @@ class GuardPlugin(WorkerPlugin):
             emit=self._emit,
             ledger=ledger,
         )
+        self.figures = Figures(
+            granted=lambda: inv.granted,
+            withdrawn=lambda: inv.withdrawn,
+            leases=self.binder.leases,
+            leaks=self.leaks,
+        )
+        internals.add_metric(worker, GUARD_METRIC, self.figures.read)
         internals.install_handler(worker, REPORT_HANDLER, self.report)
         internals.install_handler(worker, CONFIRM_HANDLER, inv.confirm)
         if internals.serving(worker):
@@ -149,6 +159,8 @@ class GuardPlugin(WorkerPlugin):
         internals.remove_handler(worker, REPORT_HANDLER, self.report)
         internals.remove_handler(worker, CONFIRM_HANDLER, self.inventory.confirm)
         internals.stop_periodic(worker, _PERIODIC)
+        if self.figures is not None:
+            internals.remove_metric(worker, GUARD_METRIC, self.figures.read)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """Track live results; route a task starting to execute (worker event loop).

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from accelsched import events, internals, metrics
+from accelsched import dashboard, events, internals, metrics
 from accelsched.budget import RestartBudget
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
 from accelsched.protocol import GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
 from accelsched.scheduler.fallback import Fallback
 from accelsched.scheduler.gate import Gate
+from accelsched.scheduler.observe import Observer
 from accelsched.scheduler.restarts import Restarts
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.restarts = Restarts(
             budget=budget, gate=self.gate, emit=self._emit, active=self._active
         )
+        self.observer = Observer(self.gate)
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the options travel to the scheduler; the parts are built there.
@@ -100,6 +102,8 @@ class PlacementPlugin(SchedulerPlugin):
         self.restarts.start(scheduler)
         self.fallback.start(scheduler)
         self.gate.start(scheduler)
+        self.observer.start(scheduler)
+        dashboard.install(scheduler)
 
     def unregistered(self) -> None:
         """``client.unregister_scheduler_plugin``: leave the scheduler as it was found.
@@ -113,10 +117,12 @@ class PlacementPlugin(SchedulerPlugin):
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
         self.gate.stop()
+        self.observer.stop()
 
     async def close(self) -> None:
-        """The scheduler closes: stop the periodic check."""
+        """The scheduler closes: stop the periodic checks."""
         self.fallback.close()
+        self.observer.stop()
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """Strip the declared GPU count: it counts only once the worker's guard reports.
@@ -125,6 +131,7 @@ class PlacementPlugin(SchedulerPlugin):
         reaches it on the strength of a declaration.
         """
         self.gate.add_worker(scheduler.workers[worker])
+        self.observer.add_worker(scheduler.workers[worker])
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         """Free the worker's GPUs for the next claimant and forget everything about it."""
@@ -148,6 +155,7 @@ class PlacementPlugin(SchedulerPlugin):
         """
         if topic == events.TOPIC and isinstance(msg, dict):
             metrics.observe(msg)
+            self.observer.observe(msg)
             if msg.get("action") in (events.GPU_VERIFIED, events.QUARANTINE):
                 self.gate.update_gauge()
 

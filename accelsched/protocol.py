@@ -19,6 +19,14 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
 ``accelsched_restart`` (:data:`RESTART_HANDLER`)
     A guard asks for its own worker to be restarted (:class:`RestartRequest`); the reply
     (:class:`RestartReply`) says whether the restart was accepted.
+``accelsched_status`` (:data:`STATUS_HANDLER`)
+    Read-only, for anyone (the ``accelsched status`` CLI): the cluster's GPU state
+    (:class:`StatusReply`), built from what the scheduler already holds and reveals in
+    ``scheduler_info``. A scheduler without accelsched answers ``None``.
+
+Worker heartbeat metric ``"accelsched"`` (:data:`GUARD_METRIC`): every heartbeat carries
+a guard's per-device figures only the worker knows (:class:`GuardMetric`), through
+distributed's own custom worker metrics; they arrive in the scheduler's ``WorkerState``.
 
 Worker handlers (``await scheduler.rpc(addr).<name>(...)``):
 
@@ -46,6 +54,8 @@ __all__ = [
     "OFFER_HANDLER",
     "REPORT_HANDLER",
     "CONFIRM_HANDLER",
+    "STATUS_HANDLER",
+    "GUARD_METRIC",
     "TIMEOUT_ANNOTATION",
     "FALLBACK_ANNOTATION",
     "INVALID_RESOURCE",
@@ -59,6 +69,11 @@ __all__ = [
     "RestartStatus",
     "ReportReply",
     "ConfirmReply",
+    "DeviceFigures",
+    "GuardMetric",
+    "DeviceStatus",
+    "WorkerStatus",
+    "StatusReply",
 ]
 
 #: The resource name GPU tasks ask for (``dask.annotate(resources={"GPU": 1})``).
@@ -74,6 +89,9 @@ RESTART_HANDLER: Final = "accelsched_restart"
 OFFER_HANDLER: Final = "accelsched_offer"
 REPORT_HANDLER: Final = "accelsched_report"
 CONFIRM_HANDLER: Final = "accelsched_confirm"
+STATUS_HANDLER: Final = "accelsched_status"
+#: The guard's custom worker metric, sent with every heartbeat (``Worker.metrics``).
+GUARD_METRIC: Final = "accelsched"
 
 #: Task annotation overriding the default fallback timeout (``dask.annotate``).
 TIMEOUT_ANNOTATION: Final = "fallback_timeout"
@@ -173,3 +191,72 @@ class ConfirmReply(TypedDict):
     """Whether the named worker has ``request`` outstanding: it asked, nobody else."""
 
     confirmed: bool
+
+
+class DeviceFigures(TypedDict):
+    """What a guard alone knows about one granted device, at its last heartbeat.
+
+    ``leases``: GPU tasks holding it now; ``leak_estimate``: bytes the last leak check
+    that judged it could not explain (None until one did: the check skips a device while
+    a GPU task runs on it); ``leak_threshold``: the bytes a leak must exceed there.
+    """
+
+    index: int
+    leases: int
+    withdrawn: bool
+    leak_estimate: int | None
+    leak_threshold: int
+
+
+class GuardMetric(TypedDict):
+    """The ``"accelsched"`` heartbeat metric: one entry per granted device."""
+
+    devices: list[DeviceFigures]
+
+
+class DeviceStatus(TypedDict):
+    """A verified GPU of a worker (the grant) with the guard's latest figures (None
+    before its first heartbeat after the grant)."""
+
+    index: int
+    uuid: str
+    name: str
+    memory: int
+    leases: int | None
+    withdrawn: bool
+    leak_estimate: int | None
+    leak_threshold: int | None
+
+
+class WorkerStatus(TypedDict):
+    """One worker, by name. ``gpus``: the count placement uses now; ``declared``: what it
+    registered with (None: no GPU declared); ``quarantined``: the reason, or None.
+    ``restarts``, ``leaks``, ``fallbacks``: events naming this worker (by name, so a
+    restarted worker keeps its count)."""
+
+    name: str
+    address: str
+    gpus: float
+    declared: float | None
+    quarantined: str | None
+    devices: list[DeviceStatus]
+    restarts: int
+    leaks: int
+    fallbacks: int
+
+
+class StatusReply(TypedDict):
+    """``accelsched status --json`` prints exactly this (``version`` changes only when a
+    field changes meaning or goes away). ``fallbacks``: every fallback event, those naming
+    no worker (a task unplaced past its timeout) included; ``names``: address -> worker
+    name for every worker seen (restarted workers' old addresses included), for events."""
+
+    version: int
+    time: float
+    scheduler: str
+    guard: bool
+    workers: list[WorkerStatus]
+    restarts: int
+    leaks: int
+    fallbacks: int
+    names: dict[str, str]

@@ -14,7 +14,8 @@ relies on, and fail the registration with :class:`IncompatibleDistributed` namin
 changed and the versions known to work. ``docs/architecture.md`` lists each use and why.
 
 The door is this package: one function per need, grouped by what it touches
-(:mod:`.contract`, :mod:`.servers`, :mod:`.scheduler`, :mod:`.worker`, :mod:`.diagnostics`),
+(:mod:`.contract`, :mod:`.servers`, :mod:`.scheduler`, :mod:`.worker`, :mod:`.diagnostics`,
+:mod:`.observe`),
 all re-exported here so callers write ``internals.spawn(...)``.
 """
 
@@ -29,6 +30,12 @@ from accelsched.internals.diagnostics import (
     distributed_nvml_state,
     reset_distributed_nvml,
     restore_distributed_nvml,
+)
+from accelsched.internals.observe import (
+    add_dashboard_page,
+    add_metric,
+    remove_metric,
+    worker_metric,
 )
 from accelsched.internals.scheduler import (
     annotate,
@@ -84,6 +91,8 @@ __all__ = [
     "TESTED_DISTRIBUTED",
     "IncompatibleDistributed",
     "TaskView",
+    "add_dashboard_page",
+    "add_metric",
     "add_spec_worker",
     "advertises_gpus",
     "annotate",
@@ -110,6 +119,7 @@ __all__ = [
     "plugin_modules",
     "release_unfit",
     "remove_handler",
+    "remove_metric",
     "reset_distributed_nvml",
     "restart",
     "restore_set_resources",
@@ -128,6 +138,7 @@ __all__ = [
     "task_spec",
     "unrunnable",
     "wait_gone",
+    "worker_metric",
     "worker_plugin_registered",
     "wrap_execution",
     "wrap_set_resources",

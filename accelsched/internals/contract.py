@@ -91,7 +91,8 @@ def check_scheduler(scheduler: Scheduler) -> None:
         "Scheduler.restart_workers",
     )
     problems += _missing_attributes(
-        WorkerState, ("resources", "used_resources", "processing", "has_what", "nanny", "status")
+        WorkerState,
+        ("resources", "used_resources", "processing", "has_what", "nanny", "status", "metrics"),
     )
     problems += _missing_attributes(
         TaskState,
@@ -114,7 +115,7 @@ def check_worker(worker: Worker) -> None:
     from distributed.worker_state_machine import TaskState
 
     problems: list[str] = []
-    for name in ("handlers", "periodic_callbacks", "executors", "plugins"):
+    for name in ("handlers", "periodic_callbacks", "executors", "plugins", "metrics"):
         if not isinstance(getattr(worker, name, None), dict):
             problems.append(f"Worker.{name} is not a dict")
     state = getattr(worker, "state", None)

@@ -1,0 +1,197 @@
+"""The accelsched page on the scheduler's Dask dashboard: ``/accelsched``.
+
+Built with Bokeh the way distributed builds its own pages (a component with ``root`` and
+``update``, refreshed by a periodic callback, rendered in distributed's page template and
+theme), from the same snapshot as ``accelsched status``
+(:class:`~accelsched.scheduler.observe.Observer`):
+
+- a table, one row per worker and verified GPU: name, memory, UUID, leases in use, leak
+  estimate against its threshold, restarts, leaks, fallbacks, quarantine;
+- the leak estimate of each device over time, its threshold dashed, leaks marked ``x``
+  and restarts, quarantines and unhealthy devices as vertical lines;
+- fallbacks over time (cumulative).
+
+distributed builds its dashboard before any plugin starts, so :func:`install` adds the
+page to the running dashboard (:func:`accelsched.internals.add_dashboard_page`). The
+PlacementPlugin's ``start`` calls it, whether a client registered the plugin or a
+preload installed it; calling it again does nothing. The page finds whichever
+PlacementPlugin is registered when it is drawn, so a re-registered plugin is shown.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from accelsched import internals
+from accelsched.protocol import PLACEMENT_PLUGIN
+from accelsched.status import COLUMNS, summary, table_rows
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+    from accelsched.scheduler.observe import Observer
+
+__all__ = ["install", "PAGE"]
+
+#: The page's path under the dashboard's prefix, and its tab's label.
+PAGE = "accelsched"
+#: How often an open page redraws (ms); the observer samples once a second.
+REFRESH_MS = 1000
+MiB = 2**20
+
+
+def install(scheduler: Scheduler) -> bool:
+    """Add the page to the scheduler's dashboard; False when it runs without one."""
+    return internals.add_dashboard_page(scheduler, PAGE, _doc)
+
+
+def observer_of(scheduler: Scheduler) -> Observer | None:
+    """The registered PlacementPlugin's observer (None when accelsched is unregistered)."""
+    plugin = scheduler.plugins.get(PLACEMENT_PLUGIN)
+    observer = getattr(plugin, "observer", None)
+    return observer if getattr(observer, "scheduler", None) is scheduler else None
+
+
+def _doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
+    """One browser session's document (distributed's ``BokehApplication`` calls this)."""
+    from distributed.dashboard.components import add_periodic_callback
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    page = Page(scheduler)
+    page.update()
+    add_periodic_callback(doc, page, REFRESH_MS)
+    doc.title = "Dask: accelsched"
+    doc.add_root(page.root)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME
+
+
+class Page:
+    """distributed's ``DashboardComponent`` shape: ``root`` and ``update()``."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        from bokeh.layouts import column
+        from bokeh.models import ColumnDataSource, HoverTool
+        from bokeh.models.widgets import DataTable, Div, TableColumn
+        from bokeh.palettes import Category10_10
+        from bokeh.plotting import figure
+
+        self.scheduler = scheduler
+        self.palette = list(Category10_10)
+        self.summary = Div(text="", sizing_mode="stretch_width")
+        self.rows = ColumnDataSource({c: [] for c, _ in COLUMNS})
+        self.table = DataTable(
+            source=self.rows,
+            columns=[TableColumn(field=c, title=t.capitalize()) for c, t in COLUMNS],
+            index_position=None,
+            height=200,
+            sizing_mode="stretch_width",
+        )
+        self.estimates = ColumnDataSource({"xs": [], "ys": [], "label": [], "color": []})
+        self.thresholds = ColumnDataSource({"xs": [], "ys": [], "label": [], "color": []})
+        self.leak_marks = ColumnDataSource({"x": [], "y": [], "label": []})
+        self.events = ColumnDataSource({"x": [], "top": [], "label": [], "color": []})
+        self.fallback_steps = ColumnDataSource({"x": [], "y": []})
+
+        self.leak_figure = figure(
+            title="Leak estimate per worker and GPU (MiB), threshold dashed",
+            x_axis_type="datetime",
+            height=300,
+            sizing_mode="stretch_width",
+            tools="pan,wheel_zoom,box_zoom,reset",
+        )
+        est = self.leak_figure.multi_line(
+            "xs", "ys", color="color", line_width=2, source=self.estimates
+        )
+        self.leak_figure.multi_line(
+            "xs", "ys", color="color", line_dash="dashed", source=self.thresholds
+        )
+        self.leak_figure.segment(
+            "x", 0, "x", "top", color="color", line_width=2, source=self.events
+        )
+        self.leak_figure.scatter(
+            "x", "y", marker="x", size=14, color="red", line_width=3, source=self.leak_marks
+        )
+        self.leak_figure.add_tools(HoverTool(renderers=[est], tooltips=[("", "@label")]))
+        self.leak_figure.yaxis.axis_label = "MiB"
+
+        self.fallback_figure = figure(
+            title="Fallbacks to CPU (cumulative)",
+            x_axis_type="datetime",
+            height=200,
+            sizing_mode="stretch_width",
+            tools="pan,wheel_zoom,box_zoom,reset",
+        )
+        self.fallback_figure.step("x", "y", mode="after", line_width=2, source=self.fallback_steps)
+        self.root = column(
+            self.summary,
+            self.table,
+            self.leak_figure,
+            self.fallback_figure,
+            sizing_mode="stretch_width",
+        )
+
+    def update(self) -> None:
+        observer = observer_of(self.scheduler)
+        if observer is None:
+            self.summary.text = "<b>accelsched is not registered on this scheduler.</b>"
+            return
+        snap = observer.snapshot()
+        self.summary.text = f"<b>accelsched</b>: {html.escape(summary(snap))}"
+        self.rows.data = table_rows(snap)
+        self._draw_history(observer, snap["time"])
+
+    def _draw_history(self, observer: Observer, now: float) -> None:
+        est: dict[str, list[Any]] = {"xs": [], "ys": [], "label": [], "color": []}
+        thr: dict[str, list[Any]] = {"xs": [], "ys": [], "label": [], "color": []}
+        top = 1.0
+        last: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for i, ((name, device), series) in enumerate(sorted(observer.series.items())):
+            color = self.palette[i % len(self.palette)]
+            label = f"{name} GPU {device}"
+            points = [
+                (s.time * 1000, max(s.estimate, 0) / MiB) for s in series if s.estimate is not None
+            ]
+            last[(name, device)] = points
+            limits = [(s.time * 1000, s.threshold / MiB) for s in series if s.threshold is not None]
+            for target, pts in ((est, points), (thr, limits)):
+                target["xs"].append([x for x, _ in pts])
+                target["ys"].append([y for _, y in pts])
+                target["label"].append(label)
+                target["color"].append(color)
+            top = max([top] + [y for _, y in points + limits])
+        self.estimates.data = est
+        self.thresholds.data = thr
+        marks: dict[str, list[Any]] = {"x": [], "y": [], "label": []}
+        lines: dict[str, list[Any]] = {"x": [], "top": [], "label": [], "color": []}
+        for m in observer.markers:
+            label = f"{m.action} {m.worker or ''}".strip()
+            if m.action == "leak" and m.worker is not None and m.device is not None:
+                marks["x"].append(m.time * 1000)
+                marks["y"].append(_value_at(last.get((m.worker, m.device), []), m.time * 1000))
+                marks["label"].append(label)
+            else:
+                lines["x"].append(m.time * 1000)
+                lines["top"].append(top)
+                lines["label"].append(label)
+                lines["color"].append("black" if m.action == "restart" else "orange")
+        self.leak_marks.data = marks
+        self.events.data = lines
+        steps = [(t * 1000, n) for t, n in observer.fallbacks]
+        steps = [(steps[0][0], 0)] + steps if steps else [(now * 1000, 0)]
+        steps.append((now * 1000, steps[-1][1]))
+        self.fallback_steps.data = {"x": [x for x, _ in steps], "y": [y for _, y in steps]}
+
+
+def _value_at(points: Iterable[tuple[float, float]], x: float) -> float:
+    """The series' value at ``x`` (its last point at or before it, else its first)."""
+    best = None
+    for px, py in points:
+        if px <= x or best is None:
+            best = py
+        if px > x:
+            break
+    return 0.0 if best is None else best

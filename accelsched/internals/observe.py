@@ -1,0 +1,66 @@
+"""Observing a cluster: heartbeat metrics and a page on the scheduler's dashboard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distributed import Scheduler, Worker
+    from distributed.scheduler import WorkerState
+
+
+def add_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
+    """Send ``fn(worker)`` with every heartbeat under ``name`` (a custom worker metric:
+    ``Worker.metrics`` is read at each heartbeat, so one added later still travels)."""
+    worker.metrics[name] = fn
+
+
+def remove_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
+    """Stop sending ``name``, if it is still ``fn`` (not a newer guard's)."""
+    if worker.metrics.get(name) == fn:
+        del worker.metrics[name]
+
+
+def worker_metric(ws: WorkerState, name: str) -> Any:
+    """The latest value of a custom metric a worker's heartbeat carried (None before the
+    first heartbeat that had it)."""
+    return (ws.metrics or {}).get(name)
+
+
+def add_dashboard_page(
+    scheduler: Scheduler, page: str, make_doc: Callable[[Scheduler, dict, Any], None]
+) -> bool:
+    """Serve ``/<page>`` on the scheduler's running dashboard, with a tab on every page.
+
+    distributed builds its Bokeh pages once, in ``Scheduler.__init__``, from a fixed
+    table; a plugin starts later. So this adds a second Bokeh server application to the
+    dashboard's router, as ``distributed.dashboard.scheduler.connect`` does for the first,
+    and puts the page in the navigation its templates share. Idempotent; False when the
+    scheduler runs no dashboard.
+    """
+    try:
+        from bokeh.server.server import BokehTornado
+        from distributed.dashboard.core import BokehApplication
+        from distributed.dashboard.scheduler import template_variables
+    except ImportError:  # no bokeh, or one distributed cannot use: no dashboard
+        return False
+    from tornado.ioloop import IOLoop
+
+    router = getattr(scheduler, "http_application", None)
+    apps = [a for a in getattr(router, "applications", ()) if isinstance(a, BokehTornado)]
+    if router is None or not apps:
+        return False
+    path = "/" + page
+    if any(path in app.app_paths for app in apps):
+        return True
+    variables = template_variables(scheduler)  # memoized: the dict every page renders
+    if page not in variables["pages"]:
+        variables["pages"].append(page)
+    app = BokehApplication(
+        {path: make_doc}, scheduler, prefix=apps[0].prefix, template_variables=variables
+    )
+    router.add_application(app)
+    app.initialize(IOLoop.current())
+    app.start()
+    return True

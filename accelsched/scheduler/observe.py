@@ -1,0 +1,216 @@
+"""What the cluster's GPUs look like now, and lately: for ``accelsched status`` and the
+dashboard page.
+
+One snapshot (:class:`~accelsched.protocol.StatusReply`) serves both. It joins what the
+scheduler side already holds (the gate's grants, declarations and quarantine) with what
+only each worker knows (leases in use, the leak estimate and its threshold), which rides
+on the workers' heartbeats as a custom metric (:mod:`accelsched.worker.figures`). Counts
+of restarts, leaks and fallbacks come from the events (the single source), fed by the
+PlacementPlugin's ``log_event`` hook and replayed from the event log at start, so a
+re-registered plugin counts what happened before it.
+
+Workers are shown by name: a worker restarted through its nanny comes back at a new
+address under the same name, and its counts and history carry on.
+
+Memory is bounded: :data:`HISTORY_SECONDS` of samples, one every
+:data:`SAMPLE_SECONDS`, per (worker name, device) (three numbers each; series of workers
+gone longer than the window are dropped), :data:`MAX_MARKERS` event markers,
+:data:`MAX_FALLBACKS` fallback times and :data:`MAX_NAMES` address -> name entries.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from accelsched import events, internals
+from accelsched.protocol import (
+    GPU,
+    GUARD_METRIC,
+    GUARD_PLUGIN,
+    STATUS_HANDLER,
+    DeviceFigures,
+    DeviceStatus,
+    StatusReply,
+    WorkerStatus,
+)
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.scheduler import WorkerState
+
+    from accelsched.scheduler.gate import Gate
+
+__all__ = ["Observer", "Marker", "Sample", "STATUS_VERSION"]
+
+#: ``StatusReply.version``: raised only when a field changes meaning or goes away.
+STATUS_VERSION = 1
+HISTORY_SECONDS = 600.0
+SAMPLE_SECONDS = 1.0
+MAX_MARKERS = 1000
+MAX_FALLBACKS = 1000
+MAX_NAMES = 4096
+#: Events drawn as markers on the dashboard's time lines.
+MARKED = frozenset({events.LEAK, events.RESTART, events.QUARANTINE, events.GPU_UNHEALTHY})
+_COUNTED = {events.RESTART: "restarts", events.LEAK: "leaks", events.FALLBACK: "fallbacks"}
+_PERIODIC = "accelsched-observe"
+
+
+class Sample(NamedTuple):
+    time: float
+    estimate: int | None
+    threshold: int | None
+
+
+class Marker(NamedTuple):
+    time: float
+    worker: str | None  # name
+    device: int | None
+    action: str
+
+
+class Observer:
+    """Names, event counts, the snapshot and its bounded history."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self.scheduler: Scheduler | None = None
+        self.names: OrderedDict[str, str] = OrderedDict()  # address -> worker name
+        self.counts: dict[str, Counter[str]] = {}  # worker name -> counted events
+        self.totals: Counter[str] = Counter()
+        self.series: dict[tuple[str, int], deque[Sample]] = {}
+        self.markers: deque[Marker] = deque(maxlen=MAX_MARKERS)
+        self.fallbacks: deque[tuple[float, int]] = deque(maxlen=MAX_FALLBACKS)  # cumulative
+
+    # --- wiring ------------------------------------------------------------------------
+
+    def start(self, scheduler: Scheduler) -> None:
+        """Learn the workers' names, replay the event log, serve the status handler and
+        start sampling."""
+        self.scheduler = scheduler
+        for ws in list(scheduler.workers.values()):
+            self.add_worker(ws)
+        for stamp, msg in scheduler.get_events(events.TOPIC):
+            if isinstance(msg, dict):
+                self.observe(msg, stamp)
+        internals.install_handler(scheduler, STATUS_HANDLER, self.handle_status)
+        internals.start_periodic(scheduler, _PERIODIC, self.sample, SAMPLE_SECONDS)
+
+    def stop(self) -> None:
+        """Unregistered or closing: no handler, no sampling (the history stays readable)."""
+        if self.scheduler is None:
+            return
+        internals.remove_handler(self.scheduler, STATUS_HANDLER, self.handle_status)
+        internals.stop_periodic(self.scheduler, _PERIODIC)
+
+    def add_worker(self, ws: WorkerState) -> None:
+        self.names[ws.address] = str(ws.name)
+        self.names.move_to_end(ws.address)
+        while len(self.names) > MAX_NAMES:
+            self.names.popitem(last=False)
+
+    def name_of(self, address: str | None) -> str | None:
+        return None if address is None else self.names.get(address, address)
+
+    def observe(self, msg: dict[str, Any], stamp: float | None = None) -> None:
+        """One accelsched event (from ``log_event``, or replayed with its time)."""
+        action = msg.get("action")
+        if self.scheduler is None or action not in events.ACTIONS:
+            return  # before start: the replay of the event log at start counts it
+        when = stamp if stamp is not None else self._now()
+        name = self.name_of(msg.get("worker"))
+        counted = _COUNTED.get(action)
+        if counted is not None:
+            self.totals[counted] += 1
+            if name is not None:
+                self.counts.setdefault(name, Counter())[counted] += 1
+        if action == events.FALLBACK:
+            self.fallbacks.append((when, self.totals["fallbacks"]))
+        if action in MARKED:
+            device = msg.get("device")
+            self.markers.append(
+                Marker(when, name, device if isinstance(device, int) else None, action)
+            )
+
+    # --- the snapshot --------------------------------------------------------------------
+
+    def handle_status(self) -> StatusReply:
+        """``accelsched_status``: read-only; nothing ``scheduler_info`` does not reveal."""
+        return self.snapshot()
+
+    def snapshot(self) -> StatusReply:
+        assert self.scheduler is not None
+        workers = [self._worker(ws) for ws in list(self.scheduler.workers.values())]
+        workers.sort(key=lambda w: (len(w["name"]), w["name"]))  # 2 before 10
+        names = dict(self.names)
+        names.update({w["address"]: w["name"] for w in workers})
+        return {
+            "version": STATUS_VERSION,
+            "time": self._now(),
+            "scheduler": self.scheduler.address,
+            "guard": internals.worker_plugin_registered(self.scheduler, GUARD_PLUGIN),
+            "workers": workers,
+            "restarts": self.totals["restarts"],
+            "leaks": self.totals["leaks"],
+            "fallbacks": self.totals["fallbacks"],
+            "names": names,
+        }
+
+    def _worker(self, ws: WorkerState) -> WorkerStatus:
+        addr = ws.address
+        metric = internals.worker_metric(ws, GUARD_METRIC)
+        figures: dict[int, DeviceFigures] = {}
+        if isinstance(metric, dict):
+            figures = {d["index"]: d for d in metric.get("devices", ())}
+        devices: list[DeviceStatus] = []
+        for rec in self.gate.granted.get(addr, []):
+            f = figures.get(rec["index"])
+            devices.append(
+                {
+                    "index": rec["index"],
+                    "uuid": rec["uuid"],
+                    "name": rec["name"],
+                    "memory": rec["memory"],
+                    "leases": None if f is None else f["leases"],
+                    "withdrawn": False if f is None else bool(f["withdrawn"]),
+                    "leak_estimate": None if f is None else f["leak_estimate"],
+                    "leak_threshold": None if f is None else f["leak_threshold"],
+                }
+            )
+        name = str(ws.name)
+        counts = self.counts.get(name, Counter())
+        return {
+            "name": name,
+            "address": addr,
+            "gpus": ws.resources.get(GPU, 0),
+            "declared": self.gate.declared.get(addr),
+            "quarantined": self.gate.quarantined.get(addr),
+            "devices": devices,
+            "restarts": counts["restarts"],
+            "leaks": counts["leaks"],
+            "fallbacks": counts["fallbacks"],
+        }
+
+    # --- history, for the dashboard ------------------------------------------------------
+
+    def sample(self) -> None:
+        """Record every device's leak estimate and threshold now (periodic)."""
+        if self.scheduler is None:
+            return
+        now = self._now()
+        for w in self.snapshot()["workers"]:
+            for d in w["devices"]:
+                series = self.series.get((w["name"], d["index"]))
+                if series is None:
+                    series = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
+                    self.series[(w["name"], d["index"])] = series
+                series.append(Sample(now, d["leak_estimate"], d["leak_threshold"]))
+        for key, series in list(self.series.items()):
+            if not series or series[-1].time < now - HISTORY_SECONDS:
+                del self.series[key]
+
+    @staticmethod
+    def _now() -> float:
+        from distributed.metrics import time
+
+        return time()
