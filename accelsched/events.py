@@ -129,6 +129,11 @@ def describe(msg: Mapping[str, Any], names: Mapping[str, str] | None = None) -> 
         )
     if a == FALLBACK:
         where = f" on {w}" if w else ""
+        if "key" not in msg:  # a burst, summarised
+            return (
+                f"{msg['count']} tasks fell back{where} (reasons {msg['reasons']}, waited "
+                f"{msg['waited']}s median, {msg['waited_max']}s max; e.g. {list(msg['keys'])[:3]})"
+            )
         return f"task {msg['key']!r}{where}: fell back after {msg['waited']}s ({msg['reason']})"
     details = {k: v for k, v in msg.items() if k not in ("action", "worker")}
     return f"{w}: {details}"

@@ -8,7 +8,10 @@ the policy answers with the reason to fall back, or None to keep waiting.
 
 from __future__ import annotations
 
+import functools
+import heapq
 import numbers
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +28,8 @@ __all__ = [
     "OOM",
     "parse_task_timeout",
     "invalid_amount",
+    "Deadlines",
+    "summarise",
 ]
 
 TIMEOUT = "timeout"  # the task's own timeout expired
@@ -36,7 +41,22 @@ _UNSET: Any = object()
 
 
 def parse_task_timeout(value: Any) -> float | None:
-    """Parse a ``fallback_timeout`` task annotation; ValueError names the bad value."""
+    """Parse a ``fallback_timeout`` task annotation; ValueError names the bad value.
+
+    A graph carries the same few values on thousands of tasks: parsed once each.
+    """
+    try:
+        return _parse_cached(value)
+    except TypeError:  # unhashable: parse it to get the error naming it
+        return _parse(value)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _parse_cached(value: Any) -> float | None:
+    return _parse(value)
+
+
+def _parse(value: Any) -> float | None:
     try:
         return parse_optional_duration("fallback_timeout annotation", value)
     except TypeError as exc:
@@ -134,3 +154,92 @@ def sweep(
             deadline = w.since + w.timeout
             wake_at = deadline if wake_at is None else min(wake_at, deadline)
     return Sweep(fall_back, wake_at)
+
+
+class Deadlines:
+    """The unrunnable GPU tasks that can fall back, ordered by when they may.
+
+    A check costs what is due, not what waits: tasks enter when they become unrunnable
+    (with the time they may fall back), leave lazily when they are placed, and a check
+    pops only the entries whose deadline passed, O(k log n) for k due of n waiting.
+    Tasks without a timeout never enter, so a cluster with no timeouts pays nothing.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._since: dict[Hashable, tuple[float, int]] = {}  # key -> (since, entry id)
+        self._ids = 0
+
+    def __len__(self) -> int:
+        return len(self._since)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._since
+
+    def add(self, key: Hashable, since: float, deadline: float) -> None:
+        """``key`` became unrunnable at ``since`` and may fall back at ``deadline``."""
+        self._ids += 1
+        self._since[key] = (since, self._ids)
+        heapq.heappush(self._heap, (deadline, self._ids, key))
+
+    def discard(self, key: Hashable) -> None:
+        """``key`` left ``no-worker`` (placed, erred, forgotten); its entry is skipped."""
+        self._since.pop(key, None)
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a task still waiting (drops stale entries on top)."""
+        heap = self._heap
+        while heap:
+            deadline, entry, key = heap[0]
+            current = self._since.get(key)
+            if current is not None and current[1] == entry:
+                return deadline
+            heapq.heappop(heap)
+        return None
+
+    def pop_due(self, now: float) -> list[tuple[Hashable, float]]:
+        """Remove and return ``(key, since)`` of every waiting task due at ``now``."""
+        due = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, entry, key = heapq.heappop(heap)
+            current = self._since.get(key)
+            if current is not None and current[1] == entry:
+                del self._since[key]
+                due.append((key, current[0]))
+        if len(heap) > 64 and len(heap) > 4 * len(self._since):
+            self._compact()
+        return due
+
+    def _compact(self) -> None:
+        """Drop stale entries when they outnumber live ones (memory stays O(waiting))."""
+        self._heap = [
+            e for e in self._heap if (c := self._since.get(e[2])) is not None and c[1] == e[1]
+        ]
+        heapq.heapify(self._heap)
+
+
+def summarise(fell: list[tuple[Hashable, str, float]], detail: int) -> list[dict[str, Any]]:
+    """The ``fallback`` events for one check: one per task up to ``detail`` tasks, else one
+    for the whole burst (its size, a sample of keys, the reasons counted, waits).
+
+    A burst of thousands of fallbacks (a cluster that lost its GPUs) then costs one log
+    line and one event, not thousands.
+    """
+    if len(fell) <= detail:
+        return [
+            {"key": key, "waited": round(waited, 3), "reason": reason, "count": 1}
+            for key, reason, waited in fell
+        ]
+    reasons = Counter(reason for _, reason, _ in fell)
+    waits = sorted(waited for _, _, waited in fell)
+    return [
+        {
+            "count": len(fell),
+            "keys": [key for key, _, _ in fell[:detail]],
+            "reason": reasons.most_common(1)[0][0],
+            "reasons": dict(reasons),
+            "waited": round(waits[len(waits) // 2], 3),
+            "waited_max": round(waits[-1], 3),
+        }
+    ]

@@ -49,7 +49,8 @@ def observe(msg: Mapping[str, Any]) -> None:
     if c is None:
         return
     action = msg.get("action", "unknown")
-    c["events"].labels(action=action).inc()
+    # a burst of fallbacks comes as one event with its size (``count``)
+    c["events"].labels(action=action).inc(msg.get("count", 1) if action == "fallback" else 1)
     if action == "fallback":
         c["fallback_wait"].labels(reason=msg.get("reason", "")).observe(msg.get("waited", 0))
     elif action == "leak":

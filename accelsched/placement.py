@@ -146,7 +146,7 @@ class PlacementPlugin(SchedulerPlugin):
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         """Inside the transition loop: only bookkeeping and scheduling a check."""
-        self.fallback.transition(key, finish)
+        self.fallback.transition(key, start, finish)
 
     def log_event(self, topic: str, msg: Any) -> None:
         """Every event the scheduler logs: feed accelsched's own to the metrics.

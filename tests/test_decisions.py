@@ -6,11 +6,69 @@ import pytest
 
 from accelsched.budget import RestartBudget, admit_restart
 from accelsched.devices.nvml import MemoryReading
-from accelsched.fallback import CHAIN, NO_GPU_CAPACITY, TIMEOUT, FallbackPolicy, Waiting, sweep
+from accelsched.fallback import (
+    CHAIN,
+    NO_GPU_CAPACITY,
+    TIMEOUT,
+    Deadlines,
+    FallbackPolicy,
+    Waiting,
+    summarise,
+    sweep,
+)
 from accelsched.leak import LeakReports, Verdict
 from accelsched.unrequested import Use, classify
 
 # --- which tasks fall back now, and when to look again --------------------------------
+
+
+def test_deadlines_pop_only_what_is_due_in_order() -> None:
+    d = Deadlines()
+    d.add("a", since=0.0, deadline=5.0)
+    d.add("b", since=1.0, deadline=2.0)
+    d.add("c", since=2.0, deadline=9.0)
+    assert len(d) == 3 and d.next_deadline() == 2.0
+    assert d.pop_due(1.9) == []
+    assert d.pop_due(5.0) == [("b", 1.0), ("a", 0.0)]
+    assert d.next_deadline() == 9.0 and "c" in d and "a" not in d
+
+
+def test_deadlines_skip_tasks_that_left_and_keep_the_newest_entry() -> None:
+    d = Deadlines()
+    d.add("placed", since=0.0, deadline=1.0)
+    d.discard("placed")  # placed before its deadline
+    d.add("again", since=0.0, deadline=1.0)
+    d.discard("again")
+    d.add("again", since=3.0, deadline=4.0)  # unrunnable again: only this entry counts
+    assert d.next_deadline() == 4.0
+    assert d.pop_due(10.0) == [("again", 3.0)]
+    assert d.next_deadline() is None and len(d) == 0
+
+
+def test_deadlines_memory_stays_with_what_waits() -> None:
+    d = Deadlines()
+    for i in range(10_000):
+        d.add(i, since=0.0, deadline=100.0 + i)
+        d.discard(i)  # placed at once: every entry stale
+    d.add("last", since=0.0, deadline=1.0)
+    assert d.pop_due(1.0) == [("last", 0.0)]
+    assert len(d._heap) <= 64  # compacted: stale entries do not pile up
+
+
+def test_a_burst_of_fallbacks_is_one_event() -> None:
+    few = [(f"k{i}", TIMEOUT, 1.0 + i) for i in range(3)]
+    assert summarise(few, detail=10) == [
+        {"key": "k0", "waited": 1.0, "reason": TIMEOUT, "count": 1},
+        {"key": "k1", "waited": 2.0, "reason": TIMEOUT, "count": 1},
+        {"key": "k2", "waited": 3.0, "reason": TIMEOUT, "count": 1},
+    ]
+    burst = [(f"k{i}", NO_GPU_CAPACITY if i % 4 else CHAIN, float(i)) for i in range(100)]
+    (event,) = summarise(burst, detail=10)
+    assert event["count"] == 100 and "key" not in event
+    assert event["keys"] == [f"k{i}" for i in range(10)]
+    assert event["reasons"] == {NO_GPU_CAPACITY: 75, CHAIN: 25}
+    assert event["reason"] == NO_GPU_CAPACITY
+    assert event["waited"] == 50.0 and event["waited_max"] == 99.0
 
 
 def test_sweep_falls_back_what_is_due_and_wakes_at_the_next_deadline() -> None:

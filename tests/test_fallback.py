@@ -243,3 +243,25 @@ async def test_fallbacks_reach_prometheus_metrics(c, s, a):
         "accelsched_fallback_wait_seconds_count", {"reason": "no-gpu-capacity"}
     )
     assert waits is not None and waits >= 3
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_burst_of_fallbacks_is_one_event(c, s, a):
+    await accelsched.register(c, fallback_timeout=0)
+    futs = c.map(step, range(40), resources={"GPU": 1}, key=[f"b-{i}" for i in range(40)])
+    assert await c.gather(futs) == [("cpu", i) for i in range(40)]
+    fell = events(s, "fallback")
+    assert sum(e["count"] for e in fell) == 40
+    assert any(e["count"] > 10 and "key" not in e for e in fell)  # not 40 events
+    assert len(fell) < 40
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_no_timeout_means_nothing_is_timed(c, s, a):
+    await accelsched.register(c)
+    futs = c.map(step, range(20), resources={"GPU": 1}, key=[f"s-{i}" for i in range(20)])
+    await wait_for(
+        lambda: all(f.key in s.tasks and s.tasks[f.key].state == "no-worker" for f in futs)
+    )
+    plugin = s.plugins["accelsched-placement"]
+    assert len(plugin.fallback.deadlines) == 0  # strict tasks never enter the heap

@@ -1,11 +1,13 @@
 """CPU fallback on the scheduler: carrying out what :mod:`accelsched.fallback` decides.
 
 New GPU tasks are prepared in ``update_graph`` (their restriction made hard, their
-``fallback_timeout`` annotation read). A check looks at the tasks in ``no-worker``, asks
-:func:`accelsched.fallback.sweep` which fall back now and when the next deadline is, lifts
-the GPU restriction of those that fall back (marking them, so the worker copies their
-device inputs to the host) and sends them on. Checks run on a periodic tick, as soon as a
-timed task becomes unrunnable, and exactly at the next deadline.
+``fallback_timeout`` annotation read). A GPU task with a timeout that becomes unrunnable
+enters :class:`~accelsched.fallback.Deadlines` with the time it may fall back; a check
+pops only the tasks that are due, asks :func:`accelsched.fallback.sweep` which fall back
+now, lifts their GPU restriction (marking them, so the worker copies their device inputs
+to the host) and sends them on. A check costs what is due, not what waits: nothing when
+no task has a timeout, O(k log n) for k due of n waiting. Checks run exactly at the next
+deadline, with a periodic tick as a safety net.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ import dask.config
 import dask.utils
 
 from accelsched import events, internals
-from accelsched.fallback import FallbackPolicy, Waiting, invalid_amount, parse_task_timeout, sweep
+from accelsched.fallback import (
+    Deadlines,
+    FallbackPolicy,
+    Waiting,
+    invalid_amount,
+    parse_task_timeout,
+    summarise,
+    sweep,
+)
 from accelsched.marks import find_mark
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, INVALID_RESOURCE, TIMEOUT_ANNOTATION
 
@@ -32,6 +42,9 @@ __all__ = ["Fallback"]
 logger = logging.getLogger(__name__)
 
 _PERIODIC = "accelsched-fallback"
+
+#: A check that falls back more tasks than this logs one summary event, not one each.
+FALLBACK_DETAIL = 10
 
 
 class Fallback:
@@ -51,6 +64,7 @@ class Fallback:
         self.timeouts: dict[Any, float | None] = {}  # key -> annotated timeout
         self.invalid: dict[Any, str] = {}  # key -> why its annotation is invalid
         self.fell_back: set[Any] = set()  # keys that fell back for lack of GPUs
+        self.deadlines = Deadlines()  # unrunnable tasks that may fall back, by deadline
         self._check_soon = False
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
         self._warned_no_workers = False
@@ -61,6 +75,10 @@ class Fallback:
         self.scheduler = scheduler
         internals.start_periodic(scheduler, _PERIODIC, self.check, self.interval)
         self._warn_no_workers_timeout(self.policy.default)
+        # tasks already unrunnable when the plugin arrives (registered late, re-registered)
+        for ts, since in list(internals.unrunnable(scheduler).items()):
+            self._enter(ts.key, since)
+        self._schedule()
 
     def close(self) -> None:
         if self.scheduler is not None:
@@ -127,23 +145,36 @@ class Fallback:
         }
         internals.set_resource_restrictions(ts, {**kept, INVALID_RESOURCE: 1})
 
-    def transition(self, key: Any, finish: str) -> None:
-        """Forget a forgotten task; check soon when a timed task becomes unrunnable.
+    def transition(self, key: Any, start: str, finish: str) -> None:
+        """Forget a forgotten task; time a task that becomes unrunnable.
 
-        Runs inside the transition loop, so it only schedules work.
+        Runs inside the transition loop for every task, so it only does O(1) bookkeeping
+        (and O(log n) for a timed task entering ``no-worker``) and schedules a check.
         """
+        if finish == "no-worker":
+            self._enter(key, monotonic())
+            self._schedule()
+        elif start == "no-worker":
+            self.deadlines.discard(key)
         if finish == "forgotten":
             self.timeouts.pop(key, None)
             self.invalid.pop(key, None)
             self.fell_back.discard(key)
-        elif (
-            finish == "no-worker"
-            and not self._check_soon
-            and self.scheduler is not None
-            and (key in self.invalid or self.timeout_of(key) is not None)
-        ):
-            self._check_soon = True
-            internals.call_soon(self.scheduler, self.check)
+
+    def _enter(self, key: Any, since: float) -> None:
+        """``key`` is unrunnable since ``since``: note when it may fall back (or err)."""
+        if key in self.invalid:
+            self.deadlines.add(key, since, since)
+            return
+        timeout = self.timeout_of(key)
+        if timeout is None:
+            return
+        deadline = since + timeout
+        if timeout and self.fell_back and self.scheduler is not None:
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and any(d.key in self.fell_back for d in ts.dependencies):
+                deadline = since  # a chain: decided at once
+        self.deadlines.add(key, since, deadline)
 
     def timeout_of(self, key: Any) -> float | None:
         """The task's annotated timeout, else the default (the policy's rule)."""
@@ -154,23 +185,28 @@ class Fallback:
     # --- the check -----------------------------------------------------------------------
 
     def check(self) -> None:
-        """Run the CPU form of GPU tasks unrunnable past their timeout.
+        """Run the CPU form of GPU tasks unrunnable past their timeout; err invalid ones.
 
-        Looks only at tasks in ``no-worker``: its cost does not grow with the rest of the
-        graph.
+        Pops only the tasks whose deadline passed (:class:`~accelsched.fallback.Deadlines`).
         """
         self._check_soon = False
         scheduler = self.scheduler
         if scheduler is None or not self._active():
             return  # unregistered or replaced; its timers may still fire
-        unrunnable = internals.unrunnable(scheduler)
-        if not unrunnable:
-            return
+        now = monotonic()
+        due = self.deadlines.pop_due(now)
+        if due:
+            self._decide(scheduler, due, now)
+        self._schedule()
+
+    def _decide(self, scheduler: Scheduler, due: list[tuple[Any, float]], now: float) -> None:
         stimulus_id = f"accelsched-fallback-{time()}"
         waiting: list[Waiting] = []
         tasks: dict[Any, Any] = {}
-        for ts, since in list(unrunnable.items()):
-            key = ts.key
+        for key, since in due:
+            ts = scheduler.tasks.get(key)
+            if ts is None or ts.state != "no-worker":
+                continue
             if key in self.invalid:  # kept: a retry errs again
                 internals.fail_task(
                     scheduler, key, ValueError(f"task {key!r}: {self.invalid[key]}"), stimulus_id
@@ -190,21 +226,36 @@ class Fallback:
                 )
             )
         decided = sweep(
-            self.policy, waiting, now=monotonic(), largest=internals.largest_gpu_count(scheduler)
+            self.policy, waiting, now=now, largest=internals.largest_gpu_count(scheduler)
         )
-        for fell, reason, waited in decided.fall_back:
-            self._fall_back(tasks[fell], reason, waited)
-        internals.run_now(scheduler, [fell for fell, _, _ in decided.fall_back], stimulus_id)
-        if decided.wake_at is not None:
-            self._wake_at(decided.wake_at)
+        fell = {key for key, _, _ in decided.fall_back}
+        for w in waiting:  # due but kept waiting (a chain with GPUs now): its own deadline
+            if w.key not in fell and w.timeout is not None:
+                self.deadlines.add(w.key, w.since, max(now, w.since + w.timeout))
+        for key, reason, _ in decided.fall_back:
+            self._fall_back(tasks[key], reason)
+        for figures in summarise(decided.fall_back, FALLBACK_DETAIL):
+            self._emit(events.FALLBACK, None, **figures)
+        internals.run_now(scheduler, list(fell), stimulus_id)
 
-    def _fall_back(self, ts: Any, reason: str, waited: float) -> None:
+    def _fall_back(self, ts: Any, reason: str) -> None:
         restrictions = dict(ts.resource_restrictions)
         restrictions.pop(GPU, None)
         internals.set_resource_restrictions(ts, restrictions)
         internals.annotate(ts, FALLBACK_ANNOTATION, reason)
         self.fell_back.add(ts.key)
-        self._emit(events.FALLBACK, None, key=ts.key, waited=round(waited, 3), reason=reason)
+
+    def _schedule(self) -> None:
+        """Check at the next deadline (at once when it passed)."""
+        deadline = self.deadlines.next_deadline()
+        if deadline is None or self.scheduler is None:
+            return
+        if deadline <= monotonic():
+            if not self._check_soon:
+                self._check_soon = True
+                internals.call_soon(self.scheduler, self.check)
+            return
+        self._wake_at(deadline)
 
     def _wake_at(self, deadline: float) -> None:
         """Check again exactly when the next timeout expires, not at the next tick.
