@@ -1,0 +1,232 @@
+"""Every ```python and ```pycon block of README.md and docs/*.md runs here, one test each
+(test id ``file:line``), so an example that no longer works fails by name.
+
+How a block runs is set by an HTML comment on the line before it (docs/testing.md,
+"The examples in these docs"):
+
+- no comment: a complete program. It runs as a script in its own folder, in a fresh
+  Python process (``__name__ == "__main__"``; spawned workers re-import it), and must
+  exit 0.
+- ``<!-- example: session -->``: a snippet of a session. It runs in this process, in the
+  names of the ``<!-- example: preamble -->`` block of docs/testing.md plus ``client``
+  (a Client of one shared cluster: two nanny workers on fake 16 GiB GPUs, ``gpu-0`` and
+  ``gpu-1``, and one without a GPU, whose address is ``cpu_worker``; accelsched
+  registered). ``pycon`` blocks run as doctests in the same names.
+- ``<!-- example: event -->``: one or more event dicts. Each must be a literal with a
+  known ``action`` that ``accelsched.events.describe`` can put into words.
+- ``<!-- example: file=NAME -->``: a file of a test suite (``conftest.py``), compiled here
+  and written next to the page's ``pytest`` block.
+- ``<!-- example: pytest file=NAME -->``: a test module. It is written as NAME, with the
+  page's ``file=`` blocks, into a folder where ``python -m pytest`` must pass.
+- ``<!-- example: preamble -->``: the session names (run by every session block).
+
+Nothing is skipped: a block with any other comment fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
+MARKER = re.compile(r"^\s*<!--\s*example:\s*(?P<spec>.*?)\s*-->\s*$")
+BASE_ENV = dict(os.environ)  # before any fake-GPU session of this module changes it
+
+
+@dataclass(frozen=True)
+class Block:
+    """One example: where it is, how it runs (``kind``, options) and its code."""
+
+    path: Path
+    line: int  # of the opening fence, 1-based
+    lang: str
+    kind: str
+    options: dict[str, str]
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def doc_files() -> list[Path]:
+    """README.md and every page under docs/: new pages are picked up as they appear."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def parse(path: Path) -> Iterator[Block]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m or not m["lang"]:
+            i += 1
+            continue
+        indent, lang, start = m["indent"], m["lang"], i
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        i += 1
+        if lang not in ("python", "pycon"):
+            continue
+        prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        marker = MARKER.match(prev)
+        spec = marker["spec"].split() if marker else ["script"]
+        kind, options = spec[0], dict(t.split("=", 1) for t in spec[1:] if "=" in t)
+        if kind.startswith("file="):
+            kind, options["file"] = "file", kind.split("=", 1)[1]
+        yield Block(path, start + 1, lang, kind, options, "\n".join(body) + "\n")
+
+
+BLOCKS = [b for p in doc_files() for b in parse(p)]
+
+
+def preamble() -> Block:
+    (block,) = [b for b in BLOCKS if b.kind == "preamble"]
+    return block
+
+
+# --- the shared session ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def session() -> Iterator[dict[str, Any]]:
+    """One cluster on fake GPUs for every session block; the preamble's names."""
+    import logging
+
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    import accelsched
+    from accelsched.testing import fake_gpus
+
+    def nanny(cvd: str) -> dict[str, Any]:
+        env = {"CUDA_VISIBLE_DEVICES": cvd}
+        return {"cls": Nanny, "options": {"nthreads": 2, "env": env, "resources": {"GPU": 1}}}
+
+    with (
+        fake_gpus(count=2, memory="16GiB"),
+        SpecCluster(
+            workers={"gpu-0": nanny("0"), "gpu-1": nanny("1"), "cpu": nanny("")},
+            scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(3)
+        accelsched.register(client)
+        deadline = time.monotonic() + 30
+        while sum(m["action"] == "gpu-verified" for _, m in client.get_events("accelsched")) < 2:
+            assert time.monotonic() < deadline, "the fake GPUs were not verified"
+            time.sleep(0.05)
+        names = {
+            str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+        }
+        ns: dict[str, Any] = {
+            "client": client,
+            "cpu_worker": names["cpu"],
+            "scheduler_address": cluster.scheduler_address,
+        }
+        exec(compile(preamble().code, preamble().id, "exec"), ns)
+        yield ns
+
+
+def _run_session(block: Block, ns: dict[str, Any]) -> None:
+    from distributed import Client
+
+    before = {id(v) for v in ns.values()}
+    ns = dict(ns)
+    out = io.StringIO()
+    try:
+        if block.lang == "pycon":
+            test = doctest.DocTestParser().get_doctest(
+                block.code, ns, block.id, str(block.path), block.line
+            )
+            runner = doctest.DocTestRunner(
+                optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+            )
+            runner.run(test, out=out.write)
+            assert runner.failures == 0, out.getvalue()
+        else:
+            with redirect_stdout(out):
+                exec(compile(block.code, block.id, "exec"), ns)
+    finally:
+        for value in ns.values():  # a block's own clients
+            if isinstance(value, Client) and id(value) not in before:
+                value.close()
+
+
+# --- the tests ------------------------------------------------------------------------
+
+
+def test_every_page_has_examples_found() -> None:
+    """The parser finds the blocks (a broken fence pattern would make every page pass)."""
+    assert len(BLOCKS) >= 30
+    assert {b.path.name for b in BLOCKS} >= {"README.md", "index.md", "testing.md"}
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_example(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if block.kind in ("session", "preamble"):
+        ns = request.getfixturevalue("session")
+        if block.kind == "session":
+            _run_session(block, ns)
+        else:
+            assert "client" in ns and "x" in ns  # it ran, in the fixture
+    elif block.kind == "script":
+        assert block.lang == "python", f"{block.id}: a pycon block needs `example: session`"
+        _run_script(block, tmp_path, [sys.executable, "example.py"], {"example.py": block.code})
+    elif block.kind == "event":
+        _check_events(block)
+    elif block.kind == "file":
+        compile(block.code, block.id, "exec")
+        users = [b for b in BLOCKS if b.path == block.path and b.kind == "pytest"]
+        assert users, f"{block.id}: no `example: pytest` block on the page uses it"
+    elif block.kind == "pytest":
+        files = {
+            b.options["file"]: b.code for b in BLOCKS if b.path == block.path and b.kind == "file"
+        }
+        files[block.options["file"]] = block.code
+        _run_script(
+            block, tmp_path, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], files
+        )
+    else:
+        pytest.fail(f"{block.id}: unknown example kind {block.kind!r} (see tests/test_docs.py)")
+
+
+def _run_script(block: Block, folder: Path, argv: list[str], files: dict[str, str]) -> None:
+    for name, code in files.items():
+        (folder / name).write_text(code, encoding="utf-8")
+    proc = subprocess.run(
+        argv, cwd=folder, env=BASE_ENV, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, (
+        f"{block.id} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    )
+
+
+def _check_events(block: Block) -> None:
+    from accelsched import events
+
+    exprs = ast.parse(block.code).body
+    assert exprs, f"{block.id}: no event"
+    for node in exprs:
+        assert isinstance(node, ast.Expr), f"{block.id}: an event block holds only dicts"
+        msg = ast.literal_eval(node.value)
+        assert isinstance(msg, dict) and msg.get("action") in events.ACTIONS, msg
+        assert events.describe(msg), msg
