@@ -19,6 +19,7 @@ from accelsched.context import array_module, current_device
 from accelsched.dual import dual, gpu
 from accelsched.guard import GuardPlugin
 from accelsched.placement import PlacementPlugin
+from accelsched.preload import dask_setup, dask_teardown  # --preload accelsched
 
 try:
     __version__ = version("accelsched")
@@ -33,6 +34,8 @@ __all__ = [
     "gpu",
     "array_module",
     "current_device",
+    "dask_setup",
+    "dask_teardown",
     "__version__",
 ]
 

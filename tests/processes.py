@@ -1,0 +1,107 @@
+"""Real ``dask scheduler`` / ``dask worker`` / ``dask cuda worker`` processes for tests.
+
+Each runs the ``dask`` command of the interpreter running the tests, with this process's
+environment (so inside ``fake_gpus`` it sees the fake devices) plus what a test adds, its
+output in a log file the test can read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+DASK = str(Path(sys.executable).with_name("dask"))
+#: On the processes' path, so they unpickle the tests' functions (pytest imports a test
+#: module by its file name, from tests/).
+PATHS = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+
+class Process:
+    """One command line, its log, and how to end it."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log = log
+        path = os.pathsep.join(p for p in (*PATHS, os.environ.get("PYTHONPATH")) if p)
+        full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+        with open(log, "wb") as out:
+            self.popen = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        """The exit code; the test fails with the log if it runs longer than ``timeout``."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(
+                f"{' '.join(self.args)} still ran after {timeout}s:\n{self.output()[-3000:]}"
+            ) from None
+
+    def stop(self) -> None:
+        """SIGTERM (dask closes cleanly), then SIGKILL for the whole process group."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            with suppress(subprocess.TimeoutExpired):
+                self.popen.wait(15)
+        with suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)  # its nanny's worker processes
+        self.popen.wait()
+
+
+def scheduler_address(path: Path, proc: Process, timeout: float = 60) -> str:
+    """The address a ``--scheduler-file`` names, once the scheduler wrote it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            try:
+                return str(json.loads(path.read_text())["address"])
+            except (ValueError, KeyError):
+                pass  # being written
+        if proc.popen.poll() is not None:
+            raise AssertionError(f"the scheduler exited:\n{proc.output()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"no scheduler file after {timeout}s:\n{proc.output()[-3000:]}")
+
+
+@contextmanager
+def running(*procs: Process) -> Iterator[tuple[Process, ...]]:
+    """Stop every process on the way out, workers before the scheduler."""
+    try:
+        yield procs
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def scheduler(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Process:
+    """``dask scheduler`` on a free port, writing ``tmp/scheduler.json``."""
+    return Process(
+        [DASK, "scheduler", "--port", "0", "--no-dashboard"]
+        + ["--scheduler-file", str(tmp / "scheduler.json"), *args],
+        tmp / "scheduler.log",
+        env,
+    )
+
+
+def worker(
+    tmp: Path, name: str, address: str, *args: str, env: dict[str, str] | None = None
+) -> Process:
+    """``dask worker`` (one nanny, one thread) on ``address``."""
+    return Process(
+        [DASK, "worker", address, "--nthreads", "1", "--no-dashboard", "--name", name]
+        + ["--local-directory", str(tmp / name), *args],
+        tmp / f"{name}.log",
+        env,
+    )

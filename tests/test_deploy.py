@@ -1,0 +1,256 @@
+"""``--preload accelsched``: a GPU cluster started from the command line, no client code.
+
+Real ``dask scheduler`` and ``dask worker`` processes (the venv's ``dask`` command) on two
+fake GPUs; a client only looks. The processes of each cluster start once per module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client, get_worker
+
+import accelsched
+from accelsched.config import Threshold
+from accelsched.testing import FakeGPUs, fake_gpus
+from tests import processes
+from tests.processes import Process, running
+
+GPU_WORKERS = 3  # "gpu0" (device 0), "gpu1-0" and "gpu1-1" (both see device 1)
+
+
+@pytest.fixture(scope="module")
+def gpus() -> Iterator[FakeGPUs]:
+    with fake_gpus(count=2, memory="16GiB") as g:
+        yield g
+
+
+def accel_events(client: Client, action: str | None = None) -> list[dict[str, Any]]:
+    out = [msg for _, msg in client.get_events("accelsched")]
+    return [m for m in out if action is None or m["action"] == action]
+
+
+def until(predicate: Any, timeout: float = 30) -> None:
+    """Poll (blocking) until ``predicate()`` holds; fail naming it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
+        time.sleep(0.05)
+
+
+def gpu_counts(client: Client) -> dict[str, float]:
+    """Worker name -> the GPU count the scheduler places against (absent: none)."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {w["name"]: w["resources"].get("GPU", 0) for w in info.values()}
+
+
+def names(client: Client) -> dict[str, str]:
+    return {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+
+
+# --- a scheduler preloaded with accelsched ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def preloaded(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+    """``dask scheduler --preload accelsched`` (an option as preload argument, one from
+    a config variable) and three kinds of workers:
+
+    - ``gpu0``: device 0, declares ``GPU=1``, no preload: the scheduler hands it a guard;
+    - ``gpu1``: two nanny workers that both see device 1, declare nothing, and run
+      ``--preload accelsched`` themselves;
+    - ``cpu``: sees no device, declares ``GPU=1``.
+    """
+    tmp = tmp_path_factory.mktemp("preloaded")
+    sched = processes.scheduler(
+        tmp,
+        "--preload",
+        "accelsched",
+        "--leak-threshold",
+        "256MiB",
+        env={"DASK_ACCELSCHED__PLACEMENT__MAX_RESTARTS": "7"},
+    )
+    with running(sched) as procs:
+        address = processes.scheduler_address(tmp / "scheduler.json", sched)
+        workers = [
+            processes.worker(
+                tmp, "gpu0", address, "--resources", "GPU=1", env={"CUDA_VISIBLE_DEVICES": "0"}
+            ),
+            processes.worker(
+                tmp,
+                "gpu1",
+                address,
+                "--nworkers",
+                "2",
+                "--preload",
+                "accelsched",
+                "--check-interval",
+                "300ms",  # differs from the scheduler's guard: not used
+                env={"CUDA_VISIBLE_DEVICES": "1"},
+            ),
+            processes.worker(
+                tmp, "cpu", address, "--resources", "GPU=1", env={"CUDA_VISIBLE_DEVICES": ""}
+            ),
+        ]
+        with running(*workers), Client(address, timeout=30) as client:
+            client.wait_for_workers(4, timeout=60)
+            until(lambda: len(accel_events(client, "gpu-verified")) == 2, timeout=60)
+            client.procs = [*procs, *workers]  # type: ignore[attr-defined]
+            yield client
+
+
+def test_scheduler_preload_installs_both_plugins_with_its_options(preloaded: Client) -> None:
+    placement = preloaded.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["accelsched-placement"].options
+    )
+    assert placement["max_restarts"] == 7  # DASK_ACCELSCHED__PLACEMENT__MAX_RESTARTS
+    assert placement["fallback_timeout"] is None  # the default
+    guards = preloaded.run(lambda dask_worker: dask_worker.plugins["accelsched-guard"].options)
+    assert len(guards) == 4
+    for options in guards.values():
+        assert options["leak_threshold"] == Threshold(nbytes=256 * 2**20)  # preload argument
+        assert options["check_interval"] == 1.0  # the scheduler's guard: not the worker's 300ms
+
+
+def test_every_worker_verified_and_the_gpu_less_one_corrected(preloaded: Client) -> None:
+    by_address = names(preloaded)
+    verified = {by_address[e["worker"]] for e in accel_events(preloaded, "gpu-verified")}
+    assert "gpu0" in verified and len(verified & {"gpu1-0", "gpu1-1"}) == 1
+    counts = gpu_counts(preloaded)
+    assert counts["gpu0"] == 1
+    assert sorted([counts["gpu1-0"], counts["gpu1-1"]]) == [0, 1]  # one device, one owner
+    assert counts["cpu"] == 0  # declared GPU=1, has none
+    (corrected,) = [
+        e for e in accel_events(preloaded, "gpu-corrected") if by_address[e["worker"]] == "cpu"
+    ]
+    assert corrected["reason"] == "no-devices" and corrected["declared"] == 1
+    (rejected,) = accel_events(preloaded, "gpu-rejected")
+    assert by_address[rejected["worker"]] in ("gpu1-0", "gpu1-1")
+
+
+def where_and_device(i: int) -> tuple[str, int | None]:
+    return get_worker().name, accelsched.current_device()
+
+
+def test_gpu_tasks_are_placed_on_verified_devices_and_bound(preloaded: Client) -> None:
+    counts = gpu_counts(preloaded)
+    owner1 = next(n for n in ("gpu1-0", "gpu1-1") if counts[n] == 1)
+    with dask.annotate(resources={"GPU": 1}):
+        futures = preloaded.map(where_and_device, range(12), pure=False)
+    results = preloaded.gather(futures)
+    assert {name for name, _ in results} <= {"gpu0", owner1}
+    assert {device for _, device in results} == {0}  # each worker's own: its CUDA device 0
+
+
+def test_a_later_register_changes_nothing(preloaded: Client) -> None:
+    before = preloaded.run_on_scheduler(
+        lambda dask_scheduler: id(dask_scheduler.plugins["accelsched-placement"])
+    )
+    verified = len(accel_events(preloaded, "gpu-verified"))
+    accelsched.register(preloaded, fallback_timeout="1s")
+    after = preloaded.run_on_scheduler(
+        lambda dask_scheduler: (
+            id(dask_scheduler.plugins["accelsched-placement"]),
+            dask_scheduler.plugins["accelsched-placement"].options["fallback_timeout"],
+        )
+    )
+    assert after == (before, None)
+    assert len(accel_events(preloaded, "gpu-verified")) == verified
+
+
+# --- workers preloaded, the scheduler not -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers_only(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+    """A plain scheduler; ``dask worker --preload accelsched`` with a preload argument
+    and a config variable, seeing no device but declaring ``GPU=1``."""
+    tmp = tmp_path_factory.mktemp("workers_only")
+    sched = processes.scheduler(tmp)
+    with running(sched):
+        address = processes.scheduler_address(tmp / "scheduler.json", sched)
+        cpu = processes.worker(
+            tmp,
+            "cpu",
+            address,
+            "--resources",
+            "GPU=1",
+            "--preload",
+            "accelsched",
+            "--leak-threshold",
+            "1GiB",
+            env={"CUDA_VISIBLE_DEVICES": "", "DASK_ACCELSCHED__GUARD__FREE_POOLS_EVERY": "3"},
+        )
+        with running(cpu), Client(address, timeout=30) as client:
+            client.wait_for_workers(1, timeout=60)
+            client.cpu = cpu  # type: ignore[attr-defined]
+            yield client
+
+
+def test_worker_preload_installs_the_guard_with_its_options(workers_only: Client) -> None:
+    until(lambda: gpu_counts(workers_only)["cpu"] == 0)  # declared 1, owns none
+    (options,) = workers_only.run(
+        lambda dask_worker: dask_worker.plugins["accelsched-guard"].options
+    ).values()
+    assert options["leak_threshold"] == Threshold(nbytes=2**30)
+    assert options["free_pools_every"] == 3
+    # no PlacementPlugin: said once, in the worker's log
+    log: Process = workers_only.cpu  # type: ignore[attr-defined]
+    until(lambda: "no PlacementPlugin on the scheduler" in log.output())
+    plugins = workers_only.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.plugins))
+    assert "accelsched-placement" not in plugins
+
+
+# --- bad options stop the server, with one clear line -------------------------------------
+
+
+def test_bad_preload_argument_stops_the_scheduler(gpus: FakeGPUs, tmp_path: Path) -> None:
+    proc = processes.scheduler(tmp_path, "--preload", "accelsched", "--fallback-timeout", "soon")
+    assert proc.wait(60) == 2
+    out = proc.output()
+    assert "Invalid value for '--fallback-timeout'" in out and "'soon'" in out
+    assert "Traceback" not in out
+
+
+def test_bad_config_value_stops_the_worker(gpus: FakeGPUs, tmp_path: Path) -> None:
+    env = {"DASK_ACCELSCHED__GUARD__LEAK_THRESHOLD": "lots"}
+    proc = processes.worker(tmp_path, "w", "tcp://127.0.0.1:1", "--preload", "accelsched", env=env)
+    assert proc.wait(60) == 2
+    out = proc.output()
+    assert "dask config accelsched.guard.leak-threshold" in out and "'lots'" in out
+
+
+def test_bad_preload_argv_from_config_stops_the_started_scheduler(
+    gpus: FakeGPUs, tmp_path: Path
+) -> None:
+    """Preload and its arguments from dask config (as dask-gateway or a helm chart may
+    set them) are parsed only as the scheduler starts: it stops instead of running
+    without accelsched."""
+    env = {
+        "DASK_DISTRIBUTED__SCHEDULER__PRELOAD": '["accelsched"]',
+        "DASK_DISTRIBUTED__SCHEDULER__PRELOAD_ARGV": '["--share-gpus", "maybe"]',
+    }
+    proc = processes.scheduler(tmp_path, env=env)
+    proc.wait(60)
+    out = proc.output()
+    errors = [line for line in out.splitlines() if "accelsched:" in line or "ERROR" in line]
+    assert len(errors) == 1, out
+    assert errors[0].startswith("accelsched: Invalid value for '--share-gpus'")
+    assert "'maybe'" in errors[0] and errors[0].endswith("stopping this scheduler")
+
+
+def test_placement_options_given_to_a_worker_stop_it(workers_only: Client, tmp_path: Path) -> None:
+    address = workers_only.scheduler.address
+    proc = processes.worker(
+        tmp_path, "w", address, "--preload", "accelsched", "--fallback-timeout", "5s"
+    )
+    proc.wait(60)
+    out = proc.output()
+    assert "--fallback-timeout apply to the scheduler" in out and "stopping this worker" in out
