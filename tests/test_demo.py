@@ -97,3 +97,29 @@ def test_events_cli_names_an_unreachable_scheduler(capsys) -> None:  # type: ign
     assert main(["events", "tcp://127.0.0.1:1", "--timeout", "1s"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot reach a scheduler at tcp://127.0.0.1:1" in err[0]
+
+
+def test_the_demo_puts_logging_back_as_it_was(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The demo also runs inside other programs: its quieting ends with it."""
+    import logging
+    import os
+
+    import dask
+
+    from accelsched.demo.quiet import quiet_logs
+
+    monkeypatch.delenv("DASK_LOGGING__DISTRIBUTED", raising=False)
+    core = logging.getLogger("distributed.core")
+    before = core.level
+    core.setLevel(logging.INFO)
+    with quiet_logs():
+        assert core.level == logging.ERROR
+        spawn = dask.config.get("distributed.nanny.pre-spawn-environ")
+        assert spawn["DASK_LOGGING__DISTRIBUTED"] == "error"  # restarted workers too
+        os.environ["DASK_LOGGING__DISTRIBUTED"] = "error"  # what a nanny's start does
+    assert core.level == logging.INFO
+    assert "DASK_LOGGING__DISTRIBUTED" not in os.environ
+    assert "DASK_LOGGING__DISTRIBUTED" not in dask.config.get(
+        "distributed.nanny.pre-spawn-environ", {}
+    )
+    core.setLevel(before)
