@@ -21,7 +21,6 @@ PlacementPlugin is registered when it is drawn, so a re-registered plugin is sho
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
@@ -40,6 +39,13 @@ PAGE = "accelsched"
 #: How often an open page redraws (ms); the observer samples once a second.
 REFRESH_MS = 1000
 MiB = 2**20
+#: Table headings and widths where the CLI's capitals do not read well.
+TITLES = {"device": "GPU", "gpu": "Name", "uuid": "UUID", "leak": "Leak / threshold"}
+WIDTHS = {"worker": 120, "gpu": 180, "uuid": 330, "leak": 130, "quarantine": 160}
+
+
+def _table_height(rows: int) -> int:
+    return 32 + 26 * max(rows, 1)
 
 
 def install(scheduler: Scheduler) -> bool:
@@ -82,19 +88,30 @@ class Page:
         self.scheduler = scheduler
         self.palette = list(Category10_10)
         self.summary = Div(text="", sizing_mode="stretch_width")
-        self.rows = ColumnDataSource({c: [] for c, _ in COLUMNS})
+        self.rows = ColumnDataSource({c: [] for c, _ in COLUMNS}, name="accelsched-rows")
         self.table = DataTable(
             source=self.rows,
-            columns=[TableColumn(field=c, title=t.capitalize()) for c, t in COLUMNS],
+            columns=[
+                TableColumn(field=c, title=TITLES.get(c, t.capitalize()), width=WIDTHS.get(c, 70))
+                for c, t in COLUMNS
+            ],
             index_position=None,
-            height=200,
+            height=_table_height(0),
             sizing_mode="stretch_width",
         )
-        self.estimates = ColumnDataSource({"xs": [], "ys": [], "label": [], "color": []})
-        self.thresholds = ColumnDataSource({"xs": [], "ys": [], "label": [], "color": []})
-        self.leak_marks = ColumnDataSource({"x": [], "y": [], "label": []})
-        self.events = ColumnDataSource({"x": [], "top": [], "label": [], "color": []})
-        self.fallback_steps = ColumnDataSource({"x": [], "y": []})
+        self.estimates = ColumnDataSource(
+            {"xs": [], "ys": [], "label": [], "color": []}, name="accelsched-estimates"
+        )
+        self.thresholds = ColumnDataSource(
+            {"xs": [], "ys": [], "label": [], "color": []}, name="accelsched-thresholds"
+        )
+        self.leak_marks = ColumnDataSource(
+            {"x": [], "y": [], "label": []}, name="accelsched-leak-marks"
+        )
+        self.events = ColumnDataSource(
+            {"x": [], "top": [], "label": [], "color": []}, name="accelsched-events"
+        )
+        self.fallback_steps = ColumnDataSource({"x": [], "y": []}, name="accelsched-fallback-steps")
 
         self.leak_figure = figure(
             title="Leak estimate per worker and GPU (MiB), threshold dashed",
@@ -104,7 +121,7 @@ class Page:
             tools="pan,wheel_zoom,box_zoom,reset",
         )
         est = self.leak_figure.multi_line(
-            "xs", "ys", color="color", line_width=2, source=self.estimates
+            "xs", "ys", color="color", line_width=2, source=self.estimates, legend_field="label"
         )
         self.leak_figure.multi_line(
             "xs", "ys", color="color", line_dash="dashed", source=self.thresholds
@@ -117,10 +134,12 @@ class Page:
         )
         self.leak_figure.add_tools(HoverTool(renderers=[est], tooltips=[("", "@label")]))
         self.leak_figure.yaxis.axis_label = "MiB"
+        self.leak_figure.legend.location = "top_right"
 
         self.fallback_figure = figure(
             title="Fallbacks to CPU (cumulative)",
             x_axis_type="datetime",
+            x_range=self.leak_figure.x_range,
             height=200,
             sizing_mode="stretch_width",
             tools="pan,wheel_zoom,box_zoom,reset",
@@ -142,26 +161,24 @@ class Page:
         snap = observer.snapshot()
         self.summary.text = f"<b>accelsched</b>: {html.escape(summary(snap))}"
         self.rows.data = table_rows(snap)
+        self.table.height = _table_height(len(self.rows.data["worker"]))
         self._draw_history(observer, snap["time"])
 
     def _draw_history(self, observer: Observer, now: float) -> None:
         est: dict[str, list[Any]] = {"xs": [], "ys": [], "label": [], "color": []}
         thr: dict[str, list[Any]] = {"xs": [], "ys": [], "label": [], "color": []}
-        top = 1.0
-        last: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        top = max([1.0] + [m.nbytes / MiB for m in observer.markers if m.nbytes is not None])
         for i, ((name, device), series) in enumerate(sorted(observer.series.items())):
-            color = self.palette[i % len(self.palette)]
             label = f"{name} GPU {device}"
             points = [
                 (s.time * 1000, max(s.estimate, 0) / MiB) for s in series if s.estimate is not None
             ]
-            last[(name, device)] = points
             limits = [(s.time * 1000, s.threshold / MiB) for s in series if s.threshold is not None]
             for target, pts in ((est, points), (thr, limits)):
                 target["xs"].append([x for x, _ in pts])
                 target["ys"].append([y for _, y in pts])
                 target["label"].append(label)
-                target["color"].append(color)
+                target["color"].append(self.palette[i % len(self.palette)])
             top = max([top] + [y for _, y in points + limits])
         self.estimates.data = est
         self.thresholds.data = thr
@@ -169,10 +186,10 @@ class Page:
         lines: dict[str, list[Any]] = {"x": [], "top": [], "label": [], "color": []}
         for m in observer.markers:
             label = f"{m.action} {m.worker or ''}".strip()
-            if m.action == "leak" and m.worker is not None and m.device is not None:
+            if m.action == "leak" and m.nbytes is not None:
                 marks["x"].append(m.time * 1000)
-                marks["y"].append(_value_at(last.get((m.worker, m.device), []), m.time * 1000))
-                marks["label"].append(label)
+                marks["y"].append(m.nbytes / MiB)
+                marks["label"].append(f"{label} GPU {m.device}")
             else:
                 lines["x"].append(m.time * 1000)
                 lines["top"].append(top)
@@ -181,17 +198,6 @@ class Page:
         self.leak_marks.data = marks
         self.events.data = lines
         steps = [(t * 1000, n) for t, n in observer.fallbacks]
-        steps = [(steps[0][0], 0)] + steps if steps else [(now * 1000, 0)]
+        steps = [(steps[0][0], 0), *steps] if steps else [(now * 1000, 0)]
         steps.append((now * 1000, steps[-1][1]))
         self.fallback_steps.data = {"x": [x for x, _ in steps], "y": [y for _, y in steps]}
-
-
-def _value_at(points: Iterable[tuple[float, float]], x: float) -> float:
-    """The series' value at ``x`` (its last point at or before it, else its first)."""
-    best = None
-    for px, py in points:
-        if px <= x or best is None:
-            best = py
-        if px > x:
-            break
-    return 0.0 if best is None else best

@@ -1,0 +1,190 @@
+"""``accelsched status`` / ``accelsched events`` run as subprocesses against live clusters.
+
+Real nannies on fake GPUs (one device each), a real leak and the lossless restart it
+causes, so the table has something to show; then the same CLI against an unreachable
+address and against a cluster without accelsched. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from contextlib import AsyncExitStack
+from typing import Any
+
+import dask
+import pytest
+from distributed import Nanny, Scheduler
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.protocol import PLACEMENT_PLUGIN
+from accelsched.testing import device_alloc
+from tests.utils import events, wait_for
+
+pytestmark = pytest.mark.usefixtures("fake_gpus_2")
+
+MiB = 2**20
+FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
+NAMES = ("alpha", "beta")
+
+
+def leaky(i: int) -> int:
+    device_alloc(512 * MiB, leak=True)
+    return i
+
+
+async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
+    """Run ``python -m accelsched.cli ARGS``; (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "accelsched.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def snapshot(s: Scheduler) -> Any:
+    return s.plugins[PLACEMENT_PLUGIN].observer.snapshot()
+
+
+async def named_nannies(stack: AsyncExitStack, s: Scheduler) -> list[Nanny]:
+    """Two nannies named ``alpha`` and ``beta``, each owning its own fake GPU."""
+    return [
+        await stack.enter_async_context(
+            Nanny(s.address, name=name, nthreads=1, env={"CUDA_VISIBLE_DEVICES": str(i)})
+        )
+        for i, name in enumerate(NAMES)
+    ]
+
+
+async def leak_and_restart(c: Any, s: Scheduler, target: Nanny) -> None:
+    """Register accelsched, leak on ``target``, wait until it is restarted and both
+    workers report their figures again (heartbeat metric)."""
+    await accelsched.register(c, **FAST)
+    await wait_for(lambda: sum(len(w["devices"]) for w in snapshot(s)["workers"]) == 2)
+    with dask.annotate(resources={"GPU": 1}):
+        await c.submit(leaky, 1, key="leaky-1", workers=[target.worker_address])
+    await wait_for(lambda: events(s, "restart"), timeout=30)
+
+    def figures_back() -> bool:
+        """both workers verified again, with figures from a heartbeat"""
+        snap = snapshot(s)
+        devices = [d for w in snap["workers"] for d in w["devices"]]
+        return (
+            len(snap["workers"]) == 2
+            and len(devices) == 2
+            and all(d["leases"] is not None for d in devices)
+        )
+
+    await wait_for(figures_back, timeout=30)
+
+
+@gen_cluster(client=True, nthreads=[], timeout=120)
+async def test_status_table_json_and_events_by_name(c, s):
+    async with AsyncExitStack() as stack:
+        alpha, _ = await named_nannies(stack, s)
+        old_address = alpha.worker_address
+        await leak_and_restart(c, s, alpha)
+        assert alpha.worker_address != old_address  # restarted: a new address, same name
+
+        code, out, err = await cli("status", s.address)
+        assert code == 0, err
+        verified = {d["uuid"]: d for e in events(s, "gpu-verified") for d in e["devices"]}
+        lines = out.splitlines()
+        assert lines[0].startswith(f"scheduler {s.address}: 2 workers, 2 verified GPUs")
+        assert "1 restarts, 1 leaks" in lines[0]
+        assert lines[1].split()[:3] == ["WORKER", "GPU", "NAME"]
+        rows = {line.split()[0]: line for line in lines[2:]}
+        assert set(rows) == set(NAMES)  # names, never addresses
+        for row in rows.values():
+            assert any(uuid in row for uuid in verified)
+            assert "NVIDIA" in row and "16.0 GiB" in row and "/256 MiB" in row
+        # RESTARTS and LEAKS columns: alpha restarted once for one leak, beta never
+        assert rows["alpha"].split()[-4:] == ["1", "1", "0", "-"]
+        assert rows["beta"].split()[-4:] == ["0", "0", "0", "-"]
+
+        code, out, err = await cli("status", s.address, "--json")
+        assert code == 0, err
+        snap = json.loads(out)
+        assert snap["version"] == 1 and snap["scheduler"] == s.address and snap["guard"]
+        assert (snap["restarts"], snap["leaks"]) == (1, 1)
+        workers = {w["name"]: w for w in snap["workers"]}
+        assert set(workers) == set(NAMES)
+        assert workers["alpha"]["address"] == alpha.worker_address
+        assert (workers["alpha"]["restarts"], workers["alpha"]["leaks"]) == (1, 1)
+        for w in workers.values():
+            assert w["gpus"] == 1 and w["quarantined"] is None
+            (device,) = w["devices"]
+            assert device["uuid"] in verified and device["memory"] == 16 * 2**30
+            assert device["leases"] == 0 and device["leak_threshold"] == 256 * MiB
+        assert snap["names"][old_address] == "alpha"
+
+        code, out, err = await cli("events", s.address, "--action", "restart")
+        assert code == 0, err
+        (line,) = out.splitlines()
+        assert "[restart] alpha: retired" in line and "tcp://" not in line
+
+
+@gen_cluster(client=True, nthreads=[], timeout=120)
+async def test_status_watch_redraws_until_interrupted(c, s):
+    async with AsyncExitStack() as stack:
+        await named_nannies(stack, s)
+        await accelsched.register(c, **FAST)
+        await wait_for(lambda: sum(len(w["devices"]) for w in snapshot(s)["workers"]) == 2)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "accelsched.cli",
+            "status",
+            s.address,
+            "--json",
+            "--watch",
+            "0.2",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+        second = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+        assert second["time"] > first["time"]  # drawn again, not repeated
+        assert {w["name"] for w in second["workers"]} == set(NAMES)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+def test_unreachable_scheduler_one_line_exit_1():
+    code, out, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--timeout", "1s"))
+    assert code == 1 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("accelsched status: cannot reach a scheduler at tcp://127.0.0.1:1")
+
+
+def test_invalid_watch_interval_is_a_usage_error():
+    code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--watch", "0"))
+    assert code == 2 and "invalid SECONDS '0'" in err
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_cluster_without_accelsched_one_line_exit_3(c, s, a):
+    for command in ("status", "events"):
+        code, out, err = await cli(command, s.address)
+        assert code == 3 and out == ""
+        (line,) = err.strip().splitlines()
+        assert line.startswith(
+            f"accelsched {command}: the scheduler at {s.address} runs no accelsched"
+        )
+    # registered, then unregistered: no accelsched again
+    await accelsched.register(c)
+    code, _, err = await cli("status", s.address)
+    assert code == 0, err
+    await c.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
+    code, _, _ = await cli("status", s.address)
+    assert code == 3
