@@ -466,6 +466,188 @@ def test_standin_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         standin.nvmlInit()
 
 
+# ---- MIG ----
+
+
+@pytest.fixture
+def mig() -> Iterator[FakeGPUs]:
+    """GPU 0 in MIG mode (a 4g.40gb and a 3g.40gb device), GPU 1 whole."""
+    with fake_gpus(
+        2, "80GiB", names="NVIDIA A100-SXM4-80GB", mig=[["4g.40gb", "3g.40gb"], None]
+    ) as g:
+        if g.standin:
+            pytest.skip("no C compiler: the fake library could not be built")
+        pynvml.nvmlInit()
+        try:
+            yield g
+        finally:
+            pynvml.nvmlShutdown()
+
+
+def mig_snapshot(nvml: Any) -> list[Any]:
+    """Every MIG query the monitor and distributed make, from pynvml or the stand-in."""
+    out: list[Any] = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        try:
+            mode = nvml.nvmlDeviceGetMigMode(h)
+        except pynvml.NVMLError_NotSupported:
+            out.append((i, "no MIG", nvml.nvmlDeviceIsMigDeviceHandle(h).value))
+            continue
+        mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        out.append((i, mode, nvml.nvmlDeviceGetMaxMigDeviceCount(h), mem.total, mem.used))
+        for k in range(nvml.nvmlDeviceGetMaxMigDeviceCount(h)):
+            try:
+                m = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, k)
+            except pynvml.NVMLError_NotFound:
+                continue
+            mem = nvml.nvmlDeviceGetMemoryInfo(m)
+            parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m)
+            processes = nvml.nvmlDeviceGetComputeRunningProcesses(m)
+            out.append(
+                {
+                    "uuid": nvml.nvmlDeviceGetUUID(m),
+                    "name": nvml.nvmlDeviceGetName(m),
+                    "memory": (mem.total, mem.used, mem.free),
+                    "ids": (
+                        nvml.nvmlDeviceGetGpuInstanceId(m),
+                        nvml.nvmlDeviceGetComputeInstanceId(m),
+                    ),
+                    "is_mig": nvml.nvmlDeviceIsMigDeviceHandle(m).value,
+                    "index": nvml.nvmlDeviceGetIndex(m),
+                    "parent": nvml.nvmlDeviceGetUUID(parent),
+                    "by_uuid": nvml.nvmlDeviceGetName(
+                        nvml.nvmlDeviceGetHandleByUUID(nvml.nvmlDeviceGetUUID(m))
+                    ),
+                    "processes": [(p.pid, p.usedGpuMemory, p.gpuInstanceId) for p in processes],
+                }
+            )
+        out.append(
+            sorted(
+                (p.pid, p.usedGpuMemory, p.gpuInstanceId)
+                for p in nvml.nvmlDeviceGetComputeRunningProcesses(h)
+            )
+        )
+    return out
+
+
+def test_mig_devices_are_enumerated_under_their_parent(mig: FakeGPUs) -> None:
+    assert pynvml.nvmlDeviceGetCount() == 2  # MIG devices are not in the device count
+    gpu, whole = pynvml.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlDeviceGetHandleByIndex(1)
+    assert pynvml.nvmlDeviceGetMigMode(gpu) == [pynvml.NVML_DEVICE_MIG_ENABLE] * 2
+    assert pynvml.nvmlDeviceGetMaxMigDeviceCount(gpu) == 7
+    first, second = mig.mig
+    assert (first.parent, second.parent) == (0, 0) and mig.mig_uuids(0) == (first.uuid, second.uuid)
+    assert mig.mig_uuids(1) == ()
+    assert mig_snapshot(pynvml)[:3] == [
+        (0, [1, 1], 7, 80 * GiB, 0),
+        {
+            "uuid": first.uuid,
+            "name": "NVIDIA A100-SXM4-80GB MIG 4g.40gb",
+            "memory": (40 * GiB, 0, 40 * GiB),
+            "ids": (1, 0),
+            "is_mig": 1,
+            "index": 0,
+            "parent": mig.uuids[0],
+            "by_uuid": "NVIDIA A100-SXM4-80GB MIG 4g.40gb",
+            "processes": [],
+        },
+        {
+            "uuid": second.uuid,
+            "name": "NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+            "memory": (40 * GiB, 0, 40 * GiB),
+            "ids": (2, 0),
+            "is_mig": 1,
+            "index": 0,
+            "parent": mig.uuids[0],
+            "by_uuid": "NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+            "processes": [],
+        },
+    ]
+    assert first.uuid.startswith("MIG-") and len(first.uuid) == 40
+    assert pynvml.nvmlDeviceIsMigDeviceHandle(gpu).value == 0
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 2)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 7)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(gpu)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlDeviceGetGpuInstanceId(gpu)
+    for not_mig in (whole, pynvml.nvmlDeviceGetHandleByUUID(first.uuid)):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            pynvml.nvmlDeviceGetMigMode(not_mig)
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            pynvml.nvmlDeviceGetMigDeviceHandleByIndex(not_mig, 0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # as on real GPUs in MIG mode
+        pynvml.nvmlDeviceGetUtilizationRates(gpu)
+    assert pynvml.nvmlDeviceGetUtilizationRates(whole).gpu == 0
+    mig.lose(0)  # a GPU that falls off the bus takes its MIG devices with it
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByUUID(second.uuid))
+
+
+def test_mig_memory_counts_against_its_device_and_the_parent(mig: FakeGPUs) -> None:
+    """A child on the second MIG device allocates: NVML shows it there and on the GPU."""
+    from distributed.diagnostics import nvml
+
+    first, second = mig.mig
+    code = """
+        import json, os
+        from accelsched.testing import device_alloc
+        from distributed.diagnostics import nvml
+        buf = device_alloc(100 * 2**20, device=0)
+        ctx = nvml.has_cuda_context()
+        print(json.dumps([os.getpid(), ctx.device_info.uuid, ctx.device_info.mig_index,
+                          nvml.one_time(), nvml.real_time()]))
+        """
+    env = {"CUDA_VISIBLE_DEVICES": second.uuid}
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code) + "input()"],
+        env={**os.environ, **env},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        pid, uuid, mig_index, one, real = json.loads(child.stdout.readline())
+        assert (uuid, mig_index) == (second.uuid, 1)
+        assert one == {"memory-total": 40 * GiB, "name": second.name}
+        assert real == {"utilization": None, "memory-used": CTX + 100 * MiB}
+        (_, *devices) = mig_snapshot(pynvml)[:3]
+        assert [d["memory"][1] for d in devices] == [0, CTX + 100 * MiB]
+        assert devices[1]["processes"] == [(pid, CTX + 100 * MiB, 2)]
+        assert mig_snapshot(pynvml)[0] == (0, [1, 1], 7, 80 * GiB, CTX + 100 * MiB)
+        assert procs(0) == {pid: CTX + 100 * MiB}
+        assert procs(1) == {}
+        # the stand-in reads the same state the same way
+        standin.nvmlInit()
+        try:
+            assert mig_snapshot(standin) == mig_snapshot(pynvml)
+        finally:
+            standin.nvmlShutdown()
+    finally:
+        child.communicate("\n", timeout=60)
+    assert not nvml.has_cuda_context().has_context  # this process holds nothing
+    assert mig_snapshot(pynvml)[0][-1] == 0  # the child's death freed its memory
+
+
+def test_mig_device_full_at_its_own_size(mig: FakeGPUs, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig.mig[1].uuid)
+    assert the_pool_visible() == 1
+    with pytest.raises(OutOfDeviceMemory, match="of 42949672960 bytes free"):
+        device_alloc(40 * GiB, device=0)  # the context takes its share too
+    device_alloc(GiB, device=0, leak=True)
+    assert mig_snapshot(pynvml)[0][-1] == CTX + GiB
+
+
+def the_pool_visible() -> int:
+    from accelsched.testing.pool import _pool
+
+    return _pool().visible()
+
+
 # ---- the session itself ----
 
 
@@ -520,6 +702,16 @@ def test_library_builds_once_even_concurrently(
         ({"context_memory": "-1MiB"}, ValueError, "context_memory"),
         ({"process_memory": "no"}, TypeError, "process_memory"),
         ({"pid_offset": -5}, ValueError, "pid_offset"),
+        ({"mig": "3g.40gb"}, TypeError, "mig must be None, a list"),
+        ({"mig": ["3g.40"]}, ValueError, "not a MIG profile: '3g.40'"),
+        ({"mig": ["5g.40gb"]}, ValueError, "not a MIG profile: '5g.40gb'"),
+        ({"count": 1, "mig": [3]}, TypeError, "must be a list of MIG profiles or None, got 3"),
+        ({"mig": [["1g.10gb"]]}, ValueError, "one per GPU"),
+        ({"mig": [["1g.10gb"], "1g.10gb"]}, TypeError, "GPU 1 must be a list"),
+        ({"mig": ["4g.8gb", "4g.8gb"]}, ValueError, "7 compute slices"),
+        ({"mig": ["1g.1gb"] * 8}, ValueError, "at most 7 devices"),
+        ({"mig": ["3g.9gb", "3g.9gb"]}, ValueError, "more memory than GPU 0"),
+        ({"mig": ["1g.1gb"], "names": "N" * 90}, ValueError, "over NVML's 95 bytes"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

@@ -3,6 +3,8 @@ library (``fakenvml.c``), for the monitor on machines that cannot build it."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pynvml
 
 from accelsched.testing import state
@@ -53,8 +55,9 @@ def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle: StandinHandle) -> Stand
     return StandinHandle(handle.index)
 
 
-def nvmlDeviceIsMigDeviceHandle(handle: StandinHandle) -> int:
-    return int(device(handle).mig is not None)
+def nvmlDeviceIsMigDeviceHandle(handle: StandinHandle) -> ctypes.c_uint:
+    """pynvml returns the ctypes value itself here (read ``.value``); so does this."""
+    return ctypes.c_uint(device(handle).mig is not None)
 
 
 def _instance(handle: StandinHandle) -> state.FakeMig:
