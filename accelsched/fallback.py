@@ -69,7 +69,12 @@ def invalid_amount(amount: Any) -> str | None:
     Zero, negative, NaN and infinite amounts would match GPU-less or every worker in
     plain distributed, or none at all; they err instead, naming the value.
     """
-    ok = isinstance(amount, numbers.Real) and not isinstance(amount, bool)
+    if type(amount) is int or type(amount) is float:  # the common case, without ABCs
+        if 0 < amount < float("inf"):
+            return None
+        ok = True
+    else:
+        ok = isinstance(amount, numbers.Real) and not isinstance(amount, bool)
     try:
         if ok and 0 < float(amount) < float("inf"):
             return None

@@ -12,9 +12,10 @@ no distributed import, and no dask internals (the walk goes by attributes).
 
 from __future__ import annotations
 
+import functools
 import itertools
+import types
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,35 +63,77 @@ def mark_of(obj: Any) -> Mark | None:
     return mark if isinstance(mark, Mark) else None
 
 
-def _children(obj: Any) -> Iterator[Any]:
-    """What a task node or a callable nests: calls, their arguments, composed functions."""
-    if isinstance(obj, dict):
-        yield from itertools.islice(obj.values(), MAX_ITEMS)
-        return
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        yield from itertools.islice(obj, MAX_ITEMS)
-        return
-    if isinstance(obj, (str, bytes, int, float, complex, bool)) or obj is None:
-        return
-    # a Task (func/args/kwargs), functools.partial (func/args/keywords), a composition
-    # (funcs, first), a graph's data node (value: a fused task's functions travel so):
-    # whatever of these an object has
-    for name in ("func", "funcs", "first", "value"):
+_ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None)})
+#: Callables whose type's ``__call__`` is never a marked step.
+_PLAIN_CALLABLES = frozenset(
+    {types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial, type}
+)
+_CONTAINERS = (list, tuple, set, frozenset)
+_CALLS = ("func", "funcs", "first", "value")
+_ARGS = ("args", "kwargs", "keywords")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the walk reads of objects of one type, decided at the first one seen."""
+
+    data: bool  # an array: never entered
+    calls: tuple[str, ...]  # of func/funcs/first/value, those it has
+    args: tuple[str, ...]  # of args/kwargs/keywords, those it has
+
+
+#: Per type, what to read: a graph has thousands of tasks of a handful of types, and
+#: asking every object for seven attributes it mostly lacks cost more than the rest.
+_PLANS: dict[type, _Plan] = {}
+
+
+def _has(obj: Any, name: str) -> bool:
+    try:
+        return getattr(obj, name, None) is not None
+    except Exception:
+        return False
+
+
+def _plan(obj: Any) -> _Plan:
+    cls = type(obj)
+    plan = _PLANS.get(cls)
+    if plan is None:
+        data = _has(obj, "__array__") or _has(obj, "__cuda_array_interface__")
+        plan = _Plan(
+            data,
+            () if data else tuple(n for n in _CALLS if _has(obj, n)),
+            () if data else tuple(n for n in _ARGS if _has(obj, n)),
+        )
+        if len(_PLANS) < 4096:  # types made on the fly must not grow this forever
+            _PLANS[cls] = plan
+    return plan
+
+
+def _children(obj: Any, plan: _Plan, out: deque) -> None:
+    """Queue what a task node or a callable nests: calls, their arguments, compositions.
+
+    A Task (func/args/kwargs), functools.partial (func/args/keywords), a composition
+    (funcs, first), a graph's data node (value: a fused task's functions travel so):
+    whatever of these an object has.
+    """
+    for name in plan.calls:
         try:
             value = getattr(obj, name, None)
         except Exception:
-            value = None
-        if value is not None:
-            yield value
-            if name == "func":  # what is called: an instance whose class's __call__ is marked
-                yield type(value).__dict__.get("__call__")
-    for name in ("args", "kwargs", "keywords"):
+            continue
+        if value is None:
+            continue
+        out.append(value)
+        if name == "func" and type(value) not in _PLAIN_CALLABLES:
+            # what is called: an instance whose class's __call__ is marked
+            out.append(type(value).__dict__.get("__call__"))
+    for name in plan.args:
         try:
             value = getattr(obj, name, None)
         except Exception:
-            value = None
-        if isinstance(value, (tuple, list, dict)):
-            yield value
+            continue
+        if value and isinstance(value, (tuple, list, dict)):
+            out.append(value)
 
 
 def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
@@ -102,23 +145,38 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     if not _seen:
         return None
     found: list[Mark] = []
-    queue = deque([spec])  # breadth first: a task's own function before its arguments'
+    queue = deque((spec,))  # breadth first: a task's own function before its arguments'
     seen: set[int] = set()
     visits = 0
+    atoms = _ATOMS
     while queue and visits < max_visits:
         obj = queue.popleft()
-        if id(obj) in seen:
+        cls = type(obj)
+        if cls in atoms:
             continue
-        seen.add(id(obj))
+        if cls is tuple or cls is list:
+            queue.extend(itertools.islice(obj, MAX_ITEMS))
+            visits += 1
+            continue
+        ident = id(obj)
+        if ident in seen:
+            continue
+        seen.add(ident)
         visits += 1
+        if isinstance(obj, dict):
+            queue.extend(itertools.islice(obj.values(), MAX_ITEMS))
+            continue
+        if isinstance(obj, _CONTAINERS):
+            queue.extend(itertools.islice(obj, MAX_ITEMS))
+            continue
         mark = mark_of(obj)
         if mark is not None:
             found.append(mark)
             continue
         try:
-            if hasattr(obj, "__array__") or hasattr(obj, "__cuda_array_interface__"):
-                continue  # data, however large: nothing to call in there
-            queue.extend(_children(obj))
+            plan = _PLANS.get(cls) or _plan(obj)
+            if not plan.data:  # data, however large: nothing to call in there
+                _children(obj, plan, queue)
         except Exception:  # an object whose attributes misbehave: nothing to learn there
             continue
     if not found:

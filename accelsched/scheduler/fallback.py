@@ -152,6 +152,8 @@ class Fallback:
         (and O(log n) for a timed task entering ``no-worker``) and schedules a check.
         """
         if finish == "no-worker":
+            if self.policy.default is None and not self.timeouts and not self.invalid:
+                return  # no task has a timeout: nothing to time
             self._enter(key, monotonic())
             self._schedule()
         elif start == "no-worker":
