@@ -22,7 +22,7 @@ from accelsched.protocol import STATUS_HANDLER, DeviceStatus, StatusReply
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["print_status", "print_events", "table_rows", "render", "COLUMNS"]
+__all__ = ["snapshot", "print_status", "print_events", "table_rows", "render", "summary", "COLUMNS"]
 
 OK: Final = 0
 #: The scheduler could not be reached within ``--timeout``, or went away under ``--watch``.
@@ -124,9 +124,10 @@ def _connect(address: str, timeout: str, command: str) -> Client | None:
         return None
 
 
-def _snapshot(client: Client) -> StatusReply | None:
-    """The scheduler's snapshot; None when it runs no accelsched (no handler: it
-    answers None, and logs a warning of its own)."""
+def snapshot(client: Client) -> StatusReply | None:
+    """The scheduler's snapshot (what ``accelsched status --json`` prints), through a
+    synchronous ``client``; None when the scheduler runs no accelsched (it has no such
+    handler: it answers None, and logs a warning of its own)."""
     reply: StatusReply | None = client.sync(getattr(client.scheduler, STATUS_HANDLER))
     return reply
 
@@ -158,7 +159,7 @@ def print_status(
         try:
             while True:
                 try:
-                    snap = _snapshot(client)
+                    snap = snapshot(client)
                 except (OSError, TimeoutError) as exc:
                     print(
                         f"accelsched status: lost the scheduler at {address}: {exc}",
@@ -196,7 +197,7 @@ def print_events(address: str, actions: list[str] | None, out: TextIO, timeout: 
     if client is None:
         return UNREACHABLE
     with client:
-        snap = _snapshot(client)
+        snap = snapshot(client)
         if snap is None:
             return _no_accelsched("events", address)
         names: dict[str, Any] = dict(snap["names"])
