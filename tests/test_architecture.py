@@ -70,6 +70,9 @@ PRIVATE = [
     r"(loose|worker|host)_restrictions",
     r"\.(resource_restrictions|annotations)\s*(\[[^]]*\]\s*)?=(?!=)",
     r"\.(resource_restrictions|annotations|resources)\.(pop|update|setdefault|clear)\(",
+    r"(?<!distributed)\.metrics\b",
+    r"http_application",
+    r"dashboard\.(scheduler|core)\b",
 ]
 #: Names whose private parts are not distributed's: our own objects (a simulated buffer,
 #: pool), a ctypes library handle, pynvml's error table.
