@@ -22,6 +22,7 @@ changes nothing. ``docs/deploy.md`` shows each deployment.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import click
@@ -191,12 +192,46 @@ class _PreloadCommand(click.Command):
         parent: click.Context | None = None,
         **extra: Any,
     ) -> click.Context:
+        args = _without_dask_cuda_flags(list(args))
         try:
             return super().make_context(info_name, args, parent, **extra)
         except click.ClickException as exc:
             ctx = click.Context(self, info_name=info_name, parent=parent)
             ctx.params = {"invalid": exc.format_message()}
             return ctx
+
+
+def _without_dask_cuda_flags(args: list[str]) -> list[str]:
+    """``args`` less the flags of dask-cuda's own preload.
+
+    ``dask cuda worker`` and ``LocalCUDACluster`` add ``dask_cuda.initialize`` with
+    ``--create-cuda-context`` to the worker's preloads, and distributed hands one flat
+    argument list to every preload: accelsched's receives that flag too. The reverse
+    also holds, so dask-cuda's preload fails on accelsched's options: under dask-cuda,
+    options come from dask config (said in the log).
+    """
+    module = sys.modules.get("dask_cuda.initialize")
+    command = getattr(module, "dask_setup", None)
+    if not isinstance(command, click.Command):
+        return args
+    flags = {
+        name
+        for p in command.params
+        if isinstance(p, click.Option) and p.is_flag
+        for name in (*p.opts, *p.secondary_opts)
+    }
+    if not flags & set(args):
+        return args
+    ours = [a for a in args if a not in flags]
+    if ours:
+        logger.warning(
+            "accelsched: dask-cuda gives every preload the same arguments, so its own "
+            "preload (dask_cuda.initialize) is handed %s and fails on them; give "
+            "accelsched's options to dask-cuda workers through dask config "
+            "(DASK_ACCELSCHED__...) instead",
+            " ".join(ours),
+        )
+    return ours
 
 
 dask_setup = _PreloadCommand(

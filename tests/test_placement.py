@@ -285,27 +285,6 @@ async def test_guard_without_placement_still_corrects(c, s, a):
     assert gpus(s, a.address) == 1
 
 
-class _DaskCudaPlugin:
-    """Stands in for one of dask-cuda's worker plugins (dask-cuda itself pins an older
-    distributed than this suite runs, so it cannot be installed beside it): the guard
-    recognises dask-cuda workers by their plugins' module."""
-
-    __module__ = "dask_cuda.plugins"
-
-
-def test_dask_cuda_workers_own_their_first_visible_device(monkeypatch) -> None:
-    import sys
-    import types
-
-    from accelsched.worker.inventory import under_dask_cuda
-
-    worker = types.SimpleNamespace(plugins={"cpu-affinity": _DaskCudaPlugin()})
-    assert not under_dask_cuda(worker)  # type: ignore[arg-type]  # dask_cuda not imported
-    monkeypatch.setitem(sys.modules, "dask_cuda", types.ModuleType("dask_cuda"))
-    assert under_dask_cuda(worker)  # type: ignore[arg-type]
-    assert not under_dask_cuda(types.SimpleNamespace(plugins={"x": object()}))  # type: ignore[arg-type]
-
-
 @gen_cluster(client=True, nthreads=[])
 async def test_register_needs_no_fusion_setting(c, s):
     """Steps marked in code survive fusion: register() asks for no setting and warns not."""

@@ -1,0 +1,189 @@
+"""dask-cuda for real: ``LocalCUDACluster`` and ``dask cuda worker`` on two fake GPUs.
+
+dask-cuda starts one worker per GPU and gives each every GPU in rotated order
+(``CUDA_VISIBLE_DEVICES="0,1"`` / ``"1,0"``): a worker owns its first visible device only.
+Runs where dask-cuda is installed (``pip install ".[test,dask-cuda]"``; ``.ci/run`` builds
+that environment), skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client, get_worker
+
+import accelsched
+from accelsched.testing import FakeGPUs, device_alloc, fake_gpus
+from tests import processes
+from tests.processes import running
+
+dask_cuda = pytest.importorskip("dask_cuda")
+
+MiB = 2**20
+FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
+
+
+@pytest.fixture(scope="module")
+def gpus() -> Iterator[FakeGPUs]:
+    with fake_gpus(count=2, memory="16GiB") as g:
+        if g.standin:
+            pytest.skip("dask-cuda reads NVML itself: needs the fake library (a C compiler)")
+        yield g
+
+
+def accel_events(client: Client, action: str | None = None) -> list[dict[str, Any]]:
+    out = [msg for _, msg in client.get_events("accelsched")]
+    return [m for m in out if action is None or m["action"] == action]
+
+
+def until(predicate: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
+        time.sleep(0.05)
+
+
+def granted(client: Client) -> dict[str, str]:
+    """Worker address -> the UUID its latest ``gpu-verified`` event granted."""
+    out: dict[str, str] = {}
+    for e in accel_events(client, "gpu-verified"):
+        (device,) = e["devices"]
+        out[e["worker"]] = device["uuid"]
+    return out
+
+
+def first_visible(client: Client) -> dict[str, str]:
+    """Worker address -> its first CUDA_VISIBLE_DEVICES entry (as dask-cuda set it)."""
+    visible = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
+    return {addr: cvd.split(",")[0] for addr, cvd in visible.items()}
+
+
+def gpu_counts(client: Client) -> dict[str, float]:
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {a: w["resources"].get("GPU", 0) for a, w in info.items()}
+
+
+def owns_first_visible(client: Client, gpus: FakeGPUs) -> None:
+    """Every worker verified for exactly its first visible device, one GPU each."""
+    first = first_visible(client)
+    assert sorted(first.values()) == ["0", "1"]  # one worker per GPU
+    uuids = granted(client)
+    assert {a: uuids.get(a) for a in first} == {a: gpus.uuids[int(i)] for a, i in first.items()}
+    assert gpu_counts(client) == dict.fromkeys(first, 1)
+
+
+def bound() -> tuple[str, int | None, str]:
+    return get_worker().address, accelsched.current_device(), os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def leaky(x: int) -> int:
+    device_alloc(512 * MiB, leak=True)  # never freed, like a forgotten CuPy array
+    return x
+
+
+# --- LocalCUDACluster, plugins registered by a client -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cuda_cluster(gpus: FakeGPUs) -> Iterator[Client]:
+    with (
+        dask_cuda.LocalCUDACluster(dashboard_address=":0", protocol="tcp") as cluster,
+        Client(cluster) as client,
+    ):
+        accelsched.register(client, **FAST)
+        until(lambda: len(granted(client)) == 2, timeout=60)
+        yield client
+
+
+def test_local_cuda_cluster_one_worker_per_gpu_each_owns_its_first(
+    cuda_cluster: Client, gpus: FakeGPUs
+) -> None:
+    owns_first_visible(cuda_cluster, gpus)
+    assert not accel_events(cuda_cluster, "gpu-rejected")  # rotated: nobody claims another's
+
+
+def test_local_cuda_cluster_gpu_tasks_bound_to_the_owned_device(cuda_cluster: Client) -> None:
+    with dask.annotate(resources={"GPU": 1}):
+        futures = cuda_cluster.map(lambda i: bound(), range(8), pure=False)
+    results = cuda_cluster.gather(futures)
+    verified = set(granted(cuda_cluster))
+    for addr, device, cvd in results:
+        assert addr in verified
+        assert device == 0  # CUDA index 0: the first visible device, the one it owns
+        assert cvd.split(",")[0] == first_visible(cuda_cluster)[addr]
+
+
+def test_leak_restarts_the_worker_and_the_new_one_is_verified(
+    cuda_cluster: Client, gpus: FakeGPUs
+) -> None:
+    victim = sorted(granted(cuda_cluster))[0]
+    device = first_visible(cuda_cluster)[victim]
+    with dask.annotate(resources={"GPU": 1}):
+        assert cuda_cluster.submit(leaky, 1, workers=[victim]).result() == 1
+    until(lambda: accel_events(cuda_cluster, "restart"), timeout=60)
+    (leak,) = accel_events(cuda_cluster, "leak")
+    assert leak["worker"] == victim and "leaky" in leak["prefixes"]
+    cuda_cluster.wait_for_workers(2, timeout=60)
+
+    def replaced() -> bool:
+        """the restarted worker's guard verified its device again"""
+        workers = set(gpu_counts(cuda_cluster))
+        return victim not in workers and len(set(granted(cuda_cluster)) & workers) == 2
+
+    until(replaced, timeout=60)
+    owns_first_visible(cuda_cluster, gpus)
+    new = next(a for a, i in first_visible(cuda_cluster).items() if i == device)
+    assert granted(cuda_cluster)[new] == gpus.uuids[int(device)]
+
+
+# --- dask cuda worker --preload accelsched, against a preloaded dask scheduler ------------------
+
+
+@pytest.fixture(scope="module")
+def cli_cluster(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+    tmp = tmp_path_factory.mktemp("dask_cuda_cli")
+    sched = processes.scheduler(tmp, "--preload", "accelsched")
+    with running(sched):
+        address = processes.scheduler_address(tmp / "scheduler.json", sched)
+        worker = processes.Process(
+            [processes.DASK, "cuda", "worker", address, "--preload", "accelsched"]
+            + ["--no-dashboard", "--local-directory", str(tmp / "w")],
+            tmp / "cuda-worker.log",
+        )
+        with running(worker), Client(address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+            until(lambda: len(granted(client)) == 2, timeout=60)
+            client.worker_log = worker  # type: ignore[attr-defined]
+            yield client
+
+
+def test_dask_cuda_worker_cli_preloaded(cli_cluster: Client, gpus: FakeGPUs) -> None:
+    owns_first_visible(cli_cluster, gpus)
+    with dask.annotate(resources={"GPU": 1}):
+        results = cli_cluster.gather(cli_cluster.map(lambda i: bound(), range(4), pure=False))
+    assert {device for _, device, _ in results} == {0}
+    modules = cli_cluster.run(
+        lambda dask_worker: sorted({type(p).__module__ for p in dask_worker.plugins.values()})
+    )
+    for found in modules.values():  # dask-cuda's plugins beside the guard
+        assert {"accelsched.guard", "dask_cuda.plugins"} <= set(found)
+    log = cli_cluster.worker_log.output()  # type: ignore[attr-defined]
+    assert "Failed to start preload" not in log  # dask_cuda.initialize and accelsched both ran
+    assert "accelsched:" not in log  # no error, no warning
+
+
+def test_dask_cuda_is_the_supported_release() -> None:
+    """The extra's dask-cuda pins a dask/distributed inside accelsched's range."""
+    from importlib.metadata import version
+
+    assert int(version("dask-cuda").split(".")[0]) >= 26
+    oldest, newest = accelsched.internals.TESTED_DISTRIBUTED
+    installed = tuple(int(p) for p in version("distributed").split(".")[:3])
+    assert tuple(int(p) for p in oldest.split(".")) <= installed
+    assert installed[:2] <= tuple(int(p) for p in newest.split(".")[:2])
