@@ -41,7 +41,7 @@ from accelsched.demo.report import event_lines, events, placement_table, uuids, 
 from accelsched.demo.steps import DEMO_TOPIC, blocks, leaky_square, pipeline
 from accelsched.devices.nvml import NVMLMonitor
 
-__all__ = ["STAGES", "main", "run"]
+__all__ = ["STAGES", "Progress", "main", "run"]
 
 
 def _cluster_specs(real_gpus: int) -> dict[str, dict[str, Any]]:
@@ -117,9 +117,17 @@ def _cluster(real: int, out: TextIO) -> Iterator[SpecCluster]:
 STAGES = 6
 
 
-def _stage(n: int, text: str, out: TextIO) -> None:
-    """The one progress line of stage ``n`` (``[n/6] ...``), printed when it begins."""
-    print(f"[{n}/{STAGES}] {text}", file=out, flush=True)
+class Progress:
+    """Prints each stage's one progress line (``[n/6] ...``) as it begins, and remembers
+    when it began (the report draws the stages on its time axis)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.began: list[tuple[float, str]] = []
+
+    def __call__(self, n: int, text: str) -> None:
+        print(f"[{n}/{STAGES}] {text}", file=self.out, flush=True)
+        self.began.append((time.time(), text))
 
 
 def main(report: str | Path | None = None, out: TextIO = sys.stdout) -> int:
@@ -137,20 +145,22 @@ def run(out: TextIO = sys.stdout, report: str | Path = DEFAULT_REPORT) -> int:
     (a ``.html`` file or a folder; checked before anything starts)."""
     path = report_path(report)
     start = time.time()
+    stage = Progress(out)
     with quiet_logs(), _gpus(out) as real:
-        _stage(1, "Starting a local cluster: 3 workers, a scheduler with accelsched", out)
+        stage(1, "Starting a local cluster: 3 workers, a scheduler with accelsched")
         with _cluster(real, out) as cluster, Client(cluster) as client:
             client.wait_for_workers(len(cluster.workers))
             with Sampler(client, start) as sampler:
-                seen = _phases(client, real, start, out)
+                seen = _phases(client, real, stage, out)
             seen.update(worker_names(client))
-            _stage(6, "Writing the report", out)
+            stage(6, "Writing the report")
             written = write_report(
                 path,
                 sampler.samples,
                 client.get_events(accelsched.events.TOPIC),
                 seen,
                 start,
+                stages=stage.began,
                 note=(
                     f"Device memory each worker process holds, summed over its GPUs: NVML's "
                     f"per-process figure, read on every worker every {sampler.interval:g} s "
@@ -164,9 +174,9 @@ def run(out: TextIO = sys.stdout, report: str | Path = DEFAULT_REPORT) -> int:
     return 0
 
 
-def _phases(client: Client, real: int, start: float, out: TextIO) -> dict[str, str]:
+def _phases(client: Client, real: int, stage: Progress, out: TextIO) -> dict[str, str]:
     """Stages 2 to 5; returns every worker address seen, with its name."""
-    _stage(2, "Verifying each worker's GPUs against NVML", out)
+    stage(2, "Verifying each worker's GPUs against NVML")
     accelsched.register(
         client,
         fallback_timeout="1s",
@@ -199,14 +209,14 @@ def _phases(client: Client, real: int, start: float, out: TextIO) -> dict[str, s
         file=out,
     )
 
-    _stage(3, "A GPU pipeline: every GPU step on a verified device", out)
+    stage(3, "A GPU pipeline: every GPU step on a verified device")
     t1 = time.time()
     expected = pipeline().compute(scheduler="sync")
     on_gpu = client.compute(pipeline()).result()
     placement_table(client, t1, names, uuids(client), out)
     np.testing.assert_allclose(on_gpu, expected)
 
-    _stage(4, "A leaking step: detected, its worker restarted, nothing lost", out)
+    stage(4, "A leaking step: detected, its worker restarted, nothing lost")
     t2 = time.time()
     kept = client.persist(blocks(leaky_square))
     leaked = client.compute(kept.sum(axis=1)).result()
@@ -245,7 +255,7 @@ def _phases(client: Client, real: int, start: float, out: TextIO) -> dict[str, s
         file=out,
     )
 
-    _stage(5, "GPU workers retire mid-pipeline: GPU steps fall back to CPU", out)
+    stage(5, "GPU workers retire mid-pipeline: GPU steps fall back to CPU")
     t3 = time.time()
     gpu_workers = sorted({w for w, _ in uuids(client)} & set(worker_names(client)))
     fut = client.compute(pipeline())

@@ -75,11 +75,15 @@ def write_report(
     names: Mapping[str, str],
     start: float,
     note: str,
+    stages: Sequence[tuple[float, str]] = (),
 ) -> Path:
-    """Draw the chart and write the page; return its path."""
+    """Draw the chart and write the page; return its path. ``stages``: when each stage
+    began (time stamps) and its name, in order, drawn as numbered dotted lines."""
     from bokeh.embed import file_html
     from bokeh.layouts import column
     from bokeh.models import ColumnDataSource, HoverTool
+    from bokeh.models.annotations import Label, Span
+    from bokeh.models.ranges import DataRange1d
     from bokeh.models.renderers import DataRenderer
     from bokeh.models.widgets import Div
     from bokeh.palettes import Category10_10
@@ -93,6 +97,7 @@ def write_report(
         width=900,
         height=420,
         tools="pan,wheel_zoom,box_zoom,reset,save",
+        x_range=DataRange1d(start=0),  # from the start: the cluster's start-up comes first
     )
     for i, worker in enumerate(sorted({s.worker for s in samples})):
         mine = [s for s in samples if s.worker == worker]
@@ -127,8 +132,16 @@ def write_report(
     fig.add_tools(
         HoverTool(renderers=hover, tooltips=[("", "@action: @what"), ("at", "@t{0.00} s")])
     )
+    for number, (began, _) in enumerate(stages, 1):
+        t = began - start
+        fig.add_layout(Span(location=t, dimension="height", line_dash="dotted", line_color="gray"))
+        fig.add_layout(Label(x=t, y=4, x_units="data", y_units="screen", text=f" {number}"))
     fig.legend.location = "top_left"
     fig.legend.click_policy = "hide"
-    page = column(Div(text=f"<h2>accelsched demo</h2><p>{html.escape(note)}</p>"), fig)
+    listed = "".join(f"<li>{html.escape(name)}</li>" for _, name in stages)
+    text = f"<h2>accelsched demo</h2><p>{html.escape(note)}</p>"
+    if listed:
+        text += f"<p>Stages (dotted lines, numbered at the bottom):</p><ol>{listed}</ol>"
+    page = column(Div(text=text), fig)
     path.write_text(file_html(page, INLINE, "accelsched demo"), encoding="utf-8")
     return path
