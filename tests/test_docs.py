@@ -83,6 +83,7 @@ def parse(path: Path) -> Iterator[Block]:
             body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
         i += 1
+        lang = {"py": "python", "python3": "python"}.get(lang, lang)  # none escapes the test
         if lang not in ("python", "pycon"):
             continue
         prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
