@@ -30,7 +30,8 @@ def owned(visible: Sequence[T], *, under_dask_cuda: bool) -> list[T]:
 
     A plain worker owns every device in its ``CUDA_VISIBLE_DEVICES``. dask-cuda starts
     one worker per GPU and gives each all GPUs in rotated order ("1,0", "0,1"), so there
-    a worker owns exactly its first visible device.
+    a worker owns exactly its first visible device. A MIG device is a device here: the
+    monitor already cut the list to what CUDA enumerates (one MIG device per process).
     """
     return list(visible[:1]) if under_dask_cuda else list(visible)
 
@@ -84,7 +85,11 @@ def decide_claim(declared: object, owned_count: int, *, advertise_undeclared: bo
 
 @dataclass
 class OwnershipRegistry:
-    """One owner per GPU UUID across the cluster (unless ``share``)."""
+    """One owner per GPU UUID across the cluster (unless ``share``).
+
+    A MIG device is owned by its own ``MIG-`` UUID: two MIG devices of one GPU have two
+    owners, and one MIG device named two ways (its UUID, its parent's index) has one.
+    """
 
     share: bool = False
     owners: dict[str, str] = field(default_factory=dict)  # uuid -> worker address

@@ -1,6 +1,7 @@
 """The worker's verified inventory and what it says to the scheduler about itself.
 
-At setup the guard probes the devices through NVML, decides which this worker owns
+At setup the guard probes the devices through NVML (MIG devices included, as CUDA
+enumerates them: :mod:`accelsched.devices.visible`), decides which this worker owns
 (:func:`accelsched.inventory.owned`) and how many it asks for
 (:func:`accelsched.inventory.decide_claim`), reports them (``accelsched_inventory``) and
 advertises only what the scheduler granted. Later it may ask for its own restart
@@ -108,7 +109,9 @@ class Inventory:
             # advertises only what it owns.
             logger.warning(
                 "accelsched: no PlacementPlugin on the scheduler (handler %r missing); "
-                "correcting this worker's GPU count without verification",
+                "correcting this worker's GPU count without verification. Placement is "
+                "not enforced: start the scheduler with --preload accelsched or call "
+                "accelsched.register(client)",
                 INVENTORY_HANDLER,
             )
             granted = {d.uuid for d in self.owned[: self.claim.count]}
