@@ -215,6 +215,22 @@ def parse_threshold(name: str, value: Any) -> Threshold:
     return Threshold(nbytes=int(n))
 
 
+def parse_size(name: str, value: Any) -> int:
+    """Bytes, zero or more (``"64MiB"``, ``0``)."""
+    expected = "bytes like '64MiB', or 0"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _bad(name, value, expected, TypeError)
+    if isinstance(value, str) and not any(c.isdigit() for c in value):
+        raise _bad(name, value, expected)  # dask reads "" or "GiB" as 1 of the unit
+    try:
+        n = parse_bytes(value) if isinstance(value, str) else int(value)
+    except (ValueError, TypeError, IndexError, OverflowError):
+        raise _bad(name, value, expected) from None
+    if n < 0 or n >= 2**63:
+        raise _bad(name, value, expected)
+    return int(n)
+
+
 def _is_float(s: str) -> bool:
     try:
         float(s)
@@ -243,6 +259,7 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     ),
     Option("free_pools_every", "accelsched.guard.free-pools-every", parse_count),
     Option("free_pools_above", "accelsched.guard.free-pools-above", parse_fraction),
+    Option("free_pools_min", "accelsched.guard.free-pools-min", parse_size),
     Option("check_interval", "accelsched.guard.check-interval", parse_interval),
     Option("leak_threshold", "accelsched.guard.leak-threshold", parse_threshold),
     Option("leak_confirmations", "accelsched.guard.leak-confirmations", parse_positive_count),

@@ -42,7 +42,7 @@ from accelsched.worker.inventory import Inventory
 from accelsched.worker.leaks import LeakCheck
 from accelsched.worker.ledger import Ledger
 from accelsched.worker.pools import PoolFreer
-from accelsched.worker.watch import UnrequestedGPUUse, Watch
+from accelsched.worker.watch import ACTIVITY, UnrequestedGPUUse, Watch
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -52,6 +52,7 @@ __all__ = ["GuardPlugin", "UnrequestedGPUUse"]
 logger = logging.getLogger(__name__)
 
 _PERIODIC = "accelsched-guard"
+_RUNNING = frozenset({"executing", "long-running"})
 
 
 class GuardPlugin(WorkerPlugin):
@@ -75,6 +76,7 @@ class GuardPlugin(WorkerPlugin):
         self.watch: Watch | None = None
         self.leaks: LeakCheck | None = None
         self.figures: Figures | None = None
+        self._running: set[Any] = set()  # keys executing here, counted in ACTIVITY
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
@@ -106,6 +108,7 @@ class GuardPlugin(WorkerPlugin):
             pools=PoolFreer(
                 every=o["free_pools_every"],
                 above=o["free_pools_above"],
+                minimum=o["free_pools_min"],
                 monitor=inv.monitor,
                 simulated=inv.simulated,
             ),
@@ -159,6 +162,9 @@ class GuardPlugin(WorkerPlugin):
         internals.remove_handler(worker, REPORT_HANDLER, self.report)
         internals.remove_handler(worker, CONFIRM_HANDLER, self.inventory.confirm)
         internals.stop_periodic(worker, _PERIODIC)
+        for _ in self._running:  # what it counted no longer runs under this guard
+            ACTIVITY.finished()
+        self._running.clear()
         if self.figures is not None:
             internals.remove_metric(worker, GUARD_METRIC, self.figures.read)
 
@@ -181,20 +187,31 @@ class GuardPlugin(WorkerPlugin):
             self.leaks.released(key)
         if finish == "forgotten":
             self.leaks.ledger.drop(key)
+        running = finish in _RUNNING
+        if running != (start in _RUNNING):  # every task counts, wrapped or not
+            if running:
+                if key not in self._running:
+                    self._running.add(key)
+                    ACTIVITY.started()
+            elif key in self._running:
+                self._running.discard(key)
+                ACTIVITY.finished()
         if finish == "executing":
-            self.leaks.ran(key_split(key))
-            internals.wrap_execution(self.worker, key, self._runner)
+            prefix = key_split(key)
+            self.leaks.ran(prefix)
+            internals.wrap_execution(self.worker, key, lambda task: self._runner(task, prefix))
 
-    def _runner(self, task: internals.TaskView) -> Runner | None:
+    def _runner(self, task: internals.TaskView, prefix: str) -> Runner | None:
         """The runner for a task starting to execute, or None to leave it alone."""
         assert self.binder is not None
         amount = task.resources.get(GPU, 0)
         if amount > 0 and self.inventory.granted:
             return self.binder.gpu_runner(task.key, amount)
-        watch = self.watch.runner(task.key) if self.watch is not None else None
+        watch = self.watch
+        runner = watch.runner(task.key) if watch is not None and watch.sampled(prefix) else None
         if task.annotations.get(FALLBACK_ANNOTATION):
-            return self.binder.fallback_runner(watch)
-        return watch
+            return self.binder.fallback_runner(runner)
+        return runner
 
     # --- for the parts and for tests ------------------------------------------------------
 

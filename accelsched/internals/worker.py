@@ -96,8 +96,15 @@ def wrap_execution(
 
 def _is_thread_pool(executor: Any) -> bool:
     """distributed's executor is its own copy of ``ThreadPoolExecutor``, not a subclass of
-    ``concurrent.futures``'s: go by name."""
-    return any(cls.__name__ == "ThreadPoolExecutor" for cls in type(executor).__mro__)
+    ``concurrent.futures``'s: go by name (once per executor type)."""
+    cls = type(executor)
+    known = _THREAD_POOLS.get(cls)
+    if known is None:
+        known = _THREAD_POOLS[cls] = any(c.__name__ == "ThreadPoolExecutor" for c in cls.__mro__)
+    return known
+
+
+_THREAD_POOLS: dict[type, bool] = {}
 
 
 def wrap_task(spec: Any, runner: Callable[[Any, dict], Any]) -> Any:

@@ -21,7 +21,6 @@ from accelsched.context import Lease, holding
 from accelsched.devices.arrays import to_host
 from accelsched.worker.ledger import Ledger
 from accelsched.worker.pools import PoolFreer
-from accelsched.worker.watch import ACTIVITY
 
 __all__ = ["Binder"]
 
@@ -62,7 +61,6 @@ class Binder:
                 # scheduler places it again against this worker's lower count
                 raise Reschedule() from None
             self.used.update(devices)
-            ACTIVITY.enter()
             try:
                 steps: list[int] = []  # marked steps measured inside this task
                 lease = Lease(
@@ -82,7 +80,6 @@ class Binder:
                     finally:
                         self.pools.after_gpu_task(devices)
             finally:
-                ACTIVITY.exit()
                 self.leases.release(key)
 
         return run

@@ -29,6 +29,9 @@ class Ledger:
         self._lock = threading.Lock()
         self._measured: dict[Any, dict[int, int]] = {}  # key -> {device: bytes}
         self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
+        # device -> the reading that ended the last measured task there: the next task's
+        # base, unless memory changed meanwhile (a key released, data arrived)
+        self._fresh: dict[int, int] = {}
 
     def noncache(self, device: int) -> int | None:
         """This process's bytes on ``device`` minus what pools cache or reserve; None
@@ -45,7 +48,14 @@ class Ledger:
     # --- around a GPU task (its executor thread) ----------------------------------------
 
     def before(self, devices: tuple[int, ...]) -> dict[int, int] | None:
-        readings = {d: self.noncache(d) for d in devices}
+        """The base to measure a task by: the last task's closing reading where nothing
+        changed since (back-to-back GPU tasks cost one NVML read per device, not two)."""
+        with self._lock:
+            fresh = [self._fresh.pop(d, None) for d in devices]
+        readings = {
+            d: self.noncache(d) if then is None else then
+            for d, then in zip(devices, fresh, strict=True)
+        }
         if any(v is None for v in readings.values()):
             return None
         return readings  # type: ignore[return-value]
@@ -81,6 +91,7 @@ class Ledger:
             residue[device] = max(0, grew - size)
             with self._lock:
                 self._settled[device] = now
+                self._fresh[device] = now
         with self._lock:
             self._measured[key] = held
         return residue
@@ -103,6 +114,8 @@ class Ledger:
     def arrived(self, value: Any, idle: set[int]) -> dict[int, int]:
         """What data from a peer holds: its type's figure, else the growth on idle
         devices since the last explained reading."""
+        with self._lock:
+            self._fresh.clear()  # memory may have grown: no reused base
         if knows(value):
             return device_nbytes(value)
         out = {}
@@ -132,3 +145,4 @@ class Ledger:
         """Memory on ``device`` changed unmeasured (a key released): no base to compare."""
         with self._lock:
             self._settled.pop(device, None)
+            self._fresh.pop(device, None)

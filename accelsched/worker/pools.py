@@ -1,9 +1,11 @@
 """Freeing the memory pools of CUDA libraries after GPU tasks.
 
 Pools cache freed blocks so the next allocation is cheap; the cache looks like used
-memory to NVML and to other processes. Every ``free_pools_every`` GPU tasks (and, with
-``free_pools_above``, only when a device the task held is fuller than that fraction) the
-pools of :mod:`accelsched.devices.pool` give back what they cache, device by device.
+memory to NVML and to other processes. Every ``free_pools_every`` GPU tasks, when the
+pools cache at least ``free_pools_min`` on a device the task held (and, with
+``free_pools_above``, only when such a device is fuller than that fraction), the pools
+of :mod:`accelsched.devices.pool` give back what they cache, device by device. Freeing a
+near-empty pool after each of thousands of tiny tasks would cost more than it returns.
 """
 
 from __future__ import annotations
@@ -20,15 +22,29 @@ __all__ = ["PoolFreer"]
 class PoolFreer:
     """Called in a GPU task's thread as it ends, with the devices it held."""
 
-    def __init__(self, *, every: int, above: float, monitor: NVMLMonitor, simulated: bool) -> None:
+    def __init__(
+        self,
+        *,
+        every: int,
+        above: float,
+        monitor: NVMLMonitor,
+        simulated: bool,
+        minimum: int = 0,
+    ) -> None:
         self.every = every
         self.above = above
+        self.minimum = minimum
         self.monitor = monitor
         self.simulated = simulated
         self._count = itertools.count(1)  # next() is atomic across threads
 
     def after_gpu_task(self, devices: tuple[int, ...]) -> None:
         if not self.every or next(self._count) % self.every:
+            return
+        pools = active_pools()
+        if not pools:
+            return
+        if self.minimum > 0 and not self._caches_enough(pools, devices):
             return
         if self.above > 0:
             try:
@@ -37,9 +53,21 @@ class PoolFreer:
                 fractions = [1.0]
             if max(fractions, default=0) <= self.above:
                 return
-        pools = active_pools()
         # CuPy frees the current device's pool: visit each device the task held
         for device in devices:
             with using_device(device, simulated=self.simulated):
                 for pool in pools:
                     pool.free_all()
+
+    def _caches_enough(self, pools: list, devices: tuple[int, ...]) -> bool:
+        """Whether the pools cache at least ``minimum`` bytes on one of ``devices``."""
+        for device in devices:
+            cached = 0
+            for pool in pools:
+                try:
+                    cached += pool.stats(device).cached
+                except Exception:  # a pool that cannot say: free, as before
+                    return True
+            if cached >= self.minimum:
+                return True
+        return False

@@ -1,10 +1,16 @@
 """Watching tasks that asked for no GPU: did they use one anyway?
 
 Device memory is read per process, so a task's growth can be blamed on it only when it
-ran alone: :class:`Activity` counts the wrapped tasks (GPU or watched) running in this
-process, across all its workers, and a watched task's readings count only when no other
-wrapped task started or ended while it ran. :func:`accelsched.unrequested.classify`
-decides what the readings mean.
+ran alone: :class:`Activity` counts the tasks executing in this process, across all its
+workers (the guard's transition hook feeds it, so unwatched tasks count too), and a
+watched task's readings count only when no other task started or ended while it ran.
+:func:`accelsched.unrequested.classify` decides what the readings mean.
+
+Reading NVML costs tens of microseconds per device, twice per task: on a worker that sees
+8 GPUs that is more than a tiny task itself. Using a GPU is a property of the code a task
+runs, so the watch samples per task prefix: the first :data:`FIRST_RUNS` runs of each
+prefix on each worker, then one run in :data:`EVERY`. With ``unrequested_gpu="fail"``
+every task is watched, since a task that uses a GPU must then fail, not a later one.
 """
 
 from __future__ import annotations
@@ -17,9 +23,17 @@ from accelsched import events
 from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
 from accelsched.unrequested import classify
 
-__all__ = ["Activity", "ACTIVITY", "UnrequestedGPUUse", "Watch"]
+__all__ = ["Activity", "ACTIVITY", "UnrequestedGPUUse", "Watch", "FIRST_RUNS", "EVERY"]
 
 Runner = Callable[[Any, dict], Any]
+
+#: Runs of each task prefix watched before sampling starts.
+FIRST_RUNS = 4
+#: After that, one run in this many is watched.
+EVERY = 64
+#: Prefixes remembered per worker; beyond this the counts start over (names made per
+#: task must not grow memory forever).
+MAX_PREFIXES = 10_000
 
 
 class UnrequestedGPUUse(RuntimeError):
@@ -27,29 +41,35 @@ class UnrequestedGPUUse(RuntimeError):
 
 
 class Activity:
-    """Wrapped tasks running in this process; tells a watched task whether it ran alone."""
+    """Tasks executing in this process; tells a watched task whether it ran alone.
+
+    ``started``/``finished`` run on the workers' event loops (transition hooks), the
+    token calls in executor threads.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.running = 0
         self.generation = 0
 
-    def enter(self) -> int | None:
-        """Count a task in; return a token when it is alone, else None."""
+    def started(self) -> None:
         with self.lock:
-            alone = self.running == 0
             self.running += 1
             self.generation += 1
-            return self.generation if alone else None
+
+    def finished(self) -> None:
+        with self.lock:
+            self.running = max(0, self.running - 1)
+            self.generation += 1
+
+    def alone_token(self) -> int | None:
+        """A token when the calling task is the only one executing, else None."""
+        with self.lock:
+            return self.generation if self.running <= 1 else None
 
     def still_alone(self, token: int | None) -> bool:
         with self.lock:
             return token is not None and self.generation == token
-
-    def exit(self) -> None:
-        with self.lock:
-            self.running -= 1
-            self.generation += 1
 
 
 ACTIVITY = Activity()
@@ -70,18 +90,27 @@ class Watch:
         self.visible = visible
         self.fail = fail
         self._emit = emit
+        self._runs: dict[str, int] = {}  # prefix -> runs seen on this worker
+
+    def sampled(self, prefix: str) -> bool:
+        """Whether this run of ``prefix`` is watched (event loop)."""
+        if self.fail:
+            return True
+        runs = self._runs
+        n = runs.get(prefix, 0) + 1
+        if n == 1 and len(runs) >= MAX_PREFIXES:
+            runs.clear()
+        runs[prefix] = n
+        return n <= FIRST_RUNS or n % EVERY == 0
 
     def runner(self, key: Any) -> Runner:
         def run(spec: Any, values: dict) -> Any:
-            token = ACTIVITY.enter()
-            try:
-                before = self._readings() if token is not None else None
-                result = spec(values)
-                if before is not None and ACTIVITY.still_alone(token):
-                    self._judge(key, before, self._readings())
-                return result
-            finally:
-                ACTIVITY.exit()
+            token = ACTIVITY.alone_token()
+            before = self._readings() if token is not None else None
+            result = spec(values)
+            if before is not None and ACTIVITY.still_alone(token):
+                self._judge(key, before, self._readings())
+            return result
 
         return run
 

@@ -1,0 +1,111 @@
+"""What the guard costs per task, counted (not timed): NVML reads and pool frees.
+
+Reading NVML costs tens of microseconds per device; these tests count the reads the
+guard makes around tasks on a real cluster (in-process workers, so the count can be
+taken on the worker's own monitor) against the fake NVML.
+"""
+
+from __future__ import annotations
+
+import pytest
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.testing import device_alloc
+from accelsched.worker.watch import EVERY, FIRST_RUNS, Watch
+from tests.utils import gpus, wait_for
+
+pytestmark = pytest.mark.usefixtures("fake_gpus_2")
+
+MiB = 2**20
+QUIET = dict(check_interval="1h")  # no periodic leak check reading NVML meanwhile
+
+
+def count_reads(worker) -> list[int]:  # type: ignore[no-untyped-def]
+    """Count the guard's per-process NVML reads on ``worker`` from now on."""
+    monitor = worker.plugins["accelsched-guard"].inventory.monitor
+    counter = [0]
+    read = monitor.process_memory
+
+    def counted(device: int):  # type: ignore[no-untyped-def]
+        counter[0] += 1
+        return read(device)
+
+    monitor.process_memory = counted
+    return counter
+
+
+def inc(i: int) -> int:
+    return i + 1
+
+
+def small(i: int) -> int:
+    device_alloc(MiB)  # a temporary: 1 MiB back to the pool
+    return i
+
+
+def big(i: int) -> int:
+    device_alloc(256 * MiB)  # a temporary: 256 MiB back to the pool
+    return i
+
+
+def test_the_watch_samples_per_prefix() -> None:
+    watch = Watch(monitor=None, visible=[], fail=False, emit=print)  # type: ignore[arg-type]
+    runs = [watch.sampled("inc") for _ in range(3 * EVERY)]
+    watched = [i + 1 for i, w in enumerate(runs) if w]
+    assert watched == [*range(1, FIRST_RUNS + 1), EVERY, 2 * EVERY, 3 * EVERY]
+    assert watch.sampled("other")  # each prefix starts watched
+    strict = Watch(monitor=None, visible=[], fail=True, emit=print)  # type: ignore[arg-type]
+    assert all(strict.sampled("inc") for _ in range(100))  # "fail" watches every run
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 2}})])
+async def test_cpu_tasks_cost_o1_nvml_reads(c, s, a):
+    await accelsched.register(c, **QUIET)
+    await wait_for(lambda: gpus(s, a.address) == 2)
+    reads = count_reads(a)
+    n = 3 * EVERY
+    assert await c.gather(c.map(inc, range(n))) == [i + 1 for i in range(n)]
+    # 2 visible devices, read before and after each watched run: the first runs and one
+    # in EVERY, not 2 * 2 * n
+    watched = FIRST_RUNS + n // EVERY
+    assert 0 < reads[0] <= 2 * 2 * watched < n
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 2}})])
+async def test_back_to_back_gpu_tasks_read_each_device_once(c, s, a):
+    await accelsched.register(c, **QUIET)
+    await wait_for(lambda: gpus(s, a.address) == 2)
+    await c.submit(small, -1, resources={"GPU": 1})  # the CUDA context exists now
+    reads = count_reads(a)
+    n = 20
+    futs = c.map(small, range(n), resources={"GPU": 1})  # kept: nothing released between
+    assert await c.gather(futs) == list(range(n))
+    # one closing reading per task (its base is the previous task's closing reading),
+    # plus a base per device when the previous reading there is unknown
+    assert n <= reads[0] <= n + 2
+
+
+def cached_here() -> int:
+    from accelsched.devices.pool import POOLS
+    from accelsched.testing import SimulatedPool
+
+    (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
+    return sum(pool.stats(d).cached for d in (0, 1))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}})])
+async def test_pools_are_freed_only_when_they_cache_enough(c, s, a):
+    await accelsched.register(c, free_pools_min="64MiB", **QUIET)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    await c.submit(small, 0, resources={"GPU": 1})
+    assert cached_here() == MiB  # 1 MiB cached: not worth a free
+    await c.submit(big, 1, resources={"GPU": 1})
+    assert cached_here() == 0  # 256 MiB cached: freed
+
+
+def test_free_pools_min_is_validated() -> None:
+    with pytest.raises(ValueError, match="free_pools_min"):
+        accelsched.GuardPlugin(free_pools_min="-1MiB")
+    with pytest.raises(TypeError, match="free_pools_min"):
+        accelsched.GuardPlugin(free_pools_min=1.5)
