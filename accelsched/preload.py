@@ -35,7 +35,7 @@ from accelsched.internals import deploy
 from accelsched.placement import PlacementPlugin
 from accelsched.protocol import GUARD_PLUGIN, PLACEMENT_PLUGIN
 
-__all__ = ["dask_setup", "dask_teardown", "split_options"]
+__all__ = ["dask_setup", "dask_teardown", "setup_server", "split_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def split_options(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return placement, guard
 
 
-async def _setup(server: Any, invalid: str | None = None, **given: Any) -> None:
+async def setup_server(server: Any, invalid: str | None = None, **given: Any) -> None:
     """Install what belongs on ``server``; on any error, one log line and stop it.
 
     distributed logs and ignores an exception from a preload, and the server would run
@@ -182,7 +182,7 @@ class _PreloadCommand(click.Command):
     parses the arguments itself and click exits with its usage error. Arguments from
     config (``distributed.scheduler.preload-argv``) are parsed in the server's start,
     where distributed would log the error and run on without accelsched: there the
-    error is handed to :func:`_setup`, which stops the server.
+    error is handed to :func:`setup_server`, which stops the server.
     """
 
     def make_context(
@@ -237,7 +237,7 @@ def _without_dask_cuda_flags(args: list[str]) -> list[str]:
 dask_setup = _PreloadCommand(
     "dask_setup",
     params=_params(),
-    callback=_setup,
+    callback=setup_server,
     help="accelsched preload: options of accelsched.register() (default: dask config).",
 )
 

@@ -29,8 +29,10 @@ class Process:
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.log = log
-        path = os.pathsep.join(p for p in (*PATHS, os.environ.get("PYTHONPATH")) if p)
-        full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+        env = dict(env or {})
+        extra = env.pop("PYTHONPATH", os.environ.get("PYTHONPATH"))
+        path = os.pathsep.join(p for p in (*PATHS, extra) if p)
+        full_env = {**os.environ, **env, "PYTHONPATH": path}
         with open(log, "wb") as out:
             self.popen = subprocess.Popen(
                 args, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True

@@ -201,9 +201,12 @@ def test_worker_preload_installs_the_guard_with_its_options(workers_only: Client
     ).values()
     assert options["leak_threshold"] == Threshold(nbytes=2**30)
     assert options["free_pools_every"] == 3
-    # no PlacementPlugin: said once, in the worker's log
+    # no PlacementPlugin: the worker's log says so
     log: Process = workers_only.cpu  # type: ignore[attr-defined]
     until(lambda: "no PlacementPlugin on the scheduler" in log.output())
+    assert "Placement is not enforced: start the scheduler with --preload accelsched" in (
+        log.output()
+    )
     plugins = workers_only.run_on_scheduler(lambda dask_scheduler: sorted(dask_scheduler.plugins))
     assert "accelsched-placement" not in plugins
 
@@ -254,3 +257,39 @@ def test_placement_options_given_to_a_worker_stop_it(workers_only: Client, tmp_p
     proc.wait(60)
     out = proc.output()
     assert "--fallback-timeout apply to the scheduler" in out and "stopping this worker" in out
+
+
+# --- beside another preload that takes arguments (dask-gateway's) ---------------------------
+
+GATEWAY_LIKE = """
+import click
+
+
+@click.command()
+@click.option("--dg-api-address", default=":0")
+def dask_setup(scheduler, dg_api_address):
+    scheduler.gateway_like = dg_api_address
+"""
+
+
+def test_configured_preload_beside_a_click_preload(gpus: FakeGPUs, tmp_path: Path) -> None:
+    """dask-gateway starts ``dask scheduler --preload dask_gateway.scheduler_preload
+    --dg-...``: distributed refuses a second preload that takes arguments, and hands the
+    ``--dg-...`` ones to every preload. ``accelsched.configured`` takes none."""
+    (tmp_path / "gateway_like.py").write_text(GATEWAY_LIKE)
+    env = {
+        "PYTHONPATH": str(tmp_path),  # beside the tests' own path
+        "DASK_ACCELSCHED__PLACEMENT__FALLBACK_TIMEOUT": "45s",
+    }
+    args = ["--preload", "accelsched.configured", "--preload", "gateway_like"]
+    sched = processes.scheduler(tmp_path, *args, "--dg-api-address", ":8788", env=env)
+    with running(sched):
+        address = processes.scheduler_address(tmp_path / "scheduler.json", sched)
+        with Client(address, timeout=30) as client:
+            placement, gateway = client.run_on_scheduler(
+                lambda dask_scheduler: (
+                    dask_scheduler.plugins["accelsched-placement"].options["fallback_timeout"],
+                    dask_scheduler.gateway_like,
+                )
+            )
+    assert (placement, gateway) == (45.0, ":8788")
