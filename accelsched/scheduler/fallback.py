@@ -68,6 +68,7 @@ class Fallback:
         self._check_soon = False
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
         self._warned_no_workers = False
+        self._limits_checked: set[float] = set()
         self._emit = emit
         self._active = active
 
@@ -281,8 +282,9 @@ class Fallback:
 
     def _warn_no_workers_timeout(self, timeout: float | None) -> None:
         """Warn (once) when distributed would fail tasks before they could fall back."""
-        if timeout is None or self._warned_no_workers:
+        if timeout is None or self._warned_no_workers or timeout in self._limits_checked:
             return
+        self._limits_checked.add(timeout)  # a config read per value, not per task
         limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
         if limit is None:
             return

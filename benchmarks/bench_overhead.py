@@ -1,0 +1,274 @@
+"""What accelsched costs per task: paired rounds against plain distributed.
+
+Two clusters side by side, identical but for accelsched: each a ``dask scheduler``
+process and two single-thread ``dask worker`` processes (with their nannies) that see
+two simulated GPUs (``accelsched.testing.fake_gpus``) and own one each
+(``--resources GPU=1``). One of them gets ``accelsched.register``; the other is plain
+distributed. Every round runs the same workload on both, in alternating order:
+
+- ``gpu``: tiny tasks asking for ``resources={"GPU": 1}`` (placed, bound, measured by
+  accelsched; merely counted by plain distributed);
+- ``cpu``: tiny tasks asking for nothing, on the same GPU-seeing workers (watched for
+  unrequested GPU use by accelsched).
+
+Per round and cluster: wall time from submit to the last result, and CPU seconds spent
+by the scheduler process and by the worker processes, divided by the task count. The
+figures are the medians over rounds of the paired ratio (accelsched / plain) and of the
+paired CPU differences, with their spread (min, max).
+
+Usage::
+
+    python -m benchmarks overhead [--quick]
+    python benchmarks/bench_overhead.py [--tasks 2000] [--rounds 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+from distributed import Client
+
+import accelsched
+from accelsched.testing import fake_gpus
+
+NAME = "overhead"
+
+
+def tiny(i: int) -> int:
+    return i + 1
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+@contextlib.contextmanager
+def _cluster(tmp: Path, label: str) -> Iterator[tuple[Client, psutil.Process]]:
+    """A scheduler process and two nanny workers, one fake GPU each."""
+    sched_file = tmp / f"{label}.json"
+    env = {**os.environ, "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "error"}
+    procs = [
+        subprocess.Popen(
+            [
+                _bin("dask"),
+                "scheduler",
+                "--no-dashboard",
+                "--port",
+                "0",
+                "--scheduler-file",
+                str(sched_file),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not sched_file.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{label}: the scheduler did not start")
+            time.sleep(0.05)
+        for device in ("0", "1"):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        _bin("dask"),
+                        "worker",
+                        "--scheduler-file",
+                        str(sched_file),
+                        "--nthreads",
+                        "1",
+                        "--resources",
+                        "GPU=1",
+                        "--no-dashboard",
+                        "--name",
+                        f"{label}-{device}",
+                    ],
+                    env={**env, "CUDA_VISIBLE_DEVICES": device},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        with Client(scheduler_file=str(sched_file), timeout="60s") as client:
+            client.wait_for_workers(2, timeout=60)
+            yield client, psutil.Process(procs[0].pid)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _cpu(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def _worker_pids(client: Client) -> list[psutil.Process]:
+    return [psutil.Process(pid) for pid in client.run(os.getpid).values()]
+
+
+def _round(client: Client, sched: psutil.Process, workers: list, n: int, gpu: bool) -> dict:
+    kw: dict[str, Any] = {"resources": {"GPU": 1}} if gpu else {}
+    s0, w0 = _cpu(sched), sum(_cpu(w) for w in workers)
+    t0 = time.perf_counter()
+    futures = client.map(tiny, range(n), pure=False, **kw)
+    client.gather(futures)
+    wall = time.perf_counter() - t0
+    s1, w1 = _cpu(sched), sum(_cpu(w) for w in workers)
+    del futures
+    return {"wall": wall, "sched_us": (s1 - s0) / n * 1e6, "worker_us": (w1 - w0) / n * 1e6}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+    }
+
+
+def measure(tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
+    with (
+        fake_gpus(count=2),
+        _cluster(tmp, "plain") as (plain, ps),
+        _cluster(tmp, "accelsched") as (acc, accs),
+    ):
+        accelsched.register(acc)
+        acc.wait_for_workers(2)
+        deadline = time.monotonic() + 30  # both GPUs verified before measuring
+        while acc.run_on_scheduler(_verified) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("accelsched cluster: GPUs not verified")
+            time.sleep(0.1)
+        clusters = {
+            "plain": (plain, ps, _worker_pids(plain)),
+            "accelsched": (acc, accs, _worker_pids(acc)),
+        }
+        result: dict[str, Any] = {"tasks": tasks, "rounds": rounds}
+        for kind in ("gpu", "cpu"):
+            gpu = kind == "gpu"
+            for client, sched, workers in clusters.values():  # warm up: contexts, imports
+                _round(client, sched, workers, min(200, tasks), gpu)
+            rows: dict[str, list[dict]] = {"plain": [], "accelsched": []}
+            for r in range(rounds):
+                order = ["plain", "accelsched"] if r % 2 == 0 else ["accelsched", "plain"]
+                for name in order:
+                    client, sched, workers = clusters[name]
+                    rows[name].append(_round(client, sched, workers, tasks, gpu))
+            pairs = list(zip(rows["plain"], rows["accelsched"], strict=True))
+            result[kind] = {
+                "wall_ratio": _spread([a["wall"] / p["wall"] for p, a in pairs]),
+                "plain_wall_s": _spread([p["wall"] for p, _ in pairs]),
+                "accelsched_wall_s": _spread([a["wall"] for _, a in pairs]),
+                "scheduler_cpu_us_per_task": {
+                    "plain": _spread([p["sched_us"] for p, _ in pairs]),
+                    "accelsched": _spread([a["sched_us"] for _, a in pairs]),
+                    "delta": _spread([a["sched_us"] - p["sched_us"] for p, a in pairs]),
+                },
+                "worker_cpu_us_per_task": {
+                    "plain": _spread([p["worker_us"] for p, _ in pairs]),
+                    "accelsched": _spread([a["worker_us"] for _, a in pairs]),
+                    "delta": _spread([a["worker_us"] - p["worker_us"] for p, a in pairs]),
+                },
+                "rounds": rows,
+            }
+        return result
+
+
+def _verified(dask_scheduler: Any) -> int:
+    return sum(1 for w in dask_scheduler.workers.values() if w.resources.get("GPU", 0) >= 1)
+
+
+def plot(result: dict[str, Any], out: Path) -> list[Path]:
+    """Per-round wall ratio and CPU per task, GPU and CPU tasks side by side."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the bench extra is not installed: JSON only
+        return []
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    kinds = ["gpu", "cpu"]
+    ratios = [
+        [
+            a["wall"] / p["wall"]
+            for p, a in zip(
+                result[k]["rounds"]["plain"], result[k]["rounds"]["accelsched"], strict=True
+            )
+        ]
+        for k in kinds
+    ]
+    axes[0].boxplot(ratios, tick_labels=[f"{k} tasks" for k in kinds])
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].axhline(1.03, color="red", lw=0.8, ls="--", label="target 1.03")
+    axes[0].set_ylabel("wall time, accelsched / plain")
+    axes[0].legend(fontsize=8)
+    for ax, figure, label in (
+        (axes[1], "worker_us", "worker CPU µs per task"),
+        (axes[2], "sched_us", "scheduler CPU µs per task"),
+    ):
+        data, labels = [], []
+        for k in kinds:
+            for name in ("plain", "accelsched"):
+                data.append([r[figure] for r in result[k]["rounds"][name]])
+                labels.append(f"{k}\n{name}")
+        ax.boxplot(data, tick_labels=labels)
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"{result['tasks']} tiny tasks, {result['rounds']} paired rounds")
+    fig.tight_layout()
+    path = out / f"{NAME}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    """The entry point's hook: ``--quick`` runs 500 tasks, 5 rounds."""
+    out.mkdir(parents=True, exist_ok=True)
+    tasks, rounds = (500, 5) if quick else (2000, 7)
+    result = measure(tasks, rounds, out)
+    result["plots"] = [p.name for p in plot(result, out)]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = measure(args.tasks, args.rounds, args.out)
+    plot(result, args.out)
+    for kind in ("gpu", "cpu"):
+        r = result[kind]
+        print(
+            f"{kind}: wall ratio {r['wall_ratio']}  worker CPU delta µs/task "
+            f"{r['worker_cpu_us_per_task']['delta']}  scheduler CPU delta µs/task "
+            f"{r['scheduler_cpu_us_per_task']['delta']}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
