@@ -43,6 +43,17 @@ logger = logging.getLogger(__name__)
 _NONE = ("none", "null", "never")
 
 
+class _Nothing:
+    """An option given as ``none`` on the command line: None, which wins over config
+    (a value click leaves None is one not given, which config fills)."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+NOTHING = _Nothing()
+
+
 def _flag(opt: Option) -> str:
     return "--" + opt.name.replace("_", "-")
 
@@ -65,7 +76,9 @@ def _validator(opt: Option) -> Any:
         except (TypeError, ValueError) as exc:
             where = "" if given else f"dask config {opt.key}: "
             raise click.BadParameter(where + str(exc), ctx=ctx, param=param) from None
-        return value if given else None
+        if not given:
+            return None
+        return NOTHING if value is None else value
 
     return validate
 
@@ -90,7 +103,7 @@ def _params() -> list[click.Parameter]:
 
 def split_options(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Placement and guard options out of the parsed command line (given ones only)."""
-    chosen = {k: v for k, v in given.items() if v is not None}
+    chosen = {k: None if v is NOTHING else v for k, v in given.items() if v is not None}
     placement = {o.name: chosen[o.name] for o in PLACEMENT_OPTIONS if o.name in chosen}
     guard = {o.name: chosen[o.name] for o in GUARD_OPTIONS if o.name in chosen}
     return placement, guard

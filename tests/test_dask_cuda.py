@@ -187,3 +187,25 @@ def test_dask_cuda_is_the_supported_release() -> None:
     installed = tuple(int(p) for p in version("distributed").split(".")[:3])
     assert tuple(int(p) for p in oldest.split(".")) <= installed
     assert installed[:2] <= tuple(int(p) for p in newest.split(".")[:2])
+
+
+def test_preload_ignores_dask_cudas_flag_and_warns_about_its_own(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """dask-cuda hands its ``--create-cuda-context`` to every preload, and every preload's
+    arguments to its own (which then fails): accelsched drops the flag, says so for the
+    rest."""
+    import dask_cuda.initialize  # noqa: F401  (as dask cuda worker has it imported)
+
+    from accelsched.preload import dask_setup
+
+    with caplog.at_level("WARNING", logger="accelsched.preload"):
+        alone = dask_setup.make_context("dask_setup", ["--create-cuda-context"]).params
+    assert "invalid" not in alone and not caplog.records
+    with caplog.at_level("WARNING", logger="accelsched.preload"):
+        argv = ["--leak-threshold", "1GiB", "--create-cuda-context"]
+        both = dask_setup.make_context("dask_setup", argv).params
+    assert both["leak_threshold"] == "1GiB"
+    (warning,) = caplog.records
+    assert "dask_cuda.initialize" in warning.getMessage()
+    assert "--leak-threshold 1GiB" in warning.getMessage()

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import dask
 import pytest
 from distributed import Client, get_worker
@@ -114,6 +115,8 @@ def test_scheduler_preload_installs_both_plugins_with_its_options(preloaded: Cli
     assert placement["fallback_timeout"] is None  # the default
     guards = preloaded.run(lambda dask_worker: dask_worker.plugins["accelsched-guard"].options)
     assert len(guards) == 4
+    gpu1_log = next(p for p in preloaded.procs if "gpu1" in p.log.name).output()  # type: ignore[attr-defined]
+    assert "preload options differ and are not used: check_interval" in gpu1_log
     for options in guards.values():
         assert options["leak_threshold"] == Threshold(nbytes=256 * 2**20)  # preload argument
         assert options["check_interval"] == 1.0  # the scheduler's guard: not the worker's 300ms
@@ -293,3 +296,37 @@ def test_configured_preload_beside_a_click_preload(gpus: FakeGPUs, tmp_path: Pat
                 )
             )
     assert (placement, gateway) == (45.0, ":8788")
+
+
+# --- the preload's arguments, parsed as distributed parses them ------------------------------
+
+
+def test_none_on_the_command_line_wins_over_config() -> None:
+    from accelsched.preload import dask_setup, split_options
+
+    with dask.config.set({"accelsched.placement.fallback-timeout": "30s"}):
+        given = dask_setup.make_context("dask_setup", ["--fallback-timeout", "none"]).params
+        placement, guard = split_options(given)
+        assert placement == {"fallback_timeout": None} and guard == {}
+        assert accelsched.PlacementPlugin(**placement).options["fallback_timeout"] is None
+        plain = dask_setup.make_context("dask_setup", []).params
+        assert split_options(plain) == ({}, {})  # nothing given: config decides
+    # at a server's start a bad argument is handed on (to stop the server), not raised
+    bad = dask_setup.make_context("dask_setup", ["--share-gpus", "none"]).params
+    assert bad == {
+        "invalid": "Invalid value for '--share-gpus': invalid share_gpus=None: "
+        "expected True or False"
+    }
+    # on the command line distributed parses it itself: click's usage error
+    with pytest.raises(click.BadParameter, match="invalid share_gpus=None"):
+        dask_setup.parse_args(click.Context(dask_setup), ["--share-gpus", "none"])
+
+
+def test_oom_exceptions_repeat() -> None:
+    from accelsched.preload import dask_setup, split_options
+
+    argv = ["--oom-exceptions", "a.OOM", "--oom-exceptions", "b.OOM", "--leak-threshold", "0.2"]
+    _, guard = split_options(dask_setup.make_context("dask_setup", argv).params)
+    options = accelsched.GuardPlugin(**guard).options
+    assert options["oom_exceptions"] == ("a.OOM", "b.OOM")
+    assert options["leak_threshold"] == Threshold(fraction=0.2)
