@@ -161,20 +161,23 @@ def snapshot_series(s: Scheduler) -> dict:
 @gen_cluster(
     client=True,
     nthreads=[],
-    scheduler_kwargs={**DASHBOARD, "plugins": [accelsched.PlacementPlugin()]},
+    scheduler_kwargs={**DASHBOARD, "preload": ["accelsched"]},
     timeout=60,
 )
 async def test_page_installed_at_scheduler_start_once(c, s):
-    """A plugin started with the scheduler (as a preload installs it) adds the page;
-    registering again, or installing again, does not add a second one."""
+    """``dask scheduler --preload accelsched`` (here in-process) adds the page as the
+    scheduler starts; registering again, or installing again, adds no second one."""
     html = await asyncio.to_thread(urllib.request.urlopen, page_url(s))
     body = html.read()
     # a Bokeh session whose document our page function built (an error there is a 500)
     assert html.status == 200 and b'"roots":{"p' in body and b'"use_for_title":true' in body
     apps = len(s.http_application.applications)
     await accelsched.register(c)
+    with pytest.warns(UserWarning, match="overwriting"):  # a new instance replaces it
+        await c.register_plugin(accelsched.PlacementPlugin())
     assert dashboard.install(s) is True
     assert len(s.http_application.applications) == apps
+    assert dashboard.observer_of(s) is s.plugins["accelsched-placement"].observer
     status = await asyncio.to_thread(
         urllib.request.urlopen, page_url(s).replace("accelsched", "status")
     )
