@@ -9,9 +9,8 @@ prefix of its ``leak`` event is the leaking step. Both graph shapes are run: fus
 default: all five steps in one task per block, measured step by step inside it) and
 unfused (one task per step).
 
-Usage::
-
-    python benchmarks/bench_attribution.py [--runs 20] [--json out.json]
+Run with ``python -m benchmarks attribution`` (``--quick``: 2 runs per graph shape), or
+alone: ``python -m benchmarks.bench_attribution [--runs 20] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -31,7 +31,9 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import accelsched
 from accelsched.testing import device_alloc, fake_gpus
+from benchmarks.plots import bars
 
+NAME = "attribution"
 MiB = 2**20
 STEPS = ["load", "clean", "scale", "join", "total"]
 
@@ -82,7 +84,7 @@ def _state(dask_scheduler: Any) -> Any:
     )
 
 
-def run(runs: int, fused: bool, client: Client, first: int = 0) -> dict[str, Any]:
+def attribution_runs(runs: int, fused: bool, client: Client, first: int = 0) -> dict[str, Any]:
     right = 0
     named: list[tuple[str, list[str]]] = []
     for i in range(first, first + runs):
@@ -122,31 +124,52 @@ def run(runs: int, fused: bool, client: Client, first: int = 0) -> dict[str, Any
     return {"runs": runs, "right": right, "named": named}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--per-cluster", type=int, default=5)
-    parser.add_argument("--json")
-    args = parser.parse_args()
+def both_shapes(runs: int, per_cluster: int) -> dict[str, Any]:
+    """``runs`` runs of each graph shape, a fresh cluster every ``per_cluster`` runs."""
+    logging.getLogger("distributed").setLevel(logging.ERROR)
     out: dict[str, Any] = {}
     with fake_gpus(count=2, memory="16GiB"):
         for fused in (True, False):
             label = "fused" if fused else "unfused"
             total: dict[str, Any] = {"runs": 0, "right": 0, "named": []}
             done = 0
-            while done < args.runs:
-                batch = min(args.per_cluster, args.runs - done)
+            while done < runs:
+                batch = min(per_cluster, runs - done)
                 with _cluster() as client:
-                    r = run(batch, fused, client, first=done)
+                    r = attribution_runs(batch, fused, client, first=done)
                 for k in ("runs", "right"):
                     total[k] += r[k]
                 total["named"] += r["named"]
                 done += batch
             out[label] = total
-            print(f"{label:8s} right in {total['right']}/{total['runs']} runs")
-            for leaky, prefixes in total["named"]:
-                if not prefixes or prefixes[0] != leaky:
-                    print(f"   leaked in {leaky!r}, named {prefixes}")
+    return out
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    """The runner's entry point (``python -m benchmarks attribution``)."""
+    figures = both_shapes(2 if quick else 20, 5)
+    bars(
+        out / f"{NAME}.png",
+        {f"{k}: right of {v['runs']}": v["right"] for k, v in figures.items()},
+        ylabel="runs whose first prefix was the leaking step",
+        title="Leak attribution, five step types",
+        ymax=max(v["runs"] for v in figures.values()) * 1.15,
+    )
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--per-cluster", type=int, default=5)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    out = both_shapes(args.runs, args.per_cluster)
+    for label, total in out.items():
+        print(f"{label:8s} right in {total['right']}/{total['runs']} runs")
+        for leaky, prefixes in total["named"]:
+            if not prefixes or prefixes[0] != leaky:
+                print(f"   leaked in {leaky!r}, named {prefixes}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

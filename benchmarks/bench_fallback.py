@@ -3,9 +3,9 @@
 Runs a GPU-less local cluster (two worker processes, no GPUs) with the PlacementPlugin
 and submits GPU-annotated tasks with several ``fallback_timeout`` values, then a chain of
 six GPU tasks. Figures come from the ``fallback`` events (``waited``) and from wall time
-on the client. Usage::
-
-    python benchmarks/bench_fallback.py [--repeat 5] [--json out.json]
+on the client. Run with ``python -m benchmarks fallback`` (``--quick``: one run per
+timeout, timeouts up to 0.5 s), or alone:
+``python -m benchmarks.bench_fallback [--repeat 5] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import dask
 from distributed import Client, LocalCluster
 
 import accelsched
+from benchmarks.plots import lines
 
+NAME = "fallback"
 TIMEOUTS = [0, 0.25, 0.5, 1.0, 2.0]
 
 
@@ -61,11 +64,7 @@ def chain(client: Client, length: int = 6, timeout: float = 1.0) -> dict[str, An
     return {"length": length, "timeout_s": timeout, "wall_s": time.monotonic() - start}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+def measure_all(repeat: int, timeouts: list[float]) -> tuple[list[dict[str, Any]], dict]:
     with (
         LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
@@ -73,8 +72,35 @@ def main() -> None:
         Client(cluster) as client,
     ):
         accelsched.register(client)  # default interval: fallback-interval 250ms
-        rows = [measure(client, t, args.repeat) for t in TIMEOUTS]
+        rows = [measure(client, t, repeat) for t in timeouts]
         chained = chain(client)
+    return rows, chained
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    """The runner's entry point (``python -m benchmarks fallback``)."""
+    rows, chained = measure_all(1 if quick else 5, TIMEOUTS[:3] if quick else TIMEOUTS)
+    lines(
+        out / f"{NAME}.png",
+        [r["timeout_s"] for r in rows],
+        {
+            "waited (median)": [r["waited_median_s"] for r in rows],
+            "submit to result (median)": [r["wall_median_s"] for r in rows],
+            "the timeout": [r["timeout_s"] for r in rows],
+        },
+        xlabel="fallback_timeout (s)",
+        ylabel="seconds",
+        title="GPU task on a GPU-less cluster: time to its CPU form",
+    )
+    return {"single": rows, "chain": chained}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows, chained = measure_all(args.repeat, TIMEOUTS)
     print(f"fallback latency, {args.repeat} runs each (check interval 250 ms)")
     print(f"{'timeout':>8} {'waited med':>11} {'waited max':>11} {'wall med':>9} {'overshoot':>10}")
     for r in rows:

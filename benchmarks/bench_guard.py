@@ -1,4 +1,4 @@
-"""Leak guard figures on simulated GPUs: detection latency, restart-to-ready, false positives.
+"""Leak guard figures on simulated GPUs: detection latency and restart-to-ready.
 
 Two nanny workers, each owning one simulated 16 GiB GPU (``accelsched.testing``), the
 guard checking every ``--interval`` with a 256 MiB threshold and 2 confirmations.
@@ -7,13 +7,10 @@ guard checking every ``--interval`` with a 256 MiB threshold and 2 confirmations
   above the threshold before the ``leak`` event, seconds from the leaking task's end to
   the ``leak`` event, seconds from the ``leak`` event (the restart request) to the
   ``restart`` event, and to the restarted worker's GPUs being verified again (ready).
-- **Benign workloads**: large device results kept in memory, pool caching without
-  freeing, an RMM-style fixed pool, and many small results; counted ``leak`` events
-  (false positives) over ``--benign-seconds`` of checks each.
 
-Usage::
-
-    python benchmarks/bench_guard.py [--trials 5] [--interval 100ms] [--json out.json]
+False positives on benign workloads are measured by ``bench_detection``. Run with
+``python -m benchmarks guard`` (``--quick``: 2 trials), or alone:
+``python -m benchmarks.bench_guard [--trials 5] [--interval 100ms] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ import json
 import logging
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -30,7 +28,10 @@ from dask.utils import parse_timedelta
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import accelsched
-from accelsched.testing import device_alloc, fake_gpus, fixed_pool
+from accelsched.testing import device_alloc, fake_gpus
+from benchmarks.plots import bars
+
+NAME = "guard"
 
 MiB = 2**20
 GiB = 2**30
@@ -39,33 +40,6 @@ GiB = 2**30
 def leaky(i: int) -> float:
     device_alloc(512 * MiB, leak=True)
     return time.time()
-
-
-def big_result(i: int) -> Any:
-    return device_alloc(GiB, value=i)
-
-
-def cached_temporaries(i: int) -> int:
-    for _ in range(4):
-        device_alloc(GiB)
-    return i
-
-
-def rmm_style(i: int) -> int:
-    fixed_pool(4 * GiB)
-    return device_alloc(GiB).nbytes
-
-
-def small_results(i: int) -> Any:
-    return device_alloc(8 * MiB, value=i)
-
-
-BENIGN = {
-    "large results held (4 x 1 GiB)": (big_result, 4),
-    "pool caching, no freeing (4 GiB cached)": (cached_temporaries, 4),
-    "RMM-style fixed pool (4 GiB)": (rmm_style, 2),
-    "many small results (200 x 8 MiB)": (small_results, 200),
-}
 
 
 def events(client: Client, action: str, since: float = 0) -> list[tuple[float, dict]]:
@@ -124,73 +98,70 @@ def leak_trial(client: Client) -> dict[str, float]:
     }
 
 
-def benign(client: Client, seconds: float) -> dict[str, int]:
-    out = {}
-    for name, (fn, n) in BENIGN.items():
-        since = time.time()
-        with dask.annotate(resources={"GPU": 1}):
-            held = client.map(fn, range(n), pure=False)
-            client.gather(held)
-        time.sleep(seconds)
-        out[name] = len(events(client, "leak", since))
-        del held
-        time.sleep(0.2)
-    return out
+FIELDS = (
+    "checks_above_threshold",
+    "detect_s",
+    "request_to_restart_s",
+    "restart_to_ready_s",
+    "request_to_ready_s",
+    "moved_keys",
+)
+
+
+def trials(n: int, interval: str) -> list[dict[str, float]]:
+    """``n`` leak trials on a fresh two-worker cluster."""
+    with fake_gpus(count=2, memory="16GiB"), cluster() as c, Client(c) as client:
+        accelsched.register(
+            client,
+            check_interval=interval,
+            leak_threshold="256MiB",
+            leak_confirmations=2,
+            max_restarts=n + 1,
+        )
+        wait(lambda: ready(client, 2), 30, "verified GPUs")
+        return [leak_trial(client) for _ in range(n)]
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    """The runner's entry point (``python -m benchmarks guard``)."""
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    results = trials(2 if quick else 5, "100ms")
+    steps = ("detect_s", "request_to_restart_s", "restart_to_ready_s")
+    bars(
+        out / f"{NAME}.png",
+        {s.removesuffix("_s"): statistics.median(t[s] for t in results) for s in steps},
+        ylabel="seconds (median)",
+        title="Leaking task's end to the restarted worker's GPUs verified",
+    )
+    return {
+        "interval_s": 0.1,
+        "trials": results,
+        "median": {f: statistics.median(t[f] for t in results) for f in FIELDS},
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--interval", default="100ms")
-    parser.add_argument("--benign-seconds", type=float, default=3.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.getLogger("distributed").setLevel(logging.ERROR)
     interval = parse_timedelta(args.interval)
-    with fake_gpus(count=2, memory="16GiB"), cluster() as c, Client(c) as client:
-        accelsched.register(
-            client,
-            check_interval=args.interval,
-            leak_threshold="256MiB",
-            leak_confirmations=2,
-            free_pools_every=0,  # keep the pools' caches: the benign workloads need them
-            max_restarts=args.trials + 1,
-        )
-        wait(lambda: ready(client, 2), 30, "verified GPUs")
-        false_positives = benign(client, args.benign_seconds)  # before any restart
-        trials = [leak_trial(client) for _ in range(args.trials)]
-
+    results = trials(args.trials, args.interval)
     print(
         f"simulated GPUs (accelsched.testing), check interval {interval * 1000:.0f} ms, "
         f"threshold 256 MiB, 2 confirmations, {args.trials} leak trials"
     )
-    for field in (
-        "checks_above_threshold",
-        "detect_s",
-        "request_to_restart_s",
-        "restart_to_ready_s",
-        "request_to_ready_s",
-        "moved_keys",
-    ):
-        values = [t[field] for t in trials]
+    for field in FIELDS:
+        values = [t[field] for t in results]
         print(
             f"  {field:<24} median {statistics.median(values):7.3f}  "
             f"min {min(values):7.3f}  max {max(values):7.3f}"
         )
-    checks_s = args.benign_seconds / interval
-    print(
-        f"false positives on benign workloads ({args.benign_seconds:.0f} s"
-        f" ~ {checks_s:.0f} checks each):"
-    )
-    for name, n in false_positives.items():
-        print(f"  {name:<42} {n}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"interval_s": interval, "trials": trials, "false_positives": false_positives},
-                f,
-                indent=2,
-            )
+            json.dump({"interval_s": interval, "trials": results}, f, indent=2)
 
 
 if __name__ == "__main__":

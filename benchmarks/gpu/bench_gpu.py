@@ -269,6 +269,7 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.binding import LeaseTable
     from accelsched.config import Threshold
     from accelsched.worker.leaks import LeakCheck
+    from accelsched.worker.ledger import Ledger
 
     dev = Device(fake)
     dev.context()
@@ -282,8 +283,11 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
         threshold=Threshold(nbytes=64 * 2**30),
         confirmations=2,
         restart_on_leak=False,
+        recover=True,
         ask_restart=lambda reason, nbytes: None,
+        withdraw=lambda device, withdrawn: None,
         emit=_no_event,
+        ledger=Ledger(dev.monitor),
     )
     assert check.check(), "the check looked at no device"
     return {"check_one_device": per_call_us(check.check, 200 if quick else 1000)}

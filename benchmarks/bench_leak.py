@@ -1,0 +1,158 @@
+"""Leak handling: accelsched against what users do today, on GPUs with a hard memory limit.
+
+GPU tasks (``benchmarks.workload.gpu_task``: 256 MiB of working memory, 10 ms of
+"compute") of which one in ``leak_every`` leaks 512 MiB, on two nanny workers with one
+simulated GPU each. Allocation beyond a device's total raises ``OutOfDeviceMemory`` (a
+``MemoryError``), as CuPy raises ``OutOfMemoryError``. Four policies
+(:mod:`benchmarks.leak_policies`): (a) no guard, (b) a fresh process after every task,
+(c) distributed's worker ``lifetime`` restarts, (d) accelsched. Tasks are submitted all
+at once, as a pipeline does, and again as a client-side stream of 4 in flight.
+
+Figures per policy: throughput (finished tasks per second of wall time), restarts,
+peak device memory (NVML, sampled every 20 ms from the benchmark process), tasks failed
+by OOM, results lost (recomputed after being computed once, or failed by anything but
+OOM). Rounds alternate the policies' order. Run with ``python -m benchmarks leak``
+(``--quick``: 200 tasks with one in 20 leaking on 2.5 GiB devices, (b) on 4 tasks,
+T = 3 s, no streamed (c), one round).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from accelsched.testing import fake_gpus
+from benchmarks.harness import GiB, MiB, spread
+from benchmarks.leak_policies import PolicyRun, Setup, guarded, lifetime, no_guard, per_task
+from benchmarks.plots import memory_panels
+
+NAME = "leak"
+WINDOW = 4  # tasks in flight in the streamed runs: two per worker
+
+FULL = Setup(
+    tasks=2000,
+    per_task_tasks=20,
+    leak_every=100,
+    leak=512 * MiB,
+    temp=256 * MiB,
+    seconds=0.01,
+    memory=4 * GiB,
+    context=64 * MiB,
+    threshold=256 * MiB,
+    lifetimes=(3.0, 10.0),
+    rounds=3,
+)
+QUICK = Setup(
+    tasks=200,
+    per_task_tasks=4,
+    leak_every=20,
+    leak=512 * MiB,
+    temp=256 * MiB,
+    seconds=0.01,
+    memory=5 * GiB // 2,
+    context=64 * MiB,
+    threshold=256 * MiB,
+    lifetimes=(3.0,),
+    rounds=1,
+)
+
+
+def _lifetime(setup: Setup, seconds: float, log: Path) -> PolicyRun:
+    return lifetime(setup, log, seconds)
+
+
+def _policies(setup: Setup) -> list[tuple[str, Callable[[Path], PolicyRun]]]:
+    """(label, run) for every policy and submission mode, in a fixed order."""
+    out: list[tuple[str, Callable[[Path], PolicyRun]]] = [
+        ("a no guard", lambda log: no_guard(setup, log)),
+        ("b fresh process per task", lambda log: per_task(setup, log)),
+    ]
+    for t in setup.lifetimes:
+        out.append((f"c lifetime {t:g} s", functools.partial(_lifetime, setup, t)))
+    out.append(("d accelsched", lambda log: guarded(setup, log)))
+    out.append((f"a no guard, stream of {WINDOW}", lambda log: no_guard(setup, log, WINDOW)))
+    t = setup.lifetimes[0]
+    if setup.rounds > 1:  # not in --quick
+        out.append(
+            (
+                f"c lifetime {t:g} s, stream of {WINDOW}",
+                lambda log: lifetime(setup, log, t, WINDOW),
+            )
+        )
+    out.append((f"d accelsched, stream of {WINDOW}", lambda log: guarded(setup, log, WINDOW)))
+    return out
+
+
+def _summary(setup: Setup, runs: dict[str, list[PolicyRun]]) -> dict[str, dict[str, Any]]:
+    base = setup.context + setup.temp  # what a task that leaks nothing shows in NVML
+    out = {}
+    for label, rs in runs.items():
+        out[label] = {
+            "tasks": rs[0].tasks,
+            "throughput": spread(r.throughput for r in rs),
+            "restarts": spread(r.restarts for r in rs),
+            "peak_gib": spread(max(r.peak_bytes, default=0) / GiB for r in rs),
+            "peak_over_base_gib": spread((max(r.peak_bytes, default=0) - base) / GiB for r in rs),
+            "oom_failed": spread(r.oom_failed for r in rs),
+            "results_lost": spread(r.results_lost for r in rs),
+            "wrong": sum(r.wrong for r in rs),
+        }
+    return out
+
+
+def _targets(setup: Setup, summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, for both submission modes of accelsched."""
+    limit = (setup.threshold + setup.leak) / GiB
+    b = summary["b fresh process per task"]["throughput"]["median"]
+    out: dict[str, Any] = {"peak_limit_over_base_gib": limit}
+    for mode in ("", f", stream of {WINDOW}"):
+        a, d = summary[f"a no guard{mode}"], summary[f"d accelsched{mode}"]
+        ratio = d["throughput"]["median"] / b if b else float("inf")
+        out[f"d accelsched{mode}"] = {
+            "throughput_vs_per_task": ratio,
+            "throughput_met": ratio >= 10,
+            "oom_met": d["oom_failed"]["max"] == 0 and a["oom_failed"]["min"] > 0,
+            "peak_met": d["peak_over_base_gib"]["max"] <= limit,
+            "lost_met": d["results_lost"]["max"] == 0,
+        }
+    return out
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    """Run every policy ``setup.rounds`` times, rotating their order; plot the last round."""
+    setup = QUICK if quick else FULL
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    policies = _policies(setup)
+    runs: dict[str, list[PolicyRun]] = {label: [] for label, _ in policies}
+    last: dict[str, PolicyRun] = {}
+    gpus = fake_gpus(count=2, memory=setup.memory, context_memory=setup.context)
+    with gpus, tempfile.TemporaryDirectory() as tmp:
+        counter = itertools.count()
+        for r in range(setup.rounds):
+            order = policies[r % len(policies) :] + policies[: r % len(policies)]
+            for label, policy in order:
+                result = policy(Path(tmp) / f"executions-{next(counter)}")
+                runs[label].append(result)
+                last[label] = result
+                print(f"  round {r + 1} {label}: {result.as_dict()}", flush=True)
+    summary = _summary(setup, runs)
+    memory_panels(
+        out / f"{NAME}_memory.png",
+        {label: last[label].trace for label, _ in policies},
+        total=setup.memory,
+        limit=setup.context + setup.temp + setup.threshold + setup.leak,
+        title=f"Device memory per GPU, {setup.tasks} tasks, 1 in {setup.leak_every} leaking "
+        f"{setup.leak // MiB} MiB (vertical lines: a worker process ended)",
+    )
+    return {
+        "setup": {k: v for k, v in setup.__dict__.items()},
+        "window": WINDOW,
+        "summary": summary,
+        "targets": _targets(setup, summary),
+        "runs": {label: [r.as_dict() for r in rs] for label, rs in runs.items()},
+    }

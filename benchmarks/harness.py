@@ -1,0 +1,152 @@
+"""What the benchmarks share: simulated-GPU clusters, waiting on events, NVML sampling.
+
+The benchmarks measure accelsched the way a user's cluster would run it: nanny workers in
+their own processes, each owning one simulated GPU of ``accelsched.testing.fake_gpus``,
+and the unmodified ``pynvml`` reading device memory from the benchmark's own process (as
+``nvidia-smi`` would from a shell on the GPU host). Nothing here is timed by a test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+MiB = 2**20
+GiB = 2**30
+
+#: Restarting a worker every few seconds trips SpecCluster's lost-worker timer (it closes a
+#: nanny for good when no worker of its name is registered as the timer fires); the
+#: benchmarks restart far more often than a real cluster, so they push the timer out.
+CLUSTER_CONFIG = {"distributed.deploy.lost-worker-timeout": "1h"}
+
+
+def gpu_cluster(n: int = 2, resources: bool = False, **worker_options: Any) -> SpecCluster:
+    """``n`` nanny workers named ``gpu-0``.. with one simulated GPU each (CUDA_VISIBLE_DEVICES).
+
+    ``resources`` declares ``GPU=1`` on each (plain distributed needs the declaration to
+    place annotated tasks; accelsched advertises verified GPUs without it).
+    """
+    options: dict[str, Any] = {"nthreads": 1, "silence_logs": 50, **worker_options}
+    if resources:
+        options["resources"] = {"GPU": 1}
+    workers = {
+        f"gpu-{i}": {
+            "cls": Nanny,
+            "options": {**options, "env": {"CUDA_VISIBLE_DEVICES": str(i)}},
+        }
+        for i in range(n)
+    }
+    dask.config.set(CLUSTER_CONFIG)  # read when a worker leaves: for the whole process
+    return SpecCluster(
+        workers=workers,
+        scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
+        silence_logs=50,
+    )
+
+
+def wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``predicate`` until it returns something truthy; TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+    return value
+
+
+def events(
+    client: Client, action: str, since: float = 0, topic: str = "accelsched"
+) -> list[tuple[float, dict]]:
+    """Events of one action logged at or after ``since`` (wall-clock seconds)."""
+    return [(t, m) for t, m in client.get_events(topic) if m["action"] == action and t >= since]
+
+
+def _gpu_counts(dask_scheduler: Any) -> list[float]:
+    return [w.resources.get("GPU", 0) for w in dask_scheduler.running]
+
+
+def gpus_ready(client: Client, n: int) -> bool:
+    """All ``n`` workers are running with one GPU placed against each."""
+    counts = client.run_on_scheduler(_gpu_counts)
+    return len(counts) == n and all(c == 1 for c in counts)
+
+
+def spread(values: Iterable[float]) -> dict[str, float]:
+    """Median, min and max: the figures every README table gives."""
+    v = list(values)
+    if not v:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v)}
+
+
+@dataclass
+class MemoryTrace:
+    """Device memory as NVML reports it, sampled from this process.
+
+    ``used[d]`` holds ``(seconds since start, bytes used on device d)``; ``ended[d]`` the
+    times a process left device ``d`` (its memory released with it): restart markers.
+    """
+
+    start: float = field(default_factory=time.monotonic)
+    used: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+    ended: dict[int, list[float]] = field(default_factory=dict)
+
+    def peak(self, device: int) -> int:
+        return max((b for _, b in self.used.get(device, [])), default=0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "used": {str(d): s for d, s in self.used.items()},
+            "ended": {str(d): t for d, t in self.ended.items()},
+        }
+
+
+class MemorySampler:
+    """Samples every device's used memory and process list through ``pynvml``.
+
+    The benchmark process sees the simulated GPUs through the real ``pynvml`` once it is
+    inside ``fake_gpus()``: these are the readings ``nvidia-smi`` would show. A process
+    vanishing from a device's list marks the moment its memory was released (a restart).
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
+        import pynvml
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        self.interval = interval
+        self.trace = MemoryTrace()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+
+    def __enter__(self) -> MemoryTrace:
+        self.trace = MemoryTrace()
+        self._thread.start()
+        return self.trace
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.nvml.nvmlShutdown()
+
+    def _run(self) -> None:
+        seen: dict[int, set[int]] = {}
+        while not self._stop.is_set():
+            now = time.monotonic() - self.trace.start
+            for d, handle in enumerate(self.handles):
+                used = self.nvml.nvmlDeviceGetMemoryInfo(handle).used
+                self.trace.used.setdefault(d, []).append((now, int(used)))
+                pids = {p.pid for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+                gone = seen.get(d, set()) - pids
+                self.trace.ended.setdefault(d, []).extend(now for _ in gone)
+                seen[d] = pids
+            self._stop.wait(self.interval)

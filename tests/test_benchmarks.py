@@ -1,0 +1,120 @@
+"""``python -m benchmarks --quick`` runs and writes what the README's figures come from.
+
+The benchmarks run as the user runs them: a subprocess with its own clusters of nanny
+workers on simulated GPUs. The checks are on what they wrote (keys present, counts that
+must hold on any machine, valid PNGs), never on how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import benchmarks
+
+ROOT = Path(__file__).resolve().parents[1]
+MINE = ("fallback", "guard", "attribution", "detection", "leak")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELSCHED_FAKE")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out), *MINE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, {n: json.loads((out / f"{n}.json").read_text()) for n in MINE}
+
+
+def test_registry_lists_every_module() -> None:
+    names = {p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py")}
+    assert names == set(benchmarks.NAMES)
+
+
+def test_unknown_name_is_refused_naming_it() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "nosuch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "nosuch" in proc.stderr
+
+
+@pytest.mark.timeout(900)
+def test_every_benchmark_writes_json_and_png(results: tuple[Path, dict[str, Any]]) -> None:
+    out, figures = results
+    for name in MINE:
+        assert figures[name]["name"] == name and figures[name]["quick"] is True
+        pngs = list(out.glob(f"{name}*.png"))
+        assert pngs, name
+        for png in pngs:
+            assert png.read_bytes()[:8] == PNG, png
+
+
+@pytest.mark.timeout(900)
+def test_leak_figures(results: tuple[Path, dict[str, Any]]) -> None:
+    leak = results[1]["leak"]
+    summary = leak["summary"]
+    assert set(summary) >= {
+        "a no guard",
+        "b fresh process per task",
+        "c lifetime 3 s",
+        "d accelsched",
+        "d accelsched, stream of 4",
+    }
+    for label, runs in leak["runs"].items():
+        for r in runs:  # every task accounted for, every result the right one
+            assert r["finished"] + r["oom_failed"] + r["other_failed"] == r["tasks"], label
+            assert r["wrong"] == 0, label
+            assert all(0 < p <= leak["setup"]["memory"] for p in r["peak_bytes"]), label
+    (b,) = leak["runs"]["b fresh process per task"]
+    assert b["restarts"] == b["tasks"] and b["results_lost"] == 0
+    assert summary["a no guard"]["restarts"]["max"] == 0
+    assert leak["runs"]["d accelsched, stream of 4"][0]["restarts"] >= 1
+    for d in ("d accelsched", "d accelsched, stream of 4"):
+        assert set(leak["targets"][d]) == {
+            "throughput_vs_per_task",
+            "throughput_met",
+            "oom_met",
+            "peak_met",
+            "lost_met",
+        }
+
+
+@pytest.mark.timeout(900)
+def test_detection_figures(results: tuple[Path, dict[str, Any]]) -> None:
+    det = results[1]["detection"]
+    assert len(det["false_positives"]) == 5
+    assert all(isinstance(n, int) and n >= 0 for n in det["false_positives"].values())
+    by_factor = {s["factor"]: s for s in det["sweep"]}
+    # a leak of 2x the threshold crosses it in one run; one of 0.5x needs three (2 x 0.5
+    # is not above it)
+    assert by_factor[2.0]["detected"] and by_factor[2.0]["runs"] == 1
+    assert by_factor[0.5]["detected"] and by_factor[0.5]["runs"] == 3
+    assert det["attribution_runs"] == 2
+
+
+@pytest.mark.timeout(900)
+def test_existing_benchmarks_figures(results: tuple[Path, dict[str, Any]]) -> None:
+    figures = results[1]
+    assert [r["timeout_s"] for r in figures["fallback"]["single"]] == [0, 0.25, 0.5]
+    assert all(r["waited_median_s"] >= r["timeout_s"] for r in figures["fallback"]["single"])
+    assert len(figures["guard"]["trials"]) == 2
+    assert all(t["checks_above_threshold"] == 2 for t in figures["guard"]["trials"])
+    attribution = figures["attribution"]
+    assert attribution["fused"]["runs"] == attribution["unfused"]["runs"] == 2
