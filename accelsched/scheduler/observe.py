@@ -122,9 +122,12 @@ class Observer:
         name = self.name_of(msg.get("worker"))
         counted = _COUNTED.get(action)
         if counted is not None:
-            self.totals[counted] += 1
+            # a burst of fallbacks is one event with its size
+            n = msg.get("count", 1) if action == events.FALLBACK else 1
+            n = n if isinstance(n, int) and n > 0 else 1
+            self.totals[counted] += n
             if name is not None:
-                self.counts.setdefault(name, Counter())[counted] += 1
+                self.counts.setdefault(name, Counter())[counted] += n
         if action == events.FALLBACK:
             self.fallbacks.append((when, self.totals["fallbacks"]))
         if action in MARKED:
