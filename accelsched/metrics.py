@@ -10,11 +10,11 @@ module does nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["observe", "set_gpus"]
+__all__ = ["observe", "gpus_from"]
 
 
 @lru_cache(maxsize=1)
@@ -57,10 +57,11 @@ def observe(msg: Mapping[str, Any]) -> None:
         c["leaked"].observe(msg.get("nbytes", 0))
 
 
-def set_gpus(verified: int, quarantined: int) -> None:
-    """GPUs placement may use, and GPUs of quarantined workers."""
+def gpus_from(count: Callable[[], tuple[int, int]]) -> None:
+    """Serve the GPU gauge from ``count()`` -> (verified, quarantined), read at scrape
+    time: registering the 200th worker costs what registering the first did."""
     c = _collectors()
     if c is None:
         return
-    c["gpus"].labels(state="verified").set(verified)
-    c["gpus"].labels(state="quarantined").set(quarantined)
+    c["gpus"].labels(state="verified").set_function(lambda: count()[0])
+    c["gpus"].labels(state="quarantined").set_function(lambda: count()[1])

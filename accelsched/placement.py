@@ -156,8 +156,6 @@ class PlacementPlugin(SchedulerPlugin):
         if topic == events.TOPIC and isinstance(msg, dict):
             metrics.observe(msg)
             self.observer.observe(msg)
-            if msg.get("action") in (events.GPU_VERIFIED, events.QUARANTINE):
-                self.gate.update_gauge()
 
     # --- for the parts ------------------------------------------------------------------
 

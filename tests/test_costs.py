@@ -109,3 +109,17 @@ def test_free_pools_min_is_validated() -> None:
         accelsched.GuardPlugin(free_pools_min="-1MiB")
     with pytest.raises(TypeError, match="free_pools_min"):
         accelsched.GuardPlugin(free_pools_min=1.5)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 2}})])
+async def test_gpu_gauge_is_read_at_scrape_time(c, s, a):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    await accelsched.register(c, **QUIET)
+    await wait_for(lambda: gpus(s, a.address) == 2)
+
+    def gauge(state: str) -> float | None:
+        return prometheus_client.REGISTRY.get_sample_value("accelsched_gpus", {"state": state})
+
+    assert gauge("verified") == 2 and gauge("quarantined") == 0
+    s.plugins["accelsched-placement"].gate.quarantine(a.address, "test")
+    assert gauge("verified") == 0 and gauge("quarantined") == 2

@@ -73,6 +73,7 @@ class Gate:
         internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.install_handler(scheduler, OFFER_HANDLER, self.handle_offer)
         internals.wrap_set_resources(scheduler, self.set_resources)
+        metrics.gpus_from(self.gpu_counts)
         for ws in list(scheduler.workers.values()):
             self.add_worker(ws)
         if internals.worker_plugin_registered(scheduler, GUARD_PLUGIN):
@@ -118,7 +119,6 @@ class Gate:
         self.declared.pop(worker, None)
         self.offered.pop(worker, None)
         self.quarantined.pop(worker, None)
-        self.update_gauge()
 
     async def _ask_report(self, addr: str) -> None:
         assert self.scheduler is not None
@@ -273,7 +273,8 @@ class Gate:
             internals.set_worker_gpus(self.scheduler, ws, 0)
         self._emit(events.QUARANTINE, worker, reason=reason)
 
-    def update_gauge(self) -> None:
+    def gpu_counts(self) -> tuple[int, int]:
+        """(GPUs placement may use, GPUs of quarantined workers): the metrics gauge."""
         granted = {w: len(d) for w, d in self.granted.items()}
         quarantined = sum(granted.get(w, 0) for w in self.quarantined)
-        metrics.set_gpus(sum(granted.values()) - quarantined, quarantined)
+        return sum(granted.values()) - quarantined, quarantined
