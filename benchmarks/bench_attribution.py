@@ -9,7 +9,7 @@ prefix of its ``leak`` event is the leaking step. Both graph shapes are run: fus
 default: all five steps in one task per block, measured step by step inside it) and
 unfused (one task per step).
 
-Run with ``python -m benchmarks attribution`` (``--quick``: 2 runs per graph shape), or
+Run with ``python -m benchmarks attribution`` (``--quick``: 1 run per graph shape), or
 alone: ``python -m benchmarks.bench_attribution [--runs 20] [--json out.json]``.
 """
 
@@ -147,7 +147,7 @@ def both_shapes(runs: int, per_cluster: int) -> dict[str, Any]:
 
 def run(quick: bool, out: Path) -> dict[str, Any]:
     """The runner's entry point (``python -m benchmarks attribution``)."""
-    figures = both_shapes(2 if quick else 20, 5)
+    figures = both_shapes(1 if quick else 20, 5)
     bars(
         out / f"{NAME}.png",
         {f"{k}: right of {v['runs']}": v["right"] for k, v in figures.items()},

@@ -9,7 +9,7 @@ guard checking every ``--interval`` with a 256 MiB threshold and 2 confirmations
   ``restart`` event, and to the restarted worker's GPUs being verified again (ready).
 
 False positives on benign workloads are measured by ``bench_detection``. Run with
-``python -m benchmarks guard`` (``--quick``: 2 trials), or alone:
+``python -m benchmarks guard`` (``--quick``: 1 trial), or alone:
 ``python -m benchmarks.bench_guard [--trials 5] [--interval 100ms] [--json out.json]``.
 """
 
@@ -125,7 +125,7 @@ def trials(n: int, interval: str) -> list[dict[str, float]]:
 def run(quick: bool, out: Path) -> dict[str, Any]:
     """The runner's entry point (``python -m benchmarks guard``)."""
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    results = trials(2 if quick else 5, "100ms")
+    results = trials(1 if quick else 5, "100ms")
     steps = ("detect_s", "request_to_restart_s", "restart_to_ready_s")
     bars(
         out / f"{NAME}.png",

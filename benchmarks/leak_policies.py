@@ -18,6 +18,7 @@ Each returns a :class:`PolicyRun` with the same figures, measured the same way.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class PolicyRun:
     restarts: int = 0
     wrong: int = 0
     peak_bytes: list[int] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)  # failures by exception type
     trace: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -97,6 +99,8 @@ def _classify(run: PolicyRun, outcomes: dict[int, Any], log: Path) -> None:
     """Count finished, OOM-failed and otherwise failed tasks, and recomputed results."""
     for i, outcome in outcomes.items():
         if isinstance(outcome, BaseException):
+            kind = type(outcome).__name__
+            run.errors[kind] = run.errors.get(kind, 0) + 1
             if isinstance(outcome, MemoryError):  # OutOfDeviceMemory is one
                 run.oom_failed += 1
             else:
@@ -109,7 +113,16 @@ def _classify(run: PolicyRun, outcomes: dict[int, Any], log: Path) -> None:
 
 
 def _outcomes(futures: list[Future]) -> dict[int, Any]:
+    """Each task's result or exception, once none is pending or lost.
+
+    distributed marks a future ``lost`` when the worker holding its result left, then
+    computes it again if it can: a lost future still lost after 60 s counts as failed.
+    """
     wait_futures(futures)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(f.status in ("lost", "pending") for f in futures):
+        with contextlib.suppress(TimeoutError):
+            wait_futures([f for f in futures if f.status in ("lost", "pending")], timeout=1)
     out: dict[int, Any] = {}
     for i, f in enumerate(futures):
         if f.status == "finished":
@@ -160,6 +173,9 @@ def _measured(run: PolicyRun, sampler: MemorySampler, body: Any) -> PolicyRun:
     with sampler as trace:
         body()
     run.peak_bytes = [trace.peak(d) for d in sorted(trace.used)]
+    # a process that left a device: the one count every policy shares (the scheduler's
+    # event log is capped and drops old events on a busy cluster)
+    run.restarts = max(run.restarts, sum(len(t) for t in trace.ended.values()))
     run.trace = trace.as_dict()
     return run
 

@@ -73,7 +73,7 @@ def test_leak_figures(results: tuple[Path, dict[str, Any]]) -> None:
     assert set(summary) >= {
         "a no guard",
         "b fresh process per task",
-        "c lifetime 3 s",
+        "c lifetime 5 s",
         "d accelsched",
         "d accelsched, stream of 4",
     }
@@ -99,7 +99,7 @@ def test_leak_figures(results: tuple[Path, dict[str, Any]]) -> None:
 @pytest.mark.timeout(900)
 def test_detection_figures(results: tuple[Path, dict[str, Any]]) -> None:
     det = results[1]["detection"]
-    assert len(det["false_positives"]) == 5
+    assert len(det["false_positives"]) == 6
     assert all(isinstance(n, int) and n >= 0 for n in det["false_positives"].values())
     by_factor = {s["factor"]: s for s in det["sweep"]}
     # a leak of 2x the threshold crosses it in one run; one of 0.5x needs three (2 x 0.5
@@ -112,9 +112,9 @@ def test_detection_figures(results: tuple[Path, dict[str, Any]]) -> None:
 @pytest.mark.timeout(900)
 def test_existing_benchmarks_figures(results: tuple[Path, dict[str, Any]]) -> None:
     figures = results[1]
-    assert [r["timeout_s"] for r in figures["fallback"]["single"]] == [0, 0.25, 0.5]
+    assert [r["timeout_s"] for r in figures["fallback"]["single"]] == [0, 0.25]
     assert all(r["waited_median_s"] >= r["timeout_s"] for r in figures["fallback"]["single"])
-    assert len(figures["guard"]["trials"]) == 2
+    assert len(figures["guard"]["trials"]) == 1
     assert all(t["checks_above_threshold"] == 2 for t in figures["guard"]["trials"])
     attribution = figures["attribution"]
-    assert attribution["fused"]["runs"] == attribution["unfused"]["runs"] == 2
+    assert attribution["fused"]["runs"] == attribution["unfused"]["runs"] == 1
