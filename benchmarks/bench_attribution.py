@@ -151,7 +151,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     bars(
         out / f"{NAME}.png",
         {f"{k}: right of {v['runs']}": v["right"] for k, v in figures.items()},
-        ylabel="runs whose first prefix was the leaking step",
+        ylabel="leaking step named first",
         title="Leak attribution, five step types",
         ymax=max(v["runs"] for v in figures.values()) * 1.15,
     )

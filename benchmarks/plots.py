@@ -97,7 +97,7 @@ def bars(
     names = list(values)
     ax.bar(names, [values[n] for n in names], color=COLORS[0])
     for i, n in enumerate(names):
-        ax.annotate(f"{values[n]:g}", (i, values[n]), ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{values[n]:.3g}", (i, values[n]), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel(ylabel)
     if ymax is not None:
         ax.set_ylim(0, ymax)
