@@ -94,6 +94,19 @@ def _has(obj: Any, name: str) -> bool:
         return False
 
 
+def _exists(obj: Any, name: str) -> bool:
+    """Whether objects of this type have ``name`` at all: a plan must not follow the
+    first instance's value (a ``DataNode`` holding None has a ``value`` the next one
+    fills with a marked step)."""
+    try:
+        getattr(obj, name)
+    except AttributeError:
+        return False
+    except Exception:
+        return True  # it misbehaves here; each instance is read under its own guard
+    return True
+
+
 def _plan(obj: Any) -> _Plan:
     cls = type(obj)
     plan = _PLANS.get(cls)
@@ -101,8 +114,8 @@ def _plan(obj: Any) -> _Plan:
         data = _has(obj, "__array__") or _has(obj, "__cuda_array_interface__")
         plan = _Plan(
             data,
-            () if data else tuple(n for n in _CALLS if _has(obj, n)),
-            () if data else tuple(n for n in _ARGS if _has(obj, n)),
+            () if data else tuple(n for n in _CALLS if _exists(obj, n)),
+            () if data else tuple(n for n in _ARGS if _exists(obj, n)),
         )
         if len(_PLANS) < 4096:  # types made on the fly must not grow this forever
             _PLANS[cls] = plan

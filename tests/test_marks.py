@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import pickle
+import subprocess
+import sys
 
 import dask
 import dask.array as da
@@ -206,6 +208,25 @@ def test_the_task_function_is_found_before_long_arguments() -> None:
     assert find_mark(Task("k", host, list(range(5000)) + [step])) is None  # data, not calls
     assert find_mark(functools.partial(host, AttrDict(a=1))) is None
     assert find_mark(Task("k", step, AttrDict(a=1))) == Mark(count=1)
+
+
+def test_a_type_seen_first_with_none_still_carries_marks_later() -> None:
+    """The walk learns per type which attributes to read; a ``DataNode`` holding None
+    seen first must not hide the marked step the next one holds. Run in a fresh
+    interpreter: the per-type plans live for the process."""
+    code = (
+        "import accelsched\n"
+        "from dask._task_spec import DataNode, Task\n"
+        "from accelsched.marks import find_mark\n"
+        "def f(x):\n    return x\n"
+        "step = accelsched.dual(f, f)\n"
+        "assert find_mark(DataNode('a', None)) is None\n"
+        "print(find_mark(Task('k', f, DataNode('b', step))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == repr(Mark(count=1)), out.stdout + out.stderr
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
