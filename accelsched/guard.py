@@ -187,19 +187,24 @@ class GuardPlugin(WorkerPlugin):
             self.leaks.released(key)
         if finish == "forgotten":
             self.leaks.ledger.drop(key)
-        running = finish in _RUNNING
-        if running != (start in _RUNNING):  # every task counts, wrapped or not
-            if running:
-                if key not in self._running:
-                    self._running.add(key)
-                    ACTIVITY.started()
-            elif key in self._running:
-                self._running.discard(key)
-                ACTIVITY.finished()
+        if finish in _RUNNING or key in self._running:  # every task counts, wrapped or not
+            self._count_running(key)
         if finish == "executing":
             prefix = key_split(key)
             self.leaks.ran(prefix)
             internals.wrap_execution(self.worker, key, lambda task: self._runner(task, prefix))
+
+    def _count_running(self, key: Any) -> None:
+        """Count ``key`` in :data:`ACTIVITY` while its function runs in a thread: a task
+        released while executing (``cancelled``) runs on, and is counted until it ends."""
+        assert self.worker is not None
+        if internals.runs_in_thread(self.worker, key):
+            if key not in self._running:
+                self._running.add(key)
+                ACTIVITY.started()
+        elif key in self._running:
+            self._running.discard(key)
+            ACTIVITY.finished()
 
     def _runner(self, task: internals.TaskView, prefix: str) -> Runner | None:
         """The runner for a task starting to execute, or None to leave it alone."""

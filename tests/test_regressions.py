@@ -176,3 +176,47 @@ def test_to_host_keeps_container_types() -> None:
     o = OrderedDict(b=1, a=2)
     assert to_host(o) is o
     assert to_host([1, (2, 3)]) == [1, (2, 3)]
+
+
+def cancelled_rogue() -> int:
+    Event("cancelled-started").set()
+    Event("cancelled-go").wait()
+    return device_alloc(2**20, device=0, leak=True).nbytes
+
+
+def watched_innocent() -> str:
+    Event("cancelled-go").wait()
+    time.sleep(0.3)
+    return "innocent ok"
+
+
+def thread_state(key: str, dask_worker: Worker) -> str | None:
+    ts = dask_worker.state.tasks.get(key)
+    return None if ts is None else ts.state
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 2, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})],
+    timeout=30,
+)
+async def test_a_cancelled_task_still_running_is_not_blamed_on_another(c, s, a):
+    """A task cancelled while it executes keeps running in its thread (distributed cannot
+    stop it): what it allocates then must not be blamed on a task that starts beside it."""
+    await accelsched.register(c, unrequested_gpu="fail")
+    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
+    rogue = c.submit(cancelled_rogue, key="rogue")
+    await Event("cancelled-started").wait()
+    await c.cancel(rogue)
+    del rogue
+    while await c.run(thread_state, "rogue", workers=[a.worker_address]) != {
+        a.worker_address: "cancelled"
+    }:
+        await asyncio.sleep(0.02)
+    innocent = c.submit(watched_innocent, key="innocent")
+    await wait_for(lambda: "innocent" in s.tasks and s.tasks["innocent"].state == "processing")
+    await asyncio.sleep(0.5)  # executing, its first NVML reading taken
+    await Event("cancelled-go").set()
+    assert await innocent == "innocent ok"
+    assert not events(s, "unrequested-gpu-use")

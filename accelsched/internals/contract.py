@@ -134,7 +134,7 @@ def check_worker(worker: Worker) -> None:
         fields = set()
     problems += [
         f"worker TaskState.{n} is gone"
-        for n in ("run_spec", "annotations", "resource_restrictions")
+        for n in ("run_spec", "annotations", "resource_restrictions", "previous", "done")
         if n not in fields
     ]
     try:

@@ -61,6 +61,24 @@ def stored_value(worker: Worker, key: Any) -> Any:
         return None
 
 
+_IN_THREAD = frozenset({"executing", "long-running"})
+
+
+def runs_in_thread(worker: Worker, key: Any) -> bool:
+    """Whether ``key``'s function is running in one of the worker's threads now.
+
+    A task released while it executes becomes ``cancelled`` (or ``resumed``), yet its
+    thread runs on until the function returns: distributed cannot stop it. Its state
+    then keeps where it came from in ``previous``, and ``done`` once the thread ended.
+    """
+    ts = worker.state.tasks.get(key)
+    if ts is None:
+        return False
+    if ts.state in _IN_THREAD:
+        return True
+    return ts.state in ("cancelled", "resumed") and ts.previous in _IN_THREAD and not ts.done
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskView:
     """What the guard needs to know of a task starting on a worker."""
