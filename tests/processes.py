@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 DASK = str(Path(sys.executable).with_name("dask"))
 #: On the processes' path, so they unpickle the tests' functions (pytest imports a test
@@ -107,3 +108,18 @@ def worker(
         tmp / f"{name}.log",
         env,
     )
+
+
+def accel_events(client: Any, action: str | None = None) -> list[dict[str, Any]]:
+    """accelsched events on the scheduler, through a synchronous client; one action's."""
+    out = [msg for _, msg in client.get_events("accelsched")]
+    return [m for m in out if action is None or m["action"] == action]
+
+
+def until(predicate: Any, timeout: float = 30) -> None:
+    """Poll (blocking) until ``predicate()`` holds; fail naming it."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
+        time.sleep(0.05)

@@ -9,9 +9,7 @@ that environment), skipped elsewhere.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import dask
 import pytest
@@ -20,7 +18,7 @@ from distributed import Client, get_worker
 import accelsched
 from accelsched.testing import FakeGPUs, device_alloc, fake_gpus
 from tests import processes
-from tests.processes import running
+from tests.processes import accel_events, running, until
 
 dask_cuda = pytest.importorskip("dask_cuda")
 
@@ -34,19 +32,6 @@ def gpus() -> Iterator[FakeGPUs]:
         if g.standin:
             pytest.skip("dask-cuda reads NVML itself: needs the fake library (a C compiler)")
         yield g
-
-
-def accel_events(client: Client, action: str | None = None) -> list[dict[str, Any]]:
-    out = [msg for _, msg in client.get_events("accelsched")]
-    return [m for m in out if action is None or m["action"] == action]
-
-
-def until(predicate: Any, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
-        time.sleep(0.05)
 
 
 def granted(client: Client) -> dict[str, str]:

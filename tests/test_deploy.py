@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import click
 import dask
@@ -19,7 +18,7 @@ import accelsched
 from accelsched.config import Threshold
 from accelsched.testing import FakeGPUs, fake_gpus
 from tests import processes
-from tests.processes import Process, running
+from tests.processes import Process, accel_events, running, until
 
 GPU_WORKERS = 3  # "gpu0" (device 0), "gpu1-0" and "gpu1-1" (both see device 1)
 
@@ -28,22 +27,6 @@ GPU_WORKERS = 3  # "gpu0" (device 0), "gpu1-0" and "gpu1-1" (both see device 1)
 def gpus() -> Iterator[FakeGPUs]:
     with fake_gpus(count=2, memory="16GiB") as g:
         yield g
-
-
-def accel_events(client: Client, action: str | None = None) -> list[dict[str, Any]]:
-    out = [msg for _, msg in client.get_events("accelsched")]
-    return [m for m in out if action is None or m["action"] == action]
-
-
-def until(predicate: Any, timeout: float = 30) -> None:
-    """Poll (blocking) until ``predicate()`` holds; fail naming it."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
-        time.sleep(0.05)
 
 
 def gpu_counts(client: Client) -> dict[str, float]:
