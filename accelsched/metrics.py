@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["observe", "gpus_from"]
+__all__ = ["observe", "gpus_from", "stop_gpus"]
 
 
 @lru_cache(maxsize=1)
@@ -57,11 +57,28 @@ def observe(msg: Mapping[str, Any]) -> None:
         c["leaked"].observe(msg.get("nbytes", 0))
 
 
+#: What the GPU gauge reads now (the registry is the process's: one source at a time).
+_gauge_source: list[Callable[[], tuple[int, int]]] = []
+
+
 def gpus_from(count: Callable[[], tuple[int, int]]) -> None:
     """Serve the GPU gauge from ``count()`` -> (verified, quarantined), read at scrape
     time: registering the 200th worker costs what registering the first did."""
     c = _collectors()
     if c is None:
         return
+    _gauge_source[:] = [count]
     c["gpus"].labels(state="verified").set_function(lambda: count()[0])
     c["gpus"].labels(state="quarantined").set_function(lambda: count()[1])
+
+
+def stop_gpus(count: Callable[[], tuple[int, int]]) -> None:
+    """``count`` stops serving the gauge (its plugin was unregistered or its scheduler
+    closed): the gauge reads 0 rather than a gone plugin's grants, and holds it no more.
+    Nothing changes when another source took over since."""
+    c = _collectors()
+    if c is None or _gauge_source != [count]:
+        return
+    _gauge_source.clear()
+    for state in ("verified", "quarantined"):
+        c["gpus"].labels(state=state).set_function(lambda: 0)

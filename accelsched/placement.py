@@ -120,9 +120,10 @@ class PlacementPlugin(SchedulerPlugin):
         self.observer.stop()
 
     async def close(self) -> None:
-        """The scheduler closes: stop the periodic checks."""
+        """The scheduler closes: stop the periodic checks and the gauge's reading."""
         self.fallback.close()
         self.observer.stop()
+        metrics.stop_gpus(self.gate.gpu_counts)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """Strip the declared GPU count: it counts only once the worker's guard reports.

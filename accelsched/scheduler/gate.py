@@ -100,6 +100,7 @@ class Gate:
         internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
         internals.restore_set_resources(self.scheduler)
+        metrics.stop_gpus(self.gpu_counts)
         for addr, count in self.declared.items():
             ws = self.scheduler.workers.get(addr)
             if ws is not None:
