@@ -204,15 +204,10 @@ def parse_threshold(name: str, value: Any) -> Threshold:
         if math.isfinite(f) and f >= 1 and f == int(f):
             return Threshold(nbytes=int(f))
         raise _bad(name, value, expected)
-    if isinstance(value, str) and not any(c.isdigit() for c in value):
-        raise _bad(name, value, expected)  # dask reads "" or "GiB" as 1 of the unit
-    try:
-        n = parse_bytes(value) if isinstance(value, str) else int(value)
-    except (ValueError, TypeError, IndexError, OverflowError):
-        raise _bad(name, value, expected) from None
-    if n <= 0 or n >= 2**63:
+    n = _nbytes(name, value, expected)
+    if n == 0:
         raise _bad(name, value, expected)
-    return Threshold(nbytes=int(n))
+    return Threshold(nbytes=n)
 
 
 def parse_size(name: str, value: Any) -> int:
@@ -220,6 +215,12 @@ def parse_size(name: str, value: Any) -> int:
     expected = "bytes like '64MiB', or 0"
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise _bad(name, value, expected, TypeError)
+    return _nbytes(name, value, expected)
+
+
+def _nbytes(name: str, value: int | str, expected: str) -> int:
+    """Bytes from an int or a string like ``"64MiB"``, 0 up to 2**63; ValueError naming
+    the value otherwise."""
     if isinstance(value, str) and not any(c.isdigit() for c in value):
         raise _bad(name, value, expected)  # dask reads "" or "GiB" as 1 of the unit
     try:
