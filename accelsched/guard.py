@@ -205,6 +205,10 @@ class GuardPlugin(WorkerPlugin):
         elif key in self._running:
             self._running.discard(key)
             ACTIVITY.finished()
+            if self.leaks is not None and self.leaks.owed:
+                # a check skipped its busy devices: judge them now, before the next task
+                # takes them (a queue of back-to-back GPU tasks holds them nearly always)
+                self.leaks.check()
 
     def _runner(self, task: internals.TaskView, prefix: str) -> Runner | None:
         """The runner for a task starting to execute, or None to leave it alone."""

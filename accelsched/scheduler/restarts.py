@@ -2,9 +2,10 @@
 
 A worker's guard asks (``accelsched_restart``); :func:`accelsched.budget.admit_restart`
 decides whether the restart may start now. An admitted restart drains the worker (its
-executing tasks finish), retires it (its keys move to peers), checks that worked, then
-restarts it through its nanny: the only order that loses nothing. When it cannot happen
-without loss, or past the restart budget, the worker's GPUs are quarantined instead
+queued tasks go back to the scheduler, its executing tasks finish), retires it (its keys
+move to peers), checks that worked, then restarts it through its nanny: the only order
+that loses nothing. When it cannot happen without loss, or past the restart budget, the
+worker's GPUs are quarantined instead
 (:meth:`accelsched.scheduler.gate.Gate.quarantine`).
 """
 
@@ -126,6 +127,8 @@ class Restarts:
                 return  # it left (or another process took its address) meanwhile
             previous = ws.status  # what to resume to if this fails from here on
             internals.drain(scheduler, ws, stimulus_id)
+            # its queue goes elsewhere now; only what it runs is waited for
+            requeued = internals.send_back_queued(scheduler, ws, stimulus_id)
             deadline = monotonic() + DRAIN_TIMEOUT
             while internals.is_processing(ws) and monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -154,6 +157,7 @@ class Restarts:
                 worker,
                 reason=reason,
                 moved=moved,
+                requeued=requeued,
                 seconds=round(monotonic() - start, 3),
             )
         except Exception as exc:

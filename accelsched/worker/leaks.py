@@ -75,6 +75,7 @@ class LeakCheck:
         self.ledger = ledger
         self.attribution = Attribution()
         self._attribution_lock = threading.Lock()  # residues come from executor threads
+        self.owed = False  # the last check skipped a busy device
 
     # --- live results (worker event loop) ----------------------------------------------
 
@@ -131,6 +132,9 @@ class LeakCheck:
             if self.health.answered(dev.index):
                 self._recovered(dev)
         busy |= self._busy()
+        # a device skipped while busy is judged as soon as a task ends (the guard calls
+        # check again then): a queue of back-to-back GPU tasks holds it nearly always
+        self.owed = any(dev.index in busy and dev.index in self.used for dev in self.owned)
         for dev in self.owned:
             reading = readings.get(dev.index)
             if reading is None or dev.index in busy:

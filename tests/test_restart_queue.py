@@ -1,0 +1,53 @@
+"""A leaking worker with a long queue restarts without working through it first.
+
+distributed sends every GPU-restricted task to a valid worker at once, so each worker of
+a busy cluster holds a queue. A restart that waited for the whole queue would let the leak
+grow for as long as the queue runs; the drain sends the queued tasks back instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from distributed import Nanny
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.testing import device_alloc
+from tests.utils import events, gpus, wait_for
+
+pytestmark = pytest.mark.usefixtures("fake_gpus_2")
+
+MiB = 2**20
+N = 120
+
+
+def work(i: int) -> int:
+    if i == 2:
+        device_alloc(512 * MiB, leak=True)
+    time.sleep(0.03)
+    return i
+
+
+def cvd(value: str) -> dict:
+    return {"env": {"CUDA_VISIBLE_DEVICES": value}}
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd("1"))],
+    timeout=120,
+)
+async def test_queue_goes_back_when_a_leaking_worker_restarts(c, s, a, b):
+    await accelsched.register(
+        c, check_interval="50ms", leak_threshold="256MiB", leak_confirmations=2
+    )
+    await wait_for(lambda: gpus(s, a.worker_address) == gpus(s, b.worker_address) == 1, 30)
+    futures = c.map(work, range(N), resources={"GPU": 1}, pure=False)
+    await wait_for(lambda: events(s, "restart"), timeout=90)
+    (restart,) = events(s, "restart")
+    assert restart["requeued"] > 0  # the leaking worker's queue went back
+    assert await c.gather(futures) == list(range(N))  # nothing lost, nothing failed
+    await wait_for(lambda: sum(gpus(s, w) for w in s.workers) == 2, 30)  # re-verified
