@@ -169,3 +169,42 @@ def step_leak(block):  # type: ignore[no-untyped-def]
 @accelsched.gpu
 def step_total(block):  # type: ignore[no-untyped-def]
     return _scratch(block) + 1
+
+
+def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None:
+    """A key released on the event loop while a GPU task's thread takes its closing
+    reading: that reading must not become the next task's base (it still counts the
+    released bytes, so the next task's growth would come out short by them). The real
+    monitor on the fake GPUs; the release is run inside the reading to pin the order."""
+    from accelsched.devices.nvml import MemoryReading, NVMLMonitor
+    from accelsched.worker.ledger import Ledger
+
+    class Racing(NVMLMonitor):
+        race: list = []
+
+        def process_memory(self, device: int) -> MemoryReading:
+            reading = super().process_memory(device)
+            while self.race:
+                self.race.pop()()
+            return reading
+
+    monitor = Racing()
+    ledger = Ledger(monitor)
+    released = [device_alloc(64 * MiB, device=0)]  # a result in memory
+    base = ledger.before((0,))
+    assert base is not None
+    result = device_alloc(MiB, device=0)
+
+    def release() -> None:  # the key released on the event loop, its bytes given back
+        from accelsched.devices.pool import active_pools
+
+        released.clear()
+        for pool in active_pools():
+            pool.free_all()
+        ledger.forget(0)
+
+    monitor.race.append(release)
+    ledger.after("k", base, result)
+    now = ledger.noncache(0)
+    assert now is not None and now <= base[0] + MiB - 64 * MiB
+    assert ledger.before((0,)) == {0: now}

@@ -18,7 +18,20 @@ from accelsched.devices.arrays import device_nbytes, knows
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
 
-__all__ = ["Ledger"]
+__all__ = ["Ledger", "net_of_pools"]
+
+
+def net_of_pools(nbytes: int, pool: PoolStats) -> int:
+    """A process's device bytes less what its pools cache or hold in reserve unused.
+
+    An allocation from a fixed pool (RMM) leaves NVML's figure unchanged and shrinks the
+    reserve's free part: counted so, a result allocated there is measured at its size
+    (else it would be measured at 0 while the leak estimate, which counts only the free
+    part of the reserve as retained, sees it as unexplained). When the pool cannot say
+    how much of its reserve is free, all of it is left out.
+    """
+    reserve = pool.fixed if pool.fixed_free is None else pool.fixed_free
+    return nbytes - pool.cached - reserve
 
 
 class Ledger:
@@ -32,6 +45,10 @@ class Ledger:
         # device -> the reading that ended the last measured task there: the next task's
         # base, unless memory changed meanwhile (a key released, data arrived)
         self._fresh: dict[int, int] = {}
+        # device -> changes noted on the event loop (forget, arrived): a closing reading
+        # taken across one of them is not reused as a base
+        self._epoch: dict[int, int] = {}
+        self._arrivals = 0
 
     def noncache(self, device: int) -> int | None:
         """This process's bytes on ``device`` minus what pools cache or reserve; None
@@ -43,7 +60,7 @@ class Ledger:
         if not reading.attributable or not reading.has_context:
             return None  # a context made now would be counted as the task's
         pool = sum((p.stats(device) for p in active_pools()), PoolStats())
-        return reading.nbytes - pool.cached - pool.fixed
+        return net_of_pools(reading.nbytes, pool)
 
     # --- around a GPU task (its executor thread) ----------------------------------------
 
@@ -79,6 +96,8 @@ class Ledger:
         known = device_nbytes(result) if knows(result) else None
         held: dict[int, int] = {}
         residue: dict[int, int] = {}
+        with self._lock:
+            epochs = {d: (self._epoch.get(d, 0), self._arrivals) for d in before}
         for device, then in before.items():
             now = self.noncache(device)
             if now is None:
@@ -90,8 +109,10 @@ class Ledger:
             held[device] = size
             residue[device] = max(0, grew - size)
             with self._lock:
-                self._settled[device] = now
-                self._fresh[device] = now
+                # a key released or data arrived while it was read: no base from it
+                if (self._epoch.get(device, 0), self._arrivals) == epochs[device]:
+                    self._settled[device] = now
+                    self._fresh[device] = now
         with self._lock:
             self._measured[key] = held
         return residue
@@ -116,6 +137,7 @@ class Ledger:
         devices since the last explained reading."""
         with self._lock:
             self._fresh.clear()  # memory may have grown: no reused base
+            self._arrivals += 1
         if knows(value):
             return device_nbytes(value)
         out = {}
@@ -146,3 +168,4 @@ class Ledger:
         with self._lock:
             self._settled.pop(device, None)
             self._fresh.pop(device, None)
+            self._epoch[device] = self._epoch.get(device, 0) + 1
