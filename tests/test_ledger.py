@@ -208,3 +208,38 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     now = ledger.noncache(0)
     assert now is not None and now <= base[0] + MiB - 64 * MiB
     assert ledger.before((0,)) == {0: now}
+
+
+@accelsched.gpu
+def frame_in_fixed_pool(nbytes: int, value: int) -> Frame:
+    from accelsched.testing import fixed_pool
+
+    fixed_pool(4096 * MiB)  # as --rmm-pool-size: reserved once, allocations come from it
+    return Frame(nbytes, value)
+
+
+def test_a_reserve_net_of_its_free_part() -> None:
+    from accelsched.devices.pool import PoolStats
+    from accelsched.worker.ledger import net_of_pools
+
+    # a 4 GiB reserve with 1 GiB in use: that GiB counts, the free 3 GiB do not
+    assert net_of_pools(5 * 2**30, PoolStats(fixed=4 * 2**30, fixed_free=3 * 2**30)) == 2**31
+    # a reserve that cannot say what is free: all of it left out
+    assert net_of_pools(5 * 2**30, PoolStats(fixed=4 * 2**30, fixed_free=None)) == 2**30
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0"), cvd("1")], timeout=90)
+async def test_opaque_results_inside_a_fixed_pool_are_held(c, s, a, b):
+    """A cudf-like result allocated from an RMM-style pool shrinks the pool's free part,
+    not NVML's figure: measured so, it is held, and no leak is declared."""
+    await accelsched.register(c, **FAST)
+    await wait_for(lambda: sum(gpus(s, w) for w in s.workers) == 2, 30)
+    await c.submit(warm_up, workers=[a.worker_address], pure=False)
+    kept = [
+        c.submit(frame_in_fixed_pool, 512 * MiB, i, workers=[a.worker_address], pure=False)
+        for i in range(4)  # 2 GiB of results, eight times the threshold
+    ]
+    await c.gather(kept)
+    await asyncio.sleep(1.0)  # ten checks
+    assert not events(s, "leak")
+    assert [await f for f in kept] and len(s.workers) == 2

@@ -24,7 +24,7 @@ from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
 from accelsched.health import DeviceHealth
 from accelsched.leak import Attribution, Baseline, LeakDetector, LeakReports, Verdict, estimate
-from accelsched.worker.ledger import Ledger
+from accelsched.worker.ledger import Ledger, net_of_pools
 
 __all__ = ["LeakCheck"]
 
@@ -151,7 +151,7 @@ class LeakCheck:
             verdict = self.detector.check(dev.index, leaked, self.threshold.resolve(dev.memory))
             verdicts.append(verdict)
             if verdict.above == 0:  # nothing unexplained: a base for measuring arrivals
-                self.ledger.settle(dev.index, reading.nbytes - pool.cached - pool.fixed)
+                self.ledger.settle(dev.index, net_of_pools(reading.nbytes, pool))
         blamed = self.detector.end_check(verdicts, complete=not busy)
         with self._attribution_lock:
             attributed = {v.device: self.attribution.ranked(v.device) for v in verdicts}
