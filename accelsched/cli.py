@@ -36,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     events.add_argument("scheduler", help="scheduler address, e.g. tcp://127.0.0.1:8786")
     events.add_argument("--action", action="append", help="only these actions (repeatable)")
     events.add_argument(
-        "--timeout", default="10s", help="how long to try to reach the scheduler (default 10s)"
+        "--timeout",
+        default="10s",
+        type=_timeout,
+        help="how long to try to reach the scheduler (default 10s)",
     )
     status = sub.add_parser(
         "status",
@@ -57,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         help="redraw every SECONDS (default 2) until Ctrl-C",
     )
     status.add_argument(
-        "--timeout", default="10s", help="how long to try to reach the scheduler (default 10s)"
+        "--timeout",
+        default="10s",
+        type=_timeout,
+        help="how long to try to reach the scheduler (default 10s)",
     )
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
@@ -86,6 +92,20 @@ def _seconds(value: str) -> float:
     if not seconds > 0 or seconds == float("inf"):
         raise argparse.ArgumentTypeError(f"invalid SECONDS {value!r}: expected a number > 0")
     return seconds
+
+
+def _timeout(value: str) -> str:
+    """``--timeout``: a duration (``10s``, ``500ms``, seconds), finite and >= 0, passed on
+    in seconds (dask alone reads ``.5s`` as 1.5 s)."""
+    from accelsched.config import parse_optional_duration
+
+    try:
+        seconds = parse_optional_duration("--timeout", value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds is None:
+        raise argparse.ArgumentTypeError(f"invalid --timeout={value!r}: expected a duration")
+    return f"{seconds!r}s"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -108,7 +108,17 @@ def describe(msg: Mapping[str, Any], names: Mapping[str, str] | None = None) -> 
     ``names`` maps worker addresses to worker names.
     """
     names = names or {}
-    w = names.get(msg.get("worker", ""), msg.get("worker", ""))
+    worker = msg.get("worker", "")
+    w = names.get(worker, worker) if isinstance(worker, str) else repr(worker)
+    try:
+        return _describe(msg, w)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError):
+        # any client may log to the topic: an event of ours without its usual figures
+        details = {k: v for k, v in msg.items() if k not in ("action", "worker")}
+        return f"{w}: {msg.get('action')} {details}"
+
+
+def _describe(msg: Mapping[str, Any], w: str) -> str:
     a = msg["action"]
     mib = 2**20
     if a == GPU_VERIFIED:

@@ -10,9 +10,12 @@ module does nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
+
+from accelsched import events, fallback
 
 __all__ = ["observe", "gpus_from", "stop_gpus"]
 
@@ -44,17 +47,43 @@ def _collectors() -> dict[str, Any] | None:
 
 
 def observe(msg: Mapping[str, Any]) -> None:
-    """Count one accelsched event."""
+    """Count one accelsched event.
+
+    Any client may log to the ``accelsched`` topic: only known actions and reasons
+    become labels (each label is a series held for the process's life) and only
+    non-negative numbers are counted, so a forged event can neither raise here nor
+    grow the registry.
+    """
     c = _collectors()
     if c is None:
         return
-    action = msg.get("action", "unknown")
+    action = msg.get("action")
+    if not isinstance(action, str) or action not in events.ACTIONS:
+        return
     # a burst of fallbacks comes as one event with its size (``count``)
-    c["events"].labels(action=action).inc(msg.get("count", 1) if action == "fallback" else 1)
-    if action == "fallback":
-        c["fallback_wait"].labels(reason=msg.get("reason", "")).observe(msg.get("waited", 0))
-    elif action == "leak":
-        c["leaked"].observe(msg.get("nbytes", 0))
+    count = _number(msg.get("count", 1)) if action == events.FALLBACK else 1
+    c["events"].labels(action=action).inc(count if count is not None else 1)
+    if action == events.FALLBACK:
+        reason = msg.get("reason")
+        reason = reason if isinstance(reason, str) and reason in _REASONS else "other"
+        c["fallback_wait"].labels(reason=reason).observe(_number(msg.get("waited", 0)) or 0)
+    elif action == events.LEAK:
+        c["leaked"].observe(_number(msg.get("nbytes", 0)) or 0)
+
+
+#: The fallback reasons :mod:`accelsched.fallback` gives; any other is ``"other"``.
+_REASONS = frozenset({fallback.TIMEOUT, fallback.NO_GPU_CAPACITY, fallback.CHAIN, fallback.OOM})
+
+
+def _number(value: Any) -> float | None:
+    """A finite, non-negative number from an event, or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
 
 
 #: What the GPU gauge reads now (the registry is the process's: one source at a time).

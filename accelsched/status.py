@@ -112,7 +112,9 @@ def render(snap: StatusReply) -> str:
     return "\n".join(lines)
 
 
-def _connect(address: str, timeout: str, command: str) -> Client | None:
+def _connect(address: str, timeout: str, command: str) -> Client | int:
+    """A client, or the exit code: :data:`UNREACHABLE`, or :data:`USAGE` for a string
+    that is no address (distributed raises ``ValueError`` for those)."""
     from distributed import Client
 
     try:
@@ -121,7 +123,12 @@ def _connect(address: str, timeout: str, command: str) -> Client | None:
         print(
             f"accelsched {command}: cannot reach a scheduler at {address}: {exc}", file=sys.stderr
         )
-        return None
+        return UNREACHABLE
+    except ValueError as exc:  # no address: "unknown address scheme", "missing port"
+        print(
+            f"accelsched {command}: invalid scheduler address {address!r}: {exc}", file=sys.stderr
+        )
+        return USAGE
 
 
 def snapshot(client: Client) -> StatusReply | None:
@@ -153,8 +160,8 @@ def print_status(
     """``accelsched status``: the table (or ``--json``), once or every ``watch`` seconds
     until Ctrl-C."""
     client = _connect(address, timeout, "status")
-    if client is None:
-        return UNREACHABLE
+    if isinstance(client, int):
+        return client
     with client:
         try:
             while True:
@@ -194,23 +201,31 @@ def print_events(address: str, actions: list[str] | None, out: TextIO, timeout: 
         print(f"unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}", file=sys.stderr)
         return USAGE
     client = _connect(address, timeout, "events")
-    if client is None:
-        return UNREACHABLE
+    if isinstance(client, int):
+        return client
     with client:
-        snap = snapshot(client)
+        try:
+            snap = snapshot(client)
+            log = [] if snap is None else client.get_events(events.TOPIC)
+        except (OSError, TimeoutError) as exc:
+            print(f"accelsched events: lost the scheduler at {address}: {exc}", file=sys.stderr)
+            return UNREACHABLE
         if snap is None:
             return _no_accelsched("events", address)
         names: dict[str, Any] = dict(snap["names"])
-        for stamp, msg in client.get_events(events.TOPIC):
+        for stamp, msg in log:
             if not isinstance(msg, dict) or msg.get("action") not in events.ACTIONS:
                 continue  # any client may log to any topic: not one of ours
             if actions and msg["action"] not in actions:
                 continue
             owner = msg.get("owner")
-            if owner is not None:  # gpu-rejected: the owner's address(es), by name too
-                owners = [owner] if isinstance(owner, str) else list(owner)
-                named = [names.get(o, o) for o in owners]
-                msg = {**msg, "owner": named[0] if isinstance(owner, str) else named}
+            if isinstance(owner, str):  # gpu-rejected: the owner's address(es), by name too
+                msg = {**msg, "owner": names.get(owner, owner)}
+            elif isinstance(owner, list):
+                msg = {
+                    **msg,
+                    "owner": [names.get(o, o) if isinstance(o, str) else o for o in owner],
+                }
             when = time.strftime("%H:%M:%S", time.localtime(stamp))
             print(f"{when} [{msg['action']}] {events.describe(msg, names)}", file=out)
     return OK

@@ -110,16 +110,16 @@ class Observer:
         while len(self.names) > MAX_NAMES:
             self.names.popitem(last=False)
 
-    def name_of(self, address: str | None) -> str | None:
-        return None if address is None else self.names.get(address, address)
-
     def observe(self, msg: dict[str, Any], stamp: float | None = None) -> None:
         """One accelsched event (from ``log_event``, or replayed with its time)."""
         action = msg.get("action")
         if self.scheduler is None or action not in events.ACTIONS:
             return  # before start: the replay of the event log at start counts it
         when = stamp if stamp is not None else self._now()
-        name = self.name_of(msg.get("worker"))
+        # any client may log to the topic: only a worker we know has a row to count in
+        # (an unknown or unhashable "worker" would grow ``counts`` or raise here)
+        worker = msg.get("worker")
+        name = self.names.get(worker) if isinstance(worker, str) else None
         counted = _COUNTED.get(action)
         if counted is not None:
             # a burst of fallbacks is one event with its size
@@ -169,9 +169,7 @@ class Observer:
     def _worker(self, ws: WorkerState) -> WorkerStatus:
         addr = ws.address
         metric = internals.worker_metric(ws, GUARD_METRIC)
-        figures: dict[int, DeviceFigures] = {}
-        if isinstance(metric, dict):
-            figures = {d["index"]: d for d in metric.get("devices", ())}
+        figures = _figures(metric)
         devices: list[DeviceStatus] = []
         for rec in self.gate.granted.get(addr, []):
             f = figures.get(rec["index"])
@@ -182,7 +180,7 @@ class Observer:
                     "name": rec["name"],
                     "memory": rec["memory"],
                     "leases": None if f is None else f["leases"],
-                    "withdrawn": False if f is None else bool(f["withdrawn"]),
+                    "withdrawn": False if f is None else f["withdrawn"],
                     "leak_estimate": None if f is None else f["leak_estimate"],
                     "leak_threshold": None if f is None else f["leak_threshold"],
                 }
@@ -224,6 +222,44 @@ class Observer:
         from distributed.metrics import time
 
         return time()
+
+
+def _figures(metric: Any) -> dict[int, DeviceFigures]:
+    """The devices of a worker's heartbeat metric that are well formed, by index.
+
+    The metric is whatever the worker sent: a device entry of the wrong shape or with
+    a figure of the wrong type is left out (shown as unknown), so one odd worker cannot
+    break the status of the whole cluster nor pass odd values on to its readers.
+    """
+    devices = metric.get("devices") if isinstance(metric, dict) else None
+    if not isinstance(devices, (list, tuple)):
+        return {}
+    out: dict[int, DeviceFigures] = {}
+    for d in devices:
+        if not isinstance(d, dict) or not _count(d.get("index")):
+            continue
+        if not _count(d.get("leases")) or not isinstance(d.get("withdrawn"), bool):
+            continue
+        estimate, threshold = d.get("leak_estimate"), d.get("leak_threshold")
+        if not (estimate is None or _integer(estimate)) or not _count(threshold):
+            continue
+        out[d["index"]] = {
+            "index": d["index"],
+            "leases": d["leases"],
+            "withdrawn": d["withdrawn"],
+            "leak_estimate": estimate,
+            "leak_threshold": d["leak_threshold"],
+        }
+    return out
+
+
+def _integer(value: Any) -> bool:
+    """An int a reader can turn into a float (a byte count, a lease count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
+
+
+def _count(value: Any) -> bool:
+    return _integer(value) and value >= 0
 
 
 def _natural(name: str) -> tuple[int, int, str]:

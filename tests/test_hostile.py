@@ -1,0 +1,232 @@
+"""Hostile callers of the observing surfaces: forged heartbeat metrics, forged events,
+bad command lines.
+
+Any worker sends whatever heartbeat metric it likes and any client logs whatever it
+likes to the ``accelsched`` topic. Neither may break ``accelsched status``, the events
+command, the dashboard's history or the Prometheus registry for everybody else, nor grow
+the scheduler's memory. The worker here is a real in-process worker whose own metric
+function is swapped for a forger's (a hostile worker process would send the same bytes);
+nothing else is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import pytest
+from distributed import Worker
+from distributed.utils_test import captured_logger, gen_cluster
+
+import accelsched
+from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
+from accelsched.status import render
+from tests.utils import wait_for
+
+pytestmark = pytest.mark.usefixtures("fake_gpus_2")
+
+GPU_WORKER = [("127.0.0.1", 1, {"resources": {"GPU": 1}})]
+
+#: Heartbeat metrics a hostile or broken worker could send.
+FORGED_METRICS: list[Any] = [
+    "x",
+    [1],
+    {"devices": "xx"},
+    {"devices": [1, 2]},
+    {"devices": [{"index": 0}]},  # figures missing
+    {"devices": [{"index": [0]}]},  # unhashable index
+    {
+        "devices": [
+            {
+                "index": 0,
+                "leases": "many",
+                "withdrawn": [],
+                "leak_estimate": "x",
+                "leak_threshold": {},
+            }
+        ]
+    },
+    {
+        "devices": [
+            {
+                "index": 0,
+                "leases": -1,
+                "withdrawn": False,
+                "leak_estimate": 1.5,
+                "leak_threshold": 2**64 - 1,
+            }
+        ]
+    },
+]
+
+
+async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
+    """Run ``python -m accelsched.cli ARGS``; (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "accelsched.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def status(c: Any) -> Any:
+    return await getattr(c.scheduler, STATUS_HANDLER)()
+
+
+def as_sent(value: Any) -> Any:
+    """``value`` as the scheduler holds it: msgpack turns lists into tuples."""
+    if isinstance(value, (list, tuple)):
+        return tuple(as_sent(v) for v in value)
+    if isinstance(value, dict):
+        return {k: as_sent(v) for k, v in value.items()}
+    return value
+
+
+async def heartbeat_until(a: Worker, s: Any, arrived: Any) -> None:
+    """Heartbeat until the scheduler holds a metric ``arrived(metric)`` accepts (a
+    heartbeat already on its way when the metric changed is skipped, not repeated)."""
+
+    async def beat() -> None:
+        while not arrived(s.workers[a.address].metrics.get(GUARD_METRIC)):
+            await a.heartbeat()
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(beat(), 15)
+
+
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_a_forged_heartbeat_metric_breaks_no_status(c, s, a):
+    await accelsched.register(c)
+
+    def figures_arrived() -> bool:
+        """the worker's verified GPU with figures from a heartbeat"""
+        snap = s.plugins[PLACEMENT_PLUGIN].observer.snapshot()
+        return any(d["leases"] is not None for w in snap["workers"] for d in w["devices"])
+
+    await wait_for(figures_arrived)
+    honest = a.metrics[GUARD_METRIC]
+    observer = s.plugins[PLACEMENT_PLUGIN].observer
+    for forged in FORGED_METRICS:
+        a.metrics[GUARD_METRIC] = lambda worker, forged=forged: forged
+        await heartbeat_until(a, s, lambda metric, forged=forged: metric == as_sent(forged))
+        snap = await status(c)
+        (device,) = snap["workers"][0]["devices"]  # still the verified GPU
+        assert device["leases"] is None, forged  # the figures are unknown, not odd
+        assert device["leak_estimate"] is None and device["withdrawn"] is False
+        render(snap)  # what `accelsched status` prints
+        observer.sample()  # the dashboard's history
+    a.metrics[GUARD_METRIC] = honest
+    await heartbeat_until(a, s, lambda metric: metric == as_sent(honest(a)))
+    (device,) = (await status(c))["workers"][0]["devices"]
+    assert device["leases"] == 0 and device["leak_threshold"] > 0
+
+
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_forged_events_break_nothing_and_grow_nothing(c, s, a):
+    from prometheus_client import REGISTRY
+
+    await accelsched.register(c)
+    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    observer = s.plugins[PLACEMENT_PLUGIN].observer
+    forged: list[dict[str, Any]] = [
+        {"action": "restart"},  # no figures at all
+        {"action": "restart", "worker": ["x"]},  # unhashable worker
+        {"action": "leak", "worker": {"a": 1}, "nbytes": "x", "device": "x"},
+        {"action": "leak", "worker": a.address, "nbytes": -5},
+        {"action": "gpu-rejected", "owner": 5, "uuids": 3},
+        {"action": "fallback", "count": -3, "waited": "x", "reason": "forged-reason"},
+        {"action": "fallback", "waited": float("nan")},
+    ]
+    forged += [{"action": "restart", "worker": f"tcp://10.0.0.{i}:1"} for i in range(50)]
+    forged += [{"action": f"bogus-{i}"} for i in range(50)]
+    with captured_logger("distributed.broker") as log:
+        for msg in forged:
+            await c.log_event("accelsched", msg)
+        await wait_for(lambda: len(s.get_events("accelsched")) >= len(forged))
+    assert "Plugin failed" not in log.getvalue()
+    # counted in the totals; per worker only for the one worker that exists
+    assert set(observer.counts) <= {a.name, str(a.name)}
+    assert observer.counts[str(a.name)]["leaks"] == 1
+    assert (await status(c))["restarts"] == 52
+    # the registry: no label for an action or reason accelsched does not know
+    labels = {
+        (sample.labels.get("action"), sample.labels.get("reason"))
+        for metric in REGISTRY.collect()
+        if metric.name.startswith("accelsched")
+        for sample in metric.samples
+    }
+    assert not {lab for lab in labels if lab[0] and lab[0].startswith("bogus")}
+    assert (None, "forged-reason") not in labels
+    # and the events command prints every one of ours, a line each, no traceback
+    code, out, err = await cli("events", s.address, "--action", "restart", "--action", "leak")
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert len(out.strip().splitlines()) == 54
+    code, out, err = await cli("events", s.address, "--action", "gpu-rejected")
+    assert code == 0 and "owner" in out, err
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["status", "tcp://127.0.0.1:1", "--timeout", "bogus"], "--timeout='bogus'"),
+        (["status", "tcp://127.0.0.1:1", "--timeout=-1s"], "--timeout='-1s'"),
+        (["events", "tcp://127.0.0.1:1", "--timeout", "1e400s"], "--timeout='1e400s'"),
+        (["status", "foo://127.0.0.1:1", "--timeout", "1s"], "'foo://127.0.0.1:1'"),
+        (["events", "no-port", "--timeout", "1s"], "'no-port'"),
+        (["status", "", "--timeout", "1s"], "''"),
+    ],
+)
+def test_a_bad_command_line_is_a_usage_error_naming_the_value(args, named):
+    code, out, err = asyncio.run(cli(*args))
+    assert code == 2 and out == ""
+    assert "Traceback" not in err
+    assert named in err.strip().splitlines()[-1]
+
+
+def test_a_timeout_is_read_as_accelsched_reads_durations():
+    """``.5s`` is half a second (dask alone reads it as 1.5 s)."""
+    code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--timeout", ".5s"))
+    assert code == 1 and "after 0.5 s" in err, err
+
+
+def test_watch_ends_when_the_scheduler_goes():
+    """The scheduler closes under ``--watch``: exit 1 once the client stops trying to
+    reconnect (``--timeout``), no traceback, no hang."""
+
+    async def run() -> tuple[int, str]:
+        from distributed import Client, Scheduler
+
+        s = await Scheduler(port=0, dashboard_address=":0")
+        async with Client(s.address, asynchronous=True) as c:
+            await accelsched.register(c)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "accelsched.cli",
+            "status",
+            s.address,
+            "--json",
+            "--watch",
+            "0.2",
+            "--timeout",
+            "2s",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        assert (await asyncio.wait_for(proc.stdout.readline(), 60)).startswith(b"{")
+        await s.close()
+        code = await asyncio.wait_for(proc.wait(), 60)
+        return code, (await proc.stderr.read()).decode()
+
+    code, err = asyncio.run(run())
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("accelsched status: lost the scheduler at")
