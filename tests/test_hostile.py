@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from distributed import Worker
 from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
+from accelsched.demo.chart import report_path
 from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
 from accelsched.status import render
 from tests.utils import wait_for
@@ -230,3 +232,16 @@ def test_watch_ends_when_the_scheduler_goes():
     code, err = asyncio.run(run())
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("accelsched status: lost the scheduler at")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_demo(tmp_path):
+    """``/proc`` is a folder nobody can create a file in, root included: refused at once
+    (exit 2, one line), not with a traceback after the whole demo has run."""
+    code, out, err = asyncio.run(cli("demo", "--report", "/proc/accelsched-demo.html"))
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert "'/proc/accelsched-demo.html'" in line and "cannot write there" in line
+    # a writable place is checked without leaving a file behind
+    assert report_path(tmp_path / "r.html") == (tmp_path / "r.html").resolve()
+    assert not (tmp_path / "r.html").exists()

@@ -38,6 +38,16 @@ def report_path(value: str | Path) -> Path:
         raise ValueError(
             f"invalid report path {str(value)!r}: folder {str(path.parent)!r} does not exist"
         )
+    existed = path.exists()
+    try:  # writable? (a read-only or virtual folder would fail only after the whole run)
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"invalid report path {str(value)!r}: cannot write there ({exc.strerror})"
+        ) from None
+    if not existed:
+        path.unlink(missing_ok=True)
     return path.resolve()
 
 
