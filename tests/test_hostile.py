@@ -245,3 +245,18 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_the_demo(tmp_pat
     # a writable place is checked without leaving a file behind
     assert report_path(tmp_path / "r.html") == (tmp_path / "r.html").resolve()
     assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("entry", ["²", "٣", "０", "1²"])
+def test_visible_devices_with_digits_cuda_does_not_read_name_no_device(entry, caplog):
+    """``str.isdigit`` holds for "²" (and ``int`` then raises) and for "٣" or "０" (and
+    ``int`` reads them as 3 and 0); CUDA reads ASCII digits only, so such an entry names
+    no device: the list ends there, without blaming NVML."""
+    from accelsched.devices.nvml import NVMLMonitor
+    from accelsched.devices.visible import Visible, resolve_devices
+
+    assert resolve_devices([entry], ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]) == []
+    assert resolve_devices(["1", entry], ["GPU-a", "GPU-b"]) == [Visible(1)]
+    monitor = NVMLMonitor(env={"CUDA_VISIBLE_DEVICES": f"1,{entry}"})
+    assert [d.nvml_index for d in monitor.devices()] == [1]
+    assert "NVML failed" not in caplog.text

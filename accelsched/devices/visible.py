@@ -105,7 +105,7 @@ def resolve_devices(
 
 
 def _match(entry: str, uuids: Sequence[str], migs: Mapping[int, Sequence[str]]) -> Visible | None:
-    if entry.isdigit():
+    if entry.isascii() and entry.isdigit():  # CUDA reads ASCII digits only ("²", "３": none)
         i = int(entry)
         return _whole(i, migs) if i < len(uuids) else None
     if entry.startswith("MIG-"):
