@@ -23,12 +23,14 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
+from distributed import Reschedule
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from accelsched import events, internals
 from accelsched.config import GUARD_OPTIONS, resolve_options
 from accelsched.protocol import (
     CONFIRM_HANDLER,
+    DRAIN_HANDLER,
     FALLBACK_ANNOTATION,
     GPU,
     GUARD_METRIC,
@@ -55,6 +57,11 @@ _PERIODIC = "accelsched-guard"
 _RUNNING = frozenset({"executing", "long-running"})
 
 
+def _send_back(spec: Any, values: dict) -> Any:
+    """A GPU task reaching execution on a worker about to restart: placed again."""
+    raise Reschedule()
+
+
 class GuardPlugin(WorkerPlugin):
     """Verified inventory, per-task device binding, unrequested-use watch, leak check.
 
@@ -77,6 +84,7 @@ class GuardPlugin(WorkerPlugin):
         self.leaks: LeakCheck | None = None
         self.figures: Figures | None = None
         self._running: set[Any] = set()  # keys executing here, counted in ACTIVITY
+        self.draining = False  # the scheduler restarts this worker: GPU tasks go back
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
@@ -147,6 +155,7 @@ class GuardPlugin(WorkerPlugin):
         internals.add_metric(worker, GUARD_METRIC, self.figures.read)
         internals.install_handler(worker, REPORT_HANDLER, self.report)
         internals.install_handler(worker, CONFIRM_HANDLER, inv.confirm)
+        internals.install_handler(worker, DRAIN_HANDLER, self.drain)
         if internals.serving(worker):
             await self.report()
         else:
@@ -161,6 +170,7 @@ class GuardPlugin(WorkerPlugin):
         """Unregistered: remove the report handler and stop the leak check."""
         internals.remove_handler(worker, REPORT_HANDLER, self.report)
         internals.remove_handler(worker, CONFIRM_HANDLER, self.inventory.confirm)
+        internals.remove_handler(worker, DRAIN_HANDLER, self.drain)
         internals.stop_periodic(worker, _PERIODIC)
         for _ in self._running:  # what it counted no longer runs under this guard
             ACTIVITY.finished()
@@ -215,6 +225,8 @@ class GuardPlugin(WorkerPlugin):
         assert self.binder is not None
         amount = task.resources.get(GPU, 0)
         if amount > 0 and self.inventory.granted:
+            if self.draining:  # restarting: the scheduler places it elsewhere
+                return _send_back
             return self.binder.gpu_runner(task.key, amount)
         watch = self.watch
         runner = watch.runner(task.key) if watch is not None and watch.sampled(prefix) else None
@@ -240,6 +252,12 @@ class GuardPlugin(WorkerPlugin):
         ]
         self.binder.set_devices(usable)
         internals.spawn(self.worker, self.inventory.offer, self.binder.set_devices)
+
+    def drain(self, on: bool = True) -> dict[str, str]:
+        """``accelsched_drain``: while this worker restarts, send GPU tasks back as they
+        reach execution (its queue is placed elsewhere; only what runs is waited for)."""
+        self.draining = bool(on)
+        return {"status": "OK"}
 
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""

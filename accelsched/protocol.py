@@ -39,6 +39,12 @@ Worker handlers (``await scheduler.rpc(addr).<name>(...)``):
     address it registered under and asks whether the request is its own
     (:class:`ConfirmReply`). A client or another worker naming it is refused, and nothing
     secret ever leaves the scheduler or the worker.
+``accelsched_drain`` (:data:`DRAIN_HANDLER`)
+    The scheduler restarts this worker (``on=True``) or gave the restart up
+    (``on=False``): while on, GPU tasks that reach execution go back to the scheduler
+    (distributed's ``Reschedule``) instead of running, so the worker's queue is placed
+    elsewhere and the restart waits only for what already runs. The worst a stranger
+    calling it can do is send tasks back to be placed again: nothing is lost.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ __all__ = [
     "OFFER_HANDLER",
     "REPORT_HANDLER",
     "CONFIRM_HANDLER",
+    "DRAIN_HANDLER",
     "STATUS_HANDLER",
     "GUARD_METRIC",
     "TIMEOUT_ANNOTATION",
@@ -89,6 +96,7 @@ RESTART_HANDLER: Final = "accelsched_restart"
 OFFER_HANDLER: Final = "accelsched_offer"
 REPORT_HANDLER: Final = "accelsched_report"
 CONFIRM_HANDLER: Final = "accelsched_confirm"
+DRAIN_HANDLER: Final = "accelsched_drain"
 STATUS_HANDLER: Final = "accelsched_status"
 #: The guard's custom worker metric, sent with every heartbeat (``Worker.metrics``).
 GUARD_METRIC: Final = "accelsched"

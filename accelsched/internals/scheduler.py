@@ -196,20 +196,9 @@ def drain(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> None:
     scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
 
 
-def send_back_queued(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> int:
-    """Release the tasks assigned to a draining ``ws`` that it is not running yet.
-
-    distributed sends every GPU-restricted task to a valid worker at once, so a worker can
-    hold a queue of thousands: waiting for all of them before a restart lets a leak fill
-    the device. Queued tasks hold nothing yet; released, the scheduler places them again
-    (never on ``ws``, which is closing gracefully) and tells ``ws`` to forget them. Which
-    tasks run is the worker's last heartbeat's word (``ws.executing``); one that started
-    since is cancelled on the worker and runs again elsewhere: work repeated, nothing lost.
-    """
-    queued = [ts.key for ts in ws.processing if ts not in ws.executing]
-    if queued:
-        scheduler.transitions(dict.fromkeys(queued, "released"), stimulus_id=stimulus_id)
-    return len(queued)
+def assigned(ws: WorkerState) -> int:
+    """Tasks assigned to ``ws``: running there or waiting in its queue."""
+    return len(ws.processing)
 
 
 def resume(scheduler: Scheduler, ws: WorkerState, previous: Status, stimulus_id: str) -> None:

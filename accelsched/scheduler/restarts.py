@@ -2,9 +2,9 @@
 
 A worker's guard asks (``accelsched_restart``); :func:`accelsched.budget.admit_restart`
 decides whether the restart may start now. An admitted restart drains the worker (its
-queued tasks go back to the scheduler, its executing tasks finish), retires it (its keys
-move to peers), checks that worked, then restarts it through its nanny: the only order
-that loses nothing. When it cannot happen without loss, or past the restart budget, the
+guard sends queued GPU tasks back to the scheduler, its executing tasks finish), retires
+it (its keys move to peers), checks that worked, then restarts it through its nanny: the
+only order that loses nothing. When it cannot happen without loss, or past the restart budget, the
 worker's GPUs are quarantined instead
 (:meth:`accelsched.scheduler.gate.Gate.quarantine`).
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
 from accelsched.budget import RestartBudget, admit_restart
-from accelsched.protocol import RESTART_HANDLER, RestartReply
+from accelsched.protocol import DRAIN_HANDLER, RESTART_HANDLER, RestartReply
 from accelsched.scheduler.gate import Gate
 
 if TYPE_CHECKING:
@@ -128,7 +128,8 @@ class Restarts:
             previous = ws.status  # what to resume to if this fails from here on
             internals.drain(scheduler, ws, stimulus_id)
             # its queue goes elsewhere now; only what it runs is waited for
-            requeued = internals.send_back_queued(scheduler, ws, stimulus_id)
+            queued = internals.assigned(ws)
+            await self._tell_draining(worker, True)
             deadline = monotonic() + DRAIN_TIMEOUT
             while internals.is_processing(ws) and monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -157,7 +158,7 @@ class Restarts:
                 worker,
                 reason=reason,
                 moved=moved,
-                requeued=requeued,
+                assigned=queued,
                 seconds=round(monotonic() - start, 3),
             )
         except Exception as exc:
@@ -178,6 +179,21 @@ class Restarts:
         assert self.scheduler is not None
         self.defer(ws.address, reason, quarantine=why != "gpu-unhealthy")
         internals.resume(self.scheduler, ws, previous, stimulus_id)
+        internals.spawn(self.scheduler, self._tell_draining, ws.address, False)
+
+    async def _tell_draining(self, worker: str, on: bool) -> None:
+        """Tell the worker's guard to send GPU tasks back (or to run them again).
+
+        The worker knows which tasks it runs; the scheduler only learns it by heartbeat,
+        so the worker itself turns the rest away as they reach execution: nothing that
+        finished is released, nothing runs twice. A worker without a guard just works
+        through its queue first.
+        """
+        assert self.scheduler is not None
+        try:
+            await getattr(self.scheduler.rpc(worker), DRAIN_HANDLER)(on=on)
+        except Exception as exc:  # gone, or no guard
+            logger.debug("accelsched: %s was not told to drain (%s): %r", worker, on, exc)
 
     def defer(self, worker: str, reason: str, *, quarantine: bool = True) -> None:
         """The restart cannot happen without loss now: say so once, and quarantine."""
