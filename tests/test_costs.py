@@ -18,6 +18,7 @@ from tests.utils import gpus, wait_for
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
 MiB = 2**20
+GiB = 2**30
 QUIET = dict(check_interval="1h")  # no periodic leak check reading NVML meanwhile
 
 
@@ -126,3 +127,35 @@ async def test_gpu_gauge_is_read_at_scrape_time(c, s, a):
     await c.unregister_scheduler_plugin("accelsched-placement")
     # no plugin, no grants: the gauge neither shows the gone gate's nor holds it
     assert gauge("verified") == 0 and gauge("quarantined") == 0
+
+
+class _Pool:
+    """A pool as the PoolFreer sees it (the protocol's three calls; no device needed)."""
+
+    name = "t"
+
+    def __init__(self, stats: object) -> None:
+        self._stats = stats
+        self.freed = 0
+
+    def active(self) -> bool:
+        return True
+
+    def free_all(self) -> int:
+        self.freed += 1
+        return 0
+
+    def stats(self, device: int) -> object:
+        return self._stats
+
+
+def test_freeing_waits_for_a_cache_worth_it_except_under_rmm() -> None:
+    from accelsched.devices.pool import PoolStats
+    from accelsched.worker.pools import PoolFreer
+
+    freer = PoolFreer(every=1, above=0, monitor=None, simulated=True, minimum=64 * MiB)  # type: ignore[arg-type]
+    assert not freer._caches_enough([_Pool(PoolStats(cached=MiB))], (0,))
+    assert freer._caches_enough([_Pool(PoolStats(cached=64 * MiB))], (0,))
+    # RMM owns the device pool (a fixed reserve, nothing cached): the pinned pool is
+    # still freed, as before the threshold existed
+    assert freer._caches_enough([_Pool(PoolStats(held=GiB, fixed=GiB))], (0,))

@@ -15,7 +15,8 @@ address under the same name, and its counts and history carry on.
 Memory is bounded: :data:`HISTORY_SECONDS` of samples, one every
 :data:`SAMPLE_SECONDS`, per (worker name, device) (three numbers each; series of workers
 gone longer than the window are dropped), :data:`MAX_MARKERS` event markers,
-:data:`MAX_FALLBACKS` fallback times and :data:`MAX_NAMES` address -> name entries.
+:data:`MAX_FALLBACKS` fallback times, and :data:`MAX_NAMES` address -> name entries and
+per-worker counts.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class Observer:
             self.totals[counted] += n
             if name is not None:
                 self.counts.setdefault(name, Counter())[counted] += n
+                while len(self.counts) > MAX_NAMES:  # the oldest names go first
+                    del self.counts[next(iter(self.counts))]
         if action == events.FALLBACK:
             self.fallbacks.append((when, self.totals["fallbacks"]))
         if action in MARKED:

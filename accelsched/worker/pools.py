@@ -65,9 +65,12 @@ class PoolFreer:
             cached = 0
             for pool in pools:
                 try:
-                    cached += pool.stats(device).cached
+                    stats = pool.stats(device)
                 except Exception:  # a pool that cannot say: free, as before
                     return True
+                if stats.fixed:  # RMM owns the device pool (never shrinks): what can be
+                    return True  # freed (CuPy's pinned host pool) has no figure to wait for
+                cached += stats.cached
             if cached >= self.minimum:
                 return True
         return False
