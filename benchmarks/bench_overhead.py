@@ -57,7 +57,9 @@ def _bin(name: str) -> str:
 def _cluster(tmp: Path, label: str) -> Iterator[tuple[Client, psutil.Process]]:
     """A scheduler process and two nanny workers, one fake GPU each."""
     sched_file = tmp / f"{label}.json"
-    env = {**os.environ, "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "error"}
+    root = str(Path(__file__).resolve().parents[1])  # task functions live in this package
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "error", "PYTHONPATH": path}
     procs = [
         subprocess.Popen(
             [
