@@ -51,3 +51,33 @@ async def test_queue_goes_back_when_a_leaking_worker_restarts(c, s, a, b):
     assert restart["assigned"] > 1  # restarted with a queue: it went back, not waited for
     assert await c.gather(futures) == list(range(N))  # nothing lost, nothing failed
     await wait_for(lambda: sum(gpus(s, w) for w in s.workers) == 2, 30)  # re-verified
+
+
+def where(i: int) -> str:
+    from distributed import get_worker
+
+    work(i)
+    return get_worker().address
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd("1"))],
+    timeout=120,
+)
+async def test_a_quarantined_worker_sends_its_queue_back(c, s, a, b):
+    """No restart allowed (``max_restarts=0``): the leaking worker is quarantined, and the
+    GPU tasks already sent to it run on the other worker, not on it."""
+    await accelsched.register(
+        c, check_interval="50ms", leak_threshold="256MiB", leak_confirmations=2, max_restarts=0
+    )
+    await wait_for(lambda: gpus(s, a.worker_address) == gpus(s, b.worker_address) == 1, 30)
+    futures = c.map(where, range(N), resources={"GPU": 1}, pure=False)
+    ran_on = await c.gather(futures)  # nothing lost, nothing failed
+    (quarantine,) = events(s, "quarantine")
+    leaking = quarantine["worker"]
+    # distributed split the queue evenly at submission; the leaking worker ran only what
+    # it had started before the quarantine, the rest went to its peer
+    assert ran_on.count(leaking) < N // 4
+    assert not events(s, "restart")

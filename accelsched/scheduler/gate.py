@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from accelsched import events, internals, metrics
 from accelsched.inventory import OwnershipRegistry
 from accelsched.protocol import (
+    DRAIN_HANDLER,
     GPU,
     GUARD_PLUGIN,
     INVENTORY_HANDLER,
@@ -272,7 +273,25 @@ class Gate:
         self.quarantined[worker] = reason
         if GPU in ws.resources:
             internals.set_worker_gpus(self.scheduler, ws, 0)
+        # GPU tasks already sent to it (a queue of them, often) go elsewhere too
+        internals.spawn(self.scheduler, self.tell_draining, worker, True)
         self._emit(events.QUARANTINE, worker, reason=reason)
+
+    async def tell_draining(self, worker: str, on: bool) -> None:
+        """Tell the worker's guard to send GPU tasks back as they reach execution (or to
+        run them again).
+
+        distributed sends every GPU task to a valid worker at once; a worker restarting
+        or quarantined would otherwise work through its queue. Only the worker knows which
+        tasks it runs (the scheduler learns it by heartbeat), so it turns the rest away
+        itself with distributed's ``Reschedule``: nothing that finished is released,
+        nothing runs twice. A worker without a guard just works through its queue.
+        """
+        assert self.scheduler is not None
+        try:
+            await getattr(self.scheduler.rpc(worker), DRAIN_HANDLER)(on=on)
+        except Exception as exc:  # gone, or no guard
+            logger.debug("accelsched: %s was not told to drain (%s): %r", worker, on, exc)
 
     def gpu_counts(self) -> tuple[int, int]:
         """(GPUs placement may use, GPUs of quarantined workers): the metrics gauge."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
 from accelsched.budget import RestartBudget, admit_restart
-from accelsched.protocol import DRAIN_HANDLER, RESTART_HANDLER, RestartReply
+from accelsched.protocol import RESTART_HANDLER, RestartReply
 from accelsched.scheduler.gate import Gate
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class Restarts:
             internals.drain(scheduler, ws, stimulus_id)
             # its queue goes elsewhere now; only what it runs is waited for
             queued = internals.assigned(ws)
-            await self._tell_draining(worker, True)
+            await self.gate.tell_draining(worker, True)
             deadline = monotonic() + DRAIN_TIMEOUT
             while internals.is_processing(ws) and monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -177,23 +177,11 @@ class Restarts:
         worker that leaks: they wait for (or fall back from) other GPUs.
         """
         assert self.scheduler is not None
-        self.defer(ws.address, reason, quarantine=why != "gpu-unhealthy")
+        quarantine = why != "gpu-unhealthy"
+        self.defer(ws.address, reason, quarantine=quarantine)
         internals.resume(self.scheduler, ws, previous, stimulus_id)
-        internals.spawn(self.scheduler, self._tell_draining, ws.address, False)
-
-    async def _tell_draining(self, worker: str, on: bool) -> None:
-        """Tell the worker's guard to send GPU tasks back (or to run them again).
-
-        The worker knows which tasks it runs; the scheduler only learns it by heartbeat,
-        so the worker itself turns the rest away as they reach execution: nothing that
-        finished is released, nothing runs twice. A worker without a guard just works
-        through its queue first.
-        """
-        assert self.scheduler is not None
-        try:
-            await getattr(self.scheduler.rpc(worker), DRAIN_HANDLER)(on=on)
-        except Exception as exc:  # gone, or no guard
-            logger.debug("accelsched: %s was not told to drain (%s): %r", worker, on, exc)
+        if not quarantine:  # back in service with its devices that answer: run GPU tasks
+            internals.spawn(self.scheduler, self.gate.tell_draining, ws.address, False)
 
     def defer(self, worker: str, reason: str, *, quarantine: bool = True) -> None:
         """The restart cannot happen without loss now: say so once, and quarantine."""
