@@ -188,3 +188,19 @@ async def test_cluster_without_accelsched_one_line_exit_3(c, s, a):
     await c.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
     code, _, _ = await cli("status", s.address)
     assert code == 3
+
+
+def test_a_metric_added_during_a_heartbeat_leaves_its_iteration_alone() -> None:
+    """``Worker.get_metrics`` awaits between items of ``Worker.metrics``: a guard set up
+    meanwhile must not change the dict it iterates (seen with 112 workers starting)."""
+    import types
+
+    from accelsched.internals import add_metric, remove_metric
+
+    worker = types.SimpleNamespace(metrics={"a": len, "b": len})
+    items = iter(worker.metrics.items())  # a heartbeat, part way through
+    next(items)
+    add_metric(worker, "accelsched", repr)  # type: ignore[arg-type]
+    remove_metric(worker, "b", len)  # type: ignore[arg-type]
+    assert [k for k, _ in items] == ["b"]  # the heartbeat's own view, intact
+    assert worker.metrics == {"a": len, "accelsched": repr}

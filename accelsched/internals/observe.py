@@ -12,14 +12,19 @@ if TYPE_CHECKING:
 
 def add_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
     """Send ``fn(worker)`` with every heartbeat under ``name`` (a custom worker metric:
-    ``Worker.metrics`` is read at each heartbeat, so one added later still travels)."""
-    worker.metrics[name] = fn
+    ``Worker.metrics`` is read at each heartbeat, so one added later still travels).
+
+    The dict is replaced, never changed in place: ``Worker.get_metrics`` awaits between
+    its items, so a guard set up during a heartbeat would change it mid-iteration
+    (``RuntimeError: dictionary changed size during iteration``).
+    """
+    worker.metrics = {**worker.metrics, name: fn}
 
 
 def remove_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
     """Stop sending ``name``, if it is still ``fn`` (not a newer guard's)."""
     if worker.metrics.get(name) == fn:
-        del worker.metrics[name]
+        worker.metrics = {k: v for k, v in worker.metrics.items() if k != name}
 
 
 def worker_metric(ws: WorkerState, name: str) -> Any:
