@@ -367,13 +367,13 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
 def run(quick: bool, out: Path) -> dict[str, Any]:
     """The entry point's hook."""
     out.mkdir(parents=True, exist_ok=True)
-    sizes = [1_000, 10_000] if quick else [10_000, 100_000, 300_000]
+    sizes = [1_000, 3_000] if quick else [10_000, 100_000, 300_000]
     result: dict[str, Any] = {
         "check": check_cost(sizes),
-        "hooks": hook_cost(2_000 if quick else 20_000),
-        "burst": burst(1_000 if quick else 10_000),
-        "trickle": trickle(1_000 if quick else 10_000, 2 if quick else 5),
-        "workers": many_workers(14 if quick else 112),
+        "hooks": hook_cost(1_000 if quick else 20_000),
+        "burst": burst(500 if quick else 10_000),
+        "trickle": trickle(300 if quick else 10_000, 2 if quick else 5),
+        "workers": many_workers(7 if quick else 112),
     }
     result["plots"] = [p.name for p in plot(result, out)]
     return result

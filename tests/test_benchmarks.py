@@ -19,7 +19,7 @@ import pytest
 import benchmarks
 
 ROOT = Path(__file__).resolve().parents[1]
-MINE = ("fallback", "guard", "attribution", "detection", "leak")
+MINE = tuple(benchmarks.NAMES)  # every benchmark, as `python -m benchmarks --quick` runs them
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -118,3 +118,22 @@ def test_existing_benchmarks_figures(results: tuple[Path, dict[str, Any]]) -> No
     assert all(t["checks_above_threshold"] == 2 for t in figures["guard"]["trials"])
     attribution = figures["attribution"]
     assert attribution["fused"]["runs"] == attribution["unfused"]["runs"] == 1
+
+
+@pytest.mark.timeout(900)
+def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> None:
+    overhead, scale = results[1]["overhead"], results[1]["scale"]
+    for kind in ("gpu", "cpu"):
+        rounds = overhead[kind]["rounds"]
+        assert len(rounds["plain"]) == len(rounds["accelsched"]) == overhead["rounds"] >= 5
+        assert all(r["wall"] > 0 for r in rounds["plain"] + rounds["accelsched"])
+        assert set(overhead[kind]["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
+    assert {(r["unrunnable"], r["timeout"]) for r in scale["check"]} == {
+        (n, t) for n in (1000, 3000) for t in ("1h", None)
+    }
+    assert [h["tasks"] for h in scale["hooks"]] == ["plain", "gpu", "gpu+timeout"]
+    burst = scale["burst"]  # every task fell back, told in one event
+    assert burst["fallback_events"] == 1 and burst["counted"] == burst["tasks"]
+    workers = scale["workers"]  # every simulated (MIG) device verified, one per worker
+    assert workers["verified"] == workers["workers"] == 7
+    assert scale["trickle"]["rounds"] == 2
