@@ -24,7 +24,7 @@ import accelsched
 from accelsched.demo.chart import report_path
 from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
 from accelsched.status import render
-from tests.utils import wait_for
+from tests.utils import cli, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -61,21 +61,6 @@ FORGED_METRICS: list[Any] = [
         ]
     },
 ]
-
-
-async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
-    """Run ``python -m accelsched.cli ARGS``; (exit code, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "accelsched.cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def status(c: Any) -> Any:

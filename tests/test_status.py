@@ -22,7 +22,7 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.protocol import PLACEMENT_PLUGIN
 from accelsched.testing import device_alloc
-from tests.utils import events, wait_for
+from tests.utils import cli, events, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -34,21 +34,6 @@ NAMES = ("alpha", "beta")
 def leaky(i: int) -> int:
     device_alloc(512 * MiB, leak=True)
     return i
-
-
-async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
-    """Run ``python -m accelsched.cli ARGS``; (exit code, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "accelsched.cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 def snapshot(s: Scheduler) -> Any:

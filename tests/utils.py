@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,3 +33,18 @@ def events(s: Scheduler, action: str | None = None) -> list[dict[str, Any]]:
 def gpus(s: Scheduler, addr: str) -> float:
     """The GPU count the scheduler places against for ``addr``."""
     return s.workers[addr].resources.get("GPU", 0)
+
+
+async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
+    """Run ``python -m accelsched.cli ARGS``; (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "accelsched.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
