@@ -202,13 +202,8 @@ def _verified(client: Client) -> int:
 
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """Per-round wall ratio and CPU per task, GPU and CPU tasks side by side."""
-    try:
-        import matplotlib
+    from benchmarks.plots import plt  # the Agg backend, as every benchmark draws
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # the bench extra is not installed: JSON only
-        return []
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     kinds = ["gpu", "cpu"]
     ratios = [

@@ -57,6 +57,7 @@ def _cluster(workers: int = 0) -> tuple[LocalCluster, Client]:
 
 def _wait_states(cluster: LocalCluster, keys: list, state: str, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
+    assert cluster.scheduler is not None
     tasks = cluster.scheduler.tasks
     while not all(k in tasks and tasks[k].state == state for k in keys):
         if time.monotonic() > deadline:
@@ -119,6 +120,7 @@ def hook_cost(n: int) -> list[dict[str, Any]]:
     cluster, client = _cluster()
     with cluster, client:
         accelsched.register(client)
+        assert cluster.scheduler is not None
         plugin = cluster.scheduler.plugins[PLACEMENT_PLUGIN]
         spent = {"graph": 0.0, "tasks": 0, "transition": 0.0, "calls": 0}
         update_graph, transition = plugin.update_graph, plugin.transition
@@ -137,11 +139,12 @@ def hook_cost(n: int) -> list[dict[str, Any]]:
 
         plugin.update_graph = timed_graph  # type: ignore[method-assign]
         plugin.transition = timed_transition  # type: ignore[method-assign]
-        for label, kw, annotations in (
+        cases: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
             ("plain", {}, {}),
             ("gpu", {"resources": {"GPU": 1}}, {}),
             ("gpu+timeout", {}, {"resources": {"GPU": 1}, "fallback_timeout": "1h"}),
-        ):
+        )
+        for label, kw, annotations in cases:
             spent.update(graph=0.0, tasks=0, transition=0.0, calls=0)
             with dask.annotate(**annotations):
                 futs = client.map(gpu_step, range(n), pure=False, **kw)
@@ -237,7 +240,7 @@ async def _register_workers(n: int, uuids: list[str]) -> dict[str, Any]:
         Scheduler(port=0, dashboard_address=":0") as s,
         AsyncClient(s.address, asynchronous=True) as c,
     ):
-        await accelsched.register(c, check_interval="1h")
+        await accelsched.register(c, check_interval="1h")  # type: ignore[misc]
         for name in spent:  # time the handlers the guards call
             handler = s.handlers[name]
 
@@ -335,13 +338,8 @@ def many_workers(n: int) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
-    try:
-        import matplotlib
+    from benchmarks.plots import plt  # the Agg backend, as every benchmark draws
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for timeout in ("1h", None):
         rows = [r for r in result["check"] if r["timeout"] == timeout]
