@@ -202,7 +202,7 @@ def _verified(client: Client) -> int:
 
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """Per-round wall ratio and CPU per task, GPU and CPU tasks side by side."""
-    from benchmarks.plots import plt  # the Agg backend, as every benchmark draws
+    from benchmarks.plots import plt, save  # the Agg backend, as every benchmark draws
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     kinds = ["gpu", "cpu"]
@@ -233,11 +233,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{result['tasks']} tiny tasks, {result['rounds']} paired rounds")
-    fig.tight_layout()
-    path = out / f"{NAME}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out / f"{NAME}.png", dpi=110)]
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:

@@ -338,7 +338,7 @@ def many_workers(n: int) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
-    from benchmarks.plots import plt  # the Agg backend, as every benchmark draws
+    from benchmarks.plots import plt, save  # the Agg backend, as every benchmark draws
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for timeout in ("1h", None):
@@ -355,11 +355,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     ax.set_xlabel("unrunnable GPU tasks")
     ax.set_ylabel("one fallback check, µs (median)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / f"{NAME}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(fig, out / f"{NAME}.png", dpi=110)]
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:

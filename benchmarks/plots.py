@@ -16,6 +16,14 @@ GiB = 2**30
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red")
 
 
+def save(fig: Any, path: Path, dpi: int = 90) -> Path:
+    """Write ``fig`` as a PNG and free it (figures pile up in a long run otherwise)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def memory_panels(
     path: Path,
     traces: Mapping[str, dict[str, Any]],
@@ -53,9 +61,7 @@ def memory_panels(
     axes.flat[0].legend(fontsize=7, loc="upper left")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path)
 
 
 def lines(
@@ -79,9 +85,7 @@ def lines(
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path)
 
 
 def bars(
@@ -104,6 +108,4 @@ def bars(
     ax.tick_params(axis="x", labelsize=8)
     if title:
         ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path)

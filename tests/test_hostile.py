@@ -12,7 +12,6 @@ nothing else is mocked.
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import accelsched
 from accelsched.demo.chart import report_path
 from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
 from accelsched.status import render
-from tests.utils import cli, wait_for
+from tests.utils import cli, cli_process, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -194,20 +193,7 @@ def test_watch_ends_when_the_scheduler_goes():
         s = await Scheduler(port=0, dashboard_address=":0")
         async with Client(s.address, asynchronous=True) as c:
             await accelsched.register(c)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "accelsched.cli",
-            "status",
-            s.address,
-            "--json",
-            "--watch",
-            "0.2",
-            "--timeout",
-            "2s",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
+        proc = await cli_process("status", s.address, "--json", "--watch", "0.2", "--timeout", "2s")
         assert proc.stdout is not None and proc.stderr is not None
         assert (await asyncio.wait_for(proc.stdout.readline(), 60)).startswith(b"{")
         await s.close()

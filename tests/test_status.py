@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -22,7 +21,7 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.protocol import PLACEMENT_PLUGIN
 from accelsched.testing import device_alloc
-from tests.utils import cli, events, wait_for
+from tests.utils import cli, cli_process, events, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -124,18 +123,7 @@ async def test_status_watch_redraws_until_interrupted(c, s):
         await named_nannies(stack, s)
         await accelsched.register(c, **FAST)
         await wait_for(lambda: sum(len(w["devices"]) for w in snapshot(s)["workers"]) == 2)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "accelsched.cli",
-            "status",
-            s.address,
-            "--json",
-            "--watch",
-            "0.2",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
+        proc = await cli_process("status", s.address, "--json", "--watch", "0.2")
         assert proc.stdout is not None
         first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
         second = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))

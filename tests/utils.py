@@ -35,9 +35,9 @@ def gpus(s: Scheduler, addr: str) -> float:
     return s.workers[addr].resources.get("GPU", 0)
 
 
-async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
-    """Run ``python -m accelsched.cli ARGS``; (exit code, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
+async def cli_process(*args: str) -> asyncio.subprocess.Process:
+    """Start ``python -m accelsched.cli ARGS`` with its output piped (``--watch`` runs)."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "accelsched.cli",
@@ -45,6 +45,11 @@ async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+
+
+async def cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
+    """Run ``python -m accelsched.cli ARGS``; (exit code, stdout, stderr)."""
+    proc = await cli_process(*args)
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
