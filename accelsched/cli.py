@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from accelsched.status import EXIT_CODES_HELP, print_events, print_status
+from accelsched.status import EXIT_CODES_HELP, address_from_file, print_events, print_status
 
 __all__ = ["main", "print_events", "print_status"]
 
@@ -33,21 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     events = sub.add_parser(
         "events", help="print accelsched's events from a running cluster's scheduler"
     )
-    events.add_argument("scheduler", help="scheduler address, e.g. tcp://127.0.0.1:8786")
+    _scheduler_arguments(events)
     events.add_argument("--action", action="append", help="only these actions (repeatable)")
-    events.add_argument(
-        "--timeout",
-        default="10s",
-        type=_timeout,
-        help="how long to try to reach the scheduler (default 10s)",
-    )
     status = sub.add_parser(
         "status",
         help="a table per worker: verified GPUs, leases, leak estimate, quarantine, "
         "restarts, fallbacks",
         epilog=EXIT_CODES_HELP,
     )
-    status.add_argument("scheduler", help="scheduler address, e.g. tcp://127.0.0.1:8786")
+    _scheduler_arguments(status)
     status.add_argument(
         "--json", action="store_true", help="print the snapshot as JSON (one object a line)"
     )
@@ -59,12 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="redraw every SECONDS (default 2) until Ctrl-C",
     )
-    status.add_argument(
-        "--timeout",
-        default="10s",
-        type=_timeout,
-        help="how long to try to reach the scheduler (default 10s)",
-    )
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
     if args.command == "version":
@@ -72,15 +60,43 @@ def main(argv: list[str] | None = None) -> int:
 
         print(accelsched.__version__)
         return 0
-    if args.command == "events":
-        return print_events(args.scheduler, args.action, sys.stdout, timeout=args.timeout)
-    if args.command == "status":
+    if args.command in ("events", "status"):
+        if (args.scheduler is None) == (args.scheduler_file is None):
+            sub.choices[args.command].error("give a SCHEDULER address or --scheduler-file PATH")
+        address = args.scheduler
+        if args.scheduler_file is not None:
+            address = address_from_file(args.scheduler_file, args.timeout, args.command)
+            if isinstance(address, int):
+                return address
+        timeout = f"{args.timeout!r}s"  # dask alone reads ".5s" as 1.5 s
+        if args.command == "events":
+            return print_events(address, args.action, sys.stdout, timeout=timeout)
         return print_status(
-            args.scheduler, sys.stdout, as_json=args.json, watch=args.watch, timeout=args.timeout
+            address, sys.stdout, as_json=args.json, watch=args.watch, timeout=timeout
         )
     from accelsched.demo import main as demo_main
 
     return demo_main(args.report)
+
+
+def _scheduler_arguments(command: argparse.ArgumentParser) -> None:
+    """Where the scheduler is (its address, or the file ``--scheduler-file`` wrote) and
+    how long to try to reach it."""
+    command.add_argument(
+        "scheduler", nargs="?", help="scheduler address, e.g. tcp://127.0.0.1:8786"
+    )
+    command.add_argument(
+        "--scheduler-file",
+        metavar="PATH",
+        help="read the address from the file dask scheduler --scheduler-file PATH writes "
+        "(waiting up to --timeout for it), instead of giving SCHEDULER",
+    )
+    command.add_argument(
+        "--timeout",
+        default="10s",
+        type=_timeout,
+        help="how long to try to reach the scheduler (default 10s)",
+    )
 
 
 def _seconds(value: str) -> float:
@@ -94,9 +110,8 @@ def _seconds(value: str) -> float:
     return seconds
 
 
-def _timeout(value: str) -> str:
-    """``--timeout``: a duration (``10s``, ``500ms``, seconds), finite and >= 0, passed on
-    in seconds (dask alone reads ``.5s`` as 1.5 s)."""
+def _timeout(value: str) -> float:
+    """``--timeout``: a duration (``10s``, ``500ms``, seconds), finite and >= 0; seconds."""
     from accelsched.config import parse_optional_duration
 
     try:
@@ -105,7 +120,7 @@ def _timeout(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if seconds is None:
         raise argparse.ArgumentTypeError(f"invalid --timeout={value!r}: expected a duration")
-    return f"{seconds!r}s"
+    return seconds
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,6 +13,7 @@ Exit codes (also in ``accelsched --help`` and docs/observe.md): :data:`OK`,
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Final, TextIO
@@ -22,7 +23,16 @@ from accelsched.protocol import STATUS_HANDLER, DeviceStatus, StatusReply
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["snapshot", "print_status", "print_events", "table_rows", "render", "summary", "COLUMNS"]
+__all__ = [
+    "address_from_file",
+    "snapshot",
+    "print_status",
+    "print_events",
+    "table_rows",
+    "render",
+    "summary",
+    "COLUMNS",
+]
 
 OK: Final = 0
 #: The scheduler could not be reached within ``--timeout``, or went away under ``--watch``.
@@ -110,6 +120,40 @@ def render(snap: StatusReply) -> str:
     for i in range(n):
         lines.append("  ".join(rows[c][i].ljust(widths[c]) for c, _ in COLUMNS).rstrip())
     return "\n".join(lines)
+
+
+def address_from_file(path: str, timeout: float, command: str) -> str | int:
+    """The address in a scheduler file (``dask scheduler --scheduler-file PATH``), or the
+    exit code.
+
+    The scheduler writes the file in place once it listens, so a reader can find it
+    missing, empty or half written: distributed's own reader tries again until it
+    parses or ``timeout`` seconds pass (:data:`UNREACHABLE` if it never appeared,
+    :data:`USAGE` if what it holds is no scheduler file)."""
+    from distributed.utils import json_load_robust
+
+    problem = None
+    try:
+        # at least one read, also for --timeout 0
+        cfg = json_load_robust(path, timeout=max(timeout, 0.01))
+    except TimeoutError:
+        if not os.path.exists(path):
+            print(
+                f"accelsched {command}: no scheduler file at {path} after {timeout:g}s "
+                "(is the scheduler started with --scheduler-file?)",
+                file=sys.stderr,
+            )
+            return UNREACHABLE
+        problem = "it holds no JSON"
+    except OSError as exc:  # a folder, no permission
+        problem = f"{type(exc).__name__}: {exc.strerror}"
+    else:
+        address = cfg.get("address") if isinstance(cfg, dict) else None
+        if isinstance(address, str) and address:
+            return address
+        problem = f"it names no address: {address!r}"
+    print(f"accelsched {command}: {path} is no scheduler file ({problem})", file=sys.stderr)
+    return USAGE
 
 
 def _connect(address: str, timeout: str, command: str) -> Client | int:

@@ -26,6 +26,7 @@ Nothing is skipped: a block with any other comment fails.
 from __future__ import annotations
 
 import ast
+import contextlib
 import doctest
 import io
 import os
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,15 +212,56 @@ def test_example(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -
         pytest.fail(f"{block.id}: unknown example kind {block.kind!r} (see tests/test_docs.py)")
 
 
+SCRIPT_TIMEOUT = 100  # s; under pytest-timeout's 120, so a hung example shows its output
+
+
 def _run_script(block: Block, folder: Path, argv: list[str], files: dict[str, str]) -> None:
+    """Run ``argv`` in ``folder`` as a process group of its own and require exit 0.
+
+    An example that starts processes must stop them: one left behind keeps the output
+    pipes open (the example would never seem to end), so after the example exits, or
+    after :data:`SCRIPT_TIMEOUT`, the group is killed and a survivor fails the test,
+    with the example's output either way."""
     for name, code in files.items():
         (folder / name).write_text(code, encoding="utf-8")
-    proc = subprocess.run(
-        argv, cwd=folder, env=BASE_ENV, capture_output=True, text=True, timeout=180
+    proc = subprocess.Popen(
+        argv,
+        cwd=folder,
+        env=BASE_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    assert proc.returncode == 0, (
-        f"{block.id} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
-    )
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(SCRIPT_TIMEOUT)
+    returncode = proc.poll()
+    survivors = _kill_group(proc.pid)
+    output = proc.communicate()[0]
+    ended = f"ran past {SCRIPT_TIMEOUT}s" if returncode is None else f"exited {returncode}"
+    left = f", left processes running: {survivors}" if survivors else ""
+    assert returncode == 0 and not survivors, f"{block.id} {ended}{left}:\n{output[-6000:]}"
+
+
+def _kill_group(pgid: int) -> list[str]:
+    """SIGKILL every process still in group ``pgid``; their command lines."""
+    left = [
+        p
+        for p in psutil.process_iter(["cmdline", "status"])
+        if _group(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE  # zombies ended
+    ]
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(left, timeout=10)
+    return [" ".join(p.info["cmdline"] or [])[:200] for p in left]
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:  # gone
+        return None
 
 
 def _check_events(block: Block) -> None:

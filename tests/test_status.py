@@ -133,6 +133,52 @@ async def test_status_watch_redraws_until_interrupted(c, s):
         assert await asyncio.wait_for(proc.wait(), 30) == 0
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_scheduler_file_read_once_the_scheduler_wrote_it(c, s, a, tmp_path_factory):
+    """The file is missing, then half written (as ``dask scheduler`` writes it in place),
+    then whole: both commands wait for the address instead of failing on the way."""
+    await accelsched.register(c)
+    path = tmp_path_factory.mktemp("sched") / "scheduler.json"
+    whole = json.dumps(s.identity())
+    task = asyncio.create_task(cli("status", "--scheduler-file", str(path), "--json"))
+    await asyncio.sleep(1.0)
+    path.write_text(whole[:10])
+    await asyncio.sleep(1.0)
+    assert not task.done()  # still waiting: nothing parsed yet
+    path.write_text(whole)
+    code, out, err = await task
+    assert code == 0, err
+    assert json.loads(out)["scheduler"] == s.address
+    code, out, err = await cli("events", "--scheduler-file", str(path))
+    assert code == 0 and err == "", err
+
+
+def test_scheduler_file_errors_one_line(tmp_path):
+    missing = tmp_path / "missing.json"
+    code, out, err = asyncio.run(
+        cli("status", "--scheduler-file", str(missing), "--timeout", "0.3")
+    )
+    assert code == 1 and out == ""
+    assert err.strip() == (
+        f"accelsched status: no scheduler file at {missing} after 0.3s "
+        "(is the scheduler started with --scheduler-file?)"
+    )
+    for content, problem in [
+        ("", "it holds no JSON"),
+        ('{"type": "Scheduler"}', "it names no address: None"),
+        ("[1, 2]", "it names no address: None"),
+    ]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(content)
+        code, out, err = asyncio.run(cli("events", "--scheduler-file", str(bad), "--timeout", "0"))
+        assert code == 2 and out == ""
+        assert err.strip() == f"accelsched events: {bad} is no scheduler file ({problem})"
+    # an address and a file, or neither: a usage error naming both ways
+    for args in (("tcp://127.0.0.1:1", "--scheduler-file", str(missing)), ()):
+        code, _, err = asyncio.run(cli("status", *args))
+        assert code == 2 and "give a SCHEDULER address or --scheduler-file PATH" in err
+
+
 def test_unreachable_scheduler_one_line_exit_1():
     code, out, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--timeout", "1s"))
     assert code == 1 and out == ""
