@@ -19,7 +19,7 @@ paired CPU differences, with their spread (min, max).
 Usage::
 
     python -m benchmarks overhead [--quick]
-    python benchmarks/bench_overhead.py [--tasks 2000] [--rounds 7] [--json out.json]
+    python -m benchmarks.bench_overhead [--tasks 2000] [--rounds 7] [--json out.json]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ methods can be timed directly:
 Usage::
 
     python -m benchmarks scale [--quick]
-    python benchmarks/bench_scale.py [--quick] [--json out.json]
+    python -m benchmarks.bench_scale [--quick] [--json out.json]
 """
 
 from __future__ import annotations
