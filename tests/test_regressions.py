@@ -15,7 +15,9 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 import accelsched.scheduler.restarts as restarts_module
+from accelsched import GuardPlugin
 from accelsched.devices.arrays import to_host
+from accelsched.protocol import GUARD_PLUGIN
 from accelsched.testing import device_alloc
 from tests.utils import events, gpus, wait_for
 
@@ -219,4 +221,46 @@ async def test_a_cancelled_task_still_running_is_not_blamed_on_another(c, s, a):
     await asyncio.sleep(0.5)  # executing, its first NVML reading taken
     await Event("cancelled-go").set()
     assert await innocent == "innocent ok"
+    assert not events(s, "unrequested-gpu-use")
+
+
+def running_rogue() -> int:
+    Event("rerun-started").set()
+    Event("rerun-go").wait()
+    return device_alloc(2**20, device=0, leak=True).nbytes
+
+
+def guard_confirmations(dask_worker: Worker) -> int:
+    return dask_worker.plugins[GUARD_PLUGIN].options["leak_confirmations"]
+
+
+def rerun_innocent() -> str:
+    Event("rerun-go").wait()
+    time.sleep(0.3)
+    return "innocent ok"
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 2, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})],
+    timeout=30,
+)
+async def test_a_task_running_when_the_guard_is_registered_again_still_counts(c, s, a):
+    """A GuardPlugin registered again (new options: ``register_plugin`` replaces it) on a
+    worker whose tasks run on: one that started under the old guard must still count as
+    running, or what it allocates is blamed on a task that starts beside it."""
+    await accelsched.register(c, unrequested_gpu="fail")
+    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
+    rogue = c.submit(running_rogue, key="rogue")
+    await Event("rerun-started").wait()
+    await c.register_plugin(GuardPlugin(unrequested_gpu="fail", leak_confirmations=3))
+    replaced = await c.run(guard_confirmations)
+    assert replaced == {a.worker_address: 3}
+    innocent = c.submit(rerun_innocent, key="innocent")
+    await wait_for(lambda: "innocent" in s.tasks and s.tasks["innocent"].state == "processing")
+    await asyncio.sleep(0.5)  # executing, its first NVML reading taken
+    await Event("rerun-go").set()
+    assert await innocent == "innocent ok"
+    assert await rogue == 2**20
     assert not events(s, "unrequested-gpu-use")

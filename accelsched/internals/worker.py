@@ -79,6 +79,12 @@ def runs_in_thread(worker: Worker, key: Any) -> bool:
     return ts.state in ("cancelled", "resumed") and ts.previous in _IN_THREAD and not ts.done
 
 
+def keys_in_threads(worker: Worker) -> list[Any]:
+    """The keys whose functions run in the worker's threads now (see
+    :func:`runs_in_thread`): one pass over its tasks, for a guard set up mid-run."""
+    return [key for key in list(worker.state.tasks) if runs_in_thread(worker, key)]
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskView:
     """What the guard needs to know of a task starting on a worker."""
