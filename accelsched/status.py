@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Final, TextIO
@@ -122,38 +123,63 @@ def render(snap: StatusReply) -> str:
     return "\n".join(lines)
 
 
+#: A scheduler file is a few hundred bytes; anything this large is not one.
+MAX_SCHEDULER_FILE: Final = 2**20
+
+
 def address_from_file(path: str, timeout: float, command: str) -> str | int:
     """The address in a scheduler file (``dask scheduler --scheduler-file PATH``), or the
     exit code.
 
     The scheduler writes the file in place once it listens, so a reader can find it
-    missing, empty or half written: distributed's own reader tries again until it
-    parses or ``timeout`` seconds pass (:data:`UNREACHABLE` if it never appeared,
-    :data:`USAGE` if what it holds is no scheduler file)."""
+    missing, empty or half written: it is waited for, then read with distributed's own
+    reader, which tries again until it parses, all within ``timeout`` seconds
+    (:data:`UNREACHABLE` if it never appeared, :data:`USAGE` if what is there is no
+    scheduler file). Only a regular file of a sane size is opened: a FIFO would block
+    and ``/dev/zero`` would never end."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            st = os.stat(path)
+            break
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                print(
+                    f"accelsched {command}: no scheduler file at {path} after {timeout:g}s "
+                    "(is the scheduler started with --scheduler-file?)",
+                    file=sys.stderr,
+                )
+                return UNREACHABLE
+            time.sleep(0.05)
+        except (OSError, ValueError) as exc:  # a symlink loop, a NUL in the path
+            return _no_scheduler_file(command, path, _describe(exc))
+    if not stat.S_ISREG(st.st_mode):
+        return _no_scheduler_file(command, path, "not a regular file")
+    if st.st_size > MAX_SCHEDULER_FILE:
+        return _no_scheduler_file(command, path, f"{st.st_size} bytes")
     from distributed.utils import json_load_robust
 
-    problem = None
     try:
-        # at least one read, also for --timeout 0
-        cfg = json_load_robust(path, timeout=max(timeout, 0.01))
-    except TimeoutError:
-        if not os.path.exists(path):
-            print(
-                f"accelsched {command}: no scheduler file at {path} after {timeout:g}s "
-                "(is the scheduler started with --scheduler-file?)",
-                file=sys.stderr,
-            )
-            return UNREACHABLE
-        problem = "it holds no JSON"
-    except OSError as exc:  # a folder, no permission
-        problem = f"{type(exc).__name__}: {exc.strerror}"
-    else:
-        address = cfg.get("address") if isinstance(cfg, dict) else None
-        if isinstance(address, str) and address:
-            return address
-        problem = f"it names no address: {address!r}"
-    print(f"accelsched {command}: {path} is no scheduler file ({problem})", file=sys.stderr)
+        # at least one read, also when the wait used the whole timeout
+        cfg = json_load_robust(path, timeout=max(deadline - time.monotonic(), 0.01))
+    except (TimeoutError, RecursionError):  # never parsed; nested too deep to parse
+        return _no_scheduler_file(command, path, "it holds no JSON")
+    except OSError as exc:  # no permission
+        return _no_scheduler_file(command, path, _describe(exc))
+    address = cfg.get("address") if isinstance(cfg, dict) else None
+    if isinstance(address, str) and address:
+        return address
+    return _no_scheduler_file(command, path, f"it names no address: {address!r}")
+
+
+def _no_scheduler_file(command: str, path: str, problem: str) -> int:
+    print(f"accelsched {command}: {path!s} is no scheduler file ({problem})", file=sys.stderr)
     return USAGE
+
+
+def _describe(exc: BaseException) -> str:
+    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"{type(exc).__name__}: {detail}"
 
 
 def _connect(address: str, timeout: str, command: str) -> Client | int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 from contextlib import AsyncExitStack
 from typing import Any
@@ -173,6 +174,13 @@ def test_scheduler_file_errors_one_line(tmp_path):
         code, out, err = asyncio.run(cli("events", "--scheduler-file", str(bad), "--timeout", "0"))
         assert code == 2 and out == ""
         assert err.strip() == f"accelsched events: {bad} is no scheduler file ({problem})"
+    # never opened: a FIFO would block, a device never end
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for odd in (fifo, tmp_path, "/dev/zero"):
+        code, _, err = asyncio.run(cli("status", "--scheduler-file", str(odd), "--timeout", "0"))
+        assert code == 2
+        assert err.strip() == f"accelsched status: {odd} is no scheduler file (not a regular file)"
     # an address and a file, or neither: a usage error naming both ways
     for args in (("tcp://127.0.0.1:1", "--scheduler-file", str(missing)), ()):
         code, _, err = asyncio.run(cli("status", *args))
