@@ -99,6 +99,9 @@ class PlacementPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         internals.install_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
         internals.notify_unregistered(scheduler)
+        # the event log is the source of the counts, the metrics and the history: no
+        # client may write accelsched's events (workers' own arrive stamped by distributed)
+        internals.refuse_client_topic(scheduler, events.TOPIC)
         self.restarts.start(scheduler)
         self.fallback.start(scheduler)
         self.gate.start(scheduler)
@@ -108,14 +111,15 @@ class PlacementPlugin(SchedulerPlugin):
     def unregistered(self) -> None:
         """``client.unregister_scheduler_plugin``: leave the scheduler as it was found.
 
-        Handlers and ``set_resources`` go back to distributed's, the periodic check stops,
-        and every worker's GPU count is its declaration again.
+        Handlers (``set_resources`` and ``log_event`` too) go back to distributed's, the
+        periodic check stops, and every worker's GPU count is its declaration again.
         """
         scheduler = self.scheduler
         if scheduler is None:
             return
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
+        internals.restore_log_event(scheduler)
         self.gate.stop()
         self.observer.stop()
 

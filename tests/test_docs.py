@@ -213,15 +213,17 @@ def test_example(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -
 
 
 SCRIPT_TIMEOUT = 100  # s; under pytest-timeout's 120, so a hung example shows its output
+GRACE = 15  # s an example's processes get to end after it exits (a resource tracker, ...)
 
 
 def _run_script(block: Block, folder: Path, argv: list[str], files: dict[str, str]) -> None:
     """Run ``argv`` in ``folder`` as a process group of its own and require exit 0.
 
     An example that starts processes must stop them: one left behind keeps the output
-    pipes open (the example would never seem to end), so after the example exits, or
-    after :data:`SCRIPT_TIMEOUT`, the group is killed and a survivor fails the test,
-    with the example's output either way."""
+    pipes open (the example would never seem to end). So the group is killed once the
+    example has exited and its processes had :data:`GRACE` seconds to end, or at once
+    after :data:`SCRIPT_TIMEOUT`; a process still there fails the test, with the
+    example's output either way."""
     for name, code in files.items():
         (folder / name).write_text(code, encoding="utf-8")
     proc = subprocess.Popen(
@@ -236,25 +238,32 @@ def _run_script(block: Block, folder: Path, argv: list[str], files: dict[str, st
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(SCRIPT_TIMEOUT)
     returncode = proc.poll()
-    survivors = _kill_group(proc.pid)
+    survivors = _stop_group(proc.pid, grace=0 if returncode is None else GRACE)
     output = proc.communicate()[0]
     ended = f"ran past {SCRIPT_TIMEOUT}s" if returncode is None else f"exited {returncode}"
     left = f", left processes running: {survivors}" if survivors else ""
     assert returncode == 0 and not survivors, f"{block.id} {ended}{left}:\n{output[-6000:]}"
 
 
-def _kill_group(pgid: int) -> list[str]:
-    """SIGKILL every process still in group ``pgid``; their command lines."""
-    left = [
-        p
-        for p in psutil.process_iter(["cmdline", "status"])
-        if _group(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE  # zombies ended
-    ]
+def _stop_group(pgid: int, grace: float) -> list[str]:
+    """Wait up to ``grace`` seconds for group ``pgid`` to end, SIGKILL what is left and
+    return those processes' command lines."""
+    deadline = time.monotonic() + grace
+    while (left := _members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     for p in left:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    psutil.wait_procs(left, timeout=10)
     return [" ".join(p.info["cmdline"] or [])[:200] for p in left]
+
+
+def _members(pgid: int) -> list[psutil.Process]:
+    """The live processes of group ``pgid`` (zombies have ended: only not reaped)."""
+    return [
+        p
+        for p in psutil.process_iter(["cmdline", "status"])
+        if _group(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
 
 
 def _group(pid: int) -> int | None:

@@ -115,7 +115,31 @@ async def test_a_forged_heartbeat_metric_breaks_no_status(c, s, a):
 
 
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
-async def test_forged_events_break_nothing_and_grow_nothing(c, s, a):
+async def test_no_client_writes_accelsched_events(c, s, a):
+    """The event log is the source of the status counts, the metrics and the dashboard's
+    history: a client cannot add to it, alone or among other topics; other topics work,
+    and unregistering gives distributed's handler back."""
+    await accelsched.register(c)
+    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    forged = {"action": "restart", "worker": a.address, "reason": "leak"}
+    for topic in ("accelsched", ["mine", "accelsched"], ("accelsched",)):
+        with pytest.raises(PermissionError, match="'accelsched' event topic is written by"):
+            await c.log_event(topic, forged)
+    await c.log_event(["mine", "theirs"], {"fine": 1})
+    await wait_for(lambda: len(s.get_events("theirs")) == 1)
+    assert not [m for _, m in s.get_events("accelsched") if m.get("action") == "restart"]
+    assert (await status(c))["restarts"] == 0
+    await c.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
+    await c.log_event("accelsched", {"note": "no accelsched here any more"})
+    await wait_for(
+        lambda: len(s.get_events("accelsched")) > 0 and "note" in s.get_events("accelsched")[-1][1]
+    )
+
+
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_odd_events_break_nothing_and_grow_nothing(c, s, a):
+    """Events of every odd shape reaching the log anyway (code run on the scheduler, a
+    task on a worker calling ``log_event``) break no hook and grow no memory."""
     from prometheus_client import REGISTRY
 
     await accelsched.register(c)
@@ -134,7 +158,7 @@ async def test_forged_events_break_nothing_and_grow_nothing(c, s, a):
     forged += [{"action": f"bogus-{i}"} for i in range(50)]
     with captured_logger("distributed.broker") as log:
         for msg in forged:
-            await c.log_event("accelsched", msg)
+            s.log_event("accelsched", msg)  # as run_on_scheduler could
         await wait_for(lambda: len(s.get_events("accelsched")) >= len(forged))
     assert "Plugin failed" not in log.getvalue()
     # counted in the totals; per worker only for the one worker that exists

@@ -60,7 +60,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
 
     problems: list[str] = []
     handlers = getattr(scheduler, "handlers", None)
-    for name in ("set_resources", "unregister_scheduler_plugin"):
+    for name in ("set_resources", "unregister_scheduler_plugin", "log_event"):
         if not isinstance(handlers, dict) or name not in handlers:
             problems.append(f"Scheduler.handlers has no {name!r} handler")
     if not isinstance(getattr(scheduler, "unrunnable", None), dict):

@@ -50,6 +50,37 @@ def restore_set_resources(scheduler: Scheduler) -> None:
     scheduler.handlers["set_resources"] = getattr(handler, _ORIGINAL, handler)
 
 
+def refuse_client_topic(scheduler: Scheduler, topic: str) -> None:
+    """Refuse ``topic`` in the scheduler's ``log_event`` handler, which serves
+    ``Client.log_event``: any client could log there in any worker's name.
+
+    The topic's events then come only from the scheduler itself (``Scheduler.log_event``,
+    not a handler) and from workers over their own streams, which distributed stamps
+    with the sending worker's address. Other topics are untouched. Wraps distributed's
+    own handler, never a previous wrapper; :func:`restore_log_event` undoes it."""
+    original = scheduler.handlers["log_event"]
+    original = getattr(original, _ORIGINAL, original)
+    refused = topic
+
+    def log_event(topic: Any = None, msg: Any = None) -> Any:  # distributed's parameters
+        topics = [topic] if isinstance(topic, str) else topic
+        if isinstance(topics, (list, tuple)) and refused in topics:
+            raise PermissionError(
+                f"the {refused!r} event topic is written by accelsched alone; "
+                "log to a topic of your own"
+            )
+        return original(topic=topic, msg=msg)
+
+    setattr(log_event, _ORIGINAL, original)
+    scheduler.handlers["log_event"] = log_event
+
+
+def restore_log_event(scheduler: Scheduler) -> None:
+    """Undo :func:`refuse_client_topic`: distributed's own handler again."""
+    handler = scheduler.handlers["log_event"]
+    scheduler.handlers["log_event"] = getattr(handler, _ORIGINAL, handler)
+
+
 def worker_plugin_registered(scheduler: Scheduler, name: str) -> bool:
     return name in scheduler.worker_plugins
 
