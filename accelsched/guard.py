@@ -153,10 +153,11 @@ class GuardPlugin(WorkerPlugin):
             leaks=self.leaks,
         )
         internals.add_metric(worker, GUARD_METRIC, self.figures.read)
-        # registered again (a new GuardPlugin replaces the old one, whose teardown
-        # stopped counting its tasks): what runs now still shares the process
-        for key in internals.keys_in_threads(worker):
-            self._count_running(key)
+        if inv.visible:  # as the transition hook, which alone uncounts them
+            # registered again (a new GuardPlugin replaces the old one, whose teardown
+            # stopped counting its tasks): what runs now still shares the process
+            for key in internals.keys_in_threads(worker):
+                self._count_running(key)
         internals.install_handler(worker, REPORT_HANDLER, self.report)
         internals.install_handler(worker, CONFIRM_HANDLER, inv.confirm)
         internals.install_handler(worker, DRAIN_HANDLER, self.drain)

@@ -214,42 +214,52 @@ def test_example(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -
 
 SCRIPT_TIMEOUT = 100  # s; under pytest-timeout's 120, so a hung example shows its output
 GRACE = 15  # s an example's processes get to end after it exits (a resource tracker, ...)
+MARK = "ACCELSCHED_DOCS_EXAMPLE"  # in the environment of an example and what it starts
 
 
 def _run_script(block: Block, folder: Path, argv: list[str], files: dict[str, str]) -> None:
-    """Run ``argv`` in ``folder`` as a process group of its own and require exit 0.
+    """Run ``argv`` in ``folder`` and require exit 0 and nothing left running.
 
-    An example that starts processes must stop them: one left behind keeps the output
-    pipes open (the example would never seem to end). So the group is killed once the
-    example has exited and its processes had :data:`GRACE` seconds to end, or at once
-    after :data:`SCRIPT_TIMEOUT`; a process still there fails the test, with the
-    example's output either way."""
+    An example that starts processes must stop them. Each process it starts inherits a
+    mark in its environment (a new session or process group does not shed it), so once
+    the example has exited and its processes had :data:`GRACE` seconds to end, or at
+    once after :data:`SCRIPT_TIMEOUT` or an interrupt, what still carries the mark is
+    killed and fails the test. The output goes to a file, never a pipe: a process left
+    holding a pipe would make the example seem never to end, and a full pipe would
+    block it."""
     for name, code in files.items():
         (folder / name).write_text(code, encoding="utf-8")
-    proc = subprocess.Popen(
-        argv,
-        cwd=folder,
-        env=BASE_ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(SCRIPT_TIMEOUT)
-    returncode = proc.poll()
-    survivors = _stop_group(proc.pid, grace=0 if returncode is None else GRACE)
-    output = proc.communicate()[0]
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    log = folder / ".output"
+    with open(log, "w+b") as out:
+        proc = subprocess.Popen(
+            argv,
+            cwd=folder,
+            env={**BASE_ENV, MARK: mark},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        returncode = None
+        try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(SCRIPT_TIMEOUT)
+            returncode = proc.poll()
+        finally:  # an interrupt or pytest-timeout too: nothing is left running
+            if returncode is None:
+                proc.kill()
+                proc.wait()
+            survivors = _stop_marked(mark, grace=0 if returncode is None else GRACE)
+    output = log.read_text(encoding="utf-8", errors="replace")
     ended = f"ran past {SCRIPT_TIMEOUT}s" if returncode is None else f"exited {returncode}"
     left = f", left processes running: {survivors}" if survivors else ""
     assert returncode == 0 and not survivors, f"{block.id} {ended}{left}:\n{output[-6000:]}"
 
 
-def _stop_group(pgid: int, grace: float) -> list[str]:
-    """Wait up to ``grace`` seconds for group ``pgid`` to end, SIGKILL what is left and
-    return those processes' command lines."""
+def _stop_marked(mark: str, grace: float) -> list[str]:
+    """Wait up to ``grace`` seconds for the processes carrying ``mark`` to end, SIGKILL
+    what is left and return those processes' command lines."""
     deadline = time.monotonic() + grace
-    while (left := _members(pgid)) and time.monotonic() < deadline:
+    while (left := _marked(mark)) and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in left:
         with contextlib.suppress(psutil.Error):
@@ -257,20 +267,17 @@ def _stop_group(pgid: int, grace: float) -> list[str]:
     return [" ".join(p.info["cmdline"] or [])[:200] for p in left]
 
 
-def _members(pgid: int) -> list[psutil.Process]:
-    """The live processes of group ``pgid`` (zombies have ended: only not reaped)."""
-    return [
-        p
-        for p in psutil.process_iter(["cmdline", "status"])
-        if _group(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE
-    ]
-
-
-def _group(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:  # gone
-        return None
+def _marked(mark: str) -> list[psutil.Process]:
+    """The live processes whose environment carries ``mark`` (zombies have ended:
+    they are only not reaped)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        with contextlib.suppress(psutil.Error):  # gone, or not ours to read
+            if p.environ().get(MARK) == mark:
+                found.append(p)
+    return found
 
 
 def _check_events(block: Block) -> None:

@@ -230,11 +230,18 @@ def running_rogue() -> int:
     return device_alloc(2**20, device=0, leak=True).nbytes
 
 
+def running_count() -> int:
+    from accelsched.worker.watch import ACTIVITY
+
+    return ACTIVITY.running
+
+
 def guard_confirmations(dask_worker: Worker) -> int:
     return dask_worker.plugins[GUARD_PLUGIN].options["leak_confirmations"]
 
 
 def rerun_innocent() -> str:
+    Event("innocent-started").set()  # watched: its first reading is taken by now
     Event("rerun-go").wait()
     time.sleep(0.3)
     return "innocent ok"
@@ -258,9 +265,10 @@ async def test_a_task_running_when_the_guard_is_registered_again_still_counts(c,
     replaced = await c.run(guard_confirmations)
     assert replaced == {a.worker_address: 3}
     innocent = c.submit(rerun_innocent, key="innocent")
-    await wait_for(lambda: "innocent" in s.tasks and s.tasks["innocent"].state == "processing")
-    await asyncio.sleep(0.5)  # executing, its first NVML reading taken
+    await Event("innocent-started").wait()
     await Event("rerun-go").set()
     assert await innocent == "innocent ok"
     assert await rogue == 2**20
     assert not events(s, "unrequested-gpu-use")
+    # and both were uncounted as they ended: nothing counted twice, nothing left over
+    assert await c.run(running_count) == {a.worker_address: 0}
