@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from accelsched.status import EXIT_CODES_HELP, address_from_file, print_events, print_status
+from accelsched.scheduler_file import address_from_file
+from accelsched.status import EXIT_CODES_HELP, print_events, print_status
 
 __all__ = ["main", "print_events", "print_status"]
+
+#: Seconds a connection gets at least after ``--scheduler-file`` waited for its file
+#: (one ``--timeout`` covers both).
+MIN_CONNECT = 1.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("events", "status"):
         if (args.scheduler is None) == (args.scheduler_file is None):
             sub.choices[args.command].error("give a SCHEDULER address or --scheduler-file PATH")
-        address = args.scheduler
-        if args.scheduler_file is not None:
-            address = address_from_file(args.scheduler_file, args.timeout, args.command)
+        address, seconds = args.scheduler, args.timeout
+        if args.scheduler_file is not None:  # one --timeout for the file and the scheduler
+            deadline = time.monotonic() + args.timeout
+            address = address_from_file(args.scheduler_file, deadline, args.command)
             if isinstance(address, int):
                 return address
-        timeout = f"{args.timeout!r}s"  # dask alone reads ".5s" as 1.5 s
+            seconds = max(deadline - time.monotonic(), MIN_CONNECT)
+        timeout = f"{seconds!r}s"  # dask alone reads ".5s" as 1.5 s
         if args.command == "events":
             return print_events(address, args.action, sys.stdout, timeout=timeout)
         return print_status(
@@ -83,19 +91,23 @@ def _scheduler_arguments(command: argparse.ArgumentParser) -> None:
     """Where the scheduler is (its address, or the file ``--scheduler-file`` wrote) and
     how long to try to reach it."""
     command.add_argument(
-        "scheduler", nargs="?", help="scheduler address, e.g. tcp://127.0.0.1:8786"
+        "scheduler",
+        nargs="?",
+        metavar="SCHEDULER",
+        help="scheduler address, e.g. tcp://127.0.0.1:8786",
     )
     command.add_argument(
         "--scheduler-file",
         metavar="PATH",
+        type=_path,
         help="read the address from the file dask scheduler --scheduler-file PATH writes "
-        "(waiting up to --timeout for it), instead of giving SCHEDULER",
+        "(waiting for it within --timeout), instead of giving SCHEDULER",
     )
     command.add_argument(
         "--timeout",
         default="10s",
         type=_timeout,
-        help="how long to try to reach the scheduler (default 10s)",
+        help="how long to try to reach the scheduler, its scheduler file included (default 10s)",
     )
 
 
@@ -110,16 +122,23 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _path(value: str) -> str:
+    if not value:
+        raise argparse.ArgumentTypeError("invalid PATH '': expected a file name")
+    return value
+
+
 def _timeout(value: str) -> float:
-    """``--timeout``: a duration (``10s``, ``500ms``, seconds), finite and >= 0; seconds."""
+    """``--timeout``: a duration (``10s``, ``500ms``, seconds), finite and > 0 (nothing
+    can be reached in no time); seconds."""
     from accelsched.config import parse_optional_duration
 
     try:
         seconds = parse_optional_duration("--timeout", value)
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if seconds is None:
-        raise argparse.ArgumentTypeError(f"invalid --timeout={value!r}: expected a duration")
+    if seconds is None or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"invalid --timeout={value!r}: expected a duration > 0")
     return seconds
 
 

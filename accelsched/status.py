@@ -13,8 +13,6 @@ Exit codes (also in ``accelsched --help`` and docs/observe.md): :data:`OK`,
 from __future__ import annotations
 
 import json
-import os
-import stat
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Final, TextIO
@@ -25,7 +23,6 @@ if TYPE_CHECKING:
     from distributed import Client
 
 __all__ = [
-    "address_from_file",
     "snapshot",
     "print_status",
     "print_events",
@@ -36,7 +33,8 @@ __all__ = [
 ]
 
 OK: Final = 0
-#: The scheduler could not be reached within ``--timeout``, or went away under ``--watch``.
+#: The scheduler could not be reached within ``--timeout`` (nor its ``--scheduler-file``
+#: read: missing or still empty), or went away under ``--watch``.
 UNREACHABLE: Final = 1
 #: Bad arguments (argparse's own code).
 USAGE: Final = 2
@@ -44,7 +42,8 @@ USAGE: Final = 2
 NO_ACCELSCHED: Final = 3
 
 EXIT_CODES_HELP: Final = (
-    "exit codes: 0 ok; 1 scheduler unreachable (or lost while watching); "
+    "exit codes: 0 ok; 1 scheduler unreachable or its scheduler file not there yet "
+    "(or lost while watching); "
     "2 bad arguments; 3 the scheduler runs no accelsched (PlacementPlugin not registered)"
 )
 
@@ -121,65 +120,6 @@ def render(snap: StatusReply) -> str:
     for i in range(n):
         lines.append("  ".join(rows[c][i].ljust(widths[c]) for c, _ in COLUMNS).rstrip())
     return "\n".join(lines)
-
-
-#: A scheduler file is a few hundred bytes; anything this large is not one.
-MAX_SCHEDULER_FILE: Final = 2**20
-
-
-def address_from_file(path: str, timeout: float, command: str) -> str | int:
-    """The address in a scheduler file (``dask scheduler --scheduler-file PATH``), or the
-    exit code.
-
-    The scheduler writes the file in place once it listens, so a reader can find it
-    missing, empty or half written: it is waited for, then read with distributed's own
-    reader, which tries again until it parses, all within ``timeout`` seconds
-    (:data:`UNREACHABLE` if it never appeared, :data:`USAGE` if what is there is no
-    scheduler file). Only a regular file of a sane size is opened: a FIFO would block
-    and ``/dev/zero`` would never end."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            st = os.stat(path)
-            break
-        except FileNotFoundError:
-            if time.monotonic() >= deadline:
-                print(
-                    f"accelsched {command}: no scheduler file at {path} after {timeout:g}s "
-                    "(is the scheduler started with --scheduler-file?)",
-                    file=sys.stderr,
-                )
-                return UNREACHABLE
-            time.sleep(0.05)
-        except (OSError, ValueError) as exc:  # a symlink loop, a NUL in the path
-            return _no_scheduler_file(command, path, _describe(exc))
-    if not stat.S_ISREG(st.st_mode):
-        return _no_scheduler_file(command, path, "not a regular file")
-    if st.st_size > MAX_SCHEDULER_FILE:
-        return _no_scheduler_file(command, path, f"{st.st_size} bytes")
-    from distributed.utils import json_load_robust
-
-    try:
-        # at least one read, also when the wait used the whole timeout
-        cfg = json_load_robust(path, timeout=max(deadline - time.monotonic(), 0.01))
-    except (TimeoutError, RecursionError):  # never parsed; nested too deep to parse
-        return _no_scheduler_file(command, path, "it holds no JSON")
-    except OSError as exc:  # no permission
-        return _no_scheduler_file(command, path, _describe(exc))
-    address = cfg.get("address") if isinstance(cfg, dict) else None
-    if isinstance(address, str) and address:
-        return address
-    return _no_scheduler_file(command, path, f"it names no address: {address!r}")
-
-
-def _no_scheduler_file(command: str, path: str, problem: str) -> int:
-    print(f"accelsched {command}: {path!s} is no scheduler file ({problem})", file=sys.stderr)
-    return USAGE
-
-
-def _describe(exc: BaseException) -> str:
-    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return f"{type(exc).__name__}: {detail}"
 
 
 def _connect(address: str, timeout: str, command: str) -> Client | int:

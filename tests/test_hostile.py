@@ -188,6 +188,7 @@ async def test_odd_events_break_nothing_and_grow_nothing(c, s, a):
     [
         (["status", "tcp://127.0.0.1:1", "--timeout", "bogus"], "--timeout='bogus'"),
         (["status", "tcp://127.0.0.1:1", "--timeout=-1s"], "--timeout='-1s'"),
+        (["status", "tcp://127.0.0.1:1", "--timeout", "0"], "--timeout='0'"),
         (["events", "tcp://127.0.0.1:1", "--timeout", "1e400s"], "--timeout='1e400s'"),
         (["status", "foo://127.0.0.1:1", "--timeout", "1s"], "'foo://127.0.0.1:1'"),
         (["events", "no-port", "--timeout", "1s"], "'no-port'"),

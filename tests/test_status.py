@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import threading
+import time
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -155,36 +158,78 @@ async def test_scheduler_file_read_once_the_scheduler_wrote_it(c, s, a, tmp_path
 
 
 def test_scheduler_file_errors_one_line(tmp_path):
+    def run(*args: str) -> tuple[int, str, str, float]:
+        started = time.monotonic()
+        code, out, err = asyncio.run(cli(*args))
+        return code, out, err.strip(), time.monotonic() - started
+
+    # not there yet (missing, or created and still empty): the scheduler is not up, 1
     missing = tmp_path / "missing.json"
-    code, out, err = asyncio.run(
-        cli("status", "--scheduler-file", str(missing), "--timeout", "0.3")
-    )
-    assert code == 1 and out == ""
-    assert err.strip() == (
-        f"accelsched status: no scheduler file at {missing} after 0.3s "
+    code, out, err, _ = run("status", "--scheduler-file", str(missing), "--timeout", "0.3")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"accelsched status: no scheduler file at {missing} "
         "(is the scheduler started with --scheduler-file?)"
     )
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    code, _, err, _ = run("events", "--scheduler-file", str(empty), "--timeout", "0.3")
+    assert code == 1
+    assert err == (
+        f"accelsched events: the scheduler file {empty} is still empty (is the scheduler starting?)"
+    )
+    # something else: 2, judged at once however long --timeout is ("{}" and "null" are
+    # JSON, not a file still being written)
     for content, problem in [
-        ("", "it holds no JSON"),
+        ("{", "it holds no JSON"),
         ('{"type": "Scheduler"}', "it names no address: None"),
         ("[1, 2]", "it names no address: None"),
+        ("{}", "it names no address: None"),
+        ("null", "it names no address: None"),
+        ('{"address": 7}', "it names no address: 7"),
     ]:
         bad = tmp_path / "bad.json"
         bad.write_text(content)
-        code, out, err = asyncio.run(cli("events", "--scheduler-file", str(bad), "--timeout", "0"))
-        assert code == 2 and out == ""
-        assert err.strip() == f"accelsched events: {bad} is no scheduler file ({problem})"
+        timeout = "0.3" if content == "{" else "30"
+        code, out, err, took = run("events", "--scheduler-file", str(bad), "--timeout", timeout)
+        assert (code, out) == (2, ""), content
+        assert err == f"accelsched events: {bad} is no scheduler file ({problem})"
+        assert took < 20, (content, took)  # not the 30 s of --timeout
     # never opened: a FIFO would block, a device never end
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     for odd in (fifo, tmp_path, "/dev/zero"):
-        code, _, err = asyncio.run(cli("status", "--scheduler-file", str(odd), "--timeout", "0"))
+        code, _, err, _ = run("status", "--scheduler-file", str(odd))
         assert code == 2
-        assert err.strip() == f"accelsched status: {odd} is no scheduler file (not a regular file)"
-    # an address and a file, or neither: a usage error naming both ways
+        assert err == f"accelsched status: {odd} is no scheduler file (not a regular file)"
+    # an address and a file, or neither, or an empty path: usage errors
     for args in (("tcp://127.0.0.1:1", "--scheduler-file", str(missing)), ()):
-        code, _, err = asyncio.run(cli("status", *args))
+        code, _, err, _ = run("status", *args)
         assert code == 2 and "give a SCHEDULER address or --scheduler-file PATH" in err
+    code, _, err, _ = run("status", "--scheduler-file", "")
+    assert code == 2 and "invalid PATH ''" in err
+
+
+def test_one_timeout_for_the_scheduler_file_and_the_scheduler(tmp_path, capsys):
+    """The file appears 1 s into a 3 s --timeout and names a scheduler nobody runs: the
+    connection gets what is left (about 2 s, at least 1), not 3 s more. distributed's
+    error names the time it was given."""
+    from accelsched.cli import main
+
+    late = tmp_path / "late.json"
+
+    def write_late() -> None:
+        time.sleep(1.0)
+        late.write_text(json.dumps({"address": "tcp://127.0.0.1:1"}))
+
+    writer = threading.Thread(target=write_late)
+    writer.start()
+    code = main(["status", "--scheduler-file", str(late), "--timeout", "3"])
+    writer.join()
+    err = capsys.readouterr().err
+    assert code == 1 and "cannot reach a scheduler at tcp://127.0.0.1:1" in err, err
+    given = float(re.search(r"after ([0-9.]+) s", err).group(1))
+    assert 1.0 <= given < 2.5, err
 
 
 def test_unreachable_scheduler_one_line_exit_1():
