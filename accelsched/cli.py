@@ -6,17 +6,23 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
 
+from accelsched.commands import print_events, print_status
+from accelsched.events import ACTIONS
 from accelsched.scheduler_file import address_from_file
-from accelsched.status import EXIT_CODES_HELP, print_events, print_status
+from accelsched.status import EXIT_CODES_HELP
 
 __all__ = ["main", "print_events", "print_status"]
 
 #: Seconds a connection gets at least after ``--scheduler-file`` waited for its file
 #: (one ``--timeout`` covers both).
 MIN_CONNECT = 1.0
+#: Exit code after Ctrl-C before an answer (the shell's 128 + SIGINT).
+INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         "events", help="print accelsched's events from a running cluster's scheduler"
     )
     _scheduler_arguments(events)
-    events.add_argument("--action", action="append", help="only these actions (repeatable)")
+    events.add_argument(
+        "--action",
+        action="append",
+        choices=sorted(ACTIONS),
+        metavar="ACTION",
+        help="only these actions (repeatable): " + ", ".join(sorted(ACTIONS)),
+    )
     status = sub.add_parser(
         "status",
         help="a table per worker: verified GPUs, leases, leak estimate, quarantine, "
@@ -69,22 +81,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("events", "status"):
         if (args.scheduler is None) == (args.scheduler_file is None):
             sub.choices[args.command].error("give a SCHEDULER address or --scheduler-file PATH")
-        address, seconds = args.scheduler, args.timeout
-        if args.scheduler_file is not None:  # one --timeout for the file and the scheduler
-            deadline = time.monotonic() + args.timeout
-            address = address_from_file(args.scheduler_file, deadline, args.command)
-            if isinstance(address, int):
-                return address
-            seconds = max(deadline - time.monotonic(), MIN_CONNECT)
-        timeout = f"{seconds!r}s"  # dask alone reads ".5s" as 1.5 s
-        if args.command == "events":
-            return print_events(address, args.action, sys.stdout, timeout=timeout)
-        return print_status(
-            address, sys.stdout, as_json=args.json, watch=args.watch, timeout=timeout
-        )
+        # distributed's own log lines (a reconnect that failed, ...) would come on top of
+        # the one line each error is
+        logging.getLogger("distributed").setLevel(logging.CRITICAL)
+        try:
+            return _ask(args)
+        except BrokenPipeError:  # `accelsched status --watch | head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C before an answer (under --watch: exit 0)
+            return INTERRUPTED
     from accelsched.demo import main as demo_main
 
     return demo_main(args.report)
+
+
+def _ask(args: argparse.Namespace) -> int:
+    """``status`` or ``events``: one ``--timeout`` for the scheduler file and the
+    connection together, then ``--timeout`` for each answer."""
+    address, connect = args.scheduler, args.timeout
+    if args.scheduler_file is not None:
+        deadline = time.monotonic() + args.timeout
+        address = address_from_file(args.scheduler_file, deadline, args.command)
+        if isinstance(address, int):
+            return address
+        connect = max(deadline - time.monotonic(), MIN_CONNECT)
+    if args.command == "events":
+        return print_events(address, args.action, sys.stdout, args.timeout, connect)
+    return print_status(
+        address,
+        sys.stdout,
+        as_json=args.json,
+        watch=args.watch,
+        timeout=args.timeout,
+        connect=connect,
+    )
 
 
 def _scheduler_arguments(command: argparse.ArgumentParser) -> None:

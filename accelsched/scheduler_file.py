@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Final
 
-from accelsched.status import UNREACHABLE, USAGE
+from accelsched.status import UNREACHABLE, USAGE, shown
 
 __all__ = ["address_from_file", "MAX_SCHEDULER_FILE"]
 
@@ -40,7 +40,7 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
         except FileNotFoundError:
             if time.monotonic() >= deadline:
                 print(
-                    f"accelsched {command}: no scheduler file at {path} "
+                    f"accelsched {command}: no scheduler file at {shown(path)} "
                     "(is the scheduler started with --scheduler-file?)",
                     file=sys.stderr,
                 )
@@ -65,7 +65,7 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
     except TimeoutError:
         if _size(path) == 0:
             print(
-                f"accelsched {command}: the scheduler file {path} is still empty "
+                f"accelsched {command}: the scheduler file {shown(path)} is still empty "
                 "(is the scheduler starting?)",
                 file=sys.stderr,
             )
@@ -89,7 +89,7 @@ def _size(path: str) -> int | None:
 
 
 def _no_scheduler_file(command: str, path: str, problem: str) -> int:
-    print(f"accelsched {command}: {path!s} is no scheduler file ({problem})", file=sys.stderr)
+    print(f"accelsched {command}: {shown(path)} is no scheduler file ({problem})", file=sys.stderr)
     return USAGE
 
 

@@ -12,10 +12,7 @@ Exit codes (also in ``accelsched --help`` and docs/observe.md): :data:`OK`,
 
 from __future__ import annotations
 
-import json
-import sys
-import time
-from typing import TYPE_CHECKING, Any, Final, TextIO
+from typing import TYPE_CHECKING, Final
 
 from accelsched.protocol import STATUS_HANDLER, DeviceStatus, StatusReply
 
@@ -23,9 +20,8 @@ if TYPE_CHECKING:
     from distributed import Client
 
 __all__ = [
+    "shown",
     "snapshot",
-    "print_status",
-    "print_events",
     "table_rows",
     "render",
     "summary",
@@ -63,6 +59,12 @@ COLUMNS: Final = [
     ("fallbacks", "FALLBACKS"),
     ("quarantine", "QUARANTINE"),
 ]
+
+
+def shown(text: str) -> str:
+    """``text`` as one printable line: a path or address holding a newline or a terminal
+    escape is shown quoted, with escapes."""
+    return text if text.isprintable() else ascii(text)
 
 
 def table_rows(snap: StatusReply) -> dict[str, list[str]]:
@@ -122,120 +124,9 @@ def render(snap: StatusReply) -> str:
     return "\n".join(lines)
 
 
-def _connect(address: str, timeout: str, command: str) -> Client | int:
-    """A client, or the exit code: :data:`UNREACHABLE`, or :data:`USAGE` for a string
-    that is no address (distributed raises ``ValueError`` for those)."""
-    from distributed import Client
-
-    try:
-        return Client(address, timeout=timeout)
-    except (OSError, TimeoutError) as exc:
-        print(
-            f"accelsched {command}: cannot reach a scheduler at {address}: {exc}", file=sys.stderr
-        )
-        return UNREACHABLE
-    except ValueError as exc:  # no address: "unknown address scheme", "missing port"
-        print(
-            f"accelsched {command}: invalid scheduler address {address!r}: {exc}", file=sys.stderr
-        )
-        return USAGE
-
-
 def snapshot(client: Client) -> StatusReply | None:
     """The scheduler's snapshot (what ``accelsched status --json`` prints), through a
     synchronous ``client``; None when the scheduler runs no accelsched (it has no such
     handler: it answers None, and logs a warning of its own)."""
     reply: StatusReply | None = client.sync(getattr(client.scheduler, STATUS_HANDLER))
     return reply
-
-
-def _no_accelsched(command: str, address: str) -> int:
-    print(
-        f"accelsched {command}: the scheduler at {address} runs no accelsched "
-        "(no PlacementPlugin registered: accelsched.register(client) or "
-        "dask scheduler --preload accelsched)",
-        file=sys.stderr,
-    )
-    return NO_ACCELSCHED
-
-
-def print_status(
-    address: str,
-    out: TextIO,
-    *,
-    as_json: bool = False,
-    watch: float | None = None,
-    timeout: str = "10s",
-) -> int:
-    """``accelsched status``: the table (or ``--json``), once or every ``watch`` seconds
-    until Ctrl-C."""
-    client = _connect(address, timeout, "status")
-    if isinstance(client, int):
-        return client
-    with client:
-        try:
-            while True:
-                try:
-                    snap = snapshot(client)
-                except (OSError, TimeoutError) as exc:
-                    print(
-                        f"accelsched status: lost the scheduler at {address}: {exc}",
-                        file=sys.stderr,
-                    )
-                    return UNREACHABLE
-                if snap is None:
-                    return _no_accelsched("status", address)
-                if as_json:
-                    print(json.dumps(snap, sort_keys=True), file=out)
-                else:
-                    if watch is not None and out.isatty():
-                        out.write("\x1b[H\x1b[2J")  # redraw in place
-                    elif watch is not None:
-                        print(time.strftime("-- %H:%M:%S"), file=out)
-                    print(render(snap), file=out)
-                out.flush()
-                if watch is None:
-                    return OK
-                time.sleep(watch)
-        except KeyboardInterrupt:
-            return OK
-
-
-def print_events(address: str, actions: list[str] | None, out: TextIO, timeout: str = "10s") -> int:
-    """``accelsched events``: the scheduler's accelsched events, oldest first, workers by
-    name (a restarted worker's old address too)."""
-    from accelsched import events
-
-    unknown = sorted(set(actions or ()) - events.ACTIONS)
-    if unknown:
-        print(f"unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}", file=sys.stderr)
-        return USAGE
-    client = _connect(address, timeout, "events")
-    if isinstance(client, int):
-        return client
-    with client:
-        try:
-            snap = snapshot(client)
-            log = [] if snap is None else client.get_events(events.TOPIC)
-        except (OSError, TimeoutError) as exc:
-            print(f"accelsched events: lost the scheduler at {address}: {exc}", file=sys.stderr)
-            return UNREACHABLE
-        if snap is None:
-            return _no_accelsched("events", address)
-        names: dict[str, Any] = dict(snap["names"])
-        for stamp, msg in log:
-            if not isinstance(msg, dict) or msg.get("action") not in events.ACTIONS:
-                continue  # any client may log to any topic: not one of ours
-            if actions and msg["action"] not in actions:
-                continue
-            owner = msg.get("owner")
-            if isinstance(owner, str):  # gpu-rejected: the owner's address(es), by name too
-                msg = {**msg, "owner": names.get(owner, owner)}
-            elif isinstance(owner, list):
-                msg = {
-                    **msg,
-                    "owner": [names.get(o, o) if isinstance(o, str) else o for o in owner],
-                }
-            when = time.strftime("%H:%M:%S", time.localtime(stamp))
-            print(f"{when} [{msg['action']}] {events.describe(msg, names)}", file=out)
-    return OK

@@ -88,7 +88,10 @@ def test_events_cli_prints_what_happened(fake_gpus_2) -> None:
         assert print_events(cluster.scheduler_address, ["gpu-corrected"], out) == 0
         assert "declared GPU=4, granted 2 (fewer-devices)" in out.getvalue()
         assert "[gpu-verified]" not in out.getvalue()
-        assert main(["events", cluster.scheduler_address, "--action", "bogus"]) == 2
+        assert print_events(cluster.scheduler_address, ["bogus"], out) == 2
+        with pytest.raises(SystemExit) as usage:  # argparse's usage error, as for any option
+            main(["events", cluster.scheduler_address, "--action", "bogus"])
+        assert usage.value.code == 2
 
 
 def test_events_cli_names_an_unreachable_scheduler(capsys) -> None:  # type: ignore[no-untyped-def]

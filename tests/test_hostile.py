@@ -1,17 +1,24 @@
 """Hostile callers of the observing surfaces: forged heartbeat metrics, forged events,
-bad command lines.
+bad command lines, peers that are no scheduler.
 
-Any worker sends whatever heartbeat metric it likes and any client logs whatever it
-likes to the ``accelsched`` topic. Neither may break ``accelsched status``, the events
-command, the dashboard's history or the Prometheus registry for everybody else, nor grow
-the scheduler's memory. The worker here is a real in-process worker whose own metric
-function is swapped for a forger's (a hostile worker process would send the same bytes);
-nothing else is mocked.
+Any worker sends whatever heartbeat metric it likes; a client may not log to the
+``accelsched`` topic, yet events of any shape can reach it (code run on the scheduler).
+None of it may break ``accelsched status``, the events command, the dashboard's history
+or the Prometheus registry for everybody else, nor grow the scheduler's memory. The
+worker here is a real in-process worker whose own metric function is swapped for a
+forger's (a hostile worker process would send the same bytes); the peers that are no
+scheduler are real TCP servers on threads of the test; nothing else is mocked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import signal
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +212,7 @@ def test_a_bad_command_line_is_a_usage_error_naming_the_value(args, named):
 def test_a_timeout_is_read_as_accelsched_reads_durations():
     """``.5s`` is half a second (dask alone reads it as 1.5 s)."""
     code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--timeout", ".5s"))
-    assert code == 1 and "after 0.5 s" in err, err
+    assert code == 1 and "no answer within 0.5s" in err, err
 
 
 def test_watch_ends_when_the_scheduler_goes():
@@ -256,3 +263,103 @@ def test_visible_devices_with_digits_cuda_does_not_read_name_no_device(entry, ca
     monitor = NVMLMonitor(env={"CUDA_VISIBLE_DEVICES": f"1,{entry}"})
     assert [d.nvml_index for d in monitor.devices()] == [1]
     assert "NVML failed" not in caplog.text
+
+
+class Peer:
+    """A TCP server that is no scheduler: it accepts and then says ``reply`` (nothing:
+    silent, as a dashboard port or a stopped scheduler), on a thread of this process."""
+
+    def __init__(self, reply: bytes = b"") -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.reply = reply
+        self.accepted = threading.Event()
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                self.conns.append(conn)
+                self.accepted.set()
+                if self.reply:
+                    conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [b"", b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n" * 3, b"\xff" * 64],
+    ids=["silent", "http", "garbage"],
+)
+@pytest.mark.parametrize("command", ["status", "events"])
+def test_a_peer_that_is_no_scheduler_is_unreachable_in_time(command: str, reply: bytes):
+    """distributed bounds the connection, not the handshake: a silent peer held the
+    commands forever; a peer speaking another protocol gave a traceback (or exit 2, as
+    if the address were bad)."""
+    peer = Peer(reply)
+    try:
+        started = time.monotonic()
+        code, out, err = asyncio.run(cli(command, peer.address, "--timeout", "2", timeout=60))
+        took = time.monotonic() - started
+    finally:
+        peer.close()
+    assert peer.accepted.is_set()
+    assert (code, out) == (1, "")
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"accelsched {command}: cannot reach a scheduler at {peer.address}")
+    assert took < 30  # bounded by --timeout (2 s) and Python's start, not by the test's 60
+
+
+def test_an_address_is_checked_and_shown_on_one_line():
+    code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:99999", "--timeout", "1"))
+    assert code == 2
+    assert err.strip() == (
+        "accelsched status: invalid scheduler address 'tcp://127.0.0.1:99999': "
+        "port 99999 is out of range"
+    )
+    code, _, err = asyncio.run(cli("events", "tls://127.0.0.1:1", "--timeout", "1"))
+    (line,) = err.strip().splitlines()  # TLS without its configuration: no traceback
+    assert code == 1 and "cannot reach a scheduler at tls://127.0.0.1:1: TypeError" in line
+    code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:1\n\x1b[2J", "--timeout", "0.5"))
+    (line,) = err.strip().splitlines()  # a newline or escape in it is shown escaped
+    assert code == 2 and "address 'tcp://127.0.0.1:1\\n\\x1b[2J'" in line
+    code, _, err = asyncio.run(cli("status", "tcp://a\nb:1", "--timeout", "0.5"))
+    (line,) = err.strip().splitlines()
+    assert code == 1 and "cannot reach a scheduler at 'tcp://a\\nb:1'" in line
+
+
+def test_ctrl_c_before_an_answer_is_exit_130_without_traceback():
+    async def run() -> tuple[int | None, bytes]:
+        peer = Peer()
+        try:
+            proc = await cli_process("status", peer.address, "--timeout", "60")
+            assert await asyncio.get_running_loop().run_in_executor(None, peer.accepted.wait, 60)
+            proc.send_signal(signal.SIGINT)
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+            return proc.returncode, err
+        finally:
+            peer.close()
+
+    code, err = asyncio.run(run())
+    assert code == 130 and b"Traceback" not in err, err
+
+
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_a_reader_that_leaves_ends_watch_quietly(c, s, a):
+    """``accelsched status --json --watch | head -1``: the pipe closes under it."""
+    await accelsched.register(c)
+    proc = await cli_process("status", s.address, "--json", "--watch", "0.1")
+    assert proc.stdout is not None and proc.stderr is not None
+    assert json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))["version"] == 1
+    proc.stdout.feed_eof()
+    transport = proc._transport  # type: ignore[attr-defined]
+    transport.get_pipe_transport(1).close()  # the reader is gone
+    code = await asyncio.wait_for(proc.wait(), 30)
+    err = await proc.stderr.read()
+    assert code == 0 and err == b"", err

@@ -1,0 +1,246 @@
+"""``accelsched status`` and ``accelsched events``: ask a running scheduler, in bounded time.
+
+distributed bounds how long a client tries to connect, not the handshake after it: a
+peer that accepts and never answers (a dashboard port given by mistake, a stopped or
+swamped scheduler) would hold a synchronous ``Client`` forever, and so would a call to
+it. So the commands run an asynchronous client, and every wait on the network (the
+connection, each snapshot, the event log) is bounded by ``--timeout`` with
+``asyncio.wait_for``. Whatever goes wrong on the way is one line on stderr and an exit
+code of :mod:`accelsched.status`: an address that is no address before anything is
+sent, anything after it (refused, silent, a peer speaking another protocol, a scheme
+that needs configuration, such as ``tls://``) as unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+
+from accelsched.protocol import STATUS_HANDLER, StatusReply
+from accelsched.status import NO_ACCELSCHED, OK, UNREACHABLE, USAGE, render, shown
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+__all__ = ["print_status", "print_events", "address_problem"]
+
+T = TypeVar("T")
+
+
+class _Unreachable(Exception):
+    """The scheduler did not answer within the time given, or not as a scheduler."""
+
+
+def _flat(exc: BaseException) -> str:
+    detail = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
+def address_problem(address: str) -> str | None:
+    """Why ``address`` is no scheduler address (a scheme distributed does not know, no
+    port, a port out of range), or None: checked before anything is sent, so that what
+    goes wrong later is the scheduler's doing, not the address's."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+    from distributed.comm.registry import get_backend
+
+    try:
+        scheme, location = parse_address(address)
+        get_backend(scheme)
+        if scheme in ("tcp", "tls", "ws", "wss"):
+            _, port = parse_host_port(location)
+            if not 0 < int(port) < 65536:
+                return f"port {port} is out of range"
+    except (ValueError, TypeError) as exc:
+        return " ".join(str(exc).split())
+    return None
+
+
+async def _within(seconds: float, call: Awaitable[T]) -> T:
+    """``call``'s result, or :class:`_Unreachable` after ``seconds`` or on any error
+    (what a peer that is no scheduler sends makes distributed raise anything)."""
+    try:
+        return await asyncio.wait_for(call, seconds)
+    except asyncio.TimeoutError:
+        raise _Unreachable(f"no answer within {seconds:.3g}s") from None
+    except Exception as exc:
+        raise _Unreachable(_flat(exc)) from exc
+
+
+async def _connect(address: str, seconds: float) -> Client:
+    from distributed import Client
+
+    # distributed's own limit a little later: ours, on the handshake too, says it first
+    client = Client(address, asynchronous=True, timeout=f"{seconds + 1!r}s")
+
+    async def started() -> None:
+        await client
+
+    try:
+        await _within(seconds, started())
+    except _Unreachable:
+        await _close(client)
+        raise
+    return client
+
+
+async def _close(client: Client) -> None:
+    with contextlib.suppress(Exception):  # one that never connected, or lost its scheduler
+        await asyncio.wait_for(client.close(timeout=2), 5)
+
+
+async def _snapshot(client: Client, seconds: float) -> StatusReply | None:
+    """None when the scheduler runs no accelsched (it has no such handler)."""
+    reply: StatusReply | None = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
+    return reply
+
+
+def _run(command: str, address: str, seconds: float, main: Any) -> int:
+    """Run ``main(client)`` on a client of ``address`` (connected within ``seconds``);
+    the exit code."""
+    problem = address_problem(address)
+    if problem is not None:
+        print(
+            f"accelsched {command}: invalid scheduler address {address!r}: {problem}",
+            file=sys.stderr,
+        )
+        return USAGE
+
+    async def session() -> int:
+        try:
+            client = await _connect(address, seconds)
+        except _Unreachable as exc:
+            print(
+                f"accelsched {command}: cannot reach a scheduler at {shown(address)}: {exc}",
+                file=sys.stderr,
+            )
+            return UNREACHABLE
+        try:
+            return int(await main(client))
+        except _Unreachable as exc:
+            print(
+                f"accelsched {command}: lost the scheduler at {shown(address)}: {exc}",
+                file=sys.stderr,
+            )
+            return UNREACHABLE
+        finally:
+            await _close(client)
+
+    return asyncio.run(session())
+
+
+def _no_accelsched(command: str, address: str) -> int:
+    print(
+        f"accelsched {command}: the scheduler at {shown(address)} runs no accelsched "
+        "(no PlacementPlugin registered: accelsched.register(client) or "
+        "dask scheduler --preload accelsched)",
+        file=sys.stderr,
+    )
+    return NO_ACCELSCHED
+
+
+class _Status:
+    def __init__(
+        self, address: str, out: TextIO, as_json: bool, watch: float | None, seconds: float
+    ) -> None:
+        self.address, self.out, self.as_json, self.watch = address, out, as_json, watch
+        self.seconds = seconds
+
+    async def __call__(self, client: Client) -> int:
+        out, watch = self.out, self.watch
+        while True:
+            snap = await _snapshot(client, self.seconds)
+            if snap is None:
+                return _no_accelsched("status", self.address)
+            if self.as_json:
+                print(json.dumps(snap, sort_keys=True), file=out)
+            else:
+                if watch is not None and out.isatty():
+                    out.write("\x1b[H\x1b[2J")  # redraw in place
+                elif watch is not None:
+                    print(time.strftime("-- %H:%M:%S"), file=out)
+                print(render(snap), file=out)
+            out.flush()
+            if watch is None:
+                return OK
+            await asyncio.sleep(watch)
+
+
+def print_status(
+    address: str,
+    out: TextIO,
+    *,
+    as_json: bool = False,
+    watch: float | None = None,
+    timeout: float = 10.0,
+    connect: float | None = None,
+) -> int:
+    """``accelsched status``: the table (or ``--json``), once or every ``watch`` seconds
+    until Ctrl-C (exit 0 then); ``timeout`` seconds for each wait on the scheduler,
+    ``connect`` (default ``timeout``) for the connection."""
+    main = _Status(address, out, as_json, watch, timeout)
+    try:
+        return _run("status", address, timeout if connect is None else connect, main)
+    except KeyboardInterrupt:
+        if watch is None:
+            raise
+        return OK
+
+
+class _Events:
+    def __init__(
+        self, address: str, actions: list[str] | None, out: TextIO, seconds: float
+    ) -> None:
+        self.address, self.actions, self.out, self.seconds = address, actions, out, seconds
+
+    async def __call__(self, client: Client) -> int:
+        from accelsched import events
+
+        snap = await _snapshot(client, self.seconds)
+        if snap is None:
+            return _no_accelsched("events", self.address)
+        log = await _within(self.seconds, client.get_events(events.TOPIC))
+        names: dict[str, Any] = dict(snap["names"])
+        for stamp, msg in log:
+            if not isinstance(msg, dict) or msg.get("action") not in events.ACTIONS:
+                continue  # not one of ours (logged before accelsched held the topic)
+            if self.actions and msg["action"] not in self.actions:
+                continue
+            owner = msg.get("owner")
+            if isinstance(owner, str):  # gpu-rejected: the owner's address(es), by name too
+                msg = {**msg, "owner": names.get(owner, owner)}
+            elif isinstance(owner, list):
+                msg = {
+                    **msg,
+                    "owner": [names.get(o, o) if isinstance(o, str) else o for o in owner],
+                }
+            when = time.strftime("%H:%M:%S", time.localtime(stamp))
+            print(f"{when} [{msg['action']}] {events.describe(msg, names)}", file=self.out)
+        return OK
+
+
+def print_events(
+    address: str,
+    actions: list[str] | None,
+    out: TextIO,
+    timeout: float = 10.0,
+    connect: float | None = None,
+) -> int:
+    """``accelsched events``: the scheduler's accelsched events, oldest first, workers by
+    name (a restarted worker's old address too); ``timeout`` seconds for each wait,
+    ``connect`` (default ``timeout``) for the connection."""
+    from accelsched import events
+
+    unknown = sorted(set(actions or ()) - events.ACTIONS)
+    if unknown:
+        print(
+            f"accelsched events: unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}",
+            file=sys.stderr,
+        )
+        return USAGE
+    main = _Events(address, actions, out, timeout)
+    return _run("events", address, timeout if connect is None else connect, main)
