@@ -1,6 +1,7 @@
 """Command line: ``accelsched demo|status|events|version`` (also ``python -m accelsched``).
 
-``status`` and ``events`` live in :mod:`accelsched.status`, with their exit codes.
+``status`` and ``events`` run in :mod:`accelsched.commands` (a ``--scheduler-file`` is
+read by :mod:`accelsched.scheduler_file`); their exit codes are in :mod:`accelsched.status`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import sys
 import time
 
-from accelsched.commands import print_events, print_status
+from accelsched.commands import ReaderGone, print_events, print_status
 from accelsched.events import ACTIONS
 from accelsched.scheduler_file import address_from_file
 from accelsched.status import EXIT_CODES_HELP
@@ -81,16 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("events", "status"):
         if (args.scheduler is None) == (args.scheduler_file is None):
             sub.choices[args.command].error("give a SCHEDULER address or --scheduler-file PATH")
+        from accelsched.demo.quiet import quiet_logs
+
         # distributed's own log lines (a reconnect that failed, ...) would come on top of
         # the one line each error is
-        logging.getLogger("distributed").setLevel(logging.CRITICAL)
-        try:
-            return _ask(args)
-        except BrokenPipeError:  # `accelsched status --watch | head`: the reader left
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
-        except KeyboardInterrupt:  # Ctrl-C before an answer (under --watch: exit 0)
-            return INTERRUPTED
+        with quiet_logs(logging.CRITICAL):
+            try:
+                return _ask(args)
+            except ReaderGone:  # `accelsched status --watch | head`: the reader left
+                # nothing more can be written there, not even the flush at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 0
+            except KeyboardInterrupt:  # Ctrl-C before anything was shown
+                return INTERRUPTED
     from accelsched.demo import main as demo_main
 
     return demo_main(args.report)

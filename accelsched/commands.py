@@ -14,11 +14,12 @@ that needs configuration, such as ``tls://``) as unreachable.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from accelsched.protocol import STATUS_HANDLER, StatusReply
@@ -27,7 +28,7 @@ from accelsched.status import NO_ACCELSCHED, OK, UNREACHABLE, USAGE, render, sho
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["print_status", "print_events", "address_problem"]
+__all__ = ["print_status", "print_events", "address_problem", "ReaderGone"]
 
 T = TypeVar("T")
 
@@ -51,8 +52,14 @@ def address_problem(address: str) -> str | None:
     try:
         scheme, location = parse_address(address)
         get_backend(scheme)
+        if scheme == "inproc":
+            return "an inproc address is reachable from its own process only"
         if scheme in ("tcp", "tls", "ws", "wss"):
-            _, port = parse_host_port(location)
+            if ":" in location and not location.endswith("]"):
+                given = location.rpartition(":")[2]
+                if not (given.isascii() and given.isdigit()):
+                    return f"port {given!r} is no number"
+            _, port = parse_host_port(location)  # none: "missing port number"
             if not 0 < int(port) < 65536:
                 return f"port {port} is out of range"
     except (ValueError, TypeError) as exc:
@@ -75,14 +82,14 @@ async def _connect(address: str, seconds: float) -> Client:
     from distributed import Client
 
     # distributed's own limit a little later: ours, on the handshake too, says it first
-    client = Client(address, asynchronous=True, timeout=f"{seconds + 1!r}s")
+    client = Client(address, asynchronous=True, timeout=f"{seconds + 1!r}s", set_as_default=False)
 
     async def started() -> None:
         await client
 
     try:
         await _within(seconds, started())
-    except _Unreachable:
+    except BaseException:  # Ctrl-C too: a half-started client closed now, not at exit
         await _close(client)
         raise
     return client
@@ -90,18 +97,36 @@ async def _connect(address: str, seconds: float) -> Client:
 
 async def _close(client: Client) -> None:
     with contextlib.suppress(Exception):  # one that never connected, or lost its scheduler
-        await asyncio.wait_for(client.close(timeout=2), 5)
+        await asyncio.wait_for(client.close(timeout=1), 2)
 
 
 async def _snapshot(client: Client, seconds: float) -> StatusReply | None:
     """None when the scheduler runs no accelsched (it has no such handler)."""
+    if client.status != "running" or client.scheduler is None:
+        # lost for longer than it tries to reconnect (a --watch pause): it closed itself
+        raise _Unreachable("the client gave up reconnecting")
     reply: StatusReply | None = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
     return reply
 
 
-def _run(command: str, address: str, seconds: float, main: Any) -> int:
+class ReaderGone(Exception):
+    """The reader of the output went away (``accelsched status --watch | head``)."""
+
+
+def _write(out: TextIO, text: str) -> None:
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        raise ReaderGone() from None
+
+
+def _run(
+    command: str, address: str, seconds: float, main: Callable[[Client], Awaitable[int]]
+) -> int:
     """Run ``main(client)`` on a client of ``address`` (connected within ``seconds``);
-    the exit code."""
+    the exit code. From inside a running event loop (a notebook) it runs on a thread of
+    its own."""
     problem = address_problem(address)
     if problem is not None:
         print(
@@ -120,7 +145,7 @@ def _run(command: str, address: str, seconds: float, main: Any) -> int:
             )
             return UNREACHABLE
         try:
-            return int(await main(client))
+            return await main(client)
         except _Unreachable as exc:
             print(
                 f"accelsched {command}: lost the scheduler at {shown(address)}: {exc}",
@@ -130,7 +155,22 @@ def _run(command: str, address: str, seconds: float, main: Any) -> int:
         finally:
             await _close(client)
 
-    return asyncio.run(session())
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # none: the command line, a plain thread
+        return asyncio.run(session())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(session())).result()
+
+
+def _seconds(timeout: float | str) -> float:
+    """A timeout in seconds, or as dask writes durations (``"10s"``)."""
+    from dask.utils import parse_timedelta
+
+    seconds = parse_timedelta(timeout)
+    if not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+        raise ValueError(f"invalid timeout={timeout!r}: expected a duration > 0")
+    return float(seconds)
 
 
 def _no_accelsched(command: str, address: str) -> int:
@@ -149,6 +189,7 @@ class _Status:
     ) -> None:
         self.address, self.out, self.as_json, self.watch = address, out, as_json, watch
         self.seconds = seconds
+        self.drawn = False  # once drawn, Ctrl-C under --watch is the way to stop: exit 0
 
     async def __call__(self, client: Client) -> int:
         out, watch = self.out, self.watch
@@ -157,14 +198,17 @@ class _Status:
             if snap is None:
                 return _no_accelsched("status", self.address)
             if self.as_json:
-                print(json.dumps(snap, sort_keys=True), file=out)
+                text = json.dumps(snap, sort_keys=True) + "\n"
             else:
                 if watch is not None and out.isatty():
-                    out.write("\x1b[H\x1b[2J")  # redraw in place
+                    text = "\x1b[H\x1b[2J"  # redraw in place
                 elif watch is not None:
-                    print(time.strftime("-- %H:%M:%S"), file=out)
-                print(render(snap), file=out)
-            out.flush()
+                    text = time.strftime("-- %H:%M:%S\n")
+                else:
+                    text = ""
+                text += render(snap) + "\n"
+            _write(out, text)
+            self.drawn = True
             if watch is None:
                 return OK
             await asyncio.sleep(watch)
@@ -176,17 +220,18 @@ def print_status(
     *,
     as_json: bool = False,
     watch: float | None = None,
-    timeout: float = 10.0,
+    timeout: float | str = 10.0,
     connect: float | None = None,
 ) -> int:
     """``accelsched status``: the table (or ``--json``), once or every ``watch`` seconds
     until Ctrl-C (exit 0 then); ``timeout`` seconds for each wait on the scheduler,
     ``connect`` (default ``timeout``) for the connection."""
-    main = _Status(address, out, as_json, watch, timeout)
+    seconds = _seconds(timeout)
+    main = _Status(address, out, as_json, watch, seconds)
     try:
-        return _run("status", address, timeout if connect is None else connect, main)
+        return _run("status", address, seconds if connect is None else connect, main)
     except KeyboardInterrupt:
-        if watch is None:
+        if watch is None or not main.drawn:
             raise
         return OK
 
@@ -205,6 +250,7 @@ class _Events:
             return _no_accelsched("events", self.address)
         log = await _within(self.seconds, client.get_events(events.TOPIC))
         names: dict[str, Any] = dict(snap["names"])
+        lines = []
         for stamp, msg in log:
             if not isinstance(msg, dict) or msg.get("action") not in events.ACTIONS:
                 continue  # not one of ours (logged before accelsched held the topic)
@@ -219,7 +265,8 @@ class _Events:
                     "owner": [names.get(o, o) if isinstance(o, str) else o for o in owner],
                 }
             when = time.strftime("%H:%M:%S", time.localtime(stamp))
-            print(f"{when} [{msg['action']}] {events.describe(msg, names)}", file=self.out)
+            lines.append(f"{when} [{msg['action']}] {events.describe(msg, names)}\n")
+        _write(self.out, "".join(lines))
         return OK
 
 
@@ -227,7 +274,7 @@ def print_events(
     address: str,
     actions: list[str] | None,
     out: TextIO,
-    timeout: float = 10.0,
+    timeout: float | str = 10.0,
     connect: float | None = None,
 ) -> int:
     """``accelsched events``: the scheduler's accelsched events, oldest first, workers by
@@ -242,5 +289,6 @@ def print_events(
             file=sys.stderr,
         )
         return USAGE
-    main = _Events(address, actions, out, timeout)
-    return _run("events", address, timeout if connect is None else connect, main)
+    seconds = _seconds(timeout)
+    main = _Events(address, actions, out, seconds)
+    return _run("events", address, seconds if connect is None else connect, main)

@@ -1,13 +1,14 @@
-"""``accelsched status`` and ``accelsched events``: read a running cluster from outside.
+"""What ``accelsched status`` shows and how it ends: the table, the summary, the exit codes.
 
-Both ask the scheduler's read-only ``accelsched_status`` handler
-(:data:`~accelsched.protocol.STATUS_HANDLER`) first: a scheduler without accelsched
-answers ``None``, which is how a cluster without the PlacementPlugin is told apart
-from an empty one. Workers are shown by name; ``events`` maps the addresses in old
-events (a restarted worker's previous address) to names through the same reply.
+The snapshot comes from the scheduler's read-only ``accelsched_status`` handler
+(:data:`~accelsched.protocol.STATUS_HANDLER`): a scheduler without accelsched answers
+``None``, which is how a cluster without the PlacementPlugin is told apart from an
+empty one. The dashboard page draws the same rows. The commands themselves, bounded in
+time, are in :mod:`accelsched.commands`.
 
 Exit codes (also in ``accelsched --help`` and docs/observe.md): :data:`OK`,
-:data:`UNREACHABLE`, :data:`USAGE`, :data:`NO_ACCELSCHED`.
+:data:`UNREACHABLE`, :data:`USAGE`, :data:`NO_ACCELSCHED`, and 130 after Ctrl-C before
+an answer.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ USAGE: Final = 2
 NO_ACCELSCHED: Final = 3
 
 EXIT_CODES_HELP: Final = (
-    "exit codes: 0 ok; 1 scheduler unreachable or its scheduler file not there yet "
-    "(or lost while watching); "
-    "2 bad arguments; 3 the scheduler runs no accelsched (PlacementPlugin not registered)"
+    "exit codes: 0 ok (also Ctrl-C under --watch, or the reader of the output gone); "
+    "1 scheduler unreachable or its scheduler file not there yet (or lost while watching); "
+    "2 bad arguments; 3 the scheduler runs no accelsched (PlacementPlugin not registered); "
+    "130 Ctrl-C before an answer"
 )
 
 MiB = 2**20

@@ -26,15 +26,16 @@ _ENV = {"DASK_LOGGING__DISTRIBUTED": "error", "DASK_LOGGING__ACCELSCHED": "error
 
 
 @contextlib.contextmanager
-def quiet_logs() -> Iterator[None]:
-    """ERROR and above only, here and in the workers started inside the block."""
+def quiet_logs(level: int = logging.ERROR) -> Iterator[None]:
+    """``level`` and above only, here (and ERROR in the workers started inside the
+    block)."""
     names = [n for n in [*_ROOTS, *logging.root.manager.loggerDict] if n.split(".")[0] in _ROOTS]
     levels = {n: logging.getLogger(n).level for n in names}
     saved_env = {k: os.environ.get(k) for k in _ENV}  # the nanny writes them into os.environ
     spawn = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **_ENV}
     try:
         for n in names:
-            logging.getLogger(n).setLevel(logging.ERROR)
+            logging.getLogger(n).setLevel(level)
         with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn}):
             yield
     finally:
