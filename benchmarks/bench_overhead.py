@@ -137,6 +137,52 @@ def _round(client: Client, sched: psutil.Process, workers: list, n: int, gpu: bo
     return {"wall": wall, "sched_us": (s1 - s0) / n * 1e6, "worker_us": (w1 - w0) / n * 1e6}
 
 
+def _time_nvml_reads() -> None:
+    """In a worker: time every NVML process-memory read from now on (CPU of the calling
+    thread and wall), the read the guard makes per GPU task (run with ``client.run``)."""
+    from accelsched.devices import nvml
+
+    monitor = nvml.NVMLMonitor
+    if hasattr(monitor, "_bench_timed"):
+        return
+    original = monitor.process_memory
+    times: list[tuple[float, float]] = []
+
+    def timed(self: Any, index: int) -> Any:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            return original(self, index)
+        finally:
+            times.append((time.thread_time() - cpu, time.perf_counter() - wall))
+
+    monitor.process_memory = timed  # type: ignore[method-assign]
+    monitor._bench_timed = (original, times)  # type: ignore[attr-defined]
+
+
+def _nvml_reads_timed() -> list[tuple[float, float]]:
+    """In a worker: stop timing; the (CPU, wall) seconds of each read since."""
+    from accelsched.devices import nvml
+
+    original, times = nvml.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
+    nvml.NVMLMonitor.process_memory = original  # type: ignore[method-assign]
+    del nvml.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
+    return list(times)
+
+
+def _nvml_read_cost(client: Client, sched: psutil.Process, workers: list, n: int) -> dict:
+    """One more round of GPU tasks with each NVML read timed inside the workers: what
+    the per-task measurement costs where it runs, beside the event loop."""
+    client.run(_time_nvml_reads)
+    _round(client, sched, workers, n, gpu=True)
+    reads = [t for ts in client.run(_nvml_reads_timed).values() for t in ts]
+    return {
+        "reads": len(reads),
+        "reads_per_task": round(len(reads) / n, 3),
+        "cpu_us": _spread([c * 1e6 for c, _ in reads] or [0.0]),
+        "wall_us": _spread([w * 1e6 for _, w in reads] or [0.0]),
+    }
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {
         "median": round(statistics.median(values), 4),
@@ -190,6 +236,8 @@ def measure(tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
                 },
                 "rounds": rows,
             }
+            if gpu:
+                result[kind]["nvml_read"] = _nvml_read_cost(*clusters["accelsched"], tasks)
         return result
 
 
@@ -263,6 +311,11 @@ def main() -> None:
             f"{r['worker_cpu_us_per_task']['delta']}  scheduler CPU delta µs/task "
             f"{r['scheduler_cpu_us_per_task']['delta']}"
         )
+    read = result["gpu"]["nvml_read"]
+    print(
+        f"gpu: {read['reads_per_task']} NVML reads per task, each CPU µs {read['cpu_us']} "
+        f"wall µs {read['wall_us']}"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
 

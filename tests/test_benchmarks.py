@@ -128,6 +128,8 @@ def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> Non
         assert len(rounds["plain"]) == len(rounds["accelsched"]) == overhead["rounds"] >= 5
         assert all(r["wall"] > 0 for r in rounds["plain"] + rounds["accelsched"])
         assert set(overhead[kind]["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
+    read = overhead["gpu"]["nvml_read"]  # the guard's measurement: about one read a task
+    assert 0.5 <= read["reads_per_task"] <= 3 and read["wall_us"]["median"] > 0
     assert {(r["unrunnable"], r["timeout"]) for r in scale["check"]} == {
         (n, t) for n in (1000, 3000) for t in ("1h", None)
     }
