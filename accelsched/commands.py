@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from accelsched.protocol import STATUS_HANDLER, StatusReply
-from accelsched.status import NO_ACCELSCHED, OK, UNREACHABLE, USAGE, render, shown
+from accelsched.status import NO_ACCELSCHED, OK, UNREACHABLE, USAGE, one_line, render, shown
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -35,11 +35,6 @@ T = TypeVar("T")
 
 class _Unreachable(Exception):
     """The scheduler did not answer within the time given, or not as a scheduler."""
-
-
-def _flat(exc: BaseException) -> str:
-    detail = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
 def address_problem(address: str) -> str | None:
@@ -75,7 +70,7 @@ async def _within(seconds: float, call: Awaitable[T]) -> T:
     except asyncio.TimeoutError:
         raise _Unreachable(f"no answer within {seconds:.3g}s") from None
     except Exception as exc:
-        raise _Unreachable(_flat(exc)) from exc
+        raise _Unreachable(one_line(exc)) from exc
 
 
 async def _connect(address: str, seconds: float) -> Client:

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Final
 
-from accelsched.status import UNREACHABLE, USAGE, shown
+from accelsched.status import UNREACHABLE, USAGE, one_line, shown
 
 __all__ = ["address_from_file", "MAX_SCHEDULER_FILE"]
 
@@ -47,7 +47,7 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
                 return UNREACHABLE
             time.sleep(0.05)
         except (OSError, ValueError) as exc:  # a symlink loop, a NUL in the path
-            return _no_scheduler_file(command, path, _describe(exc))
+            return _no_scheduler_file(command, path, one_line(exc))
     if not stat.S_ISREG(st.st_mode):
         return _no_scheduler_file(command, path, "not a regular file")
     if st.st_size > MAX_SCHEDULER_FILE:
@@ -74,7 +74,7 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
     except RecursionError:  # nested too deep to parse
         return _no_scheduler_file(command, path, "it holds no JSON")
     except OSError as exc:  # no permission
-        return _no_scheduler_file(command, path, _describe(exc))
+        return _no_scheduler_file(command, path, one_line(exc))
     address = cfg.get("address") if isinstance(cfg, dict) else None
     if isinstance(address, str) and address:
         return address
@@ -91,8 +91,3 @@ def _size(path: str) -> int | None:
 def _no_scheduler_file(command: str, path: str, problem: str) -> int:
     print(f"accelsched {command}: {shown(path)} is no scheduler file ({problem})", file=sys.stderr)
     return USAGE
-
-
-def _describe(exc: BaseException) -> str:
-    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return f"{type(exc).__name__}: {detail}"

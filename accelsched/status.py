@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from distributed import Client
 
 __all__ = [
+    "one_line",
     "shown",
     "snapshot",
     "table_rows",
@@ -67,6 +68,13 @@ def shown(text: str) -> str:
     """``text`` as one printable line: a path or address holding a newline or a terminal
     escape is shown quoted, with escapes."""
     return text if text.isprintable() else ascii(text)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as ``TypeName: detail`` on one line (an OSError by its ``strerror``)."""
+    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    detail = " ".join(detail.split())
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
 def table_rows(snap: StatusReply) -> dict[str, list[str]]:
