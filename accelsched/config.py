@@ -20,11 +20,42 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
-__all__ = ["Option", "resolve_options", "Threshold", "PLACEMENT_OPTIONS", "GUARD_OPTIONS"]
+__all__ = [
+    "Option",
+    "resolve_options",
+    "config_value",
+    "BUILTIN",
+    "Threshold",
+    "PLACEMENT_OPTIONS",
+    "GUARD_OPTIONS",
+]
 
 _DEFAULTS = os.path.join(os.path.dirname(__file__), "accelsched.yaml")
 with open(_DEFAULTS) as _f:
-    dask.config.update_defaults(yaml.safe_load(_f))
+    _BUILTIN_TREE = yaml.safe_load(_f)
+dask.config.update_defaults(_BUILTIN_TREE)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+#: The built-in default of every key, kept apart from dask's config: a harness that
+#: restores a config snapshot taken before accelsched was imported (distributed's own test
+#: clusters do) removes the keys, and a key that is absent means its built-in default.
+BUILTIN: dict[str, Any] = _flatten(_BUILTIN_TREE)
+
+
+def config_value(key: str) -> Any:
+    """``key``'s value in dask config, or its built-in default where the key is absent
+    (only a present, bad value is an error, raised by the option's parser)."""
+    return dask.config.get(key, BUILTIN[key])
 
 
 @dataclass(frozen=True)
@@ -50,7 +81,7 @@ def resolve_options(
         )
     out: dict[str, Any] = {}
     for opt in options:
-        value = given[opt.name] if opt.name in given else dask.config.get(opt.key)
+        value = given[opt.name] if opt.name in given else config_value(opt.key)
         out[opt.name] = opt.parse(opt.name, value)
     return out
 

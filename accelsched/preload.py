@@ -26,10 +26,9 @@ import sys
 from typing import Any
 
 import click
-import dask.config
 
 from accelsched import internals
-from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option
+from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option, config_value
 from accelsched.guard import GuardPlugin
 from accelsched.internals import deploy
 from accelsched.placement import PlacementPlugin
@@ -70,7 +69,7 @@ def _validator(opt: Option) -> Any:
         given = value is not None and value != ()
         if given and isinstance(value, str) and value.strip().lower() in _NONE:
             value = None
-        raw = value if given else dask.config.get(opt.key, None)
+        raw = value if given else config_value(opt.key)
         try:
             opt.parse(opt.name, raw)
         except (TypeError, ValueError) as exc:

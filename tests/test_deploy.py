@@ -12,10 +12,12 @@ from pathlib import Path
 import click
 import dask
 import pytest
-from distributed import Client, get_worker
+from distributed import Client, Scheduler, Status, Worker, get_worker
+from distributed.utils_test import gen_test
 
 import accelsched
 from accelsched.config import Threshold
+from accelsched.protocol import PLACEMENT_PLUGIN
 from accelsched.testing import FakeGPUs, fake_gpus
 from tests import processes
 from tests.processes import Process, accel_events, running, until
@@ -313,3 +315,29 @@ def test_oom_exceptions_repeat() -> None:
     options = accelsched.GuardPlugin(**guard).options
     assert options["oom_exceptions"] == ("a.OOM", "b.OOM")
     assert options["leak_threshold"] == Threshold(fraction=0.2)
+
+
+# --- dask config without accelsched's keys ----------------------------------------------------
+
+
+@gen_test()
+async def test_absent_config_keys_are_the_built_in_defaults() -> None:
+    """A harness that restores a config snapshot taken before accelsched was imported (as
+    distributed's test clusters do) leaves no ``accelsched`` keys: the preload and the
+    plugins take the built-in defaults, and the cluster runs plain tasks as before."""
+    saved = dask.config.config.pop("accelsched")
+    try:
+        assert dask.config.get("accelsched.placement.fallback-interval", None) is None
+        with dask.config.set({"accelsched.guard.leak-confirmations": 3}):  # present: used
+            guard = accelsched.GuardPlugin().options
+        assert guard["leak_confirmations"] == 3 and guard["check_interval"] == 1.0
+        async with Scheduler(dashboard_address=":0", preload=["accelsched"]) as s:
+            async with Worker(s.address, preload=["accelsched"]) as w:
+                async with Client(s.address, asynchronous=True) as c:
+                    assert await c.submit(lambda x: x + 1, 1) == 2
+                    assert s.status == Status.running and w.status == Status.running
+                    placement = s.plugins[PLACEMENT_PLUGIN]
+                    assert placement.options["fallback_interval"] == 0.25
+                    assert placement.options["fallback_timeout"] is None
+    finally:
+        dask.config.config["accelsched"] = saved
