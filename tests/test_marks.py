@@ -238,3 +238,158 @@ async def test_an_odd_neighbour_costs_no_task_its_mark(c, s, gpu):
     marked = c.submit(accelsched.gpu(device_now), 1, key="marked")
     long = c.submit(accelsched.gpu(device_now), list(range(3000)), key="long")
     assert await marked == 0 and await long == 0 and await odd == {"a": 1}
+
+
+# ---- how steps travel: from a script's __main__ to processes that cannot import it -------
+
+#: A client script: its steps live in ``__main__`` (recursive, reading a global, a lambda,
+#: a method, a closure, a partial, a dual); it pickles them as distributed's client does.
+CLIENT = """
+import functools, sys
+import cloudpickle
+import accelsched
+
+SCALE = int(sys.argv[2])
+
+@accelsched.gpu
+def normalise(x):
+    return x * SCALE
+
+@accelsched.gpu(fallback_timeout="1s")
+def fact(n):
+    return 1 if n <= 1 else n * fact(n - 1)
+
+class Model:
+    @accelsched.gpu(count=2)
+    def predict(self, x):
+        return x + 100
+
+def make(k):
+    @accelsched.gpu
+    def inner(x):
+        return x - k
+    return inner
+
+steps = [
+    normalise, fact, Model().predict, make(7), accelsched.gpu(lambda y: -y),
+    functools.partial(normalise, 5), accelsched.dual(lambda x: ("gpu", x), lambda x: ("cpu", x)),
+]
+with open(sys.argv[1], "wb") as f:
+    f.write(cloudpickle.dumps(steps))
+"""
+
+#: Another process (a scheduler, a worker): it has accelsched, not the client's script.
+SERVER = """
+import pickle, sys
+import cloudpickle
+from accelsched.marks import find_mark
+with open(sys.argv[1], "rb") as f:
+    steps = pickle.loads(f.read())
+marks = [find_mark(s) for s in steps]
+results = [s(1) for s in steps[:4]] + [steps[4](3), steps[5](), steps[6](2)]
+# passed on, as the scheduler sends each task to a worker
+again = pickle.loads(cloudpickle.dumps(steps))
+print(repr((results, [m.count for m in marks], marks[1].timeout, again[0](2), again[1](4))))
+"""
+
+
+def run_python(cwd: object, code: str, *args: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=str(cwd),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def test_steps_from_a_scripts_main_travel_by_value_and_keep_their_mark(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "client.py").write_text(CLIENT)
+    blob = tmp_path / "steps.pkl"
+    subprocess.run([sys.executable, "client.py", str(blob), "3"], cwd=tmp_path, check=True)
+    server = tmp_path / "server"
+    server.mkdir()  # the client's folder is not on its path
+    results, counts, timeout, again_a, again_b = eval(run_python(server, SERVER, str(blob)))
+    assert results == [3, 1, 101, -6, -3, 15, ("cpu", 2)]  # no lease here: the CPU form
+    assert counts == [1, 1, 2, 1, 1, 1, 1] and timeout == 1.0
+    assert (again_a, again_b) == (6, 24)
+
+
+def test_a_step_shipped_again_carries_the_globals_of_its_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A notebook that changes a global and submits again: the new value travels."""
+    (tmp_path / "client.py").write_text(CLIENT)
+    for scale in ("2", "5"):
+        blob = tmp_path / f"steps{scale}.pkl"
+        subprocess.run([sys.executable, "client.py", str(blob), scale], cwd=tmp_path, check=True)
+        results, *_ = eval(run_python(tmp_path / ".." , SERVER, str(blob)))
+        assert results[0] == int(scale)
+
+
+LIBRARY = """
+import accelsched
+
+@accelsched.gpu(count=2)
+def libstep(x):
+    return x + 1
+
+def on_gpu(x):
+    return ("gpu", x)
+
+def on_cpu(x):
+    return ("cpu", x)
+
+both = accelsched.dual(on_gpu, on_cpu)
+"""
+
+WITHOUT_LIBRARY = """
+import pickle, sys
+import cloudpickle
+from accelsched.marks import find_mark
+with open(sys.argv[1], "rb") as f:
+    step, both = pickle.loads(f.read())
+errors = []
+for s in (step, both):
+    try:
+        s(1)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+with open(sys.argv[2], "wb") as f:
+    f.write(cloudpickle.dumps([step, both]))
+print(repr((find_mark(step).count, find_mark(both).count, errors)))
+"""
+
+
+def test_a_step_this_process_cannot_import_keeps_its_mark_and_errs_alone(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A scheduler without the client's library places the task; a worker that has the
+    library runs it; one that lacks it too fails that task, naming the step."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "mylib.py").write_text(LIBRARY)
+    with_lib = {**__import__("os").environ, "PYTHONPATH": str(lib)}
+    first, second = tmp_path / "a.pkl", tmp_path / "b.pkl"
+    run_python(
+        tmp_path,
+        "import sys, cloudpickle, mylib\n"
+        "open(sys.argv[1], 'wb').write(cloudpickle.dumps([mylib.libstep, mylib.both]))",
+        str(first),
+        env=with_lib,
+    )
+    counts_and_errors = eval(run_python(tmp_path, WITHOUT_LIBRARY, str(first), str(second)))
+    step_count, dual_count, errors = counts_and_errors
+    assert (step_count, dual_count) == (2, 1)
+    assert len(errors) == 2
+    assert "step 'mylib.libstep' could not be loaded" in errors[0]
+    assert "No module named 'mylib'" in errors[0]
+    assert "step dual(on_gpu, on_cpu) could not be loaded" in errors[1]
+    out = run_python(
+        tmp_path,
+        "import pickle, sys\n"
+        "step, both = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+        "print(repr((step(1), both(1), type(step).__name__)))",
+        str(second),
+        env=with_lib,
+    )
+    assert eval(out) == (2, ("cpu", 1), "GPUStep")
