@@ -24,6 +24,8 @@ __all__ = [
     "Sweep",
     "TIMEOUT",
     "NO_GPU_CAPACITY",
+    "UNSATISFIABLE",
+    "MAX_GPUS",
     "CHAIN",
     "OOM",
     "parse_task_timeout",
@@ -34,6 +36,7 @@ __all__ = [
 
 TIMEOUT = "timeout"  # the task's own timeout expired
 NO_GPU_CAPACITY = "no-gpu-capacity"  # timeout 0: no GPU worker can take it now
+UNSATISFIABLE = "unsatisfiable"  # asks for more GPUs than any worker can ever have
 CHAIN = "chain"  # a GPU predecessor fell back and there is still no GPU capacity
 OOM = "oom"  # the GPU form ran out of device memory (decided on the worker)
 
@@ -83,6 +86,17 @@ def invalid_amount(amount: Any) -> str | None:
     return f"invalid resources={{'GPU': {amount!r}}}: expected a positive, finite number of GPUs"
 
 
+#: The most GPUs one worker can offer: far above any host NVML can show (8 GPUs of 7 MIG
+#: instances each is 56). A task asking for more can never be placed, however long it
+#: waits, and its amount may not even be sendable to a worker (msgpack stops at 2**64).
+MAX_GPUS = 65536
+
+
+def satisfiable(amount: float) -> bool:
+    """Whether some worker could ever offer ``amount`` GPUs (a valid amount)."""
+    return amount <= MAX_GPUS
+
+
 class FallbackPolicy:
     """Decides, per unrunnable GPU task, whether to run its CPU form now.
 
@@ -103,14 +117,18 @@ class FallbackPolicy:
         timeout: float | None,
         predecessor_fell_back: bool,
         gpu_capacity: bool,
+        can_ever: bool = True,
     ) -> str | None:
         """Reason to fall back now, or None to keep waiting.
 
         ``waited``: seconds the task has been unrunnable. ``gpu_capacity``: whether any
-        worker in the cluster has enough verified GPUs for it right now.
+        worker in the cluster has enough verified GPUs for it right now. ``can_ever``:
+        whether any worker could ever (:func:`satisfiable`); if not, waiting is pointless.
         """
         if timeout is None:
             return None
+        if not can_ever:
+            return UNSATISFIABLE
         if predecessor_fell_back and not gpu_capacity:
             return CHAIN
         if timeout == 0:
@@ -152,6 +170,7 @@ def sweep(
             timeout=w.timeout,
             predecessor_fell_back=w.predecessor_fell_back,
             gpu_capacity=largest >= w.amount,
+            can_ever=satisfiable(w.amount),
         )
         if reason is not None:
             fall_back.append((w.key, reason, waited))

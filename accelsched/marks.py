@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import types
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MARK_ATTRIBUTE", "Mark", "mark_of", "find_mark", "MAX_VISITS"]
+__all__ = ["MARK_ATTRIBUTE", "Mark", "mark_of", "mark_problem", "find_mark", "MAX_VISITS"]
 
 #: The attribute a marked callable carries: a :class:`Mark`.
 MARK_ATTRIBUTE = "__accelsched_gpu__"
@@ -52,6 +53,32 @@ class Mark:
     count: float = 1
     timeout: float | None = None
     timeout_given: bool = False
+
+
+def mark_problem(mark: Mark) -> str | None:
+    """Why ``mark`` cannot be taken as is, or None when it can.
+
+    A mark arrives unpickled, so the scheduler checks it as strictly as :func:`gpu` checks
+    its arguments: a NaN or string timeout would otherwise sit in the fallback heap where
+    no deadline ever passes, holding up every fallback queued behind it.
+    """
+    count, timeout = mark.count, mark.timeout
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        return f"invalid GPU step mark count={count!r}: expected a positive number of GPUs"
+    if not 0 < count < math.inf:
+        return f"invalid GPU step mark count={count!r}: expected a positive number of GPUs"
+    if not isinstance(mark.timeout_given, bool):
+        return f"invalid GPU step mark timeout_given={mark.timeout_given!r}"
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 <= timeout < math.inf
+    ):
+        return (
+            f"invalid GPU step mark fallback_timeout={timeout!r}: expected None or a "
+            "finite, non-negative number of seconds"
+        )
+    return None
 
 
 def mark_of(obj: Any) -> Mark | None:
@@ -184,6 +211,8 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
             continue
         mark = mark_of(obj)
         if mark is not None:
+            if mark_problem(mark) is not None:
+                return mark  # the task errs, naming it: nothing to combine
             found.append(mark)
             continue
         try:

@@ -72,7 +72,15 @@ def observe(msg: Mapping[str, Any]) -> None:
 
 
 #: The fallback reasons :mod:`accelsched.fallback` gives; any other is ``"other"``.
-_REASONS = frozenset({fallback.TIMEOUT, fallback.NO_GPU_CAPACITY, fallback.CHAIN, fallback.OOM})
+_REASONS = frozenset(
+    {
+        fallback.TIMEOUT,
+        fallback.NO_GPU_CAPACITY,
+        fallback.UNSATISFIABLE,
+        fallback.CHAIN,
+        fallback.OOM,
+    }
+)
 
 
 def _number(value: Any) -> float | None:

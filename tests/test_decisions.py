@@ -8,8 +8,10 @@ from accelsched.budget import RestartBudget, admit_restart
 from accelsched.devices.nvml import MemoryReading
 from accelsched.fallback import (
     CHAIN,
+    MAX_GPUS,
     NO_GPU_CAPACITY,
     TIMEOUT,
+    UNSATISFIABLE,
     Deadlines,
     FallbackPolicy,
     Waiting,
@@ -95,6 +97,18 @@ def test_sweep_zero_timeout_and_chains_depend_on_capacity() -> None:
     assert none_fits.wake_at is None
     fits = sweep(policy, waiting[1:], now=3.0, largest=2)  # a 2-GPU worker exists
     assert fits.fall_back == [] and fits.wake_at == 63.0
+
+
+def test_sweep_an_amount_no_worker_can_ever_offer_falls_back_at_once() -> None:
+    policy = FallbackPolicy(default=None)
+    waiting = [
+        Waiting("huge", since=3.0, amount=2**64, timeout=60.0),
+        Waiting("edge", since=3.0, amount=MAX_GPUS, timeout=60.0),
+        Waiting("strict", since=3.0, amount=MAX_GPUS + 1, timeout=None),
+    ]
+    decided = sweep(policy, waiting, now=3.5, largest=2**70)  # whatever workers claim
+    assert decided.fall_back == [("huge", UNSATISFIABLE, 0.5)]
+    assert decided.wake_at == 63.0  # "edge" waits its timeout; "strict" errs elsewhere
 
 
 def test_sweep_of_nothing_sets_no_timer() -> None:

@@ -165,6 +165,15 @@ def annotate(ts: TaskState, name: str, value: Any) -> None:
     ts.annotations = {**(ts.annotations or {}), name: value}
 
 
+def drop_annotated_resource(ts: TaskState, name: str) -> None:
+    """Remove ``name`` from the task's ``resources`` annotation (sent to the worker as is)."""
+    annotations = ts.annotations or {}
+    resources = annotations.get("resources")
+    if isinstance(resources, dict) and name in resources:
+        kept = {k: v for k, v in resources.items() if k != name}
+        ts.annotations = {**annotations, "resources": kept}
+
+
 def run_now(scheduler: Scheduler, keys: list[Any], stimulus_id: str) -> None:
     """Send unrunnable tasks (whose restrictions now allow it) to a worker."""
     if keys:

@@ -23,15 +23,17 @@ import dask.utils
 
 from accelsched import events, internals
 from accelsched.fallback import (
+    MAX_GPUS,
     Deadlines,
     FallbackPolicy,
     Waiting,
     invalid_amount,
     parse_task_timeout,
+    satisfiable,
     summarise,
     sweep,
 )
-from accelsched.marks import find_mark
+from accelsched.marks import find_mark, mark_problem
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, INVALID_RESOURCE, TIMEOUT_ANNOTATION
 
 if TYPE_CHECKING:
@@ -42,6 +44,8 @@ __all__ = ["Fallback"]
 logger = logging.getLogger(__name__)
 
 _PERIODIC = "accelsched-fallback"
+
+UNSATISFIABLE_TEXT = f"no worker can ever offer more than {MAX_GPUS} GPUs"
 
 #: A check that falls back more tasks than this logs one summary event, not one each.
 FALLBACK_DETAIL = 10
@@ -112,27 +116,36 @@ class Fallback:
             mark = find_mark(internals.task_spec(ts))
             if mark is None:
                 return
+            problem = mark_problem(mark)
+            if problem is not None:
+                self._park(ts, problem)
+                return
             internals.set_resource_restrictions(
                 ts, {**(ts.resource_restrictions or {}), GPU: mark.count}
             )
         internals.harden_restrictions(ts)
-        problem = invalid_amount(ts.resource_restrictions[GPU])
+        amount = ts.resource_restrictions[GPU]
+        problem = invalid_amount(amount)
         if problem is not None:
             self._park(ts, problem)
             return
         annotations = ts.annotations or {}
-        if TIMEOUT_ANNOTATION not in annotations:
-            if mark is not None and mark.timeout_given:  # the step's own timeout
-                self.timeouts[ts.key] = mark.timeout
-                self._warn_no_workers_timeout(mark.timeout)
+        if TIMEOUT_ANNOTATION in annotations:
+            try:
+                timeout = parse_task_timeout(annotations[TIMEOUT_ANNOTATION])
+            except ValueError as exc:
+                self._park(ts, str(exc))
+                return
+            self.timeouts[ts.key] = timeout
+        elif mark is not None and mark.timeout_given:  # the step's own timeout
+            self.timeouts[ts.key] = mark.timeout
+        timeout = self.timeout_of(ts.key)
+        if not satisfiable(amount) and timeout is None:
+            # strict, and no worker can ever take it: it errs alone, never sent anywhere
+            self._park(ts, f"resources={{'GPU': {amount!r}}}: {UNSATISFIABLE_TEXT}")
             return
-        try:
-            timeout = parse_task_timeout(annotations[TIMEOUT_ANNOTATION])
-        except ValueError as exc:
-            self._park(ts, str(exc))
-            return
-        self.timeouts[ts.key] = timeout
-        self._warn_no_workers_timeout(timeout)
+        if ts.key in self.timeouts:
+            self._warn_no_workers_timeout(self.timeouts[ts.key])
 
     def _park(self, ts: Any, problem: str) -> None:
         """An invalid task waits on an unsatisfiable resource and errs alone at the next
@@ -173,6 +186,11 @@ class Fallback:
         if timeout is None:
             return
         deadline = since + timeout
+        if self.scheduler is not None:
+            ts = self.scheduler.tasks.get(key)
+            amount = (ts.resource_restrictions or {}).get(GPU, 0) if ts is not None else 0
+            if not satisfiable(amount):
+                deadline = since  # waiting cannot help: decided at once
         if timeout and self.fell_back and self.scheduler is not None:
             ts = self.scheduler.tasks.get(key)
             if ts is not None and any(d.key in self.fell_back for d in ts.dependencies):
@@ -245,6 +263,9 @@ class Fallback:
         restrictions = dict(ts.resource_restrictions)
         restrictions.pop(GPU, None)
         internals.set_resource_restrictions(ts, restrictions)
+        # the worker gets the annotations too: the GPU amount it no longer needs goes, so
+        # none can break the message (an int past 2**64 cost every worker its stream)
+        internals.drop_annotated_resource(ts, GPU)
         internals.annotate(ts, FALLBACK_ANNOTATION, reason)
         self.fell_back.add(ts.key)
 
