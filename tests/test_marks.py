@@ -321,10 +321,12 @@ def test_steps_from_a_scripts_main_travel_by_value_and_keep_their_mark(tmp_path)
 def test_a_step_shipped_again_carries_the_globals_of_its_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A notebook that changes a global and submits again: the new value travels."""
     (tmp_path / "client.py").write_text(CLIENT)
+    server = tmp_path / "server"
+    server.mkdir()
     for scale in ("2", "5"):
         blob = tmp_path / f"steps{scale}.pkl"
         subprocess.run([sys.executable, "client.py", str(blob), scale], cwd=tmp_path, check=True)
-        results, *_ = eval(run_python(tmp_path / ".." , SERVER, str(blob)))
+        results, *_ = eval(run_python(server, SERVER, str(blob)))
         assert results[0] == int(scale)
 
 
