@@ -324,7 +324,7 @@ def test_a_step_shipped_again_carries_the_globals_of_its_time(tmp_path) -> None:
     for scale in ("2", "5"):
         blob = tmp_path / f"steps{scale}.pkl"
         subprocess.run([sys.executable, "client.py", str(blob), scale], cwd=tmp_path, check=True)
-        results, *_ = eval(run_python(tmp_path / ".." , SERVER, str(blob)))
+        results, *_ = eval(run_python(tmp_path / "..", SERVER, str(blob)))
         assert results[0] == int(scale)
 
 
