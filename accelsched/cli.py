@@ -17,6 +17,7 @@ import time
 from accelsched.commands import ReaderGone, print_events, print_status
 from accelsched.events import ACTIONS
 from accelsched.scheduler_file import address_from_file
+from accelsched.simulate import simulate_arguments, simulate_main
 from accelsched.status import EXIT_CODES_HELP
 
 __all__ = ["main", "print_events", "print_status"]
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="redraw every SECONDS (default 2) until Ctrl-C",
     )
-    _simulate_arguments(
+    simulate_arguments(
         sub.add_parser(
             "simulate",
             help="run a command (dask worker, dask scheduler, python script.py) on simulated "
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
     if args.command == "simulate":
-        return _simulate(sub.choices["simulate"], args)
+        return simulate_main(sub.choices["simulate"], args)
     if args.command == "version":
         import accelsched
 
@@ -159,139 +160,6 @@ def _scheduler_arguments(command: argparse.ArgumentParser) -> None:
         type=_timeout,
         help="how long to try to reach the scheduler, its scheduler file included (default 10s)",
     )
-
-
-def _simulate_arguments(command: argparse.ArgumentParser) -> None:
-    """The options of ``fake_gpus`` that a command line can carry."""
-    from accelsched.testing import MAX_DEVICES
-
-    command.add_argument(
-        "--gpus",
-        required=True,
-        type=_gpu_count,
-        metavar="N",
-        help=f"how many simulated GPUs (1 to {MAX_DEVICES})",
-    )
-    command.add_argument(
-        "--memory",
-        action="append",
-        type=_size,
-        metavar="SIZE",
-        help="each GPU's memory, e.g. 16GiB (default); repeat it once per GPU to differ",
-    )
-    command.add_argument(
-        "--name",
-        action="append",
-        dest="names",
-        metavar="NAME",
-        help="the GPUs' name (default 'NVIDIA Simulated GPU'); repeat it once per GPU to differ",
-    )
-    command.add_argument(
-        "--context-memory",
-        default="64MiB",
-        type=_size,
-        metavar="SIZE",
-        help="what a CUDA context costs a process on a GPU (default 64MiB)",
-    )
-    command.add_argument(
-        "--no-process-memory",
-        dest="process_memory",
-        action="store_false",
-        help="NVML reports per-process memory as not available",
-    )
-    command.add_argument(
-        "--pid-offset",
-        default=0,
-        type=_pid_offset,
-        metavar="N",
-        help="reported pid = real pid + N, as in a container without the host PID namespace",
-    )
-    command.add_argument(
-        "--mig",
-        type=_profiles,
-        metavar="PROFILES",
-        help="every GPU in MIG mode with these MIG devices, e.g. 3g.40gb,3g.40gb",
-    )
-    command.add_argument(
-        "argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run"
-    )
-
-
-def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from accelsched.simulate import BadSimulation, Simulation, run
-
-    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    if not command:
-        parser.error("no command to run: give it after --, e.g. -- dask worker tcp://...")
-    simulation = Simulation(
-        count=args.gpus,
-        memory=args.memory or ["16GiB"],
-        names=args.names,
-        context_memory=args.context_memory,
-        process_memory=args.process_memory,
-        pid_offset=args.pid_offset,
-        mig=args.mig,
-    )
-    try:
-        return run(simulation, command)
-    except BadSimulation as exc:  # fake_gpus names its own arguments: name the options
-        message = str(exc)
-        for argument, option in _SIMULATE_OPTIONS.items():
-            if message.startswith(argument + " "):
-                message = option + message[len(argument) :]
-        parser.error(message)
-
-
-#: ``fake_gpus`` arguments and the ``simulate`` options that give them.
-_SIMULATE_OPTIONS = {"memory": "--memory", "names": "--name", "context_memory": "--context-memory"}
-
-
-def _gpu_count(value: str) -> int:
-    from accelsched.testing import MAX_DEVICES
-
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if not 1 <= count <= MAX_DEVICES:
-        raise argparse.ArgumentTypeError(
-            f"invalid --gpus {value!r}: expected a whole number from 1 to {MAX_DEVICES}"
-        )
-    return count
-
-
-def _size(value: str) -> str:
-    """A size ``fake_gpus`` takes (``16GiB``, bytes), checked with its own parser."""
-    from accelsched.testing.checks import _parse_size
-
-    try:
-        _parse_size(value, "size")
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {value!r}: expected bytes or a size like 16GiB"
-        ) from None
-    return value
-
-
-def _pid_offset(value: str) -> int:
-    from accelsched.testing.checks import _check_pid_offset
-
-    try:
-        return _check_pid_offset(int(value))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid --pid-offset {value!r}: expected a whole number from 0 to 2**31 - 1"
-        ) from None
-
-
-def _profiles(value: str) -> list[str]:
-    """``--mig``: comma-separated MIG profiles (checked by ``fake_gpus`` with the GPUs)."""
-    profiles = [p.strip() for p in value.split(",")]
-    if not all(profiles):
-        raise argparse.ArgumentTypeError(
-            f"invalid --mig {value!r}: expected MIG profiles separated by commas, e.g. 3g.40gb"
-        )
-    return profiles
 
 
 def _seconds(value: str) -> float:
