@@ -1,7 +1,9 @@
-"""Command line: ``accelsched demo|status|events|version`` (also ``python -m accelsched``).
+"""Command line: ``accelsched demo|status|events|simulate|version`` (also
+``python -m accelsched``).
 
 ``status`` and ``events`` run in :mod:`accelsched.commands` (a ``--scheduler-file`` is
 read by :mod:`accelsched.scheduler_file`); their exit codes are in :mod:`accelsched.status`.
+``simulate`` runs in :mod:`accelsched.simulate`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from accelsched.commands import ReaderGone, print_events, print_status
 from accelsched.events import ACTIONS
 from accelsched.scheduler_file import address_from_file
+from accelsched.simulate import simulate_arguments, simulate_main
 from accelsched.status import EXIT_CODES_HELP
 
 __all__ = ["main", "print_events", "print_status"]
@@ -72,8 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="redraw every SECONDS (default 2) until Ctrl-C",
     )
+    simulate_arguments(
+        sub.add_parser(
+            "simulate",
+            help="run a command (dask worker, dask scheduler, python script.py) on simulated "
+            "GPUs, as accelsched.testing.fake_gpus shows them",
+            usage="accelsched simulate [-h] --gpus N [options] -- COMMAND [ARG ...]",
+            description="Run COMMAND where NVML (pynvml, distributed, dask-cuda, accelsched) "
+            "sees N simulated GPUs; exit with its exit code. Signals sent to this process "
+            "reach COMMAND; the simulation is removed when it ends.",
+        )
+    )
     sub.add_parser("version", help="print the version")
     args = parser.parse_args(argv)
+    if args.command == "simulate":
+        return simulate_main(sub.choices["simulate"], args)
     if args.command == "version":
         import accelsched
 

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -27,16 +27,31 @@ PATHS = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().
 class Process:
     """One command line, its log, and how to end it."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        *,
+        paths: Sequence[str] = PATHS,
+        cwd: Path | None = None,
+    ) -> None:
+        """``paths`` go first on the process's PYTHONPATH (the tests' folders by default:
+        a process that must not import the tests' modules gets fewer)."""
         self.args = args
         self.log = log
         env = dict(env or {})
         extra = env.pop("PYTHONPATH", os.environ.get("PYTHONPATH"))
-        path = os.pathsep.join(p for p in (*PATHS, extra) if p)
+        path = os.pathsep.join(p for p in (*paths, extra) if p)
         full_env = {**os.environ, **env, "PYTHONPATH": path}
         with open(log, "wb") as out:
             self.popen = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                cwd=cwd,
+                start_new_session=True,
             )
 
     def output(self) -> str:
@@ -88,25 +103,35 @@ def running(*procs: Process) -> Iterator[tuple[Process, ...]]:
             proc.stop()
 
 
-def scheduler(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Process:
-    """``dask scheduler`` on a free port, writing ``tmp/scheduler.json``."""
+def scheduler(tmp: Path, *args: str, env: dict[str, str] | None = None, **process: Any) -> Process:
+    """``dask scheduler`` on a free port, writing ``tmp/scheduler.json``; ``process``:
+    :class:`Process`'s keywords."""
     return Process(
         [DASK, "scheduler", "--port", "0", "--no-dashboard"]
         + ["--scheduler-file", str(tmp / "scheduler.json"), *args],
         tmp / "scheduler.log",
         env,
+        **process,
     )
 
 
 def worker(
-    tmp: Path, name: str, address: str, *args: str, env: dict[str, str] | None = None
+    tmp: Path,
+    name: str,
+    address: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    before: Sequence[str] = (),
+    **process: Any,
 ) -> Process:
-    """``dask worker`` (one nanny, one thread) on ``address``."""
+    """``dask worker`` (one nanny, one thread) on ``address``, run by the command
+    ``before`` when given (``accelsched simulate --gpus 1 --``)."""
     return Process(
-        [DASK, "worker", address, "--nthreads", "1", "--no-dashboard", "--name", name]
+        [*before, DASK, "worker", address, "--nthreads", "1", "--no-dashboard", "--name", name]
         + ["--local-directory", str(tmp / name), *args],
         tmp / f"{name}.log",
         env,
+        **process,
     )
 
 

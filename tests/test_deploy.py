@@ -331,15 +331,15 @@ async def test_absent_config_keys_are_the_built_in_defaults() -> None:
         with dask.config.set({"accelsched.guard.leak-confirmations": 3}):  # present: used
             guard = accelsched.GuardPlugin().options
         assert guard["leak_confirmations"] == 3 and guard["check_interval"] == 1.0
-        async with Scheduler(dashboard_address=":0", preload=["accelsched"]) as s:  # noqa: SIM117
-            async with (
-                Worker(s.address, preload=["accelsched"]) as w,
-                Client(s.address, asynchronous=True) as c,
-            ):
-                assert await c.submit(lambda x: x + 1, 1) == 2
-                assert s.status == Status.running and w.status == Status.running
-                placement = s.plugins[PLACEMENT_PLUGIN]
-                assert placement.options["fallback_interval"] == 0.25
-                assert placement.options["fallback_timeout"] is None
+        async with (
+            Scheduler(dashboard_address=":0", preload=["accelsched"]) as s,
+            Worker(s.address, preload=["accelsched"]) as w,
+            Client(s.address, asynchronous=True) as c,
+        ):
+            assert await c.submit(lambda x: x + 1, 1) == 2
+            assert s.status == Status.running and w.status == Status.running
+            placement = s.plugins[PLACEMENT_PLUGIN]
+            assert placement.options["fallback_interval"] == 0.25
+            assert placement.options["fallback_timeout"] is None
     finally:
         dask.config.config["accelsched"] = saved

@@ -7,11 +7,14 @@ How a block runs is set by an HTML comment on the line before it (docs/testing.m
 - no comment: a complete program. It runs as a script in its own folder, in a fresh
   Python process (``__name__ == "__main__"``; spawned workers re-import it), and must
   exit 0.
-- ``<!-- example: session -->``: a snippet of a session. It runs in this process, in the
-  names of the ``<!-- example: preamble -->`` block of docs/testing.md plus ``client``
-  (a Client of one shared cluster: two nanny workers on fake 16 GiB GPUs, ``gpu-0`` and
-  ``gpu-1``, and one without a GPU, whose address is ``cpu_worker``; accelsched
-  registered). ``pycon`` blocks run as doctests in the same names.
+- ``<!-- example: session -->``: a snippet of a session. It runs in a client process of
+  its own (``python session.py``, in its ``__main__`` as a user's script), in the names
+  of the ``<!-- example: preamble -->`` block of docs/testing.md plus ``client`` (a
+  Client of one shared cluster started as users start one: a ``dask scheduler``
+  process, two ``dask worker`` processes ``gpu-0`` and ``gpu-1`` each under
+  ``accelsched simulate --gpus 1`` (16 GiB), and one without a GPU, whose address is
+  ``cpu_worker``; accelsched registered). ``pycon`` blocks run as doctests in the same
+  names.
 - ``<!-- example: event -->``: one or more event dicts. Each must be a literal with a
   known ``action`` that ``accelsched.events.describe`` can put into words.
 - ``<!-- example: file=NAME -->``: a file of a test suite (``conftest.py``), compiled here
@@ -27,18 +30,15 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import doctest
-import io
+import json
 import os
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -108,70 +108,156 @@ def preamble() -> Block:
 # --- the shared session ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def session() -> Iterator[dict[str, Any]]:
-    """One cluster on fake GPUs for every session block; the preamble's names."""
-    import logging
+class Session:
+    """A client process (``python session.py``, as a user's script) holding the
+    preamble's names and ``client``, on a cluster of ``dask`` command processes. It runs
+    each block sent on its stdin in its ``__main__`` and answers one JSON line."""
 
-    from distributed import Client, Nanny, Scheduler, SpecCluster
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
 
-    import accelsched
-    from accelsched.testing import fake_gpus
-
-    def nanny(cvd: str) -> dict[str, Any]:
-        env = {"CUDA_VISIBLE_DEVICES": cvd}
-        return {"cls": Nanny, "options": {"nthreads": 2, "env": env, "resources": {"GPU": 1}}}
-
-    with (
-        fake_gpus(count=2, memory="16GiB"),
-        SpecCluster(
-            workers={"gpu-0": nanny("0"), "gpu-1": nanny("1"), "cpu": nanny("")},
-            scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
-            silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(3)
-        accelsched.register(client)
-        deadline = time.monotonic() + 30
-        while sum(m["action"] == "gpu-verified" for _, m in client.get_events("accelsched")) < 2:
-            assert time.monotonic() < deadline, "the fake GPUs were not verified"
-            time.sleep(0.05)
-        names = {
-            str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
-        }
-        ns: dict[str, Any] = {
-            "client": client,
-            "cpu_worker": names["cpu"],
-            "scheduler_address": cluster.scheduler_address,
-        }
-        exec(compile(preamble().code, preamble().id, "exec"), ns)
-        yield ns
+    def run(self, block: Block, keep: bool = False) -> None:
+        """Run ``block`` there; ``keep``: its names stay (the setup, the preamble)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        request = {"code": block.code, "id": block.id, "lang": block.lang, "keep": keep}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()  # pytest-timeout bounds a block that hangs
+        assert line, f"{block.id}: the session process ended (exit {self.proc.wait()})"
+        answer = json.loads(line)
+        assert answer["ok"], f"{block.id}:\n{answer['output'][-6000:]}"
 
 
-def _run_session(block: Block, ns: dict[str, Any]) -> None:
-    from distributed import Client
+#: The session process: the names every block gets, then blocks from stdin, each run in
+#: ``__main__`` (what it defines or changes is undone after it, and the clients it made
+#: are closed, unless it is the preamble).
+SESSION = r"""
+import contextlib
+import doctest
+import io
+import json
+import sys
+import time
+import traceback
 
-    before = {id(v) for v in ns.values()}
-    ns = dict(ns)
-    out = io.StringIO()
+from distributed import Client
+
+import accelsched
+
+ADDRESS = sys.argv[1]
+client = Client(ADDRESS, timeout=30)
+accelsched.register(client)
+client.wait_for_workers(3, timeout=60)
+deadline = time.monotonic() + 60
+while sum(m["action"] == "gpu-verified" for _, m in client.get_events("accelsched")) < 2:
+    assert time.monotonic() < deadline, "the simulated GPUs were not verified"
+    time.sleep(0.05)
+cpu_worker = next(
+    a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["name"] == "cpu"
+)
+scheduler_address = ADDRESS
+
+
+def run_block(code, block_id, lang, keep):
+    names = globals()
+    saved = dict(names)
     try:
-        if block.lang == "pycon":
-            test = doctest.DocTestParser().get_doctest(
-                block.code, ns, block.id, str(block.path), block.line
-            )
+        if lang == "pycon":
+            test = doctest.DocTestParser().get_doctest(code, dict(names), block_id, block_id, 0)
             runner = doctest.DocTestRunner(
                 optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
             )
+            out = io.StringIO()
             runner.run(test, out=out.write)
             assert runner.failures == 0, out.getvalue()
         else:
-            with redirect_stdout(out):
-                exec(compile(block.code, block.id, "exec"), ns)
+            exec(compile(code, block_id, "exec"), names)
     finally:
-        for value in ns.values():  # a block's own clients
-            if isinstance(value, Client) and id(value) not in before:
-                value.close()
+        if not keep:
+            for key, value in list(names.items()):
+                if isinstance(value, Client) and saved.get(key) is not value:
+                    value.close()
+                if key not in saved:
+                    del names[key]
+            names.update(saved)
+
+
+answers = sys.stdout
+for line in sys.stdin:
+    request = json.loads(line)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            run_block(request["code"], request["id"], request["lang"], request["keep"])
+        ok = True
+    except BaseException:
+        ok = False
+        out.write(traceback.format_exc())
+    answers.write(json.dumps({"ok": ok, "output": out.getvalue()}) + "\n")
+    answers.flush()
+"""
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    """The cluster as users start it: a ``dask scheduler`` process, two ``dask worker``
+    processes each under ``accelsched simulate --gpus 1`` and one without a GPU, all
+    declaring ``GPU=1``; the blocks run in a client process of their own that registers
+    accelsched. No process can import the tests, nor the client's folder."""
+    from tests import processes
+    from tests.processes import running
+
+    tmp = tmp_path_factory.mktemp("session")
+    paths = [str(ROOT)]
+    simulate = [str(Path(sys.executable).with_name("accelsched")), "simulate", "--gpus", "1"]
+    sched = processes.scheduler(tmp, paths=paths, cwd=tmp)
+    with running(sched):
+        address = processes.scheduler_address(tmp / "scheduler.json", sched)
+        workers = [
+            processes.worker(
+                tmp,
+                name,
+                address,
+                "--nthreads",
+                "2",
+                "--resources",
+                "GPU=1",
+                before=simulate if name != "cpu" else (),
+                env={} if name != "cpu" else {"CUDA_VISIBLE_DEVICES": ""},
+                paths=paths,
+                cwd=tmp,
+            )  # fmt: skip
+            for name in ("gpu-0", "gpu-1", "cpu")
+        ]
+        client_dir = tmp / "client"
+        client_dir.mkdir()
+        (client_dir / "session.py").write_text(SESSION)
+        with running(*workers), open(tmp / "client.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "session.py", address],
+                cwd=client_dir,
+                env={**BASE_ENV, "PYTHONPATH": str(ROOT)},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+            try:
+                ns = Session(proc)
+                ns.run(preamble(), keep=True)
+                yield ns
+            finally:
+                assert proc.stdin is not None
+                proc.stdin.close()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _run_session(block: Block, ns: Session) -> None:
+    ns.run(block)
 
 
 # --- the tests ------------------------------------------------------------------------
@@ -189,8 +275,7 @@ def test_example(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -
         ns = request.getfixturevalue("session")
         if block.kind == "session":
             _run_session(block, ns)
-        else:
-            assert "client" in ns and "x" in ns  # it ran, in the fixture
+        # the preamble ran in the fixture
     elif block.kind == "script":
         assert block.lang == "python", f"{block.id}: a pycon block needs `example: session`"
         _run_script(block, tmp_path, [sys.executable, "example.py"], {"example.py": block.code})
