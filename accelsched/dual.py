@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
-
-import cloudpickle
 
 from accelsched.context import current_lease, released
 from accelsched.fallback import invalid_amount, parse_task_timeout
 from accelsched.marks import Mark, note_marked
+from accelsched.shipping import Unloadable, importable, ship, unpickle
 
 __all__ = ["dual", "Dual", "gpu", "GPUStep"]
 
@@ -42,7 +39,7 @@ R = TypeVar("R")
 class Dual(Generic[R]):
     """A picklable callable running ``gpu_fn`` under a GPU lease and ``cpu_fn`` otherwise."""
 
-    __slots__ = ("gpu_fn", "cpu_fn", "_payload")
+    __slots__ = ("gpu_fn", "cpu_fn", "shipped")
     __accelsched_gpu__ = _DUAL_MARK
 
     def __init__(self, gpu_fn: Callable[..., R], cpu_fn: Callable[..., R]) -> None:
@@ -51,7 +48,7 @@ class Dual(Generic[R]):
                 raise TypeError(f"dual() {name} must be callable, got {fn!r}")
         self.gpu_fn = gpu_fn
         self.cpu_fn = cpu_fn
-        self._payload: bytes | None = None
+        self.shipped: bytes | None = None
         note_marked()
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
@@ -81,7 +78,7 @@ class Dual(Generic[R]):
     def __reduce__(self) -> tuple[Any, ...]:
         # both functions travel as cloudpickle ships them (by value from __main__), in
         # bytes of their own: a process that cannot load them still reads the mark
-        shipped = _ship(self, (self.gpu_fn, self.cpu_fn))
+        shipped = ship(self, (self.gpu_fn, self.cpu_fn))
         if shipped is None:
             return (Dual, (self.gpu_fn, self.cpu_fn))
         gpu_fn = self.gpu_fn
@@ -128,6 +125,7 @@ class GPUStep(Generic[R]):
         self.__accelsched_gpu__ = mark
         note_marked()
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        self.shipped: bytes | None = None  # the bytes it was loaded from, if any
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         lease = current_lease()
@@ -145,10 +143,10 @@ class GPUStep(Generic[R]):
             return self.fn.reduce_with(mark)
         # ``@gpu`` on an importable module-level function puts this object where the
         # function was: by reference, as cloudpickle would ship the function itself
-        where = _importable(self)
+        where = importable(self)
         if where is not None:
             return (_load_step_by_name, (*where, mark))
-        shipped = _ship(self, self.fn)  # by value: __main__, nested, lambdas, ...
+        shipped = ship(self, self.fn)  # by value: __main__, nested, lambdas, ...
         if shipped is None:
             return (GPUStep, (self.fn, mark))
         return (_load_step, (_name(self.fn), mark, shipped))
@@ -157,110 +155,16 @@ class GPUStep(Generic[R]):
         return f"gpu({_name(self.fn)}, count={self.__accelsched_gpu__.count:g})"
 
 
-# --- how marked steps travel --------------------------------------------------------------
-#
-# The scheduler unpickles every task with the graph to find the marks, and it is usually
-# another process (``dask scheduler``, helm, jobqueue) that cannot import the client's
-# ``__main__`` nor, often, its libraries. A step therefore travels as cloudpickle would
-# ship its plain function (by value from ``__main__``, a notebook, a closure or a lambda;
-# by reference where importable), and its functions are pickled into bytes of their own:
-# a process that cannot load them still gets the mark, so the task is placed, and the
-# task alone errs, naming the step, where it runs and still cannot load it.
-
-
-class Unloadable:
-    """Stands for a step's function that this process could not load.
-
-    Calling it raises, naming the step and why; pickled again it carries what it was
-    loaded from, so a worker that has the step's module loads the real step.
-    """
-
-    def __init__(self, label: str, error: str, reload: tuple[Any, ...]) -> None:
-        self.label = label
-        self.error = error
-        self.reload = reload  # (loader, args without the mark)
-        self.__name__ = self.__qualname__ = label
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"accelsched step {self.label} could not be loaded in this process: "
-            f"{self.error}. Install the module that defines it where the scheduler and the "
-            "workers run, or define the step in the client's script or notebook"
-        )
-
-    def reduce_with(self, mark: Mark | None) -> tuple[Any, ...]:
-        loader, args = self.reload
-        return (loader, args if mark is None else (*args, mark))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return self.reduce_with(None)
-
-    def __repr__(self) -> str:
-        return f"<unloadable accelsched step {self.label}>"
-
-
-def _importable(obj: Any) -> tuple[str, str] | None:
-    """``(module, qualname)`` where cloudpickle would ship a function of ``obj``'s name
-    by reference: its module is a real, imported one, not ``__main__``, not registered to
-    travel by value, and the name leads back to ``obj``. None: ship it by value."""
-    module_name = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None)
-    if not isinstance(module_name, str) or not isinstance(qualname, str):
-        return None
-    if module_name == "__main__" or "<" in qualname:  # <locals>, <lambda>
-        return None
-    module = sys.modules.get(module_name)
-    if module is None or getattr(module, "__spec__", None) is None:  # dynamic
-        return None
-    by_value = cloudpickle.list_registry_pickle_by_value()
-    parts = module_name.split(".")
-    if any(".".join(parts[:i]) in by_value for i in range(1, len(parts) + 1)):
-        return None
-    target: Any = module
-    for part in qualname.split("."):
-        target = getattr(target, part, None)
-    return (module_name, qualname) if target is obj else None
-
-
-_shipping = threading.local()
-
-
-def _ship(step: Any, functions: Any) -> bytes | None:
-    """``functions`` pickled apart, or None while ``step`` is being shipped already: a
-    recursive step reaches itself through its own globals, and only the enclosing
-    pickler's memo can close that cycle.
-
-    A step loaded from bytes sends the same bytes on (the scheduler passes steps
-    through); one made here is pickled anew each time, as a plain function is, so a
-    notebook's changed globals travel with it.
-    """
-    loaded: bytes | None = getattr(step, "_payload", None)
-    if loaded is not None:
-        return loaded
-    busy: set[int] = _shipping.__dict__.setdefault("busy", set())
-    if id(step) in busy:
-        return None
-    busy.add(id(step))
-    try:
-        return cloudpickle.dumps(functions, protocol=5)
-    finally:
-        busy.discard(id(step))
-
-
-def _unpickle(label: str, payload: bytes) -> tuple[Any, str | None]:
-    try:
-        return cloudpickle.loads(payload), None
-    except Exception as exc:  # ModuleNotFoundError, AttributeError, anything it raised
-        return None, f"{type(exc).__name__}: {exc}"
+# --- loaders: how the steps above come back in another process (accelsched.shipping) -----
 
 
 def _load_step(label: str, mark: Mark, payload: bytes) -> GPUStep[Any]:
     """A ``@gpu`` step shipped by value; unloadable here, still marked."""
-    fn, error = _unpickle(label, payload)
+    fn, error = unpickle(label, payload)
     if error is not None:
         fn = Unloadable(repr(label), error, (_load_step, (label, payload)))
     step: GPUStep[Any] = GPUStep(fn, mark)
-    step._payload = payload  # type: ignore[attr-defined]  # passing through: the same bytes
+    step.shipped = payload  # passing through the scheduler: the same bytes go on
     return step
 
 
@@ -281,12 +185,12 @@ def _load_step_by_name(module: str, qualname: str, mark: Mark) -> Any:
 
 def _load_dual(label: str, payload: bytes) -> Dual[Any]:
     """A ``dual`` step; unloadable here, still marked (calling it raises, naming it)."""
-    fns, error = _unpickle(label, payload)
+    fns, error = unpickle(label, payload)
     if error is not None:
         missing = Unloadable(label, error, (_load_dual, (label, payload)))
         fns = (missing, missing)
     step: Dual[Any] = Dual(*fns)
-    step._payload = payload
+    step.shipped = payload
     return step
 
 

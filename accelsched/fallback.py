@@ -16,6 +16,8 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from dask.utils import parse_timedelta
+
 from accelsched.config import parse_optional_duration
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "OOM",
     "parse_task_timeout",
     "invalid_amount",
+    "no_workers_conflict",
     "Deadlines",
     "summarise",
 ]
@@ -95,6 +98,19 @@ MAX_GPUS = 65536
 def satisfiable(amount: float) -> bool:
     """Whether some worker could ever offer ``amount`` GPUs (a valid amount)."""
     return amount <= MAX_GPUS
+
+
+def no_workers_conflict(limit: Any, timeout: float) -> str | None:
+    """Why distributed's ``no-workers-timeout`` (``limit``) defeats a fallback ``timeout``:
+    the scheduler would fail unplaceable GPU tasks before they could fall back."""
+    limit_s = None if limit is None else parse_timedelta(limit)
+    if limit_s is None or limit_s >= timeout:
+        return None
+    return (
+        f"distributed.scheduler.no-workers-timeout ({limit_s}s) is shorter than "
+        f"accelsched's fallback timeout ({timeout}s): the scheduler will fail "
+        "unplaceable GPU tasks with NoValidWorkerError before they can fall back"
+    )
 
 
 class FallbackPolicy:

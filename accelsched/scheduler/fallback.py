@@ -19,7 +19,6 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 import dask.config
-import dask.utils
 
 from accelsched import events, internals
 from accelsched.fallback import (
@@ -28,6 +27,7 @@ from accelsched.fallback import (
     FallbackPolicy,
     Waiting,
     invalid_amount,
+    no_workers_conflict,
     parse_task_timeout,
     satisfiable,
     summarise,
@@ -116,16 +116,12 @@ class Fallback:
             mark = find_mark(internals.task_spec(ts))
             if mark is None:
                 return
-            problem = mark_problem(mark)
-            if problem is not None:
-                self._park(ts, problem)
-                return
             internals.set_resource_restrictions(
                 ts, {**(ts.resource_restrictions or {}), GPU: mark.count}
             )
         internals.harden_restrictions(ts)
         amount = ts.resource_restrictions[GPU]
-        problem = invalid_amount(amount)
+        problem = (mark_problem(mark) if mark else None) or invalid_amount(amount)
         if problem is not None:
             self._park(ts, problem)
             return
@@ -139,8 +135,7 @@ class Fallback:
             self.timeouts[ts.key] = timeout
         elif mark is not None and mark.timeout_given:  # the step's own timeout
             self.timeouts[ts.key] = mark.timeout
-        timeout = self.timeout_of(ts.key)
-        if not satisfiable(amount) and timeout is None:
+        if not satisfiable(amount) and self.timeout_of(ts.key) is None:
             # strict, and no worker can ever take it: it errs alone, never sent anywhere
             self._park(ts, f"resources={{'GPU': {amount!r}}}: {UNSATISFIABLE_TEXT}")
             return
@@ -307,15 +302,8 @@ class Fallback:
             return
         self._limits_checked.add(timeout)  # a config read per value, not per task
         limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
-        if limit is None:
-            return
-        limit_s = dask.utils.parse_timedelta(limit)
-        if limit_s is not None and limit_s < timeout:
+        msg = no_workers_conflict(limit, timeout)
+        if msg is not None:
             self._warned_no_workers = True
-            msg = (
-                f"distributed.scheduler.no-workers-timeout ({limit_s}s) is shorter than "
-                f"accelsched's fallback timeout ({timeout}s): the scheduler will fail "
-                "unplaceable GPU tasks with NoValidWorkerError before they can fall back"
-            )
             logger.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
