@@ -48,6 +48,12 @@ EXIT_CODES_HELP: Final = (
 
 MiB = 2**20
 
+#: ``devices[].figures`` of a device granted since the worker's last heartbeat: its
+#: leases and leak figures are not known yet (see :class:`~accelsched.protocol.DeviceStatus`).
+WAITING: Final = "waiting"
+#: What the table says for such a device instead of figures it does not have.
+WAITING_TEXT: Final = "waiting for the first heartbeat"
+
 #: The table's columns (field, heading), shared with the dashboard page.
 COLUMNS: Final = [
     ("worker", "WORKER"),
@@ -93,6 +99,7 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
     for w in snap["workers"]:
         devices: list[DeviceStatus | None] = list(w["devices"]) or [None]
         for d in devices:
+            waiting = d is not None and d.get("figures") == WAITING
             row = {
                 "worker": w["name"],
                 "device": "-" if d is None else str(d["index"]),
@@ -100,7 +107,11 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
                 "memory": "-" if d is None else f"{d['memory'] / 2**30:.1f} GiB",
                 "uuid": "-" if d is None else d["uuid"],
                 "leases": "-" if d is None or d["leases"] is None else str(d["leases"]),
-                "leak": "-" if d is None else _leak(d["leak_estimate"], d["leak_threshold"]),
+                "leak": "-"
+                if d is None
+                else WAITING_TEXT
+                if waiting
+                else _leak(d["leak_estimate"], d["leak_threshold"]),
                 "restarts": str(w["restarts"]),
                 "leaks": str(w["leaks"]),
                 "fallbacks": str(w["fallbacks"]),

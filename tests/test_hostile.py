@@ -113,7 +113,8 @@ async def test_a_forged_heartbeat_metric_breaks_no_status(c, s, a):
         (device,) = snap["workers"][0]["devices"]  # still the verified GPU
         assert device["leases"] is None, forged  # the figures are unknown, not odd
         assert device["leak_estimate"] is None and device["withdrawn"] is False
-        render(snap)  # what `accelsched status` prints
+        assert device["figures"] == "unreadable", forged  # not "waiting": it did speak
+        assert "waiting" not in render(snap)  # what `accelsched status` prints
         observer.sample()  # the dashboard's history
     a.metrics[GUARD_METRIC] = honest
     await heartbeat_until(a, s, lambda metric: metric == as_sent(honest(a)))
