@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--report",
         metavar="PATH",
-        help="where to write the report: a .html file or a folder (default ./accelsched-demo.html)",
+        help="where to write the report: a .html file or a folder (default "
+        "accelsched-demo.html in the system's temporary folder; the path is printed)",
     )
     events = sub.add_parser(
         "events", help="print accelsched's events from a running cluster's scheduler"

@@ -125,7 +125,7 @@ def _run(
     problem = address_problem(address)
     if problem is not None:
         print(
-            f"accelsched {command}: invalid scheduler address {address!r}: {problem}",
+            f"accelsched {command}: invalid scheduler address {address!r}: {shown(problem)}",
             file=sys.stderr,
         )
         return USAGE
@@ -193,7 +193,9 @@ class _Status:
             if snap is None:
                 return _no_accelsched("status", self.address)
             if self.as_json:
-                text = json.dumps(snap, sort_keys=True) + "\n"
+                # ASCII only: a name's control characters arrive as \u001b, never raw,
+                # and so do C1 and bidi controls, which JSON would let through as they are
+                text = json.dumps(snap, sort_keys=True, ensure_ascii=True) + "\n"
             else:
                 if watch is not None and out.isatty():
                     text = "\x1b[H\x1b[2J"  # redraw in place
@@ -260,7 +262,9 @@ class _Events:
                     "owner": [names.get(o, o) if isinstance(o, str) else o for o in owner],
                 }
             when = time.strftime("%H:%M:%S", time.localtime(stamp))
-            lines.append(f"{when} [{msg['action']}] {events.describe(msg, names)}\n")
+            # every figure of an event may come from a worker (its name, its devices'):
+            # the line is shown, so none of it acts on the terminal or starts a line
+            lines.append(f"{when} [{msg['action']}] {shown(events.describe(msg, names))}\n")
         _write(self.out, "".join(lines))
         return OK
 

@@ -122,8 +122,10 @@ def _describe(msg: Mapping[str, Any], w: str) -> str:
     a = msg["action"]
     mib = 2**20
     if a == GPU_VERIFIED:
-        devices = ", ".join(f"{d['index']}={d['uuid'][:12]}" for d in msg["devices"])
-        return f"{w}: verified {msg['granted']} GPU(s) {devices}"
+        devices = "; ".join(
+            f"{d['name']}, UUID {d['uuid']}, CUDA index {d['index']}" for d in msg["devices"]
+        )
+        return f"{w}: verified {msg['granted']} GPU(s): {devices}"
     if a == GPU_CORRECTED:
         return f"{w}: declared GPU={msg['declared']}, granted {msg['granted']} ({msg['reason']})"
     if a == GPU_REJECTED:

@@ -224,12 +224,16 @@ class GuardMetric(TypedDict):
 
 class DeviceStatus(TypedDict):
     """A verified GPU of a worker (the grant) with the guard's latest figures (None
-    before its first heartbeat after the grant)."""
+    while unknown). ``figures`` says why they are unknown, so that a reader can tell a
+    worker that has not spoken since the grant (``"waiting"``: no heartbeat has carried
+    this device's figures yet) from one whose figures were malformed and left out
+    (``"unreadable"``); ``"reported"`` otherwise."""
 
     index: int
     uuid: str
     name: str
     memory: int
+    figures: Literal["reported", "waiting", "unreadable"]
     leases: int | None
     withdrawn: bool
     leak_estimate: int | None

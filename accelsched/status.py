@@ -48,6 +48,12 @@ EXIT_CODES_HELP: Final = (
 
 MiB = 2**20
 
+#: ``devices[].figures`` of a device granted since the worker's last heartbeat: its
+#: leases and leak figures are not known yet (see :class:`~accelsched.protocol.DeviceStatus`).
+WAITING: Final = "waiting"
+#: What the table says for such a device instead of figures it does not have.
+WAITING_TEXT: Final = "waiting for the first heartbeat"
+
 #: The table's columns (field, heading), shared with the dashboard page.
 COLUMNS: Final = [
     ("worker", "WORKER"),
@@ -64,16 +70,26 @@ COLUMNS: Final = [
 ]
 
 
-def shown(text: str) -> str:
-    """``text`` as one printable line: a path or address holding a newline or a terminal
-    escape is shown quoted, with escapes."""
+def shown(text: object) -> str:
+    """``text`` as one printable line, for every value the commands print that they did
+    not write themselves (worker and device names, UUIDs, event details, addresses,
+    paths, errors).
+
+    Anyone can name a worker, and a worker reports its own device names: a name holding a
+    terminal escape (``"\\x1b[2J"``) would clear the reader's screen, a newline would
+    forge a row of the table, a bidi override would reorder what follows it. Such a
+    value is shown quoted, escaped (``'\\x1b[2J'``): it is seen and never acts, and the
+    quotes tell it from a name that merely looks like an escape. A printable value
+    (non-ASCII letters too) is shown as it is."""
+    text = str(text)
     return text if text.isprintable() else ascii(text)
 
 
 def one_line(exc: BaseException) -> str:
-    """An error as ``TypeName: detail`` on one line (an OSError by its ``strerror``)."""
+    """An error as ``TypeName: detail`` on one line (an OSError by its ``strerror``): the
+    detail may quote what a peer sent, so it is :func:`shown`."""
     detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    detail = " ".join(detail.split())
+    detail = shown(" ".join(detail.split()))
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
@@ -83,6 +99,7 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
     for w in snap["workers"]:
         devices: list[DeviceStatus | None] = list(w["devices"]) or [None]
         for d in devices:
+            waiting = d is not None and d.get("figures") == WAITING
             row = {
                 "worker": w["name"],
                 "device": "-" if d is None else str(d["index"]),
@@ -90,7 +107,11 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
                 "memory": "-" if d is None else f"{d['memory'] / 2**30:.1f} GiB",
                 "uuid": "-" if d is None else d["uuid"],
                 "leases": "-" if d is None or d["leases"] is None else str(d["leases"]),
-                "leak": "-" if d is None else _leak(d["leak_estimate"], d["leak_threshold"]),
+                "leak": "-"
+                if d is None
+                else WAITING_TEXT
+                if waiting
+                else _leak(d["leak_estimate"], d["leak_threshold"]),
                 "restarts": str(w["restarts"]),
                 "leaks": str(w["leaks"]),
                 "fallbacks": str(w["fallbacks"]),
@@ -123,11 +144,12 @@ def summary(snap: StatusReply) -> str:
 
 
 def render(snap: StatusReply) -> str:
-    """The text ``accelsched status`` prints: a summary line and the table."""
-    rows = table_rows(snap)
+    """The text ``accelsched status`` prints: a summary line and the table, every cell
+    :func:`shown` (names come from the cluster) before the widths are taken."""
+    rows = {c: [shown(v) for v in cells] for c, cells in table_rows(snap).items()}
     n = len(rows["worker"])
     widths = {c: max([len(h)] + [len(v) for v in rows[c]]) for c, h in COLUMNS}
-    lines = [f"scheduler {snap['scheduler']}: {summary(snap)}"]
+    lines = [f"scheduler {shown(snap['scheduler'])}: {summary(snap)}"]
     lines.append("  ".join(h.ljust(widths[c]) for c, h in COLUMNS).rstrip())
     for i in range(n):
         lines.append("  ".join(rows[c][i].ljust(widths[c]) for c, _ in COLUMNS).rstrip())

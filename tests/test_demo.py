@@ -37,14 +37,15 @@ def test_demo_shows_placement_leak_and_fallback_and_writes_its_report(tmp_path: 
     stages = [m.group(1) for line in lines if (m := re.match(r"\[(\d+)/(\d+)\] \S", line))]
     assert stages == [str(n) for n in range(1, STAGES + 1)], text
 
-    assert "declared GPU=2, granted 1 (fewer-devices)" in text
-    assert "declared GPU=1, granted 0 (no-devices)" in text
+    check_corrections_say_they_are_on_purpose(text)
+    verified = check_verified_devices_are_labelled(text)
+    check_two_workers_devices_are_told_apart(lines, verified)
     leak = re.search(r"\[leak\] (gpu-\d): device 0 leaks 1536 MiB", text)
     assert leak, text
     assert f"[restart] {leak.group(1)}: retired" in text
     assert f"only {leak.group(1)} restarted" in text
     assert "none recomputed" in text
-    assert "CPU (fallback)" in text and "fell back to their CPU form" in text
+    check_fallback_count_matches_the_rows(lines, text)
     assert "Same numbers on the GPU path and the fallback path." in text
 
     report = tmp_path / "accelsched-demo.html"
@@ -55,6 +56,97 @@ def test_demo_shows_placement_leak_and_fallback_and_writes_its_report(tmp_path: 
     assert f'"{leak.group(1)}: retired' in page  # the restart marker's description
     assert '"restart"' in page and '"leak"' in page and '"fallback"' in page
     assert "<script" in page and "cdn.bokeh.org" not in page  # bokeh inline: opens offline
+    check_timeline_starts_when_the_cluster_is_up(page)
+
+
+def check_corrections_say_they_are_on_purpose(text: str) -> None:
+    """The corrections are the point: no reader should hunt for a set-up error."""
+    assert "the demo mis-declares 2 worker(s): cpu declares GPU=1 but has none; " in text
+    assert "gpu-0 declares GPU=2 but has 1 GPU." in text
+    assert "gpu-0: declared GPU=2, granted 1 (fewer-devices) - mis-declared on purpose" in text
+    assert "cpu: declared GPU=1, granted 0 (no-devices) - mis-declared on purpose" in text
+
+
+def check_verified_devices_are_labelled(text: str) -> dict[str, str]:
+    """Each verified GPU by name and whole UUID, each figure labelled; worker -> UUID."""
+    verified = dict(
+        re.findall(
+            r"\[gpu-verified\] (gpu-\d): verified 1 GPU\(s\): NVIDIA Simulated GPU, "
+            r"UUID (GPU-[0-9a-f]{8}-[0-9a-f-]{27}), CUDA index 0$",
+            text,
+            re.MULTILINE,
+        )
+    )
+    assert set(verified) == {"gpu-0", "gpu-1"}, text
+    assert "0=GPU-" not in text
+    return verified
+
+
+def check_two_workers_devices_are_told_apart(lines: list[str], verified: dict[str, str]) -> None:
+    """Stage 3: both workers call their GPU CUDA index 0; "ran on" tells the two apart."""
+    placed = stage_table(lines, 3)
+    assert {r["block"] for r in placed} == {str(b) for b in range(8)}, lines
+    ran_on: dict[str, set[str]] = {}
+    for r in placed:
+        ran_on.setdefault(r["worker"], set()).add(r["ran on"])
+        assert r["CUDA index"] == "0"
+    assert set(ran_on) == {"gpu-0", "gpu-1"}, lines  # both GPUs used
+    for worker, devices in ran_on.items():
+        assert devices == {verified[worker][:12]}, lines
+    assert ran_on["gpu-0"] != ran_on["gpu-1"]
+
+
+def check_fallback_count_matches_the_rows(lines: list[str], text: str) -> None:
+    """Stage 5: the rows are runs of tasks, and the count of fallbacks is read off them."""
+    fell = re.search(r"^(\d+) of the (\d+) GPU tasks fell back to their CPU form", text, re.M)
+    assert fell, text
+    rows = stage_table(lines, 5)
+    on_cpu = [r for r in rows if r["ran on"] == "CPU (fallback)"]
+    assert len(on_cpu) == int(fell.group(1)), text
+    assert len({r["block"] for r in rows}) == int(fell.group(2)) == 8, text
+    again = [r for r in rows if r.get("note")]
+    assert len(rows) == 8 + len(again), text  # a row per run: a block ran again
+    for r in again:
+        assert r["note"] == "its worker left while it ran: ran again" and r["ran on"] != "CPU"
+        assert r["block"] in {c["block"] for c in on_cpu}  # and its second run is there
+
+
+def check_timeline_starts_when_the_cluster_is_up(page: str) -> None:
+    """No line for stage 1 (the start-up): the chart's 0 is after it."""
+    assert "Time 0 is when the cluster was up" in page
+    spans = [float(x) for x in re.findall(r'"name":"Span"[^}]*?"location":([-0-9.e]+)', page)]
+    assert len(spans) == STAGES - 1 and min(spans) >= 0, spans
+
+
+def stage_table(lines: list[str], stage: int) -> list[dict[str, str]]:
+    """The rows of the table stage ``stage`` prints, by column heading."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"[{stage}/"))
+    head = next(i for i in range(start, len(lines)) if lines[i].startswith("block  "))
+    columns = re.split(r"\s{2,}", lines[head])
+    rows: list[dict[str, str]] = []
+    for line in lines[head + 2 :]:
+        if not re.match(r"\d+  ", line):
+            break
+        rows.append(dict(zip(columns, re.split(r"\s{2,}", line), strict=False)))
+    return rows
+
+
+def test_the_report_goes_to_the_temporary_folder_by_default(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Not into the working directory, which is often a checkout: a stray file for git."""
+    import tempfile
+
+    import accelsched.demo
+
+    project, temp = tmp_path / "project", tmp_path / "temp"
+    project.mkdir()
+    temp.mkdir()
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    given: list[Path] = []
+    monkeypatch.setattr(accelsched.demo, "run", lambda out, report: given.append(report) or 0)
+    assert main(out=io.StringIO()) == 0
+    assert given == [temp.resolve() / "accelsched-demo.html"]
+    assert list(project.iterdir()) == []  # the writability check left nothing behind
 
 
 @pytest.mark.parametrize("bad", ["report.png", "no-such-folder/report.html"])

@@ -113,7 +113,8 @@ async def test_a_forged_heartbeat_metric_breaks_no_status(c, s, a):
         (device,) = snap["workers"][0]["devices"]  # still the verified GPU
         assert device["leases"] is None, forged  # the figures are unknown, not odd
         assert device["leak_estimate"] is None and device["withdrawn"] is False
-        render(snap)  # what `accelsched status` prints
+        assert device["figures"] == "unreadable", forged  # not "waiting": it did speak
+        assert "waiting" not in render(snap)  # what `accelsched status` prints
         observer.sample()  # the dashboard's history
     a.metrics[GUARD_METRIC] = honest
     await heartbeat_until(a, s, lambda metric: metric == as_sent(honest(a)))
@@ -366,3 +367,73 @@ async def test_a_reader_that_leaves_ends_watch_quietly(c, s, a):
     code = await asyncio.wait_for(proc.wait(), 30)
     err = await proc.stderr.read()
     assert code == 0 and err == b"", err
+
+
+#: Worker names that act on a terminal printed raw: clear the screen; forge a row.
+HOSTILE_NAMES = ["\x1b[2J", "evil\nrow"]
+
+
+def raw_controls(text: str) -> list[str]:
+    """The characters of ``text`` that would act rather than show: C0 and C1 controls,
+    bidi overrides, line separators (all but the lines' own newlines)."""
+    return [ch for ch in text if ch != "\n" and not ch.isprintable()]
+
+
+@gen_cluster(client=True, nthreads=[], timeout=90)
+async def test_hostile_names_are_shown_escaped_never_acted_on(c, s):
+    """Anyone can name a worker, and a worker reports its own devices: nothing of it may
+    act on the terminal of whoever runs ``accelsched status`` or ``events``, nor forge a
+    line. The device name and UUID are set on the scheduler's grant, where a hostile
+    guard's inventory would put them; the event through ``log_event`` on the scheduler,
+    as any code run there could."""
+    async with (
+        Worker(s.address, name=HOSTILE_NAMES[0], nthreads=1, resources={"GPU": 1}) as a,
+        Worker(s.address, name=HOSTILE_NAMES[1], nthreads=1, resources={"GPU": 1}) as b,
+    ):
+        await _hostile_names(c, s, a, b)
+
+
+async def _hostile_names(c: Any, s: Any, a: Worker, b: Worker) -> None:
+    await accelsched.register(c)
+    gate = s.plugins[PLACEMENT_PLUGIN].gate
+
+    def judged() -> bool:
+        """one worker verified, the other corrected (both see the same two GPUs; the
+        first to report owns the one it claims)"""
+        done = {m["action"] for _, m in s.get_events("accelsched")}
+        return {"gpu-verified", "gpu-corrected"} <= done
+
+    await wait_for(judged, timeout=30)
+    owner, other = (a, b) if gate.granted.get(a.address) else (b, a)
+    (device,) = gate.granted[owner.address]
+    device["name"] = "GPU\x1b]0;owned\x07\u202eevil"
+    device["uuid"] = "GPU-1\r\nforged  0  NVIDIA"
+    s.log_event(
+        "accelsched",
+        {
+            "action": "quarantine",
+            "worker": other.address,
+            "reason": "bad\n12:00:00 [restart] x\x9b2J",
+        },
+    )
+
+    code, out, err = await cli("status", s.address)
+    assert code == 0, err
+    assert raw_controls(out) == [], out
+    snap = await status(c)
+    rows = sum(max(1, len(w["devices"])) for w in snap["workers"])
+    assert len(out.splitlines()) == 2 + rows  # the summary, the heading, a line a row
+    assert "'\\x1b[2J'" in out and "'evil\\nrow'" in out
+    assert "\\u202e" in out and "\\r\\n" in out
+
+    code, out, err = await cli("status", s.address, "--json")
+    assert code == 0, err
+    assert out.isascii() and raw_controls(out) == [] and len(out.splitlines()) == 1
+    assert {w["name"] for w in json.loads(out)["workers"]} == set(HOSTILE_NAMES)
+
+    code, out, err = await cli("events", s.address)
+    assert code == 0, err
+    assert raw_controls(out) == [], out
+    ours = [m for _, m in s.get_events("accelsched") if m["action"] in accelsched.events.ACTIONS]
+    assert len(out.splitlines()) == len(ours)  # one line an event, however named
+    assert "'evil\\nrow: " in out and "\\x9b" in out

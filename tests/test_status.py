@@ -276,3 +276,34 @@ def test_a_metric_added_during_a_heartbeat_leaves_its_iteration_alone() -> None:
     remove_metric(worker, "b", len)  # type: ignore[arg-type]
     assert [k for k, _ in items] == ["b"]  # the heartbeat's own view, intact
     assert worker.metrics == {"a": len, "accelsched": repr}
+
+
+@gen_cluster(client=True, nthreads=[], timeout=60)
+async def test_before_the_first_heartbeat_the_table_says_it_waits(c, s):
+    """A device is granted at once; its figures (leases, leak estimate, threshold) ride
+    on the next heartbeat. Until then the table says so, and the JSON says the same in
+    ``figures``, rather than ``-/- MiB``, which reads as a broken guard."""
+    from distributed import Worker
+
+    WAITING_TEXT = "waiting for the first heartbeat"
+    async with Worker(
+        s.address, name="slow", nthreads=1, resources={"GPU": 1}, heartbeat_interval="1h"
+    ) as a:
+        await accelsched.register(c)
+        await wait_for(lambda: sum(len(w["devices"]) for w in snapshot(s)["workers"]) == 1)
+        code, out, err = await cli("status", s.address)
+        assert code == 0, err
+        (row,) = out.splitlines()[2:]
+        assert WAITING_TEXT in row and "-/-" not in row, out
+        code, out, err = await cli("status", s.address, "--json")
+        assert code == 0, err
+        (device,) = json.loads(out)["workers"][0]["devices"]
+        assert device["figures"] == "waiting" and device["leases"] is None
+
+        await a.heartbeat()
+        code, out, err = await cli("status", s.address)
+        assert code == 0, err
+        (row,) = out.splitlines()[2:]
+        assert WAITING_TEXT not in row and re.search(r"/\d+ MiB", row), out
+        (device,) = snapshot(s)["workers"][0]["devices"]
+        assert device["figures"] == "reported" and device["leases"] == 0

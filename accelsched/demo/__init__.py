@@ -14,9 +14,10 @@ phases, each printed as a table built from events (``client.get_events``):
 
 Each stage prints one progress line (``[n/6] ...``) when it begins; logging is kept to
 errors meanwhile (:mod:`accelsched.demo.quiet`). At the end it writes a standalone HTML
-page (:mod:`accelsched.demo.chart`): the device memory of each worker process over the
-run, sampled through NVML (:mod:`accelsched.demo.memory`), with the leak, restart and
-fallback events marked.
+page (:mod:`accelsched.demo.chart`; in the system's temporary folder unless told where):
+the device memory of each worker process from the moment the cluster is up, sampled
+through NVML (:mod:`accelsched.demo.memory`), with the leak, restart and fallback events
+marked.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import accelsched
 from accelsched import internals
-from accelsched.demo.chart import DEFAULT_REPORT, report_path, write_report
+from accelsched.demo.chart import default_report, report_path, write_report
 from accelsched.demo.memory import Sampler
 from accelsched.demo.quiet import quiet_logs
 from accelsched.demo.report import event_lines, events, placement_table, uuids, wait, worker_names
@@ -63,6 +64,32 @@ def _cluster_specs(real_gpus: int) -> dict[str, dict[str, Any]]:
     return {"gpu-0": nanny("0", GPU=2), "gpu-1": nanny("1", GPU=1), "cpu": nanny("", GPU=1)}
 
 
+def _misdeclared(specs: dict[str, dict[str, Any]]) -> dict[str, tuple[float, int]]:
+    """The workers whose declared GPU count is not the GPUs they see, on purpose (the
+    demo shows accelsched correcting them): name -> (declared, seen)."""
+    out = {}
+    for name, spec in specs.items():
+        options = spec["options"]
+        declared = options.get("resources", {}).get("GPU")
+        seen = len([d for d in options["env"]["CUDA_VISIBLE_DEVICES"].split(",") if d])
+        if declared is not None and declared != seen:
+            out[name] = (declared, seen)
+    return out
+
+
+def _declarations(misdeclared: dict[str, tuple[float, int]]) -> str:
+    """The sentence that tells a reader the corrections that follow are the point."""
+    parts = [
+        f"{name} declares GPU={declared:g} but has {seen or 'none'}"
+        + (f" GPU{'s' if seen > 1 else ''}" if seen else "")
+        for name, (declared, seen) in sorted(misdeclared.items())
+    ]
+    return (
+        "On purpose, to show the correction, the demo mis-declares "
+        f"{len(parts)} worker(s): {'; '.join(parts)}. accelsched checks each against NVML:"
+    )
+
+
 @contextlib.contextmanager
 def _gpus(out: TextIO) -> Iterator[int]:
     monitor = NVMLMonitor(env={})
@@ -84,8 +111,9 @@ def _gpus(out: TextIO) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def _cluster(real: int, out: TextIO) -> Iterator[SpecCluster]:
-    """Real GPUs through dask-cuda when it is installed; plain nannies otherwise."""
+def _cluster(real: int, out: TextIO) -> Iterator[tuple[SpecCluster, dict[str, tuple[float, int]]]]:
+    """Real GPUs through dask-cuda when it is installed; plain nannies otherwise. With
+    the cluster, the workers it mis-declares on purpose (:func:`_misdeclared`)."""
     specs = _cluster_specs(real)
     local_cuda_cluster: Any = None
     if real:
@@ -104,14 +132,15 @@ def _cluster(real: int, out: TextIO) -> Iterator[SpecCluster]:
             silence_logs=logging.CRITICAL,
         ) as cluster:
             internals.add_spec_worker(cluster, "cpu", specs["cpu"])
-            yield cluster
+            misdeclared = {str(n): (2.0, 1) for n in cluster.workers if n != "cpu"}
+            yield cluster, {**misdeclared, **_misdeclared({"cpu": specs["cpu"]})}
         return
     with SpecCluster(
         workers=specs,
         scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
         silence_logs=logging.CRITICAL,
     ) as cluster:
-        yield cluster
+        yield cluster, _misdeclared(specs)
 
 
 STAGES = 6
@@ -133,25 +162,28 @@ class Progress:
 def main(report: str | Path | None = None, out: TextIO = sys.stdout) -> int:
     """``accelsched demo [--report PATH]``: exit 2 with one line for a bad path."""
     try:
-        path = report_path(DEFAULT_REPORT if report is None else report)
+        path = report_path(default_report() if report is None else report)
     except ValueError as exc:
         print(f"accelsched demo: {exc}", file=sys.stderr)
         return 2
     return run(out, report=path)
 
 
-def run(out: TextIO = sys.stdout, report: str | Path = DEFAULT_REPORT) -> int:
+def run(out: TextIO = sys.stdout, report: str | Path | None = None) -> int:
     """Run the three phases, print what happened, write the HTML report to ``report``
-    (a ``.html`` file or a folder; checked before anything starts)."""
-    path = report_path(report)
-    start = time.time()
+    (a ``.html`` file or a folder, checked before anything starts; by default
+    :func:`~accelsched.demo.chart.default_report`)."""
+    path = report_path(default_report() if report is None else report)
     stage = Progress(out)
     with quiet_logs(), _gpus(out) as real:
         stage(1, "Starting a local cluster: 3 workers, a scheduler with accelsched")
-        with _cluster(real, out) as cluster, Client(cluster) as client:
+        began = time.time()
+        with _cluster(real, out) as (cluster, misdeclared), Client(cluster) as client:
             client.wait_for_workers(len(cluster.workers))
+            # the report's time 0: the start-up before it is waiting, not accelsched
+            start = time.time()
             with Sampler(client, start) as sampler:
-                seen = _phases(client, real, stage, out)
+                seen = _phases(client, real, misdeclared, stage, out)
             seen.update(worker_names(client))
             stage(6, "Writing the report")
             written = write_report(
@@ -162,6 +194,8 @@ def run(out: TextIO = sys.stdout, report: str | Path = DEFAULT_REPORT) -> int:
                 start,
                 stages=stage.began,
                 note=(
+                    f"Time 0 is when the cluster was up (its start-up, stage 1, took "
+                    f"{start - began:.1f} s). "
                     f"Device memory each worker process holds, summed over its GPUs: NVML's "
                     f"per-process figure, read on every worker every {sampler.interval:g} s "
                     f"({'real GPUs' if real else 'simulated GPUs: the figures are the simulation'}"
@@ -174,9 +208,16 @@ def run(out: TextIO = sys.stdout, report: str | Path = DEFAULT_REPORT) -> int:
     return 0
 
 
-def _phases(client: Client, real: int, stage: Progress, out: TextIO) -> dict[str, str]:
+def _phases(
+    client: Client,
+    real: int,
+    misdeclared: dict[str, tuple[float, int]],
+    stage: Progress,
+    out: TextIO,
+) -> dict[str, str]:
     """Stages 2 to 5; returns every worker address seen, with its name."""
     stage(2, "Verifying each worker's GPUs against NVML")
+    print(f"  {_declarations(misdeclared)}", file=out)
     accelsched.register(
         client,
         fallback_timeout="1s",
@@ -196,7 +237,7 @@ def _phases(client: Client, real: int, stage: Progress, out: TextIO) -> dict[str
     time.sleep(0.5)
     names = worker_names(client)
     seen = dict(names)
-    event_lines(client, t0, names, out)
+    event_lines(client, t0, names, out, on_purpose=misdeclared)
     resources = client.run_on_scheduler(
         lambda dask_scheduler: {
             str(w.name): w.resources.get("GPU", 0) for w in dask_scheduler.workers.values()

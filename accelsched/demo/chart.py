@@ -5,6 +5,7 @@ fallback events marked where and when they happened."""
 from __future__ import annotations
 
 import html
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from accelsched import events as ev
 from accelsched.demo.memory import Sample
 
-__all__ = ["DEFAULT_REPORT", "MARKED", "report_path", "write_report"]
+__all__ = ["DEFAULT_REPORT", "MARKED", "default_report", "report_path", "write_report"]
 
 DEFAULT_REPORT = "accelsched-demo.html"
 MiB = 2**20
@@ -23,6 +24,12 @@ MARKED: dict[str, tuple[str, str]] = {
     ev.RESTART: ("inverted_triangle", "black"),
     ev.FALLBACK: ("triangle", "darkorange"),
 }
+
+
+def default_report() -> Path:
+    """Where the report goes without ``--report``: the system's temporary folder, not the
+    working directory, which is often a project's checkout (a stray file for git)."""
+    return Path(tempfile.gettempdir()) / DEFAULT_REPORT
 
 
 def report_path(value: str | Path) -> Path:
@@ -87,8 +94,10 @@ def write_report(
     note: str,
     stages: Sequence[tuple[float, str]] = (),
 ) -> Path:
-    """Draw the chart and write the page; return its path. ``stages``: when each stage
-    began (time stamps) and its name, in order, drawn as numbered dotted lines."""
+    """Draw the chart and write the page; return its path. ``start``: the time stamp the
+    chart's 0 is. ``stages``: when each stage began (time stamps) and its name, in
+    order, drawn as numbered dotted lines (those that began before ``start`` are listed,
+    not drawn)."""
     from bokeh.embed import file_html
     from bokeh.layouts import column
     from bokeh.models import ColumnDataSource, HoverTool
@@ -102,12 +111,12 @@ def write_report(
 
     fig = figure(
         title="Device memory held by each worker process (NVML, per process)",
-        x_axis_label="seconds since the demo started",
+        x_axis_label="seconds since the cluster was up",
         y_axis_label="device memory (MiB)",
         width=900,
         height=420,
         tools="pan,wheel_zoom,box_zoom,reset,save",
-        x_range=DataRange1d(start=0),  # from the start: the cluster's start-up comes first
+        x_range=DataRange1d(start=0),  # from the cluster's being up, where ``start`` is
     )
     for i, worker in enumerate(sorted({s.worker for s in samples})):
         mine = [s for s in samples if s.worker == worker]
@@ -144,6 +153,8 @@ def write_report(
     )
     for number, (began, _) in enumerate(stages, 1):
         t = began - start
+        if t < 0:  # the cluster's start-up, before the timeline begins
+            continue
         fig.add_layout(Span(location=t, dimension="height", line_dash="dotted", line_color="gray"))
         fig.add_layout(Label(x=t, y=4, x_units="data", y_units="screen", text=f" {number}"))
     fig.legend.location = "top_left"

@@ -30,6 +30,9 @@ def _record(step: str, block_info: dict | None) -> None:
         {
             "step": step,
             "block": block,
+            # the task the step runs in: dask fuses a block's steps into one task, and
+            # the scheduler's fallback events name tasks, not steps
+            "key": worker.get_current_task(),
             "worker": worker.address,
             "device": accelsched.current_device(),
         },

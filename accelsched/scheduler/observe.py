@@ -182,6 +182,11 @@ class Observer:
                     "uuid": rec["uuid"],
                     "name": rec["name"],
                     "memory": rec["memory"],
+                    "figures": "reported"
+                    if f is not None
+                    else "waiting"
+                    if _not_yet(metric, figures)
+                    else "unreadable",
                     "leases": None if f is None else f["leases"],
                     "withdrawn": False if f is None else f["withdrawn"],
                     "leak_estimate": None if f is None else f["leak_estimate"],
@@ -254,6 +259,17 @@ def _figures(metric: Any) -> dict[int, DeviceFigures]:
             "leak_threshold": d["leak_threshold"],
         }
     return out
+
+
+def _not_yet(metric: Any, figures: dict[int, DeviceFigures]) -> bool:
+    """Whether a granted device without figures is waiting for them: the worker's
+    heartbeat metric has not arrived since the guard started, or it is whole (every
+    entry well formed) and predates the grant. A metric with an entry left out by
+    :func:`_figures` is not "not yet": that device's figures are unreadable."""
+    if metric is None:
+        return True
+    devices = metric.get("devices") if isinstance(metric, dict) else None
+    return isinstance(devices, (list, tuple)) and len(devices) == len(figures)
 
 
 def _integer(value: Any) -> bool:
