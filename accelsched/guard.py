@@ -258,10 +258,20 @@ class GuardPlugin(WorkerPlugin):
         self.binder.set_devices(usable)
         internals.spawn(self.worker, self.inventory.offer, self.binder.set_devices)
 
-    def drain(self, on: bool = True) -> dict[str, str]:
+    async def drain(self, on: Any = True, request: str = "") -> dict[str, str]:
         """``accelsched_drain``: while this worker restarts, send GPU tasks back as they
-        reach execution (its queue is placed elsewhere; only what runs is waited for)."""
-        self.draining = bool(on)
+        reach execution (its queue is placed elsewhere; only what runs is waited for).
+
+        Only the scheduler may order it: the order is confirmed with the scheduler first
+        (before, anyone could make a worker bounce every GPU task back, forever)."""
+        if not isinstance(on, bool):
+            return {"status": "invalid"}
+        if not await self.inventory.ordered(DRAIN_HANDLER, request, {"on": on}):
+            logger.warning(
+                "accelsched: refused an %s order the scheduler did not send", DRAIN_HANDLER
+            )
+            return {"status": "refused"}
+        self.draining = on
         return {"status": "OK"}
 
     async def report(self) -> ReportReply:

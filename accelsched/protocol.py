@@ -36,20 +36,24 @@ Worker handlers (``await scheduler.rpc(addr).<name>(...)``):
 ``accelsched_confirm`` (:data:`CONFIRM_HANDLER`)
     Who speaks for a worker: every request above names a worker and carries a one-time
     ``request`` id. Before acting, the scheduler calls the named worker back at the
-    address it registered under and asks whether the request is its own
-    (:class:`ConfirmReply`). A client or another worker naming it is refused, and nothing
-    secret ever leaves the scheduler or the worker.
+    address it registered under and asks whether the request is its own, sent to that
+    handler with that content (``fingerprint``, :func:`accelsched.requests.fingerprint`;
+    :class:`ConfirmReply`). An id confirms once. A client or another worker naming it is
+    refused, and nothing secret ever leaves the scheduler or the worker. The scheduler
+    serves an ``accelsched_confirm`` of its own for its orders (``accelsched_drain``).
 ``accelsched_drain`` (:data:`DRAIN_HANDLER`)
     The scheduler restarts this worker (``on=True``) or gave the restart up
     (``on=False``): while on, GPU tasks that reach execution go back to the scheduler
     (distributed's ``Reschedule``) instead of running, so the worker's queue is placed
-    elsewhere and the restart waits only for what already runs. The worst a stranger
-    calling it can do is send tasks back to be placed again: nothing is lost.
+    elsewhere and the restart waits only for what already runs. The order carries a
+    one-time ``request`` id; the guard asks the scheduler back (the scheduler's own
+    ``accelsched_confirm``) before it obeys, so only the scheduler can drain a worker.
 """
 
 from __future__ import annotations
 
-from typing import Final, Literal, TypedDict
+from collections.abc import Mapping
+from typing import Any, Final, Literal, TypedDict
 
 __all__ = [
     "GPU",
@@ -76,6 +80,7 @@ __all__ = [
     "RestartStatus",
     "ReportReply",
     "ConfirmReply",
+    "request_content",
     "DeviceFigures",
     "GuardMetric",
     "DeviceStatus",
@@ -199,6 +204,15 @@ class ConfirmReply(TypedDict):
     """Whether the named worker has ``request`` outstanding: it asked, nobody else."""
 
     confirmed: bool
+
+
+#: Fields of a request that identify it, not what it says: left out of its fingerprint.
+_ADDRESSING = ("worker", "request")
+
+
+def request_content(request: Mapping[str, Any]) -> dict[str, Any]:
+    """What a request says (its fingerprint's content): all but whom and which id."""
+    return {k: v for k, v in request.items() if k not in _ADDRESSING}
 
 
 class DeviceFigures(TypedDict):

@@ -35,6 +35,7 @@ PURE = {
     "accelsched.leak",
     "accelsched.binding",
     "accelsched.unrequested",
+    "accelsched.requests",
 }
 
 #: Private attributes and undocumented behaviour of distributed (and dask) that only

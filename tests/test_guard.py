@@ -182,7 +182,9 @@ async def test_only_a_worker_can_ask_for_its_own_restart(c, s, a, b):
     await verified(s, a, b)
     # b has a request of its own outstanding: naming a, it proves nothing
     outstanding = await c.run(
-        lambda dask_worker: dask_worker.plugins["accelsched-guard"].inventory._new_request(),
+        lambda dask_worker: dask_worker.plugins["accelsched-guard"].inventory.pending.new(
+            "accelsched_restart", {"reason": "leak"}
+        ),
         workers=[b.worker_address],
     )
     async with rpc(s.address) as r:

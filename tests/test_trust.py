@@ -48,7 +48,9 @@ def snapshot(s: Any) -> dict[str, Any]:
 async def outstanding_request(c: Any, worker: str) -> str:
     """A request id ``worker`` itself has outstanding: the best a forger could lay hands on."""
     ids = await c.run(
-        lambda dask_worker: dask_worker.plugins["accelsched-guard"].inventory._new_request(),
+        lambda dask_worker: dask_worker.plugins["accelsched-guard"].inventory.pending.new(
+            "accelsched_inventory", {}
+        ),
         workers=[worker],
     )
     return ids[worker]

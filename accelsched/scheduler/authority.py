@@ -2,8 +2,13 @@
 
 Every request to the scheduler names a worker and carries a one-time id. Before acting,
 the scheduler calls the named worker back, at the address it registered under, and asks
-whether the id is one of its outstanding requests (``accelsched_confirm``). Only the
-process that sent the request can say yes, and nothing secret ever leaves either side.
+whether the id is one of its outstanding requests (``accelsched_confirm``), sent to this
+handler with this content (its fingerprint, :mod:`accelsched.requests`). Only the process
+that sent the request can say yes, once, and nothing secret ever leaves either side.
+
+The scheduler's own orders to a worker (``accelsched_drain``) go the other way: the
+worker's guard asks the scheduler back (its ``accelsched_confirm``) before it obeys, so
+nobody but the scheduler can drain a worker.
 The connection's own address proves nothing either way (a multi-homed worker or one
 behind NAT connects from another address than it advertises). A refusal is logged as a
 ``request-refused`` event, at most once a minute per worker and handler, so a flood of
@@ -13,12 +18,13 @@ forged requests cannot push other events out of the scheduler's log.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events
 from accelsched.protocol import CONFIRM_HANDLER, ConfirmReply
+from accelsched.requests import Outstanding, fingerprint
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -38,20 +44,49 @@ class Authority:
         self.scheduler: Scheduler | None = None
         self._emit = emit
         self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last, since)
+        self.orders = Outstanding()  # the scheduler's own orders to workers, unconfirmed
 
-    async def confirmed(self, comm: Any, worker: str, request: Any, handler: str) -> bool:
-        """Whether ``worker`` itself sent ``request``: ask it, at its registered address."""
+    async def confirmed(
+        self, comm: Any, worker: str, request: Any, handler: str, content: Mapping[str, Any]
+    ) -> bool:
+        """Whether ``worker`` itself sent ``request`` to ``handler`` saying ``content``:
+        ask it, at its registered address."""
         assert self.scheduler is not None
         reply: ConfirmReply | None = None
         if isinstance(request, str) and request:
             try:
-                reply = await getattr(self.scheduler.rpc(worker), CONFIRM_HANDLER)(request=request)
+                reply = await getattr(self.scheduler.rpc(worker), CONFIRM_HANDLER)(
+                    request=request, fingerprint=fingerprint(handler, content)
+                )
             except Exception as exc:  # gone, no guard, or not a worker at all
                 logger.debug("accelsched: %s could not confirm a request: %r", worker, exc)
         if isinstance(reply, dict) and reply.get("confirmed") is True:
             return True
         self._refused_request(worker, handler, str(getattr(comm, "peer_address", None)))
         return False
+
+    def order(self, handler: str, content: Mapping[str, Any]) -> str:
+        """An id for an order the scheduler is about to send (its worker confirms it)."""
+        return self.orders.new(handler, content)
+
+    def confirm_order(
+        self,
+        comm: Any,
+        request: str = "",
+        fingerprint: str = "",
+        worker: str = "",
+        handler: str = "",
+    ) -> ConfirmReply:
+        """The scheduler's ``accelsched_confirm``: whether it sent this order (once).
+
+        A worker asking about an order the scheduler never gave was sent a forged one:
+        logged as ``request-refused`` for that worker (known workers only, so a stranger
+        cannot grow the refusal table).
+        """
+        confirmed = self.orders.confirm(request, fingerprint)
+        if not confirmed and self.scheduler is not None and worker in self.scheduler.workers:
+            self._refused_request(worker, str(handler), str(getattr(comm, "peer_address", None)))
+        return {"confirmed": confirmed}
 
     def _refused_request(self, worker: str, handler: str, peer: str) -> None:
         """Log a refusal; a flood of them (forged in a loop) logs one a minute per worker

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from accelsched import events, internals, metrics
 from accelsched.inventory import OwnershipRegistry
 from accelsched.protocol import (
+    CONFIRM_HANDLER,
     DRAIN_HANDLER,
     GPU,
     GUARD_PLUGIN,
@@ -73,6 +74,7 @@ class Gate:
         self.authority.scheduler = scheduler
         internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.install_handler(scheduler, OFFER_HANDLER, self.handle_offer)
+        internals.install_handler(scheduler, CONFIRM_HANDLER, self.authority.confirm_order)
         internals.wrap_set_resources(scheduler, self.set_resources)
         metrics.gpus_from(self.gpu_counts)
         for ws in list(scheduler.workers.values()):
@@ -100,6 +102,7 @@ class Gate:
         assert self.scheduler is not None
         internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
+        internals.remove_handler(self.scheduler, CONFIRM_HANDLER, self.authority.confirm_order)
         internals.restore_set_resources(self.scheduler)
         metrics.stop_gpus(self.gpu_counts)
         for addr, count in self.declared.items():
@@ -151,7 +154,8 @@ class Gate:
             return {"status": "no-plugin"}
         if worker not in self.scheduler.workers:
             return {"status": "unknown-worker"}
-        if not await self.authority.confirmed(comm, worker, request, INVENTORY_HANDLER):
+        said = dict(devices=devices, declared=declared, requested=requested, reason=reason)
+        if not await self.authority.confirmed(comm, worker, request, INVENTORY_HANDLER, said):
             return {"status": "refused"}
         if worker not in self.scheduler.workers:  # it left while it was asked
             return {"status": "unknown-worker"}
@@ -219,7 +223,9 @@ class Gate:
             return {"status": "unknown-worker", "count": 0}
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             return {"status": "invalid", "count": 0}
-        if not await self.authority.confirmed(comm, worker, request, OFFER_HANDLER):
+        if not await self.authority.confirmed(
+            comm, worker, request, OFFER_HANDLER, {"count": count}
+        ):
             return {"status": "refused", "count": 0}
         ws = scheduler.workers.get(worker)
         if ws is None:
@@ -283,15 +289,18 @@ class Gate:
 
         distributed sends every GPU task to a valid worker at once; a worker restarting
         or quarantined would otherwise work through its queue. Only the worker knows which
-        tasks it runs (the scheduler learns it by heartbeat), so it turns the rest away
-        itself with distributed's ``Reschedule``: nothing that finished is released,
-        nothing runs twice. A worker without a guard just works through its queue.
+        tasks it runs, so it turns the rest away itself (distributed's ``Reschedule``):
+        nothing that finished is released, nothing runs twice. The guard confirms the
+        order with the scheduler first; a worker without a guard works through its queue.
         """
         assert self.scheduler is not None
+        request = self.authority.order(DRAIN_HANDLER, {"on": on})
         try:
-            await getattr(self.scheduler.rpc(worker), DRAIN_HANDLER)(on=on)
+            await getattr(self.scheduler.rpc(worker), DRAIN_HANDLER)(on=on, request=request)
         except Exception as exc:  # gone, or no guard
             logger.debug("accelsched: %s was not told to drain (%s): %r", worker, on, exc)
+        finally:
+            self.authority.orders.forget(request)
 
     def gpu_counts(self) -> tuple[int, int]:
         """(GPUs placement may use, GPUs of quarantined workers): the metrics gauge."""

@@ -84,7 +84,7 @@ class Restarts:
         if not self._active():
             return {"status": "no-plugin"}
         if worker not in scheduler.workers or not await self.gate.authority.confirmed(
-            comm, worker, request, RESTART_HANDLER
+            comm, worker, request, RESTART_HANDLER, {"reason": reason, **figures}
         ):
             return {"status": "refused"}
         ws = scheduler.workers.get(worker)

@@ -14,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.inventory import Claim, decide_claim, declared_count, owned
 from accelsched.protocol import (
+    CONFIRM_HANDLER,
     INVENTORY_HANDLER,
     OFFER_HANDLER,
     RESTART_HANDLER,
@@ -34,7 +34,9 @@ from accelsched.protocol import (
     ReportReply,
     RestartReply,
     RestartRequest,
+    request_content,
 )
+from accelsched.requests import Outstanding, fingerprint
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -62,7 +64,7 @@ class Inventory:
         self.withdrawn: set[int] = set()  # granted, but failing NVML: not offered
         self.claim = Claim(0, None)  # what this worker asks for
         self.declared: object = None  # as the worker was started: maybe no number at all
-        self.pending: set[str] = set()  # ids of requests this worker sent, unanswered
+        self.pending = Outstanding()  # requests this worker sent, unconfirmed
         self.restart_pending = False
         self._offering = asyncio.Lock()
 
@@ -88,12 +90,13 @@ class Inventory:
         assert worker is not None
         request: InventoryRequest = {
             "worker": str(worker.contact_address),
-            "request": self._new_request(),
+            "request": "",
             "devices": [_record(d) for d in self.owned],
             "declared": declared_count(self.declared),
             "requested": self.claim.count,
             "reason": self.claim.reason,
         }
+        request["request"] = self._new_request(INVENTORY_HANDLER, request)
         reply: InventoryReply | None
         try:
             reply = await getattr(worker.scheduler, INVENTORY_HANDLER)(**request)
@@ -101,7 +104,7 @@ class Inventory:
             logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
             reply = None
         finally:
-            self.pending.discard(request["request"])
+            self.pending.forget(request["request"])
         if isinstance(reply, dict) and reply.get("status") == "OK":
             granted = set(reply.get("uuids", ()))
         elif reply is None:
@@ -136,15 +139,16 @@ class Inventory:
         on_usable(usable)
         request: OfferRequest = {
             "worker": str(worker.contact_address),
-            "request": self._new_request(),
+            "request": "",
             "count": len(usable),
         }
+        request["request"] = self._new_request(OFFER_HANDLER, request)
         try:
             await getattr(worker.scheduler, OFFER_HANDLER)(**request)
         except Exception as exc:  # no PlacementPlugin: the worker's own count only
             logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
         finally:
-            self.pending.discard(request["request"])
+            self.pending.forget(request["request"])
         if usable or self.granted or internals.advertises_gpus(worker):
             await internals.set_own_gpus(worker, len(usable))
         return usable
@@ -166,30 +170,45 @@ class Inventory:
         assert worker is not None
         request: RestartRequest = {
             "worker": str(worker.contact_address),
-            "request": self._new_request(),
+            "request": "",
             "reason": reason,
             "nbytes": nbytes,
         }
+        request["request"] = self._new_request(RESTART_HANDLER, request)
         try:
             reply: RestartReply = await getattr(worker.scheduler, RESTART_HANDLER)(**request)
             logger.info("accelsched: restart request answered %r", reply)
         except Exception as exc:
             logger.warning("accelsched: restart request (%s) failed: %r", RESTART_HANDLER, exc)
         finally:
-            self.pending.discard(request["request"])
+            self.pending.forget(request["request"])
             self.restart_pending = False
 
-    def _new_request(self) -> str:
-        request = secrets.token_hex(16)
-        self.pending.add(request)
-        return request
+    def _new_request(self, handler: str, request: Mapping[str, Any]) -> str:
+        return self.pending.new(handler, request_content(request))
 
-    def confirm(self, request: str = "") -> ConfirmReply:
-        """``accelsched_confirm``: whether this worker sent ``request`` (and awaits it)."""
-        mine = any(
-            secrets.compare_digest(str(request), outstanding) for outstanding in list(self.pending)
-        )
-        return {"confirmed": mine}
+    async def ordered(self, handler: str, request: Any, content: Mapping[str, Any]) -> bool:
+        """Whether the scheduler itself sent this order: asked back, as it asks us."""
+        worker = self.worker
+        assert worker is not None
+        if not isinstance(request, str) or not request:
+            return False
+        try:
+            reply = await getattr(worker.scheduler, CONFIRM_HANDLER)(
+                request=request,
+                fingerprint=fingerprint(handler, content),
+                worker=str(worker.contact_address),
+                handler=handler,
+            )
+        except Exception as exc:  # no PlacementPlugin, or the scheduler is gone
+            logger.debug("accelsched: could not confirm a %s order: %r", handler, exc)
+            return False
+        return isinstance(reply, dict) and reply.get("confirmed") is True
+
+    def confirm(self, request: str = "", fingerprint: str = "") -> ConfirmReply:
+        """``accelsched_confirm``: whether this worker sent ``request``, saying what
+        ``fingerprint`` stands for, and awaits it; confirmed once."""
+        return {"confirmed": self.pending.confirm(request, fingerprint)}
 
 
 def under_dask_cuda(worker: Any) -> bool:
