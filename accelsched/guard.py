@@ -31,6 +31,7 @@ from accelsched.config import GUARD_OPTIONS, resolve_options
 from accelsched.protocol import (
     CONFIRM_HANDLER,
     DRAIN_HANDLER,
+    EVENT_OP,
     FALLBACK_ANNOTATION,
     GPU,
     GUARD_METRIC,
@@ -285,9 +286,10 @@ class GuardPlugin(WorkerPlugin):
         return self.leaks.check()
 
     def _emit(self, action: str, **figures: Any) -> None:
-        """Send an event to the scheduler's log (``Worker.log_event`` is thread-safe)."""
+        """Send an event to the scheduler's log, on this worker's own stream (from any
+        thread); the scheduler logs it in this worker's name."""
         worker = self.worker
         assert worker is not None
         msg = events.event(action, worker.contact_address, **figures)
         logger.info("accelsched %s", msg)
-        worker.log_event(events.TOPIC, msg)
+        internals.send_to_scheduler(worker, EVENT_OP, msg=msg)

@@ -25,7 +25,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from accelsched import dashboard, events, internals, metrics
 from accelsched.budget import RestartBudget
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
-from accelsched.protocol import GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
+from accelsched.protocol import EVENT_OP, GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
 from accelsched.scheduler.fallback import Fallback
 from accelsched.scheduler.gate import Gate
 from accelsched.scheduler.observe import Observer
@@ -99,9 +99,9 @@ class PlacementPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         internals.install_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
         internals.notify_unregistered(scheduler)
-        # the event log is the source of the counts, the metrics and the history: no
-        # client may write accelsched's events (workers' own arrive stamped by distributed)
-        internals.refuse_client_topic(scheduler, events.TOPIC)
+        # the event log is the source of the counts, the metrics and the history: only
+        # the scheduler writes accelsched's events (a guard's arrive on its worker's stream)
+        internals.reserve_topic(scheduler, events.TOPIC, EVENT_OP, self._worker_event)
         self.restarts.start(scheduler)
         self.fallback.start(scheduler)
         self.gate.start(scheduler)
@@ -119,7 +119,7 @@ class PlacementPlugin(SchedulerPlugin):
             return
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
-        internals.restore_log_event(scheduler)
+        internals.release_topic(scheduler, EVENT_OP)
         self.gate.stop()
         self.observer.stop()
 
@@ -161,6 +161,12 @@ class PlacementPlugin(SchedulerPlugin):
         if topic == events.TOPIC and isinstance(msg, dict):
             metrics.observe(msg)
             self.observer.observe(msg)
+
+    def _worker_event(self, worker: str = "", msg: Any = None) -> None:
+        """A guard's event, from its worker's own stream: logged in that worker's name
+        (whatever the message says), if it is an accelsched event at all."""
+        if isinstance(msg, dict) and msg.get("action") in events.ACTIONS and self.scheduler:
+            self.scheduler.log_event(events.TOPIC, {**msg, "worker": worker})
 
     # --- for the parts ------------------------------------------------------------------
 

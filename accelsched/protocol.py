@@ -65,6 +65,7 @@ __all__ = [
     "REPORT_HANDLER",
     "CONFIRM_HANDLER",
     "DRAIN_HANDLER",
+    "EVENT_OP",
     "STATUS_HANDLER",
     "GUARD_METRIC",
     "TIMEOUT_ANNOTATION",
@@ -103,6 +104,9 @@ REPORT_HANDLER: Final = "accelsched_report"
 CONFIRM_HANDLER: Final = "accelsched_confirm"
 DRAIN_HANDLER: Final = "accelsched_drain"
 STATUS_HANDLER: Final = "accelsched_status"
+#: A guard's events reach the scheduler on the worker's own stream under this op (never
+#: through ``Worker.log_event``, which task code may call with any topic).
+EVENT_OP: Final = "accelsched-event"
 #: The guard's custom worker metric, sent with every heartbeat (``Worker.metrics``).
 GUARD_METRIC: Final = "accelsched"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed import Worker
+from distributed import Worker, get_worker
 from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
@@ -142,6 +142,34 @@ async def test_no_client_writes_accelsched_events(c, s, a):
     await wait_for(
         lambda: len(s.get_events("accelsched")) > 0 and "note" in s.get_events("accelsched")[-1][1]
     )
+
+
+def forge_events() -> int:
+    """Task code posing as the guard: five restarts and a 953674 MiB leak."""
+    worker = get_worker()
+    for _ in range(5):
+        worker.log_event("accelsched", {"action": "restart", "reason": "leak", "nbytes": 1})
+    leak = {"action": "leak", "device": 0, "nbytes": 10**12, "threshold": 1, "prefixes": []}
+    worker.log_event(["accelsched", "mine"], leak)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_task_code_cannot_invent_accelsched_events(c, s, a):
+    """Before: ``get_worker().log_event("accelsched", ...)`` inside a task was credited to
+    that worker, and ``status`` counted restarts and a leak that never happened."""
+    await accelsched.register(c)
+    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    before = len(s.get_events("accelsched"))
+    with captured_logger("accelsched.internals") as log:
+        assert await c.submit(forge_events) == 1
+        # the worker's stream is ordered: once "mine" is in, every forged event was judged
+        await wait_for(lambda: len(s.get_events("mine")) == 1)
+    assert len(s.get_events("accelsched")) == before
+    reply = await status(c)
+    assert (reply["restarts"], reply["leaks"]) == (0, 0)
+    assert [(w["restarts"], w["leaks"]) for w in reply["workers"]] == [(0, 0)]
+    assert f"dropped a 'accelsched' event {a.address} logged itself" in log.getvalue()
 
 
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)

@@ -63,6 +63,9 @@ def check_scheduler(scheduler: Scheduler) -> None:
     for name in ("set_resources", "unregister_scheduler_plugin", "log_event"):
         if not isinstance(handlers, dict) or name not in handlers:
             problems.append(f"Scheduler.handlers has no {name!r} handler")
+    streams = getattr(scheduler, "stream_handlers", None)
+    if not isinstance(streams, dict) or "log-event" not in streams:
+        problems.append("Scheduler.stream_handlers has no 'log-event' handler (workers' events)")
     if not isinstance(getattr(scheduler, "unrunnable", None), dict):
         problems.append("Scheduler.unrunnable is not a dict of task -> time it became unrunnable")
     for name in ("resources", "periodic_callbacks", "stream_comms", "worker_plugins", "plugins"):
@@ -118,6 +121,8 @@ def check_worker(worker: Worker) -> None:
     for name in ("handlers", "periodic_callbacks", "executors", "plugins", "metrics"):
         if not isinstance(getattr(worker, name, None), dict):
             problems.append(f"Worker.{name} is not a dict")
+    if not callable(getattr(worker, "batched_send", None)) or not hasattr(worker, "thread_id"):
+        problems.append("Worker.batched_send or Worker.thread_id (the worker's stream) is gone")
     state = getattr(worker, "state", None)
     for name in ("tasks", "total_resources"):
         if not isinstance(getattr(state, name, None), dict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from time import time
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,8 @@ from accelsched.protocol import GPU
 if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import TaskState, WorkerState
+
+logger = logging.getLogger("accelsched.internals")
 
 _ORIGINAL = "__accelsched_original__"
 
@@ -50,14 +53,45 @@ def restore_set_resources(scheduler: Scheduler) -> None:
     scheduler.handlers["set_resources"] = getattr(handler, _ORIGINAL, handler)
 
 
-def refuse_client_topic(scheduler: Scheduler, topic: str) -> None:
-    """Refuse ``topic`` in the scheduler's ``log_event`` handler, which serves
-    ``Client.log_event``: any client could log there in any worker's name.
+def reserve_topic(
+    scheduler: Scheduler, topic: str, op: str, on_worker_event: Callable[[str, Any], None]
+) -> None:
+    """Keep ``topic`` for the scheduler's own ``log_event`` calls.
 
-    The topic's events then come only from the scheduler itself (``Scheduler.log_event``,
-    not a handler) and from workers over their own streams, which distributed stamps
-    with the sending worker's address. Other topics are untouched. Wraps distributed's
-    own handler, never a previous wrapper; :func:`restore_log_event` undoes it."""
+    Any client (``Client.log_event``) and any task (``Worker.log_event``) may log under
+    any topic: a forged ``restart`` or ``leak`` would count for a worker. The topic is
+    refused from clients and dropped from workers' ``log-event`` messages; guards send
+    their events as ``op`` on their worker's stream, stamped with its address by
+    distributed, to ``on_worker_event(worker, msg)``. :func:`release_topic` undoes it."""
+    _refuse_client_topic(scheduler, topic)
+    stream = scheduler.stream_handlers["log-event"]
+    stream = getattr(stream, _ORIGINAL, stream)
+
+    def log_worker_event(worker: str = "", topic: Any = None, msg: Any = None) -> Any:
+        topics = [topic] if isinstance(topic, str) else topic
+        if isinstance(topics, (list, tuple)) and reserved in topics:
+            others = [t for t in topics if t != reserved]
+            logger.warning("accelsched: dropped a %r event %s logged itself", reserved, worker)
+            return stream(worker=worker, topic=others, msg=msg) if others else None
+        return stream(worker=worker, topic=topic, msg=msg)
+
+    reserved = topic  # the inner function's parameter shadows the name
+    setattr(log_worker_event, _ORIGINAL, stream)
+    scheduler.stream_handlers["log-event"] = log_worker_event
+    scheduler.stream_handlers[op] = on_worker_event
+
+
+def release_topic(scheduler: Scheduler, op: str) -> None:
+    """Undo :func:`reserve_topic`: distributed's own handlers again."""
+    handler = scheduler.handlers["log_event"]
+    scheduler.handlers["log_event"] = getattr(handler, _ORIGINAL, handler)
+    stream = scheduler.stream_handlers["log-event"]
+    scheduler.stream_handlers["log-event"] = getattr(stream, _ORIGINAL, stream)
+    scheduler.stream_handlers.pop(op, None)
+
+
+def _refuse_client_topic(scheduler: Scheduler, topic: str) -> None:
+    """Refuse ``topic`` in the scheduler's ``log_event`` handler (``Client.log_event``)."""
     original = scheduler.handlers["log_event"]
     original = getattr(original, _ORIGINAL, original)
     refused = topic
@@ -65,20 +99,12 @@ def refuse_client_topic(scheduler: Scheduler, topic: str) -> None:
     def log_event(topic: Any = None, msg: Any = None) -> Any:  # distributed's parameters
         topics = [topic] if isinstance(topic, str) else topic
         if isinstance(topics, (list, tuple)) and refused in topics:
-            raise PermissionError(
-                f"the {refused!r} event topic is written by accelsched alone; "
-                "log to a topic of your own"
-            )
+            msg_ = f"the {refused!r} event topic is written by accelsched alone; log to yours"
+            raise PermissionError(msg_)
         return original(topic=topic, msg=msg)
 
     setattr(log_event, _ORIGINAL, original)
     scheduler.handlers["log_event"] = log_event
-
-
-def restore_log_event(scheduler: Scheduler) -> None:
-    """Undo :func:`refuse_client_topic`: distributed's own handler again."""
-    handler = scheduler.handlers["log_event"]
-    scheduler.handlers["log_event"] = getattr(handler, _ORIGINAL, handler)
 
 
 def worker_plugin_registered(scheduler: Scheduler, name: str) -> bool:

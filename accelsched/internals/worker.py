@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,16 @@ if TYPE_CHECKING:
 
 _RUNNER = "__accelsched_runner__"
 _DECLARED = "_accelsched_declared"
+
+
+def send_to_scheduler(worker: Worker, op: str, **msg: Any) -> None:
+    """Send ``op`` on the worker's own stream to the scheduler, from any thread (as
+    ``Worker.log_event`` does), so it is stamped with this worker's address."""
+    full = {"op": op, **msg}
+    if worker.thread_id == threading.get_ident():
+        worker.batched_send(full)
+    else:
+        worker.loop.add_callback(worker.batched_send, full)
 
 
 def declared_gpus(worker: Worker) -> object:
