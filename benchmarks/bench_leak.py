@@ -13,9 +13,9 @@ Figures per policy: throughput (finished tasks per second of wall time), restart
 peak device memory (NVML, sampled every 20 ms from the benchmark process), tasks failed
 by OOM, results lost (recomputed after being computed once, or failed by anything but
 OOM). Rounds alternate the policies' order. Run with ``python -m benchmarks leak``
-(``--quick``: 200 tasks with one in 50 leaking on 1.25 GiB devices, (b) on 2 tasks,
-no streamed (a), one round). The full run: 2000 tasks, one in 100 leaking, 4 GiB devices,
-(b) on 20 tasks, T = 5 s, two rounds.
+(``--quick``: a smoke run of 40 tasks with one in 10 leaking on 1.25 GiB devices, (b) on
+2 tasks (one per worker), no streamed (a), one round). The full run: 2000 tasks, one in
+100 leaking, 4 GiB devices, (b) on 20 tasks, T = 5 s, two rounds.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ FULL = Setup(
     rounds=2,
 )
 QUICK = Setup(
-    tasks=200,
+    tasks=40,
     per_task_tasks=2,
-    leak_every=50,
+    leak_every=10,
     leak=512 * MiB,
     temp=256 * MiB,
     seconds=0.01,

@@ -13,7 +13,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import OutOfDeviceMemory, device_alloc
-from tests.utils import events, gpus, wait_for
+from tests.utils import events, fallback_checks, gpus, past_deadline, wait_for
 
 
 def where() -> str:
@@ -42,16 +42,10 @@ async def test_strict_by_default_tasks_keep_waiting(c, s, a):
     with dask.annotate(resources={"GPU": 1}):
         fut = c.submit(step, 1, key="strict")
     await wait_for(lambda: "strict" in s.tasks and s.tasks["strict"].state == "no-worker")
-    await _sleep(0.8)  # several rounds of the periodic fallback check
+    await fallback_checks(s, 3)  # several rounds of the periodic fallback check
     assert s.tasks["strict"].state == "no-worker"
     assert not events(s, "fallback")
     del fut
-
-
-async def _sleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
@@ -62,7 +56,7 @@ async def test_task_annotation_overrides_default_both_ways(c, s, a):
     with dask.annotate(resources={"GPU": 1}, fallback_timeout=0):
         eager = c.submit(step, 2, key="eager")
     assert await eager == ("cpu", 2)
-    await _sleep(0.6)
+    await past_deadline(s, "strict", 0.2)  # the default's deadline
     assert s.tasks["strict"].state == "no-worker"
     (e,) = events(s, "fallback")
     assert e["key"] == "eager" and e["reason"] == "no-gpu-capacity" and e["waited"] < 0.2

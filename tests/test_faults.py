@@ -14,8 +14,9 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.devices.nvml import NVMLMonitor
+from accelsched.health import DeviceHealth
 from accelsched.testing import fake_gpus, standin
-from tests.utils import events, gpus, wait_for
+from tests.utils import events, events_arrived, gpus, guard_checks, wait_for
 
 # ---- the fault-injection API, honoured by the fake library and the stand-in --------------
 
@@ -79,6 +80,9 @@ def test_a_failing_device_is_left_out_of_a_new_inventory() -> None:
 
 # ---- on a cluster ------------------------------------------------------------------------
 
+#: Answers in a row a device that failed once needs before it is offered again.
+STREAK = DeviceHealth().streak
+
 
 def hold(name: str) -> int | None:
     Event(name).wait()
@@ -124,7 +128,7 @@ def test_failing_gpu_is_withdrawn_once_and_offered_again(calls: str, recover: bo
         assert await one == held
         with dask.annotate(resources={"GPU": 1}):
             assert await c.submit(accelsched.current_device, key="more") == held
-        await asyncio.sleep(0.5)  # ten checks
+        await guard_checks(c, s, [a.address], STREAK + 2)  # the device still fails each
         (unhealthy,) = events(s, "gpu-unhealthy")
         assert unhealthy["device"] == 1 - held and "Unknown" in unhealthy["error"]
         assert gpus(s, a.address) == 1  # still one fewer, whatever the fault's kind
@@ -136,8 +140,8 @@ def test_failing_gpu_is_withdrawn_once_and_offered_again(calls: str, recover: bo
         if recover:
             await wait_for(lambda: events(s, "gpu-recovered"))
             await wait_for(lambda: gpus(s, a.address) == 2)
-        else:
-            await asyncio.sleep(0.5)
+        else:  # answering for longer than it takes to be offered again: kept out
+            await guard_checks(c, s, [a.address], STREAK + 2)
             assert not events(s, "gpu-recovered") and gpus(s, a.address) == 1
         if recover:
             assert await two in (0, 1)
@@ -189,16 +193,25 @@ def test_lost_gpu_restarts_its_worker_losslessly() -> None:
 def test_a_flapping_gpu_is_reported_once_and_kept_out() -> None:
     @gen_cluster(client=True, nthreads=[("127.0.0.1", 2, {"resources": {"GPU": 2}})], timeout=60)
     async def run(c, s, a):  # type: ignore[no-untyped-def]
-        await accelsched.register(c, check_interval="50ms")
+        # checked by hand, one check a turn: a timer would put a varying number of checks
+        # in each turn (more than it takes to come back, on a loaded machine)
+        await accelsched.register(c, check_interval="1h")
         await wait_for(lambda: gpus(s, a.address) == 2)
+        guard = a.plugins["accelsched-guard"]
         for _ in range(16):  # fails and answers by turns, faster than it may come back
             g.fail(1)
-            await asyncio.sleep(0.06)
+            guard.check()
+            await asyncio.sleep(0)  # what the check set going (a withdrawal) runs
             g.recover(1)
-            await asyncio.sleep(0.06)
+            guard.check()
+            await asyncio.sleep(0)
+        await events_arrived(c, s, [a.address])
         assert len(events(s, "gpu-unhealthy")) == 1
-        assert not events(s, "gpu-recovered") and gpus(s, a.address) == 1
-        await wait_for(lambda: events(s, "gpu-recovered"), timeout=10)  # steady: back
+        assert not events(s, "gpu-recovered")
+        await wait_for(lambda: gpus(s, a.address) == 1)
+        for _ in range(STREAK):  # steady: back
+            guard.check()
+        await wait_for(lambda: events(s, "gpu-recovered"), timeout=10)
         await wait_for(lambda: gpus(s, a.address) == 2)
 
     with fake_gpus(2) as g:

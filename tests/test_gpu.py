@@ -28,12 +28,14 @@ from distributed import Nanny, wait
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from tests.utils import events, gpus, wait_for
+from tests.utils import events, gpus, guard_checks, wait_for
 
 MiB = 2**20
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
+#: Checks after which a leak present at the start would have been declared, and one more.
+CONFIRMED = 3
 _FAKE_ENV = ("ACCELSCHED_FAKE_NVML_DIR", "ACCELSCHED_FAKE_NVML_STANDIN")
 _CHECKED = "ACCELSCHED_TEST_GPU_MISSING"  # the probe's answer, inherited by workers
 
@@ -464,8 +466,8 @@ async def test_real_leak_restarts_the_worker_and_loses_nothing(c, s, gpu, cpu):
     assert await c.gather(before) == [0, 1, 4, 9]
     assert all(computed_once(s, f"square-{i}") for i in range(4))
     assert await c.submit(lambda: 1, key="after") == 1
-    await asyncio.sleep(0.5)
-    assert len(events(s, "restart")) == 1
+    await guard_checks(c, s, [w for w in s.workers if gpus(s, w) == 1], CONFIRMED)
+    assert len(events(s, "leak")) == 1 and len(events(s, "restart")) == 1
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=GPU_AND_CPU, timeout=90)
@@ -477,7 +479,7 @@ async def test_no_false_positive_with_large_cupy_results_held(c, s, gpu, cpu):
         held = c.map(big_result, [512 * MiB] * 4, key=[f"big-{i}" for i in range(4)])
         await wait(held)  # 2 GiB of device results stay on the worker, never gathered
         await c.gather(c.map(cached_temporaries, [512 * MiB] * 2, pure=False))
-    await asyncio.sleep(1.5)  # fifteen checks
+    await guard_checks(c, s, [gpu.worker_address], CONFIRMED)
 
     def verdicts(dask_worker) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
         guard = dask_worker.plugins["accelsched-guard"]
@@ -487,7 +489,14 @@ async def test_no_false_positive_with_large_cupy_results_held(c, s, gpu, cpu):
     assert not events(s, "leak"), (events(s, "leak"), seen)
     assert seen and all(est < thr for est, thr in seen), seen
     # results released: their memory goes to the pool's cache, still not a leak
+    keys = [f.key for f in held]
     del held
-    await asyncio.sleep(1.0)
+
+    def still_held(keys: list[str], dask_worker) -> int:  # type: ignore[no-untyped-def]
+        return sum(1 for k in keys if k in dask_worker.data)
+
+    while await c.run(still_held, keys, workers=[gpu.worker_address]) != {gpu.worker_address: 0}:
+        await asyncio.sleep(0.02)
+    await guard_checks(c, s, [gpu.worker_address], CONFIRMED)
     assert not events(s, "leak")
     assert not events(s, "restart")

@@ -17,13 +17,15 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import device_alloc, fixed_pool
-from tests.utils import events, gpus, wait_for
+from tests.utils import background, events, gpus, guard_checks, settled, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
 MiB = 2**20
 GiB = 2**30
 FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
+#: Checks after which a leak present at the start would have been declared, and one more.
+CONFIRMED = 3
 
 
 def cvd(value: str, **kw: object) -> dict:
@@ -105,8 +107,9 @@ async def test_leak_restarts_only_that_worker_and_loses_nothing(c, s, a, b):
     for i in range(3):
         assert computed_once(s, f"result-{i}")
         assert s.tasks[f"result-{i}"].suspicious == 0
-    await asyncio.sleep(0.5)
-    assert len(events(s, "restart")) == 1  # exactly one
+    # the restarted worker and its peer check on: no second leak, no second restart
+    await guard_checks(c, s, list(s.workers), CONFIRMED)
+    assert len(events(s, "leak")) == 1 and len(events(s, "restart")) == 1  # exactly one
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=60)
@@ -132,7 +135,7 @@ async def test_no_false_positive_on_benign_workloads(c, s, a, b):
         await c.gather(held)
         await c.gather(c.map(cached_temporaries, range(4)))
         await c.gather(c.map(rmm_style, range(2)))
-    await asyncio.sleep(1.0)  # ten checks
+    await guard_checks(c, s, [a.worker_address, b.worker_address], CONFIRMED)
     assert not events(s, "leak")
     checked = await c.run(
         lambda dask_worker: len(dask_worker.plugins["accelsched-guard"].leaks.last_verdicts)
@@ -187,11 +190,12 @@ async def test_only_a_worker_can_ask_for_its_own_restart(c, s, a, b):
         ),
         workers=[b.worker_address],
     )
+    before = background(s)
     async with rpc(s.address) as r:
         for request in ("guess", outstanding[b.worker_address]):
             reply = await r.accelsched_restart(worker=a.worker_address, request=request)
             assert reply["status"] == "refused"
-    await asyncio.sleep(0.3)
+    await settled(s, before)  # a restart the requests started anyway would be over
     assert not events(s, "restart") and len(s.workers) == 2
     (refused,) = events(s, "request-refused")  # the second within the minute: counted
     assert refused["worker"] == a.worker_address and refused["handler"] == "accelsched_restart"
@@ -271,7 +275,10 @@ async def test_concurrent_restarts_lose_nothing(c, s, a, b):
                     placement.restarts.restart(s.workers[B], s.workers[B].nanny, "leak")
                 )
             )
-            await asyncio.sleep(1.0)  # let b's restart run as far as it may
+            # let b's restart run as far as it may: until it waits for its turn to
+            # retire (or, were nothing holding it back, until it is over)
+            lock = placement.restarts._retire_lock
+            await wait_for(lambda: second[0].done() or bool(lock._waiters), timeout=60)
         return await restart_workers(workers, **kwargs)
 
     s.restart_workers = restart_a_while_b_starts

@@ -5,8 +5,6 @@ its worker. Real nanny workers on fake GPUs."""
 
 from __future__ import annotations
 
-import asyncio
-
 import dask
 import pytest
 from distributed import Nanny
@@ -16,12 +14,14 @@ import accelsched
 from accelsched.devices.arrays import knows
 from accelsched.leak import Attribution
 from accelsched.testing import device_alloc
-from tests.utils import events, gpus, wait_for
+from tests.utils import events, gpus, guard_checks, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
 MiB = 2**20
 FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
+#: Checks after which a leak present at the start would have been declared, and one more.
+CONFIRMED = 3
 
 
 class Frame:
@@ -101,12 +101,12 @@ async def test_opaque_results_are_held_where_made_and_where_moved(c, s, a, b):
     # a 1 GiB result of an unknown type, kept on A: measured when made, held, not leaked
     frame = c.submit(make_frame, 1024 * MiB, 7, workers=[A], key="frame")
     await frame
-    await asyncio.sleep(0.6)  # six checks
+    await guard_checks(c, s, [A, B], CONFIRMED)
     assert not events(s, "leak"), (events(s), A, B)
     # it moves to B as data (a transfer): measured on arrival there, held, not leaked
     await c.replicate([frame], n=2)
     await wait_for(lambda: len(s.tasks["frame"].who_has or ()) == 2)
-    await asyncio.sleep(0.6)
+    await guard_checks(c, s, [A, B], CONFIRMED)
     assert not events(s, "leak") and not events(s, "restart")
 
     # a real leak beside it, on B: caught, named, and only B restarts
@@ -117,7 +117,7 @@ async def test_opaque_results_are_held_where_made_and_where_moved(c, s, a, b):
     assert leak["attributed"]["leaky"] >= 512 * MiB and leak["unexplained"] < 256 * MiB
     # the restart moved B's copies to A; memory following keys causes no cascade
     await wait_for(lambda: len(s.workers) == 2 and B not in s.workers)
-    await asyncio.sleep(1.0)
+    await guard_checks(c, s, list(s.workers), CONFIRMED)
     assert len(events(s, "leak")) == 1 and len(events(s, "restart")) == 1
     assert not events(s, "quarantine") and not events(s, "restart-deferred")
     assert (await frame).value == 7
@@ -240,6 +240,6 @@ async def test_opaque_results_inside_a_fixed_pool_are_held(c, s, a, b):
         for i in range(4)  # 2 GiB of results, eight times the threshold
     ]
     await c.gather(kept)
-    await asyncio.sleep(1.0)  # ten checks
+    await guard_checks(c, s, [a.worker_address, b.worker_address], CONFIRMED)
     assert not events(s, "leak")
     assert [await f for f in kept] and len(s.workers) == 2

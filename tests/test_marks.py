@@ -4,7 +4,6 @@ fused dask.array tasks, DataFrame partitions under query planning, delayed calls
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import pickle
 import subprocess
@@ -20,7 +19,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.marks import Mark, find_mark
-from tests.utils import events, gpus, wait_for
+from tests.utils import events, gpus, past_deadline, wait_for
 
 # ---- the walk, with numbers ---------------------------------------------------------------
 
@@ -170,7 +169,7 @@ async def test_marked_steps_fall_back_by_their_own_or_the_default_timeout(c, s, 
         strict = accelsched.gpu(fallback_timeout=None)(device_now)
         waiting = c.submit(strict, 1, key="strict")
         await wait_for(lambda: "strict" in s.tasks and s.tasks["strict"].state == "no-worker")
-        await asyncio.sleep(0.6)  # past the default timeout: still waiting
+        await past_deadline(s, "strict", 0.3)  # the default timeout's: still waiting
         assert s.tasks["strict"].state == "no-worker"
     reasons = {e["key"]: e["reason"] for e in events(s, "fallback")}
     assert reasons["quick"] == "no-gpu-capacity"

@@ -11,6 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 import dask
 import pytest
 from distributed import Event, Nanny, Worker
+from distributed.core import Status
 from distributed.utils_test import gen_cluster
 
 import accelsched
@@ -44,7 +45,7 @@ async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
         restart = asyncio.ensure_future(
             plugin.restarts.restart(s.workers[a.address], "nanny", "leak")
         )
-        await asyncio.sleep(0.2)
+        await wait_for(lambda: s.workers[a.address].status == Status.closing_gracefully)
         with dask.annotate(resources={"GPU": 1}):
             late = c.submit(accelsched.current_device, key="late")
         await wait_for(lambda: "late" in s.tasks and s.tasks["late"].state == "no-worker")
@@ -80,13 +81,25 @@ async def test_overlapping_cpu_tasks_are_not_blamed(c, s, a):
     await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
     fi = c.submit(innocent, key="innocent")
     fr = c.submit(rogue, key="rogue")
-    await asyncio.sleep(0.5)
+    await executing(c, a.worker_address, "innocent", "rogue")  # side by side
     await Event("go").set()
     assert await fi == "innocent ok"
     assert await fr == 2**20  # ran alongside another task: growth not attributable
 
 
+async def executing(c, worker: str, *keys: str) -> None:  # type: ignore[no-untyped-def]
+    """Wait until every one of ``keys`` executes on ``worker`` (counted as running there)."""
+    want = {worker: ["executing"] * len(keys)}
+    while await c.run(thread_states, keys, workers=[worker]) != want:
+        await asyncio.sleep(0.02)
+
+
+def thread_states(keys: tuple[str, ...], dask_worker: Worker) -> list[str | None]:
+    return [thread_state(key, dask_worker) for key in keys]
+
+
 def waits_for_go() -> str:
+    Event("plain-started").set()  # watched: its first reading is taken by now
     Event("go").wait()
     return "ok"
 
@@ -102,7 +115,7 @@ async def test_other_processes_growth_is_not_blamed(c, s, a, fake_gpus_2):
     await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
     fake_gpus_2.set_flags(pid_offset=100000)  # a container without the host PID namespace
     fut = c.submit(waits_for_go, key="plain")
-    await asyncio.sleep(0.5)
+    await Event("plain-started").wait()
     device_alloc(2**30, device=0)  # another process on that GPU
     await Event("go").set()
     assert await fut == "ok"
@@ -187,6 +200,7 @@ def cancelled_rogue() -> int:
 
 
 def watched_innocent() -> str:
+    Event("cancelled-innocent-started").set()  # watched: its first reading is taken by now
     Event("cancelled-go").wait()
     time.sleep(0.3)
     return "innocent ok"
@@ -217,8 +231,7 @@ async def test_a_cancelled_task_still_running_is_not_blamed_on_another(c, s, a):
     }:
         await asyncio.sleep(0.02)
     innocent = c.submit(watched_innocent, key="innocent")
-    await wait_for(lambda: "innocent" in s.tasks and s.tasks["innocent"].state == "processing")
-    await asyncio.sleep(0.5)  # executing, its first NVML reading taken
+    await Event("cancelled-innocent-started").wait()
     await Event("cancelled-go").set()
     assert await innocent == "innocent ok"
     assert not events(s, "unrequested-gpu-use")

@@ -3,7 +3,6 @@ the worker's own, and no task can take down a worker. Real nanny workers on fake
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from typing import Any
 
@@ -14,7 +13,7 @@ from distributed.core import rpc
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from tests.utils import events, gpus, wait_for
+from tests.utils import background, events, gpus, settled, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -97,6 +96,7 @@ async def test_nobody_but_a_worker_speaks_for_it(c, s, a, b, g):
         ]
     # a worker's own outstanding id never leaves it: a forger only has the others'
     forged = [(h, kw) for h, kw in candidates if kw["request"] != ids[kw["worker"]]]
+    started = background(s)
     # ... from a client connection
     async with rpc(s.address) as r:
         for handler, kwargs in forged:
@@ -108,7 +108,7 @@ async def test_nobody_but_a_worker_speaks_for_it(c, s, a, b, g):
             _call_scheduler, handler, kwargs, workers=[G if kwargs["worker"] != G else A]
         )
         assert next(iter(reply.values()))["status"] == "refused", (handler, kwargs)
-    await asyncio.sleep(0.5)  # any restart would be under way by now
+    await settled(s, started)  # whatever the requests set going (a restart...) is over
     assert snapshot(s) == before
     assert not events(s, "restart") and not events(s, "quarantine")
     assert not events(s, "restart-deferred")
@@ -119,10 +119,11 @@ async def test_nobody_but_a_worker_speaks_for_it(c, s, a, b, g):
         "one event per worker and handler"
     )
     # the workers' own handlers give nothing away and change nothing
+    started = background(s)
     async with rpc(A) as worker:
         assert await worker.accelsched_confirm(request="guess") == {"confirmed": False}
-        assert (await worker.accelsched_report())["status"] == "OK"
-    await asyncio.sleep(0.2)
+        assert (await worker.accelsched_report())["status"] == "OK"  # awaits the scheduler
+    await settled(s, started)
     assert snapshot(s) == before
     # and a GPU task still runs on a verified GPU
     with dask.annotate(resources={"GPU": 1}):

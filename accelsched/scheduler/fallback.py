@@ -75,6 +75,10 @@ class Fallback:
         self._limits_checked: set[float] = set()
         self._emit = emit
         self._active = active
+        #: Checks completed while registered (periodic ticks and deadline timers alike):
+        #: says a check has run since a moment of interest, which a task still waiting
+        #: cannot tell apart from no check at all.
+        self.checks: int = 0
 
     def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -214,6 +218,7 @@ class Fallback:
         if due:
             self._decide(scheduler, due, now)
         self._schedule()
+        self.checks += 1
 
     def _decide(self, scheduler: Scheduler, due: list[tuple[Any, float]], now: float) -> None:
         stimulus_id = f"accelsched-fallback-{time()}"

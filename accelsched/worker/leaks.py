@@ -76,6 +76,10 @@ class LeakCheck:
         self.attribution = Attribution()
         self._attribution_lock = threading.Lock()  # residues come from executor threads
         self.owed = False  # the last check skipped a busy device
+        #: Checks completed since setup: tells a reader (a status page, a test waiting
+        #: for "no leak") that the check has run since a moment of interest, which the
+        #: verdicts alone cannot (they look the same before and after a clean check).
+        self.checks: int = 0
 
     # --- live results (worker event loop) ----------------------------------------------
 
@@ -179,6 +183,7 @@ class LeakCheck:
             self.detector.reset()
             if self.restart_on_leak:
                 self._ask_restart("leak", sum(v.estimate for v in leaks))
+        self.checks += 1
         return verdicts
 
     def _busy(self) -> set[int]:
