@@ -2,8 +2,9 @@
 
 The benchmarks run as the user runs them: ``python -m benchmarks --quick`` subprocesses
 (two side by side, each with some of the benchmarks) with their own clusters of workers
-on simulated GPUs. The quick run is a smoke run of seconds per benchmark. The checks are on what they wrote (keys present, counts that
-must hold on any machine, valid PNGs), never on how fast anything was.
+on simulated GPUs. The quick run is a smoke run of seconds per benchmark. The checks are
+on what they wrote (keys present, counts that must hold on any machine, valid PNGs),
+never on how fast anything was.
 """
 
 from __future__ import annotations
