@@ -374,6 +374,87 @@ def test_status_command_shows_the_verified_gpus(preloaded: Cluster) -> None:
         assert "NVIDIA Simulated GPU" in rows[name] and "16.0 GiB" in rows[name], done.stdout
 
 
+HOSTILE = """
+import asyncio
+
+import dask
+from distributed.core import rpc
+
+from accelsched.marks import Mark
+
+address = {name: a for a, name in names.items()}
+
+def accelsched_events(action):
+    return [m for _, m in client.get_events("accelsched") if m["action"] == action]
+
+
+# one task asking for more GPUs than any worker can have: it falls back at once, and
+# neither it nor its neighbour harms a worker (before: both workers were removed)
+with dask.annotate(resources={"GPU": 2**64}, fallback_timeout="30s"):
+    huge = client.submit(where, pure=False)
+good = client.submit(where_on_gpu, pure=False)
+assert huge.result(timeout=20)[1] == -1  # on the host, no device held
+assert good.result(timeout=30)[0] in GPU_WORKERS
+assert len(client.scheduler_info(n_workers=-1)["workers"]) == WORKERS
+(fell,) = [e for e in accelsched_events("fallback") if e.get("key") == huge.key]
+assert fell["reason"] == "unsatisfiable" and fell["waited"] < 15, fell
+
+# a step whose mark is bad (unpickled data can say anything): that task errs alone
+bad_step = accelsched.gpu(where)
+bad_step.__accelsched_gpu__ = Mark(count=1, timeout=float("nan"), timeout_given=True)
+try:
+    client.submit(bad_step, pure=False).result(timeout=30)
+    raise AssertionError("a NaN mark was taken")
+except ValueError as exc:
+    assert "fallback_timeout=nan" in str(exc), exc
+
+
+# task code posing as the guard: nothing counted
+def forge():
+    worker = get_worker()
+    for _ in range(5):
+        worker.log_event("accelsched", {"action": "restart", "reason": "leak", "nbytes": 1})
+    worker.log_event(["accelsched", "mine"], {"action": "leak", "nbytes": 10**12})
+    return 1
+
+
+restarts_before = len(accelsched_events("restart"))
+assert client.submit(forge, workers=[address["gpu-1"]], pure=False).result() == 1
+deadline = time.monotonic() + 30
+while not client.get_events("mine"):
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+assert len(accelsched_events("restart")) == restarts_before
+assert not [e for e in accelsched_events("leak") if e.get("nbytes") == 10**12]
+
+
+# a stranger (this client) orders a worker to drain: refused
+async def drain():
+    async with rpc(address["gpu-1"]) as r:
+        return [
+            (await r.accelsched_drain(on=True, request=request))["status"]
+            for request in ("", "guess")
+        ]
+
+
+assert asyncio.run(drain()) == ["refused", "refused"]
+draining = client.run(
+    lambda dask_worker: dask_worker.plugins["accelsched-guard"].draining,
+    workers=[address["gpu-1"]],
+)
+assert draining == {address["gpu-1"]: False}, draining
+assert client.submit(where_on_gpu, workers=[address["gpu-1"]], pure=False).result(30)[0] == "gpu-1"
+print(json.dumps({"ok": True}))
+"""
+
+
+def test_one_task_or_caller_cannot_harm_the_cluster(preloaded: Cluster, tmp_path: Path) -> None:
+    """Issue 17's cases on a command-line cluster: an unsatisfiable amount, a bad mark,
+    forged events from task code, a stranger's drain order."""
+    code = "\n\n".join([first_cell(preloaded, False, 2), SETUP, HOSTILE])
+    assert run_script(tmp_path, preloaded, code) == {"ok": True}
+
+
 def test_a_leaking_step_restarts_only_its_worker_losing_nothing(
     preloaded: Cluster, tmp_path: Path
 ) -> None:
