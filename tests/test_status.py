@@ -276,3 +276,17 @@ def test_a_metric_added_during_a_heartbeat_leaves_its_iteration_alone() -> None:
     remove_metric(worker, "b", len)  # type: ignore[arg-type]
     assert [k for k, _ in items] == ["b"]  # the heartbeat's own view, intact
     assert worker.metrics == {"a": len, "accelsched": repr}
+
+
+def test_a_quarantine_says_what_it_waits_for() -> None:
+    from accelsched.status import quarantine_text, waits_for
+
+    assert waits_for("restart-deferred: no-peer") == "a peer to take its data"
+    assert waits_for("restart-deferred: restart-failed: 'timed out'") == "its nanny to restart it"
+    assert waits_for("restart-budget") == "its restart window to move on"
+    assert waits_for("something new") is None
+    assert quarantine_text(None) == "-"
+    assert quarantine_text("restart-deferred: concurrency") == (
+        "restart-deferred: concurrency; waits for a free restart slot"
+    )
+    assert quarantine_text("odd") == "odd"
