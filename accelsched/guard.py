@@ -11,6 +11,8 @@ The parts (``accelsched/worker/``):
   created a CUDA context or grew this process's device memory.
 - :class:`~accelsched.worker.leaks.LeakCheck`: every ``check_interval``, estimate device
   memory nothing legitimate holds; on a confirmed leak, ask for a lossless restart.
+- :class:`~accelsched.worker.rejoin.Rejoin`: ask NVML again, with backoff, about the
+  devices left out of the inventory; report each back once it answers steadily.
 
 The plugin itself checks at setup that the distributed internals the parts rely on are
 there (:mod:`accelsched.internals`) and routes each task as it starts executing. What it
@@ -45,6 +47,7 @@ from accelsched.worker.inventory import Inventory
 from accelsched.worker.leaks import LeakCheck
 from accelsched.worker.ledger import Ledger
 from accelsched.worker.pools import PoolFreer
+from accelsched.worker.rejoin import Rejoin
 from accelsched.worker.watch import ACTIVITY, UnrequestedGPUUse, Watch
 
 if TYPE_CHECKING:
@@ -84,6 +87,7 @@ class GuardPlugin(WorkerPlugin):
         self.watch: Watch | None = None
         self.leaks: LeakCheck | None = None
         self.figures: Figures | None = None
+        self.rejoin: Rejoin | None = None  # devices left out at setup, asked again
         self._running: set[Any] = set()  # keys executing here, counted in ACTIVITY
         self.draining = False  # the scheduler restarts this worker: GPU tasks go back
 
@@ -147,6 +151,15 @@ class GuardPlugin(WorkerPlugin):
             emit=self._emit,
             ledger=ledger,
         )
+        if o["recover_gpus"] and inv.monitor.left_out:
+            self.rejoin = Rejoin(
+                inventory=inv,
+                health=self.leaks.health,
+                interval=o["check_interval"],
+                report=self.report,
+                spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
+                emit=self._emit,
+            )
         self.figures = Figures(
             granted=lambda: inv.granted,
             withdrawn=lambda: inv.withdrawn,
@@ -169,7 +182,7 @@ class GuardPlugin(WorkerPlugin):
             # confirmation call included) until this returns, so report right after.
             internals.spawn(worker, self.report)
         internals.stop_periodic(worker, _PERIODIC)
-        if inv.visible:
+        if inv.visible or self.rejoin is not None:
             internals.start_periodic(worker, _PERIODIC, self.check, o["check_interval"])
 
     async def teardown(self, worker: Worker) -> None:
@@ -283,6 +296,8 @@ class GuardPlugin(WorkerPlugin):
     def check(self) -> list:
         """One leak check now (the periodic callback runs this every ``check_interval``)."""
         assert self.leaks is not None
+        if self.rejoin is not None:
+            self.rejoin.check()
         return self.leaks.check()
 
     def _emit(self, action: str, **figures: Any) -> None:

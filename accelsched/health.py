@@ -5,14 +5,15 @@ answer would let a flapping device (failing and answering by turns) withdraw and
 re-offer itself, with an event and a restart request each time, at every check. So a
 device must answer for a streak of checks first, and each new failure doubles the
 streak it needs (up to a ceiling): one glitch costs a few checks, a flapping device
-stays out.
+stays out. A device a process left out of its inventory (it did not answer then) is
+on :class:`Probation`: asked again with backoff, and back under the same rule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["DeviceHealth"]
+__all__ = ["DeviceHealth", "Probation"]
 
 
 @dataclass
@@ -53,3 +54,63 @@ class DeviceHealth:
         self.withdrawn.discard(device)
         self._good.pop(device, None)
         return True
+
+
+@dataclass
+class Probation:
+    """Devices a process left out of its inventory (they did not answer NVML then): when
+    to ask each again, and when one is back.
+
+    A device left out at a start (often right after a restart its failure caused) is
+    asked again after ``first`` seconds, and the wait doubles with each failed probe up to
+    ``longest``: a dead GPU costs one NVML query now and then, a glitch a few seconds.
+    Once it answers, it is asked at the ``first`` pace, and it is back when it has
+    answered as steadily as :class:`DeviceHealth` requires of any withdrawn device (the
+    same ``health``, so a device failing again later needs a longer streak); a failure
+    meanwhile starts the streak over and the wait goes on doubling, so a flapping device
+    stays out.
+    """
+
+    health: DeviceHealth
+    first: float = 1.0  # seconds to the first probe; the pace while a device answers
+    longest: float = 30.0  # the most seconds between two probes
+    _next: dict[int, float] = field(default_factory=dict)  # device -> when to probe it
+    _wait: dict[int, float] = field(default_factory=dict)  # device -> wait after a failure
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first <= self.longest:
+            raise ValueError(f"invalid first={self.first!r}, longest={self.longest!r}")
+
+    def left_out(self, device: int, now: float) -> None:
+        """``device`` did not answer when the inventory was taken at ``now``."""
+        self.health.failed(device)
+        self._wait[device] = min(self.longest, 2 * self.first)
+        self._next[device] = now + self.first
+
+    @property
+    def waiting(self) -> list[int]:
+        """The devices still out, in order."""
+        return sorted(self._next)
+
+    def due(self, now: float) -> list[int]:
+        """The devices to probe at ``now``, in order."""
+        return sorted(d for d, at in self._next.items() if at <= now)
+
+    def answered(self, device: int, now: float) -> bool:
+        """A probe of ``device`` answered; True when this brings it back (offer it)."""
+        if device not in self._next:
+            return False
+        if self.health.answered(device):
+            del self._next[device], self._wait[device]
+            return True
+        self._next[device] = now + self.first
+        return False
+
+    def failed(self, device: int, now: float) -> None:
+        """A probe of ``device`` failed: its streak starts over, the wait doubles."""
+        if device not in self._next:
+            return
+        self.health.failed(device)
+        wait = self._wait[device]
+        self._next[device] = now + wait
+        self._wait[device] = min(self.longest, 2 * wait)

@@ -28,6 +28,7 @@ __all__ = [
     "render",
     "summary",
     "COLUMNS",
+    "waits_for",
 ]
 
 OK: Final = 0
@@ -68,6 +69,33 @@ COLUMNS: Final = [
     ("fallbacks", "FALLBACKS"),
     ("quarantine", "QUARANTINE"),
 ]
+
+
+#: What a quarantined worker waits for, by the reason it was quarantined: its guard asks
+#: for the restart again at each confirmed leak, and the restart proceeds once this holds.
+WAITS_FOR: Final = {
+    "no-peer": "a peer to take its data",
+    "retire-failed": "a peer to take its data",
+    "concurrency": "a free restart slot",
+    "busy": "its running tasks to end",
+    "restart-failed": "its nanny to restart it",
+    "no-nanny": "a restart by hand (it has no nanny)",
+    "restart-budget": "its restart window to move on",
+}
+
+
+def waits_for(reason: str) -> str | None:
+    """What a worker quarantined for ``reason`` waits for (None: nothing known)."""
+    reason = reason.removeprefix("restart-deferred: ")
+    return WAITS_FOR.get(reason.split(":", 1)[0])
+
+
+def quarantine_text(reason: str | None) -> str:
+    """The QUARANTINE column: why, and what it waits for; ``-`` when not quarantined."""
+    if not reason:
+        return "-"
+    wanted = waits_for(reason)
+    return f"{reason}; waits for {wanted}" if wanted else reason
 
 
 def shown(text: object) -> str:
@@ -115,7 +143,7 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
                 "restarts": str(w["restarts"]),
                 "leaks": str(w["leaks"]),
                 "fallbacks": str(w["fallbacks"]),
-                "quarantine": w["quarantined"] or "-",
+                "quarantine": quarantine_text(w["quarantined"]),
             }
             if d is not None and d["withdrawn"]:
                 row["gpu"] += " (withdrawn)"

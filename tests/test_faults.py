@@ -216,3 +216,68 @@ def test_a_flapping_gpu_is_reported_once_and_kept_out() -> None:
 
     with fake_gpus(2) as g:
         run()
+
+
+def ran_on_gpu(path: str, i: int) -> int | None:
+    """A strict GPU step that notes each run (one line per execution, any process)."""
+    with open(path, "a") as f:
+        f.write(f"{i}\n")
+    return accelsched.current_device()
+
+
+def test_a_gpu_left_out_after_its_restart_comes_back_when_it_answers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A short fault on the only GPU worker: it restarts while the device still fails,
+    and the new process leaves it out; once the device answers steadily it is verified
+    and offered again, and the strict GPU tasks that waited meanwhile run, once each."""
+
+    @gen_cluster(
+        client=True,
+        Worker=Nanny,
+        nthreads=[("127.0.0.1", 1, _cvd("0")), ("127.0.0.1", 1, _cvd(""))],
+        timeout=90,
+        config={"distributed.diagnostics.nvml": False},  # see docs/reliability.md
+    )
+    async def run(c, s, a, b):  # type: ignore[no-untyped-def]
+        await accelsched.register(c, check_interval="100ms")
+        A = a.worker_address
+        await wait_for(lambda: gpus(s, A) == 1)
+        kept = await c.scatter({"kept": 42}, workers=[A])
+        g.fail(0)
+        await wait_for(lambda: events(s, "gpu-unhealthy"))
+        path = str(tmp_path / "runs")
+        with dask.annotate(resources={"GPU": 1}):  # strict: no GPU anywhere until it is back
+            futures = c.map(ran_on_gpu, [path] * 8, range(8), key=[f"g-{i}" for i in range(8)])
+        await wait_for(lambda: events(s, "restart"), timeout=30)
+        await wait_for(lambda: len(s.workers) == 2 and A not in s.workers, timeout=30)
+        (new,) = set(s.workers) - {b.worker_address}
+
+        def left_out(dask_worker):  # type: ignore[no-untyped-def]
+            guard = dask_worker.plugins.get("accelsched-guard")
+            return None if guard is None else guard.inventory.monitor.left_out
+
+        for _ in range(200):  # the new process took its inventory while the fault lasted
+            if (await c.run(left_out, workers=[new]))[new] == [0]:
+                break
+            await asyncio.sleep(0.05)
+        assert (await c.run(left_out, workers=[new]))[new] == [0]
+        assert gpus(s, new) == 0 and all(f.status == "pending" for f in futures)
+
+        g.recover()
+        await wait_for(lambda: gpus(s, new) == 1 and events(s, "gpu-recovered"), timeout=30)
+        (recovered,) = events(s, "gpu-recovered")
+        assert recovered["worker"] == new and recovered["device"] == 0
+        assert recovered["uuid"] == g.uuids[0]
+        assert any(e["worker"] == new for e in events(s, "gpu-verified"))  # the grant path
+        (status,) = [
+            w
+            for w in s.plugins["accelsched-placement"].observer.snapshot()["workers"]
+            if w["address"] == new
+        ]
+        assert [d["uuid"] for d in status["devices"]] == [g.uuids[0]] and status["gpus"] == 1
+        assert await c.gather(futures) == [0] * 8
+        with open(path) as f:
+            assert sorted(int(line) for line in f) == list(range(8))  # each ran once
+        assert await kept["kept"] == 42
+
+    with fake_gpus(2) as g:
+        run()

@@ -307,3 +307,17 @@ async def test_before_the_first_heartbeat_the_table_says_it_waits(c, s):
         assert WAITING_TEXT not in row and re.search(r"/\d+ MiB", row), out
         (device,) = snapshot(s)["workers"][0]["devices"]
         assert device["figures"] == "reported" and device["leases"] == 0
+
+
+def test_a_quarantine_says_what_it_waits_for() -> None:
+    from accelsched.status import quarantine_text, waits_for
+
+    assert waits_for("restart-deferred: no-peer") == "a peer to take its data"
+    assert waits_for("restart-deferred: restart-failed: 'timed out'") == "its nanny to restart it"
+    assert waits_for("restart-budget") == "its restart window to move on"
+    assert waits_for("something new") is None
+    assert quarantine_text(None) == "-"
+    assert quarantine_text("restart-deferred: concurrency") == (
+        "restart-deferred: concurrency; waits for a free restart slot"
+    )
+    assert quarantine_text("odd") == "odd"

@@ -93,6 +93,7 @@ class NVMLMonitor:
         self.reason: str | None = None
         self._devices: list[DeviceInfo] | None = None
         self._handles: dict[int, Any] = {}
+        self._left_out: dict[int, _Found] = {}  # CUDA index -> a device that did not answer
 
     # --- availability -----------------------------------------------------------------
 
@@ -143,16 +144,10 @@ class NVMLMonitor:
             for cuda_index, visible in enumerate(order):
                 nvml_index, mig = visible.nvml_index, visible.mig_uuid
                 h = handles[nvml_index] if mig is None else migs[nvml_index][mig]
+                # CUDA's numbering, failing devices included
+                found = _Found(cuda_index, nvml_index, h, mig, uuids[nvml_index])
                 try:
-                    info = DeviceInfo(
-                        index=cuda_index,  # CUDA's numbering, failing devices included
-                        nvml_index=nvml_index,
-                        uuid=mig or uuids[nvml_index] or _text(nvml.nvmlDeviceGetUUID(h)),
-                        name=_text(nvml.nvmlDeviceGetName(h)),
-                        memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
-                        parent=None if mig is None else uuids[nvml_index],
-                    )
-                    nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
+                    info = found.describe(nvml)
                 except Exception as exc:  # this device does not answer: not ours to use
                     logger.warning(
                         "accelsched: GPU %d (NVML %d) does not answer NVML and is left out: %s",
@@ -160,6 +155,7 @@ class NVMLMonitor:
                         nvml_index,
                         _describe(exc),
                     )
+                    self._left_out[cuda_index] = found
                     continue
                 devices.append(info)
                 self._handles[cuda_index] = h
@@ -197,6 +193,27 @@ class NVMLMonitor:
                 continue
         return out
 
+    @property
+    def left_out(self) -> list[int]:
+        """CUDA indices of the devices visible here that did not answer NVML when they
+        were listed (:meth:`devices` leaves them out), until :meth:`adopt` takes one."""
+        self.devices()
+        return sorted(self._left_out)
+
+    def query(self, index: int) -> DeviceInfo:
+        """Ask NVML again about the left-out device with CUDA index ``index``: its
+        description when it answers every query the guard makes; raises otherwise."""
+        self.devices()
+        return self._left_out[index].describe(self._nvml)
+
+    def adopt(self, info: DeviceInfo) -> None:
+        """A left-out device answers again (see :meth:`query`): list it from now on."""
+        found = self._left_out.pop(info.index)
+        self._handles[info.index] = found.handle
+        assert self._devices is not None
+        self._devices.append(info)
+        self._devices.sort(key=lambda d: d.index)
+
     def device(self, index: int) -> DeviceInfo:
         for d in self.devices():
             if d.index == index:
@@ -231,6 +248,31 @@ class NVMLMonitor:
     def has_context(self, index: int) -> bool | None:
         """Whether this process holds a CUDA context on the device (None: cannot tell)."""
         return self.process_memory(index).has_context
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A device CUDA enumerates here, before NVML has answered about it."""
+
+    index: int  # CUDA's
+    nvml_index: int
+    handle: Any
+    mig: str | None
+    gpu_uuid: str  # its GPU's, or "" when it did not answer at listing
+
+    def describe(self, nvml: Any) -> DeviceInfo:
+        """Its description; raises when it does not answer every query the guard makes."""
+        h = self.handle
+        info = DeviceInfo(
+            index=self.index,
+            nvml_index=self.nvml_index,
+            uuid=self.mig or self.gpu_uuid or _text(nvml.nvmlDeviceGetUUID(h)),
+            name=_text(nvml.nvmlDeviceGetName(h)),
+            memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+            parent=None if self.mig is None else self.gpu_uuid,
+        )
+        nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
+        return info
 
 
 def _mig_mode(nvml: Any, handle: Any) -> bool:

@@ -75,10 +75,7 @@ class Fallback:
         self._limits_checked: set[float] = set()
         self._emit = emit
         self._active = active
-        #: Checks completed while registered (periodic ticks and deadline timers alike):
-        #: says a check has run since a moment of interest, which a task still waiting
-        #: cannot tell apart from no check at all.
-        self.checks: int = 0
+        self.checks = 0  # checks completed (ticks and timers): "one ran since then"
 
     def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -185,11 +182,9 @@ class Fallback:
         if timeout is None:
             return
         deadline = since + timeout
-        if self.scheduler is not None:
-            ts = self.scheduler.tasks.get(key)
-            amount = (ts.resource_restrictions or {}).get(GPU, 0) if ts is not None else 0
-            if not satisfiable(amount):
-                deadline = since  # waiting cannot help: decided at once
+        ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
+        if ts is not None and not satisfiable((ts.resource_restrictions or {}).get(GPU, 0)):
+            deadline = since  # waiting cannot help: decided at once
         if timeout and self.fell_back and self.scheduler is not None:
             ts = self.scheduler.tasks.get(key)
             if ts is not None and any(d.key in self.fell_back for d in ts.dependencies):

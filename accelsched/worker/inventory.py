@@ -80,6 +80,18 @@ class Inventory:
             self.declared, len(self.owned), advertise_undeclared=self.advertise_undeclared
         )
 
+    def rejoin(self, device: DeviceInfo) -> None:
+        """A device left out at :meth:`probe` answers steadily again: list it, and own
+        and claim it as if it had answered then (the next :meth:`report` says so)."""
+        assert self.monitor is not None and self.worker is not None
+        self.monitor.adopt(device)
+        # in place: the guard's parts hold these lists
+        self.visible[:] = list(self.monitor.devices())
+        self.owned[:] = owned(self.visible, under_dask_cuda=under_dask_cuda(self.worker))
+        self.claim = decide_claim(
+            self.declared, len(self.owned), advertise_undeclared=self.advertise_undeclared
+        )
+
     async def report(self, on_granted: Callable[[list[int]], None]) -> ReportReply:
         """Report the owned devices and advertise what the scheduler granted.
 

@@ -1,0 +1,115 @@
+"""GPUs that come back, with every party a process of its own.
+
+``dask scheduler --preload accelsched``, a ``dask worker`` on one simulated GPU
+(``accelsched simulate --gpus 1``) and a GPU-less ``dask worker``: a fault is injected
+through the simulated GPUs' state folder, which every process of that worker (its
+nanny's restarted ones too) reads at each NVML call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client
+
+import accelsched
+from accelsched.testing import state
+from tests import processes
+from tests.processes import accel_events, running, until
+
+ACCELSCHED = str(Path(sys.executable).with_name("accelsched"))
+SIMULATE = [ACCELSCHED, "simulate", "--gpus", "1", "--memory", "16GiB", "--"]
+#: distributed's own GPU diagnostics cannot start a worker whose GPU fails NVML
+NO_DIAGNOSTICS = {"DASK_DISTRIBUTED__DIAGNOSTICS__NVML": "False"}
+
+
+def ran_on_gpu(path: str, i: int) -> int | None:
+    """A strict GPU step that notes each run (one line per execution)."""
+    with open(path, "a") as f:
+        f.write(f"{i}\n")
+    return accelsched.current_device()
+
+
+def fake_dir() -> str:
+    return os.environ[state.ENV_DIR]
+
+
+def left_out(dask_worker: Any) -> list[int] | None:
+    guard = dask_worker.plugins.get("accelsched-guard")
+    return None if guard is None else guard.inventory.monitor.left_out
+
+
+def set_fault(folder: Path, on: bool) -> None:
+    """Make the simulated GPU 0 fail every NVML query (or answer again), everywhere."""
+    flags = state.read_flags(folder)
+    state.write_flags(folder, replace(flags, faults=frozenset({(0, "all")} if on else ())))
+
+
+def gpus_of(client: Client, name: str) -> tuple[str | None, float]:
+    """(address, GPU count placement uses) of the worker called ``name``."""
+    for addr, w in client.scheduler_info(n_workers=-1)["workers"].items():
+        if w["name"] == name:
+            return addr, w["resources"].get("GPU", 0)
+    return None, 0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[Client, Path]]:
+    sched = processes.scheduler(tmp_path, "--preload", "accelsched", "--check-interval=100ms")
+    with running(sched):
+        address = processes.scheduler_address(tmp_path / "scheduler.json", sched)
+        gpu = processes.worker(tmp_path, "gpu", address, before=SIMULATE, env=NO_DIAGNOSTICS)
+        cpu = processes.worker(tmp_path, "cpu", address, env={"CUDA_VISIBLE_DEVICES": ""})
+        with running(gpu, cpu), Client(address, timeout=30) as client:
+            try:
+                yield client, tmp_path
+            except BaseException:
+                for p in (sched, gpu, cpu):
+                    print(f"--- {p.log.name}\n{p.output()[-3000:]}")
+                raise
+
+
+def test_a_gpu_left_out_after_a_restart_comes_back_across_processes(
+    cluster: tuple[Client, Path],
+) -> None:
+    client, tmp = cluster
+    until(lambda: gpus_of(client, "gpu")[1] == 1, timeout=60)
+    first, _ = gpus_of(client, "gpu")
+    assert first is not None
+    folder = Path(client.run(fake_dir, workers=[first])[first])
+    kept = client.scatter({"kept": 42}, workers=[first])
+
+    set_fault(folder, True)
+    until(lambda: accel_events(client, "gpu-unhealthy"))
+    path = str(tmp / "runs")
+    with dask.annotate(resources={"GPU": 1}):  # strict: no GPU anywhere until it is back
+        futures = client.map(ran_on_gpu, [path] * 6, range(6), key=[f"g-{i}" for i in range(6)])
+    until(lambda: accel_events(client, "restart"), timeout=60)
+    (restart,) = accel_events(client, "restart")
+    assert restart["worker"] == first and restart["reason"] == "gpu-unhealthy"
+    until(lambda: gpus_of(client, "gpu")[0] not in (None, first), timeout=60)
+    new, count = gpus_of(client, "gpu")
+    assert new is not None and count == 0
+
+    def new_process_left_it_out() -> bool:
+        return bool(client.run(left_out, workers=[new])[new] == [0])
+
+    until(new_process_left_it_out)  # its inventory was taken while the fault lasted
+    assert all(f.status == "pending" for f in futures)
+
+    set_fault(folder, False)
+    until(lambda: gpus_of(client, "gpu") == (new, 1), timeout=60)
+    until(lambda: accel_events(client, "gpu-recovered"))
+    (recovered,) = accel_events(client, "gpu-recovered")
+    assert recovered["worker"] == new and recovered["device"] == 0
+    assert client.gather(futures) == [0] * 6
+    with open(path) as f:
+        assert sorted(int(line) for line in f) == list(range(6))  # each ran once
+    assert kept["kept"].result() == 42
