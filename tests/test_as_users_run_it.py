@@ -451,7 +451,7 @@ print(json.dumps({"ok": True}))
 def test_one_task_or_caller_cannot_harm_the_cluster(preloaded: Cluster, tmp_path: Path) -> None:
     """Issue 17's cases on a command-line cluster: an unsatisfiable amount, a bad mark,
     forged events from task code, a stranger's drain order."""
-    code = "\n\n".join([first_cell(preloaded, False, 2), SETUP, HOSTILE])
+    code = "\n\n".join([first_cell(preloaded, False, 2), SETUP, STEPS, HOSTILE])
     assert run_script(tmp_path, preloaded, code) == {"ok": True}
 
 
