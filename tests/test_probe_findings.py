@@ -1,0 +1,282 @@
+"""Bugs found by probing, each confirmed against separate processes first.
+
+Every test here is ``xfail(strict=True)``: it documents a bug that is still there, and
+turns into a failure (XPASS) the day it is fixed, so its mark can then be removed.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dask._task_spec import Task
+from distributed import Worker, get_worker
+from distributed.core import rpc
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.marks import find_mark
+from accelsched.protocol import CONFIRM_HANDLER, GUARD_PLUGIN, PLACEMENT_PLUGIN
+from tests.utils import wait_for
+
+GPU_WORKER = [("127.0.0.1", 1, {"resources": {"GPU": 1}})]
+ACCELSCHED = str(Path(sys.executable).with_name("accelsched"))
+
+
+# --- a guard's event costs its worker the cluster ----------------------------------------
+
+
+async def _worker_survives_a_guard_event(c: Any, s: Any, a: Worker) -> None:
+    guard = a.plugins[GUARD_PLUGIN]
+    guard._emit("leak", device=0, nbytes=1)  # what a real leak, fault or OOM sends
+    a.log_event("probe-sentinel", "after")  # the stream is ordered: judged after it
+    await wait_for(lambda: s.get_events("probe-sentinel"), timeout=5)
+    assert a.address in s.workers
+    assert await c.submit(lambda: 1, pure=False) == 1
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@pytest.mark.xfail(
+    strict=True,
+    reason="guard.py _emit sends an 'accelsched-event' stream op; a scheduler without the "
+    "PlacementPlugin (dask worker --preload accelsched on a plain scheduler) has no handler: "
+    "KeyError in handle_stream closes the worker's stream, the worker and its nanny stop",
+)
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_a_guard_event_without_placement_plugin_keeps_the_worker(c, s, a):
+    await c.register_plugin(accelsched.GuardPlugin())
+    await _worker_survives_a_guard_event(c, s, a)
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@pytest.mark.xfail(
+    strict=True,
+    reason="internals/scheduler.py release_topic pops the 'accelsched-event' stream handler "
+    "while guards keep sending it: the next guard event disconnects its worker",
+)
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_a_guard_event_after_unregistering_placement_keeps_the_worker(c, s, a):
+    await accelsched.register(c)
+    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    await c.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
+    await _worker_survives_a_guard_event(c, s, a)
+
+
+# --- the reserved topic ------------------------------------------------------------------
+
+
+def log_with_a_set_topic() -> int:
+    get_worker().log_event({"accelsched"}, {"action": "leak", "device": 0, "nbytes": 10**15})
+    get_worker().log_event("probe-sentinel", "after")
+    return 1
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@pytest.mark.xfail(
+    strict=True,
+    reason="reserve_topic/_refuse_client_topic only look inside str/list/tuple topics; a set "
+    "or frozenset topic (msgpack keeps sets) reaches Scheduler.log_event, which iterates it",
+)
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_a_set_topic_cannot_write_accelsched_events(c, s, a):
+    await accelsched.register(c)
+    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    before = len(s.get_events("accelsched"))
+    assert await c.submit(log_with_a_set_topic, pure=False) == 1
+    await wait_for(lambda: s.get_events("probe-sentinel"))
+    assert len(s.get_events("accelsched")) == before  # the task's forged leak
+    with pytest.raises(PermissionError):
+        await c.log_event({"accelsched"}, {"action": "restart", "worker": a.address})
+
+
+def forge_for_another_worker() -> int:
+    get_worker().batched_stream.send(
+        {
+            "op": "accelsched-event",
+            "worker": "tcp://10.9.9.9:1234",  # merge(extra, msg): the message's key wins
+            "msg": {"action": "restart", "reason": "leak", "nbytes": 10**12},
+        }
+    )
+    get_worker().log_event("probe-sentinel", "after")
+    return 1
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@pytest.mark.xfail(
+    strict=True,
+    reason="distributed's handle_stream merges the message over extra={'worker': ...}: an "
+    "'accelsched-event' carrying its own 'worker' is logged in that other worker's name",
+)
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_task_code_cannot_log_an_event_in_another_workers_name(c, s, a):
+    await accelsched.register(c)
+    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    assert await c.submit(forge_for_another_worker, pure=False) == 1
+    await wait_for(lambda: s.get_events("probe-sentinel"))
+    workers = {m.get("worker") for _, m in s.get_events("accelsched")}
+    assert "tcp://10.9.9.9:1234" not in workers
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@pytest.mark.xfail(
+    strict=True,
+    reason="authority.py confirm_order rate-limits refusals per (worker, handler) with the "
+    "caller's own handler string: a stranger varying it logs one event per call and grows "
+    "Authority._refusals without bound",
+)
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_a_stranger_varying_the_handler_cannot_flood_refusals(c, s, a):
+    await accelsched.register(c)
+    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    stranger = rpc(s.address)
+    try:
+        for i in range(20):
+            await getattr(stranger, CONFIRM_HANDLER)(
+                request="x" * 32, fingerprint="y", worker=a.address, handler=f"h{i}"
+            )
+    finally:
+        await stranger.close_rpc()
+    refused = [m for _, m in s.get_events("accelsched") if m["action"] == "request-refused"]
+    assert len(refused) <= 1
+    assert len(s.plugins[PLACEMENT_PLUGIN].gate.authority._refusals) <= 1
+
+
+# --- marked steps ------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="dual.py _load_step(label, mark, payload) stores its reload as (label, payload) and "
+    "Unloadable.reduce_with appends the mark: the next process calls _load_step(label, "
+    "payload, mark) and unpickles the Mark as the payload",
+)
+def test_a_step_the_scheduler_cannot_load_still_runs_where_it_loads(tmp_path, monkeypatch):
+    """A notebook step using a library the scheduler lacks (cudf, torch): by value."""
+    (tmp_path / "probe_only_on_workers.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(
+        "import probe_only_on_workers\ndef step(x):\n    return probe_only_on_workers.VALUE + x\n",
+        namespace,
+    )
+    client_bytes = pickle.dumps(accelsched.gpu(namespace["step"]))
+    # the scheduler cannot import the module
+    monkeypatch.delitem(sys.modules, "probe_only_on_workers")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    on_scheduler = pickle.loads(client_bytes)
+    assert on_scheduler.__accelsched_gpu__.count == 1
+    scheduler_bytes = pickle.dumps(on_scheduler)
+    # the worker can
+    monkeypatch.syspath_prepend(str(tmp_path))
+    on_worker = pickle.loads(scheduler_bytes)
+    assert on_worker(1) == 43
+
+
+class CalledModel:
+    @accelsched.gpu
+    def __call__(self, x: Any) -> Any:
+        return x
+
+
+class InheritedModel(CalledModel):
+    pass
+
+
+def run_partition(func: Any, x: Any) -> Any:  # as apply_and_enforce(_func=...) does
+    return func(x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="marks.py _children reads type(func).__dict__['__call__'] (not the MRO), and only "
+    "for a task's func: a subclass instance, or an instance passed as map_partitions' or "
+    "bag.map's function, runs with no GPU",
+)
+@pytest.mark.parametrize(
+    "task",
+    [
+        pytest.param(lambda: Task("k", InheritedModel(), 1), id="inherited-call"),
+        pytest.param(lambda: Task("k", run_partition, CalledModel(), 1), id="instance-as-arg"),
+    ],
+)
+def test_a_callable_instance_with_a_marked_call_is_a_gpu_task(task):
+    accelsched.gpu(lambda: None)  # a marked step exists in this process
+    assert find_mark(task()) is not None
+
+
+# --- accelsched simulate -----------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="simulate.py _run_forwarding catches FileNotFoundError and PermissionError only: "
+    "an executable without a shebang (ENOEXEC) ends in a traceback, exit 1",
+)
+def test_simulate_a_command_that_cannot_execute_is_one_line(tmp_path):
+    script = tmp_path / "no-shebang"
+    script.write_text("echo hello\n")
+    script.chmod(0o755)
+    done = subprocess.run(
+        [ACCELSCHED, "simulate", "--gpus", "1", "--", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Traceback" not in done.stderr
+    assert done.returncode == 126
+
+
+# --- NVML ---------------------------------------------------------------------------------
+
+
+class _LostHandleNVML:
+    """NVML where GPU 1 is lost: nvmlDeviceGetHandleByIndex fails for it, as real NVML
+    does (NVML_ERROR_GPU_IS_LOST); the fake driver only fails queries on a handle."""
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        if i == 1:
+            raise self.NVMLError("GPU is lost")
+        return i
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return f"GPU-0000000{h}-0000-0000-0000-000000000000"
+
+    def nvmlDeviceGetName(self, h: int) -> str:
+        return "Probe GPU"
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return type("Memory", (), {"total": 2**34, "used": 0, "free": 2**34})()
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list:
+        return []
+
+    def nvmlDeviceGetMigMode(self, h: int) -> Any:
+        raise self.NVMLError("not supported")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="devices/nvml.py NVMLMonitor.devices gets every handle before its per-device try: "
+    "one lost GPU (GetHandleByIndex fails) makes the whole listing fail, the worker has no "
+    "GPU at all and nothing is left out for Rejoin to ask again",
+)
+def test_one_lost_gpu_at_listing_costs_only_itself(monkeypatch):
+    from accelsched.devices import nvml
+
+    monkeypatch.setattr(nvml, "_load_nvml", _LostHandleNVML)
+    monitor = nvml.NVMLMonitor(env={})
+    assert [d.index for d in monitor.devices()] == [0]
+    assert monitor.left_out == [1]
