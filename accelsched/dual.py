@@ -72,8 +72,8 @@ class Dual(Generic[R]):
             return self.cpu_fn(*args, **kwargs)
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
-        """As a method: bound to its instance, and still marked (a partial of this)."""
-        return self if obj is None else functools.partial(self, obj)
+        """As a method: bound to its instance, and still marked."""
+        return self if obj is None else Bound(self, obj)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # both functions travel as cloudpickle ships them (by value from __main__), in
@@ -93,6 +93,35 @@ class Dual(Generic[R]):
     @property
     def __name__(self) -> str:  # dask derives task-name prefixes from this
         return _name(self.gpu_fn)
+
+
+class Bound:
+    """A marked step bound to an instance (``model.predict``): marked as the step is, and
+    the instance is ``self``, not an argument the walk should take for a call (a model
+    whose own ``__call__`` is a marked step of another count would count otherwise)."""
+
+    __slots__ = ("step", "obj")
+
+    def __init__(self, step: Any, obj: Any) -> None:
+        self.step = step
+        self.obj = obj
+
+    @property
+    def __accelsched_gpu__(self) -> Mark:
+        return self.step.__accelsched_gpu__  # type: ignore[no-any-return]
+
+    @property
+    def __name__(self) -> str:  # dask derives task-name prefixes from this
+        return str(self.step.__name__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.step(self.obj, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Bound, (self.step, self.obj))
+
+    def __repr__(self) -> str:
+        return f"<bound {self.step!r} of {type(self.obj).__name__}>"
 
 
 def _named(exc: BaseException, names: tuple[str, ...]) -> bool:
@@ -134,8 +163,8 @@ class GPUStep(Generic[R]):
         return lease.run_step(_name(self.fn), lambda: self.fn(*args, **kwargs))
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
-        """As a method: bound to its instance, and still marked (a partial of this)."""
-        return self if obj is None else functools.partial(self, obj)
+        """As a method: bound to its instance, and still marked."""
+        return self if obj is None else Bound(self, obj)
 
     def __reduce__(self) -> tuple[Any, ...]:
         mark = self.__accelsched_gpu__
@@ -149,7 +178,7 @@ class GPUStep(Generic[R]):
         shipped = ship(self, self.fn)  # by value: __main__, nested, lambdas, ...
         if shipped is None:
             return (GPUStep, (self.fn, mark))
-        return (_load_step, (_name(self.fn), mark, shipped))
+        return (_load_step, (_name(self.fn), shipped, mark))
 
     def __repr__(self) -> str:
         return f"gpu({_name(self.fn)}, count={self.__accelsched_gpu__.count:g})"
@@ -158,7 +187,7 @@ class GPUStep(Generic[R]):
 # --- loaders: how the steps above come back in another process (accelsched.shipping) -----
 
 
-def _load_step(label: str, mark: Mark, payload: bytes) -> GPUStep[Any]:
+def _load_step(label: str, payload: bytes, mark: Mark) -> GPUStep[Any]:
     """A ``@gpu`` step shipped by value; unloadable here, still marked."""
     fn, error = unpickle(label, payload)
     if error is not None:

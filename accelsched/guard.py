@@ -33,7 +33,6 @@ from accelsched.config import GUARD_OPTIONS, resolve_options
 from accelsched.protocol import (
     CONFIRM_HANDLER,
     DRAIN_HANDLER,
-    EVENT_OP,
     FALLBACK_ANNOTATION,
     GPU,
     GUARD_METRIC,
@@ -301,10 +300,9 @@ class GuardPlugin(WorkerPlugin):
         return self.leaks.check()
 
     def _emit(self, action: str, **figures: Any) -> None:
-        """Send an event to the scheduler's log, on this worker's own stream (from any
-        thread); the scheduler logs it in this worker's name."""
+        """Send an event to the scheduler's log (from any thread)."""
         worker = self.worker
         assert worker is not None
         msg = events.event(action, worker.contact_address, **figures)
         logger.info("accelsched %s", msg)
-        internals.send_to_scheduler(worker, EVENT_OP, msg=msg)
+        self.inventory.send_event(msg)

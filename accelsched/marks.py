@@ -107,6 +107,7 @@ class _Plan:
     data: bool  # an array: never entered
     calls: tuple[str, ...]  # of func/funcs/first/value, those it has
     args: tuple[str, ...]  # of args/kwargs/keywords, those it has
+    call_mark: Mark | None  # a callable instance whose class's (inherited) __call__ is marked
 
 
 #: Per type, what to read: a graph has thousands of tasks of a handful of types, and
@@ -139,10 +140,16 @@ def _plan(obj: Any) -> _Plan:
     plan = _PLANS.get(cls)
     if plan is None:
         data = _has(obj, "__array__") or _has(obj, "__cuda_array_interface__")
+        call = None  # the __call__ its class defines or inherits
+        if cls not in _PLAIN_CALLABLES:
+            call = next(
+                (c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None
+            )
         plan = _Plan(
             data,
             () if data else tuple(n for n in _CALLS if _exists(obj, n)),
             () if data else tuple(n for n in _ARGS if _exists(obj, n)),
+            mark_of(call),
         )
         if len(_PLANS) < 4096:  # types made on the fly must not grow this forever
             _PLANS[cls] = plan
@@ -164,9 +171,6 @@ def _children(obj: Any, plan: _Plan, out: deque) -> None:
         if value is None:
             continue
         out.append(value)
-        if name == "func" and type(value) not in _PLAIN_CALLABLES:
-            # what is called: an instance whose class's __call__ is marked
-            out.append(type(value).__dict__.get("__call__"))
     for name in plan.args:
         try:
             value = getattr(obj, name, None)
@@ -210,17 +214,18 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
             queue.extend(itertools.islice(obj, MAX_ITEMS))
             continue
         mark = mark_of(obj)
+        if mark is None:
+            try:
+                plan = _PLANS.get(cls) or _plan(obj)
+                mark = plan.call_mark  # an instance that is a marked step when called
+                if mark is None and not plan.data:  # data, however large: no calls in there
+                    _children(obj, plan, queue)
+            except Exception:  # an object whose attributes misbehave: nothing to learn there
+                continue
         if mark is not None:
             if mark_problem(mark) is not None:
                 return mark  # the task errs, naming it: nothing to combine
             found.append(mark)
-            continue
-        try:
-            plan = _PLANS.get(cls) or _plan(obj)
-            if not plan.data:  # data, however large: nothing to call in there
-                _children(obj, plan, queue)
-        except Exception:  # an object whose attributes misbehave: nothing to learn there
-            continue
     if not found:
         return None
     given = [m.timeout for m in found if m.timeout_given]

@@ -119,7 +119,7 @@ class PlacementPlugin(SchedulerPlugin):
             return
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
-        internals.release_topic(scheduler, EVENT_OP)
+        internals.release_topic(scheduler, events.TOPIC, EVENT_OP)
         self.gate.stop()
         self.observer.stop()
 
@@ -162,11 +162,16 @@ class PlacementPlugin(SchedulerPlugin):
             metrics.observe(msg)
             self.observer.observe(msg)
 
-    def _worker_event(self, worker: str = "", msg: Any = None) -> None:
-        """A guard's event, from its worker's own stream: logged in that worker's name
-        (whatever the message says), if it is an accelsched event at all."""
-        if isinstance(msg, dict) and msg.get("action") in events.ACTIONS and self.scheduler:
-            self.scheduler.log_event(events.TOPIC, {**msg, "worker": worker})
+    def _worker_event(self, worker: Any = "", msg: Any = None, token: Any = None) -> None:
+        """A guard's event (``EventMessage``): logged in the name of the worker whose
+        token it carries. ``worker`` is distributed's stamp, which a message naming
+        another worker overrides; the token is what only that worker's process holds."""
+        owner = self.gate.authority.speaks_for(worker, token)
+        if owner is None or self.scheduler is None:
+            logger.warning("accelsched: dropped an event that %s cannot vouch for", worker)
+            return
+        if isinstance(msg, dict) and msg.get("action") in events.ACTIONS:
+            self.scheduler.log_event(events.TOPIC, {**msg, "worker": owner})
 
     # --- for the parts ------------------------------------------------------------------
 

@@ -81,6 +81,7 @@ __all__ = [
     "RestartStatus",
     "ReportReply",
     "ConfirmReply",
+    "EventMessage",
     "request_content",
     "DeviceFigures",
     "GuardMetric",
@@ -151,9 +152,20 @@ class _InventoryReplyBase(TypedDict):
 
 class InventoryReply(_InventoryReplyBase, total=False):
     """``OK`` with the granted ``uuids``; otherwise why not (``refused``: the named worker
-    did not confirm the request)."""
+    did not confirm the request). ``token``: the worker's own, for its events
+    (:class:`EventMessage`); only the scheduler and that worker's process know it."""
 
     uuids: list[str]
+    token: str
+
+
+class EventMessage(TypedDict):
+    """A guard's event (:data:`EVENT_OP`, on its worker's stream). ``token`` is the one
+    its inventory reply gave it: the event is logged in the name of the worker it belongs
+    to, whatever else the message says (a stream message can name any worker)."""
+
+    msg: dict[str, Any]
+    token: str
 
 
 class OfferRequest(TypedDict):

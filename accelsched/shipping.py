@@ -37,11 +37,13 @@ class Unloadable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             f"accelsched step {self.label} could not be loaded in this process: "
-            f"{self.error}. Install the module that defines it where the scheduler and the "
-            "workers run, or define the step in the client's script or notebook"
+            f"{self.error}. Install the modules it needs where it runs (a scheduler needs "
+            "none of them: it only reads the step's mark)"
         )
 
     def reduce_with(self, mark: Any) -> tuple[Any, ...]:
+        """How to load it again: its loader and arguments, the mark (if any) last, as
+        every loader of :mod:`accelsched.dual` takes it."""
         loader, args = self.reload
         return (loader, args if mark is None else (*args, mark))
 

@@ -100,7 +100,7 @@ def _run_forwarding(command: list[str]) -> int:
         except FileNotFoundError:
             print(f"accelsched simulate: {command[0]}: command not found", file=sys.stderr)
             return NOT_FOUND
-        except PermissionError as exc:
+        except OSError as exc:  # no permission, no interpreter line, not an executable
             print(f"accelsched simulate: {command[0]}: {exc.strerror}", file=sys.stderr)
             return NOT_EXECUTABLE
         while (code := child.poll()) is None:

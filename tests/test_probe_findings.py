@@ -1,8 +1,8 @@
-"""Bugs found by probing, each confirmed against separate processes first.
-
-Every test here is ``xfail(strict=True)``: it documents a bug that is still there, and
-turns into a failure (XPASS) the day it is fixed, so its mark can then be removed.
-"""
+"""Bugs an adversarial probe found (each confirmed against separate processes first),
+pinned by a test each now that they are fixed: the guard's events without a
+PlacementPlugin, steps the scheduler cannot load, set topics and events in another
+worker's name, a flood of refusals, callable instances, simulate's exec errors, and a GPU
+lost at listing."""
 
 from __future__ import annotations
 
@@ -40,12 +40,6 @@ async def _worker_survives_a_guard_event(c: Any, s: Any, a: Worker) -> None:
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
-@pytest.mark.xfail(
-    strict=True,
-    reason="guard.py _emit sends an 'accelsched-event' stream op; a scheduler without the "
-    "PlacementPlugin (dask worker --preload accelsched on a plain scheduler) has no handler: "
-    "KeyError in handle_stream closes the worker's stream, the worker and its nanny stop",
-)
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_a_guard_event_without_placement_plugin_keeps_the_worker(c, s, a):
     await c.register_plugin(accelsched.GuardPlugin())
@@ -53,11 +47,6 @@ async def test_a_guard_event_without_placement_plugin_keeps_the_worker(c, s, a):
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
-@pytest.mark.xfail(
-    strict=True,
-    reason="internals/scheduler.py release_topic pops the 'accelsched-event' stream handler "
-    "while guards keep sending it: the next guard event disconnects its worker",
-)
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_a_guard_event_after_unregistering_placement_keeps_the_worker(c, s, a):
     await accelsched.register(c)
@@ -76,11 +65,6 @@ def log_with_a_set_topic() -> int:
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
-@pytest.mark.xfail(
-    strict=True,
-    reason="reserve_topic/_refuse_client_topic only look inside str/list/tuple topics; a set "
-    "or frozenset topic (msgpack keeps sets) reaches Scheduler.log_event, which iterates it",
-)
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_a_set_topic_cannot_write_accelsched_events(c, s, a):
     await accelsched.register(c)
@@ -106,11 +90,6 @@ def forge_for_another_worker() -> int:
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
-@pytest.mark.xfail(
-    strict=True,
-    reason="distributed's handle_stream merges the message over extra={'worker': ...}: an "
-    "'accelsched-event' carrying its own 'worker' is logged in that other worker's name",
-)
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_task_code_cannot_log_an_event_in_another_workers_name(c, s, a):
     await accelsched.register(c)
@@ -122,12 +101,6 @@ async def test_task_code_cannot_log_an_event_in_another_workers_name(c, s, a):
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
-@pytest.mark.xfail(
-    strict=True,
-    reason="authority.py confirm_order rate-limits refusals per (worker, handler) with the "
-    "caller's own handler string: a stranger varying it logs one event per call and grows "
-    "Authority._refusals without bound",
-)
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_a_stranger_varying_the_handler_cannot_flood_refusals(c, s, a):
     await accelsched.register(c)
@@ -148,12 +121,6 @@ async def test_a_stranger_varying_the_handler_cannot_flood_refusals(c, s, a):
 # --- marked steps ------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dual.py _load_step(label, mark, payload) stores its reload as (label, payload) and "
-    "Unloadable.reduce_with appends the mark: the next process calls _load_step(label, "
-    "payload, mark) and unpickles the Mark as the payload",
-)
 def test_a_step_the_scheduler_cannot_load_still_runs_where_it_loads(tmp_path, monkeypatch):
     """A notebook step using a library the scheduler lacks (cudf, torch): by value."""
     (tmp_path / "probe_only_on_workers.py").write_text("VALUE = 42\n")
@@ -190,12 +157,6 @@ def run_partition(func: Any, x: Any) -> Any:  # as apply_and_enforce(_func=...) 
     return func(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="marks.py _children reads type(func).__dict__['__call__'] (not the MRO), and only "
-    "for a task's func: a subclass instance, or an instance passed as map_partitions' or "
-    "bag.map's function, runs with no GPU",
-)
 @pytest.mark.parametrize(
     "task",
     [
@@ -211,11 +172,6 @@ def test_a_callable_instance_with_a_marked_call_is_a_gpu_task(task):
 # --- accelsched simulate -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="simulate.py _run_forwarding catches FileNotFoundError and PermissionError only: "
-    "an executable without a shebang (ENOEXEC) ends in a traceback, exit 1",
-)
 def test_simulate_a_command_that_cannot_execute_is_one_line(tmp_path):
     script = tmp_path / "no-shebang"
     script.write_text("echo hello\n")
@@ -267,12 +223,6 @@ class _LostHandleNVML:
         raise self.NVMLError("not supported")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="devices/nvml.py NVMLMonitor.devices gets every handle before its per-device try: "
-    "one lost GPU (GetHandleByIndex fails) makes the whole listing fail, the worker has no "
-    "GPU at all and nothing is left out for Rejoin to ask again",
-)
 def test_one_lost_gpu_at_listing_costs_only_itself(monkeypatch):
     from accelsched.devices import nvml
 

@@ -135,9 +135,14 @@ class NVMLMonitor:
             return self._devices
         try:
             count = nvml.nvmlDeviceGetCount()
-            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-            uuids = [self._uuid(nvml, h) for h in handles]
-            migs = {i: self._migs(nvml, h) for i, h in enumerate(handles) if _mig_mode(nvml, h)}
+            # a lost GPU fails even its handle lookup: it alone is left out
+            handles = [_handle(nvml, i) for i in range(count)]
+            uuids = ["" if h is None else self._uuid(nvml, h) for h in handles]
+            migs = {
+                i: self._migs(nvml, h)
+                for i, h in enumerate(handles)
+                if h is not None and _mig_mode(nvml, h)
+            }
             under = {i: list(found) for i, found in migs.items()}
             order = resolve_devices(visible_from_env(self._env), uuids, under)
             devices = []
@@ -250,7 +255,7 @@ class NVMLMonitor:
         return self.process_memory(index).has_context
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Found:
     """A device CUDA enumerates here, before NVML has answered about it."""
 
@@ -262,6 +267,8 @@ class _Found:
 
     def describe(self, nvml: Any) -> DeviceInfo:
         """Its description; raises when it does not answer every query the guard makes."""
+        if self.handle is None:  # lost when it was listed: look it up again
+            self.handle = nvml.nvmlDeviceGetHandleByIndex(self.nvml_index)
         h = self.handle
         info = DeviceInfo(
             index=self.index,
@@ -273,6 +280,15 @@ class _Found:
         )
         nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
         return info
+
+
+def _handle(nvml: Any, index: int) -> Any:
+    """The device's NVML handle, or None when even that fails (a GPU off the bus)."""
+    try:
+        return nvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception as exc:
+        logger.warning("accelsched: NVML device %d gives no handle: %s", index, _describe(exc))
+        return None
 
 
 def _mig_mode(nvml: Any, handle: Any) -> bool:

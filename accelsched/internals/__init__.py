@@ -53,9 +53,7 @@ from accelsched.internals.scheduler import (
     largest_gpu_count,
     notify_unregistered,
     offer_unrunnable,
-    release_topic,
     release_unfit,
-    reserve_topic,
     restart,
     restore_set_resources,
     resume,
@@ -80,6 +78,7 @@ from accelsched.internals.servers import (
     start_periodic,
     stop_periodic,
 )
+from accelsched.internals.topic import release_topic, reserve_topic
 from accelsched.internals.worker import (
     TaskView,
     advertises_gpus,

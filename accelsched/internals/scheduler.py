@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Mapping
 from time import time
 from typing import TYPE_CHECKING, Any
@@ -17,9 +16,7 @@ if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import TaskState, WorkerState
 
-logger = logging.getLogger("accelsched.internals")
-
-_ORIGINAL = "__accelsched_original__"
+ORIGINAL = "__accelsched_original__"
 
 # --- scheduler: plugins -----------------------------------------------------------------
 
@@ -34,7 +31,7 @@ def notify_unregistered(scheduler: Scheduler) -> None:
     """Call ``plugin.unregistered()`` when a client unregisters a scheduler plugin that
     has one (distributed calls no hook then: not even ``close``)."""
     original = scheduler.handlers["unregister_scheduler_plugin"]
-    original = getattr(original, _ORIGINAL, original)
+    original = getattr(original, ORIGINAL, original)
 
     async def unregister_scheduler_plugin(name: str) -> None:
         plugin = scheduler.plugins.get(name)
@@ -43,68 +40,14 @@ def notify_unregistered(scheduler: Scheduler) -> None:
         if callable(hook):
             hook()
 
-    setattr(unregister_scheduler_plugin, _ORIGINAL, original)
+    setattr(unregister_scheduler_plugin, ORIGINAL, original)
     scheduler.handlers["unregister_scheduler_plugin"] = unregister_scheduler_plugin
 
 
 def restore_set_resources(scheduler: Scheduler) -> None:
     """Undo :func:`wrap_set_resources`: distributed's own handler again."""
     handler = scheduler.handlers["set_resources"]
-    scheduler.handlers["set_resources"] = getattr(handler, _ORIGINAL, handler)
-
-
-def reserve_topic(
-    scheduler: Scheduler, topic: str, op: str, on_worker_event: Callable[[str, Any], None]
-) -> None:
-    """Keep ``topic`` for the scheduler's own ``log_event`` calls.
-
-    Any client (``Client.log_event``) and any task (``Worker.log_event``) may log under
-    any topic: a forged ``restart`` or ``leak`` would count for a worker. The topic is
-    refused from clients and dropped from workers' ``log-event`` messages; guards send
-    their events as ``op`` on their worker's stream, stamped with its address by
-    distributed, to ``on_worker_event(worker, msg)``. :func:`release_topic` undoes it."""
-    _refuse_client_topic(scheduler, topic)
-    stream = scheduler.stream_handlers["log-event"]
-    stream = getattr(stream, _ORIGINAL, stream)
-
-    def log_worker_event(worker: str = "", topic: Any = None, msg: Any = None) -> Any:
-        topics = [topic] if isinstance(topic, str) else topic
-        if isinstance(topics, (list, tuple)) and reserved in topics:
-            others = [t for t in topics if t != reserved]
-            logger.warning("accelsched: dropped a %r event %s logged itself", reserved, worker)
-            return stream(worker=worker, topic=others, msg=msg) if others else None
-        return stream(worker=worker, topic=topic, msg=msg)
-
-    reserved = topic  # the inner function's parameter shadows the name
-    setattr(log_worker_event, _ORIGINAL, stream)
-    scheduler.stream_handlers["log-event"] = log_worker_event
-    scheduler.stream_handlers[op] = on_worker_event
-
-
-def release_topic(scheduler: Scheduler, op: str) -> None:
-    """Undo :func:`reserve_topic`: distributed's own handlers again."""
-    handler = scheduler.handlers["log_event"]
-    scheduler.handlers["log_event"] = getattr(handler, _ORIGINAL, handler)
-    stream = scheduler.stream_handlers["log-event"]
-    scheduler.stream_handlers["log-event"] = getattr(stream, _ORIGINAL, stream)
-    scheduler.stream_handlers.pop(op, None)
-
-
-def _refuse_client_topic(scheduler: Scheduler, topic: str) -> None:
-    """Refuse ``topic`` in the scheduler's ``log_event`` handler (``Client.log_event``)."""
-    original = scheduler.handlers["log_event"]
-    original = getattr(original, _ORIGINAL, original)
-    refused = topic
-
-    def log_event(topic: Any = None, msg: Any = None) -> Any:  # distributed's parameters
-        topics = [topic] if isinstance(topic, str) else topic
-        if isinstance(topics, (list, tuple)) and refused in topics:
-            msg_ = f"the {refused!r} event topic is written by accelsched alone; log to yours"
-            raise PermissionError(msg_)
-        return original(topic=topic, msg=msg)
-
-    setattr(log_event, _ORIGINAL, original)
-    scheduler.handlers["log_event"] = log_event
+    scheduler.handlers["set_resources"] = getattr(handler, ORIGINAL, handler)
 
 
 def worker_plugin_registered(scheduler: Scheduler, name: str) -> bool:
@@ -120,12 +63,12 @@ def wrap_set_resources(
     """Route distributed's ``set_resources`` handler through ``handler(original, worker,
     resources)``. Wraps distributed's own handler, never a previous wrapper."""
     original = scheduler.handlers["set_resources"]
-    original = getattr(original, _ORIGINAL, original)
+    original = getattr(original, ORIGINAL, original)
 
     def set_resources(worker: str, resources: dict | None = None) -> Any:
         return handler(original, worker, resources)
 
-    setattr(set_resources, _ORIGINAL, original)
+    setattr(set_resources, ORIGINAL, original)
     scheduler.handlers["set_resources"] = set_resources
 
 

@@ -18,12 +18,13 @@ forged requests cannot push other events out of the scheduler's log.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Mapping
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events
-from accelsched.protocol import CONFIRM_HANDLER, ConfirmReply
+from accelsched.protocol import CONFIRM_HANDLER, DRAIN_HANDLER, ConfirmReply
 from accelsched.requests import Outstanding, fingerprint
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 #: At most one ``request-refused`` event per worker and handler this often (seconds).
 REFUSED_EVERY = 60.0
+#: The orders the scheduler gives workers (what a worker may ask it to confirm).
+ORDERS = frozenset({DRAIN_HANDLER})
 
 
 class Authority:
@@ -45,6 +48,7 @@ class Authority:
         self._emit = emit
         self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last, since)
         self.orders = Outstanding()  # the scheduler's own orders to workers, unconfirmed
+        self._tokens: dict[str, str] = {}  # worker -> the token its events carry
 
     async def confirmed(
         self, comm: Any, worker: str, request: Any, handler: str, content: Mapping[str, Any]
@@ -64,6 +68,22 @@ class Authority:
             return True
         self._refused_request(worker, handler, str(getattr(comm, "peer_address", None)))
         return False
+
+    def token_for(self, worker: str) -> str:
+        """The token ``worker``'s guard puts on its events (given in its inventory reply,
+        which only that worker's process receives)."""
+        return self._tokens.setdefault(worker, secrets.token_hex(16))
+
+    def speaks_for(self, worker: Any, token: Any) -> str | None:
+        """The worker whose token this is (None: nobody's); ``worker`` as named."""
+        known = self._tokens.get(worker) if isinstance(worker, str) else None
+        if known is None or not isinstance(token, str):
+            return None
+        return worker if secrets.compare_digest(known, token) else None
+
+    def forget(self, worker: str) -> None:
+        """The worker left: its token goes (a worker at the same address gets a new one)."""
+        self._tokens.pop(worker, None)
 
     def order(self, handler: str, content: Mapping[str, Any]) -> str:
         """An id for an order the scheduler is about to send (its worker confirms it)."""
@@ -85,7 +105,8 @@ class Authority:
         """
         confirmed = self.orders.confirm(request, fingerprint)
         if not confirmed and self.scheduler is not None and worker in self.scheduler.workers:
-            self._refused_request(worker, str(handler), str(getattr(comm, "peer_address", None)))
+            named = handler if handler in ORDERS else "unknown-order"  # not the caller's word
+            self._refused_request(worker, named, str(getattr(comm, "peer_address", None)))
         return {"confirmed": confirmed}
 
     def _refused_request(self, worker: str, handler: str, peer: str) -> None:

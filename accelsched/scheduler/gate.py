@@ -7,8 +7,7 @@ owner per GPU UUID (:class:`~accelsched.inventory.OwnershipRegistry`), clamps ev
 ``set_resources`` to the grant, takes a worker's GPUs out of placement while it is
 quarantined, and offers ``no-worker`` tasks to a worker whose GPUs just arrived
 (distributed does not re-offer on ``set_resources``). A worker that never declared a GPU
-is never entered into the scheduler's ``GPU`` resource, and unregistering the plugin puts
-every declaration back.
+never enters the ``GPU`` resource; unregistering the plugin puts declarations back.
 
 Only a worker speaks for itself: every request names a worker and carries a one-time id,
 which that worker must confirm (:mod:`accelsched.scheduler.authority`).
@@ -124,6 +123,7 @@ class Gate:
         self.declared.pop(worker, None)
         self.offered.pop(worker, None)
         self.quarantined.pop(worker, None)
+        self.authority.forget(worker)
 
     async def _ask_report(self, addr: str) -> None:
         assert self.scheduler is not None
@@ -197,7 +197,8 @@ class Gate:
         return self._reply(worker)
 
     def _reply(self, worker: str) -> InventoryReply:
-        return {"status": "OK", "uuids": [d["uuid"] for d in self.granted.get(worker, [])]}
+        granted = [d["uuid"] for d in self.granted.get(worker, [])]
+        return {"status": "OK", "uuids": granted, "token": self.authority.token_for(worker)}
 
     # --- the GPU count placement sees ------------------------------------------------------
 

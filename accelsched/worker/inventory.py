@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
+from accelsched.events import TOPIC
 from accelsched.inventory import Claim, decide_claim, declared_count, owned
 from accelsched.protocol import (
     CONFIRM_HANDLER,
+    EVENT_OP,
     INVENTORY_HANDLER,
     OFFER_HANDLER,
     RESTART_HANDLER,
@@ -67,6 +69,10 @@ class Inventory:
         self.pending = Outstanding()  # requests this worker sent, unconfirmed
         self.restart_pending = False
         self._offering = asyncio.Lock()
+        #: What this worker's events carry (the PlacementPlugin's word for it): None
+        #: until a report was answered, "" where no PlacementPlugin answered.
+        self.token: str | None = None
+        self._early: list[dict[str, Any]] = []  # events from before that answer
 
     def probe(self, worker: Worker) -> None:
         """Read the devices through NVML and decide what to claim (no scheduler yet)."""
@@ -119,7 +125,9 @@ class Inventory:
             self.pending.forget(request["request"])
         if isinstance(reply, dict) and reply.get("status") == "OK":
             granted = set(reply.get("uuids", ()))
+            self._events_go(str(reply.get("token") or ""))
         elif reply is None:
+            self._events_go("")
             # No PlacementPlugin: nothing enforces placement, but the worker still
             # advertises only what it owns.
             logger.warning(
@@ -134,6 +142,30 @@ class Inventory:
             return {"status": str(reply.get("status") if isinstance(reply, dict) else reply)}
         self.granted = [d for d in self.owned if d.uuid in granted]
         return {"status": "OK", "devices": await self.offer(on_granted)}
+
+    def send_event(self, msg: dict[str, Any]) -> None:
+        """Send one event to the scheduler's log (from any thread).
+
+        With a PlacementPlugin: on this worker's own stream, with the token it gave this
+        worker, so task code cannot log accelsched events in any worker's name (the
+        scheduler drops the topic from ``Worker.log_event``). Without one (an older
+        scheduler, or none registered): through ``Worker.log_event``, as any event.
+        Events from before the first answer wait for it (a few at most).
+        """
+        worker = self.worker
+        assert worker is not None
+        if self.token:
+            internals.send_to_scheduler(worker, EVENT_OP, msg=msg, token=self.token)
+        elif self.token == "":
+            worker.log_event(TOPIC, msg)
+        elif len(self._early) < 64:
+            self._early.append(msg)
+
+    def _events_go(self, token: str) -> None:
+        self.token = token
+        early, self._early = self._early, []
+        for msg in early:
+            self.send_event(msg)
 
     async def offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
         """Advertise the granted devices that are not withdrawn; returns their indices.
