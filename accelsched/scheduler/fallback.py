@@ -181,15 +181,15 @@ class Fallback:
         timeout = self.timeout_of(key)
         if timeout is None:
             return
-        deadline = since + timeout
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
-        if ts is not None and not satisfiable((ts.resource_restrictions or {}).get(GPU, 0)):
-            deadline = since  # waiting cannot help: decided at once
-        if timeout and self.fell_back and self.scheduler is not None:
-            ts = self.scheduler.tasks.get(key)
-            if ts is not None and any(d.key in self.fell_back for d in ts.dependencies):
-                deadline = since  # a chain: decided at once
-        self.deadlines.add(key, since, deadline)
+        at_once = False  # waiting cannot help, or a chain: decided at once
+        if ts is not None:
+            unsatisfiable = not satisfiable((ts.resource_restrictions or {}).get(GPU, 0))
+            chain = bool(timeout and self.fell_back) and any(
+                d.key in self.fell_back for d in ts.dependencies
+            )
+            at_once = unsatisfiable or chain
+        self.deadlines.add(key, since, since if at_once else since + timeout)
 
     def timeout_of(self, key: Any) -> float | None:
         """The task's annotated timeout, else the default (the policy's rule)."""
