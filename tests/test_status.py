@@ -139,22 +139,66 @@ async def test_status_watch_redraws_until_interrupted(c, s):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
 async def test_scheduler_file_read_once_the_scheduler_wrote_it(c, s, a, tmp_path_factory):
-    """The file is missing, then half written (as ``dask scheduler`` writes it in place),
-    then whole: both commands wait for the address instead of failing on the way."""
+    """The commands read the file the scheduler wrote and reach it (the waiting while it
+    is missing or half written: ``test_a_scheduler_file_is_waited_for_while_written``)."""
     await accelsched.register(c)
     path = tmp_path_factory.mktemp("sched") / "scheduler.json"
-    whole = json.dumps(s.identity())
-    task = asyncio.create_task(cli("status", "--scheduler-file", str(path), "--json"))
-    await asyncio.sleep(1.0)
-    path.write_text(whole[:10])
-    await asyncio.sleep(1.0)
-    assert not task.done()  # still waiting: nothing parsed yet
-    path.write_text(whole)
-    code, out, err = await task
+    path.write_text(json.dumps(s.identity()))
+    code, out, err = await cli("status", "--scheduler-file", str(path), "--json")
     assert code == 0, err
     assert json.loads(out)["scheduler"] == s.address
     code, out, err = await cli("events", "--scheduler-file", str(path))
     assert code == 0 and err == "", err
+
+
+def test_a_scheduler_file_is_waited_for_while_written(tmp_path, monkeypatch):
+    """The file is missing, then half written (as ``dask scheduler`` writes it in place),
+    then whole: the reader waits for the address instead of failing on the way. Each
+    phase lasts until the reader has demonstrably looked at it twice (its polls and its
+    parse attempts, counted), whatever the machine's speed."""
+    import accelsched.scheduler_file as scheduler_file
+
+    seen = {"polls": 0, "parses": 0}
+
+    class CountingTime:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            seen["polls"] += 1
+            time.sleep(seconds)
+
+    class CountingJson:
+        @staticmethod
+        def load(f: Any) -> Any:
+            seen["parses"] += 1
+            return json.load(f)
+
+    monkeypatch.setattr(scheduler_file, "time", CountingTime)
+    monkeypatch.setattr(scheduler_file, "json", CountingJson)
+    path = tmp_path / "scheduler.json"
+    whole = json.dumps({"address": "tcp://127.0.0.1:8786"})
+    result: list[Any] = []
+    reader = threading.Thread(
+        target=lambda: result.append(
+            scheduler_file.address_from_file(str(path), time.monotonic() + 60, "status")
+        )
+    )
+    reader.start()
+
+    def until(counter: str, n: int) -> None:
+        deadline = time.monotonic() + 30
+        while seen[counter] < n:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.01)
+
+    until("polls", 2)  # looked twice while missing
+    path.write_text(whole[:10])
+    until("parses", 2)  # tried twice to parse half a file
+    assert reader.is_alive() and not result  # still waiting: nothing parsed yet
+    path.write_text(whole)
+    reader.join(30)
+    assert result == ["tcp://127.0.0.1:8786"]
 
 
 def test_scheduler_file_errors_one_line(tmp_path, capsys):
