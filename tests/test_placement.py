@@ -8,10 +8,12 @@ process with validation on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import dask
 import pytest
-from distributed import Nanny
+from distributed import Event, Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
@@ -99,7 +101,7 @@ def test_registration_order_gives_the_same_result(order: str, fake_gpus_2) -> No
                 assert time.monotonic() < deadline, "no gpu-verified event"
                 time.sleep(0.05)
             with dask.annotate(resources={"GPU": 1}):
-                devices = client.gather(client.map(_slow_device, range(4)))
+                devices = client.gather(client.map(_overlapping_device, range(2)))
             res = client.run_on_scheduler(
                 lambda dask_scheduler: [w.resources for w in dask_scheduler.workers.values()]
             )
@@ -108,9 +110,18 @@ def test_registration_order_gives_the_same_result(order: str, fake_gpus_2) -> No
     assert run() == ([{"GPU": 2}], [0, 1])
 
 
-def _slow_device(i: int) -> int | None:
-    time.sleep(0.3)  # long enough for two tasks to overlap
-    return accelsched.current_device()
+T = TypeVar("T")
+
+
+def _overlapping_device(i: int) -> int | None:
+    """Tasks 0 and 1 each wait until the other runs too: they overlap on any machine."""
+    return _meet(i, accelsched.current_device)
+
+
+def _meet(i: int, then: Callable[[], T]) -> T:
+    Event(f"running-{i}").set()
+    assert Event(f"running-{1 - i}").wait(30), "the other task never ran beside this one"
+    return then()
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -184,6 +195,8 @@ async def test_concurrency_capped_and_devices_distinct(c, s, a):
 
     def step(i: int) -> tuple[int | None, float, float]:
         start = time.monotonic()
+        if i < 2:
+            _meet(i, lambda: None)  # two that surely overlap: both devices are used
         time.sleep(0.2)
         return accelsched.current_device(), start, time.monotonic()
 
