@@ -81,7 +81,7 @@ from accelsched.internals.servers import (
     stop_periodic,
 )
 from accelsched.internals.worker import (
-    TaskView,
+    Bound,
     advertises_gpus,
     declared_gpus,
     keys_in_threads,
@@ -96,8 +96,8 @@ from accelsched.internals.worker import (
 
 __all__ = [
     "TESTED_DISTRIBUTED",
+    "Bound",
     "IncompatibleDistributed",
-    "TaskView",
     "add_dashboard_page",
     "add_metric",
     "add_spec_worker",

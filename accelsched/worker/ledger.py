@@ -20,6 +20,9 @@ from accelsched.devices.pool import PoolStats, active_pools
 
 __all__ = ["Ledger", "net_of_pools"]
 
+#: Result types that never hold device memory (what they hold is known without asking).
+_PLAIN = frozenset({int, float, complex, str, bytes, bool, type(None)})
+
 
 def net_of_pools(nbytes: int, pool: PoolStats) -> int:
     """A process's device bytes less what its pools cache or hold in reserve unused.
@@ -124,13 +127,27 @@ class Ledger:
         with self._lock:
             measured = self._measured.pop(key, None)
         if measured is not None:
-            return measured  # the measurement wins: type knowledge only where none exists
-        return device_nbytes(value) if value is not None else {}
+            # the measurement wins: type knowledge only where none exists
+            return {d: n for d, n in measured.items() if n} if measured else measured
+        if self.holds_nothing(value):
+            return {}
+        return device_nbytes(value)
+
+    @staticmethod
+    def holds_nothing(value: Any) -> bool:
+        """Whether ``value``, unmeasured, holds nothing on a device by its type alone (a
+        number, a string: :meth:`held` would say ``{}`` without asking anything)."""
+        return value is None or type(value) in _PLAIN
+
+    def measured(self, key: Any) -> bool:
+        """Whether ``key``'s task was measured (what it holds needs no look at its value)."""
+        return key in self._measured
 
     def drop(self, key: Any) -> None:
         """``key`` will not enter memory (cancelled, forgotten): forget its measurement."""
-        with self._lock:
-            self._measured.pop(key, None)
+        if key in self._measured:
+            with self._lock:
+                self._measured.pop(key, None)
 
     def arrived(self, value: Any, idle: set[int]) -> dict[int, int]:
         """What data from a peer holds: its type's figure, else the growth on idle
