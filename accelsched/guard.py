@@ -241,7 +241,7 @@ class GuardPlugin(WorkerPlugin):
         if amount > 0 and self.inventory.granted:
             if self.draining:  # restarting: the scheduler places it elsewhere
                 return _send_back
-            return self.binder.gpu_runner(key, amount)
+            return self.binder.gpu_runner(key, amount, prefix)
         watch = self.watch
         runner = watch.runner(key) if watch is not None and watch.sampled(prefix) else None
         if annotations.get(FALLBACK_ANNOTATION):
@@ -289,8 +289,12 @@ class GuardPlugin(WorkerPlugin):
         return await self.inventory.report(self.binder.set_devices)
 
     def check(self) -> list:
-        """One leak check now (the periodic callback runs this every ``check_interval``)."""
+        """One leak check now (the periodic callback runs this every ``check_interval``).
+
+        The next GPU task on each device reads NVML again: what the ledger knew of a
+        device without a context (no reading to measure by) is forgotten at each check."""
         assert self.leaks is not None
+        self.leaks.ledger.recheck()
         return self.leaks.check()
 
     def _emit(self, action: str, **figures: Any) -> None:

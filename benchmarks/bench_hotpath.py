@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -275,12 +276,15 @@ def _runner_alone(guard: Any, n: int) -> dict[str, float]:
     from dask._task_spec import Task
 
     spec = Task("tiny-alone", tiny, 1)
+    make = guard.binder.gpu_runner
+    # the task's prefix, where the runner takes one (it did not always)
+    extra = ("tiny",) if "prefix" in inspect.signature(make).parameters else ()
     bare, wrapped = [], []
     for i in range(n):
         t0 = time.perf_counter_ns()
         spec({})
         bare.append(time.perf_counter_ns() - t0)
-        runner = guard.binder.gpu_runner(f"tiny-alone-{i}", 1, "tiny")
+        runner = make(f"tiny-alone-{i}", 1, *extra)
         t0 = time.perf_counter_ns()
         runner(spec, {})
         wrapped.append(time.perf_counter_ns() - t0)
