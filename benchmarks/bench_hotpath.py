@@ -400,9 +400,11 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     labels = [f"{k} ({p['side']})" for k, p in present]
     ax.barh(labels, [p["us_per_task"] for _, p in present], color="tab:blue")
     g = result["guard_us_per_task"]
-    ax.set_xlabel(
-        f"µs per task (median call × calls); guard total {g['total']} µs "
-        f"(thread {g['thread']}, loop {g['loop']}), budget {BUDGET_US:g} µs"
+    ax.set_xlabel("µs per GPU task (median call × calls per task)")
+    ax.set_title(
+        f"guard per task {g['total']} µs (budget {BUDGET_US:g}): "
+        f"runner {g['thread']} + hook {g['loop']}",
+        fontsize=10,
     )
     ax.invert_yaxis()
     return [save(fig, out / f"{NAME}.png", dpi=100)]
