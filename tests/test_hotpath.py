@@ -155,3 +155,35 @@ def test_a_result_holding_nothing_leaves_no_live_entry() -> None:
     assert tasks.ledger.held(key, value) == {}
     assert Ledger.holds_nothing(3) and Ledger.holds_nothing("x")
     assert not Ledger.holds_nothing(Frame.__new__(Frame))
+
+
+def test_a_bound_task_keeps_its_key_and_dependencies_and_runs_through_the_runner() -> None:
+    from dask._task_spec import TaskRef
+
+    from accelsched.internals import wrap_task
+    from accelsched.internals.worker import _is_coro
+
+    spec = Task("inc-2", inc, TaskRef("inc-1"))
+    seen: list = []
+
+    def runner(s: Any, values: Any) -> Any:
+        seen.append((s, values))
+        return s(values)
+
+    bound = wrap_task(spec, runner)
+    assert wrap_task(bound, runner) is bound  # wrapping twice is a no-op
+    assert bound.key == "inc-2" and bound.dependencies == frozenset({"inc-1"})
+    assert not bound.is_coro and repr(bound) == repr(spec)
+    assert bound({"inc-1": 41}) == 42 and seen == [(spec, {"inc-1": 41})]
+
+    async def coro() -> int:
+        return 1
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self) -> int:
+            return 1
+
+    assert _is_coro(Task("c-1", coro)) and _is_coro(Task("c-2", coro))  # known per function
+    assert not _is_coro(Task("u-1", Unhashable())) and not _is_coro(spec)

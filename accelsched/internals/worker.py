@@ -140,7 +140,7 @@ def _is_coro(spec: Any) -> bool:
         return bool(spec.is_coro)
     try:
         known = _COROUTINES.get(func)
-    except TypeError:  # an unhashable callable
+    except Exception:  # an unhashable callable (or one whose hash fails)
         return bool(spec.is_coro)
     if known is None:
         if len(_COROUTINES) >= _MAX_FUNCTIONS:  # functions made per task: start over
