@@ -122,8 +122,13 @@ class Ledger:
                     self._clean.add(prefix)
                     return
         pools = active_pools()
-        if pools and any(p.stats(d).held for p in pools for d in devices):
-            self.recheck(devices)  # a pool holds memory: a context exists there
+        if pools:
+            try:
+                held = any(p.stats(d).held for p in pools for d in devices)
+            except Exception:  # a pool that cannot say: read NVML before the next task
+                held = True
+            if held:
+                self.recheck(devices)  # a pool holds memory: a context exists there
 
     def recheck(self, devices: tuple[int, ...] | None = None) -> None:
         """Read NVML again before the next task on ``devices`` (all when None): a context
