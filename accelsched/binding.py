@@ -48,6 +48,20 @@ class LeaseTable:
                 self._load.setdefault(d, 0.0)
 
     def acquire(self, key: Any, amount: float) -> tuple[int, ...]:
+        if amount == 1:  # the common case: one whole device, the lowest idle one
+            with self._lock:
+                load = self._load
+                devices = self._devices
+                if len(devices) == 1:  # a one-device worker: that one, when idle
+                    idle = devices if not load[devices[0]] else ()
+                else:
+                    idle = [d for d in devices if not load[d]]
+                if idle:
+                    d = min(idle)
+                    load[d] = 1.0
+                    self._gen[d] = self._gen.get(d, 0) + 1
+                    self._held[key] = ((d,), 1.0)
+                    return (d,)
         n = devices_needed(amount)
         share = amount / n if n else 0.0
         with self._lock:
@@ -92,6 +106,8 @@ class LeaseTable:
         :meth:`still_alone` says so, no other task took or gave back any of them."""
         with self._lock:
             mine = self._held.get(key, ((), 0.0))[0]
+            if mine and len(self._held) == 1:  # nobody else holds anything
+                return tuple([self._gen.get(d, 0) for d in mine])
             if not mine or any(
                 set(mine) & set(devices) for k, (devices, _) in self._held.items() if k != key
             ):

@@ -20,6 +20,8 @@ __all__ = [
     "current_lease",
     "array_module",
     "holding",
+    "bind",
+    "unbind",
     "released",
     "using_device",
 ]
@@ -88,17 +90,32 @@ def array_module() -> ModuleType:
 @contextmanager
 def holding(lease: Lease) -> Iterator[Lease]:
     """Make ``lease`` current in this thread and, on real GPUs, its device CUDA's current one."""
-    previous = current_lease()
-    _local.lease = lease
-    restore = None
+    bound = bind(lease)
     try:
-        if not lease.simulated:
-            restore = _use_cuda_device(lease.device)
         yield lease
     finally:
+        unbind(bound)
+
+
+def bind(lease: Lease) -> tuple[Lease | None, Callable[[], Any] | None]:
+    """:func:`holding` without a generator (the guard's per-task path): make ``lease``
+    current; returns what :func:`unbind` needs to restore the thread's state."""
+    previous = getattr(_local, "lease", None)
+    _local.lease = lease
+    if lease.simulated:
+        return previous, None
+    try:
+        return previous, _use_cuda_device(lease.device)
+    except BaseException:
         _local.lease = previous
-        if restore is not None:
-            restore()
+        raise
+
+
+def unbind(bound: tuple[Lease | None, Callable[[], Any] | None]) -> None:
+    previous, restore = bound
+    _local.lease = previous
+    if restore is not None:
+        restore()
 
 
 @contextmanager

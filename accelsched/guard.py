@@ -22,6 +22,7 @@ says to the scheduler is in :mod:`accelsched.protocol`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
@@ -40,6 +41,7 @@ from accelsched.protocol import (
     REPORT_HANDLER,
     ReportReply,
 )
+from accelsched.worker import results
 from accelsched.worker.binding import Binder, Runner
 from accelsched.worker.figures import Figures
 from accelsched.worker.inventory import Inventory
@@ -47,7 +49,7 @@ from accelsched.worker.leaks import LeakCheck
 from accelsched.worker.ledger import Ledger
 from accelsched.worker.pools import PoolFreer
 from accelsched.worker.rejoin import Rejoin
-from accelsched.worker.watch import ACTIVITY, UnrequestedGPUUse, Watch
+from accelsched.worker.watch import Running, UnrequestedGPUUse, Watch
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -87,8 +89,8 @@ class GuardPlugin(WorkerPlugin):
         self.leaks: LeakCheck | None = None
         self.figures: Figures | None = None
         self.rejoin: Rejoin | None = None  # devices left out at setup, asked again
-        self._running: set[Any] = set()  # keys executing here, counted in ACTIVITY
-        self.draining = False  # the scheduler restarts this worker: GPU tasks go back
+        # keys executing here, counted in ACTIVITY
+        self.running = Running(self._in_thread, self._judge_owed)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
@@ -170,10 +172,10 @@ class GuardPlugin(WorkerPlugin):
             # registered again (a new GuardPlugin replaces the old one, whose teardown
             # stopped counting its tasks): what runs now still shares the process
             for key in internals.keys_in_threads(worker):
-                self._count_running(key)
+                self.running.started(key)
         internals.install_handler(worker, REPORT_HANDLER, self.report)
         internals.install_handler(worker, CONFIRM_HANDLER, inv.confirm)
-        internals.install_handler(worker, DRAIN_HANDLER, self.drain)
+        internals.install_handler(worker, DRAIN_HANDLER, inv.drain)
         if internals.serving(worker):
             await self.report()
         else:
@@ -188,11 +190,9 @@ class GuardPlugin(WorkerPlugin):
         """Unregistered: remove the report handler and stop the leak check."""
         internals.remove_handler(worker, REPORT_HANDLER, self.report)
         internals.remove_handler(worker, CONFIRM_HANDLER, self.inventory.confirm)
-        internals.remove_handler(worker, DRAIN_HANDLER, self.drain)
+        internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
         internals.stop_periodic(worker, _PERIODIC)
-        for _ in self._running:  # what it counted no longer runs under this guard
-            ACTIVITY.finished()
-        self._running.clear()
+        self.running.clear()
         if self.figures is not None:
             internals.remove_metric(worker, GUARD_METRIC, self.figures.read)
 
@@ -201,54 +201,61 @@ class GuardPlugin(WorkerPlugin):
 
         GPU tasks get a device lease; fallen-back tasks get their inputs on the host;
         other tasks are watched for GPU use. The wrapping itself is O(1); the work
-        happens in the task's thread.
+        happens in the task's thread. Every transition of every task passes here.
         """
-        if self.worker is None or not self.inventory.visible:
+        leaks = self.leaks
+        if leaks is None or not self.inventory.visible:
             return
-        assert self.leaks is not None
+        worker = self.worker
+        assert worker is not None
+        if finish in _RUNNING:  # a function starts running in a thread (every task counts)
+            self.running.started(key)
+            if finish == "executing":
+                prefix = key_split(key)
+                leaks.ran(prefix)
+                internals.wrap_execution(
+                    worker, key, lambda k, res, ann: self._runner(k, res, ann, prefix)
+                )
+            return
         if finish == "memory":
-            value = internals.stored_value(self.worker, key)
-            # computed here (executing), or data from elsewhere: a peer's transfer, a
-            # replica, a scatter
-            self.leaks.stored(key, value, arrived=start not in ("executing", "long-running"))
+            computed = start in _RUNNING  # here: its function has returned
+            results.stored(leaks, worker, key, computed=computed)
+            if computed:
+                self.running.ended(key)
+                return
         elif start == "memory":
-            self.leaks.released(key)
+            leaks.released(key)
         if finish == "forgotten":
-            self.leaks.ledger.drop(key)
-        if finish in _RUNNING or key in self._running:  # every task counts, wrapped or not
-            self._count_running(key)
-        if finish == "executing":
-            prefix = key_split(key)
-            self.leaks.ran(prefix)
-            internals.wrap_execution(self.worker, key, lambda task: self._runner(task, prefix))
+            leaks.ledger.drop(key)
+        if key in self.running.keys:
+            self.running.recount(key)
 
-    def _count_running(self, key: Any) -> None:
-        """Count ``key`` in :data:`ACTIVITY` while its function runs in a thread: a task
-        released while executing (``cancelled``) runs on, and is counted until it ends."""
-        assert self.worker is not None
-        if internals.runs_in_thread(self.worker, key):
-            if key not in self._running:
-                self._running.add(key)
-                ACTIVITY.started()
-        elif key in self._running:
-            self._running.discard(key)
-            ACTIVITY.finished()
-            if self.leaks is not None and self.leaks.owed:
-                # a check skipped its busy devices: judge them now, before the next task
-                # takes them (a queue of back-to-back GPU tasks holds them nearly always)
-                self.leaks.check()
+    def _in_thread(self, key: Any) -> bool:
+        return self.worker is not None and internals.runs_in_thread(self.worker, key)
 
-    def _runner(self, task: internals.TaskView, prefix: str) -> Runner | None:
+    def _judge_owed(self) -> None:
+        """A task ended: if a check skipped its busy devices, judge them now, before the
+        next task takes them (a queue of back-to-back GPU tasks holds them nearly always)."""
+        if self.leaks is not None and self.leaks.owed:
+            self.leaks.check()
+
+    def _runner(
+        self,
+        key: Any,
+        resources: Mapping[str, float],
+        annotations: Mapping[str, Any],
+        prefix: str,
+    ) -> Runner | None:
         """The runner for a task starting to execute, or None to leave it alone."""
         assert self.binder is not None
-        amount = task.resources.get(GPU, 0)
+        amount = resources.get(GPU, 0)
         if amount > 0 and self.inventory.granted:
-            if self.draining:  # restarting: the scheduler places it elsewhere
+            if self.inventory.draining:  # restarting: the scheduler places it elsewhere
                 return _send_back
-            return self.binder.gpu_runner(task.key, amount)
+            return self.binder.gpu_runner(key, amount, prefix)
         watch = self.watch
-        runner = watch.runner(task.key) if watch is not None and watch.sampled(prefix) else None
-        if task.annotations.get(FALLBACK_ANNOTATION):
+        runner = watch.runner(key) if watch is not None and watch.sampled(prefix) else None
+        if annotations.get(FALLBACK_ANNOTATION):
             return self.binder.fallback_runner(runner)
         return runner
 
@@ -271,32 +278,20 @@ class GuardPlugin(WorkerPlugin):
         self.binder.set_devices(usable)
         internals.spawn(self.worker, self.inventory.offer, self.binder.set_devices)
 
-    async def drain(self, on: Any = True, request: str = "") -> dict[str, str]:
-        """``accelsched_drain``: while this worker restarts, send GPU tasks back as they
-        reach execution (its queue is placed elsewhere; only what runs is waited for).
-
-        Only the scheduler may order it: the order is confirmed with the scheduler first
-        (before, anyone could make a worker bounce every GPU task back, forever)."""
-        if not isinstance(on, bool):
-            return {"status": "invalid"}
-        if not await self.inventory.ordered(DRAIN_HANDLER, request, {"on": on}):
-            logger.warning(
-                "accelsched: refused an %s order the scheduler did not send", DRAIN_HANDLER
-            )
-            return {"status": "refused"}
-        self.draining = on
-        return {"status": "OK"}
-
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""
         assert self.binder is not None
         return await self.inventory.report(self.binder.set_devices)
 
     def check(self) -> list:
-        """One leak check now (the periodic callback runs this every ``check_interval``)."""
+        """One leak check now (the periodic callback runs this every ``check_interval``).
+
+        The next GPU task on each device reads NVML again: what the ledger knew of a
+        device without a context (no reading to measure by) is forgotten at each check."""
         assert self.leaks is not None
         if self.rejoin is not None:
             self.rejoin.check()
+        self.leaks.ledger.recheck()
         return self.leaks.check()
 
     def _emit(self, action: str, **figures: Any) -> None:

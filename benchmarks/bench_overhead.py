@@ -173,9 +173,26 @@ def _nvml_reads_timed() -> list[tuple[float, float]]:
     return list(times)
 
 
-def _nvml_read_cost(client: Client, sched: psutil.Process, workers: list, n: int) -> dict:
-    """One more round of GPU tasks with each NVML read timed inside the workers: what
-    the per-task measurement costs where it runs, beside the event loop."""
+def _make_context() -> int:
+    """In a GPU task: a CUDA context on its device, as the first real GPU work makes."""
+    from accelsched.testing import create_context
+
+    create_context()
+    return 0
+
+
+def _nvml_read_cost(
+    client: Client, sched: psutil.Process, workers: list, n: int, context: bool = False
+) -> dict:
+    """One more round of GPU tasks with each NVML read timed inside the workers: how
+    many the guard makes and what each costs where it runs, beside the event loop.
+
+    Without a context (the tiny tasks of the rounds above make none) no reading can be a
+    base: the guard reads only now and then. With ``context``, made first on each worker,
+    every task is measured: one closing reading per task, the next task's base."""
+    if context:
+        for addr in client.scheduler_info(n_workers=-1)["workers"]:
+            client.submit(_make_context, resources={"GPU": 1}, workers=[addr], pure=False).result()
     client.run(_time_nvml_reads)
     _round(client, sched, workers, n, gpu=True)
     reads = [t for ts in client.run(_nvml_reads_timed).values() for t in ts]
@@ -241,7 +258,11 @@ def measure(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str,
                 "rounds": rows,
             }
             if gpu:
-                result[kind]["nvml_read"] = _nvml_read_cost(*clusters["accelsched"], tasks)
+                result[kind]["nvml_read_no_context"] = _nvml_read_cost(
+                    *clusters["accelsched"], tasks
+                )
+        # last, as it leaves a context on each worker: the measurement's own cost
+        result["gpu"]["nvml_read"] = _nvml_read_cost(*clusters["accelsched"], tasks, True)
         return result
 
 
@@ -315,11 +336,12 @@ def main() -> None:
             f"{r['worker_cpu_us_per_task']['delta']}  scheduler CPU delta µs/task "
             f"{r['scheduler_cpu_us_per_task']['delta']}"
         )
-    read = result["gpu"]["nvml_read"]
-    print(
-        f"gpu: {read['reads_per_task']} NVML reads per task, each CPU µs {read['cpu_us']} "
-        f"wall µs {read['wall_us']}"
-    )
+    for label, figure in (("no context", "nvml_read_no_context"), ("context", "nvml_read")):
+        read = result["gpu"][figure]
+        print(
+            f"gpu, {label}: {read['reads_per_task']} NVML reads per task, each CPU µs "
+            f"{read['cpu_us']} wall µs {read['wall_us']}"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
 

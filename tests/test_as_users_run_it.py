@@ -439,7 +439,7 @@ async def drain():
 
 assert asyncio.run(drain()) == ["refused", "refused"]
 draining = client.run(
-    lambda dask_worker: dask_worker.plugins["accelsched-guard"].draining,
+    lambda dask_worker: dask_worker.plugins["accelsched-guard"].inventory.draining,
     workers=[address["gpu-1"]],
 )
 assert draining == {address["gpu-1"]: False}, draining

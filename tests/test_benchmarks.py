@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import benchmarks
-from benchmarks import bench_scale
+from benchmarks import bench_hotpath, bench_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 MINE = tuple(benchmarks.NAMES)  # every benchmark, as `python -m benchmarks --quick` runs them
@@ -148,6 +148,8 @@ def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> Non
         assert set(overhead[kind]["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
     read = overhead["gpu"]["nvml_read"]  # the guard's measurement: about one read a task
     assert 0.5 <= read["reads_per_task"] <= 3 and read["wall_us"]["median"] > 0
+    # without a context no reading can be a base: tasks are not read around
+    assert overhead["gpu"]["nvml_read_no_context"]["reads_per_task"] < 0.5
     assert {(r["unrunnable"], r["timeout"]) for r in scale["check"]} == {
         (n, t) for n in bench_scale.QUICK_SIZES for t in ("1h", None)
     }
@@ -157,3 +159,19 @@ def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> Non
     workers = scale["workers"]  # every simulated (MIG) device verified, one per worker
     assert workers["verified"] == workers["workers"] == 7
     assert scale["trickle"]["rounds"] == 2
+
+
+@pytest.mark.timeout(900)
+def test_hotpath_figures(results: tuple[Path, dict[str, Any]]) -> None:
+    """The guard's per-task work, piece by piece: every piece the benchmark names still
+    exists in the code (a renamed one would silently drop out of the budget)."""
+    hot = results[1]["hotpath"]
+    assert len(hot["rounds_detail"]["plain"]) == len(hot["rounds_detail"]["accelsched"])
+    assert hot["rounds"] == len(hot["rounds_detail"]["pieces"]) >= 2
+    assert set(hot["guard_us_per_task"]) == {"total", "thread", "loop", "budget"}
+    assert set(hot["pieces"]) == {label for label, _, _ in bench_hotpath.PIECES}
+    assert not [label for label, p in hot["pieces"].items() if p.get("absent")]
+    # one lease per GPU task, one runner chosen per task, the hook on every transition
+    assert hot["pieces"]["lease acquire"]["calls_per_task"] == 1
+    assert hot["pieces"]["choose a runner"]["calls_per_task"] == 1
+    assert "constrained->executing" in hot["loop_kinds"]

@@ -79,7 +79,7 @@ async def test_only_the_scheduler_may_drain_a_worker(c, s, a):
     real = s.plugins["accelsched-placement"].gate.authority.order(DRAIN_HANDLER, {"on": False})
     async with rpc(a.address) as r:
         assert (await getattr(r, DRAIN_HANDLER)(on=True, request=real))["status"] == "refused"
-    assert guard(a).draining is False
+    assert guard(a).inventory.draining is False
     refused = [e for e in events(s, "request-refused") if e["handler"] == DRAIN_HANDLER]
     assert [e["worker"] for e in refused] == [a.address]  # once a minute per worker
     # the worker runs its GPU task, once
@@ -101,9 +101,9 @@ async def test_the_schedulers_own_drain_order_is_obeyed(c, s, a):
     await wait_for(lambda: gpus(s, a.address) == 1)
     gate = s.plugins["accelsched-placement"].gate
     await gate.tell_draining(a.address, True)
-    assert guard(a).draining is True
+    assert guard(a).inventory.draining is True
     await gate.tell_draining(a.address, False)
-    assert guard(a).draining is False
+    assert guard(a).inventory.draining is False
     assert len(gate.authority.orders) == 0  # each spent or forgotten
     assert not events(s, "request-refused")
 

@@ -80,7 +80,7 @@ from accelsched.internals.servers import (
 )
 from accelsched.internals.topic import release_topic, reserve_topic
 from accelsched.internals.worker import (
-    TaskView,
+    Bound,
     advertises_gpus,
     declared_gpus,
     keys_in_threads,
@@ -95,8 +95,8 @@ from accelsched.internals.worker import (
 
 __all__ = [
     "TESTED_DISTRIBUTED",
+    "Bound",
     "IncompatibleDistributed",
-    "TaskView",
     "add_dashboard_page",
     "add_metric",
     "add_spec_worker",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from dask._task_spec import GraphNode, Task
 
 from accelsched.inventory import valid_declaration
 from accelsched.protocol import GPU
@@ -13,7 +15,7 @@ from accelsched.protocol import GPU
 if TYPE_CHECKING:
     from distributed import Worker
 
-_RUNNER = "__accelsched_runner__"
+Runner = Callable[[Any, Any], Any]
 _DECLARED = "_accelsched_declared"
 
 
@@ -66,8 +68,11 @@ def stored_value(worker: Worker, key: Any) -> Any:
     """The value of ``key`` in the worker's memory (not read back from spill), or None."""
     data = worker.data
     fast = getattr(data, "fast", data)
+    # zict's LRU keeps its values in a dict: read that, not the LRU, whose every read
+    # takes its lock and moves the key to the end of the eviction order
+    store = getattr(fast, "d", None)
     try:
-        return fast.get(key)
+        return (store if type(store) is dict else fast).get(key)
     except Exception:  # a value that cannot be read back is not counted
         return None
 
@@ -96,21 +101,13 @@ def keys_in_threads(worker: Worker) -> list[Any]:
     return [key for key in list(worker.state.tasks) if runs_in_thread(worker, key)]
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskView:
-    """What the guard needs to know of a task starting on a worker."""
-
-    key: Any
-    resources: Mapping[str, float]
-    annotations: Mapping[str, Any]
-
-
 def wrap_execution(
     worker: Worker,
     key: Any,
-    choose: Callable[[TaskView], Callable[[Any, dict], Any] | None],
+    choose: Callable[[Any, Mapping[str, float], Mapping[str, Any]], Runner | None],
 ) -> None:
-    """Let ``choose`` wrap the task ``key`` as it starts executing (worker event loop).
+    """Let ``choose(key, resources, annotations)`` wrap the task ``key`` as it starts
+    executing (worker event loop).
 
     ``choose`` returns a runner ``runner(spec, values)`` that runs the task in the
     executor thread (``spec(values)``), or None to leave it. Coroutine tasks and tasks
@@ -118,15 +115,42 @@ def wrap_execution(
     alone: nothing can be bound there.
     """
     ts = worker.state.tasks.get(key)
-    if ts is None or ts.run_spec is None or ts.run_spec.is_coro:
+    if ts is None:
         return
-    annotations = ts.annotations or {}
+    spec = ts.run_spec
+    if spec is None or _is_coro(spec):
+        return
+    annotations = ts.annotations or _EMPTY
     executor = worker.executors.get(annotations.get("executor", "default"))
     if not _is_thread_pool(executor):
         return
-    runner = choose(TaskView(key, ts.resource_restrictions or {}, annotations))
+    runner = choose(key, ts.resource_restrictions or _EMPTY, annotations)
     if runner is not None:
-        ts.run_spec = wrap_task(ts.run_spec, runner)
+        ts.run_spec = wrap_task(spec, runner)
+
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+def _is_coro(spec: Any) -> bool:
+    """``spec.is_coro``, known per function: a ``Task`` made per task computes it anew
+    (``inspect``, some microseconds) for the function all tasks of a kind share."""
+    func = getattr(spec, "func", None)
+    if func is None or type(spec) is not Task:
+        return bool(spec.is_coro)
+    try:
+        known = _COROUTINES.get(func)
+    except Exception:  # an unhashable callable (or one whose hash fails)
+        return bool(spec.is_coro)
+    if known is None:
+        if len(_COROUTINES) >= _MAX_FUNCTIONS:  # functions made per task: start over
+            _COROUTINES.clear()
+        known = _COROUTINES[func] = bool(spec.is_coro)
+    return known
+
+
+_COROUTINES: dict[Any, bool] = {}
+_MAX_FUNCTIONS = 1024
 
 
 def _is_thread_pool(executor: Any) -> bool:
@@ -142,20 +166,38 @@ def _is_thread_pool(executor: Any) -> bool:
 _THREAD_POOLS: dict[type, bool] = {}
 
 
-def wrap_task(spec: Any, runner: Callable[[Any, dict], Any]) -> Any:
-    """A Task with ``spec``'s key and dependencies that calls ``runner(spec, values)``.
+class Bound(GraphNode):
+    """A task's own spec, run by ``runner(spec, values)`` in the executor thread.
 
-    The wrapper is a plain ``Task``, so the worker's validation and bookkeeping see
-    nothing unusual; only its function differs. Wrapping twice is a no-op.
+    The worker calls its run spec with the dependencies' values and asks nothing else of
+    it but ``is_coro`` (False: coroutines are never wrapped): this node keeps the spec's
+    key and dependencies and hands the values to the runner as they came. It is made per
+    GPU task on the worker's event loop, so it costs two slots, not a new ``Task`` (whose
+    construction walks its arguments).
     """
-    from dask._task_spec import Task, TaskRef
 
-    if isinstance(spec, Task) and getattr(spec.func, _RUNNER, False):
+    __slots__ = ("spec", "runner")
+
+    def __init__(self, spec: Any, runner: Runner) -> None:
+        self.key = spec.key
+        self._dependencies = spec.dependencies
+        self.spec = spec
+        self.runner = runner
+
+    def __call__(self, values: Any = ()) -> Any:
+        return self.runner(self.spec, values)
+
+    @property
+    def data_producer(self) -> bool:
+        return bool(self.spec.data_producer)
+
+    def __repr__(self) -> str:
+        return repr(self.spec)
+
+
+def wrap_task(spec: Any, runner: Runner) -> Any:
+    """``spec`` run by ``runner(spec, values)`` (:class:`Bound`). Wrapping twice is a
+    no-op."""
+    if isinstance(spec, Bound):
         return spec
-    order = list(spec.dependencies)
-
-    def run(*dep_values: Any) -> Any:
-        return runner(spec, dict(zip(order, dep_values, strict=True)))
-
-    setattr(run, _RUNNER, True)
-    return Task(spec.key, run, *(TaskRef(dep) for dep in order))
+    return Bound(spec, runner)

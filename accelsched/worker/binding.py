@@ -10,6 +10,7 @@ inputs copied to the host first.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,9 +18,9 @@ from dask.utils import key_split
 from distributed import Reschedule
 
 from accelsched.binding import LeaseTable, NoFreeDevice
-from accelsched.context import Lease, holding
+from accelsched.context import Lease, bind, unbind
 from accelsched.devices.arrays import to_host
-from accelsched.worker.ledger import Ledger
+from accelsched.worker.ledger import MEASURE, Ledger
 from accelsched.worker.pools import PoolFreer
 
 __all__ = ["Binder"]
@@ -52,37 +53,54 @@ class Binder:
     def set_devices(self, indices: list[int]) -> None:
         self.leases.set_devices(indices)
 
-    def gpu_runner(self, key: Any, amount: float) -> Runner:
-        def run(spec: Any, values: dict) -> Any:
-            try:
-                devices = self.leases.acquire(key, amount)
-            except NoFreeDevice:
-                # its devices were withdrawn (unhealthy) after it was assigned here: the
-                # scheduler places it again against this worker's lower count
-                raise Reschedule() from None
+    def gpu_runner(self, key: Any, amount: float, prefix: str = "") -> Runner:
+        """The runner of a GPU task (made on the event loop; runs in its thread)."""
+        return functools.partial(self._run_gpu, key, amount, prefix)
+
+    def _run_gpu(self, key: Any, amount: float, prefix: str, spec: Any, values: Any) -> Any:
+        leases = self.leases
+        try:
+            devices = leases.acquire(key, amount)
+        except NoFreeDevice:
+            # its devices were withdrawn (unhealthy) after it was assigned here: the
+            # scheduler places it again against this worker's lower count
+            raise Reschedule() from None
+        try:
             self.used.update(devices)
-            try:
-                steps: list[int] = []  # marked steps measured inside this task
-                lease = Lease(
+            ledger = self.ledger
+            plan = MEASURE if ledger is None else ledger.plan(devices, prefix)
+            # marked steps measured inside this task (the attribution names the step)
+            steps = None if ledger is None or self._residue is None else _Steps(self, key, devices)
+            bound = bind(
+                Lease(
                     key,
                     devices,
                     simulated=self.simulated,
                     report=self._emit,
                     oom_exceptions=self.oom_exceptions,
-                    meter=self._meter(key, devices, steps),
+                    meter=steps,
                 )
-                with holding(lease):
+            )
+            try:
+                before = None
+                if plan == MEASURE:
+                    before = self._measure_before(key, devices, start=True)
+                    if before is None and ledger is not None:
+                        plan = ledger.plan(devices, prefix)  # its reading found no context?
+                if plan != MEASURE:
+                    assert ledger is not None
                     try:
-                        before = self._measure_before(key, devices)
-                        result = spec(values)
-                        self._measured(key, devices, before, result, steps)
-                        return result
+                        return spec(values)
                     finally:
-                        self.pools.after_gpu_task(devices)
+                        ledger.unmeasured(devices, prefix, plan)
+                result = spec(values)
+                self._measured(key, devices, before, result, steps)
+                return result
             finally:
-                self.leases.release(key)
-
-        return run
+                self.pools.after_gpu_task(devices)
+                unbind(bound)
+        finally:
+            leases.release(key)
 
     def _measured(
         self,
@@ -90,7 +108,7 @@ class Binder:
         devices: tuple[int, ...],
         before: tuple[Any, dict[int, int]] | None,
         result: Any,
-        steps: list[int],
+        steps: _Steps | None,
     ) -> None:
         """Hold what the task added against its key; attribute what it left behind."""
         if self.ledger is None:
@@ -101,44 +119,35 @@ class Binder:
                 self.ledger.forget(d)
             return
         left = self.ledger.after(key, reading, result)
-        if self._residue is not None and not steps:
+        if self._residue is not None and not (steps is not None and steps.measured):
             self._residue(key_split(key), left)
 
-    def _meter(
-        self, key: Any, devices: tuple[int, ...], steps: list[int]
-    ) -> Callable[[str, Callable[[], Any]], Any] | None:
-        """Measures each outermost marked step the task calls: the attribution names the
-        step that left memory behind, even inside a fused task."""
-        if self.ledger is None or self._residue is None:
-            return None
-        depth = [0]
-
-        def meter(name: str, call: Callable[[], Any]) -> Any:
-            before = self._measure_before(key, devices) if depth[0] == 0 else None
-            depth[0] += 1
-            try:
-                result = call()
-            finally:
-                depth[0] -= 1
-            if before is not None and self.leases.still_alone(key, before[0]):
-                assert self.ledger is not None and self._residue is not None
-                steps.append(1)
-                self._residue(name, self.ledger.residue(before[1], result))
-            return result
-
-        return meter
+    def run_step(self, steps: _Steps, name: str, call: Callable[[], Any]) -> Any:
+        """Run one marked step of a task (``steps``' meter), measured when outermost."""
+        before = self._measure_before(steps.key, steps.devices) if steps.depth == 0 else None
+        steps.depth += 1
+        try:
+            result = call()
+        finally:
+            steps.depth -= 1
+        if before is not None and self.leases.still_alone(steps.key, before[0]):
+            assert self.ledger is not None and self._residue is not None
+            steps.measured += 1
+            self._residue(name, self.ledger.residue(before[1], result))
+        return result
 
     def _measure_before(
-        self, key: Any, devices: tuple[int, ...]
+        self, key: Any, devices: tuple[int, ...], start: bool = False
     ) -> tuple[Any, dict[int, int]] | None:
         """(alone token, reading) to measure the task by, when it holds its devices alone:
-        the token proves at the end that no other task took or gave back one meanwhile."""
+        the token proves at the end that no other task took or gave back one meanwhile.
+        ``start``: before the task's code runs (else before one of its marked steps)."""
         if self.ledger is None:
             return None
         token = self.leases.alone_token(key)
         if token is None:
             return None
-        reading = self.ledger.before(devices)
+        reading = self.ledger.before(devices, record=start)
         return None if reading is None else (token, reading)
 
     @staticmethod
@@ -154,3 +163,21 @@ class Binder:
             return inner(spec, host) if inner is not None else spec(host)
 
         return run
+
+
+class _Steps:
+    """A GPU task's meter (``Lease.meter``): measures each outermost marked step the task
+    calls, so the attribution names the step that left memory behind, even inside a fused
+    task. One per task, made only for tasks run with a ledger."""
+
+    __slots__ = ("binder", "key", "devices", "depth", "measured")
+
+    def __init__(self, binder: Binder, key: Any, devices: tuple[int, ...]) -> None:
+        self.binder = binder
+        self.key = key
+        self.devices = devices
+        self.depth = 0
+        self.measured = 0  # steps measured so far
+
+    def __call__(self, name: str, call: Callable[[], Any]) -> Any:
+        return self.binder.run_step(self, name, call)

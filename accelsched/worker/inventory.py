@@ -24,6 +24,7 @@ from accelsched.events import TOPIC
 from accelsched.inventory import Claim, decide_claim, declared_count, owned
 from accelsched.protocol import (
     CONFIRM_HANDLER,
+    DRAIN_HANDLER,
     EVENT_OP,
     INVENTORY_HANDLER,
     OFFER_HANDLER,
@@ -68,6 +69,7 @@ class Inventory:
         self.declared: object = None  # as the worker was started: maybe no number at all
         self.pending = Outstanding()  # requests this worker sent, unconfirmed
         self.restart_pending = False
+        self.draining = False  # the scheduler restarts this worker: GPU tasks go back
         self._offering = asyncio.Lock()
         #: What this worker's events carry (the PlacementPlugin's word for it): None
         #: until a report was answered, "" where no PlacementPlugin answered.
@@ -227,9 +229,24 @@ class Inventory:
         finally:
             self.pending.forget(request["request"])
             self.restart_pending = False
+        self.draining = False  # the scheduler restarts this worker: GPU tasks go back
 
     def _new_request(self, handler: str, request: Mapping[str, Any]) -> str:
         return self.pending.new(handler, request_content(request))
+
+    async def drain(self, on: Any = True, request: str = "") -> dict[str, str]:
+        """``accelsched_drain``: while this worker restarts, send GPU tasks back as they
+        reach execution (its queue is placed elsewhere; only what runs is waited for).
+
+        Only the scheduler may order it: the order is confirmed with the scheduler first
+        (before, anyone could make a worker bounce every GPU task back, forever)."""
+        if not isinstance(on, bool):
+            return {"status": "invalid"}
+        if not await self.ordered(DRAIN_HANDLER, request, {"on": on}):
+            logger.warning("accelsched: refused a drain order the scheduler did not send")
+            return {"status": "refused"}
+        self.draining = on
+        return {"status": "OK"}
 
     async def ordered(self, handler: str, request: Any, content: Mapping[str, Any]) -> bool:
         """Whether the scheduler itself sent this order: asked back, as it asks us."""

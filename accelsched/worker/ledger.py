@@ -18,7 +18,14 @@ from accelsched.devices.arrays import device_nbytes, knows
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
 
-__all__ = ["Ledger", "net_of_pools"]
+__all__ = ["Ledger", "net_of_pools", "MEASURE", "LEARN", "SKIP"]
+
+#: Ledger.plan's answers.
+MEASURE, LEARN, SKIP = 0, 1, 2
+#: Prefixes remembered as making no context; beyond this the set starts over.
+MAX_PREFIXES = 10_000
+#: Result types that never hold device memory (what they hold is known without asking).
+_PLAIN = frozenset({int, float, complex, str, bytes, bool, type(None)})
 
 
 def net_of_pools(nbytes: int, pool: PoolStats) -> int:
@@ -49,28 +56,99 @@ class Ledger:
         # taken across one of them is not reused as a base
         self._epoch: dict[int, int] = {}
         self._arrivals = 0
+        # device -> True: the last reading found no context of this process there, and
+        # nothing since can have made one (see plan); no reading can be a base meanwhile
+        self._no_context: dict[int, bool] = {}
+        self._context_gen = 0  # bumped whenever that knowledge is dropped
+        self._clean: set[str] = set()  # prefixes whose runs were seen to make no context
 
-    def noncache(self, device: int) -> int | None:
+    def noncache(self, device: int, *, record: bool = False) -> int | None:
         """This process's bytes on ``device`` minus what pools cache or reserve; None
-        when NVML cannot tell (no figure of its own, no context yet, or an error)."""
+        when NVML cannot tell (no figure of its own, no context yet, or an error).
+
+        ``record``: a reading taken between GPU tasks (no task code runs on ``device``
+        until the next one), whose "no context" :meth:`plan` may rely on; a reading inside
+        a task (a marked step's) may be followed by that task making a context."""
+        gen = self._context_gen
         try:
             reading = self.monitor.process_memory(device)
         except Exception:
             return None
-        if not reading.attributable or not reading.has_context:
+        if reading.has_context is False:
+            if record:
+                with self._lock:
+                    if gen == self._context_gen:  # nobody dropped the knowledge meanwhile
+                        self._no_context[device] = True
             return None  # a context made now would be counted as the task's
+        if device in self._no_context:
+            self.recheck((device,))  # there is one now (or NVML cannot tell)
+        if not reading.attributable or not reading.has_context:
+            return None
         pool = sum((p.stats(device) for p in active_pools()), PoolStats())
         return net_of_pools(reading.nbytes, pool)
 
     # --- around a GPU task (its executor thread) ----------------------------------------
 
-    def before(self, devices: tuple[int, ...]) -> dict[int, int] | None:
+    def plan(self, devices: tuple[int, ...], prefix: str) -> int:
+        """How to measure a task of ``prefix`` on ``devices``: :data:`MEASURE` (a base
+        reading, or the last task's closing one, and a closing reading), :data:`LEARN`
+        (no base can exist: the last reading found no context on its devices; one closing
+        reading tells whether this prefix makes one) or :data:`SKIP` (no context, and
+        the prefix was seen not to make one: no reading at all).
+
+        Without a context on a device no reading can be a base (the context a task makes
+        would count as its growth), so a run there is never measured; reading NVML only
+        to learn that costs tens of microseconds per tiny task. The knowledge is dropped
+        by :meth:`recheck` (every leak check), by a run of an unknown prefix that made a
+        context and by a pool holding memory there after a run (:meth:`unmeasured`).
+        """
+        no_context = self._no_context
+        for d in devices:
+            if d not in no_context:
+                return MEASURE
+        return SKIP if prefix in self._clean else LEARN
+
+    def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> None:
+        """After a task run under :data:`LEARN` or :data:`SKIP` (before pools are freed):
+        is there still no context on its devices?"""
+        if plan == LEARN:
+            gen = self._context_gen
+            for d in devices:
+                self.noncache(d, record=True)  # records "no context" again, or finds one
+            with self._lock:
+                if gen == self._context_gen and all(d in self._no_context for d in devices):
+                    if len(self._clean) >= MAX_PREFIXES:
+                        self._clean.clear()
+                    self._clean.add(prefix)
+                    return
+        pools = active_pools()
+        if pools:
+            try:
+                held = any(p.stats(d).held for p in pools for d in devices)
+            except Exception:  # a pool that cannot say: read NVML before the next task
+                held = True
+            if held:
+                self.recheck(devices)  # a pool holds memory: a context exists there
+
+    def recheck(self, devices: tuple[int, ...] | None = None) -> None:
+        """Read NVML again before the next task on ``devices`` (all when None): a context
+        may exist there now."""
+        with self._lock:
+            self._context_gen += 1
+            if devices is None:
+                self._no_context.clear()
+            else:
+                for d in devices:
+                    self._no_context.pop(d, None)
+
+    def before(self, devices: tuple[int, ...], *, record: bool = False) -> dict[int, int] | None:
         """The base to measure a task by: the last task's closing reading where nothing
-        changed since (back-to-back GPU tasks cost one NVML read per device, not two)."""
+        changed since (back-to-back GPU tasks cost one NVML read per device, not two).
+        ``record``: taken before the task's code runs (see :meth:`noncache`)."""
         with self._lock:
             fresh = [self._fresh.pop(d, None) for d in devices]
         readings = {
-            d: self.noncache(d) if then is None else then
+            d: self.noncache(d, record=record) if then is None else then
             for d, then in zip(devices, fresh, strict=True)
         }
         if any(v is None for v in readings.values()):
@@ -124,13 +202,27 @@ class Ledger:
         with self._lock:
             measured = self._measured.pop(key, None)
         if measured is not None:
-            return measured  # the measurement wins: type knowledge only where none exists
-        return device_nbytes(value) if value is not None else {}
+            # the measurement wins: type knowledge only where none exists
+            return {d: n for d, n in measured.items() if n} if measured else measured
+        if self.holds_nothing(value):
+            return {}
+        return device_nbytes(value)
+
+    @staticmethod
+    def holds_nothing(value: Any) -> bool:
+        """Whether ``value``, unmeasured, holds nothing on a device by its type alone (a
+        number, a string: :meth:`held` would say ``{}`` without asking anything)."""
+        return value is None or type(value) in _PLAIN
+
+    def measured(self, key: Any) -> bool:
+        """Whether ``key``'s task was measured (what it holds needs no look at its value)."""
+        return key in self._measured
 
     def drop(self, key: Any) -> None:
         """``key`` will not enter memory (cancelled, forgotten): forget its measurement."""
-        with self._lock:
-            self._measured.pop(key, None)
+        if key in self._measured:
+            with self._lock:
+                self._measured.pop(key, None)
 
     def arrived(self, value: Any, idle: set[int]) -> dict[int, int]:
         """What data from a peer holds: its type's figure, else the growth on idle

@@ -23,7 +23,7 @@ from accelsched import events
 from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
 from accelsched.unrequested import classify
 
-__all__ = ["Activity", "ACTIVITY", "UnrequestedGPUUse", "Watch", "FIRST_RUNS", "EVERY"]
+__all__ = ["Activity", "ACTIVITY", "Running", "UnrequestedGPUUse", "Watch", "FIRST_RUNS", "EVERY"]
 
 Runner = Callable[[Any, dict], Any]
 
@@ -73,6 +73,45 @@ class Activity:
 
 
 ACTIVITY = Activity()
+
+
+class Running:
+    """The keys whose functions run in one worker's threads, each counted once in
+    :data:`ACTIVITY` (every task, watched or not) until its function returns.
+
+    A task released while it executes (``cancelled``) runs on in its thread:
+    ``in_thread(key)`` tells, and ``on_end()`` is called as each one ends (worker event
+    loop).
+    """
+
+    def __init__(self, in_thread: Callable[[Any], bool], on_end: Callable[[], None]) -> None:
+        self.keys: set[Any] = set()
+        self._in_thread = in_thread
+        self._on_end = on_end
+
+    def started(self, key: Any) -> None:
+        if key not in self.keys:
+            self.keys.add(key)
+            ACTIVITY.started()
+
+    def ended(self, key: Any) -> None:
+        if key in self.keys:
+            self.keys.discard(key)
+            ACTIVITY.finished()
+            self._on_end()
+
+    def recount(self, key: Any) -> None:
+        """``key`` changed state: started or ended, as its thread says."""
+        if self._in_thread(key):
+            self.started(key)
+        else:
+            self.ended(key)
+
+    def clear(self) -> None:
+        """What it counted no longer runs under this guard (unregistered)."""
+        for _ in self.keys:
+            ACTIVITY.finished()
+        self.keys.clear()
 
 
 class Watch:
