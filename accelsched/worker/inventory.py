@@ -229,7 +229,6 @@ class Inventory:
         finally:
             self.pending.forget(request["request"])
             self.restart_pending = False
-        self.draining = False  # the scheduler restarts this worker: GPU tasks go back
 
     def _new_request(self, handler: str, request: Mapping[str, Any]) -> str:
         return self.pending.new(handler, request_content(request))
