@@ -5,6 +5,9 @@ The benchmarks run as the user runs them: ``python -m benchmarks --quick`` subpr
 on simulated GPUs. The quick run is a smoke run of seconds per benchmark. The checks are
 on what they wrote (keys present, counts that must hold on any machine, valid PNGs),
 never on how fast anything was.
+
+CI runs it as a stage of its own (``pytest -m benchmarks``, with its own time limit);
+the README's test command leaves it out, so the suite is about the library.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import pytest
 
 import benchmarks
 from benchmarks import bench_hotpath, bench_scale
+
+pytestmark = pytest.mark.benchmarks
 
 ROOT = Path(__file__).resolve().parents[1]
 MINE = tuple(benchmarks.NAMES)  # every benchmark, as `python -m benchmarks --quick` runs them
