@@ -150,6 +150,7 @@ class GuardPlugin(WorkerPlugin):
             withdraw=self._withdraw,
             emit=self._emit,
             ledger=ledger,
+            simulated=inv.simulated,
         )
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
@@ -252,8 +253,6 @@ class GuardPlugin(WorkerPlugin):
         if task.annotations.get(FALLBACK_ANNOTATION):
             return self.binder.fallback_runner(runner)
         return runner
-
-    # --- for the parts and for tests ------------------------------------------------------
 
     def _residue(self, name: str, residues: dict[int, int]) -> None:
         if self.leaks is not None:

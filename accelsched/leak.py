@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 
 from accelsched.devices.pool import PoolStats
 
-__all__ = ["estimate", "Baseline", "LeakDetector", "LeakReports", "Attribution", "Verdict"]
+__all__ = [
+    "estimate",
+    "Baseline",
+    "LeakDetector",
+    "LeakReports",
+    "Attribution",
+    "Verdict",
+    "Reclaims",
+    "Reclaimed",
+]
 
 
 def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
@@ -147,3 +156,51 @@ class Attribution:
 
     def clear(self) -> None:
         self._bytes.clear()
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """What collecting garbage and freeing pools did to one device's confirmed leak."""
+
+    device: int
+    before: int  # the estimate that confirmed the leak
+    after: int  # the estimate measured again
+    threshold: int
+
+    @property
+    def reclaimed(self) -> int:
+        return max(0, self.before - self.after)
+
+    @property
+    def ended(self) -> bool:
+        """The leak is gone: no restart (the estimate is back at or under the threshold)."""
+        return self.after <= self.threshold
+
+
+@dataclass
+class Reclaims:
+    """Reclaim before restart: whether to try, and what a try decided.
+
+    Memory that only a reference cycle holds (a failed task's traceback keeps its frames
+    and their device arrays) looks leaked until Python's collector runs, which for old
+    objects is rare. On a confirmed leak the guard collects garbage and frees the pools
+    first; a restart is asked for only when the estimate measured again is still above
+    the threshold. A leak that stayed held is not tried again at each confirmation while
+    its restart waits (a full collection costs the worker's event loop): only once the
+    estimate has grown by another threshold since that try.
+    """
+
+    _held: dict[int, int] = field(default_factory=dict)  # device -> estimate left after a try
+
+    def worth_trying(self, device: int, estimate: int, threshold: int) -> bool:
+        last = self._held.get(device)
+        return last is None or estimate - last >= threshold
+
+    def outcome(self, device: int, before: int, after: int, threshold: int) -> Reclaimed:
+        """Record a try on ``device``: ``before`` and ``after`` are its estimates."""
+        result = Reclaimed(device, before, after, threshold)
+        if result.ended:
+            self._held.pop(device, None)
+        else:
+            self._held[device] = after
+        return result
