@@ -151,6 +151,7 @@ class GuardPlugin(WorkerPlugin):
             emit=self._emit,
             ledger=ledger,
             simulated=inv.simulated,
+            running=lambda: internals.gpu_task_in_thread(worker),
         )
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(

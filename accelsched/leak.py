@@ -11,7 +11,7 @@ restart anybody, and a big leak is acted on within a few checks.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from accelsched.devices.pool import PoolStats
 
@@ -166,6 +166,7 @@ class Reclaimed:
     before: int  # the estimate that confirmed the leak
     after: int  # the estimate measured again
     threshold: int
+    retry: bool = False  # held while a task still ran: decide at the next try
 
     @property
     def reclaimed(self) -> int:
@@ -185,22 +186,39 @@ class Reclaims:
     and their device arrays) looks leaked until Python's collector runs, which for old
     objects is rare. On a confirmed leak the guard collects garbage and frees the pools
     first; a restart is asked for only when the estimate measured again is still above
-    the threshold. A leak that stayed held is not tried again at each confirmation while
-    its restart waits (a full collection costs the worker's event loop): only once the
-    estimate has grown by another threshold since that try.
+    the threshold.
+
+    A GPU task still in its thread may hold what looks leaked: a failed task's thread
+    holds its exception, and the traceback with it, until the worker has handled the
+    failure, which can come well after its device was released (under load, hundreds of
+    milliseconds). A try that finds the memory held while a GPU task runs is tried again
+    (at the next check, or as the task ends), up to ``retries`` times, before it counts.
+    A leak that stayed held is not tried again at each confirmation while its restart
+    waits (a full collection costs the worker's event loop): only once the estimate has
+    grown by another threshold since that try.
     """
 
+    retries: int = 10
     _held: dict[int, int] = field(default_factory=dict)  # device -> estimate left after a try
+    _retried: dict[int, int] = field(default_factory=dict)  # device -> tries while a task ran
 
     def worth_trying(self, device: int, estimate: int, threshold: int) -> bool:
         last = self._held.get(device)
         return last is None or estimate - last >= threshold
 
-    def outcome(self, device: int, before: int, after: int, threshold: int) -> Reclaimed:
-        """Record a try on ``device``: ``before`` and ``after`` are its estimates."""
+    def outcome(
+        self, device: int, before: int, after: int, threshold: int, *, running: bool = False
+    ) -> Reclaimed:
+        """Record a try on ``device``: ``before`` and ``after`` are its estimates;
+        ``running``: a GPU task was in a thread meanwhile."""
         result = Reclaimed(device, before, after, threshold)
         if result.ended:
             self._held.pop(device, None)
+            self._retried.pop(device, None)
+        elif running and self._retried.get(device, 0) < self.retries:
+            self._retried[device] = self._retried.get(device, 0) + 1
+            return replace(result, retry=True)
         else:
             self._held[device] = after
+            self._retried.pop(device, None)
         return result

@@ -74,6 +74,9 @@ PRIVATE = [
     r"(?<!distributed)\.metrics\b",
     r"http_application",
     r"dashboard\.(scheduler|core)\b",
+    r"state\.(executing|long_running)\b",
+    r"multiprocessing-method",
+    r"forkserver_preload|get_mp_context",
 ]
 #: Names whose private parts are not distributed's: our own objects (a simulated buffer,
 #: pool), a ctypes library handle, pynvml's error table.

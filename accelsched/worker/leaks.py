@@ -66,6 +66,7 @@ class LeakCheck:
         emit: Callable[..., None],
         ledger: Ledger,
         simulated: bool = False,
+        running: Callable[[], bool] = lambda: False,
     ) -> None:
         self.monitor = monitor
         self.owned = owned
@@ -82,6 +83,7 @@ class LeakCheck:
         self.reports = LeakReports()
         self.reclaims = Reclaims()
         self.simulated = simulated  # fake GPUs: no CUDA device to make current
+        self._running = running  # a task runs in a thread now
         self.live: dict[Any, dict[int, int]] = {}  # key -> device bytes it holds
         self.live_total: dict[int, int] = {}  # device -> bytes of live results
         self.baselines: dict[int, Baseline] = {}
@@ -236,7 +238,11 @@ class LeakCheck:
                 self.owed = True
                 continue
             after, pool = self._estimate(v.device, reading.nbytes, pools)
-            outcome = self.reclaims.outcome(v.device, v.estimate, after, v.threshold)
+            outcome = self.reclaims.outcome(
+                v.device, v.estimate, after, v.threshold, running=self._running()
+            )
+            if outcome.retry:  # judged again at the next periodic check: not inside the
+                continue  # transition that ends a failed task, whose frames hold it yet
             came_back[v.device] = outcome.reclaimed
             if not outcome.ended:
                 held.append(replace(v, estimate=after))

@@ -1,0 +1,79 @@
+"""The scheduler's side of a lossless restart: retire (copy the keys away), restart
+through the nanny, wait until the old process has left.
+
+distributed's ``retire_workers`` checks whether the worker's keys have been copied every
+``len(has_what) / 400`` seconds, up to 0.5 s: a worker holding a few hundred results
+waits half a second after its last key was copied, and once more if the copy took just
+longer than one poll. :func:`retire` runs the same retirement and watches the same
+condition (every key the worker holds has another copy) every 10 ms itself, returning as
+soon as it holds; the retirement ends in the background (its next poll sees it done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from accelsched.internals.scheduler import holds_sole_copy
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.scheduler import WorkerState
+
+__all__ = ["retire", "restart", "wait_gone", "RETIRE_POLL"]
+
+#: How often :func:`retire` looks whether every key has another copy (seconds).
+RETIRE_POLL = 0.01
+
+
+async def retire(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> bool:
+    """Copy ``ws``'s unique keys to peers, keeping it registered; True when it worked."""
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[Any] = loop.create_future()
+    outcome.add_done_callback(_retrieve)  # nobody waits for it once the copies exist
+
+    async def retirement() -> None:
+        try:
+            retired = await scheduler.retire_workers(
+                workers=[ws.address], close_workers=False, remove=False, stimulus_id=stimulus_id
+            )
+        except Exception as exc:
+            if not outcome.done():
+                outcome.set_exception(exc)
+        else:
+            if not outcome.done():
+                outcome.set_result(ws.address in retired)
+
+    scheduler._ongoing_background_tasks.call_soon(retirement)
+    await asyncio.sleep(0)  # retire_workers has marked the worker retiring and kicked the
+    while not outcome.done():  # memory manager to copy its keys
+        if _copied(scheduler, ws):
+            return True
+        await asyncio.wait({outcome}, timeout=RETIRE_POLL)
+    return outcome.result()
+
+
+def _copied(scheduler: Scheduler, ws: WorkerState) -> bool:
+    """Every key ``ws`` holds has another copy, and ``ws`` is still the registered one."""
+    return scheduler.workers.get(ws.address) is ws and not holds_sole_copy(ws)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+async def restart(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> str:
+    """Restart ``ws`` through its nanny; returns distributed's word for it (``"OK"``)."""
+    result = await scheduler.restart_workers(
+        [ws.address], wait_for_workers=False, on_error="return", stimulus_id=stimulus_id
+    )
+    return str(result.get(ws.address))
+
+
+async def wait_gone(scheduler: Scheduler, ws: WorkerState, timeout: float) -> None:
+    """Wait until ``ws`` left the scheduler (its keys gone from ``who_has``)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while scheduler.workers.get(ws.address) is ws and loop.time() < deadline:
+        await asyncio.sleep(0.01)
