@@ -151,7 +151,7 @@ class GuardPlugin(WorkerPlugin):
             emit=self._emit,
             ledger=ledger,
             simulated=inv.simulated,
-            running=lambda: internals.gpu_task_in_thread(worker),
+            executing=lambda: internals.gpu_tasks_in_threads(worker),
         )
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(

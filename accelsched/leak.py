@@ -11,7 +11,8 @@ restart anybody, and a big leak is acted on within a few checks.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Any
 
 from accelsched.devices.pool import PoolStats
 
@@ -166,7 +167,6 @@ class Reclaimed:
     before: int  # the estimate that confirmed the leak
     after: int  # the estimate measured again
     threshold: int
-    retry: bool = False  # held while a task still ran: decide at the next try
 
     @property
     def reclaimed(self) -> int:
@@ -180,7 +180,7 @@ class Reclaimed:
 
 @dataclass
 class Reclaims:
-    """Reclaim before restart: whether to try, and what a try decided.
+    """Reclaim before restart: when to try, and what a try decided.
 
     Memory that only a reference cycle holds (a failed task's traceback keeps its frames
     and their device arrays) looks leaked until Python's collector runs, which for old
@@ -190,35 +190,57 @@ class Reclaims:
 
     A GPU task still in its thread may hold what looks leaked: a failed task's thread
     holds its exception, and the traceback with it, until the worker has handled the
-    failure, which can come well after its device was released (under load, hundreds of
-    milliseconds). A try that finds the memory held while a GPU task runs is tried again
-    (at the next check, or as the task ends), up to ``retries`` times, before it counts.
+    failure, which can come well after the task released its device (under load,
+    hundreds of milliseconds). So a try waits until the GPU tasks executing when the leak
+    was confirmed have left their threads, and one check more (the check that sees them
+    go may run inside the very transition that ends them), for at most ``max_wait``
+    checks. Tasks that start meanwhile do not make it wait longer, and nothing is
+    collected while it waits: a full collection costs the worker's event loop.
+
     A leak that stayed held is not tried again at each confirmation while its restart
-    waits (a full collection costs the worker's event loop): only once the estimate has
-    grown by another threshold since that try.
+    waits: only once the estimate has grown by another threshold since that try.
     """
 
-    retries: int = 10
+    max_wait: int = 20
     _held: dict[int, int] = field(default_factory=dict)  # device -> estimate left after a try
-    _retried: dict[int, int] = field(default_factory=dict)  # device -> tries while a task ran
+    # device -> [keys it waits for, whether they were seen gone, checks waited]
+    _waits: dict[int, list[Any]] = field(default_factory=dict)
 
     def worth_trying(self, device: int, estimate: int, threshold: int) -> bool:
         last = self._held.get(device)
         return last is None or estimate - last >= threshold
 
-    def outcome(
-        self, device: int, before: int, after: int, threshold: int, *, running: bool = False
-    ) -> Reclaimed:
-        """Record a try on ``device``: ``before`` and ``after`` are its estimates;
-        ``running``: a GPU task was in a thread meanwhile."""
+    def settled(self, device: int, executing: Iterable[Any]) -> bool:
+        """Whether to try on ``device`` now, given the GPU tasks ``executing`` in threads
+        (called once per check while its leak is confirmed and worth trying)."""
+        running = set(executing)
+        wait = self._waits.get(device)
+        if wait is None:
+            if not running:
+                return True
+            self._waits[device] = [running, False, 1]
+            return False
+        waited, seen_gone, checks = wait
+        wait[2] = checks + 1
+        if checks >= self.max_wait:
+            return True
+        if waited & running:
+            return False
+        if not seen_gone:
+            wait[1] = True
+            return False
+        return True
+
+    def forget(self, device: int) -> None:
+        """``device`` is clean: a wait for its last leak is over."""
+        self._waits.pop(device, None)
+
+    def outcome(self, device: int, before: int, after: int, threshold: int) -> Reclaimed:
+        """Record a try on ``device``: ``before`` and ``after`` are its estimates."""
+        self._waits.pop(device, None)
         result = Reclaimed(device, before, after, threshold)
         if result.ended:
             self._held.pop(device, None)
-            self._retried.pop(device, None)
-        elif running and self._retried.get(device, 0) < self.retries:
-            self._retried[device] = self._retried.get(device, 0) + 1
-            return replace(result, retry=True)
         else:
             self._held[device] = after
-            self._retried.pop(device, None)
         return result

@@ -204,22 +204,25 @@ def test_a_leak_still_held_is_not_tried_again_until_it_grew_by_a_threshold() -> 
     assert reclaims.worth_trying(0, 550, 256)
 
 
-def test_memory_held_while_a_gpu_task_runs_is_tried_again_before_it_counts() -> None:
-    reclaims = Reclaims(retries=2)
-    for _ in range(2):  # a failed task's thread may still hold it
-        tried = reclaims.outcome(0, before=600, after=600, threshold=256, running=True)
-        assert tried.retry and not tried.ended
-        assert reclaims.worth_trying(0, 600, 256)
-    last = reclaims.outcome(0, before=600, after=600, threshold=256, running=True)
-    assert not last.retry and not last.ended  # bounded: a real leak restarts
-    assert not reclaims.worth_trying(0, 600, 256)
-    # came back at a later try: ended, and the next leak gets its retries again
-    reclaims = Reclaims(retries=1)
-    assert reclaims.outcome(1, before=600, after=600, threshold=256, running=True).retry
-    assert reclaims.outcome(1, before=600, after=0, threshold=256, running=True).ended
-    assert reclaims.outcome(1, before=600, after=600, threshold=256, running=True).retry
-    # nothing running: decided at once
-    assert not Reclaims().outcome(2, before=600, after=600, threshold=256).retry
+def test_a_try_waits_for_the_gpu_tasks_in_threads_at_the_confirmation_and_one_check() -> None:
+    reclaims = Reclaims()
+    assert reclaims.settled(0, set())  # nothing in a thread: try at once
+    assert not reclaims.settled(1, {"failed"})  # a failed task's thread may hold it
+    assert not reclaims.settled(1, {"failed", "next"})  # still in its thread
+    assert not reclaims.settled(1, {"next"})  # gone: this check may be its transition
+    assert reclaims.settled(1, {"next", "later"})  # tasks started since do not count
+    assert not reclaims.outcome(1, before=600, after=600, threshold=256).ended
+    assert not reclaims.settled(1, {"again"})  # a new confirmation waits anew
+
+
+def test_a_try_waits_for_at_most_max_wait_checks() -> None:
+    reclaims = Reclaims(max_wait=3)
+    assert not reclaims.settled(0, {"long"})
+    assert not reclaims.settled(0, {"long"})
+    assert not reclaims.settled(0, {"long"})
+    assert reclaims.settled(0, {"long"})  # a task running for hours holds no restart back
+    reclaims.forget(0)  # the device went clean meanwhile: the wait is over
+    assert not reclaims.settled(0, {"other"})
 
 
 # --- classification of unrequested GPU use ------------------------------------------------

@@ -37,7 +37,7 @@ from accelsched.internals.observe import (
     remove_metric,
     worker_metric,
 )
-from accelsched.internals.reclaiming import gpu_task_in_thread
+from accelsched.internals.reclaiming import gpu_tasks_in_threads
 from accelsched.internals.restarting import restart, retire, wait_gone
 from accelsched.internals.scheduler import (
     annotate,
@@ -114,7 +114,7 @@ __all__ = [
     "distributed_nvml_state",
     "drain",
     "fail_task",
-    "gpu_task_in_thread",
+    "gpu_tasks_in_threads",
     "harden_restrictions",
     "has_running_peer",
     "holds_sole_copy",

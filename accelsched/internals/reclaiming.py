@@ -7,21 +7,22 @@ released its device: memory measured then looks held even to ``gc.collect()``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from accelsched.protocol import GPU
 
 if TYPE_CHECKING:
     from distributed import Worker
 
-__all__ = ["gpu_task_in_thread"]
+__all__ = ["gpu_tasks_in_threads"]
 
 
-def gpu_task_in_thread(worker: Worker) -> bool:
-    """Whether a task restricted to GPUs is executing in one of ``worker``'s threads (its
-    state machine's ``executing`` and ``long_running`` sets, cancelled ones included)."""
+def gpu_tasks_in_threads(worker: Worker) -> set[Any]:
+    """The keys of tasks restricted to GPUs executing in ``worker``'s threads (its state
+    machine's ``executing`` and ``long_running`` sets, cancelled ones included)."""
     state = worker.state
-    return any(
-        (ts.resource_restrictions or {}).get(GPU, 0) > 0
+    return {
+        ts.key
         for ts in (*state.executing, *state.long_running)
-    )
+        if (ts.resource_restrictions or {}).get(GPU, 0) > 0
+    }

@@ -24,10 +24,18 @@ __all__ = ["retire", "restart", "wait_gone", "RETIRE_POLL"]
 
 #: How often :func:`retire` looks whether every key has another copy (seconds).
 RETIRE_POLL = 0.01
+#: False: wait for ``retire_workers`` to return, as before (the restart benchmark's
+#: "before" arm sets it; nothing else does).
+WATCH_RETIREMENT = True
 
 
 async def retire(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> bool:
     """Copy ``ws``'s unique keys to peers, keeping it registered; True when it worked."""
+    if not WATCH_RETIREMENT:
+        retired = await scheduler.retire_workers(
+            workers=[ws.address], close_workers=False, remove=False, stimulus_id=stimulus_id
+        )
+        return ws.address in retired
     loop = asyncio.get_running_loop()
     outcome: asyncio.Future[Any] = loop.create_future()
     outcome.add_done_callback(_retrieve)  # nobody waits for it once the copies exist

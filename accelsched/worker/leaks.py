@@ -66,7 +66,7 @@ class LeakCheck:
         emit: Callable[..., None],
         ledger: Ledger,
         simulated: bool = False,
-        running: Callable[[], bool] = lambda: False,
+        executing: Callable[[], set[Any]] = set,
     ) -> None:
         self.monitor = monitor
         self.owned = owned
@@ -83,7 +83,7 @@ class LeakCheck:
         self.reports = LeakReports()
         self.reclaims = Reclaims()
         self.simulated = simulated  # fake GPUs: no CUDA device to make current
-        self._running = running  # a task runs in a thread now
+        self._executing = executing  # keys of GPU tasks in threads now
         self.live: dict[Any, dict[int, int]] = {}  # key -> device bytes it holds
         self.live_total: dict[int, int] = {}  # device -> bytes of live results
         self.baselines: dict[int, Baseline] = {}
@@ -169,6 +169,7 @@ class LeakCheck:
             verdicts.append(verdict)
             if verdict.above == 0:  # nothing unexplained: a base for measuring arrivals
                 self.ledger.settle(dev.index, net_of_pools(reading.nbytes, pool))
+                self.reclaims.forget(dev.index)
         blamed = self.detector.end_check(verdicts, complete=not busy)
         with self._attribution_lock:
             attributed = {v.device: self.attribution.ranked(v.device) for v in verdicts}
@@ -220,12 +221,14 @@ class LeakCheck:
         and its count starts again. A device a task took meanwhile is not judged: its
         count stays, and the check runs again when the task ends.
         """
-        tried = [v for v in leaks if self.reclaims.worth_trying(v.device, v.estimate, v.threshold)]
+        worth = [v for v in leaks if self.reclaims.worth_trying(v.device, v.estimate, v.threshold)]
+        executing = self._executing() if worth else set()
+        tried = [v for v in worth if self.reclaims.settled(v.device, executing)]
+        held = [v for v in leaks if v not in worth]
         if not tried:
-            return leaks, {}
+            return held, {}
         start = monotonic()
         reclaim([v.device for v in tried], simulated=self.simulated)
-        held = [v for v in leaks if v not in tried]
         came_back: dict[int, int] = {}
         pools = active_pools()
         for v in tried:
@@ -238,11 +241,7 @@ class LeakCheck:
                 self.owed = True
                 continue
             after, pool = self._estimate(v.device, reading.nbytes, pools)
-            outcome = self.reclaims.outcome(
-                v.device, v.estimate, after, v.threshold, running=self._running()
-            )
-            if outcome.retry:  # judged again at the next periodic check: not inside the
-                continue  # transition that ends a failed task, whose frames hold it yet
+            outcome = self.reclaims.outcome(v.device, v.estimate, after, v.threshold)
             came_back[v.device] = outcome.reclaimed
             if not outcome.ended:
                 held.append(replace(v, estimate=after))
