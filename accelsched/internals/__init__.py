@@ -38,7 +38,7 @@ from accelsched.internals.observe import (
     worker_metric,
 )
 from accelsched.internals.reclaiming import gpu_tasks_in_threads
-from accelsched.internals.restarting import restart, retire, wait_gone
+from accelsched.internals.restarting import restart, retire, send_queue_away, wait_gone
 from accelsched.internals.scheduler import (
     annotate,
     apply_resources,
@@ -156,5 +156,6 @@ __all__ = [
     "wrap_execution",
     "wrap_set_resources",
     "send_to_scheduler",
+    "send_queue_away",
     "wrap_task",
 ]

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import WorkerState
 
-__all__ = ["retire", "restart", "wait_gone", "RETIRE_POLL"]
+__all__ = ["retire", "restart", "wait_gone", "send_queue_away", "RETIRE_POLL"]
 
 #: How often :func:`retire` looks whether every key has another copy (seconds).
 RETIRE_POLL = 0.01
@@ -69,6 +69,31 @@ def _copied(scheduler: Scheduler, ws: WorkerState) -> bool:
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def send_queue_away(scheduler: Scheduler, ws: WorkerState) -> int:
+    """Ask ``ws`` to hand each task assigned to it to a peer that may run it, the way
+    distributed's work stealing moves a queued task: the worker gives up a task only if
+    it has not started it (what runs finishes there), so nothing runs twice. Returns the
+    number of requests sent; without work stealing, none (the guard sends the tasks back
+    one by one as they reach execution instead).
+
+    A drained worker otherwise works through its whole queue, each task bounced through
+    its thread pool (``Reschedule``): a second or more for a queue of a thousand.
+    """
+    stealing = scheduler.extensions.get("stealing")
+    if stealing is None:
+        return 0
+    sent = 0
+    for ts in list(ws.processing):
+        valid = scheduler.valid_workers(ts)
+        peers = [w for w in (scheduler.running if valid is None else valid) if w is not ws]
+        if not peers:
+            continue
+        thief = min(peers, key=lambda w: len(w.processing))
+        if stealing.move_task_request(ts, ws, thief) not in ("in-flight", "comm-closed"):
+            sent += 1
+    return sent
 
 
 async def restart(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> str:
