@@ -38,7 +38,13 @@ from accelsched.internals.observe import (
     worker_metric,
 )
 from accelsched.internals.reclaiming import gpu_tasks_in_threads
-from accelsched.internals.restarting import restart, retire, send_queue_away, wait_gone
+from accelsched.internals.restarting import (
+    restart,
+    retire,
+    send_queue_away,
+    take_share,
+    wait_gone,
+)
 from accelsched.internals.scheduler import (
     annotate,
     apply_resources,
@@ -148,6 +154,7 @@ __all__ = [
     "start_periodic",
     "stop_periodic",
     "stored_value",
+    "take_share",
     "task_spec",
     "unrunnable",
     "wait_gone",

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import WorkerState
 
-__all__ = ["retire", "restart", "wait_gone", "send_queue_away", "RETIRE_POLL"]
+__all__ = ["retire", "restart", "wait_gone", "send_queue_away", "take_share", "RETIRE_POLL"]
 
 #: How often :func:`retire` looks whether every key has another copy (seconds).
 RETIRE_POLL = 0.01
@@ -93,6 +93,32 @@ def send_queue_away(scheduler: Scheduler, ws: WorkerState) -> int:
         thief = min(peers, key=lambda w: len(w.processing))
         if stealing.move_task_request(ts, ws, thief) not in ("in-flight", "comm-closed"):
             sent += 1
+    return sent
+
+
+def take_share(scheduler: Scheduler, ws: WorkerState) -> int:
+    """``ws`` just offered GPUs (a new or restarted worker): take its share of the tasks
+    queued on its peers, by the same protocol as :func:`send_queue_away`. distributed
+    sends every GPU task to a valid worker at submission, so a worker joining later (a
+    restarted one, whose queue went to its peer) would otherwise idle until work stealing
+    evens the queues out, slowly for short tasks. Returns the requests sent."""
+    stealing = scheduler.extensions.get("stealing")
+    peers = [w for w in scheduler.running if w is not ws]
+    if stealing is None or ws not in scheduler.running or not peers:
+        return 0
+    fair = sum(len(w.processing) for w in (*peers, ws)) // (len(peers) + 1)
+    sent = 0
+    for victim in peers:
+        excess = len(victim.processing) - fair
+        for ts in list(victim.processing):
+            if excess <= 1:
+                break
+            valid = scheduler.valid_workers(ts)
+            if valid is not None and ws not in valid:
+                continue
+            if stealing.move_task_request(ts, victim, ws) not in ("in-flight", "comm-closed"):
+                sent += 1
+                excess -= 1
     return sent
 
 
