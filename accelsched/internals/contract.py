@@ -88,6 +88,12 @@ def check_scheduler(scheduler: Scheduler) -> None:
         ("workers", "close_workers", "remove", "stimulus_id"),
         "Scheduler.retire_workers",
     )
+    from distributed.stealing import WorkStealing
+
+    problems += _missing_params(
+        WorkStealing.move_task_request, ("ts", "victim", "thief"), "WorkStealing.move_task_request"
+    )
+    problems += _missing_params(type(scheduler).valid_workers, ("ts",), "Scheduler.valid_workers")
     problems += _missing_params(
         type(scheduler).restart_workers,
         ("workers", "wait_for_workers", "on_error", "stimulus_id"),

@@ -36,7 +36,7 @@ from accelsched.leak import (
     estimate,
 )
 from accelsched.worker.ledger import Ledger, net_of_pools
-from accelsched.worker.reclaim import reclaim
+from accelsched.worker.reclaim import freeze_startup_objects, reclaim
 
 __all__ = ["LeakCheck"]
 
@@ -84,6 +84,7 @@ class LeakCheck:
         self.reclaims = Reclaims()
         self.simulated = simulated  # fake GPUs: no CUDA device to make current
         self._executing = executing  # keys of GPU tasks in threads now
+        freeze_startup_objects()  # a reclaim's collection scans only what came since
         self.live: dict[Any, dict[int, int]] = {}  # key -> device bytes it holds
         self.live_total: dict[int, int] = {}  # device -> bytes of live results
         self.baselines: dict[int, Baseline] = {}
