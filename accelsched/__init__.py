@@ -17,6 +17,7 @@ from accelsched import config as _config  # noqa: F401  (loads the config defaul
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
 from accelsched.context import array_module, current_device
 from accelsched.dual import dual, gpu
+from accelsched.fast_restart import FastRestart
 from accelsched.guard import GuardPlugin
 from accelsched.placement import PlacementPlugin
 from accelsched.preload import dask_setup, dask_teardown  # --preload accelsched
@@ -47,7 +48,9 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     ``leak_threshold`` to the guard, ...). Idempotent: when plugins of these names are
     already registered, nothing changes (unregister them first to change options).
     With an asynchronous client, await the result.
-    The scheduler plugin goes first so the guards' reports find it listening.
+    The scheduler plugin goes first so the guards' reports find it listening. With
+    ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.fast_restart.
+    FastRestart`) makes the nannies start new worker processes from a fork server.
     """
     placement_names = {o.name for o in PLACEMENT_OPTIONS}
     guard_names = {o.name for o in GUARD_OPTIONS}
@@ -61,14 +64,17 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     guard = GuardPlugin(**{k: v for k, v in options.items() if k in guard_names})
     placement.idempotent = True  # type: ignore[attr-defined]
     guard.idempotent = True  # type: ignore[attr-defined]
+    plugins: list[Any] = [placement, guard]
+    if guard.options["fast_restart"]:  # nannies fork new worker processes from a server
+        plugins.append(FastRestart())
     if getattr(client, "asynchronous", False):
 
-        async def register_both() -> tuple[PlacementPlugin, GuardPlugin]:
-            await client.register_plugin(placement)
-            await client.register_plugin(guard)
+        async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:
+            for plugin in plugins:
+                await client.register_plugin(plugin)
             return placement, guard
 
-        return register_both()  # type: ignore[return-value]
-    client.register_plugin(placement)
-    client.register_plugin(guard)
+        return register_all()  # type: ignore[return-value]
+    for plugin in plugins:
+        client.register_plugin(plugin)
     return placement, guard

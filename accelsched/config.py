@@ -298,4 +298,5 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     Option("restart_on_leak", "accelsched.guard.restart-on-leak", parse_bool),
     Option("recover_gpus", "accelsched.guard.recover-gpus", parse_bool),
     Option("oom_exceptions", "accelsched.guard.oom-exceptions", parse_dotted_names),
+    Option("fast_restart", "accelsched.guard.fast-restart", parse_bool),
 )

@@ -25,8 +25,19 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
     threshold. ``device``, ``nbytes``, ``threshold``, ``checks`` (consecutive checks
     above it), ``prefixes`` (the steps whose measured runs left memory behind, most
     first; else every task prefix run since the last clean check), ``attributed``
-    (``{step: bytes}``), ``unexplained`` (bytes no measured run accounts for). Reported
-    once per leak (again only if it grows by another threshold).
+    (``{step: bytes}``), ``unexplained`` (bytes no measured run accounts for),
+    ``reclaimed`` (bytes garbage collection and a pool free gave back first, not
+    enough; see ``leak-reclaimed``). Reported once per leak (again only if it grows by
+    another threshold).
+``leak-reclaimed`` (worker)
+    A confirmed leak came back before any restart: the guard collected garbage
+    (``gc.collect()``: reference cycles, a failed task's traceback holding its frames'
+    device arrays) and freed the pools, measured again, and found the estimate at or
+    under the threshold, so it asked for no restart. ``device``, ``nbytes`` (the estimate
+    before), ``reclaimed`` (bytes the estimate fell by), ``remaining`` (the estimate
+    after), ``threshold``, ``prefixes`` (as in ``leak``), ``seconds`` (collecting,
+    freeing and measuring again). When memory stays held, the ``leak`` event follows
+    instead, with what was reclaimed in ``reclaimed``.
 ``restart`` (scheduler)
     A worker was drained, retired (its data moved to peers) and restarted through its
     nanny. ``reason``, ``moved`` (keys it held), ``seconds`` (request to restart).
@@ -66,6 +77,7 @@ GPU_REJECTED: Final = "gpu-rejected"
 UNREQUESTED_GPU_USE: Final = "unrequested-gpu-use"
 FALLBACK: Final = "fallback"
 LEAK: Final = "leak"
+LEAK_RECLAIMED: Final = "leak-reclaimed"
 RESTART: Final = "restart"
 RESTART_DEFERRED: Final = "restart-deferred"
 QUARANTINE: Final = "quarantine"
@@ -81,6 +93,7 @@ ACTIONS: Final = frozenset(
         UNREQUESTED_GPU_USE,
         FALLBACK,
         LEAK,
+        LEAK_RECLAIMED,
         RESTART,
         RESTART_DEFERRED,
         QUARANTINE,
@@ -134,6 +147,13 @@ def _describe(msg: Mapping[str, Any], w: str) -> str:
         return (
             f"{w}: device {msg['device']} leaks {msg['nbytes'] / mib:.0f} MiB "
             f"(threshold {msg['threshold'] / mib:.0f} MiB, prefixes {list(msg['prefixes'])})"
+        )
+    if a == LEAK_RECLAIMED:
+        return (
+            f"{w}: device {msg['device']} got {msg['reclaimed'] / mib:.0f} MiB back by "
+            f"collecting garbage and freeing pools ({msg['remaining'] / mib:.0f} MiB left, "
+            f"threshold {msg['threshold'] / mib:.0f} MiB, prefixes {list(msg['prefixes'])}): "
+            "no restart"
         )
     if a == RESTART:
         return (

@@ -151,6 +151,8 @@ class GuardPlugin(WorkerPlugin):
             withdraw=self._withdraw,
             emit=self._emit,
             ledger=ledger,
+            simulated=inv.simulated,
+            executing=lambda: internals.gpu_tasks_in_threads(worker),
         )
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
@@ -258,8 +260,6 @@ class GuardPlugin(WorkerPlugin):
         if annotations.get(FALLBACK_ANNOTATION):
             return self.binder.fallback_runner(runner)
         return runner
-
-    # --- for the parts and for tests ------------------------------------------------------
 
     def _residue(self, name: str, residues: dict[int, int]) -> None:
         if self.leaks is not None:

@@ -12,10 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from accelsched.devices.pool import PoolStats
 
-__all__ = ["estimate", "Baseline", "LeakDetector", "LeakReports", "Attribution", "Verdict"]
+__all__ = [
+    "estimate",
+    "Baseline",
+    "LeakDetector",
+    "LeakReports",
+    "Attribution",
+    "Verdict",
+    "Reclaims",
+    "Reclaimed",
+]
 
 
 def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
@@ -147,3 +157,90 @@ class Attribution:
 
     def clear(self) -> None:
         self._bytes.clear()
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """What collecting garbage and freeing pools did to one device's confirmed leak."""
+
+    device: int
+    before: int  # the estimate that confirmed the leak
+    after: int  # the estimate measured again
+    threshold: int
+
+    @property
+    def reclaimed(self) -> int:
+        return max(0, self.before - self.after)
+
+    @property
+    def ended(self) -> bool:
+        """The leak is gone: no restart (the estimate is back at or under the threshold)."""
+        return self.after <= self.threshold
+
+
+@dataclass
+class Reclaims:
+    """Reclaim before restart: when to try, and what a try decided.
+
+    Memory that only a reference cycle holds (a failed task's traceback keeps its frames
+    and their device arrays) looks leaked until Python's collector runs, which for old
+    objects is rare. On a confirmed leak the guard collects garbage and frees the pools
+    first; a restart is asked for only when the estimate measured again is still above
+    the threshold.
+
+    A GPU task still in its thread may hold what looks leaked: a failed task's thread
+    holds its exception, and the traceback with it, until the worker has handled the
+    failure, which can come well after the task released its device (under load,
+    hundreds of milliseconds). So a try waits until the GPU tasks executing when the leak
+    was confirmed have left their threads, and one check more (the check that sees them
+    go may run inside the very transition that ends them), for at most ``max_wait``
+    checks. Tasks that start meanwhile do not make it wait longer, and nothing is
+    collected while it waits: a full collection costs the worker's event loop.
+
+    A leak that stayed held is not tried again at each confirmation while its restart
+    waits: only once the estimate has grown by another threshold since that try.
+    """
+
+    max_wait: int = 20
+    _held: dict[int, int] = field(default_factory=dict)  # device -> estimate left after a try
+    # device -> [keys it waits for, whether they were seen gone, checks waited]
+    _waits: dict[int, list[Any]] = field(default_factory=dict)
+
+    def worth_trying(self, device: int, estimate: int, threshold: int) -> bool:
+        last = self._held.get(device)
+        return last is None or estimate - last >= threshold
+
+    def settled(self, device: int, executing: Iterable[Any]) -> bool:
+        """Whether to try on ``device`` now, given the GPU tasks ``executing`` in threads
+        (called once per check while its leak is confirmed and worth trying)."""
+        running = set(executing)
+        wait = self._waits.get(device)
+        if wait is None:
+            if not running:
+                return True
+            self._waits[device] = [running, False, 1]
+            return False
+        waited, seen_gone, checks = wait
+        wait[2] = checks + 1
+        if checks >= self.max_wait:
+            return True
+        if waited & running:
+            return False
+        if not seen_gone:
+            wait[1] = True
+            return False
+        return True
+
+    def forget(self, device: int) -> None:
+        """``device`` is clean: a wait for its last leak is over."""
+        self._waits.pop(device, None)
+
+    def outcome(self, device: int, before: int, after: int, threshold: int) -> Reclaimed:
+        """Record a try on ``device``: ``before`` and ``after`` are its estimates."""
+        self._waits.pop(device, None)
+        result = Reclaimed(device, before, after, threshold)
+        if result.ended:
+            self._held.pop(device, None)
+        else:
+            self._held[device] = after
+        return result

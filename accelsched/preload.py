@@ -29,10 +29,11 @@ import click
 
 from accelsched import internals
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option, config_value
+from accelsched.fast_restart import FastRestart
 from accelsched.guard import GuardPlugin
 from accelsched.internals import deploy
 from accelsched.placement import PlacementPlugin
-from accelsched.protocol import GUARD_PLUGIN, PLACEMENT_PLUGIN
+from accelsched.protocol import FAST_RESTART_PLUGIN, GUARD_PLUGIN, PLACEMENT_PLUGIN
 
 __all__ = ["dask_setup", "dask_teardown", "setup_server", "split_options"]
 
@@ -154,6 +155,8 @@ async def _setup_scheduler(
     guard = GuardPlugin(**guard_options)
     deploy.add_scheduler_plugin(scheduler, placement, PLACEMENT_PLUGIN)
     await deploy.hand_to_workers(scheduler, guard, GUARD_PLUGIN)
+    if guard.options["fast_restart"]:
+        await deploy.hand_to_nannies(scheduler, FastRestart(), FAST_RESTART_PLUGIN)
     logger.info(
         "accelsched: PlacementPlugin installed, GuardPlugin handed to every worker "
         "(placement %s, guard %s)",

@@ -59,6 +59,7 @@ __all__ = [
     "GPU",
     "PLACEMENT_PLUGIN",
     "GUARD_PLUGIN",
+    "FAST_RESTART_PLUGIN",
     "INVENTORY_HANDLER",
     "RESTART_HANDLER",
     "OFFER_HANDLER",
@@ -97,6 +98,7 @@ GPU: Final = "GPU"
 #: replaces rather than stacks, and each side can tell whether the other is installed.
 PLACEMENT_PLUGIN: Final = "accelsched-placement"
 GUARD_PLUGIN: Final = "accelsched-guard"
+FAST_RESTART_PLUGIN: Final = "accelsched-fast-restart"  # a nanny plugin
 
 INVENTORY_HANDLER: Final = "accelsched_inventory"
 RESTART_HANDLER: Final = "accelsched_restart"

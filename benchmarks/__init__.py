@@ -11,7 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 
 #: The order ``python -m benchmarks`` runs them in; a name whose module is absent is skipped.
-ORDER = ("fallback", "guard", "attribution", "detection", "leak", "overhead", "hotpath", "scale")
+ORDER = (
+    "fallback",
+    "guard",
+    "restart",
+    "attribution",
+    "detection",
+    "leak",
+    "overhead",
+    "hotpath",
+    "scale",
+)
 NAMES: tuple[str, ...] = tuple(
     n for n in ORDER if (Path(__file__).parent / f"bench_{n}.py").exists()
 )

@@ -101,7 +101,9 @@ def _summary(setup: Setup, runs: dict[str, list[PolicyRun]]) -> dict[str, dict[s
 
 
 def _targets(setup: Setup, summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets, for both submission modes of accelsched."""
+    """The issues' targets, for both submission modes of accelsched: throughput at least
+    30x (b) and 0.6x (a), no OOM failure where (a) has them, peak within the threshold
+    plus one leak, nothing lost (issue 19, item 4)."""
     limit = (setup.threshold + setup.leak) / GiB
     b = summary["b fresh process per task"]["throughput"]["median"]
     out: dict[str, Any] = {"peak_limit_over_base_gib": limit}
@@ -109,9 +111,13 @@ def _targets(setup: Setup, summary: dict[str, dict[str, Any]]) -> dict[str, Any]
         a = summary.get(f"a no guard{mode}", summary["a no guard"])
         d = summary[f"d accelsched{mode}"]
         ratio = d["throughput"]["median"] / b if b else float("inf")
+        plain = a["throughput"]["median"]
+        vs_plain = d["throughput"]["median"] / plain if plain else float("inf")
         out[f"d accelsched{mode}"] = {
             "throughput_vs_per_task": ratio,
-            "throughput_met": ratio >= 10,
+            "throughput_met": ratio >= 30,  # issue 19 (issue 12 asked 10x)
+            "throughput_vs_no_guard": vs_plain,
+            "no_guard_met": vs_plain >= 0.6,
             "oom_met": d["oom_failed"]["max"] == 0 and a["oom_failed"]["min"] > 0,
             "peak_met": d["peak_over_base_gib"]["max"] <= limit,
             "lost_met": d["results_lost"]["max"] == 0,

@@ -74,6 +74,10 @@ PRIVATE = [
     r"(?<!distributed)\.metrics\b",
     r"http_application",
     r"dashboard\.(scheduler|core)\b",
+    r"state\.(executing|long_running)\b",
+    r"multiprocessing-method",
+    r"forkserver_preload|get_mp_context",
+    r"move_task_request|\.extensions\b",
 ]
 #: Names whose private parts are not distributed's: our own objects (a simulated buffer,
 #: pool), a ctypes library handle, pynvml's error table.

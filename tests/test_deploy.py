@@ -105,6 +105,14 @@ def test_scheduler_preload_installs_both_plugins_with_its_options(preloaded: Cli
     for options in guards.values():
         assert options["leak_threshold"] == Threshold(nbytes=256 * 2**20)  # preload argument
         assert options["check_interval"] == 1.0  # the scheduler's guard: not the worker's 300ms
+    # and the nannies fork new worker processes from a warm server (fast_restart)
+    names = preloaded.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.nanny_plugins))
+    assert names == ["accelsched-fast-restart"]
+    methods = preloaded.run(
+        lambda: __import__("dask").config.get("distributed.worker.multiprocessing-method"),
+        nanny=True,
+    )
+    assert set(methods.values()) == {"forkserver"}
 
 
 def test_every_worker_verified_and_the_gpu_less_one_corrected(preloaded: Client) -> None:

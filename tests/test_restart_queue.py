@@ -81,3 +81,28 @@ async def test_a_quarantined_worker_sends_its_queue_back(c, s, a, b):
     # it had started before the quarantine, the rest went to its peer
     assert ran_on.count(leaking) < N // 4
     assert not events(s, "restart")
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd("1"))],
+    timeout=120,
+)
+async def test_a_restarted_worker_takes_its_share_of_its_peers_queue(c, s, a, b):
+    """The leaking worker's queue goes to its peer at once (work stealing's protocol); the
+    restarted process, once its GPU is verified, takes its share back instead of idling
+    while its peer works through everything (distributed placed every task at submission)."""
+    await accelsched.register(
+        c, check_interval="50ms", leak_threshold="256MiB", leak_confirmations=2
+    )
+    await wait_for(lambda: gpus(s, a.worker_address) == gpus(s, b.worker_address) == 1, 30)
+    before = {a.worker_address, b.worker_address}
+    futures = c.map(where, range(N), resources={"GPU": 1}, pure=False)
+    ran_on = await c.gather(futures)  # nothing lost, nothing failed
+    (restart,) = events(s, "restart")
+    assert restart["assigned"] > 1
+    restarted = [w for w in set(ran_on) if w not in before]  # the new process's address
+    assert restarted, set(ran_on)
+    # the new process ran a good part of what was left at its start, not one stray task
+    assert ran_on.count(restarted[0]) >= N // 10, {w: ran_on.count(w) for w in set(ran_on)}

@@ -14,8 +14,8 @@ relies on, and fail the registration with :class:`IncompatibleDistributed` namin
 changed and the versions known to work. ``docs/architecture.md`` lists each use and why.
 
 The door is this package: one function per need, grouped by what it touches
-(:mod:`.contract`, :mod:`.servers`, :mod:`.scheduler`, :mod:`.worker`, :mod:`.diagnostics`,
-:mod:`.observe`),
+(:mod:`.contract`, :mod:`.servers`, :mod:`.scheduler`, :mod:`.restarting`, :mod:`.worker`,
+:mod:`.diagnostics`, :mod:`.observe`; the nanny's :mod:`.forkserver` is imported where used),
 all re-exported here so callers write ``internals.spawn(...)``.
 """
 
@@ -37,6 +37,14 @@ from accelsched.internals.observe import (
     remove_metric,
     worker_metric,
 )
+from accelsched.internals.reclaiming import gpu_tasks_in_threads
+from accelsched.internals.restarting import (
+    restart,
+    retire,
+    send_queue_away,
+    take_share,
+    wait_gone,
+)
 from accelsched.internals.scheduler import (
     annotate,
     apply_resources,
@@ -54,16 +62,13 @@ from accelsched.internals.scheduler import (
     notify_unregistered,
     offer_unrunnable,
     release_unfit,
-    restart,
     restore_set_resources,
     resume,
-    retire,
     run_now,
     set_resource_restrictions,
     set_worker_gpus,
     task_spec,
     unrunnable,
-    wait_gone,
     worker_plugin_registered,
     wrap_set_resources,
 )
@@ -114,6 +119,7 @@ __all__ = [
     "distributed_nvml_state",
     "drain",
     "fail_task",
+    "gpu_tasks_in_threads",
     "harden_restrictions",
     "has_running_peer",
     "holds_sole_copy",
@@ -147,6 +153,7 @@ __all__ = [
     "start_periodic",
     "stop_periodic",
     "stored_value",
+    "take_share",
     "task_spec",
     "unrunnable",
     "wait_gone",
@@ -155,5 +162,6 @@ __all__ = [
     "wrap_execution",
     "wrap_set_resources",
     "send_to_scheduler",
+    "send_queue_away",
     "wrap_task",
 ]

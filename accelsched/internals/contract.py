@@ -88,6 +88,12 @@ def check_scheduler(scheduler: Scheduler) -> None:
         ("workers", "close_workers", "remove", "stimulus_id"),
         "Scheduler.retire_workers",
     )
+    from distributed.stealing import WorkStealing
+
+    problems += _missing_params(
+        WorkStealing.move_task_request, ("ts", "victim", "thief"), "WorkStealing.move_task_request"
+    )
+    problems += _missing_params(type(scheduler).valid_workers, ("ts",), "Scheduler.valid_workers")
     problems += _missing_params(
         type(scheduler).restart_workers,
         ("workers", "wait_for_workers", "on_error", "stimulus_id"),
@@ -127,6 +133,9 @@ def check_worker(worker: Worker) -> None:
     for name in ("tasks", "total_resources"):
         if not isinstance(getattr(state, name, None), dict):
             problems.append(f"Worker.state.{name} is not a dict")
+    for name in ("executing", "long_running"):  # reclaim: a GPU task still in its thread
+        if not isinstance(getattr(state, name, None), set):
+            problems.append(f"Worker.state.{name} is not a set")
     if not callable(getattr(getattr(worker, "_ongoing_background_tasks", None), "call_soon", 0)):
         problems.append("Worker._ongoing_background_tasks.call_soon is gone")
     if not callable(getattr(getattr(worker, "_startup_lock", None), "locked", None)):

@@ -46,6 +46,12 @@ async def hand_to_workers(scheduler: Scheduler, plugin: WorkerPlugin, name: str)
     await method(None, plugin=dumps(plugin), name=name, idempotent=True)
 
 
+async def hand_to_nannies(scheduler: Scheduler, plugin: Any, name: str) -> None:
+    """What ``client.register_plugin(nanny_plugin)`` does on the scheduler: every nanny,
+    present and future, sets the plugin up (unless one of that name is registered)."""
+    await scheduler.register_nanny_plugin(None, plugin=dumps(plugin), name=name, idempotent=True)
+
+
 async def started(server: Scheduler | Worker) -> None:
     """Return once ``server`` has started (at once if it has): a worker is registered
     with its scheduler by then. Raises if its start failed."""

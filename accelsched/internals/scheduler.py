@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Mapping
 from time import time
 from typing import TYPE_CHECKING, Any
@@ -226,27 +225,3 @@ def resume(scheduler: Scheduler, ws: WorkerState, previous: Status, stimulus_id:
         {"op": "worker-status-change", "status": previous.name, "stimulus_id": stimulus_id}
     )
     scheduler.handle_worker_status_change(previous, ws, stimulus_id)
-
-
-async def retire(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> bool:
-    """Copy ``ws``'s unique keys to peers, keeping it registered; True when it worked."""
-    retired = await scheduler.retire_workers(
-        workers=[ws.address], close_workers=False, remove=False, stimulus_id=stimulus_id
-    )
-    return ws.address in retired
-
-
-async def restart(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> str:
-    """Restart ``ws`` through its nanny; returns distributed's word for it (``"OK"``)."""
-    result = await scheduler.restart_workers(
-        [ws.address], wait_for_workers=False, on_error="return", stimulus_id=stimulus_id
-    )
-    return str(result.get(ws.address))
-
-
-async def wait_gone(scheduler: Scheduler, ws: WorkerState, timeout: float) -> None:
-    """Wait until ``ws`` left the scheduler (its keys gone from ``who_has``)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while scheduler.workers.get(ws.address) is ws and loop.time() < deadline:
-        await asyncio.sleep(0.01)

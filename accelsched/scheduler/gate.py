@@ -244,8 +244,9 @@ class Gate:
             return  # never declared, nothing granted: stays out of the GPU resource
         before = ws.resources.get(GPU, 0)
         internals.set_worker_gpus(scheduler, ws, after)
-        if after > before:
+        if after > before:  # waiting tasks, and its share of its peers' queues
             internals.offer_unrunnable(scheduler, ws)
+            internals.take_share(scheduler, ws)
         elif after < before:  # a device withdrawn: what no longer fits goes elsewhere
             internals.release_unfit(scheduler, ws, after)
 

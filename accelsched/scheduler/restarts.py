@@ -130,6 +130,7 @@ class Restarts:
             # its queue goes elsewhere now; only what it runs is waited for
             queued = internals.assigned(ws)
             await self.gate.tell_draining(worker, True)
+            internals.send_queue_away(scheduler, ws)  # what has not started moves to peers
             deadline = monotonic() + DRAIN_TIMEOUT
             while internals.is_processing(ws) and monotonic() < deadline:
                 await asyncio.sleep(0.05)

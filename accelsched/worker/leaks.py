@@ -6,15 +6,18 @@ device memory through NVML, takes off the baseline, live results and pool caches
 (:func:`accelsched.leak.estimate`), and lets :class:`~accelsched.leak.LeakDetector`
 confirm a leak over consecutive checks. A confirmed leak is reported once
 (:class:`~accelsched.leak.LeakReports`) and, with ``restart_on_leak``, the worker asks
-for its own lossless restart. A device that stops answering NVML is withdrawn once (and
-offered again when it answers, with ``recover_gpus``) and the worker asks for a restart
-too.
+for its own lossless restart, unless collecting garbage and freeing the pools gave the
+memory back first (:mod:`accelsched.worker.reclaim`, ``leak-reclaimed``). A device that
+stops answering NVML is withdrawn once (and offered again when it answers, with
+``recover_gpus``) and the worker asks for a restart too.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
+from time import monotonic
 from typing import Any
 
 from accelsched import events
@@ -23,8 +26,17 @@ from accelsched.config import Threshold
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
 from accelsched.health import DeviceHealth
-from accelsched.leak import Attribution, Baseline, LeakDetector, LeakReports, Verdict, estimate
+from accelsched.leak import (
+    Attribution,
+    Baseline,
+    LeakDetector,
+    LeakReports,
+    Reclaims,
+    Verdict,
+    estimate,
+)
 from accelsched.worker.ledger import Ledger, net_of_pools
+from accelsched.worker.reclaim import freeze_startup_objects, reclaim
 
 __all__ = ["LeakCheck"]
 
@@ -53,6 +65,8 @@ class LeakCheck:
         withdraw: Callable[[int, bool], None],
         emit: Callable[..., None],
         ledger: Ledger,
+        simulated: bool = False,
+        executing: Callable[[], set[Any]] = set,
     ) -> None:
         self.monitor = monitor
         self.owned = owned
@@ -67,6 +81,10 @@ class LeakCheck:
         self._emit = emit
         self.detector = LeakDetector(confirmations)
         self.reports = LeakReports()
+        self.reclaims = Reclaims()
+        self.simulated = simulated  # fake GPUs: no CUDA device to make current
+        self._executing = executing  # keys of GPU tasks in threads now
+        freeze_startup_objects()  # a reclaim's collection scans only what came since
         self.live: dict[Any, dict[int, int]] = {}  # key -> device bytes it holds
         self.live_total: dict[int, int] = {}  # device -> bytes of live results
         self.baselines: dict[int, Baseline] = {}
@@ -147,22 +165,24 @@ class LeakCheck:
                 continue  # no GPU task of this worker held it: nothing of ours to judge
             if reading.has_context is False or not reading.attributable:
                 continue
-            pool = sum((p.stats(dev.index) for p in pools), PoolStats())
-            live = self.live_total.get(dev.index, 0)
-            base = self.baselines.setdefault(dev.index, Baseline())
-            baseline = base.observe(reading.nbytes, live, pool.held)
-            leaked = estimate(reading.nbytes, baseline, live, pool)
+            leaked, pool = self._estimate(dev.index, reading.nbytes, pools)
             verdict = self.detector.check(dev.index, leaked, self.threshold.resolve(dev.memory))
             verdicts.append(verdict)
             if verdict.above == 0:  # nothing unexplained: a base for measuring arrivals
                 self.ledger.settle(dev.index, net_of_pools(reading.nbytes, pool))
+                self.reclaims.forget(dev.index)
         blamed = self.detector.end_check(verdicts, complete=not busy)
         with self._attribution_lock:
             attributed = {v.device: self.attribution.ranked(v.device) for v in verdicts}
             if complete_and_clean(verdicts, busy):
                 self.attribution.clear()
         self.last_verdicts = verdicts
-        leaks = [v for v in verdicts if v.leak]
+        # the prefixes whose runs left memory behind, most first; when no run could be
+        # measured, every prefix run since a clean check
+        suspects = {
+            v.device: [p for p, _ in attributed.get(v.device, [])] or blamed for v in verdicts
+        }
+        leaks, reclaimed = self._reclaim([v for v in verdicts if v.leak], suspects)
         if leaks:
             for v in leaks:
                 if self.reports.is_news(v):
@@ -174,17 +194,72 @@ class LeakCheck:
                         nbytes=v.estimate,
                         threshold=v.threshold,
                         checks=v.above,
-                        # the prefixes whose runs left memory behind, most first; when
-                        # no run could be measured, every prefix run since a clean check
-                        prefixes=[p for p, _ in ranked] or blamed,
+                        prefixes=suspects[v.device],
                         attributed=dict(ranked),
                         unexplained=max(0, v.estimate - explained),
+                        reclaimed=reclaimed.get(v.device, 0),
                     )
             self.detector.reset()
             if self.restart_on_leak:
                 self._ask_restart("leak", sum(v.estimate for v in leaks))
         self.checks += 1
         return verdicts
+
+    def _estimate(self, device: int, process: int, pools: list) -> tuple[int, PoolStats]:
+        """The leak estimate of ``device`` from this process's reading, and its pools."""
+        pool = sum((p.stats(device) for p in pools), PoolStats())
+        live = self.live_total.get(device, 0)
+        baseline = self.baselines.setdefault(device, Baseline()).observe(process, live, pool.held)
+        return estimate(process, baseline, live, pool), pool
+
+    def _reclaim(
+        self, leaks: list[Verdict], suspects: dict[int, list[str]]
+    ) -> tuple[list[Verdict], dict[int, int]]:
+        """Reclaim before restart: collect garbage, free pools, measure again.
+
+        Returns the leaks still held, as measured again (a restart is asked for them), and
+        what came back per device. A leak that came back is reported (``leak-reclaimed``)
+        and its count starts again. A device a task took meanwhile is not judged: its
+        count stays, and the check runs again when the task ends.
+        """
+        worth = [v for v in leaks if self.reclaims.worth_trying(v.device, v.estimate, v.threshold)]
+        executing = self._executing() if worth else set()
+        tried = [v for v in worth if self.reclaims.settled(v.device, executing)]
+        held = [v for v in leaks if v not in worth]
+        if not tried:
+            return held, {}
+        start = monotonic()
+        reclaim([v.device for v in tried], simulated=self.simulated)
+        came_back: dict[int, int] = {}
+        pools = active_pools()
+        for v in tried:
+            try:
+                reading = self.monitor.process_memory(v.device)
+            except Exception:  # NVMLError: the next check withdraws it
+                held.append(v)
+                continue
+            if v.device in self._busy():
+                self.owed = True
+                continue
+            after, pool = self._estimate(v.device, reading.nbytes, pools)
+            outcome = self.reclaims.outcome(v.device, v.estimate, after, v.threshold)
+            came_back[v.device] = outcome.reclaimed
+            if not outcome.ended:
+                held.append(replace(v, estimate=after))
+                continue
+            self.detector.reset(v.device)
+            self.ledger.settle(v.device, net_of_pools(reading.nbytes, pool))
+            self._emit(
+                events.LEAK_RECLAIMED,
+                device=v.device,
+                nbytes=v.estimate,
+                reclaimed=outcome.reclaimed,
+                remaining=after,
+                threshold=v.threshold,
+                prefixes=suspects.get(v.device, []),
+                seconds=round(monotonic() - start, 4),
+            )
+        return held, came_back
 
     def _busy(self) -> set[int]:
         return {d for devices in self.leases.holders().values() for d in devices}

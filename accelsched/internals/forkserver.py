@@ -1,0 +1,111 @@
+"""Worker processes forked from a warm server: a nanny's restart in a fraction of a second.
+
+A nanny starts its worker process with ``multiprocessing``'s start method named by
+``distributed.worker.multiprocessing-method`` (``spawn`` by default): a new interpreter
+that imports distributed, dask and accelsched again, and whose predecessor ends with a
+full interpreter shutdown. With ``forkserver``, a server process started once imports
+them and forks each new worker process from itself: the imports are paid once, and a
+forked child ends with ``os._exit``.
+
+Nothing in the server may initialise CUDA: a CUDA context does not survive ``fork``. The
+server imports only distributed's list (distributed, dask, numpy, pandas, lz4, ...),
+accelsched and pynvml (which loads no library until ``nvmlInit``, and NVML is no CUDA
+context anyway); never CuPy, RMM, numba or cudf. ``tests/test_fast_restart.py`` checks it.
+
+What the server's children inherit is the server's environment, as it was when it
+started, plus the nanny's ``env``: so the server is started again whenever the nanny
+process's environment differs from the one it was started with (fake GPUs of another
+``fake_gpus`` session, another ``LD_LIBRARY_PATH``).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+from multiprocessing import forkserver
+from typing import Any
+
+import dask.config
+
+__all__ = ["use_forkserver", "release_forkserver", "PRELOAD", "METHOD_KEY"]
+
+logger = logging.getLogger("accelsched.internals")
+
+METHOD_KEY = "distributed.worker.multiprocessing-method"
+#: What the server imports besides distributed's own list. No CUDA library here.
+PRELOAD = ("accelsched", "accelsched.worker.inventory", "accelsched.devices.nvml", "pynvml")
+
+_lock = threading.Lock()
+_users: set[int] = set()  # nannies of this process that use the server
+_saved: list[Any] = []  # the dask.config.set that switched the method, to undo
+_started: dict[str, Any] = {}  # "env", "preload": what the server was started with
+
+
+def available() -> bool:
+    """The platform has a forkserver and ``multiprocessing`` and distributed still have
+    what this module relies on (else restarts spawn, as without accelsched)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    server = getattr(forkserver, "_forkserver", None)
+    needed = ("_lock", "_preload_modules", "_forkserver_pid", "_forkserver_alive_fd")
+    if server is None or not all(hasattr(server, n) for n in needed + ("ensure_running",)):
+        logger.warning("accelsched: multiprocessing's forkserver changed; restarts spawn")
+        return False
+    from distributed import utils
+
+    return callable(getattr(utils, "get_mp_context", None))
+
+
+def use_forkserver(nanny: Any) -> bool:
+    """From now on, ``nanny`` (and every nanny of this process) starts its worker
+    processes from the fork server; start the server now, so that it has imported
+    everything before the first restart. False where the platform has no forkserver."""
+    if not available():
+        return False
+    with _lock:
+        if not _users:
+            _saved.append(dask.config.set({METHOD_KEY: "forkserver"}))
+        _users.add(id(nanny))
+        _ensure_server()
+    return True
+
+
+def release_forkserver(nanny: Any) -> None:
+    """``nanny`` closed: once no nanny of this process uses it, the method is what it was
+    (the server lives on, idle, until this process exits)."""
+    with _lock:
+        _users.discard(id(nanny))
+        if not _users and _saved:
+            _saved.pop().__exit__(None, None, None)
+
+
+def _ensure_server() -> None:
+    from distributed.utils import get_mp_context
+
+    ctx = get_mp_context()  # distributed sets its own preload list, once per process
+    server = forkserver._forkserver
+    modules = list(server._preload_modules)  # type: ignore[attr-defined]
+    wanted = modules + [m for m in PRELOAD if m not in modules]
+    env = dict(os.environ)
+    stale = _started.get("env") != env or _started.get("preload") != wanted
+    if server._forkserver_pid is not None and stale:  # type: ignore[attr-defined]
+        logger.info("accelsched: starting the fork server again (environment or preload changed)")
+        _abandon(server)
+    ctx.set_forkserver_preload(wanted)
+    server.ensure_running()
+    _started.update(env=env, preload=wanted)
+
+
+def _abandon(server: Any) -> None:
+    """Forget the running server; the next start makes a new one. The old one exits once
+    the worker processes it forked have (each holds its liveness pipe, so waiting for it
+    here, as ``ForkServer._stop`` does, would wait for them), and is reaped then."""
+    with server._lock:
+        pid = server._forkserver_pid
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+        server._forkserver_pid = None
+        server._forkserver_address = None
+    threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True, name="reap").start()
