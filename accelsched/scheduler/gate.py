@@ -239,8 +239,7 @@ class Gate:
         """Set the worker's GPU count to :meth:`placed_gpus`; offer or send back tasks."""
         scheduler = self.scheduler
         assert scheduler is not None
-        after = self.placed_gpus(ws.address)
-        if GPU not in ws.resources and not after:
+        if not (after := self.placed_gpus(ws.address)) and GPU not in ws.resources:
             return  # never declared, nothing granted: stays out of the GPU resource
         before = ws.resources.get(GPU, 0)
         internals.set_worker_gpus(scheduler, ws, after)
