@@ -34,12 +34,16 @@ def cvd(value: str) -> dict:
     return {"env": {"CUDA_VISIBLE_DEVICES": value}}
 
 
-@gen_cluster(
+#: Two nanny workers, one fake GPU each.
+TWO_GPU_NANNIES: dict = dict(
     client=True,
     Worker=Nanny,
     nthreads=[("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd("1"))],
     timeout=120,
 )
+
+
+@gen_cluster(**TWO_GPU_NANNIES)
 async def test_queue_goes_back_when_a_leaking_worker_restarts(c, s, a, b):
     await accelsched.register(
         c, check_interval="50ms", leak_threshold="256MiB", leak_confirmations=2
@@ -60,12 +64,7 @@ def where(i: int) -> str:
     return get_worker().address
 
 
-@gen_cluster(
-    client=True,
-    Worker=Nanny,
-    nthreads=[("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd("1"))],
-    timeout=120,
-)
+@gen_cluster(**TWO_GPU_NANNIES)
 async def test_a_quarantined_worker_sends_its_queue_back(c, s, a, b):
     """No restart allowed (``max_restarts=0``): the leaking worker is quarantined, and the
     GPU tasks already sent to it run on the other worker, not on it."""
@@ -83,12 +82,7 @@ async def test_a_quarantined_worker_sends_its_queue_back(c, s, a, b):
     assert not events(s, "restart")
 
 
-@gen_cluster(
-    client=True,
-    Worker=Nanny,
-    nthreads=[("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd("1"))],
-    timeout=120,
-)
+@gen_cluster(**TWO_GPU_NANNIES)
 async def test_a_restarted_worker_takes_its_share_of_its_peers_queue(c, s, a, b):
     """The leaking worker's queue goes to its peer at once (work stealing's protocol); the
     restarted process, once its GPU is verified, takes its share back instead of idling
