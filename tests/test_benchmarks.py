@@ -110,13 +110,18 @@ def test_leak_figures(results: tuple[Path, dict[str, Any]]) -> None:
     assert summary["a no guard"]["restarts"]["max"] == 0
     assert leak["runs"]["d accelsched, stream of 4"][0]["restarts"] >= 1
     for d in ("d accelsched", "d accelsched, stream of 4"):
-        assert set(leak["targets"][d]) == {
+        targets = leak["targets"][d]
+        assert set(targets) == {
             "throughput_vs_per_task",
             "throughput_met",
+            "throughput_vs_no_guard",
+            "no_guard_met",
             "oom_met",
             "peak_met",
             "lost_met",
         }
+        assert targets["throughput_vs_per_task"] > 0 and targets["throughput_vs_no_guard"] > 0
+        assert all(isinstance(targets[k], bool) for k in targets if k.endswith("_met"))
 
 
 @pytest.mark.timeout(900)
