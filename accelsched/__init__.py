@@ -10,17 +10,23 @@
 
 from __future__ import annotations
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accelsched import config as _config  # noqa: F401  (loads the config defaults)
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
 from accelsched.context import array_module, current_device
+
+# ``dual`` shares its name with its module: imported here, the function wins over the
+# submodule attribute that importing ``accelsched.dual`` sets
 from accelsched.dual import dual, gpu
-from accelsched.fast_restart import FastRestart
-from accelsched.guard import GuardPlugin
-from accelsched.placement import PlacementPlugin
-from accelsched.preload import dask_setup, dask_teardown  # --preload accelsched
+
+if TYPE_CHECKING:
+    from accelsched.deploy.forked_workers import FastRestart
+    from accelsched.deploy.install import dask_setup, dask_teardown
+    from accelsched.scheduler.placement_plugin import PlacementPlugin
+    from accelsched.worker.guard_plugin import GuardPlugin
 
 try:
     __version__ = version("accelsched")
@@ -37,8 +43,32 @@ __all__ = [
     "current_device",
     "dask_setup",
     "dask_teardown",
+    "FastRestart",
     "__version__",
 ]
+
+#: The public names and the modules that hold them, imported on first use: a process
+#: that only needs a decision module (``accelsched.policy``) or the command line does not
+#: load distributed, and ``--preload accelsched`` finds ``dask_setup`` here all the same.
+_LAZY = {
+    "PlacementPlugin": "accelsched.scheduler.placement_plugin",
+    "GuardPlugin": "accelsched.worker.guard_plugin",
+    "FastRestart": "accelsched.deploy.forked_workers",
+    "dask_setup": "accelsched.deploy.install",
+    "dask_teardown": "accelsched.deploy.install",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'accelsched' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]:
@@ -49,9 +79,13 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     already registered, nothing changes (unregister them first to change options).
     With an asynchronous client, await the result.
     The scheduler plugin goes first so the guards' reports find it listening. With
-    ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.fast_restart.
+    ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.deploy.forked_workers.
     FastRestart`) makes the nannies start new worker processes from a fork server.
     """
+    from accelsched.deploy.forked_workers import FastRestart
+    from accelsched.scheduler.placement_plugin import PlacementPlugin
+    from accelsched.worker.guard_plugin import GuardPlugin
+
     placement_names = {o.name for o in PLACEMENT_OPTIONS}
     guard_names = {o.name for o in GUARD_OPTIONS}
     unknown = sorted(set(options) - placement_names - guard_names)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from accelsched.preload import setup_server
+from accelsched.deploy.install import setup_server
 
 __all__ = ["dask_setup", "dask_teardown"]
 

@@ -2,7 +2,7 @@
 
 CUDA's current device is per thread, and a worker runs several tasks at once in its
 thread pool, so the device a task holds is kept in a thread-local set by the guard just
-before the task's function runs (see :mod:`accelsched.binding`) and cleared after it.
+before the task's function runs (see :mod:`accelsched.policy.leases`) and cleared after it.
 """
 
 from __future__ import annotations

@@ -9,11 +9,13 @@ the task from the lease it holds: the GPU form under a GPU lease, the CPU form o
 When the GPU form runs out of device memory (an exception named in the guard's
 ``oom_exceptions``, CuPy's ``OutOfMemoryError`` by default), the task is retried once in
 its CPU form, in the same thread, and a ``fallback`` event with reason ``oom`` is sent.
-Exceptions are matched by name, so CuPy is never imported to check them.
+Exceptions are matched by name, so CuPy is never imported to check them; a library whose
+allocator raises its own type registers it (:func:`register_oom_exception`), as the
+simulated devices of :mod:`accelsched.testing` do.
 
 ``@gpu`` (or ``@gpu(count=2, fallback_timeout="5s")``) marks a GPU-only step. Both carry
-a :class:`~accelsched.marks.Mark`: any task that calls one, wherever it sits in the graph,
-is a GPU task, with no ``dask.annotate`` (see :mod:`accelsched.marks`).
+a :class:`~accelsched.policy.marks.Mark`: any task that calls one, wherever it sits in the graph,
+is a GPU task, with no ``dask.annotate`` (see :mod:`accelsched.policy.marks`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
 from accelsched.context import current_lease, released
-from accelsched.fallback import invalid_amount, parse_task_timeout
-from accelsched.marks import Mark, note_marked
+from accelsched.policy.marks import Mark, note_marked
+from accelsched.policy.timeouts import invalid_amount, parse_task_timeout
 from accelsched.shipping import Unloadable, importable, ship, unpickle
 
 __all__ = ["dual", "Dual", "gpu", "GPUStep"]
@@ -124,8 +126,22 @@ class Bound:
         return f"<bound {self.step!r} of {type(self.obj).__name__}>"
 
 
+#: Exception types registered as "out of device memory", beside ``oom_exceptions``.
+_OOM_TYPES: set[type[BaseException]] = set()
+
+
+def register_oom_exception(exc_type: type[BaseException]) -> None:
+    """Count ``exc_type`` (and its subclasses) as running out of device memory in every
+    ``dual`` task of this process, whatever ``oom_exceptions`` says."""
+    if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+        raise TypeError(f"register_oom_exception() takes an exception type, not {exc_type!r}")
+    _OOM_TYPES.add(exc_type)
+
+
 def _named(exc: BaseException, names: tuple[str, ...]) -> bool:
-    return any(f"{c.__module__}.{c.__qualname__}" in names for c in type(exc).__mro__)
+    return any(
+        c in _OOM_TYPES or f"{c.__module__}.{c.__qualname__}" in names for c in type(exc).__mro__
+    )
 
 
 def _name(fn: Callable[..., Any]) -> str:

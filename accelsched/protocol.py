@@ -37,7 +37,7 @@ Worker handlers (``await scheduler.rpc(addr).<name>(...)``):
     Who speaks for a worker: every request above names a worker and carries a one-time
     ``request`` id. Before acting, the scheduler calls the named worker back at the
     address it registered under and asks whether the request is its own, sent to that
-    handler with that content (``fingerprint``, :func:`accelsched.requests.fingerprint`;
+    handler with that content (``fingerprint``, :func:`accelsched.policy.requests.fingerprint`;
     :class:`ConfirmReply`). An id confirms once. A client or another worker naming it is
     refused, and nothing secret ever leaves the scheduler or the worker. The scheduler
     serves an ``accelsched_confirm`` of its own for its orders (``accelsched_drain``).
@@ -136,7 +136,7 @@ class InventoryRequest(TypedDict):
 
     ``declared`` is the worker's own ``GPU`` resource (None when it declared none);
     ``requested`` how many of ``devices`` (in order) it asks for; ``reason`` why that
-    differs from ``declared`` (see :func:`accelsched.inventory.decide_claim`);
+    differs from ``declared`` (see :func:`accelsched.policy.ownership.decide_claim`);
     ``request`` the one-time id the worker confirms when called back.
     """
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import io
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -19,23 +22,30 @@ ROOT = Path(__file__).resolve().parents[1]  # the source tree, wherever accelsch
 PACKAGE = ROOT / "accelsched"
 SOURCES = sorted(p for p in PACKAGE.rglob("*.py"))
 
-SCHEDULER_SIDE = {"accelsched.placement"} | {
-    f"accelsched.scheduler.{p.stem}" for p in (PACKAGE / "scheduler").glob("*.py")
-}
-WORKER_SIDE = {"accelsched.guard"} | {
-    f"accelsched.worker.{p.stem}" for p in (PACKAGE / "worker").glob("*.py")
-}
-#: Decisions only: no distributed, nothing of either side.
-PURE = {
-    "accelsched.protocol",
-    "accelsched.events",
-    "accelsched.inventory",
-    "accelsched.fallback",
-    "accelsched.budget",
-    "accelsched.leak",
-    "accelsched.binding",
-    "accelsched.unrequested",
-    "accelsched.requests",
+
+def _folder(name: str) -> set[str]:
+    return {
+        "accelsched." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
+        for p in (PACKAGE / name).glob("*.py")
+    } - {f"accelsched.{name}.__init__"} | {f"accelsched.{name}"}
+
+
+# The rules follow the folders: a new file is under them by where it is put.
+SCHEDULER_SIDE = _folder("scheduler")
+WORKER_SIDE = _folder("worker")
+#: Decisions only: no distributed, nothing of either side. Everything in policy/, and the
+#: vocabulary both sides share (messages, events).
+PURE = _folder("policy") | {"accelsched.protocol", "accelsched.events"}
+#: Modules kept at an old import path: one re-export each, nothing else.
+SHIM_DOC = "this path is kept for existing imports"
+#: distributed modules the package may import outside internals/: the documented API.
+PUBLIC_DISTRIBUTED = {
+    "distributed",
+    "distributed.diagnostics.plugin",
+    "distributed.scheduler",  # WorkerState, for type hints
+    "distributed.core",  # Status
+    "distributed.metrics",  # time
+    "distributed.comm.addressing",
 }
 
 #: Private attributes and undocumented behaviour of distributed (and dask) that only
@@ -198,6 +208,121 @@ def test_decision_modules_import_no_distributed() -> None:
             or m in SCHEDULER_SIDE | WORKER_SIDE
         }
         assert not bad, f"{name} is a decision module but imports {bad}"
+
+
+def test_decision_modules_load_no_distributed() -> None:
+    """Importing a decision module loads neither distributed nor a side: ``accelsched``'s
+    own ``__init__`` imports the plugins on first use only."""
+    assert len(PURE) >= 10
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in sorted(PURE))
+        + "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('distributed', 'tornado')"
+        " or m.startswith(('accelsched.scheduler', 'accelsched.worker', 'accelsched.testing')))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def _distributed_imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return [(n, m) for n, m in found if m.split(".")[0] in ("distributed", "dask")]
+
+
+def test_only_public_distributed_modules_outside_the_door() -> None:
+    """Found by the AST, wherever the import stands (inside functions too): a dashboard
+    component, a private module of dask or distributed, or a module distributed does not
+    document is imported in ``accelsched/internals/`` only."""
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {m}"
+        for p in SOURCES
+        if "internals" not in p.relative_to(PACKAGE).parts
+        for n, m in _distributed_imports(p)
+        if (m.startswith("distributed") and m not in PUBLIC_DISTRIBUTED)
+        or any(part.startswith("_") for part in m.split("."))
+    ]
+    assert not found, "distributed internals imported outside accelsched/internals/:\n" + (
+        "\n".join(found)
+    )
+
+
+def test_the_import_check_would_catch_a_dashboard_import() -> None:
+    """The check above is not vacuous: the door's own imports fail it."""
+    door = [
+        m
+        for p in (PACKAGE / "internals").glob("*.py")
+        for _, m in _distributed_imports(p)
+        if m.startswith("distributed") and m not in PUBLIC_DISTRIBUTED
+    ]
+    assert "distributed.dashboard.components.scheduler" in door
+
+
+def _is_shim(path: Path) -> bool:
+    return SHIM_DOC in (ast.get_docstring(ast.parse(path.read_text())) or "")
+
+
+def test_no_two_files_share_a_name() -> None:
+    """One name, one file: searches, tracebacks and editor tabs are never ambiguous."""
+    seen: dict[str, list[str]] = {}
+    for p in SOURCES:
+        if p.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(p.stem, []).append(str(p.relative_to(ROOT)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, twice
+
+
+def test_kept_import_paths_only_re_export() -> None:
+    """A module kept at an old path holds one import from the module that moved, and the
+    names it re-exports are that module's."""
+    shims = [p for p in SOURCES if _is_shim(p)]
+    assert {p.stem for p in shims} >= {"placement", "guard", "status"}
+    for p in shims:
+        body = ast.parse(p.read_text()).body[1:]  # after the docstring
+        assert len(body) == 1 and isinstance(body[0], ast.ImportFrom), p
+        target = importlib.import_module(body[0].module or "")
+        for alias in body[0].names:
+            assert hasattr(target, alias.name), (p, alias.name)
+
+
+#: What only a test or the demo uses: the simulated devices.
+TEST_ONLY = ("testing", "demo")
+
+
+def test_production_code_imports_no_test_double() -> None:
+    """Nothing outside ``accelsched/testing`` and the demo imports the simulated devices;
+    the simulated NVML is passed in (dask config ``accelsched.nvml-backend``). The command
+    line reaches ``accelsched simulate`` (a testing tool) inside its dispatch only."""
+    found = []
+    for p in SOURCES:
+        rel = p.relative_to(PACKAGE)
+        if rel.parts[0] in TEST_ONLY:
+            continue
+        tree = ast.parse(p.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if not any(n.startswith("accelsched.testing") for n in names):
+                continue
+            if rel.parts[0] == "cli" and id(node) not in top:
+                continue
+            found.append(f"{rel}:{node.lineno}")
+    assert not found, found
+    text = (PACKAGE / "accelsched.yaml").read_text()
+    assert "accelsched.testing" not in text
 
 
 #: "No module over about 300 lines": one concern a module, readable in a sitting.

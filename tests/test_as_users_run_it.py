@@ -380,7 +380,7 @@ import asyncio
 import dask
 from distributed.core import rpc
 
-from accelsched.marks import Mark
+from accelsched.policy.marks import Mark
 
 address = {name: a for a, name in names.items()}
 

@@ -12,8 +12,8 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.fallback import MAX_GPUS
-from accelsched.marks import Mark
+from accelsched.policy.marks import Mark
+from accelsched.policy.timeouts import MAX_GPUS
 from tests.utils import events, wait_for
 
 #: One worker with a (fake) GPU, one without.

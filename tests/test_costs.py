@@ -151,7 +151,7 @@ class _Pool:
 
 def test_freeing_waits_for_a_cache_worth_it_except_under_rmm() -> None:
     from accelsched.devices.pool import PoolStats
-    from accelsched.worker.pools import PoolFreer
+    from accelsched.worker.pool_freer import PoolFreer
 
     freer = PoolFreer(every=1, above=0, monitor=None, simulated=True, minimum=64 * MiB)  # type: ignore[arg-type]
     assert not freer._caches_enough([_Pool(PoolStats(cached=MiB))], (0,))

@@ -27,7 +27,7 @@ from distributed import Scheduler
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched import dashboard
+from accelsched.observe import dashboard_page
 from accelsched.testing import device_alloc
 from tests.test_status import NAMES, leak_and_restart, named_nannies, snapshot
 from tests.utils import events, wait_for
@@ -75,7 +75,7 @@ def cpu_or_gpu(x: int) -> int:
 
 
 def page_url(s: Scheduler) -> str:
-    return f"http://127.0.0.1:{s.http_server.port}/{dashboard.PAGE}"
+    return f"http://127.0.0.1:{s.http_server.port}/{dashboard_page.PAGE}"
 
 
 def load_in_chromium(url: str, expected: list[str], screenshot: Path) -> dict[str, Any]:
@@ -175,9 +175,9 @@ async def test_page_installed_at_scheduler_start_once(c, s):
     await accelsched.register(c)
     with pytest.warns(UserWarning, match="overwriting"):  # a new instance replaces it
         await c.register_plugin(accelsched.PlacementPlugin())
-    assert dashboard.install(s) is True
+    assert dashboard_page.install(s) is True
     assert len(s.http_application.applications) == apps
-    assert dashboard.observer_of(s) is s.plugins["accelsched-placement"].observer
+    assert dashboard_page.observer_of(s) is s.plugins["accelsched-placement"].observer
     status = await asyncio.to_thread(
         urllib.request.urlopen, page_url(s).replace("accelsched", "status")
     )
@@ -187,5 +187,5 @@ async def test_page_installed_at_scheduler_start_once(c, s):
 @gen_cluster(client=True, nthreads=[])
 async def test_no_dashboard_no_page(c, s):
     await accelsched.register(c)
-    assert dashboard.install(s) is False
+    assert dashboard_page.install(s) is False
     assert snapshot(s)["workers"] == []  # the status handler works without a dashboard

@@ -182,12 +182,12 @@ def test_preload_ignores_dask_cudas_flag_and_warns_about_its_own(
     rest."""
     import dask_cuda.initialize  # noqa: F401  (as dask cuda worker has it imported)
 
-    from accelsched.preload import dask_setup
+    from accelsched.deploy.install import dask_setup
 
-    with caplog.at_level("WARNING", logger="accelsched.preload"):
+    with caplog.at_level("WARNING", logger="accelsched.deploy.install"):
         alone = dask_setup.make_context("dask_setup", ["--create-cuda-context"]).params
     assert "invalid" not in alone and not caplog.records
-    with caplog.at_level("WARNING", logger="accelsched.preload"):
+    with caplog.at_level("WARNING", logger="accelsched.deploy.install"):
         argv = ["--leak-threshold", "1GiB", "--create-cuda-context"]
         both = dask_setup.make_context("dask_setup", argv).params
     assert both["leak_threshold"] == "1GiB"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from accelsched.budget import RestartBudget, admit_restart
-from accelsched.devices.nvml import MemoryReading
-from accelsched.fallback import (
+from accelsched.devices.records import MemoryReading
+from accelsched.policy.budget import RestartBudget, admit_restart
+from accelsched.policy.leak import LeakReports, Reclaims, Verdict
+from accelsched.policy.timeouts import (
     CHAIN,
     MAX_GPUS,
     NO_GPU_CAPACITY,
@@ -18,8 +19,7 @@ from accelsched.fallback import (
     summarise,
     sweep,
 )
-from accelsched.leak import LeakReports, Reclaims, Verdict
-from accelsched.unrequested import Use, classify
+from accelsched.policy.unrequested import Use, classify
 
 # --- which tasks fall back now, and when to look again --------------------------------
 
@@ -298,7 +298,7 @@ def test_thresholds_that_are_no_size_name_the_option(value: object) -> None:
     ],
 )
 def test_declarations_that_are_no_count_claim_nothing(declared: object, reason: str) -> None:
-    from accelsched.inventory import Claim, decide_claim, declared_count
+    from accelsched.policy.ownership import Claim, decide_claim, declared_count
 
     assert decide_claim(declared, 2, advertise_undeclared=True) == Claim(0, reason)
     assert declared_count(declared) is None
@@ -306,14 +306,14 @@ def test_declarations_that_are_no_count_claim_nothing(declared: object, reason: 
 
 @pytest.mark.parametrize("amount", [0, -1, float("nan"), float("inf"), "1", True, None])
 def test_odd_gpu_amounts_are_invalid(amount: object) -> None:
-    from accelsched.fallback import invalid_amount
+    from accelsched.policy.timeouts import invalid_amount
 
     assert "expected a positive, finite number of GPUs" in (invalid_amount(amount) or "")
 
 
 @pytest.mark.parametrize("amount", [1, 2, 0.5, 0.25])
 def test_gpu_amounts(amount: float) -> None:
-    from accelsched.fallback import invalid_amount
+    from accelsched.policy.timeouts import invalid_amount
 
     assert invalid_amount(amount) is None
 
@@ -322,7 +322,7 @@ def test_gpu_amounts(amount: float) -> None:
 
 
 def test_a_device_comes_back_after_a_streak_that_doubles_with_each_failure() -> None:
-    from accelsched.health import DeviceHealth
+    from accelsched.policy.health import DeviceHealth
 
     h = DeviceHealth(streak=3, ceiling=10)
     assert not h.answered(0)  # healthy: nothing to bring back
@@ -340,7 +340,7 @@ def test_a_device_comes_back_after_a_streak_that_doubles_with_each_failure() -> 
 
 
 def test_a_device_left_out_is_probed_with_backoff_and_back_when_steady() -> None:
-    from accelsched.health import DeviceHealth, Probation
+    from accelsched.policy.health import DeviceHealth, Probation
 
     p = Probation(DeviceHealth(streak=3), first=1.0, longest=8.0)
     p.left_out(0, now=0.0)

@@ -162,7 +162,7 @@ def test_events_cli_prints_what_happened(fake_gpus_2) -> None:
     from distributed import Client, LocalCluster
 
     import accelsched
-    from accelsched.cli import main, print_events
+    from accelsched.cli.main import main, print_events
 
     with (
         LocalCluster(
@@ -187,7 +187,7 @@ def test_events_cli_prints_what_happened(fake_gpus_2) -> None:
 
 
 def test_events_cli_names_an_unreachable_scheduler(capsys) -> None:  # type: ignore[no-untyped-def]
-    from accelsched.cli import main
+    from accelsched.cli.main import main
 
     assert main(["events", "tcp://127.0.0.1:1", "--timeout", "1s"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

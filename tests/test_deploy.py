@@ -295,7 +295,7 @@ def test_configured_preload_beside_a_click_preload(gpus: FakeGPUs, tmp_path: Pat
 
 
 def test_none_on_the_command_line_wins_over_config() -> None:
-    from accelsched.preload import dask_setup, split_options
+    from accelsched.deploy.install import dask_setup, split_options
 
     with dask.config.set({"accelsched.placement.fallback-timeout": "30s"}):
         given = dask_setup.make_context("dask_setup", ["--fallback-timeout", "none"]).params
@@ -316,7 +316,7 @@ def test_none_on_the_command_line_wins_over_config() -> None:
 
 
 def test_oom_exceptions_repeat() -> None:
-    from accelsched.preload import dask_setup, split_options
+    from accelsched.deploy.install import dask_setup, split_options
 
     argv = ["--oom-exceptions", "a.OOM", "--oom-exceptions", "b.OOM", "--leak-threshold", "0.2"]
     _, guard = split_options(dask_setup.make_context("dask_setup", argv).params)

@@ -34,7 +34,7 @@ from accelsched.testing import (
     standin,
     state,
 )
-from accelsched.testing import pool as pool_module
+from accelsched.testing import device_memory as pool_module
 
 MiB = 2**20
 GiB = 2**30
@@ -643,7 +643,7 @@ def test_mig_device_full_at_its_own_size(mig: FakeGPUs, monkeypatch: pytest.Monk
 
 
 def the_pool_visible() -> int:
-    from accelsched.testing.pool import _pool
+    from accelsched.testing.device_memory import _pool
 
     return _pool().visible()
 

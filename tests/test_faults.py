@@ -14,7 +14,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.devices.nvml import NVMLMonitor
-from accelsched.health import DeviceHealth
+from accelsched.policy.health import DeviceHealth
 from accelsched.testing import fake_gpus, standin
 from tests.utils import events, events_arrived, gpus, guard_checks, wait_for
 

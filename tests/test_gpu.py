@@ -36,7 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
 #: Checks after which a leak present at the start would have been declared, and one more.
 CONFIRMED = 3
-_FAKE_ENV = ("ACCELSCHED_FAKE_NVML_DIR", "ACCELSCHED_FAKE_NVML_STANDIN")
+_FAKE_ENV = (
+    "ACCELSCHED_FAKE_NVML_DIR",
+    "ACCELSCHED_FAKE_NVML_STANDIN",
+    "DASK_ACCELSCHED__NVML_BACKEND",
+)
 _CHECKED = "ACCELSCHED_TEST_GPU_MISSING"  # the probe's answer, inherited by workers
 
 
@@ -219,8 +223,10 @@ else:
     gpus = session.__enter__()
     assert gpus.standin == (mode == "standin"), (mode, gpus)
     buf = device_alloc(1 << 20, device=0)
-from accelsched.devices.nvml import NVMLMonitor, _load_nvml
-nvml = _load_nvml()
+from accelsched.devices.backend import load_backend
+from accelsched.devices.nvml import NVMLMonitor
+nvml, simulated = load_backend()
+assert simulated
 nvml.nvmlInit()
 h = nvml.nvmlDeviceGetHandleByIndex(0)
 

@@ -28,8 +28,8 @@ from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
 from accelsched.demo.chart import report_path
+from accelsched.observe.status_table import render
 from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
-from accelsched.status import render
 from tests.utils import cli, cli_process, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")

@@ -13,9 +13,9 @@ from dask._task_spec import Task
 import accelsched
 from accelsched.devices.nvml import MemoryReading, NVMLMonitor
 from accelsched.testing import create_context, device_alloc
-from accelsched.worker.binding import Binder
+from accelsched.worker.binder import Binder
 from accelsched.worker.ledger import LEARN, MEASURE, SKIP, Ledger
-from accelsched.worker.pools import PoolFreer
+from accelsched.worker.pool_freer import PoolFreer
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from accelsched.budget import RestartBudget
 from accelsched.devices.pool import PoolStats
-from accelsched.leak import Baseline, LeakDetector, estimate
+from accelsched.policy.budget import RestartBudget
+from accelsched.policy.leak import Baseline, LeakDetector, estimate
 
 MiB = 2**20
 GiB = 2**30

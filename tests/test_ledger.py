@@ -12,7 +12,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.devices.arrays import knows
-from accelsched.leak import Attribution
+from accelsched.policy.leak import Attribution
 from accelsched.testing import device_alloc
 from tests.utils import events, gpus, guard_checks, wait_for
 
@@ -77,7 +77,7 @@ def test_attribution_ranks_by_bytes_per_device() -> None:
 
 
 def test_a_lease_proves_it_was_alone_for_the_whole_run() -> None:
-    from accelsched.binding import LeaseTable
+    from accelsched.policy.leases import LeaseTable
 
     t = LeaseTable([0, 1])
     t.acquire("a", 0.5)

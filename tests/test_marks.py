@@ -18,7 +18,7 @@ from distributed import Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.marks import Mark, find_mark
+from accelsched.policy.marks import Mark, find_mark
 from tests.utils import events, gpus, past_deadline, wait_for
 
 # ---- the walk, with numbers ---------------------------------------------------------------
@@ -216,7 +216,7 @@ def test_a_type_seen_first_with_none_still_carries_marks_later() -> None:
     code = (
         "import accelsched\n"
         "from dask._task_spec import DataNode, Task\n"
-        "from accelsched.marks import find_mark\n"
+        "from accelsched.policy.marks import find_mark\n"
         "def f(x):\n    return x\n"
         "step = accelsched.dual(f, f)\n"
         "assert find_mark(DataNode('a', None)) is None\n"
@@ -281,7 +281,7 @@ with open(sys.argv[1], "wb") as f:
 SERVER = """
 import pickle, sys
 import cloudpickle
-from accelsched.marks import find_mark
+from accelsched.policy.marks import find_mark
 with open(sys.argv[1], "rb") as f:
     steps = pickle.loads(f.read())
 marks = [find_mark(s) for s in steps]
@@ -348,7 +348,7 @@ both = accelsched.dual(on_gpu, on_cpu)
 WITHOUT_LIBRARY = """
 import pickle, sys
 import cloudpickle
-from accelsched.marks import find_mark
+from accelsched.policy.marks import find_mark
 with open(sys.argv[1], "rb") as f:
     step, both = pickle.loads(f.read())
 errors = []

@@ -18,7 +18,7 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.devices.visible import Visible, resolve_devices
-from accelsched.inventory import owned
+from accelsched.policy.ownership import owned
 from accelsched.testing import FakeGPUs, device_alloc, fake_gpus, state
 from tests.utils import events, gpus, wait_for
 

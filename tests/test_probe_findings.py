@@ -19,7 +19,7 @@ from distributed.core import rpc
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.marks import find_mark
+from accelsched.policy.marks import find_mark
 from accelsched.protocol import CONFIRM_HANDLER, GUARD_PLUGIN, PLACEMENT_PLUGIN
 from tests.utils import wait_for
 
@@ -226,7 +226,7 @@ class _LostHandleNVML:
 def test_one_lost_gpu_at_listing_costs_only_itself(monkeypatch):
     from accelsched.devices import nvml
 
-    monkeypatch.setattr(nvml, "_load_nvml", _LostHandleNVML)
+    monkeypatch.setattr(nvml, "load_backend", lambda name=None: (_LostHandleNVML(), False))
     monitor = nvml.NVMLMonitor(env={})
     assert [d.index for d in monitor.devices()] == [0]
     assert monitor.left_out == [1]

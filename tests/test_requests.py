@@ -16,8 +16,8 @@ from distributed.core import rpc
 from distributed.utils_test import gen_cluster
 
 import accelsched
+from accelsched.policy.requests import Outstanding, fingerprint
 from accelsched.protocol import DRAIN_HANDLER, INVENTORY_HANDLER, RESTART_HANDLER
-from accelsched.requests import Outstanding, fingerprint
 from tests.utils import events, gpus, wait_for
 
 # --- the numbers ------------------------------------------------------------------------------

@@ -8,11 +8,17 @@ import dask
 import pytest
 
 import accelsched
-from accelsched.binding import LeaseTable, NoFreeDevice
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
 from accelsched.devices.visible import parse_visible, resolve_visible
-from accelsched.fallback import CHAIN, NO_GPU_CAPACITY, TIMEOUT, FallbackPolicy, parse_task_timeout
-from accelsched.inventory import Claim, OwnershipRegistry, decide_claim, owned
+from accelsched.policy.leases import LeaseTable, NoFreeDevice
+from accelsched.policy.ownership import Claim, OwnershipRegistry, decide_claim, owned
+from accelsched.policy.timeouts import (
+    CHAIN,
+    NO_GPU_CAPACITY,
+    TIMEOUT,
+    FallbackPolicy,
+    parse_task_timeout,
+)
 
 UUIDS = [
     "GPU-aaaaaaaa-0000-0000-0000-000000000000",

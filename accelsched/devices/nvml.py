@@ -8,8 +8,9 @@ No driver, no ``libnvidia-ml.so.1`` or no ``pynvml`` means zero GPUs: one log li
 an exception. MIG devices are found under their parent GPU (NVML does not count them)
 and stand for it as CUDA does (:func:`accelsched.devices.visible.resolve_devices`): a
 worker's device is then the MIG device, with its own UUID, memory and processes.
-Under :func:`accelsched.testing.fake_gpus` without a C compiler the monitor talks to the
-pure-Python stand-in instead of ``pynvml``.
+
+The NVML library is passed in (``backend``, else dask config ``accelsched.nvml-backend``;
+:mod:`accelsched.devices.backend`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from accelsched.devices.backend import load_backend
+from accelsched.devices.records import DeviceInfo, MemoryReading
 from accelsched.devices.visible import resolve_devices, visible_from_env
 
 __all__ = ["DeviceInfo", "MemoryReading", "NVMLMonitor"]
@@ -31,64 +34,23 @@ _init_lock = threading.Lock()
 _logged: set[str] = set()
 
 
-@dataclass(frozen=True)
-class DeviceInfo:
-    """One device this process can use: ``index`` is its CUDA index here.
-
-    For a MIG device, ``uuid``, ``name`` and ``memory`` are the MIG device's own,
-    ``nvml_index`` is its parent GPU's and ``parent`` the parent's UUID (None otherwise).
-    """
-
-    index: int
-    nvml_index: int
-    uuid: str
-    name: str
-    memory: int
-    parent: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "uuid": self.uuid, "name": self.name, "memory": self.memory}
-
-
-@dataclass(frozen=True)
-class MemoryReading:
-    """This process's device memory on one device.
-
-    ``exact`` is False when NVML gave no per-process figure (``usedGpuMemory`` None,
-    common under MIG and some virtualised GPUs) or listed no entry with our pid (in a
-    container without the host PID namespace NVML reports host pids). Then ``nbytes`` is
-    the device-wide used memory: other processes on the device are counted in, and a
-    baseline taken at start absorbs them as long as they stay steady.
-    """
-
-    nbytes: int
-    exact: bool
-    has_context: bool | None
-    #: The figure is this process's alone: exact, or the only process NVML lists on the
-    #: device (a container's pid namespace, a MIG device without per-process figures).
-    #: The guard draws no conclusion from a reading that is not attributable.
-    attributable: bool = True
-
-
-def _load_nvml() -> Any:
-    from accelsched.testing import standin
-
-    if standin.active():
-        return standin
-    import pynvml
-
-    return pynvml
-
-
 class NVMLMonitor:
     """Devices visible to this process, through NVML, in CUDA order.
 
     ``env`` defaults to ``os.environ`` (``CUDA_VISIBLE_DEVICES`` decides what is visible).
     """
 
-    def __init__(self, env: Mapping[str, str] | None = None, pid: int | None = None) -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str] | None = None,
+        pid: int | None = None,
+        backend: str | None = None,
+    ) -> None:
         self.pid = os.getpid() if pid is None else pid
         self._env = env
+        self._backend = backend
+        #: The backend's devices are simulated: no CUDA device can be made current.
+        self.simulated = False
         self._nvml: Any = None
         self.reason: str | None = None
         self._devices: list[DeviceInfo] | None = None
@@ -102,9 +64,13 @@ class NVMLMonitor:
             return self._nvml
         with _init_lock:
             try:
-                nvml = _load_nvml()
-            except ImportError:
-                return self._unavailable("pynvml is not installed (pip install nvidia-ml-py)")
+                nvml, self.simulated = load_backend(self._backend)
+            except ImportError as exc:
+                if exc.name == "pynvml":
+                    return self._unavailable("pynvml is not installed (pip install nvidia-ml-py)")
+                return self._unavailable(f"the NVML backend cannot be imported: {exc}")
+            except ValueError as exc:  # a bad accelsched.nvml-backend
+                return self._unavailable(str(exc))
             try:
                 nvml.nvmlInit()
             except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...

@@ -31,9 +31,10 @@ from accelsched.internals.diagnostics import (
     reset_distributed_nvml,
     restore_distributed_nvml,
 )
-from accelsched.internals.observe import (
+from accelsched.internals.observing import (
     add_dashboard_page,
     add_metric,
+    dress_page,
     remove_metric,
     worker_metric,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "Bound",
     "IncompatibleDistributed",
     "add_dashboard_page",
+    "dress_page",
     "add_metric",
     "add_spec_worker",
     "advertises_gpus",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask._task_spec import GraphNode, Task
 
-from accelsched.inventory import valid_declaration
+from accelsched.policy.ownership import valid_declaration
 from accelsched.protocol import GPU
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 Every request to the scheduler names a worker and carries a one-time id. Before acting,
 the scheduler calls the named worker back, at the address it registered under, and asks
 whether the id is one of its outstanding requests (``accelsched_confirm``), sent to this
-handler with this content (its fingerprint, :mod:`accelsched.requests`). Only the process
+handler with this content (its fingerprint, :mod:`accelsched.policy.requests`). Only the process
 that sent the request can say yes, once, and nothing secret ever leaves either side.
 
 The scheduler's own orders to a worker (``accelsched_drain``) go the other way: the
@@ -24,8 +24,8 @@ from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events
+from accelsched.policy.requests import Outstanding, fingerprint
 from accelsched.protocol import CONFIRM_HANDLER, DRAIN_HANDLER, ConfirmReply
-from accelsched.requests import Outstanding, fingerprint
 
 if TYPE_CHECKING:
     from distributed import Scheduler

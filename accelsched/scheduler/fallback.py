@@ -1,9 +1,9 @@
-"""CPU fallback on the scheduler: carrying out what :mod:`accelsched.fallback` decides.
+"""CPU fallback on the scheduler: carrying out what :mod:`accelsched.policy.timeouts` decides.
 
 New GPU tasks are prepared in ``update_graph`` (their restriction made hard, their
 ``fallback_timeout`` annotation read). A GPU task with a timeout that becomes unrunnable
-enters :class:`~accelsched.fallback.Deadlines` with the time it may fall back; a check
-pops only the tasks that are due, asks :func:`accelsched.fallback.sweep` which fall back
+enters :class:`~accelsched.policy.timeouts.Deadlines` with the time it may fall back; a check
+pops only the tasks that are due, asks :func:`accelsched.policy.timeouts.sweep` which fall back
 now, lifts their GPU restriction (marking them, so the worker copies their device inputs
 to the host) and sends them on. A check costs what is due, not what waits: nothing when
 no task has a timeout, O(k log n) for k due of n waiting. Checks run exactly at the next
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import dask.config
 
 from accelsched import events, internals
-from accelsched.fallback import (
+from accelsched.policy.marks import find_mark, mark_problem
+from accelsched.policy.timeouts import (
     MAX_GPUS,
     Deadlines,
     FallbackPolicy,
@@ -33,7 +34,6 @@ from accelsched.fallback import (
     summarise,
     sweep,
 )
-from accelsched.marks import find_mark, mark_problem
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, INVALID_RESOURCE, TIMEOUT_ANNOTATION
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class Fallback:
         """Prepare new GPU tasks (still ``released``, so editing them is safe).
 
         A task is a GPU task when it is annotated ``resources={"GPU": n}`` or calls a
-        marked step (:mod:`accelsched.marks`). An invalid annotation parks its task on an
+        marked step (:mod:`accelsched.policy.marks`). An invalid annotation parks its task on an
         unsatisfiable resource; it errs at the next check, naming the value.
         """
         for key in keys or ():
@@ -202,7 +202,7 @@ class Fallback:
     def check(self) -> None:
         """Run the CPU form of GPU tasks unrunnable past their timeout; err invalid ones.
 
-        Pops only the tasks whose deadline passed (:class:`~accelsched.fallback.Deadlines`).
+        Pops only the tasks whose deadline passed (:class:`~accelsched.policy.timeouts.Deadlines`).
         """
         self._check_soon = False
         scheduler = self.scheduler

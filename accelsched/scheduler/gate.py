@@ -2,12 +2,11 @@
 
 Workers register before their plugins run, so a declared ``GPU`` resource is live before
 anything has checked it. The gate strips it at registration (:meth:`Gate.add_worker`),
-grants devices when the worker's guard reports them (``accelsched_inventory``), keeps one
-owner per GPU UUID (:class:`~accelsched.inventory.OwnershipRegistry`), clamps every later
-``set_resources`` to the grant, takes a worker's GPUs out of placement while it is
-quarantined, and offers ``no-worker`` tasks to a worker whose GPUs just arrived
-(distributed does not re-offer on ``set_resources``). A worker that never declared a GPU
-never enters the ``GPU`` resource; unregistering the plugin puts declarations back.
+grants devices when the worker's guard reports them (``accelsched_inventory``), keeps
+one owner per GPU UUID (:class:`~accelsched.policy.ownership.OwnershipRegistry`), clamps
+every later ``set_resources`` to the grant, takes a worker's GPUs out of placement while
+it is quarantined, and offers ``no-worker`` tasks to a worker whose GPUs just arrived
+(distributed does not). Unregistering the plugin puts declarations back.
 
 Only a worker speaks for itself: every request names a worker and carries a one-time id,
 which that worker must confirm (:mod:`accelsched.scheduler.authority`).
@@ -19,8 +18,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from accelsched import events, internals, metrics
-from accelsched.inventory import OwnershipRegistry
+from accelsched import events, internals
+from accelsched.observe import metrics
+from accelsched.policy.ownership import OwnershipRegistry
 from accelsched.protocol import (
     CONFIRM_HANDLER,
     DRAIN_HANDLER,

@@ -1,6 +1,6 @@
 """Restart coordination: a leaking worker restarts without losing data, or is quarantined.
 
-A worker's guard asks (``accelsched_restart``); :func:`accelsched.budget.admit_restart`
+A worker's guard asks (``accelsched_restart``); :func:`accelsched.policy.budget.admit_restart`
 decides whether the restart may start now. An admitted restart drains the worker (its
 guard sends queued GPU tasks back to the scheduler, its executing tasks finish), retires
 it (its keys move to peers), checks that worked, then restarts it through its nanny: the
@@ -18,7 +18,7 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
-from accelsched.budget import RestartBudget, admit_restart
+from accelsched.policy.budget import RestartBudget, admit_restart
 from accelsched.protocol import RESTART_HANDLER, RestartReply
 from accelsched.scheduler.gate import Gate
 

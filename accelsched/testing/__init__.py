@@ -38,8 +38,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import dask.config
+
 from accelsched import internals
-from accelsched.testing import build, state
+from accelsched.devices.backend import BACKEND_KEY
+from accelsched.testing import build, nvml_backend, state
 from accelsched.testing.buffers import DeviceBuffer, create_context, device_alloc, fixed_pool
 from accelsched.testing.checks import (
     MAX_DEVICES as MAX_DEVICES,
@@ -52,8 +55,8 @@ from accelsched.testing.checks import (
     _parse_size,
     _per_device,
 )
+from accelsched.testing.device_memory import OutOfDeviceMemory, SimulatedPool
 from accelsched.testing.mig import check_mig, mig_devices
-from accelsched.testing.pool import OutOfDeviceMemory, SimulatedPool
 
 __all__ = [
     "FakeGPUs",
@@ -67,7 +70,7 @@ __all__ = [
     "SimulatedPool",
 ]
 
-_ENV_KEYS = (state.ENV_DIR, state.ENV_STANDIN, "LD_LIBRARY_PATH")
+_ENV_KEYS = (state.ENV_DIR, state.ENV_STANDIN, nvml_backend.ENV, "LD_LIBRARY_PATH")
 _active_lock = threading.Lock()
 _active = False
 _loaded: list[ctypes.CDLL] = []  # keep the fake library loaded for the process's life
@@ -205,6 +208,7 @@ def fake_gpus(
     saved_env = {key: os.environ.get(key) for key in _ENV_KEYS}
     saved_nvml = internals.distributed_nvml_state()
     path: Path | None = None
+    backend: dask.config.set | None = None
     try:
         path = Path(tempfile.mkdtemp(prefix="accelsched-fake-gpus-"))
         devices = [
@@ -215,7 +219,7 @@ def fake_gpus(
         state.write_migs(path, migs)
         state.write_flags(path, flags)
         (path / "proc").mkdir()
-        env = {state.ENV_DIR: str(path)}
+        env = {state.ENV_DIR: str(path), nvml_backend.ENV: nvml_backend.NAME}
         library = _load_library()
         if library is None:
             env[state.ENV_STANDIN] = "1"
@@ -224,6 +228,7 @@ def fake_gpus(
             previous = os.environ.get("LD_LIBRARY_PATH")
             env["LD_LIBRARY_PATH"] = str(library.parent) + (f":{previous}" if previous else "")
         os.environ.update(env)
+        backend = dask.config.set({BACKEND_KEY: nvml_backend.NAME})  # this process
         internals.reset_distributed_nvml()
         yield FakeGPUs(
             path=path,
@@ -236,6 +241,8 @@ def fake_gpus(
             mig=tuple(migs),
         )
     finally:
+        if backend is not None:
+            backend.__exit__(None, None, None)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

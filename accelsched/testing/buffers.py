@@ -1,7 +1,7 @@
 """Simulated device buffers: what ``device_alloc`` hands a task on a fake GPU.
 
 A :class:`DeviceBuffer` holds ``nbytes`` of the simulated pool of
-:mod:`accelsched.testing.pool` on one device until it is freed (garbage-collected), or
+:mod:`accelsched.testing.device_memory` on one device until it is freed (garbage-collected), or
 for the life of the process with ``leak=True``. The guard sees it as a live result
 (``device_nbytes``) and dask's ``sizeof`` counts its payload.
 """
@@ -19,7 +19,7 @@ from accelsched.context import current_device
 from accelsched.devices import arrays
 from accelsched.devices.arrays import device_nbytes
 from accelsched.testing import state
-from accelsched.testing.pool import OutOfDeviceMemory, _pool
+from accelsched.testing.device_memory import OutOfDeviceMemory, _pool
 
 __all__ = ["DeviceBuffer", "OutOfDeviceMemory", "create_context", "device_alloc", "fixed_pool"]
 

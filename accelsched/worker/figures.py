@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from accelsched.binding import LeaseTable
 from accelsched.devices.nvml import DeviceInfo
+from accelsched.policy.leases import LeaseTable
 from accelsched.protocol import DeviceFigures, GuardMetric
-from accelsched.worker.leaks import LeakCheck
+from accelsched.worker.leak_check import LeakCheck
 
 __all__ = ["Figures"]
 

@@ -2,8 +2,8 @@
 
 At setup the guard probes the devices through NVML (MIG devices included, as CUDA
 enumerates them: :mod:`accelsched.devices.visible`), decides which this worker owns
-(:func:`accelsched.inventory.owned`) and how many it asks for
-(:func:`accelsched.inventory.decide_claim`), reports them (``accelsched_inventory``) and
+(:func:`accelsched.policy.ownership.owned`) and how many it asks for
+(:func:`accelsched.policy.ownership.decide_claim`), reports them (``accelsched_inventory``) and
 advertises only what the scheduler granted. Later it may ask for its own restart
 (``accelsched_restart``). Each request carries a one-time id the scheduler checks by
 calling this worker back (``accelsched_confirm``): only this process can confirm it.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from accelsched import internals
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.events import TOPIC
-from accelsched.inventory import Claim, decide_claim, declared_count, owned
+from accelsched.policy.ownership import Claim, decide_claim, declared_count, owned
+from accelsched.policy.requests import Outstanding, fingerprint
 from accelsched.protocol import (
     CONFIRM_HANDLER,
     DRAIN_HANDLER,
@@ -39,7 +39,6 @@ from accelsched.protocol import (
     RestartRequest,
     request_content,
 )
-from accelsched.requests import Outstanding, fingerprint
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -81,8 +80,8 @@ class Inventory:
         self.worker = worker
         self.declared = internals.declared_gpus(worker)
         self.monitor = NVMLMonitor()
-        self.simulated = bool(os.environ.get("ACCELSCHED_FAKE_NVML_DIR"))
         self.visible = self.monitor.devices()
+        self.simulated = self.monitor.simulated
         self.owned = owned(self.visible, under_dask_cuda=under_dask_cuda(worker))
         self.claim = decide_claim(
             self.declared, len(self.owned), advertise_undeclared=self.advertise_undeclared

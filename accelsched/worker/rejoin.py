@@ -3,7 +3,7 @@
 A device that does not answer NVML when the guard takes its inventory is left out
 (:meth:`~accelsched.devices.nvml.NVMLMonitor.devices`), often in the very process a
 restart for that device's failure started. It is not given up on: with ``recover_gpus``,
-every check asks :class:`~accelsched.health.Probation` which left-out devices are due,
+every check asks :class:`~accelsched.policy.health.Probation` which left-out devices are due,
 asks NVML about them, and a device that answers steadily enters the inventory, which
 reports it to the scheduler like any device (``accelsched_inventory``: confirmed,
 verified, one owner per UUID). Once the scheduler grants it, the worker offers it and
@@ -18,7 +18,7 @@ from time import monotonic
 
 from accelsched import events
 from accelsched.devices.nvml import DeviceInfo
-from accelsched.health import DeviceHealth, Probation
+from accelsched.policy.health import DeviceHealth, Probation
 from accelsched.protocol import ReportReply
 from accelsched.worker.inventory import Inventory
 

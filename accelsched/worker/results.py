@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
-from accelsched.worker.leaks import LeakCheck
+from accelsched.worker.leak_check import LeakCheck
 
 if TYPE_CHECKING:
     from distributed import Worker

@@ -4,7 +4,7 @@ Device memory is read per process, so a task's growth can be blamed on it only w
 ran alone: :class:`Activity` counts the tasks executing in this process, across all its
 workers (the guard's transition hook feeds it, so unwatched tasks count too), and a
 watched task's readings count only when no other task started or ended while it ran.
-:func:`accelsched.unrequested.classify` decides what the readings mean.
+:func:`accelsched.policy.unrequested.classify` decides what the readings mean.
 
 Reading NVML costs tens of microseconds per device, twice per task: on a worker that sees
 8 GPUs that is more than a tiny task itself. Using a GPU is a property of the code a task
@@ -21,7 +21,7 @@ from typing import Any
 
 from accelsched import events
 from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
-from accelsched.unrequested import classify
+from accelsched.policy.unrequested import classify
 
 __all__ = ["Activity", "ACTIVITY", "Running", "UnrequestedGPUUse", "Watch", "FIRST_RUNS", "EVERY"]
 

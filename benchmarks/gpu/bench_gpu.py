@@ -229,8 +229,8 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
     from dask._task_spec import Task
 
     from accelsched.internals import wrap_task
-    from accelsched.worker.binding import Binder
-    from accelsched.worker.pools import PoolFreer
+    from accelsched.worker.binder import Binder
+    from accelsched.worker.pool_freer import PoolFreer
     from accelsched.worker.watch import Watch
 
     dev = Device(fake)
@@ -266,9 +266,9 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 
 
 def bench_guard_check(fake: bool, quick: bool) -> dict:
-    from accelsched.binding import LeaseTable
     from accelsched.config import Threshold
-    from accelsched.worker.leaks import LeakCheck
+    from accelsched.policy.leases import LeaseTable
+    from accelsched.worker.leak_check import LeakCheck
     from accelsched.worker.ledger import Ledger
 
     dev = Device(fake)

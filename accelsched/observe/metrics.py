@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
-from accelsched import events, fallback
+from accelsched import events
+from accelsched.policy import timeouts
 
 __all__ = ["observe", "gpus_from", "stop_gpus"]
 
@@ -71,14 +72,14 @@ def observe(msg: Mapping[str, Any]) -> None:
         c["leaked"].observe(_number(msg.get("nbytes", 0)) or 0)
 
 
-#: The fallback reasons :mod:`accelsched.fallback` gives; any other is ``"other"``.
+#: The fallback reasons :mod:`accelsched.policy.timeouts` gives; any other is ``"other"``.
 _REASONS = frozenset(
     {
-        fallback.TIMEOUT,
-        fallback.NO_GPU_CAPACITY,
-        fallback.UNSATISFIABLE,
-        fallback.CHAIN,
-        fallback.OOM,
+        timeouts.TIMEOUT,
+        timeouts.NO_GPU_CAPACITY,
+        timeouts.UNSATISFIABLE,
+        timeouts.CHAIN,
+        timeouts.OOM,
     }
 )
 

@@ -3,7 +3,7 @@
 The worker's state machine already caps how many GPU tasks run at once (its ``GPU``
 resource, which the GuardPlugin set to the devices it owns). What it does not do is give
 each running task its own device. :class:`LeaseTable` hands out devices, least busy
-first. Decisions only, no distributed import: :mod:`accelsched.worker.binding` acquires a
+first. Decisions only, no distributed import: :mod:`accelsched.worker.binder` acquires a
 lease in the task's executor thread, so a task cancelled before it starts never holds a
 device.
 """

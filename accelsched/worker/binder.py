@@ -2,7 +2,7 @@
 
 The worker's state machine caps how many GPU tasks run at once (its ``GPU`` resource).
 The runners here, called in the task's executor thread, take a lease from the
-:class:`~accelsched.binding.LeaseTable`, make the device current for the task
+:class:`~accelsched.policy.leases.LeaseTable`, make the device current for the task
 (:func:`accelsched.context.holding`), free pools as the task ends, and give the lease
 back whatever happens. A task that fell back to its CPU form gets its device-array
 inputs copied to the host first.
@@ -17,11 +17,11 @@ from typing import Any
 from dask.utils import key_split
 from distributed import Reschedule
 
-from accelsched.binding import LeaseTable, NoFreeDevice
 from accelsched.context import Lease, bind, unbind
 from accelsched.devices.arrays import to_host
+from accelsched.policy.leases import LeaseTable, NoFreeDevice
 from accelsched.worker.ledger import MEASURE, Ledger
-from accelsched.worker.pools import PoolFreer
+from accelsched.worker.pool_freer import PoolFreer
 
 __all__ = ["Binder"]
 

@@ -69,3 +69,15 @@ def add_dashboard_page(
     app.initialize(IOLoop.current())
     app.start()
     return True
+
+
+def dress_page(doc: Any, page: Any, extra: dict, *, refresh_ms: int) -> None:
+    """Give a page distributed's own look and refresh: its template (the tabs), its
+    theme, and its periodic update, as its own pages get them (no public API has them)."""
+    from distributed.dashboard.components import add_periodic_callback
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    add_periodic_callback(doc, page, refresh_ms)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME

@@ -1,9 +1,10 @@
 """Command line: ``accelsched demo|status|events|simulate|version`` (also
 ``python -m accelsched``).
 
-``status`` and ``events`` run in :mod:`accelsched.commands` (a ``--scheduler-file`` is
-read by :mod:`accelsched.scheduler_file`); their exit codes are in :mod:`accelsched.status`.
-``simulate`` runs in :mod:`accelsched.simulate`.
+``status`` and ``events`` run in :mod:`accelsched.cli.commands` (a ``--scheduler-file`` is
+read by :mod:`accelsched.cli.scheduler_file`); their exit codes are in
+:mod:`accelsched.observe.status_table`.
+``simulate`` runs in :mod:`accelsched.testing.simulate`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ import os
 import sys
 import time
 
-from accelsched.commands import ReaderGone, print_events, print_status
+from accelsched.cli.commands import ReaderGone, print_events, print_status
+from accelsched.cli.scheduler_file import address_from_file
 from accelsched.events import ACTIONS
-from accelsched.scheduler_file import address_from_file
-from accelsched.simulate import simulate_arguments, simulate_main
-from accelsched.status import EXIT_CODES_HELP
+from accelsched.observe.status_table import EXIT_CODES_HELP
 
 __all__ = ["main", "print_events", "print_status"]
 
@@ -30,6 +30,9 @@ INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
+    # a testing tool: its module (and the simulated devices) load only here
+    from accelsched.testing.simulate import simulate_arguments, simulate_main
+
     parser = argparse.ArgumentParser(
         prog="accelsched",
         description="GPUs as real, scarce, fallible hardware for Dask's distributed scheduler.",
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 def _ask(args: argparse.Namespace) -> int:
     """``status`` or ``events``: one ``--timeout`` for the scheduler file and the
     connection together, then ``--timeout`` for each answer."""
+
     address, connect = args.scheduler, args.timeout
     if args.scheduler_file is not None:
         deadline = time.monotonic() + args.timeout

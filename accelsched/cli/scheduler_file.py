@@ -2,7 +2,7 @@
 
 ``dask scheduler --scheduler-file PATH`` writes its identity there once it listens,
 and ``dask worker --scheduler-file`` reads it; ``accelsched status`` and ``events``
-read it the same way. The exit codes are :mod:`accelsched.status`'s.
+read it the same way. The exit codes are :mod:`accelsched.observe.status_table`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Final
 
-from accelsched.status import UNREACHABLE, USAGE, one_line, shown
+from accelsched.observe.status_table import UNREACHABLE, USAGE, one_line, shown
 
 __all__ = ["address_from_file", "MAX_SCHEDULER_FILE"]
 
@@ -52,12 +52,12 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
         return _no_scheduler_file(command, path, "not a regular file")
     if st.st_size > MAX_SCHEDULER_FILE:
         return _no_scheduler_file(command, path, f"{st.st_size} bytes")
-    from distributed.utils import json_load_robust
+    from accelsched.internals.client_side import read_json_file
 
     try:
         # distributed's reader takes a falsy document for one not written yet: wrapped
         # in a tuple, "{}" or "null" is judged at once, not waited on
-        (cfg,) = json_load_robust(
+        (cfg,) = read_json_file(
             path,
             load=lambda f: (json.load(f),),
             timeout=max(deadline - time.monotonic(), 0.01),  # at least one read

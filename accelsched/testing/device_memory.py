@@ -28,13 +28,17 @@ from pathlib import Path
 
 from accelsched.devices.pool import PoolStats, register_pool
 from accelsched.devices.visible import visible_from_env
+from accelsched.dual import register_oom_exception
 from accelsched.testing import state
 
 __all__ = ["OutOfDeviceMemory", "SimulatedPool"]
 
 
 class OutOfDeviceMemory(MemoryError):
-    """A simulated allocation did not fit on its device (CuPy's ``OutOfMemoryError``)."""
+    """A simulated allocation did not fit (CuPy's ``OutOfMemoryError``; registered below)."""
+
+
+register_oom_exception(OutOfDeviceMemory)
 
 
 @dataclass
@@ -294,10 +298,8 @@ def _pool() -> SimulatedPool:
 
 def _after_fork() -> None:
     """A forked child owns none of its parent's device memory (nor its CUDA context).
-
-    The pool object stays (it is registered with the guard) but forgets everything; the
-    parent's buffers, if released in the child, only touch their own old session.
-    """
+    The pool object stays (registered with the guard) but forgets everything; the
+    parent's buffers, if released in the child, only touch their own old session."""
     global _POOL_LOCK
     _POOL_LOCK = threading.Lock()
     if _POOL is not None:

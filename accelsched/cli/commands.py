@@ -6,7 +6,7 @@ swamped scheduler) would hold a synchronous ``Client`` forever, and so would a c
 it. So the commands run an asynchronous client, and every wait on the network (the
 connection, each snapshot, the event log) is bounded by ``--timeout`` with
 ``asyncio.wait_for``. Whatever goes wrong on the way is one line on stderr and an exit
-code of :mod:`accelsched.status`: an address that is no address before anything is
+code of :mod:`accelsched.observe.status_table`: an address that is no address before anything is
 sent, anything after it (refused, silent, a peer speaking another protocol, a scheme
 that needs configuration, such as ``tls://``) as unreachable.
 """
@@ -22,8 +22,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
+from accelsched.observe.status_table import (
+    NO_ACCELSCHED,
+    OK,
+    UNREACHABLE,
+    USAGE,
+    one_line,
+    render,
+    shown,
+)
 from accelsched.protocol import STATUS_HANDLER, StatusReply
-from accelsched.status import NO_ACCELSCHED, OK, UNREACHABLE, USAGE, one_line, render, shown
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -42,11 +50,12 @@ def address_problem(address: str) -> str | None:
     port, a port out of range), or None: checked before anything is sent, so that what
     goes wrong later is the scheduler's doing, not the address's."""
     from distributed.comm.addressing import parse_address, parse_host_port
-    from distributed.comm.registry import get_backend
+
+    from accelsched.internals.client_side import check_scheme
 
     try:
         scheme, location = parse_address(address)
-        get_backend(scheme)
+        check_scheme(scheme)
         if scheme == "inproc":
             return "an inproc address is reachable from its own process only"
         if scheme in ("tcp", "tls", "ws", "wss"):

@@ -3,9 +3,9 @@
 Live results are tracked as they enter and leave the worker's memory
 (:func:`accelsched.devices.arrays.device_nbytes`); each check reads this process's
 device memory through NVML, takes off the baseline, live results and pool caches
-(:func:`accelsched.leak.estimate`), and lets :class:`~accelsched.leak.LeakDetector`
+(:func:`accelsched.policy.leak.estimate`), and lets :class:`~accelsched.policy.leak.LeakDetector`
 confirm a leak over consecutive checks. A confirmed leak is reported once
-(:class:`~accelsched.leak.LeakReports`) and, with ``restart_on_leak``, the worker asks
+(:class:`~accelsched.policy.leak.LeakReports`) and, with ``restart_on_leak``, the worker asks
 for its own lossless restart, unless collecting garbage and freeing the pools gave the
 memory back first (:mod:`accelsched.worker.reclaim`, ``leak-reclaimed``). A device that
 stops answering NVML is withdrawn once (and offered again when it answers, with
@@ -21,12 +21,11 @@ from time import monotonic
 from typing import Any
 
 from accelsched import events
-from accelsched.binding import LeaseTable
 from accelsched.config import Threshold
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
-from accelsched.health import DeviceHealth
-from accelsched.leak import (
+from accelsched.policy.health import DeviceHealth
+from accelsched.policy.leak import (
     Attribution,
     Baseline,
     LeakDetector,
@@ -35,6 +34,7 @@ from accelsched.leak import (
     Verdict,
     estimate,
 )
+from accelsched.policy.leases import LeaseTable
 from accelsched.worker.ledger import Ledger, net_of_pools
 from accelsched.worker.reclaim import freeze_startup_objects, reclaim
 
@@ -278,8 +278,8 @@ class LeakCheck:
         self._ask_restart("gpu-unhealthy", 0)
 
     def _recovered(self, dev: DeviceInfo) -> None:
-        """A withdrawn device answered long enough (:class:`~accelsched.health.DeviceHealth`):
-        offer it again (``recover_gpus``)."""
+        """A withdrawn device answered long enough
+        (:class:`~accelsched.policy.health.DeviceHealth`): offer it again (``recover_gpus``)."""
         if not self.recover:
             self.health.withdrawn.add(dev.index)  # stays out until the worker restarts
             return

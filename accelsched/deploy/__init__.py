@@ -1,0 +1,1 @@
+"""Clusters started without a client: ``--preload accelsched`` and fast worker restarts."""

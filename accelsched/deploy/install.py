@@ -1,0 +1,262 @@
+"""``--preload accelsched``: the plugins on a cluster started from the command line.
+
+GPU clusters are mostly started by ``dask scheduler``/``dask worker``/``dask cuda worker``,
+helm charts, dask-jobqueue and dask-gateway, where nobody calls
+:func:`accelsched.register`. distributed imports a preload module in the server's start
+and calls its ``dask_setup(server, ...)``; here that is a click command, so the options
+of :func:`accelsched.register` can follow on the command line
+(``dask scheduler --preload accelsched --fallback-timeout 30s``) or come from
+``distributed.scheduler.preload-argv``. Options not given come from dask config
+(``accelsched.placement.*``, ``accelsched.guard.*``), as for the plugins themselves.
+
+- **scheduler**: adds the :class:`~accelsched.PlacementPlugin` and hands the
+  :class:`~accelsched.GuardPlugin` to every worker, present and future, as
+  ``client.register_plugin`` would.
+- **worker**: once the worker has started (and registered), sets up a guard unless the
+  scheduler already handed it one: the scheduler's is the cluster's, one guard per worker.
+
+Plugin names are those :func:`accelsched.register` uses, so a later ``register(client)``
+changes nothing. ``docs/deploy.md`` shows each deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import click
+
+from accelsched import internals
+from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option, config_value
+from accelsched.deploy.forked_workers import FastRestart
+from accelsched.internals import preloading
+from accelsched.protocol import FAST_RESTART_PLUGIN, GUARD_PLUGIN, PLACEMENT_PLUGIN
+from accelsched.scheduler.placement_plugin import PlacementPlugin
+from accelsched.worker.guard_plugin import GuardPlugin
+
+__all__ = ["dask_setup", "dask_teardown", "setup_server", "split_options"]
+
+logger = logging.getLogger(__name__)
+
+#: Command-line spellings of "no value" for options that take one (``fallback_timeout``).
+_NONE = ("none", "null", "never")
+
+
+class _Nothing:
+    """An option given as ``none`` on the command line: None, which wins over config
+    (a value click leaves None is one not given, which config fills)."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+NOTHING = _Nothing()
+
+
+def _flag(opt: Option) -> str:
+    return "--" + opt.name.replace("_", "-")
+
+
+def _validator(opt: Option) -> Any:
+    """A click callback that parses the value as the plugin will and fails naming it.
+
+    Without a value on the command line it checks the dask config value instead, so a
+    bad ``DASK_ACCELSCHED__...`` stops ``dask scheduler``/``dask worker`` as they parse
+    their arguments, before anything starts.
+    """
+
+    def validate(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        given = value is not None and value != ()
+        if given and isinstance(value, str) and value.strip().lower() in _NONE:
+            value = None
+        raw = value if given else config_value(opt.key)
+        try:
+            opt.parse(opt.name, raw)
+        except (TypeError, ValueError) as exc:
+            where = "" if given else f"dask config {opt.key}: "
+            raise click.BadParameter(where + str(exc), ctx=ctx, param=param) from None
+        if not given:
+            return None
+        return NOTHING if value is None else value
+
+    return validate
+
+
+def _params() -> list[click.Parameter]:
+    params: list[click.Parameter] = []
+    for side, options in (("scheduler", PLACEMENT_OPTIONS), ("worker", GUARD_OPTIONS)):
+        for opt in options:
+            multiple = opt.name == "oom_exceptions"
+            params.append(
+                click.Option(
+                    [_flag(opt)],
+                    default=None,
+                    multiple=multiple,
+                    callback=_validator(opt),
+                    help=f"({side}) dask config {opt.key}"
+                    + ("; repeat for several" if multiple else ""),
+                )
+            )
+    return params
+
+
+def split_options(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Placement and guard options out of the parsed command line (given ones only)."""
+    chosen = {k: None if v is NOTHING else v for k, v in given.items() if v is not None}
+    placement = {o.name: chosen[o.name] for o in PLACEMENT_OPTIONS if o.name in chosen}
+    guard = {o.name: chosen[o.name] for o in GUARD_OPTIONS if o.name in chosen}
+    return placement, guard
+
+
+async def setup_server(server: Any, invalid: str | None = None, **given: Any) -> None:
+    """Install what belongs on ``server``; on any error, one log line and stop it.
+
+    distributed logs and ignores an exception from a preload, and the server would run
+    without accelsched: GPU workers unverified, a GPU-less one keeping its ``GPU: 1``.
+    """
+    try:
+        if invalid is not None:
+            raise click.UsageError(invalid)
+        await _install(server, given)
+    except Exception as exc:
+        message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        logger.error("accelsched: %s; stopping this %s", message, type(server).__name__.lower())
+        preloading.stop(server, reason=f"accelsched-preload-failed: {message}")
+
+
+async def _install(server: Any, given: dict[str, Any]) -> None:
+    from distributed import Nanny, Scheduler, Worker
+
+    placement_options, guard_options = split_options(given)
+    if isinstance(server, Scheduler):
+        await _setup_scheduler(server, placement_options, guard_options)
+    elif isinstance(server, Worker):
+        if placement_options:
+            flags = ", ".join(_flag(o) for o in PLACEMENT_OPTIONS if o.name in placement_options)
+            raise click.UsageError(
+                f"{flags} apply to the scheduler (placement); give them to "
+                "`dask scheduler --preload accelsched`, not to a worker"
+            )
+        _setup_worker(server, guard_options)
+    elif isinstance(server, Nanny):
+        raise click.UsageError(
+            "accelsched guards the worker process: use `--preload accelsched`, "
+            "not `--preload-nanny accelsched`"
+        )
+    else:
+        raise click.UsageError(f"accelsched cannot be preloaded into {type(server).__name__}")
+
+
+async def _setup_scheduler(
+    scheduler: Any, placement_options: dict[str, Any], guard_options: dict[str, Any]
+) -> None:
+    placement = PlacementPlugin(**placement_options)  # validated: a bad config value stops here
+    guard = GuardPlugin(**guard_options)
+    preloading.add_scheduler_plugin(scheduler, placement, PLACEMENT_PLUGIN)
+    await preloading.hand_to_workers(scheduler, guard, GUARD_PLUGIN)
+    if guard.options["fast_restart"]:
+        await preloading.hand_to_nannies(scheduler, FastRestart(), FAST_RESTART_PLUGIN)
+    logger.info(
+        "accelsched: PlacementPlugin installed, GuardPlugin handed to every worker "
+        "(placement %s, guard %s)",
+        placement.options,
+        guard.options,
+    )
+
+
+def _setup_worker(worker: Any, guard_options: dict[str, Any]) -> None:
+    guard = GuardPlugin(**guard_options)  # validated now: a bad value stops the start
+    internals.spawn(worker, _install_guard, worker, guard)
+
+
+async def _install_guard(worker: Any, guard: GuardPlugin) -> None:
+    """After the start: the worker is registered, so the guard's report finds it known
+    (a report sent from inside the start would reach the scheduler before the worker)."""
+    await preloading.started(worker)
+    present = preloading.worker_plugin(worker, GUARD_PLUGIN)
+    if present is not None:
+        differing = sorted(
+            k for k, v in guard.options.items() if getattr(present, "options", {}).get(k) != v
+        )
+        if differing:
+            logger.warning(
+                "accelsched: this worker runs the GuardPlugin its scheduler handed it; the "
+                "worker's own preload options differ and are not used: %s",
+                ", ".join(differing),
+            )
+        return
+    await worker.plugin_add(guard, name=GUARD_PLUGIN, catch_errors=False)
+    logger.info("accelsched: GuardPlugin installed by preload (%s)", guard.options)
+
+
+class _PreloadCommand(click.Command):
+    """``dask_setup``: a click command whose bad arguments stop the server.
+
+    On the command line (``dask scheduler --preload accelsched --bad x``) distributed
+    parses the arguments itself and click exits with its usage error. Arguments from
+    config (``distributed.scheduler.preload-argv``) are parsed in the server's start,
+    where distributed would log the error and run on without accelsched: there the
+    error is handed to :func:`setup_server`, which stops the server.
+    """
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        args = _without_dask_cuda_flags(list(args))
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as exc:
+            ctx = click.Context(self, info_name=info_name, parent=parent)
+            ctx.params = {"invalid": exc.format_message()}
+            return ctx
+
+
+def _without_dask_cuda_flags(args: list[str]) -> list[str]:
+    """``args`` less the flags of dask-cuda's own preload.
+
+    ``dask cuda worker`` and ``LocalCUDACluster`` add ``dask_cuda.initialize`` with
+    ``--create-cuda-context`` to the worker's preloads, and distributed hands one flat
+    argument list to every preload: accelsched's receives that flag too. The reverse
+    also holds, so dask-cuda's preload fails on accelsched's options: under dask-cuda,
+    options come from dask config (said in the log).
+    """
+    module = sys.modules.get("dask_cuda.initialize")
+    command = getattr(module, "dask_setup", None)
+    if not isinstance(command, click.Command):
+        return args
+    flags = {
+        name
+        for p in command.params
+        if isinstance(p, click.Option) and p.is_flag
+        for name in (*p.opts, *p.secondary_opts)
+    }
+    if not flags & set(args):
+        return args
+    ours = [a for a in args if a not in flags]
+    if ours:
+        logger.warning(
+            "accelsched: dask-cuda gives every preload the same arguments, so its own "
+            "preload (dask_cuda.initialize) is handed %s and fails on them; give "
+            "accelsched's options to dask-cuda workers through dask config "
+            "(DASK_ACCELSCHED__...) instead",
+            " ".join(ours),
+        )
+    return ours
+
+
+dask_setup = _PreloadCommand(
+    "dask_setup",
+    params=_params(),
+    callback=setup_server,
+    help="accelsched preload: options of accelsched.register() (default: dask config).",
+)
+
+
+def dask_teardown(server: Any) -> None:
+    """Nothing to undo: a closing scheduler closes its plugins, a closing worker tears
+    its plugins down. distributed calls it when the server closes."""

@@ -1,0 +1,1 @@
+"""Seeing what accelsched does: the dashboard page and the Prometheus metrics."""

@@ -1,0 +1,192 @@
+"""What ``accelsched status`` shows and how it ends: the table, the summary, the exit codes.
+
+The snapshot comes from the scheduler's read-only ``accelsched_status`` handler
+(:data:`~accelsched.protocol.STATUS_HANDLER`): a scheduler without accelsched answers
+``None``, which is how a cluster without the PlacementPlugin is told apart from an
+empty one. The dashboard page draws the same rows. The commands themselves, bounded in
+time, are in :mod:`accelsched.cli.commands`.
+
+Exit codes (also in ``accelsched --help`` and docs/observe.md): :data:`OK`,
+:data:`UNREACHABLE`, :data:`USAGE`, :data:`NO_ACCELSCHED`, and 130 after Ctrl-C before
+an answer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from accelsched.protocol import STATUS_HANDLER, DeviceStatus, StatusReply
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+__all__ = [
+    "one_line",
+    "shown",
+    "snapshot",
+    "table_rows",
+    "render",
+    "summary",
+    "COLUMNS",
+    "waits_for",
+]
+
+OK: Final = 0
+#: The scheduler could not be reached within ``--timeout`` (nor its ``--scheduler-file``
+#: read: missing or still empty), or went away under ``--watch``.
+UNREACHABLE: Final = 1
+#: Bad arguments (argparse's own code).
+USAGE: Final = 2
+#: The scheduler answers but runs no accelsched (no PlacementPlugin registered).
+NO_ACCELSCHED: Final = 3
+
+EXIT_CODES_HELP: Final = (
+    "exit codes: 0 ok (also Ctrl-C under --watch, or the reader of the output gone); "
+    "1 scheduler unreachable or its scheduler file not there yet (or lost while watching); "
+    "2 bad arguments; 3 the scheduler runs no accelsched (PlacementPlugin not registered); "
+    "130 Ctrl-C before an answer"
+)
+
+MiB = 2**20
+
+#: ``devices[].figures`` of a device granted since the worker's last heartbeat: its
+#: leases and leak figures are not known yet (see :class:`~accelsched.protocol.DeviceStatus`).
+WAITING: Final = "waiting"
+#: What the table says for such a device instead of figures it does not have.
+WAITING_TEXT: Final = "waiting for the first heartbeat"
+
+#: The table's columns (field, heading), shared with the dashboard page.
+COLUMNS: Final = [
+    ("worker", "WORKER"),
+    ("device", "GPU"),
+    ("gpu", "NAME"),
+    ("memory", "MEMORY"),
+    ("uuid", "UUID"),
+    ("leases", "LEASES"),
+    ("leak", "LEAK/THRESHOLD"),
+    ("restarts", "RESTARTS"),
+    ("leaks", "LEAKS"),
+    ("fallbacks", "FALLBACKS"),
+    ("quarantine", "QUARANTINE"),
+]
+
+
+#: What a quarantined worker waits for, by the reason it was quarantined: its guard asks
+#: for the restart again at each confirmed leak, and the restart proceeds once this holds.
+WAITS_FOR: Final = {
+    "no-peer": "a peer to take its data",
+    "retire-failed": "a peer to take its data",
+    "concurrency": "a free restart slot",
+    "busy": "its running tasks to end",
+    "restart-failed": "its nanny to restart it",
+    "no-nanny": "a restart by hand (it has no nanny)",
+    "restart-budget": "its restart window to move on",
+}
+
+
+def waits_for(reason: str) -> str | None:
+    """What a worker quarantined for ``reason`` waits for (None: nothing known)."""
+    reason = reason.removeprefix("restart-deferred: ")
+    return WAITS_FOR.get(reason.split(":", 1)[0])
+
+
+def quarantine_text(reason: str | None) -> str:
+    """The QUARANTINE column: why, and what it waits for; ``-`` when not quarantined."""
+    if not reason:
+        return "-"
+    wanted = waits_for(reason)
+    return f"{reason}; waits for {wanted}" if wanted else reason
+
+
+def shown(text: object) -> str:
+    """``text`` as one printable line, for every value the commands print that they did
+    not write themselves (worker and device names, UUIDs, event details, addresses,
+    paths, errors).
+
+    Anyone can name a worker, and a worker reports its own device names: a name holding a
+    terminal escape (``"\\x1b[2J"``) would clear the reader's screen, a newline would
+    forge a row of the table, a bidi override would reorder what follows it. Such a
+    value is shown quoted, escaped (``'\\x1b[2J'``): it is seen and never acts, and the
+    quotes tell it from a name that merely looks like an escape. A printable value
+    (non-ASCII letters too) is shown as it is."""
+    text = str(text)
+    return text if text.isprintable() else ascii(text)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as ``TypeName: detail`` on one line (an OSError by its ``strerror``): the
+    detail may quote what a peer sent, so it is :func:`shown`."""
+    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    detail = shown(" ".join(detail.split()))
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
+def table_rows(snap: StatusReply) -> dict[str, list[str]]:
+    """Columns of text: one row per worker and verified GPU, one for a worker without."""
+    rows: dict[str, list[str]] = {c: [] for c, _ in COLUMNS}
+    for w in snap["workers"]:
+        devices: list[DeviceStatus | None] = list(w["devices"]) or [None]
+        for d in devices:
+            waiting = d is not None and d.get("figures") == WAITING
+            row = {
+                "worker": w["name"],
+                "device": "-" if d is None else str(d["index"]),
+                "gpu": "no verified GPU" if d is None else d["name"],
+                "memory": "-" if d is None else f"{d['memory'] / 2**30:.1f} GiB",
+                "uuid": "-" if d is None else d["uuid"],
+                "leases": "-" if d is None or d["leases"] is None else str(d["leases"]),
+                "leak": "-"
+                if d is None
+                else WAITING_TEXT
+                if waiting
+                else _leak(d["leak_estimate"], d["leak_threshold"]),
+                "restarts": str(w["restarts"]),
+                "leaks": str(w["leaks"]),
+                "fallbacks": str(w["fallbacks"]),
+                "quarantine": quarantine_text(w["quarantined"]),
+            }
+            if d is not None and d["withdrawn"]:
+                row["gpu"] += " (withdrawn)"
+            for c, _ in COLUMNS:
+                rows[c].append(row[c])
+    return rows
+
+
+def _leak(estimate: int | None, threshold: int | None) -> str:
+    est = "-" if estimate is None else f"{max(estimate, 0) / MiB:.0f}"
+    thr = "-" if threshold is None else f"{threshold / MiB:.0f}"
+    return f"{est}/{thr} MiB"
+
+
+def summary(snap: StatusReply) -> str:
+    """One line: the cluster at a glance."""
+    gpus = sum(len(w["devices"]) for w in snap["workers"])
+    quarantined = sum(1 for w in snap["workers"] if w["quarantined"])
+    line = (
+        f"{len(snap['workers'])} workers, {gpus} verified GPUs, {quarantined} quarantined; "
+        f"{snap['restarts']} restarts, {snap['leaks']} leaks, {snap['fallbacks']} fallbacks"
+    )
+    if not snap["guard"]:
+        line += " (no GuardPlugin registered: no GPU is verified)"
+    return line
+
+
+def render(snap: StatusReply) -> str:
+    """The text ``accelsched status`` prints: a summary line and the table, every cell
+    :func:`shown` (names come from the cluster) before the widths are taken."""
+    rows = {c: [shown(v) for v in cells] for c, cells in table_rows(snap).items()}
+    n = len(rows["worker"])
+    widths = {c: max([len(h)] + [len(v) for v in rows[c]]) for c, h in COLUMNS}
+    lines = [f"scheduler {shown(snap['scheduler'])}: {summary(snap)}"]
+    lines.append("  ".join(h.ljust(widths[c]) for c, h in COLUMNS).rstrip())
+    for i in range(n):
+        lines.append("  ".join(rows[c][i].ljust(widths[c]) for c, _ in COLUMNS).rstrip())
+    return "\n".join(lines)
+
+
+def snapshot(client: Client) -> StatusReply | None:
+    """The scheduler's snapshot (what ``accelsched status --json`` prints), through a
+    synchronous ``client``; None when the scheduler runs no accelsched (it has no such
+    handler: it answers None, and logs a warning of its own)."""
+    reply: StatusReply | None = client.sync(getattr(client.scheduler, STATUS_HANDLER))
+    return reply

@@ -1,0 +1,58 @@
+"""What a decision suggests: one shape for every decision, one place per side that acts.
+
+distributed's Active Memory Manager has its policies yield ``Suggestion`` objects and
+acts on them in one place; accelsched does the same. Every decision in this folder that
+calls for an action answers with :class:`Proposal` objects; nothing here acts. On the
+scheduler, :mod:`accelsched.scheduler.acting` carries them out; on a worker,
+:mod:`accelsched.worker.acting`. A test can therefore check a decision by the proposals
+it returns, with numbers, and check an actor by the proposals it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+__all__ = ["Action", "Proposal", "SCHEDULER_ACTIONS", "WORKER_ACTIONS"]
+
+Action = Literal[
+    # on the scheduler (subject: a task key or a worker)
+    "fall-back",  # a GPU task runs its CPU form now (reason: why; figures: waited)
+    "restart",  # drain, retire and restart a worker, losing nothing
+    "defer",  # a restart cannot happen without loss now: say so, its GPUs leave placement
+    "quarantine",  # over its restart budget: its GPUs leave placement, no restart
+    # on a worker (subject: a CUDA index of the worker's devices)
+    "withdraw",  # a device stops answering NVML: offer it no more
+    "recover",  # a withdrawn device answered steadily again: offer it again
+    "report-leak",  # a confirmed leak is news: say so (figures: estimate, threshold)
+    "reclaim",  # collect garbage and free pools on the device before asking for a restart
+    "ask-restart",  # ask the scheduler to restart this worker (figures: nbytes)
+]
+
+SCHEDULER_ACTIONS: frozenset[str] = frozenset({"fall-back", "restart", "defer", "quarantine"})
+WORKER_ACTIONS: frozenset[str] = frozenset(
+    {"withdraw", "recover", "report-leak", "reclaim", "ask-restart"}
+)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One action a decision suggests about one subject.
+
+    ``reason`` is the word the action's event or reply carries (``"timeout"``,
+    ``"budget"``, ``"no-peer"``, ...); ``figures`` the numbers it needs (seconds waited,
+    bytes estimated), read-only.
+    """
+
+    action: Action
+    subject: Hashable
+    reason: str | None = None
+    figures: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        if self.action not in SCHEDULER_ACTIONS | WORKER_ACTIONS:
+            raise ValueError(f"unknown action {self.action!r}")
+        if not isinstance(self.figures, MappingProxyType):
+            object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))

@@ -1,0 +1,187 @@
+"""PlacementPlugin: the scheduler side of accelsched, wiring hooks to its parts.
+
+distributed treats ``resources={"GPU": n}`` as a label a worker declares. This plugin
+makes the label mean something, through three parts (``accelsched/scheduler/``):
+
+- :class:`~accelsched.scheduler.gate.Gate`: a worker's GPUs count only once its guard
+  verified them; one owner per GPU UUID; quarantine; re-offer of ``no-worker`` tasks.
+- :class:`~accelsched.scheduler.fallback.Fallback`: a GPU task unrunnable past its
+  ``fallback_timeout`` runs its CPU form.
+- :class:`~accelsched.scheduler.restarts.Restarts`: a leaking worker is restarted
+  without losing data, or quarantined.
+
+The plugin itself only wires distributed's hooks to those parts, checks at start that
+the distributed internals they rely on are there (:mod:`accelsched.internals`), and
+sends events. What the workers say to it is in :mod:`accelsched.protocol`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from accelsched import events, internals
+from accelsched.config import PLACEMENT_OPTIONS, resolve_options
+from accelsched.observe import dashboard_page, metrics
+from accelsched.policy.budget import RestartBudget
+from accelsched.protocol import EVENT_OP, GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
+from accelsched.scheduler.fallback import Fallback
+from accelsched.scheduler.gate import Gate
+from accelsched.scheduler.restarts import Restarts
+from accelsched.scheduler.snapshot import Observer
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+__all__ = ["PlacementPlugin", "GPU"]
+
+logger = logging.getLogger(__name__)
+
+
+class PlacementPlugin(SchedulerPlugin):
+    """Verification gate, strict GPU placement, CPU fallback and restart coordination.
+
+    Options (each also dask config under ``accelsched.placement.``, see
+    ``docs/configuration.md``): ``fallback_timeout``, ``fallback_interval``,
+    ``share_gpus``, ``max_restarts``, ``restart_window``, ``max_concurrent_restarts``.
+    Invalid values raise ``ValueError``/``TypeError`` here, on the client.
+    """
+
+    name = PLACEMENT_PLUGIN
+
+    def __init__(self, **options: Any) -> None:
+        self.options = resolve_options(PLACEMENT_OPTIONS, options, type(self).__name__)
+        self._init_parts()
+
+    def _init_parts(self) -> None:
+        o = self.options
+        self.scheduler: Scheduler | None = None
+        self.gate = Gate(share_gpus=o["share_gpus"], emit=self._emit, active=self._active)
+        self.fallback = Fallback(
+            timeout=o["fallback_timeout"],
+            interval=o["fallback_interval"],
+            emit=self._emit,
+            active=self._active,
+        )
+        budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
+        self.restarts = Restarts(
+            budget=budget, gate=self.gate, emit=self._emit, active=self._active
+        )
+        self.observer = Observer(self.gate)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the options travel to the scheduler; the parts are built there.
+        return {"options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.options = state["options"]
+        self._init_parts()
+
+    def _active(self) -> bool:
+        """Whether this instance is the registered one (``unregister_scheduler_plugin``
+        neither closes a plugin nor removes what its ``start`` installed)."""
+        return self.scheduler is not None and internals.is_registered(
+            self.scheduler, self.name, self
+        )
+
+    # --- SchedulerPlugin hooks ----------------------------------------------------------
+
+    async def start(self, scheduler: Scheduler) -> None:
+        """Check distributed's internals, then start the parts.
+
+        Runs again when the plugin is re-registered: the previous instance's handlers and
+        callbacks are replaced here, never stacked. Raises
+        :class:`~accelsched.internals.IncompatibleDistributed`, which fails
+        ``client.register_plugin``, when distributed changed what accelsched relies on.
+        """
+        internals.check_scheduler(scheduler)
+        self.scheduler = scheduler
+        internals.install_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
+        internals.notify_unregistered(scheduler)
+        # the event log is the source of the counts, the metrics and the history: only
+        # the scheduler writes accelsched's events (a guard's arrive on its worker's stream)
+        internals.reserve_topic(scheduler, events.TOPIC, EVENT_OP, self._worker_event)
+        self.restarts.start(scheduler)
+        self.fallback.start(scheduler)
+        self.gate.start(scheduler)
+        self.observer.start(scheduler)
+        dashboard_page.install(scheduler)
+
+    def unregistered(self) -> None:
+        """``client.unregister_scheduler_plugin``: leave the scheduler as it was found.
+
+        Handlers (``set_resources`` and ``log_event`` too) go back to distributed's, the
+        periodic check stops, and every worker's GPU count is its declaration again.
+        """
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        self.fallback.close()
+        internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
+        internals.release_topic(scheduler, events.TOPIC, EVENT_OP)
+        self.gate.stop()
+        self.observer.stop()
+
+    async def close(self) -> None:
+        """The scheduler closes: stop the periodic checks and the gauge's reading."""
+        self.fallback.close()
+        self.observer.stop()
+        metrics.stop_gpus(self.gate.gpu_counts)
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        """Strip the declared GPU count: it counts only once the worker's guard reports.
+
+        Runs before distributed offers ``no-worker`` tasks to the new worker, so nothing
+        reaches it on the strength of a declaration.
+        """
+        self.gate.add_worker(scheduler.workers[worker])
+        self.observer.add_worker(scheduler.workers[worker])
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        """Free the worker's GPUs for the next claimant and forget everything about it."""
+        self.restarts.remove_worker(worker)
+        self.gate.remove_worker(worker)
+
+    def update_graph(
+        self, scheduler: Scheduler, *, tasks: list | None = None, **kwargs: Any
+    ) -> None:
+        """New tasks, still ``released``: make GPU restrictions hard, read timeouts."""
+        self.fallback.prepare(scheduler, tasks)
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        """Inside the transition loop: only bookkeeping and scheduling a check."""
+        self.fallback.transition(key, start, finish)
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        """Every event the scheduler logs: feed accelsched's own to the metrics.
+
+        Worker-side events (``leak``, ``unrequested-gpu-use``, ...) arrive here too.
+        """
+        if topic == events.TOPIC and isinstance(msg, dict):
+            metrics.observe(msg)
+            self.observer.observe(msg)
+
+    def _worker_event(self, worker: Any = "", msg: Any = None, token: Any = None) -> None:
+        """A guard's event (``EventMessage``): logged in the name of the worker whose
+        token it carries. ``worker`` is distributed's stamp, which a message naming
+        another worker overrides; the token is what only that worker's process holds."""
+        owner = self.gate.authority.speaks_for(worker, token)
+        if owner is None or self.scheduler is None:
+            logger.warning("accelsched: dropped an event that %s cannot vouch for", worker)
+            return
+        if isinstance(msg, dict) and msg.get("action") in events.ACTIONS:
+            self.scheduler.log_event(events.TOPIC, {**msg, "worker": owner})
+
+    # --- for the parts ------------------------------------------------------------------
+
+    def check_fallback(self) -> None:
+        """Run one fallback check now (the periodic tick does this on its own)."""
+        self.fallback.check()
+
+    def _emit(self, action: str, worker: str | None = None, **figures: Any) -> None:
+        assert self.scheduler is not None
+        msg = events.event(action, worker, **figures)
+        logger.info("accelsched %s", msg)
+        self.scheduler.log_event(events.TOPIC, msg)

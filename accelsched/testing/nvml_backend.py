@@ -1,0 +1,31 @@
+"""The NVML backend of the simulated GPUs, named by :func:`accelsched.testing.fake_gpus`.
+
+accelsched reads NVML through the module dask config ``accelsched.nvml-backend`` names
+(``pynvml`` by default). A ``fake_gpus`` session names this one, in its own process (dask
+config) and in every process it starts (``DASK_ACCELSCHED__NVML_BACKEND``): the real
+``pynvml`` over the fake ``libnvidia-ml.so.1``, or the pure-Python stand-in where the
+library could not be built. Its devices are simulated: no CUDA call can be made on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: No CUDA device can be made current on these devices.
+SIMULATED = True
+#: What ``fake_gpus`` sets ``accelsched.nvml-backend`` to.
+NAME = __name__
+#: The environment variable that sets it in processes started inside a session.
+ENV = "DASK_ACCELSCHED__NVML_BACKEND"
+
+
+def api() -> Any:
+    """pynvml's functions for the simulated devices: the stand-in where ``fake_gpus``
+    chose it, the real pynvml (over the fake library) otherwise."""
+    from accelsched.testing import standin
+
+    if standin.active():
+        return standin
+    import pynvml
+
+    return pynvml

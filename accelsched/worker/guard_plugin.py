@@ -1,0 +1,303 @@
+"""GuardPlugin: the worker side of accelsched, wiring hooks to its parts.
+
+The parts (``accelsched/worker/``):
+
+- :class:`~accelsched.worker.inventory.Inventory`: probe the devices through NVML, report
+  them to the PlacementPlugin, advertise what it granted; ask for this worker's restart.
+- :class:`~accelsched.worker.binder.Binder`: give each running GPU task its own device,
+  current in its thread; free pools after GPU tasks
+  (:class:`~accelsched.worker.pool_freer.PoolFreer`).
+- :class:`~accelsched.worker.watch.Watch`: notice a task that did not ask for a GPU but
+  created a CUDA context or grew this process's device memory.
+- :class:`~accelsched.worker.leak_check.LeakCheck`: every ``check_interval``, estimate device
+  memory nothing legitimate holds; on a confirmed leak, ask for a lossless restart.
+- :class:`~accelsched.worker.rejoin.Rejoin`: ask NVML again, with backoff, about the
+  devices left out of the inventory; report each back once it answers steadily.
+
+The plugin itself checks at setup that the distributed internals the parts rely on are
+there (:mod:`accelsched.internals`) and routes each task as it starts executing. What it
+says to the scheduler is in :mod:`accelsched.protocol`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from dask.utils import key_split
+from distributed import Reschedule
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from accelsched import events, internals
+from accelsched.config import GUARD_OPTIONS, resolve_options
+from accelsched.protocol import (
+    CONFIRM_HANDLER,
+    DRAIN_HANDLER,
+    FALLBACK_ANNOTATION,
+    GPU,
+    GUARD_METRIC,
+    GUARD_PLUGIN,
+    REPORT_HANDLER,
+    ReportReply,
+)
+from accelsched.worker import results
+from accelsched.worker.binder import Binder, Runner
+from accelsched.worker.figures import Figures
+from accelsched.worker.inventory import Inventory
+from accelsched.worker.leak_check import LeakCheck
+from accelsched.worker.ledger import Ledger
+from accelsched.worker.pool_freer import PoolFreer
+from accelsched.worker.rejoin import Rejoin
+from accelsched.worker.watch import Running, UnrequestedGPUUse, Watch
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+__all__ = ["GuardPlugin", "UnrequestedGPUUse"]
+
+logger = logging.getLogger(__name__)
+
+_PERIODIC = "accelsched-guard"
+_RUNNING = frozenset({"executing", "long-running"})
+
+
+def _send_back(spec: Any, values: dict) -> Any:
+    """A GPU task reaching execution on a worker about to restart: placed again."""
+    raise Reschedule()
+
+
+class GuardPlugin(WorkerPlugin):
+    """Verified inventory, per-task device binding, unrequested-use watch, leak check.
+
+    Options (each also dask config under ``accelsched.guard.``, see
+    ``docs/configuration.md``) are validated here, on the client.
+    """
+
+    name = GUARD_PLUGIN
+
+    def __init__(self, **options: Any) -> None:
+        self.options = resolve_options(GUARD_OPTIONS, options, type(self).__name__)
+        self._init_parts()
+
+    def _init_parts(self) -> None:
+        self.worker: Worker | None = None
+        self.inventory = Inventory(advertise_undeclared=self.options["advertise_undeclared"])
+        # built at setup, once the devices are known
+        self.binder: Binder | None = None
+        self.watch: Watch | None = None
+        self.leaks: LeakCheck | None = None
+        self.figures: Figures | None = None
+        self.rejoin: Rejoin | None = None  # devices left out at setup, asked again
+        # keys executing here, counted in ACTIVITY
+        self.running = Running(self._in_thread, self._judge_owed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.options = state["options"]
+        self._init_parts()
+
+    # --- WorkerPlugin hooks -------------------------------------------------------------
+
+    async def setup(self, worker: Worker) -> None:
+        """Check distributed's internals, probe devices, report them, advertise the grant.
+
+        Worker plugins run after the worker registered, so its declared ``GPU`` count is
+        already known to the scheduler; the PlacementPlugin ignores it until this report.
+        Raises :class:`~accelsched.internals.IncompatibleDistributed`, which fails
+        ``client.register_plugin``, when distributed changed what accelsched relies on.
+        """
+        internals.check_worker(worker)
+        self.worker = worker
+        o = self.options
+        inv = self.inventory
+        inv.probe(worker)
+        assert inv.monitor is not None
+        ledger = Ledger(inv.monitor)
+        self.binder = Binder(
+            simulated=inv.simulated,
+            oom_exceptions=o["oom_exceptions"],
+            pools=PoolFreer(
+                every=o["free_pools_every"],
+                above=o["free_pools_above"],
+                minimum=o["free_pools_min"],
+                monitor=inv.monitor,
+                simulated=inv.simulated,
+            ),
+            emit=self._emit,
+            ledger=ledger,
+            residue=self._residue,
+        )
+        if o["unrequested_gpu"] != "ignore":
+            self.watch = Watch(
+                monitor=inv.monitor,
+                visible=inv.visible,
+                fail=o["unrequested_gpu"] == "fail",
+                emit=self._emit,
+            )
+        self.leaks = LeakCheck(
+            monitor=inv.monitor,
+            owned=inv.owned,
+            granted=lambda: inv.granted,
+            leases=self.binder.leases,
+            used=self.binder.used,
+            threshold=o["leak_threshold"],
+            confirmations=o["leak_confirmations"],
+            restart_on_leak=o["restart_on_leak"],
+            recover=o["recover_gpus"],
+            ask_restart=inv.ask_restart,
+            withdraw=self._withdraw,
+            emit=self._emit,
+            ledger=ledger,
+            simulated=inv.simulated,
+            executing=lambda: internals.gpu_tasks_in_threads(worker),
+        )
+        if o["recover_gpus"] and inv.monitor.left_out:
+            self.rejoin = Rejoin(
+                inventory=inv,
+                health=self.leaks.health,
+                interval=o["check_interval"],
+                report=self.report,
+                spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
+                emit=self._emit,
+            )
+        self.figures = Figures(
+            granted=lambda: inv.granted,
+            withdrawn=lambda: inv.withdrawn,
+            leases=self.binder.leases,
+            leaks=self.leaks,
+        )
+        internals.add_metric(worker, GUARD_METRIC, self.figures.read)
+        if inv.visible:  # as the transition hook, which alone uncounts them
+            # registered again (a new GuardPlugin replaces the old one, whose teardown
+            # stopped counting its tasks): what runs now still shares the process
+            for key in internals.keys_in_threads(worker):
+                self.running.started(key)
+        internals.install_handler(worker, REPORT_HANDLER, self.report)
+        internals.install_handler(worker, CONFIRM_HANDLER, inv.confirm)
+        internals.install_handler(worker, DRAIN_HANDLER, inv.drain)
+        if internals.serving(worker):
+            await self.report()
+        else:
+            # Set up while the worker starts: it answers no RPC (the scheduler's
+            # confirmation call included) until this returns, so report right after.
+            internals.spawn(worker, self.report)
+        internals.stop_periodic(worker, _PERIODIC)
+        if inv.visible or self.rejoin is not None:
+            internals.start_periodic(worker, _PERIODIC, self.check, o["check_interval"])
+
+    async def teardown(self, worker: Worker) -> None:
+        """Unregistered: remove the report handler and stop the leak check."""
+        internals.remove_handler(worker, REPORT_HANDLER, self.report)
+        internals.remove_handler(worker, CONFIRM_HANDLER, self.inventory.confirm)
+        internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
+        internals.stop_periodic(worker, _PERIODIC)
+        self.running.clear()
+        if self.figures is not None:
+            internals.remove_metric(worker, GUARD_METRIC, self.figures.read)
+
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        """Track live results; route a task starting to execute (worker event loop).
+
+        GPU tasks get a device lease; fallen-back tasks get their inputs on the host;
+        other tasks are watched for GPU use. The wrapping itself is O(1); the work
+        happens in the task's thread. Every transition of every task passes here.
+        """
+        leaks = self.leaks
+        if leaks is None or not self.inventory.visible:
+            return
+        worker = self.worker
+        assert worker is not None
+        if finish in _RUNNING:  # a function starts running in a thread (every task counts)
+            self.running.started(key)
+            if finish == "executing":
+                prefix = key_split(key)
+                leaks.ran(prefix)
+                internals.wrap_execution(
+                    worker, key, lambda k, res, ann: self._runner(k, res, ann, prefix)
+                )
+            return
+        if finish == "memory":
+            computed = start in _RUNNING  # here: its function has returned
+            results.stored(leaks, worker, key, computed=computed)
+            if computed:
+                self.running.ended(key)
+                return
+        elif start == "memory":
+            leaks.released(key)
+        if finish == "forgotten":
+            leaks.ledger.drop(key)
+        if key in self.running.keys:
+            self.running.recount(key)
+
+    def _in_thread(self, key: Any) -> bool:
+        return self.worker is not None and internals.runs_in_thread(self.worker, key)
+
+    def _judge_owed(self) -> None:
+        """A task ended: if a check skipped its busy devices, judge them now, before the
+        next task takes them (a queue of back-to-back GPU tasks holds them nearly always)."""
+        if self.leaks is not None and self.leaks.owed:
+            self.leaks.check()
+
+    def _runner(
+        self,
+        key: Any,
+        resources: Mapping[str, float],
+        annotations: Mapping[str, Any],
+        prefix: str,
+    ) -> Runner | None:
+        """The runner for a task starting to execute, or None to leave it alone."""
+        assert self.binder is not None
+        amount = resources.get(GPU, 0)
+        if amount > 0 and self.inventory.granted:
+            if self.inventory.draining:  # restarting: the scheduler places it elsewhere
+                return _send_back
+            return self.binder.gpu_runner(key, amount, prefix)
+        watch = self.watch
+        runner = watch.runner(key) if watch is not None and watch.sampled(prefix) else None
+        if annotations.get(FALLBACK_ANNOTATION):
+            return self.binder.fallback_runner(runner)
+        return runner
+
+    def _residue(self, name: str, residues: dict[int, int]) -> None:
+        if self.leaks is not None:
+            self.leaks.residue(name, residues)
+
+    def _withdraw(self, device: int, withdrawn: bool) -> None:
+        """Stop (or resume) offering ``device``: leases at once, the count right after."""
+        assert self.worker is not None and self.binder is not None
+        if withdrawn:
+            self.inventory.withdrawn.add(device)
+        else:
+            self.inventory.withdrawn.discard(device)
+        usable = [
+            d.index for d in self.inventory.granted if d.index not in self.inventory.withdrawn
+        ]
+        self.binder.set_devices(usable)
+        internals.spawn(self.worker, self.inventory.offer, self.binder.set_devices)
+
+    async def report(self) -> ReportReply:
+        """Report the owned devices to the scheduler and advertise what it granted."""
+        assert self.binder is not None
+        return await self.inventory.report(self.binder.set_devices)
+
+    def check(self) -> list:
+        """One leak check now (the periodic callback runs this every ``check_interval``).
+
+        The next GPU task on each device reads NVML again: what the ledger knew of a
+        device without a context (no reading to measure by) is forgotten at each check."""
+        assert self.leaks is not None
+        if self.rejoin is not None:
+            self.rejoin.check()
+        self.leaks.ledger.recheck()
+        return self.leaks.check()
+
+    def _emit(self, action: str, **figures: Any) -> None:
+        """Send an event to the scheduler's log (from any thread)."""
+        worker = self.worker
+        assert worker is not None
+        msg = events.event(action, worker.contact_address, **figures)
+        logger.info("accelsched %s", msg)
+        self.inventory.send_event(msg)
