@@ -91,3 +91,59 @@ def test_standin_answers_like_the_library(tmp_path, monkeypatch) -> None:
         assert (d.uuid, d.memory) == (g.uuids[1], 8 * 2**30)
         device_alloc(2**20, device=0)  # this process sees both: CUDA 0 is NVML 0
         assert NVMLMonitor(env={}).process_memory(0).has_context
+
+
+# --- the backend is passed in -------------------------------------------------------------
+
+
+def test_a_session_names_its_backend_and_marks_its_devices_simulated() -> None:
+    assert "ACCELSCHED_NVML_BACKEND" not in os.environ
+    with fake_gpus(count=1):
+        assert os.environ["ACCELSCHED_NVML_BACKEND"] == "accelsched.testing.nvml_backend"
+        m = NVMLMonitor(env={})
+        assert len(m.devices()) == 1 and m.simulated
+    assert "ACCELSCHED_NVML_BACKEND" not in os.environ  # restored
+    assert not NVMLMonitor(env={}).simulated
+
+
+def test_the_environment_wins_over_a_config_snapshot(monkeypatch) -> None:
+    """A nanny hands its workers its own config, a test harness restores a snapshot: the
+    backend a process tree was started with still holds."""
+    import dask
+
+    with fake_gpus(count=1), dask.config.set({"accelsched.nvml-backend": "pynvml"}):
+        m = NVMLMonitor(env={})
+        assert len(m.devices()) == 1 and m.simulated
+
+
+def test_backend_by_argument(tmp_path, monkeypatch) -> None:
+    """A backend is any module with pynvml's functions: here one that sees no driver."""
+    (tmp_path / "nodriver.py").write_text(
+        "SIMULATED = True\n"
+        "class NVMLError(Exception): pass\n"
+        "def nvmlInit():\n    raise NVMLError('Driver Not Loaded')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    m = NVMLMonitor(env={}, backend="nodriver")
+    assert m.devices() == [] and not m.available
+    assert "Driver Not Loaded" in (m.reason or "")
+
+
+@pytest.mark.parametrize(
+    "value, said",
+    [
+        ("no_such_backend_module", "the NVML backend cannot be imported"),
+        ("os; rm -rf", "is no module name"),
+        ("", "is no module name"),
+    ],
+)
+def test_a_bad_backend_means_zero_gpus_and_says_which(monkeypatch, value, said) -> None:
+    monkeypatch.setenv("ACCELSCHED_NVML_BACKEND", value)
+    import dask
+
+    with dask.config.set({"accelsched.nvml-backend": value}):
+        m = NVMLMonitor(env={})
+        assert m.devices() == [] and not m.available
+    assert said in (m.reason or ""), m.reason
+    if value:
+        assert repr(value) in (m.reason or "") or value in (m.reason or "")

@@ -38,10 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import dask.config
-
 from accelsched import internals
-from accelsched.devices.backend import BACKEND_KEY
+from accelsched.devices.backend import BACKEND_ENV
 from accelsched.testing import build, nvml_backend, state
 from accelsched.testing.buffers import DeviceBuffer, create_context, device_alloc, fixed_pool
 from accelsched.testing.checks import (
@@ -70,7 +68,7 @@ __all__ = [
     "SimulatedPool",
 ]
 
-_ENV_KEYS = (state.ENV_DIR, state.ENV_STANDIN, nvml_backend.ENV, "LD_LIBRARY_PATH")
+_ENV_KEYS = (state.ENV_DIR, state.ENV_STANDIN, BACKEND_ENV, "LD_LIBRARY_PATH")
 _active_lock = threading.Lock()
 _active = False
 _loaded: list[ctypes.CDLL] = []  # keep the fake library loaded for the process's life
@@ -208,7 +206,6 @@ def fake_gpus(
     saved_env = {key: os.environ.get(key) for key in _ENV_KEYS}
     saved_nvml = internals.distributed_nvml_state()
     path: Path | None = None
-    backend: dask.config.set | None = None
     try:
         path = Path(tempfile.mkdtemp(prefix="accelsched-fake-gpus-"))
         devices = [
@@ -219,7 +216,7 @@ def fake_gpus(
         state.write_migs(path, migs)
         state.write_flags(path, flags)
         (path / "proc").mkdir()
-        env = {state.ENV_DIR: str(path), nvml_backend.ENV: nvml_backend.NAME}
+        env = {state.ENV_DIR: str(path), BACKEND_ENV: nvml_backend.NAME}
         library = _load_library()
         if library is None:
             env[state.ENV_STANDIN] = "1"
@@ -228,7 +225,6 @@ def fake_gpus(
             previous = os.environ.get("LD_LIBRARY_PATH")
             env["LD_LIBRARY_PATH"] = str(library.parent) + (f":{previous}" if previous else "")
         os.environ.update(env)
-        backend = dask.config.set({BACKEND_KEY: nvml_backend.NAME})  # this process
         internals.reset_distributed_nvml()
         yield FakeGPUs(
             path=path,
@@ -241,8 +237,6 @@ def fake_gpus(
             mig=tuple(migs),
         )
     finally:
-        if backend is not None:
-            backend.__exit__(None, None, None)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -1,8 +1,8 @@
 """The NVML backend of the simulated GPUs, named by :func:`accelsched.testing.fake_gpus`.
 
-accelsched reads NVML through the module dask config ``accelsched.nvml-backend`` names
-(``pynvml`` by default). A ``fake_gpus`` session names this one, in its own process (dask
-config) and in every process it starts (``DASK_ACCELSCHED__NVML_BACKEND``): the real
+accelsched reads NVML through the module ``ACCELSCHED_NVML_BACKEND`` (or dask config
+``accelsched.nvml-backend``) names, ``pynvml`` by default. A ``fake_gpus`` session sets
+the variable to this one for its process and every process it starts: the real
 ``pynvml`` over the fake ``libnvidia-ml.so.1``, or the pure-Python stand-in where the
 library could not be built. Its devices are simulated: no CUDA call can be made on them.
 """
@@ -15,8 +15,6 @@ from typing import Any
 SIMULATED = True
 #: What ``fake_gpus`` sets ``accelsched.nvml-backend`` to.
 NAME = __name__
-#: The environment variable that sets it in processes started inside a session.
-ENV = "DASK_ACCELSCHED__NVML_BACKEND"
 
 
 def api() -> Any:
