@@ -1,0 +1,223 @@
+"""What a GPU task needs of its device, beyond a count: memory, model, capability, MIG.
+
+A count says how many devices; a :class:`Requirement` says which devices will do and
+how much of one a task takes. Written on a step (``@gpu(memory="24GiB", model="H100*")``)
+or as an annotation (``dask.annotate(gpu={"memory": "24GiB"})``), checked where it is
+written and again where it is unpickled (the scheduler trusts no pickle), and compared
+against what NVML verified of each device (:class:`DeviceFacts`). Decisions only: no
+distributed import.
+
+- ``memory``: device memory the task needs (bytes; ``"24GiB"``). Tasks that declare it
+  share a device while their declared needs fit in it (:func:`pack`); a device smaller
+  than the need is never eligible.
+- ``model``: a shell pattern matched, case-insensitively, against the device's NVML
+  name (``"*H100*"``, ``"NVIDIA A100*"``).
+- ``capability``: the least CUDA compute capability, ``"8.0"`` or ``(8, 0)``.
+- ``mig``: ``True`` for a MIG device only, ``False`` for a whole GPU only.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import math
+import numbers
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dask.utils import parse_bytes
+
+__all__ = [
+    "KEYS",
+    "DeviceFacts",
+    "Requirement",
+    "parse_requirement",
+    "requirement_problem",
+    "pack",
+]
+
+#: The keys a requirement may have; any other is refused, named.
+KEYS = ("memory", "model", "capability", "mig")
+#: Most bytes a requirement may ask (1 EiB): more is a typo, not a device.
+MAX_MEMORY = 1 << 60
+#: Longest model pattern taken.
+MAX_PATTERN = 200
+
+_CAPABILITY = re.compile(r"^\s*(\d{1,3})\.(\d{1,3})\s*$")
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What NVML verified of one device: the attributes a requirement is checked on."""
+
+    name: str
+    memory: int  # total bytes
+    capability: tuple[int, int] | None = None  # None: NVML did not say
+    mig: bool = False
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What one GPU task needs of each device it holds; None: anything goes."""
+
+    memory: int | None = None
+    model: str | None = None
+    capability: tuple[int, int] | None = None
+    mig: bool | None = None
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.memory, self.model, self.capability, self.mig))
+
+    def fits(self, device: DeviceFacts) -> bool:
+        """Whether ``device`` can ever hold the task (its attributes and total memory)."""
+        if self.memory is not None and device.memory < self.memory:
+            return False
+        if self.model is not None and not fnmatch.fnmatchcase(
+            device.name.casefold(), self.model.casefold()
+        ):
+            return False
+        if self.capability is not None and (
+            device.capability is None or device.capability < self.capability
+        ):
+            return False
+        return self.mig is None or device.mig == self.mig
+
+    def label(self) -> str:
+        """A short, stable name for this requirement: events, status, resource names."""
+        parts = []
+        if self.memory is not None:
+            parts.append(f"memory>={_bytes_text(self.memory)}")
+        if self.model is not None:
+            parts.append(f"model={self.model}")
+        if self.capability is not None:
+            parts.append(f"capability>={self.capability[0]}.{self.capability[1]}")
+        if self.mig is not None:
+            parts.append("mig" if self.mig else "whole-gpu")
+        return ",".join(parts) or "any"
+
+    def digest(self) -> str:
+        """Eight hex digits naming this requirement, for names that must be short."""
+        return hashlib.blake2s(self.label().encode(), digest_size=4).hexdigest()
+
+
+def _bytes_text(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
+def _memory(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"invalid GPU requirement memory={value!r}: expected bytes or '24GiB'")
+    if isinstance(value, str):
+        try:
+            value = parse_bytes(value)
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"invalid GPU requirement memory={value!r}: expected bytes or '24GiB'"
+            ) from None
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"invalid GPU requirement memory={value!r}: expected whole bytes")
+        value = int(value)
+    if not isinstance(value, numbers.Integral) or not 0 < int(value) <= MAX_MEMORY:
+        raise ValueError(
+            f"invalid GPU requirement memory={value!r}: expected 1 byte to 1 EiB (bytes or '24GiB')"
+        )
+    return int(value)
+
+
+def _model(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_PATTERN:
+        raise ValueError(
+            f"invalid GPU requirement model={value!r}: expected a name pattern such as "
+            f"'*H100*' (at most {MAX_PATTERN} characters)"
+        )
+    if any(not c.isprintable() for c in value):
+        raise ValueError(f"invalid GPU requirement model={value!r}: unprintable characters")
+    return value
+
+
+def _capability(value: Any) -> tuple[int, int]:
+    if isinstance(value, str) and (m := _CAPABILITY.match(value)):
+        return int(m.group(1)), int(m.group(2))
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1000 for v in value)
+    ):
+        return value[0], value[1]
+    raise ValueError(
+        f"invalid GPU requirement capability={value!r}: expected 'major.minor' "
+        "such as '8.0', or (8, 0)"
+    )
+
+
+def _mig(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"invalid GPU requirement mig={value!r}: expected True (a MIG device) or "
+            "False (a whole GPU)"
+        )
+    return value
+
+
+def parse_requirement(value: Any) -> Requirement:
+    """A :class:`Requirement` from a mapping (an annotation, ``gpu(**kwargs)``), or one
+    already built (checked again: it may come from a pickle). ``ValueError`` names the bad
+    key or value; None and ``{}`` are "anything goes"."""
+    if value is None:
+        return Requirement()
+    if isinstance(value, Requirement):
+        given: Mapping[str, Any] = {k: getattr(value, k) for k in KEYS}
+    elif isinstance(value, Mapping):
+        unknown = sorted(map(repr, set(value) - set(KEYS)))
+        if unknown:
+            raise ValueError(
+                f"unknown GPU requirement key(s) {', '.join(unknown)}: expected {', '.join(KEYS)}"
+            )
+        given = value
+    else:
+        raise ValueError(
+            f"invalid GPU requirement {value!r}: expected a mapping of {', '.join(KEYS)}"
+        )
+    return Requirement(
+        memory=None if given.get("memory") is None else _memory(given["memory"]),
+        model=None if given.get("model") is None else _model(given["model"]),
+        capability=None if given.get("capability") is None else _capability(given["capability"]),
+        mig=None if given.get("mig") is None else _mig(given["mig"]),
+    )
+
+
+def requirement_problem(value: Any) -> str | None:
+    """Why ``value`` is no requirement, or None."""
+    try:
+        parse_requirement(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def pack(
+    need: int, devices: Iterable[tuple[int, int, int]], *, whole: Iterable[int] = ()
+) -> int | None:
+    """The device a task declaring ``need`` bytes goes to, or None when none has room.
+
+    ``devices``: ``(index, capacity, leased)`` for each eligible device, capacity being
+    what tasks may declare on it (its memory less a reserve), leased what running tasks
+    declared there. ``whole``: devices a task without a memory declaration holds (they
+    share with nobody). Best fit: the device left with the least room, so small tasks
+    fill one device and leave another whole for a large one.
+    """
+    held = set(whole)
+    best: tuple[int, int] | None = None
+    for index, capacity, leased in devices:
+        room = capacity - leased
+        if index in held or room < need:
+            continue
+        if best is None or room - need < best[0]:
+            best = (room - need, index)
+    return None if best is None else best[1]

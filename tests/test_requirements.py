@@ -1,0 +1,131 @@
+"""What a GPU task needs of its device: parsed, checked and matched with numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from accelsched.policy.requirements import (
+    MAX_MEMORY,
+    DeviceFacts,
+    Requirement,
+    pack,
+    parse_requirement,
+    requirement_problem,
+)
+
+GiB = 1 << 30
+H100 = DeviceFacts("NVIDIA H100 80GB HBM3", 80 * GiB, (9, 0))
+A100 = DeviceFacts("NVIDIA A100-SXM4-40GB", 40 * GiB, (8, 0))
+T4 = DeviceFacts("Tesla T4", 16 * GiB, (7, 5))
+SLICE = DeviceFacts("NVIDIA A100-SXM4-40GB MIG 3g.20gb", 20 * GiB, (8, 0), mig=True)
+UNKNOWN_CC = DeviceFacts("NVIDIA Simulated GPU", 16 * GiB, None)
+
+
+@pytest.mark.parametrize(
+    "given_, expected",
+    [
+        ({"memory": "24GiB"}, Requirement(memory=24 * GiB)),
+        ({"memory": 1000}, Requirement(memory=1000)),
+        ({"memory": 2.0 * GiB}, Requirement(memory=2 * GiB)),
+        ({"model": "*H100*"}, Requirement(model="*H100*")),
+        ({"capability": "8.0"}, Requirement(capability=(8, 0))),
+        ({"capability": (9, 0)}, Requirement(capability=(9, 0))),
+        ({"mig": True}, Requirement(mig=True)),
+        ({"memory": None, "mig": None}, Requirement()),
+        ({}, Requirement()),
+        (None, Requirement()),
+    ],
+)
+def test_parse(given_, expected) -> None:
+    assert parse_requirement(given_) == expected
+    assert parse_requirement(expected) == expected  # a pickled one is checked the same
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        ({"memroy": "1GiB"}, "'memroy'"),
+        ({"memory": "lots"}, "memory='lots'"),
+        ({"memory": 0}, "memory=0"),
+        ({"memory": -1}, "memory=-1"),
+        ({"memory": MAX_MEMORY + 1}, f"memory={MAX_MEMORY + 1}"),
+        ({"memory": math.nan}, "memory=nan"),
+        ({"memory": 1.5}, "memory=1.5"),
+        ({"memory": True}, "memory=True"),
+        ({"model": ""}, "model=''"),
+        ({"model": 5}, "model=5"),
+        ({"model": "x" * 201}, "model="),
+        ({"model": "H100\x1b[2J"}, "unprintable"),
+        ({"capability": "eight"}, "capability='eight'"),
+        ({"capability": 8.0}, "capability=8.0"),
+        ({"capability": (8, -1)}, "capability=(8, -1)"),
+        ({"mig": "yes"}, "mig='yes'"),
+        ("24GiB", "'24GiB'"),
+        (Requirement(memory=-5), "memory=-5"),  # unpickled: checked as strictly
+    ],
+)
+def test_bad_values_are_named(bad, named) -> None:
+    with pytest.raises(ValueError, match="GPU requirement") as info:
+        parse_requirement(bad)
+    assert named in str(info.value)
+    assert requirement_problem(bad) == str(info.value)
+
+
+@pytest.mark.parametrize(
+    "req, fits",
+    [
+        (Requirement(), {H100, A100, T4, SLICE, UNKNOWN_CC}),
+        (Requirement(memory=24 * GiB), {H100, A100}),
+        (Requirement(memory=60 * GiB), {H100}),
+        (Requirement(memory=100 * GiB), set()),
+        (Requirement(model="*h100*"), {H100}),  # case-insensitive
+        (Requirement(model="NVIDIA A100*"), {A100, SLICE}),
+        (Requirement(capability=(8, 0)), {H100, A100, SLICE}),  # unknown: not proven
+        (Requirement(capability=(7, 5)), {H100, A100, T4, SLICE}),
+        (Requirement(mig=True), {SLICE}),
+        (Requirement(mig=False, model="*A100*"), {A100}),
+    ],
+)
+def test_fits(req, fits) -> None:
+    assert {d for d in (H100, A100, T4, SLICE, UNKNOWN_CC) if req.fits(d)} == fits
+
+
+def test_labels_name_the_requirement() -> None:
+    assert Requirement().label() == "any" and not Requirement()
+    r = Requirement(memory=24 * GiB, model="*H100*", capability=(9, 0), mig=False)
+    assert r.label() == "memory>=24GiB,model=*H100*,capability>=9.0,whole-gpu" and r
+    assert Requirement(memory=1000).label() == "memory>=1000B"
+    assert len(r.digest()) == 8 and r.digest() != Requirement(memory=24 * GiB).digest()
+
+
+def test_pack_best_fit() -> None:
+    # two devices of 80 and 40 (GiB), nothing leased: a 4 GiB task goes to the smaller
+    devices = [(0, 80, 0), (1, 40, 0)]
+    assert pack(4, devices) == 1
+    # the 40 has 2 left: a 4 goes to the 80; a 60 goes to the 80; a 90 nowhere
+    devices = [(0, 80, 0), (1, 40, 38)]
+    assert pack(4, devices) == 0 and pack(60, devices) == 0 and pack(90, devices) is None
+    # an exact fit is best
+    assert pack(20, [(0, 80, 50), (1, 40, 20)]) == 1
+    # a device held whole takes no declared task
+    assert pack(1, [(0, 80, 0), (1, 40, 0)], whole=[1]) == 0
+    assert pack(1, [(0, 80, 0)], whole=[0]) is None
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 100), st.integers(0, 100)), min_size=0, max_size=8),
+    st.integers(1, 120),
+)
+def test_pack_never_overfills(caps, need) -> None:
+    devices = [(i, cap, min(leased, cap)) for i, (cap, leased) in enumerate(caps)]
+    chosen = pack(need, devices)
+    rooms = {i: cap - leased for i, cap, leased in devices}
+    if chosen is None:
+        assert all(room < need for room in rooms.values())
+    else:
+        assert rooms[chosen] >= need
+        assert rooms[chosen] == min(r for r in rooms.values() if r >= need)
