@@ -119,7 +119,7 @@ def _memory(value: Any) -> int:
             raise ValueError(
                 f"invalid GPU requirement memory={value!r}: expected bytes or '24GiB'"
             ) from None
-    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+    if isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
             raise ValueError(f"invalid GPU requirement memory={value!r}: expected whole bytes")
         value = int(value)
