@@ -20,9 +20,8 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
     A guard asks for its own worker to be restarted (:class:`RestartRequest`); the reply
     (:class:`RestartReply`) says whether the restart was accepted.
 ``accelsched_status`` (:data:`STATUS_HANDLER`)
-    Read-only, for anyone (the ``accelsched status`` CLI): the cluster's GPU state
-    (:class:`StatusReply`), built from what the scheduler already holds and reveals in
-    ``scheduler_info``. A scheduler without accelsched answers ``None``.
+    Read-only, for anyone (``accelsched status``): the cluster's GPU state
+    (:class:`StatusReply`). A scheduler without accelsched answers ``None``.
 
 Worker heartbeat metric ``"accelsched"`` (:data:`GUARD_METRIC`): every heartbeat carries
 a guard's per-device figures only the worker knows (:class:`GuardMetric`), through
@@ -122,13 +121,19 @@ FALLBACK_ANNOTATION: Final = "accelsched_fallback"
 INVALID_RESOURCE: Final = "accelsched-invalid-annotation"
 
 
-class DeviceRecord(TypedDict):
-    """One device as a guard reports it: ``index`` is its CUDA index in that worker."""
-
+class _DeviceBasics(TypedDict):
     index: int
     uuid: str
     name: str
     memory: int
+
+
+class DeviceRecord(_DeviceBasics, total=False):
+    """One device a guard reports (``index``: its CUDA index in that worker); without
+    ``capability`` (``[major, minor]``) and ``mig``: unknown, and a whole GPU."""
+
+    capability: list[int] | None
+    mig: bool
 
 
 class InventoryRequest(TypedDict):

@@ -151,7 +151,14 @@ async def test_workers_on_mig_devices_are_verified_placed_and_bound(c, s, cpu):
         verified = {e["worker"]: e for e in events(s, "gpu-verified")}
         for nanny, mig in ((a, first), (b, second)):
             (device,) = verified[nanny.worker_address]["devices"]
-            assert device == {"index": 0, "uuid": mig.uuid, "name": mig.name, "memory": 40 * GiB}
+            assert device == {
+                "index": 0,
+                "uuid": mig.uuid,
+                "name": mig.name,
+                "memory": 40 * GiB,
+                "capability": (9, 0),  # its GPU's
+                "mig": True,
+            }
         assert gpus(s, cpu.worker_address) == 0
 
         with dask.annotate(resources={"GPU": 1}):

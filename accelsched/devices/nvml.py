@@ -243,6 +243,7 @@ class _Found:
             name=_text(nvml.nvmlDeviceGetName(h)),
             memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
             parent=None if self.mig is None else self.gpu_uuid,
+            capability=_capability(nvml, self.nvml_index),
         )
         nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
         return info
@@ -274,3 +275,15 @@ def _text(value: Any) -> str:
 def _describe(exc: BaseException) -> str:
     name = type(exc).__name__
     return f"{name}: {exc}" if str(exc) else name
+
+
+def _capability(nvml: Any, nvml_index: int) -> tuple[int, int] | None:
+    """The GPU's CUDA compute capability (a MIG device has its GPU's); None when NVML
+    does not say (an old driver): a requirement on it is then not met."""
+    try:
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(
+            nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+        )
+        return int(major), int(minor)
+    except Exception:  # NVMLError_NotSupported, a binding without the call
+        return None

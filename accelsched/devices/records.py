@@ -18,6 +18,7 @@ class DeviceInfo:
 
     For a MIG device, ``uuid``, ``name`` and ``memory`` are the MIG device's own,
     ``nvml_index`` is its parent GPU's and ``parent`` the parent's UUID (None otherwise).
+    ``capability``: CUDA compute capability (major, minor), None when NVML did not say.
     """
 
     index: int
@@ -26,9 +27,21 @@ class DeviceInfo:
     name: str
     memory: int
     parent: str | None = None
+    capability: tuple[int, int] | None = None
+
+    @property
+    def mig(self) -> bool:
+        return self.parent is not None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "uuid": self.uuid, "name": self.name, "memory": self.memory}
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "name": self.name,
+            "memory": self.memory,
+            "capability": None if self.capability is None else list(self.capability),
+            "mig": self.mig,
+        }
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from accelsched.testing.checks import (
 )
 from accelsched.testing.checks import (
     _check_bool,
+    _check_capability,
     _check_count,
     _check_name,
     _check_pid_offset,
@@ -165,6 +166,7 @@ def fake_gpus(
     memory: int | str | Sequence[int | str] = "16GiB",
     *,
     names: str | Sequence[str] | None = None,
+    capability: str | Sequence[str] = "9.0",
     context_memory: int | str = "64MiB",
     process_memory: bool = True,
     pid_offset: int = 0,
@@ -173,7 +175,9 @@ def fake_gpus(
     """Show ``count`` fake GPUs to this process and every process started inside.
 
     ``memory`` is each device's total (``"16GiB"``, bytes, or one value per device);
-    ``names`` a name for all or one per device; ``context_memory`` what a CUDA context
+    ``names`` a name for all or one per device; ``capability`` the CUDA compute
+    capability NVML reports (``"8.0"``, for all or one per device; a MIG device has its
+    GPU's); ``context_memory`` what a CUDA context
     costs a process on a device; ``process_memory=False`` makes NVML report per-process
     memory as not available, and ``pid_offset`` shifts reported pids, as in containers
     without the host PID namespace. ``mig`` puts GPUs in MIG mode with MIG devices
@@ -187,6 +191,7 @@ def fake_gpus(
     if names is None:
         names = "NVIDIA Simulated GPU"
     labels = _per_device(names, count, "names", _check_name)
+    capabilities = _per_device(capability, count, "capability", _check_capability)
     partitions = check_mig(mig, count, totals)
     migs = mig_devices(partitions, labels)
     flags = state.Flags(
@@ -209,8 +214,8 @@ def fake_gpus(
     try:
         path = Path(tempfile.mkdtemp(prefix="accelsched-fake-gpus-"))
         devices = [
-            state.FakeDevice(state.new_uuid(), n, t, p is not None)
-            for n, t, p in zip(labels, totals, partitions, strict=True)
+            state.FakeDevice(state.new_uuid(), n, t, p is not None, cc)
+            for n, t, p, cc in zip(labels, totals, partitions, capabilities, strict=True)
         ]
         state.write_devices(path, devices)
         state.write_migs(path, migs)

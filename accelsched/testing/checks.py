@@ -42,6 +42,16 @@ def _check_name(value: str) -> str:
     return value
 
 
+def _check_capability(value: str) -> tuple[int, int]:
+    """``"8.0"``: a CUDA compute capability, major.minor."""
+    major, dot, minor = value.partition(".") if isinstance(value, str) else ("", "", "")
+    if not (dot and major.isdigit() and minor.isdigit() and len(major + minor) <= 4):
+        raise ValueError(
+            f"fake_gpus: a capability must be 'major.minor' such as '8.0', got {value!r}"
+        )
+    return int(major), int(minor)
+
+
 def _check_bool(value: bool, what: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"fake_gpus: {what} must be True or False, got {value!r}")

@@ -86,7 +86,13 @@ static int g_refcount;
 /* Lets accelsched tell this library from a real NVML already loaded in a process. */
 int accelsched_fake_nvml = 1;
 
-struct device { char uuid[96]; char name[96]; unsigned long long total; int mig_mode; };
+struct device {
+    char uuid[96];
+    char name[96];
+    unsigned long long total;
+    int mig_mode;
+    int cc_major, cc_minor; /* CUDA compute capability */
+};
 struct mig {
     char uuid[96];
     char name[96];
@@ -164,12 +170,19 @@ static int load_state(struct state *st)
         struct device *d = &st->dev[st->count];
         char *uuid = strtok(line, "\t\n"), *name = strtok(NULL, "\t\n");
         char *total = strtok(NULL, "\t\n"), *mode = strtok(NULL, "\t\n");
+        char *cc = strtok(NULL, "\t\n");
         if (uuid == NULL || name == NULL || total == NULL)
             continue;
         snprintf(d->uuid, sizeof(d->uuid), "%s", uuid);
         snprintf(d->name, sizeof(d->name), "%s", name);
         d->total = strtoull(total, NULL, 10);
         d->mig_mode = mode != NULL && strcmp(mode, "mig") == 0;
+        d->cc_major = 9;
+        d->cc_minor = 0;
+        if (cc != NULL && sscanf(cc, "%d.%d", &d->cc_major, &d->cc_minor) != 2) {
+            d->cc_major = 9;
+            d->cc_minor = 0;
+        }
         st->count++;
     }
     fclose(f);
@@ -709,8 +722,8 @@ nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major,
     DEVICE_PROLOGUE
     if (major == NULL || minor == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *major = 9;
-    *minor = 0;
+    *major = st.dev[t.gpu].cc_major; /* a MIG device: its parent GPU's */
+    *minor = st.dev[t.gpu].cc_minor;
     return NVML_SUCCESS;
 }
 

@@ -49,6 +49,7 @@ __all__ = [
     "nvmlDeviceGetName",
     "nvmlDeviceGetUUID",
     "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetCudaComputeCapability",
     "nvmlDeviceGetComputeRunningProcesses",
     "nvmlDeviceGetComputeRunningProcesses_v2",
     "nvmlDeviceGetComputeRunningProcesses_v3",
@@ -155,6 +156,11 @@ def nvmlDeviceGetName(handle: StandinHandle) -> str:
 def nvmlDeviceGetUUID(handle: StandinHandle) -> str:
     t = device(handle)
     return (t.mig or t.gpu).uuid
+
+
+def nvmlDeviceGetCudaComputeCapability(handle: StandinHandle) -> tuple[int, int]:
+    """A MIG device answers with its parent GPU's, as the library does."""
+    return device(handle).gpu.capability
 
 
 def nvmlDeviceGetMemoryInfo(

@@ -71,6 +71,7 @@ class FakeDevice:
     name: str
     total: int
     mig: bool = False
+    capability: tuple[int, int] = (9, 0)  # CUDA compute capability (major, minor)
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,11 @@ def read_devices(path: Path) -> list[FakeDevice]:
     devices = []
     for line in (path / "devices").read_text().splitlines():
         parts = line.split("\t")
-        if len(parts) in (3, 4):
-            mig = len(parts) == 4 and parts[3] == "mig"
-            devices.append(FakeDevice(parts[0], parts[1], int(parts[2]), mig))
+        if 3 <= len(parts) <= 5:
+            mig = len(parts) >= 4 and parts[3] == "mig"
+            major, _, minor = (parts[4] if len(parts) == 5 else "9.0").partition(".")
+            capability = (int(major), int(minor))
+            devices.append(FakeDevice(parts[0], parts[1], int(parts[2]), mig, capability))
     return devices
 
 
@@ -136,7 +139,9 @@ def write_devices(path: Path, devices: list[FakeDevice]) -> None:
     _atomic_write(
         path / "devices",
         "".join(
-            f"{d.uuid}\t{d.name}\t{d.total}{chr(9) + 'mig' if d.mig else ''}\n" for d in devices
+            f"{d.uuid}\t{d.name}\t{d.total}\t{'mig' if d.mig else 'whole'}"
+            f"\t{d.capability[0]}.{d.capability[1]}\n"
+            for d in devices
         ),
     )
 

@@ -49,7 +49,14 @@ logger = logging.getLogger(__name__)
 
 
 def _record(d: DeviceInfo) -> DeviceRecord:
-    return {"index": d.index, "uuid": d.uuid, "name": d.name, "memory": d.memory}
+    return {
+        "index": d.index,
+        "uuid": d.uuid,
+        "name": d.name,
+        "memory": d.memory,
+        "capability": None if d.capability is None else list(d.capability),
+        "mig": d.mig,
+    }
 
 
 class Inventory:
