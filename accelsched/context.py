@@ -150,3 +150,23 @@ def _use_cuda_device(device: int):  # type: ignore[no-untyped-def]
     before = runtime.getDevice()
     runtime.setDevice(device)
     return lambda: runtime.setDevice(before)
+
+
+#: Exception types registered as "out of device memory", beside ``oom_exceptions``.
+_OOM_TYPES: set[type[BaseException]] = set()
+
+
+def register_oom_exception(exc_type: type[BaseException]) -> None:
+    """Count ``exc_type`` (and its subclasses) as running out of device memory in every
+    ``dual`` task of this process, whatever ``oom_exceptions`` says."""
+    if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+        raise TypeError(f"register_oom_exception() takes an exception type, not {exc_type!r}")
+    _OOM_TYPES.add(exc_type)
+
+
+def out_of_memory(exc: BaseException, names: tuple[str, ...]) -> bool:
+    """Whether ``exc`` means "out of device memory": a type named in ``names`` (the
+    guard's ``oom_exceptions``; by name, so CuPy is never imported to check) or registered."""
+    return any(
+        c in _OOM_TYPES or f"{c.__module__}.{c.__qualname__}" in names for c in type(exc).__mro__
+    )

@@ -9,9 +9,9 @@ the task from the lease it holds: the GPU form under a GPU lease, the CPU form o
 When the GPU form runs out of device memory (an exception named in the guard's
 ``oom_exceptions``, CuPy's ``OutOfMemoryError`` by default), the task is retried once in
 its CPU form, in the same thread, and a ``fallback`` event with reason ``oom`` is sent.
-Exceptions are matched by name, so CuPy is never imported to check them; a library whose
-allocator raises its own type registers it (:func:`register_oom_exception`), as the
-simulated devices of :mod:`accelsched.testing` do.
+Exceptions are matched by name, so CuPy is never imported to check them; a library
+whose allocator raises its own type registers it
+(:func:`accelsched.context.register_oom_exception`), as the simulated devices do.
 
 ``@gpu`` (or ``@gpu(count=2, fallback_timeout="5s")``) marks a GPU-only step. Both carry
 a :class:`~accelsched.policy.marks.Mark`: any task that calls one, wherever it sits in the graph,
@@ -25,8 +25,9 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from accelsched.context import current_lease, released
+from accelsched.context import current_lease, out_of_memory, released
 from accelsched.policy.marks import Mark, note_marked
+from accelsched.policy.requirements import Requirement, parse_requirement
 from accelsched.policy.timeouts import invalid_amount, parse_task_timeout
 from accelsched.shipping import Unloadable, importable, ship, unpickle
 
@@ -41,16 +42,18 @@ R = TypeVar("R")
 class Dual(Generic[R]):
     """A picklable callable running ``gpu_fn`` under a GPU lease and ``cpu_fn`` otherwise."""
 
-    __slots__ = ("gpu_fn", "cpu_fn", "shipped")
-    __accelsched_gpu__ = _DUAL_MARK
+    __slots__ = ("gpu_fn", "cpu_fn", "shipped", "__accelsched_gpu__")
 
-    def __init__(self, gpu_fn: Callable[..., R], cpu_fn: Callable[..., R]) -> None:
+    def __init__(
+        self, gpu_fn: Callable[..., R], cpu_fn: Callable[..., R], mark: Mark = _DUAL_MARK
+    ) -> None:
         for name, fn in (("gpu_fn", gpu_fn), ("cpu_fn", cpu_fn)):
             if not callable(fn):
                 raise TypeError(f"dual() {name} must be callable, got {fn!r}")
         self.gpu_fn = gpu_fn
         self.cpu_fn = cpu_fn
         self.shipped: bytes | None = None
+        self.__accelsched_gpu__ = mark
         note_marked()
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
@@ -60,7 +63,7 @@ class Dual(Generic[R]):
         try:
             return lease.run_step(_name(self.gpu_fn), lambda: self.gpu_fn(*args, **kwargs))
         except Exception as exc:
-            if not _named(exc, lease.oom_exceptions):
+            if not out_of_memory(exc, lease.oom_exceptions):
                 raise
             if lease.report is not None:
                 lease.report(
@@ -81,11 +84,12 @@ class Dual(Generic[R]):
         # both functions travel as cloudpickle ships them (by value from __main__), in
         # bytes of their own: a process that cannot load them still reads the mark
         shipped = ship(self, (self.gpu_fn, self.cpu_fn))
+        mark = self.__accelsched_gpu__
         if shipped is None:
-            return (Dual, (self.gpu_fn, self.cpu_fn))
+            return (Dual, (self.gpu_fn, self.cpu_fn, mark))
         gpu_fn = self.gpu_fn
         label = gpu_fn.label if isinstance(gpu_fn, Unloadable) else repr(self)
-        return (_load_dual, (label, shipped))
+        return (_load_dual, (label, shipped, mark))
 
     def __repr__(self) -> str:
         if isinstance(self.gpu_fn, Unloadable):
@@ -126,31 +130,39 @@ class Bound:
         return f"<bound {self.step!r} of {type(self.obj).__name__}>"
 
 
-#: Exception types registered as "out of device memory", beside ``oom_exceptions``.
-_OOM_TYPES: set[type[BaseException]] = set()
-
-
-def register_oom_exception(exc_type: type[BaseException]) -> None:
-    """Count ``exc_type`` (and its subclasses) as running out of device memory in every
-    ``dual`` task of this process, whatever ``oom_exceptions`` says."""
-    if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
-        raise TypeError(f"register_oom_exception() takes an exception type, not {exc_type!r}")
-    _OOM_TYPES.add(exc_type)
-
-
-def _named(exc: BaseException, names: tuple[str, ...]) -> bool:
-    return any(
-        c in _OOM_TYPES or f"{c.__module__}.{c.__qualname__}" in names for c in type(exc).__mro__
-    )
-
-
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def dual(gpu_fn: Callable[..., R], cpu_fn: Callable[..., R]) -> Dual[R]:
-    """Return a callable that runs ``gpu_fn`` on a GPU and ``cpu_fn`` when it fell back."""
-    return Dual(gpu_fn, cpu_fn)
+def dual(
+    gpu_fn: Callable[..., R],
+    cpu_fn: Callable[..., R],
+    *,
+    memory: Any = None,
+    model: str | None = None,
+    capability: Any = None,
+    mig: bool | None = None,
+) -> Dual[R]:
+    """Return a callable that runs ``gpu_fn`` on a GPU and ``cpu_fn`` when it fell back.
+
+    ``memory``, ``model``, ``capability``, ``mig``: what its device must be
+    (:mod:`accelsched.policy.requirements`; docs/placement.md); a bad value raises here.
+    """
+    requirement = _requirement("dual", memory, model, capability, mig)
+    return Dual(
+        gpu_fn, cpu_fn, Mark(count=1, requirement=requirement) if requirement else _DUAL_MARK
+    )
+
+
+def _requirement(
+    who: str, memory: Any, model: Any, capability: Any, mig: Any
+) -> Requirement | None:
+    given = {"memory": memory, "model": model, "capability": capability, "mig": mig}
+    try:
+        requirement = parse_requirement(given)
+    except ValueError as exc:
+        raise ValueError(f"{who}(): {exc}") from None
+    return requirement or None
 
 
 class GPUStep(Generic[R]):
@@ -228,22 +240,24 @@ def _load_step_by_name(module: str, qualname: str, mark: Mark) -> Any:
     return target if isinstance(target, GPUStep) else GPUStep(target, mark)
 
 
-def _load_dual(label: str, payload: bytes) -> Dual[Any]:
+def _load_dual(label: str, payload: bytes, mark: Mark = _DUAL_MARK) -> Dual[Any]:
     """A ``dual`` step; unloadable here, still marked (calling it raises, naming it)."""
     fns, error = unpickle(label, payload)
     if error is not None:
-        missing = Unloadable(label, error, (_load_dual, (label, payload)))
+        missing = Unloadable(label, error, (_load_dual, (label, payload, mark)))
         fns = (missing, missing)
-    step: Dual[Any] = Dual(*fns)
+    step: Dual[Any] = Dual(fns[0], fns[1], mark)
     step.shipped = payload
     return step
 
 
-def _gpu_mark(count: Any, fallback_timeout: Any, given: bool) -> Mark:
+def _gpu_mark(
+    count: Any, fallback_timeout: Any, given: bool, requirement: Requirement | None = None
+) -> Mark:
     if invalid_amount(count) is not None:
         raise ValueError(f"gpu(): invalid count={count!r}: expected a positive number of GPUs")
     timeout = parse_task_timeout(fallback_timeout) if given else None
-    return Mark(count=count, timeout=timeout, timeout_given=given)
+    return Mark(count=count, timeout=timeout, timeout_given=given, requirement=requirement)
 
 
 _UNSET: Any = object()
@@ -255,23 +269,39 @@ def gpu(fn: Callable[..., R], /) -> GPUStep[R]: ...
 
 @overload
 def gpu(
-    *, count: float = 1, fallback_timeout: Any = ...
+    *,
+    count: float = 1,
+    fallback_timeout: Any = ...,
+    memory: Any = None,
+    model: str | None = None,
+    capability: Any = None,
+    mig: bool | None = None,
 ) -> Callable[[Callable[..., R]], GPUStep[R]]: ...
 
 
 def gpu(
-    fn: Callable[..., R] | None = None, /, *, count: float = 1, fallback_timeout: Any = _UNSET
+    fn: Callable[..., R] | None = None,
+    /,
+    *,
+    count: float = 1,
+    fallback_timeout: Any = _UNSET,
+    memory: Any = None,
+    model: str | None = None,
+    capability: Any = None,
+    mig: bool | None = None,
 ) -> Any:
     """Mark a GPU step: ``@gpu`` or ``@gpu(count=1, fallback_timeout="5s")``.
 
     Any task that calls the step, wherever dask puts it, is placed on verified GPUs and
-    bound to its own device(s), with no ``dask.annotate``. Bad arguments raise here,
-    naming the value.
+    bound to its own device(s), with no ``dask.annotate``. ``memory="24GiB"``,
+    ``model="*H100*"``, ``capability="8.0"``, ``mig=True/False``: what each of its
+    devices must be (docs/placement.md). Bad arguments raise here, naming the value.
     """
     mark = _gpu_mark(
         count,
         None if fallback_timeout is _UNSET else fallback_timeout,
         fallback_timeout is not _UNSET,
+        _requirement("gpu", memory, model, capability, mig),
     )
     if fn is not None:
         return GPUStep(fn, mark)

@@ -129,3 +129,70 @@ def test_pack_never_overfills(caps, need) -> None:
     else:
         assert rooms[chosen] >= need
         assert rooms[chosen] == min(r for r in rooms.values() if r >= need)
+
+
+# --- written on a step: checked there, and again where a pickle arrives ------------------
+
+
+def _double(x: int) -> int:
+    return 2 * x
+
+
+def test_steps_carry_their_requirement_through_a_pickle() -> None:
+    import pickle
+
+    import cloudpickle
+
+    import accelsched
+    from accelsched.policy.marks import Mark, find_mark, mark_problem
+
+    step = accelsched.gpu(memory="24GiB", model="*H100*", capability="9.0")(_double)
+    both = accelsched.dual(_double, _double, memory="4GiB", mig=False)
+    plain = accelsched.dual(_double, _double)
+    for obj, want in (
+        (step, Requirement(memory=24 * GiB, model="*H100*", capability=(9, 0))),
+        (both, Requirement(memory=4 * GiB, mig=False)),
+        (plain, None),
+    ):
+        for again in (pickle.loads(cloudpickle.dumps(obj)), obj):
+            mark = find_mark(again)
+            assert mark is not None and mark.requirement == want and mark_problem(mark) is None
+            assert again(21) == 42
+    forged = Mark(count=1, requirement=Requirement(memory=-1))
+    assert "memory=-1" in (mark_problem(forged) or "")
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"memory": "a lot"}, "memory='a lot'"),
+        ({"capability": "nine"}, "capability='nine'"),
+        ({"mig": "no"}, "mig='no'"),
+        ({"model": ""}, "model=''"),
+    ],
+)
+def test_bad_requirements_raise_where_written(kwargs, named) -> None:
+    import accelsched
+
+    with pytest.raises(ValueError, match=r"^gpu\(\): invalid GPU requirement") as info:
+        accelsched.gpu(**kwargs)(_double)
+    assert named in str(info.value)
+    with pytest.raises(ValueError, match=r"^dual\(\): invalid GPU requirement"):
+        accelsched.dual(_double, _double, **kwargs)
+
+
+def test_fused_steps_combine_their_requirements() -> None:
+    from accelsched.policy.requirements import Conflict, combine
+
+    assert combine([]) is None
+    a, b = Requirement(memory=4 * GiB, capability=(8, 0)), Requirement(memory=8 * GiB)
+    assert combine([a]) is a
+    assert combine([a, b]) == Requirement(memory=8 * GiB, capability=(8, 0))
+    assert combine([a, Requirement(model="*H100*")]) == Requirement(
+        memory=4 * GiB, capability=(8, 0), model="*H100*"
+    )
+    clash = combine([Requirement(model="*H100*"), Requirement(model="*A100*")])
+    assert isinstance(clash, Conflict) and not clash.fits(H100)
+    assert "model=*A100* and model=*H100*" in clash.label()
+    assert "conflicting" in (requirement_problem(clash) or "")
+    assert isinstance(combine([Requirement(mig=True), Requirement(mig=False)]), Conflict)

@@ -20,6 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from accelsched.policy.requirements import Requirement, combine, requirement_problem
+
 __all__ = ["MARK_ATTRIBUTE", "Mark", "mark_of", "mark_problem", "find_mark", "MAX_VISITS"]
 
 #: The attribute a marked callable carries: a :class:`Mark`.
@@ -53,6 +55,8 @@ class Mark:
     count: float = 1
     timeout: float | None = None
     timeout_given: bool = False
+    #: What each device it holds must be (:mod:`accelsched.policy.requirements`).
+    requirement: Requirement | None = None
 
 
 def mark_problem(mark: Mark) -> str | None:
@@ -67,6 +71,11 @@ def mark_problem(mark: Mark) -> str | None:
         return f"invalid GPU step mark count={count!r}: expected a positive number of GPUs"
     if not 0 < count < math.inf:
         return f"invalid GPU step mark count={count!r}: expected a positive number of GPUs"
+    requirement = getattr(mark, "requirement", None)  # a mark pickled before it existed
+    if requirement is not None:
+        problem = requirement_problem(requirement)
+        if problem is not None:
+            return f"invalid GPU step mark: {problem}"
     if not isinstance(mark.timeout_given, bool):
         return f"invalid GPU step mark timeout_given={mark.timeout_given!r}"
     if timeout is not None and (
@@ -230,8 +239,10 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
         return None
     given = [m.timeout for m in found if m.timeout_given]
     timeouts = [t for t in given if t is not None]
+    requirement = combine([m.requirement for m in found if m.requirement])
     return Mark(
         count=max(m.count for m in found),
         timeout=min(timeouts) if timeouts else None,
         timeout_given=bool(given),
+        requirement=requirement,
     )

@@ -31,10 +31,12 @@ from dask.utils import parse_bytes
 
 __all__ = [
     "KEYS",
+    "Conflict",
     "DeviceFacts",
     "Requirement",
     "parse_requirement",
     "requirement_problem",
+    "combine",
     "pack",
 ]
 
@@ -171,6 +173,8 @@ def parse_requirement(value: Any) -> Requirement:
     key or value; None and ``{}`` are "anything goes"."""
     if value is None:
         return Requirement()
+    if isinstance(value, Conflict):
+        raise ValueError(f"invalid GPU requirement: {value.label()}")
     if isinstance(value, Requirement):
         given: Mapping[str, Any] = {k: getattr(value, k) for k in KEYS}
     elif isinstance(value, Mapping):
@@ -199,6 +203,45 @@ def requirement_problem(value: Any) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+class Conflict(Requirement):
+    """Requirements no one device can meet at once (steps fused into one task that ask
+    for different models, or MIG and a whole GPU): the task errs, naming them."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "text", text)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def fits(self, device: DeviceFacts) -> bool:
+        return False
+
+    def label(self) -> str:
+        return f"conflicting: {self.text}"  # type: ignore[attr-defined]
+
+
+def combine(requirements: list[Requirement]) -> Requirement | None:
+    """What one task calling several marked steps needs: the most memory, the highest
+    capability; models and MIG must agree (else a :class:`Conflict`)."""
+    if not requirements:
+        return None
+    if len(requirements) == 1:
+        return requirements[0]
+    models = {r.model for r in requirements if r.model is not None}
+    migs = {r.mig for r in requirements if r.mig is not None}
+    if len(models) > 1 or len(migs) > 1:
+        return Conflict(" and ".join(sorted({r.label() for r in requirements})))
+    memories = [r.memory for r in requirements if r.memory is not None]
+    capabilities = [r.capability for r in requirements if r.capability is not None]
+    return Requirement(
+        memory=max(memories) if memories else None,
+        model=models.pop() if models else None,
+        capability=max(capabilities) if capabilities else None,
+        mig=migs.pop() if migs else None,
+    )
 
 
 def pack(

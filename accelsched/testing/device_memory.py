@@ -26,9 +26,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accelsched.context import register_oom_exception
 from accelsched.devices.pool import PoolStats, register_pool
 from accelsched.devices.visible import visible_from_env
-from accelsched.dual import register_oom_exception
 from accelsched.testing import state
 
 __all__ = ["OutOfDeviceMemory", "SimulatedPool"]
