@@ -37,6 +37,8 @@ __all__ = [
     "parse_requirement",
     "requirement_problem",
     "combine",
+    "capacity",
+    "mebibytes",
     "pack",
 ]
 
@@ -242,6 +244,23 @@ def combine(requirements: list[Requirement]) -> Requirement | None:
         capability=max(capabilities) if capabilities else None,
         mig=migs.pop() if migs else None,
     )
+
+
+#: What a device keeps back from declared tasks: a twentieth of it, at most 2 GiB
+#: (CUDA contexts, library handles, the allocator's slack).
+RESERVE_FRACTION = 20
+MAX_RESERVE = 2 << 30
+MiB = 1 << 20
+
+
+def capacity(memory: int) -> int:
+    """Bytes tasks may declare on a device of ``memory`` bytes (what :func:`pack` fills)."""
+    return max(0, memory - min(memory // RESERVE_FRACTION, MAX_RESERVE))
+
+
+def mebibytes(nbytes: int) -> int:
+    """A declared need as distributed's resource amount: whole MiB, rounded up."""
+    return -(-nbytes // MiB)
 
 
 def pack(
