@@ -1,10 +1,11 @@
 """``python -m benchmarks --quick`` runs and writes what the README's figures come from.
 
 The benchmarks run as the user runs them: ``python -m benchmarks --quick`` subprocesses
-(two side by side, each with some of the benchmarks) with their own clusters of workers
-on simulated GPUs. The quick run is a smoke run of seconds per benchmark. The checks are
-on what they wrote (keys present, counts that must hold on any machine, valid PNGs),
-never on how fast anything was.
+(two side by side, each with some of the benchmarks, the real-GPU one dry-run on
+simulated GPUs after one of them) with their own clusters of workers on simulated GPUs.
+The quick run is a smoke run of seconds per benchmark. The checks are on what they wrote
+(keys present, counts that must hold on any machine, valid PNGs, the provenance every
+result file carries), never on how fast anything was.
 
 CI runs it as a stage of its own (``pytest -m benchmarks``, with its own time limit);
 the README's test command leaves it out, so the suite is about the library.
@@ -12,23 +13,31 @@ the README's test command leaves it out, so the suite is about the library.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import dask
+import distributed
 import pytest
 
 import benchmarks
-from benchmarks import bench_hotpath, bench_scale
+from benchmarks.gpu.costs import BENCHES as GPU_BENCHES
+from benchmarks.micro import hotpath as bench_hotpath
+from benchmarks.micro import scale as bench_scale
 
 pytestmark = pytest.mark.benchmarks
 
 ROOT = Path(__file__).resolve().parents[1]
 MINE = tuple(benchmarks.NAMES)  # every benchmark, as `python -m benchmarks --quick` runs them
 PNG = b"\x89PNG\r\n\x1a\n"
+#: Folders whose modules each benchmark is, or helps one (held to the package's length).
+FOLDERS = ("harness", "micro", "studies", "gpu")
 
 
 #: About half the quick run's time: these run beside the others. The quick run mostly
@@ -37,17 +46,26 @@ PNG = b"\x89PNG\r\n\x1a\n"
 BESIDE = ("leak", "attribution", "scale")
 
 
+def _command(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out), *args]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("bench")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELSCHED_FAKE")}
-    groups = [[n for n in MINE if n in BESIDE], [n for n in MINE if n not in BESIDE]]
+    beside = [n for n in MINE if n in BESIDE]
+    # the real-GPU benchmark's dry run follows the shorter group, in the same slot
+    groups = [[_command(out, *beside)], [_command(out, *[n for n in MINE if n not in beside])]]
+    groups[0].append(_command(out, "gpu", "--fake"))
     runs = []
     try:
-        for i, names in enumerate(groups):
+        for i, commands in enumerate(groups):
             log = (out / f"run-{i}.log").open("w")  # a pipe left unread would block it
-            cmd = [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out), *names]
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            script = " && ".join(subprocess.list2cmdline(c) for c in commands)
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", script], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
             runs.append((proc, log))
         for proc, log in runs:
             code = proc.wait(timeout=600)
@@ -59,23 +77,139 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
                 proc.kill()
                 proc.wait()
             log.close()
-    return out, {n: json.loads((out / f"{n}.json").read_text()) for n in MINE}
+    return out, {n: json.loads((out / f"{n}.json").read_text()) for n in (*MINE, "gpu")}
+
+
+def _runs(source: Path) -> bool:
+    """Whether a module defines ``run`` at its top level: a benchmark, not a helper."""
+    tree = ast.parse(source.read_text())
+    return any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body)
 
 
 def test_registry_lists_every_module() -> None:
-    names = {p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py")}
-    assert names == set(benchmarks.NAMES)
+    found = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for folder in FOLDERS
+        for p in (ROOT / "benchmarks" / folder).glob("*.py")
+        if _runs(p)
+    }
+    assert found == {b.module for b in benchmarks.REGISTRY.values()}
+    assert set(benchmarks.NAMES) == {n for n, b in benchmarks.REGISTRY.items() if b.kind != "gpu"}
+    assert {b.kind for b in benchmarks.REGISTRY.values()} == set(benchmarks.KINDS)
 
 
-def test_unknown_name_is_refused_naming_it() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "nosuch"],
+def test_no_module_over_about_300_lines() -> None:
+    """The package's rule (tests/test_architecture.py) holds here too."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "benchmarks").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 310
+    }
+    assert not long, long
+
+
+def test_no_command_line_but_the_one() -> None:
+    """Only ``python -m benchmarks`` parses arguments: no module keeps a second one."""
+    for p in (ROOT / "benchmarks").rglob("*.py"):
+        if p.name == "__main__.py":
+            continue
+        text = p.read_text()
+        assert "argparse" not in text and "__name__ ==" not in text, p
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
+
+
+def test_unknown_name_is_refused_naming_it() -> None:
+    proc = _cli("--quick", "nosuch")
     assert proc.returncode == 2 and "nosuch" in proc.stderr
+
+
+def test_list_and_help_name_every_benchmark() -> None:
+    for flag in ("--list", "--help"):
+        proc = _cli(flag)
+        assert proc.returncode == 0, proc.stderr
+        for name, b in benchmarks.REGISTRY.items():
+            assert name in proc.stdout and b.summary() in proc.stdout, (flag, name)
+
+
+def test_an_option_of_another_benchmark_is_refused() -> None:
+    proc = _cli("--quick", "--rounds", "5", "fallback")
+    assert proc.returncode == 2
+    assert "--rounds" in proc.stderr and "fallback" in proc.stderr and "overhead" in proc.stderr
+
+
+def _gpu_listed() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    proc = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    return proc.returncode == 0 and "GPU " in proc.stdout
+
+
+def test_gpu_refuses_cleanly_without_a_gpu(tmp_path: Path) -> None:
+    if _gpu_listed():
+        pytest.skip("a GPU is here: the real run would start")
+    proc = _cli("gpu", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 3, proc.stderr
+    assert "gpu refused" in proc.stderr and "--fake" in proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+def test_the_runner_and_the_gpu_benchmark_load_no_plotting() -> None:
+    """The GPU image has no matplotlib: the command line and the GPU benchmark must not
+    need it (the others plot, and are not run there)."""
+    code = (
+        "import sys, benchmarks.__main__, benchmarks.gpu.costs; "
+        "assert 'matplotlib' not in sys.modules and 'psutil' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _head() -> str | None:
+    proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True)
+    return proc.stdout.decode().strip() if proc.returncode == 0 else None
+
+
+@pytest.mark.timeout(900)
+def test_every_result_records_its_provenance(results: tuple[Path, dict[str, Any]]) -> None:
+    """Commit, versions, machine and command in every result file, so that a figure can
+    be compared with another run's."""
+    for name, figures in results[1].items():
+        prov = figures["provenance"]
+        head = _head()
+        if head is not None:  # a checkout without its history records why instead
+            assert prov["git"]["commit"] == head and isinstance(prov["git"]["dirty"], bool)
+        versions = prov["versions"]
+        assert versions["dask"] == dask.__version__
+        assert versions["distributed"] == distributed.__version__
+        assert versions["accelsched"] and versions["numpy"] and versions["pynvml"], versions
+        assert "cupy" in versions
+        machine = prov["machine"]
+        assert machine["cpus"] >= 1 and machine["memory_bytes"] > 0, machine
+        assert machine["cpu_model"] and machine["os"] and machine["python"], machine
+        loads = machine["load_average"]
+        assert len(loads["start"]) == len(loads["end"]) == 3, loads
+        assert prov["command"].startswith("python -m benchmarks --quick"), prov["command"]
+        assert f" {name}" in prov["command"] and prov["seconds"] > 0
+
+
+@pytest.mark.timeout(900)
+def test_gpu_dry_run_figures(results: tuple[Path, dict[str, Any]]) -> None:
+    out, figures = results
+    gpu = figures["gpu"]
+    assert gpu["kind"] == "gpu" and gpu["environment"]["mode"] == "fake"
+    assert not gpu["errors"], gpu["errors"]
+    assert set(gpu["measurements"]) == {name for name, _ in GPU_BENCHES}
+    assert gpu["measurements"]["cluster"]["leak_and_restart"]["kept_result_survived"] is True
+    assert "NOT GPU FIGURES" in (out / "gpu.txt").read_text()
 
 
 @pytest.mark.timeout(900)
@@ -83,6 +217,7 @@ def test_every_benchmark_writes_json_and_png(results: tuple[Path, dict[str, Any]
     out, figures = results
     for name in MINE:
         assert figures[name]["name"] == name and figures[name]["quick"] is True
+        assert figures[name]["kind"] == benchmarks.REGISTRY[name].kind
         pngs = list(out.glob(f"{name}*.png"))
         assert pngs, name
         for png in pngs:

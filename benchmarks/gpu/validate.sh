@@ -7,7 +7,7 @@
 #
 # On a GPU machine (nvidia-smi lists a GPU, or --device): installs dask, distributed and
 # accelsched from the carried wheel folder (no network) into that machine's python3, runs
-# `pytest -m gpu` and benchmarks/gpu/bench_gpu.py. Elsewhere (or --dry-run): the same
+# `pytest -m gpu` and `python -m benchmarks gpu`. Elsewhere (or --dry-run): the same
 # steps in a throwaway virtual environment seeded with what the GPU image already has,
 # nothing installed into this machine's Python; the GPU tests skip and the benchmark
 # runs with --fake (its figures are labelled as not GPU figures).
@@ -15,7 +15,7 @@
 # Everything goes to --out (default: $OUT when set, else benchmarks/gpu/out):
 #   env.txt      machine, driver, versions, the install log
 #   pytest.log   pytest output;  junit.xml  its junit report (with recorded figures)
-#   bench.log    benchmark output;  bench.json, bench.txt  its figures
+#   bench.log    benchmark output;  gpu.json, gpu.txt  its figures (and provenance)
 #   summary.txt  one line per step (exit code, seconds), the test counts, the table
 # Each step runs under `timeout`, sized so that one stuck step cannot eat the budget.
 # Exit code: 0 when every step passed (GPU tests skipped on a dry run count as passed).
@@ -48,7 +48,7 @@ while (($#)); do
 done
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
-for f in env.txt pytest.log junit.xml bench.log bench.json bench.txt summary.txt; do
+for f in env.txt pytest.log junit.xml bench.log gpu.json gpu.txt summary.txt; do
     rm -f "${out:?}/$f"
 done
 wheels="$(cd "$wheels" 2>/dev/null && pwd || echo "$wheels")"
@@ -237,19 +237,19 @@ fi
 # --- benchmark ----------------------------------------------------------------------
 if ((run_bench)); then
     t0=$SECONDS
-    bench_args=(--out "$out")
+    bench_args=(gpu --out "$out")
     [[ $mode == device ]] || bench_args+=(--fake)
-    timeout -k 10 "$(cap 120 5)" "$py" benchmarks/gpu/bench_gpu.py "${bench_args[@]}" \
+    timeout -k 10 "$(cap 120 5)" "$py" -m benchmarks "${bench_args[@]}" \
         >"$out/bench.log" 2>&1
     rc=$?
     step bench $rc $((SECONDS - t0))
 fi
 
 note "total ${SECONDS}s of a ${budget}s budget; files in $out"
-if [[ -f $out/bench.txt ]]; then
-    cat "$out/bench.txt" >>"$summary"
+if [[ -f $out/gpu.txt ]]; then
+    cat "$out/gpu.txt" >>"$summary"
     echo
-    cat "$out/bench.txt"
+    cat "$out/gpu.txt"
 elif [[ -f $out/bench.log ]]; then
     tail -n 20 "$out/bench.log"
 fi

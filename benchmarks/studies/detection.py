@@ -30,9 +30,10 @@ from distributed import Client
 
 import accelsched
 from accelsched.testing import fake_gpus
-from benchmarks import workload
-from benchmarks.harness import MemorySampler, MiB, events, gpu_cluster, gpus_ready, wait
-from benchmarks.plots import lines, memory_panels
+from benchmarks.harness.clusters import MiB, events, gpu_cluster, gpus_ready, wait
+from benchmarks.harness.plots import lines, memory_panels
+from benchmarks.harness.sampling import MemorySampler
+from benchmarks.studies import workload
 
 NAME = "detection"
 THRESHOLD = 256 * MiB

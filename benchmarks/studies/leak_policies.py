@@ -30,8 +30,9 @@ from distributed import Client, Future, as_completed
 from distributed import wait as wait_futures
 
 import accelsched
-from benchmarks.harness import MemorySampler, events, gpu_cluster, gpus_ready, wait
-from benchmarks.workload import gpu_task
+from benchmarks.harness.clusters import events, gpu_cluster, gpus_ready, wait
+from benchmarks.harness.sampling import MemorySampler
+from benchmarks.studies.workload import gpu_task
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,16 @@ methods can be timed directly:
 - **trickle**: N GPU tasks whose inputs finish one by one, each entering ``no-worker``
   alone (a timeout of an hour: they wait), against plain distributed: wall ratio of
   paired, alternating rounds.
+- **workers**: workers with verified GPUs registering one by one (MIG devices), timed by
+  :mod:`benchmarks.micro.registration`.
 
-Usage::
-
-    python -m benchmarks scale [--quick]
-    python -m benchmarks.bench_scale [--quick] [--json out.json]
+Run with ``python -m benchmarks scale`` (``--quick``: :data:`QUICK_SIZES`, small bursts
+and trickles, 7 workers).
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import gc
-import json
 import statistics
 import time
 from pathlib import Path
@@ -36,6 +33,7 @@ from distributed import Client, LocalCluster
 
 import accelsched
 from accelsched.protocol import PLACEMENT_PLUGIN
+from benchmarks.micro.registration import many_workers
 
 NAME = "scale"
 #: Unrunnable tasks the ``--quick`` check cost is timed with (a smoke run: two sizes, so
@@ -225,123 +223,8 @@ def trickle(n: int, rounds: int) -> dict[str, Any]:
     }
 
 
-async def _register_workers(n: int, uuids: list[str]) -> dict[str, Any]:
-    """Start ``n`` in-process workers one by one, each owning one (MIG) device; time
-    each from start to its GPU verified, and the scheduler's accelsched handlers."""
-    import os
-
-    from distributed import Client as AsyncClient
-    from distributed import Scheduler, Worker
-
-    from accelsched.protocol import INVENTORY_HANDLER, OFFER_HANDLER
-
-    spent: dict[str, list[float]] = {INVENTORY_HANDLER: [], OFFER_HANDLER: []}
-    verify: list[float] = []
-    workers: list[Worker] = []
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    async with (
-        Scheduler(port=0, dashboard_address=":0") as s,
-        AsyncClient(s.address, asynchronous=True) as c,
-    ):
-        await accelsched.register(c, check_interval="1h")  # type: ignore[misc]
-        for name in spent:  # time the handlers the guards call
-            handler = s.handlers[name]
-
-            def timing(handler: Any, name: str) -> Any:
-                async def timed(comm: Any = None, **kw: Any) -> Any:
-                    t0 = time.perf_counter()
-                    out = await handler(comm, **kw)
-                    spent[name].append(time.perf_counter() - t0)
-                    return out
-
-                return timed
-
-            s.handlers[name] = timing(handler, name)
-        # accelsched's own work on the event loop (the handlers above also wait for the
-        # worker's confirmation, a round trip that here shares one loop with every worker)
-        plugin = s.plugins[PLACEMENT_PLUGIN]
-        gate = plugin.gate
-        own: list[float] = []
-
-        def sync_timing(obj: Any, attr: str) -> None:
-            original = getattr(obj, attr)
-
-            def timed_sync(*a: Any, **kw: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return original(*a, **kw)
-                finally:
-                    own.append(time.perf_counter() - t0)
-
-            setattr(obj, attr, timed_sync)
-
-        for obj, attr in (
-            (gate.registry, "claim"),
-            (gate, "_place"),
-            (gate, "_emit"),
-            (gate, "add_worker"),
-            (plugin.observer, "add_worker"),
-        ):
-            if hasattr(obj, attr):
-                sync_timing(obj, attr)
-        own_per_worker: list[float] = []
-        try:
-            for i in range(n):
-                os.environ["CUDA_VISIBLE_DEVICES"] = uuids[i]  # read by the guard's probe
-                t0 = time.perf_counter()
-                w = await Worker(s.address, nthreads=1, resources={"GPU": 1}, name=f"w{i}")
-                workers.append(w)
-                while s.workers[w.address].resources.get("GPU", 0) < 1:
-                    await asyncio.sleep(0.001)
-                verify.append(time.perf_counter() - t0)
-                own_per_worker.append(sum(own))
-                own.clear()
-            verified = sum(1 for ws in s.workers.values() if ws.resources.get("GPU", 0) >= 1)
-        finally:
-            if saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
-            await asyncio.gather(*(w.close() for w in workers))
-    tenth = max(1, n // 10)
-
-    def ms(values: list[float]) -> float:
-        return round(statistics.median(values) * 1e3, 2)
-
-    calls = sorted(spent[INVENTORY_HANDLER] + spent[OFFER_HANDLER])
-    return {
-        "workers": n,
-        "verified": verified,
-        "start_to_verified_ms": {
-            "first_tenth": ms(verify[:tenth]),
-            "last_tenth": ms(verify[-tenth:]),
-        },
-        "inventory_handler_ms": {
-            "first_tenth": ms(spent[INVENTORY_HANDLER][:tenth]),
-            "last_tenth": ms(spent[INVENTORY_HANDLER][-tenth:]),
-        },
-        "handler_calls": len(calls),
-        "own_work_us_per_worker": {
-            "first_tenth": round(statistics.median(own_per_worker[:tenth]) * 1e6, 1),
-            "last_tenth": round(statistics.median(own_per_worker[-tenth:]) * 1e6, 1),
-        },
-        "per_worker_ms": [round(v * 1e3, 2) for v in verify],
-    }
-
-
-def many_workers(n: int) -> dict[str, Any]:
-    """``n`` workers with verified GPUs: 16 simulated GPUs split into 7 MIG devices each
-    give up to 112 devices, one owner each."""
-    from accelsched.testing import fake_gpus
-
-    gpus = -(-n // 7)
-    with fake_gpus(count=gpus, memory="80GiB", mig=["1g.10gb"] * 7) as fake:
-        uuids = [u for d in range(gpus) for u in fake.mig_uuids(d)]
-        return asyncio.run(_register_workers(n, uuids))
-
-
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
-    from benchmarks.plots import plt, save  # the Agg backend, as every benchmark draws
+    from benchmarks.harness.plots import plt, save  # the Agg backend, as every benchmark draws
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for timeout in ("1h", None):
@@ -362,7 +245,7 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
 
 
 def run(quick: bool, out: Path) -> dict[str, Any]:
-    """The entry point's hook."""
+    """Every part in turn, each on clusters of its own."""
     out.mkdir(parents=True, exist_ok=True)
     sizes = list(QUICK_SIZES) if quick else [10_000, 100_000, 300_000]
     result: dict[str, Any] = {
@@ -374,19 +257,3 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     }
     result["plots"] = [p.name for p in plot(result, out)]
     return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    result = run(args.quick, args.out)
-    print(json.dumps(result, indent=1, default=str))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1, default=str))
-
-
-if __name__ == "__main__":
-    main()

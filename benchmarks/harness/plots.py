@@ -34,7 +34,7 @@ def memory_panels(
 ) -> None:
     """One panel per policy: each device's used memory over time, restart markers.
 
-    ``traces`` maps a panel title to :meth:`benchmarks.harness.MemoryTrace.as_dict`.
+    ``traces`` maps a panel title to :meth:`benchmarks.harness.sampling.MemoryTrace.as_dict`.
     A dashed line marks the device's total (the hard limit), a dotted one ``limit``.
     """
     n = len(traces)

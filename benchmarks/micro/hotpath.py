@@ -1,4 +1,4 @@
-"""The guard's per-task work inside a worker, piece by piece: ``python -m benchmarks hotpath``.
+"""The guard's per-task work inside a worker, piece by piece.
 
 The overhead benchmark says how much accelsched costs a tiny GPU task end to end; this
 one says where it goes, so that the next change adding to the hot path shows up. One
@@ -25,21 +25,19 @@ taken off every figure it makes.
 
 No timing is asserted anywhere; the figures are read (``benchmarks/README.md``).
 
-Usage::
-
-    python -m benchmarks hotpath [--quick]
-    python -m benchmarks.bench_hotpath [--tasks 2000] [--rounds 5]
+Run with ``python -m benchmarks hotpath [--rounds 5]`` (``--quick``: 100 tasks, 2
+rounds). The timers are :mod:`benchmarks.micro.call_timers`; the printed report and the
+plot, :mod:`benchmarks.micro.hotpath_report`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import inspect
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +45,8 @@ from distributed import Client, LocalCluster
 
 import accelsched
 from accelsched.testing import fake_gpus
+from benchmarks.micro import call_timers
+from benchmarks.micro.hotpath_report import plot, report
 
 NAME = "hotpath"
 
@@ -73,106 +73,6 @@ BUDGET_US = 30.0
 
 def tiny(i: int) -> int:
     return i + 1
-
-
-class _Timer:
-    """Wraps one callable: the ns of each call (``clock``: perf_counter_ns, or
-    thread_time_ns where a preemption must not count)."""
-
-    def __init__(self, fn: Callable[..., Any], clock: Callable[[], int]) -> None:
-        self.fn = fn
-        self.clock = clock
-        self.ns: list[int] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        clock = self.clock
-        t0 = clock()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.ns.append(clock() - t0)
-
-
-class _HookTimer(_Timer):
-    """Times the transition hook per kind of transition (``start -> finish``)."""
-
-    def __init__(self, fn: Callable[..., Any], clock: Callable[[], int]) -> None:
-        super().__init__(fn, clock)
-        self.kinds: dict[str, list[int]] = {}
-
-    def __call__(self, key: Any, start: str, finish: str, **kwargs: Any) -> Any:
-        t0 = time.perf_counter_ns()
-        try:
-            return self.fn(key, start, finish, **kwargs)
-        finally:
-            self.kinds.setdefault(f"{start}->{finish}", []).append(time.perf_counter_ns() - t0)
-
-
-def _timer_ns(clock: Callable[[], int], n: int = 20000) -> float:
-    """What a :class:`_Timer` adds to what it times (median over a no-op): subtracted."""
-    timer = _Timer(lambda *args, **kwargs: None, clock)
-    for _ in range(n):
-        timer("key", "start", "finish")
-    return float(statistics.median(timer.ns))
-
-
-def _resolve(root: Any, path: str) -> tuple[Any, str] | None:
-    *owners, attr = path.split(".")
-    obj = root
-    for name in owners:
-        obj = getattr(obj, name, None)
-        if obj is None:
-            return None
-    return (obj, attr) if callable(getattr(obj, attr, None)) else None
-
-
-@contextlib.contextmanager
-def _timed(
-    root: Any,
-    path: str,
-    clock: Callable[[], int] = time.perf_counter_ns,
-    kind: type[_Timer] = _Timer,
-) -> Iterator[Any]:
-    """Time ``root.<path>`` (set on its owner instance) for the block's duration."""
-    found = _resolve(root, path)
-    if found is None:
-        yield None
-        return
-    owner, attr = found
-    had = attr in getattr(owner, "__dict__", {})
-    timer = kind(getattr(owner, attr), clock)
-    setattr(owner, attr, timer)
-    try:
-        yield timer
-    finally:
-        if had:
-            setattr(owner, attr, timer.fn)
-        else:
-            delattr(owner, attr)
-
-
-@contextlib.contextmanager
-def _thread_cpu(worker: Any) -> Iterator[list[int]]:
-    """The executor thread's CPU ns per task run through the worker's default executor."""
-    executor = worker.executors["default"]
-    submit = executor.submit
-    cpu: list[int] = []
-
-    def timed_submit(fn: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
-        def timed() -> Any:
-            t0 = time.thread_time_ns()
-            try:
-                return fn()
-            finally:
-                cpu.append(time.thread_time_ns() - t0)
-
-        return submit(timed, *args, **kwargs)
-
-    executor.submit = timed_submit
-    try:
-        yield cpu
-    finally:
-        del executor.submit
 
 
 @contextlib.contextmanager
@@ -219,14 +119,14 @@ def _round(
     guard = worker.plugins.get(accelsched.GuardPlugin.name) if acc else None
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        cpu = stack.enter_context(_thread_cpu(worker))
+        cpu = stack.enter_context(call_timers.thread_cpu(worker))
         hook = (
-            stack.enter_context(_timed(guard, "transition", kind=_HookTimer))
+            stack.enter_context(call_timers.timed(guard, "transition", kind=call_timers.HookTimer))
             if guard is not None
             else None
         )
         pieces = {
-            label: stack.enter_context(_timed(guard, path))
+            label: stack.enter_context(call_timers.timed(guard, path))
             for label, _, path in PIECES
             if guard is not None and timed
         }
@@ -294,7 +194,7 @@ def _runner_alone(guard: Any, n: int) -> dict[str, float]:
 
 def measure(tasks: int, rounds: int) -> dict[str, Any]:
     rows: dict[str, list[dict]] = {"plain": [], "accelsched": [], "pieces": []}
-    timer = {"wall": _timer_ns(time.perf_counter_ns)}
+    timer = {"wall": call_timers.timer_ns(time.perf_counter_ns)}
     with fake_gpus(count=1), _cluster(False) as plain, _cluster(True) as acc:
         clusters = {"plain": plain, "accelsched": acc}
         for client, _ in clusters.values():
@@ -364,69 +264,12 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": _med(values), "min": round(min(values), 2), "max": round(max(values), 2)}
 
 
-def report(result: dict[str, Any]) -> str:
-    g, alone = result["guard_us_per_task"], result["runner_alone"]
-    lines = [
-        f"{result['tasks']} tiny GPU tasks x {result['rounds']} rounds, one in-process worker",
-        f"guard per task: {g['total']} us (budget {g['budget']:g}): thread {g['thread']} us "
-        f"(the runner alone, {alone['runner_us']} - {alone['bare_us']} bare) + loop "
-        f"{g['loop']} us ({result['loop_calls_per_task']} hook calls)",
-        f"executor thread CPU per task in the rounds: {result['thread_cpu_us']}, "
-        f"accelsched - plain {result['thread_delta_in_rounds_us']}",
-        f"gc gen0 per 1000 tasks (whole process): {result['gc_gen0_per_1000_tasks']}",
-        "hook per transition: "
-        + ", ".join(
-            f"{k} {v['median_us']} us x {v['calls_per_task']}"
-            for k, v in result["loop_kinds"].items()
-        ),
-    ]
-    for label, p in result["pieces"].items():
-        if p.get("absent"):
-            lines.append(f"  {label:26s} ({p['side']}) absent")
-        else:
-            lines.append(
-                f"  {label:26s} ({p['side']:6s}) {p['us_per_task']:7.2f} us/task "
-                f"({p['calls_per_task']} calls, {p['median_us']} us each)"
-            )
-    return "\n".join(lines)
-
-
-def plot(result: dict[str, Any], out: Path) -> list[Path]:
-    """The pieces' µs per task, by side, against the budget."""
-    from benchmarks.plots import plt, save  # the Agg backend, as every benchmark draws
-
-    present = [(k, p) for k, p in result["pieces"].items() if not p.get("absent")]
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(present) + 1.6))
-    labels = [f"{k} ({p['side']})" for k, p in present]
-    ax.barh(labels, [p["us_per_task"] for _, p in present], color="tab:blue")
-    g = result["guard_us_per_task"]
-    ax.set_xlabel("µs per GPU task (median call × calls per task)")
-    ax.set_title(
-        f"guard per task {g['total']} µs (budget {BUDGET_US:g}): "
-        f"runner {g['thread']} + hook {g['loop']}",
-        fontsize=10,
-    )
-    ax.invert_yaxis()
-    return [save(fig, out / f"{NAME}.png", dpi=100)]
-
-
-def run(quick: bool, out: Path) -> dict[str, Any]:
-    """The entry point's hook: ``--quick`` runs 100 tasks, 2 rounds."""
+def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
+    """``rounds`` paired rounds (``--rounds``; default 5, 2 with ``--quick``) of 2000 tasks
+    (100 with ``--quick``)."""
     out.mkdir(parents=True, exist_ok=True)
-    tasks, rounds = (100, 2) if quick else (2000, 5)
-    result = measure(tasks, rounds)
+    tasks, default_rounds = (100, 2) if quick else (2000, 5)
+    result = measure(tasks, rounds or default_rounds)
     print(report(result))
     result["plots"] = [p.name for p in plot(result, out)]
     return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    print(report(measure(args.tasks, args.rounds)))
-
-
-if __name__ == "__main__":
-    main()

@@ -4,14 +4,11 @@ Runs a GPU-less local cluster (two worker processes, no GPUs) with the Placement
 and submits GPU-annotated tasks with several ``fallback_timeout`` values, then a chain of
 six GPU tasks. Figures come from the ``fallback`` events (``waited``) and from wall time
 on the client. Run with ``python -m benchmarks fallback`` (``--quick``: one run per
-timeout, timeouts 0 and 0.25 s, the chain's 0.25 s), or alone:
-``python -m benchmarks.bench_fallback [--repeat 5] [--json out.json]``.
+timeout, timeouts 0 and 0.25 s, the chain's 0.25 s).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -21,7 +18,7 @@ import dask
 from distributed import Client, LocalCluster
 
 import accelsched
-from benchmarks.plots import lines
+from benchmarks.harness.plots import lines
 
 NAME = "fallback"
 TIMEOUTS = [0, 0.25, 0.5, 1.0, 2.0]
@@ -98,29 +95,3 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
         title="GPU task on a GPU-less cluster: time to its CPU form",
     )
     return {"single": rows, "chain": chained}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    rows, chained = measure_all(args.repeat, TIMEOUTS)
-    print(f"fallback latency, {args.repeat} runs each (check interval 250 ms)")
-    print(f"{'timeout':>8} {'waited med':>11} {'waited max':>11} {'wall med':>9} {'overshoot':>10}")
-    for r in rows:
-        print(
-            f"{r['timeout_s']:>7.2f}s {r['waited_median_s']:>10.3f}s {r['waited_max_s']:>10.3f}s "
-            f"{r['wall_median_s']:>8.3f}s {r['overshoot_median_ms']:>8.0f}ms"
-        )
-    print(
-        f"chain of {chained['length']} GPU tasks, timeout {chained['timeout_s']}s: "
-        f"{chained['wall_s']:.2f}s wall"
-    )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"single": rows, "chain": chained}, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()

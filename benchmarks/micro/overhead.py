@@ -16,23 +16,16 @@ by the scheduler process and by the worker processes, divided by the task count.
 figures are the medians over rounds of the paired ratio (accelsched / plain) and of the
 paired CPU differences, with their spread (min, max).
 
-Usage::
-
-    python -m benchmarks overhead [--quick]
-    python -m benchmarks.bench_overhead [--tasks 2000] [--rounds 7] [--json out.json]
+Run with ``python -m benchmarks overhead [--rounds 7]`` (``--quick``: 30 tasks, 5
+rounds, workers without nannies: a smoke run whose ratios are noise). The clusters are
+started by :mod:`benchmarks.micro.cli_cluster`.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
-import os
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +34,7 @@ from distributed import Client
 
 import accelsched
 from accelsched.testing import fake_gpus
+from benchmarks.micro.cli_cluster import cli_cluster, cpu_seconds, worker_processes
 
 NAME = "overhead"
 
@@ -49,94 +43,14 @@ def tiny(i: int) -> int:
     return i + 1
 
 
-def _bin(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
-
-
-@contextlib.contextmanager
-def _cluster(tmp: Path, label: str, nanny: bool = True) -> Iterator[tuple[Client, psutil.Process]]:
-    """A scheduler process and two workers (with nannies unless ``nanny`` is False), one
-    fake GPU each."""
-    sched_file = tmp / f"{label}.json"
-    root = str(Path(__file__).resolve().parents[1])  # task functions live in this package
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "error", "PYTHONPATH": path}
-    procs = [
-        subprocess.Popen(
-            [
-                _bin("dask"),
-                "scheduler",
-                "--no-dashboard",
-                "--port",
-                "0",
-                "--scheduler-file",
-                str(sched_file),
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    ]
-    try:
-        deadline = time.monotonic() + 60
-        while not sched_file.exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{label}: the scheduler did not start")
-            time.sleep(0.05)
-        for device in ("0", "1"):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        _bin("dask"),
-                        "worker",
-                        "--scheduler-file",
-                        str(sched_file),
-                        "--nthreads",
-                        "1",
-                        "--resources",
-                        "GPU=1",
-                        "--no-dashboard",
-                        "--name",
-                        f"{label}-{device}",
-                        *([] if nanny else ["--no-nanny"]),
-                    ],
-                    env={**env, "CUDA_VISIBLE_DEVICES": device},
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-        with Client(scheduler_file=str(sched_file), timeout="60s") as client:
-            client.wait_for_workers(2, timeout=60)
-            yield client, psutil.Process(procs[0].pid)
-    finally:
-        # the workers first, each gone before the scheduler is told: a worker closing
-        # while its scheduler goes away waits out its timeouts to say goodbye
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
-def _cpu(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
-
-
-def _worker_pids(client: Client) -> list[psutil.Process]:
-    return [psutil.Process(pid) for pid in client.run(os.getpid).values()]
-
-
 def _round(client: Client, sched: psutil.Process, workers: list, n: int, gpu: bool) -> dict:
     kw: dict[str, Any] = {"resources": {"GPU": 1}} if gpu else {}
-    s0, w0 = _cpu(sched), sum(_cpu(w) for w in workers)
+    s0, w0 = cpu_seconds(sched), sum(cpu_seconds(w) for w in workers)
     t0 = time.perf_counter()
     futures = client.map(tiny, range(n), pure=False, **kw)
     client.gather(futures)
     wall = time.perf_counter() - t0
-    s1, w1 = _cpu(sched), sum(_cpu(w) for w in workers)
+    s1, w1 = cpu_seconds(sched), sum(cpu_seconds(w) for w in workers)
     del futures
     return {"wall": wall, "sched_us": (s1 - s0) / n * 1e6, "worker_us": (w1 - w0) / n * 1e6}
 
@@ -215,8 +129,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 def measure(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str, Any]:
     with (
         fake_gpus(count=2),
-        _cluster(tmp, "plain", nanny) as (plain, ps),
-        _cluster(tmp, "accelsched", nanny) as (acc, accs),
+        cli_cluster(tmp, "plain", nanny) as (plain, ps),
+        cli_cluster(tmp, "accelsched", nanny) as (acc, accs),
     ):
         accelsched.register(acc)
         acc.wait_for_workers(2)
@@ -226,8 +140,8 @@ def measure(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str,
                 raise RuntimeError("accelsched cluster: GPUs not verified")
             time.sleep(0.1)
         clusters = {
-            "plain": (plain, ps, _worker_pids(plain)),
-            "accelsched": (acc, accs, _worker_pids(acc)),
+            "plain": (plain, ps, worker_processes(plain)),
+            "accelsched": (acc, accs, worker_processes(acc)),
         }
         result: dict[str, Any] = {"tasks": tasks, "rounds": rounds}
         for kind in ("gpu", "cpu"):
@@ -275,7 +189,7 @@ def _verified(client: Client) -> int:
 
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """Per-round wall ratio and CPU per task, GPU and CPU tasks side by side."""
-    from benchmarks.plots import plt, save  # the Agg backend, as every benchmark draws
+    from benchmarks.harness.plots import plt, save  # the Agg backend, as every benchmark draws
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     kinds = ["gpu", "cpu"]
@@ -309,42 +223,12 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
     return [save(fig, out / f"{NAME}.png", dpi=110)]
 
 
-def run(quick: bool, out: Path) -> dict[str, Any]:
-    """The entry point's hook: ``--quick`` runs 30 tasks, 5 rounds, on workers without
-    nannies (a smoke run of seconds: its ratios are noise)."""
+def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
+    """``rounds`` paired rounds (``--rounds``; default 7, 5 with ``--quick``) of 2000
+    tasks (30 with ``--quick``, on workers without nannies: a smoke run of seconds)."""
     out.mkdir(parents=True, exist_ok=True)
-    tasks, rounds = (30, 5) if quick else (2000, 7)
-    result = measure(tasks, rounds, out, nanny=not quick)
+    tasks, default_rounds = (30, 5) if quick else (2000, 7)
+    with tempfile.TemporaryDirectory() as tmp:  # scheduler files: not results
+        result = measure(tasks, rounds or default_rounds, Path(tmp), nanny=not quick)
     result["plots"] = [p.name for p in plot(result, out)]
     return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = measure(args.tasks, args.rounds, args.out)
-    plot(result, args.out)
-    for kind in ("gpu", "cpu"):
-        r = result[kind]
-        print(
-            f"{kind}: wall ratio {r['wall_ratio']}  worker CPU delta µs/task "
-            f"{r['worker_cpu_us_per_task']['delta']}  scheduler CPU delta µs/task "
-            f"{r['scheduler_cpu_us_per_task']['delta']}"
-        )
-    for label, figure in (("no context", "nvml_read_no_context"), ("context", "nvml_read")):
-        read = result["gpu"][figure]
-        print(
-            f"gpu, {label}: {read['reads_per_task']} NVML reads per task, each CPU µs "
-            f"{read['cpu_us']} wall µs {read['wall_us']}"
-        )
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1, default=str))
-
-
-if __name__ == "__main__":
-    main()

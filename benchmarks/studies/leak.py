@@ -1,10 +1,10 @@
 """Leak handling: accelsched against what users do today, on GPUs with a hard memory limit.
 
-GPU tasks (``benchmarks.workload.gpu_task``: 256 MiB of working memory, 10 ms of
+GPU tasks (``benchmarks.studies.workload.gpu_task``: 256 MiB of working memory, 10 ms of
 "compute") of which one in ``leak_every`` leaks 512 MiB, on two nanny workers with one
 simulated GPU each. Allocation beyond a device's total raises ``OutOfDeviceMemory`` (a
 ``MemoryError``), as CuPy raises ``OutOfMemoryError``. Four policies
-(:mod:`benchmarks.leak_policies`): (a) no guard, (b) a fresh process after every task,
+(:mod:`benchmarks.studies.leak_policies`): (a) no guard, (b) a fresh process after every task,
 (c) distributed's worker ``lifetime`` restarts, (d) accelsched. Tasks are submitted all
 at once, as a pipeline does, and again as a client-side stream of 4 in flight
 ((a) and (d)).
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from accelsched.testing import fake_gpus
-from benchmarks.harness import GiB, MiB, spread
-from benchmarks.leak_policies import PolicyRun, Setup, guarded, lifetime, no_guard, per_task
-from benchmarks.plots import memory_panels
+from benchmarks.harness.clusters import GiB, MiB, spread
+from benchmarks.harness.plots import memory_panels
+from benchmarks.studies.leak_policies import PolicyRun, Setup, guarded, lifetime, no_guard, per_task
 
 NAME = "leak"
 WINDOW = 4  # tasks in flight in the streamed runs: two per worker

@@ -9,15 +9,12 @@ prefix of its ``leak`` event is the leaking step. Both graph shapes are run: fus
 default: all five steps in one task per block, measured step by step inside it) and
 unfused (one task per step).
 
-Run with ``python -m benchmarks attribution`` (``--quick``: 1 run per graph shape), or
-alone: ``python -m benchmarks.bench_attribution [--runs 20] [--json out.json]``.
+Run with ``python -m benchmarks attribution`` (``--quick``: 1 run per graph shape).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Iterator
@@ -31,7 +28,7 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import accelsched
 from accelsched.testing import device_alloc, fake_gpus
-from benchmarks.plots import bars
+from benchmarks.harness.plots import bars
 
 NAME = "attribution"
 MiB = 2**20
@@ -159,23 +156,6 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     return figures
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--per-cluster", type=int, default=5)
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    out = both_shapes(args.runs, args.per_cluster)
-    for label, total in out.items():
-        print(f"{label:8s} right in {total['right']}/{total['runs']} runs")
-        for leaky, prefixes in total["named"]:
-            if not prefixes or prefixes[0] != leaky:
-                print(f"   leaked in {leaky!r}, named {prefixes}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-
-
 @contextlib.contextmanager
 def _cluster() -> Iterator[Client]:
     """A fresh cluster for a few runs (each run restarts a worker)."""
@@ -206,7 +186,3 @@ def _cluster() -> Iterator[Client]:
         addrs = list(client.scheduler_info()["workers"])
         client.gather([client.submit(warm, workers=[w], pure=False) for w in addrs])
         yield client
-
-
-if __name__ == "__main__":
-    main()
