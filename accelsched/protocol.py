@@ -238,74 +238,11 @@ def request_content(request: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in request.items() if k not in _ADDRESSING}
 
 
-class DeviceFigures(TypedDict):
-    """What a guard alone knows about one granted device, at its last heartbeat.
-
-    ``leases``: GPU tasks holding it now; ``leak_estimate``: bytes the last leak check
-    that judged it could not explain (None until one did: the check skips a device while
-    a GPU task runs on it); ``leak_threshold``: the bytes a leak must exceed there.
-    """
-
-    index: int
-    leases: int
-    withdrawn: bool
-    leak_estimate: int | None
-    leak_threshold: int
-
-
-class GuardMetric(TypedDict):
-    """The ``"accelsched"`` heartbeat metric: one entry per granted device."""
-
-    devices: list[DeviceFigures]
-
-
-class DeviceStatus(TypedDict):
-    """A verified GPU of a worker (the grant) with the guard's latest figures (None
-    while unknown). ``figures`` says why they are unknown, so that a reader can tell a
-    worker that has not spoken since the grant (``"waiting"``: no heartbeat has carried
-    this device's figures yet) from one whose figures were malformed and left out
-    (``"unreadable"``); ``"reported"`` otherwise."""
-
-    index: int
-    uuid: str
-    name: str
-    memory: int
-    figures: Literal["reported", "waiting", "unreadable"]
-    leases: int | None
-    withdrawn: bool
-    leak_estimate: int | None
-    leak_threshold: int | None
-
-
-class WorkerStatus(TypedDict):
-    """One worker, by name. ``gpus``: the count placement uses now; ``declared``: what it
-    registered with (None: no GPU declared); ``quarantined``: the reason, or None.
-    ``restarts``, ``leaks``, ``fallbacks``: events naming this worker (by name, so a
-    restarted worker keeps its count)."""
-
-    name: str
-    address: str
-    gpus: float
-    declared: float | None
-    quarantined: str | None
-    devices: list[DeviceStatus]
-    restarts: int
-    leaks: int
-    fallbacks: int
-
-
-class StatusReply(TypedDict):
-    """``accelsched status --json`` prints exactly this (``version`` changes only when a
-    field changes meaning or goes away). ``fallbacks``: every fallback event, those naming
-    no worker (a task unplaced past its timeout) included; ``names``: address -> worker
-    name for every worker seen (restarted workers' old addresses included), for events."""
-
-    version: int
-    time: float
-    scheduler: str
-    guard: bool
-    workers: list[WorkerStatus]
-    restarts: int
-    leaks: int
-    fallbacks: int
-    names: dict[str, str]
+# what the status and the heartbeat metric carry: their own module, re-exported here
+from accelsched.status_protocol import (  # noqa: E402
+    DeviceFigures,
+    DeviceStatus,
+    GuardMetric,
+    StatusReply,
+    WorkerStatus,
+)

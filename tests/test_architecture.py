@@ -35,7 +35,11 @@ SCHEDULER_SIDE = _folder("scheduler")
 WORKER_SIDE = _folder("worker")
 #: Decisions only: no distributed, nothing of either side. Everything in policy/, and the
 #: vocabulary both sides share (messages, events).
-PURE = _folder("policy") | {"accelsched.protocol", "accelsched.events"}
+PURE = _folder("policy") | {
+    "accelsched.protocol",
+    "accelsched.status_protocol",
+    "accelsched.events",
+}
 #: Modules kept at an old import path: one re-export each, nothing else.
 SHIM_DOC = "this path is kept for existing imports"
 #: distributed modules the package may import outside internals/: the documented API.
