@@ -56,6 +56,8 @@ from typing import Any, Final, Literal, TypedDict
 
 __all__ = [
     "GPU",
+    "GPU_MEMORY",
+    "REQUIREMENT_ANNOTATION",
     "PLACEMENT_PLUGIN",
     "GUARD_PLUGIN",
     "FAST_RESTART_PLUGIN",
@@ -92,6 +94,13 @@ __all__ = [
 
 #: The resource name GPU tasks ask for (``dask.annotate(resources={"GPU": 1})``).
 GPU: Final = "GPU"
+#: Device memory, in MiB, that tasks declaring memory take of a worker (its devices'
+#: capacity summed); the worker's lease table packs them per device.
+GPU_MEMORY: Final = "GPU-memory"
+#: Task annotation: what the task's device must be (``{"memory": "24GiB", ...}``,
+#: :mod:`accelsched.policy.requirements`). The scheduler writes it back normalised (bytes,
+#: ``[major, minor]``), for marked steps too; the worker binds by it.
+REQUIREMENT_ANNOTATION: Final = "gpu"
 
 #: Plugin names: ``client.register_plugin`` registers under them, so re-registering
 #: replaces rather than stacks, and each side can tell whether the other is installed.

@@ -17,6 +17,7 @@ from distributed import Event, Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
+from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.testing import device_alloc
 from tests.utils import events, gpus, wait_for
 
@@ -107,7 +108,9 @@ def test_registration_order_gives_the_same_result(order: str, fake_gpus_2) -> No
             )
             return res, sorted(set(devices))
 
-    assert run() == ([{"GPU": 2}], [0, 1])
+    # the declared-memory figure: both devices' capacity, in MiB
+    memory = 2 * mebibytes(capacity(16 * 2**30))
+    assert run() == ([{"GPU": 2, "GPU-memory": memory}], [0, 1])
 
 
 T = TypeVar("T")

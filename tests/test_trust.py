@@ -13,6 +13,7 @@ from distributed.core import rpc
 from distributed.utils_test import gen_cluster
 
 import accelsched
+from accelsched.policy.requirements import capacity, mebibytes
 from tests.utils import background, events, gpus, settled, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
@@ -168,8 +169,13 @@ async def test_workers_without_gpus_stay_out_of_the_gpu_resource(c, s, a, b, g):
     assert g.worker_address not in s.resources["GPU"]
     assert "GPU" not in s.workers[g.worker_address].resources
     await c.unregister_scheduler_plugin("accelsched-placement")
-    # unregistered: every declaration as it was
-    assert {addr: dict(ws.resources) for addr, ws in s.workers.items()} == before
+    # unregistered: every declaration as it was; the guards (still registered) advertise
+    # their devices' declared-memory capacity beside them, the GPU-less worker none
+    after = {addr: dict(ws.resources) for addr, ws in s.workers.items()}
+    memory = {addr: r.pop("GPU-memory", None) for addr, r in after.items()}
+    assert after == before
+    one = mebibytes(capacity(16 * 2**30))
+    assert memory == {a.worker_address: one, b.worker_address: one, g.worker_address: None}
     assert set(s.resources["GPU"]) == {a.worker_address, b.worker_address}
 
 

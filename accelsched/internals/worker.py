@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from dask._task_spec import GraphNode, Task
 
 from accelsched.policy.ownership import valid_declaration
-from accelsched.protocol import GPU
+from accelsched.protocol import GPU, GPU_MEMORY
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -40,19 +40,21 @@ def declared_gpus(worker: Worker) -> object:
     return getattr(worker, _DECLARED)
 
 
-async def set_own_gpus(worker: Worker, count: int) -> None:
-    """``worker.set_resources(GPU=count)``, even over a declaration that is no number.
+async def set_own_gpus(worker: Worker, count: int, memory: int = 0) -> None:
+    """``worker.set_resources(GPU=count, GPU-memory=memory)`` (MiB), even over a
+    declaration that is no number.
 
     ``Worker.set_resources`` adjusts availability by the difference to the old total: from
     ``"two"`` it raises, from NaN availability stays NaN and no GPU task ever starts.
     Nothing can hold such a GPU, so the count starts again from zero.
     """
     state = worker.state
-    total = state.total_resources.get(GPU)
-    if total is not None and not valid_declaration(total):
-        state.total_resources[GPU] = 0
-        state.available_resources[GPU] = 0
-    await worker.set_resources(**{GPU: count})
+    for name in (GPU, GPU_MEMORY):
+        total = state.total_resources.get(name)
+        if total is not None and not valid_declaration(total):
+            state.total_resources[name] = 0
+            state.available_resources[name] = 0
+    await worker.set_resources(**{GPU: count, GPU_MEMORY: memory})
 
 
 def advertises_gpus(worker: Worker) -> bool:

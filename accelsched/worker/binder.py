@@ -11,7 +11,7 @@ inputs copied to the host first.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dask.utils import key_split
@@ -19,7 +19,9 @@ from distributed import Reschedule
 
 from accelsched.context import Lease, bind, unbind
 from accelsched.devices.arrays import to_host
+from accelsched.devices.records import DeviceInfo
 from accelsched.policy.leases import LeaseTable, NoFreeDevice
+from accelsched.policy.requirements import DeviceFacts, Requirement, parse_requirement
 from accelsched.worker.ledger import MEASURE, Ledger
 from accelsched.worker.pool_freer import PoolFreer
 
@@ -50,20 +52,38 @@ class Binder:
         self.ledger = ledger  # measures what each task leaves on its devices
         self._residue = residue  # (step or task prefix, bytes it left behind)
 
-    def set_devices(self, indices: list[int]) -> None:
-        self.leases.set_devices(indices)
+    def set_devices(self, indices: list[int], devices: Sequence[DeviceInfo] = ()) -> None:
+        """Lease ``indices``; ``devices`` describe them (what requirements are met by)."""
+        facts = {
+            d.index: DeviceFacts(d.name, d.memory, d.capability, d.mig)
+            for d in devices
+            if d.index in indices
+        }
+        self.leases.set_devices(indices, facts if devices else None)
 
-    def gpu_runner(self, key: Any, amount: float, prefix: str = "") -> Runner:
-        """The runner of a GPU task (made on the event loop; runs in its thread)."""
-        return functools.partial(self._run_gpu, key, amount, prefix)
+    def gpu_runner(
+        self, key: Any, amount: float, prefix: str = "", requirement: Any = None
+    ) -> Runner:
+        """The runner of a GPU task (made on the event loop; runs in its thread).
+        ``requirement``: the task's annotation, as the scheduler normalised it."""
+        need = parse_requirement(requirement) if requirement else None
+        return functools.partial(self._run_gpu, key, amount, prefix, need)
 
-    def _run_gpu(self, key: Any, amount: float, prefix: str, spec: Any, values: Any) -> Any:
+    def _run_gpu(
+        self,
+        key: Any,
+        amount: float,
+        prefix: str,
+        requirement: Requirement | None,
+        spec: Any,
+        values: Any,
+    ) -> Any:
         leases = self.leases
         try:
-            devices = leases.acquire(key, amount)
+            devices = leases.acquire(key, amount, requirement)
         except NoFreeDevice:
-            # its devices were withdrawn (unhealthy) after it was assigned here: the
-            # scheduler places it again against this worker's lower count
+            # its devices were withdrawn (unhealthy) after it was assigned here, or none
+            # here meets its requirement: the scheduler places it again
             raise Reschedule() from None
         try:
             self.used.update(devices)

@@ -36,9 +36,11 @@ from accelsched.protocol import (
     DRAIN_HANDLER,
     FALLBACK_ANNOTATION,
     GPU,
+    GPU_MEMORY,
     GUARD_METRIC,
     GUARD_PLUGIN,
     REPORT_HANDLER,
+    REQUIREMENT_ANNOTATION,
     ReportReply,
 )
 from accelsched.worker import results
@@ -251,10 +253,11 @@ class GuardPlugin(WorkerPlugin):
         """The runner for a task starting to execute, or None to leave it alone."""
         assert self.binder is not None
         amount = resources.get(GPU, 0)
-        if amount > 0 and self.inventory.granted:
+        if (amount > 0 or resources.get(GPU_MEMORY, 0) > 0) and self.inventory.granted:
             if self.inventory.draining:  # restarting: the scheduler places it elsewhere
                 return _send_back
-            return self.binder.gpu_runner(key, amount, prefix)
+            requirement = annotations.get(REQUIREMENT_ANNOTATION)
+            return self.binder.gpu_runner(key, amount, prefix, requirement)
         watch = self.watch
         runner = watch.runner(key) if watch is not None and watch.sampled(prefix) else None
         if annotations.get(FALLBACK_ANNOTATION):
@@ -275,13 +278,18 @@ class GuardPlugin(WorkerPlugin):
         usable = [
             d.index for d in self.inventory.granted if d.index not in self.inventory.withdrawn
         ]
-        self.binder.set_devices(usable)
-        internals.spawn(self.worker, self.inventory.offer, self.binder.set_devices)
+        self._use_devices(usable)
+        internals.spawn(self.worker, self.inventory.offer, self._use_devices)
 
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""
         assert self.binder is not None
-        return await self.inventory.report(self.binder.set_devices)
+        return await self.inventory.report(self._use_devices)
+
+    def _use_devices(self, usable: list[int]) -> None:
+        """Lease these devices, described as NVML verified them (for requirements)."""
+        assert self.binder is not None
+        self.binder.set_devices(usable, self.inventory.granted)
 
     def check(self) -> list:
         """One leak check now (the periodic callback runs this every ``check_interval``).

@@ -22,6 +22,7 @@ from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.events import TOPIC
 from accelsched.policy.ownership import Claim, decide_claim, declared_count, owned
 from accelsched.policy.requests import Outstanding, fingerprint
+from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.protocol import (
     CONFIRM_HANDLER,
     DRAIN_HANDLER,
@@ -202,7 +203,8 @@ class Inventory:
         finally:
             self.pending.forget(request["request"])
         if usable or self.granted or internals.advertises_gpus(worker):
-            await internals.set_own_gpus(worker, len(usable))
+            memory = sum(mebibytes(capacity(d.memory)) for d in self.granted if d.index in usable)
+            await internals.set_own_gpus(worker, len(usable), memory)
         return usable
 
     def ask_restart(self, reason: str, nbytes: int) -> None:
