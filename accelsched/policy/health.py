@@ -7,13 +7,17 @@ device must answer for a streak of checks first, and each new failure doubles th
 streak it needs (up to a ceiling): one glitch costs a few checks, a flapping device
 stays out. A device a process left out of its inventory (it did not answer then) is
 on :class:`Probation`: asked again with backoff, and back under the same rule.
+:func:`judge_answers` turns a check's NVML answers into proposals.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["DeviceHealth", "Probation"]
+from accelsched.policy.proposals import Proposal
+
+__all__ = ["Answer", "DeviceHealth", "Probation", "judge_answers"]
 
 
 @dataclass
@@ -54,6 +58,41 @@ class DeviceHealth:
         self.withdrawn.discard(device)
         self._good.pop(device, None)
         return True
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How one device answered a check's NVML query."""
+
+    device: int
+    uuid: str
+    error: str | None = None  # the repr of what NVML raised; None: it answered
+    granted: bool = True  # the scheduler granted it to this worker: only then withdrawn
+
+
+def judge_answers(
+    health: DeviceHealth, answers: Iterable[Answer], *, recover: bool
+) -> list[Proposal]:
+    """What a check's answers call for, device by device in the order asked.
+
+    A granted device that stops answering is withdrawn once (however many checks see it
+    fail) and the worker asks for a restart: a new process probes the devices again and
+    reports only those that answer. One that answered long enough comes back when
+    ``recover`` (``recover_gpus``), else stays out until that restart.
+    """
+    out: list[Proposal] = []
+    for a in answers:
+        if a.error is not None:
+            if a.granted and health.failed(a.device):
+                detail = {"uuid": a.uuid, "error": a.error}
+                out.append(Proposal("withdraw", a.device, "gpu-unhealthy", detail=detail))
+                out.append(Proposal("ask-restart", (a.device,), "gpu-unhealthy", {"nbytes": 0}))
+        elif health.answered(a.device):
+            if recover:
+                out.append(Proposal("recover", a.device, detail={"uuid": a.uuid}))
+            else:
+                health.withdrawn.add(a.device)
+    return out
 
 
 @dataclass

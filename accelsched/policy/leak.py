@@ -10,6 +10,7 @@ restart anybody, and a big leak is acted on within a few checks.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,24 +140,41 @@ class Attribution:
     A GPU task's *residue* is what its run added to its device beyond the result it
     returned (measured growth minus the result's known size). Residues add up per
     prefix until a clean check; a leak event names the prefixes ranked by bytes.
+    Residues are recorded from the tasks' threads while a check reads them on the event
+    loop: a lock keeps a residue from landing between a check's reading and its clearing.
     """
 
     _bytes: dict[int, dict[str, int]] = field(default_factory=dict)  # device -> prefix -> n
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, prefix: str, residues: dict[int, int]) -> None:
         """What a run of ``prefix`` left behind, per device."""
-        for device, n in residues.items():
-            if n > 0:
-                per = self._bytes.setdefault(device, {})
-                per[prefix] = per.get(prefix, 0) + n
+        with self._lock:
+            for device, n in residues.items():
+                if n > 0:
+                    per = self._bytes.setdefault(device, {})
+                    per[prefix] = per.get(prefix, 0) + n
 
     def ranked(self, device: int) -> list[tuple[str, int]]:
         """Prefixes with what they left on ``device``, most first (ties by name)."""
+        with self._lock:
+            return self._ranked(device)
+
+    def take(self, devices: Iterable[int], *, clear: bool) -> dict[int, list[tuple[str, int]]]:
+        """:meth:`ranked` for each of ``devices``; then forgotten, when ``clear``, at once."""
+        with self._lock:
+            out = {d: self._ranked(d) for d in devices}
+            if clear:
+                self._bytes.clear()
+            return out
+
+    def _ranked(self, device: int) -> list[tuple[str, int]]:
         per = self._bytes.get(device, {})
         return sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))
 
     def clear(self) -> None:
-        self._bytes.clear()
+        with self._lock:
+            self._bytes.clear()
 
 
 @dataclass(frozen=True)

@@ -231,5 +231,10 @@ class LeaseTable:
         with self._lock:
             return {k: v[0] for k, v in self._held.items()}
 
+    def busy(self) -> set[int]:
+        """The devices some task holds now."""
+        with self._lock:
+            return {d for devices, _ in self._held.values() for d in devices}
+
     def __len__(self) -> int:
         return len(self._held)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["Action", "Proposal", "SCHEDULER_ACTIONS", "WORKER_ACTIONS"]
 
@@ -24,16 +24,18 @@ Action = Literal[
     "defer",  # a restart cannot happen without loss now: say so, its GPUs leave placement
     "quarantine",  # over its restart budget: its GPUs leave placement, no restart
     # on a worker (subject: a CUDA index of the worker's devices)
-    "withdraw",  # a device stops answering NVML: offer it no more
-    "recover",  # a withdrawn device answered steadily again: offer it again
-    "report-leak",  # a confirmed leak is news: say so (figures: estimate, threshold)
+    "withdraw",  # a device stops answering NVML: offer it no more (detail: uuid, error)
+    "recover",  # a withdrawn device answered steadily again: offer it again (detail: uuid)
+    "report-leak",  # a confirmed leak is news: say so (figures: nbytes, threshold, ...)
     "reclaim",  # collect garbage and free pools on the device before asking for a restart
-    "ask-restart",  # ask the scheduler to restart this worker (figures: nbytes)
+    "report-reclaimed",  # a reclaim gave a confirmed leak back: say so, no restart
+    # subject: the devices that call for it, a tuple (one request for all of them)
+    "ask-restart",  # ask the scheduler to restart this worker (reason; figures: nbytes)
 ]
 
 SCHEDULER_ACTIONS: frozenset[str] = frozenset({"fall-back", "restart", "defer", "quarantine"})
 WORKER_ACTIONS: frozenset[str] = frozenset(
-    {"withdraw", "recover", "report-leak", "reclaim", "ask-restart"}
+    {"withdraw", "recover", "report-leak", "reclaim", "report-reclaimed", "ask-restart"}
 )
 
 
@@ -43,16 +45,20 @@ class Proposal:
 
     ``reason`` is the word the action's event or reply carries (``"timeout"``,
     ``"budget"``, ``"no-peer"``, ...); ``figures`` the numbers it needs (seconds waited,
-    bytes estimated), read-only.
+    bytes estimated), read-only; ``detail`` what its event says that is no number (a
+    device's UUID and error, a leak's suspects), read-only too.
     """
 
     action: Action
     subject: Hashable
     reason: str | None = None
     figures: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    detail: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
         if self.action not in SCHEDULER_ACTIONS | WORKER_ACTIONS:
             raise ValueError(f"unknown action {self.action!r}")
         if not isinstance(self.figures, MappingProxyType):
             object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))
+        if not isinstance(self.detail, MappingProxyType):
+            object.__setattr__(self, "detail", MappingProxyType(dict(self.detail)))

@@ -9,8 +9,12 @@ The parts (``accelsched/worker/``):
   (:class:`~accelsched.worker.pool_freer.PoolFreer`).
 - :class:`~accelsched.worker.watch.Watch`: notice a task that did not ask for a GPU but
   created a CUDA context or grew this process's device memory.
-- :class:`~accelsched.worker.leak_check.LeakCheck`: every ``check_interval``, estimate device
-  memory nothing legitimate holds; on a confirmed leak, ask for a lossless restart.
+- :class:`~accelsched.worker.leak_check.LeakCheck`: every ``check_interval``, read the
+  devices (:class:`~accelsched.worker.readings.DeviceReadings`) and estimate device memory
+  nothing legitimate holds (:class:`~accelsched.worker.results.LiveResults` is what results
+  hold); on a confirmed leak, ask for a lossless restart.
+- :class:`~accelsched.worker.acting.WorkerActor`: carries out what those decisions propose
+  (events, withdrawals, reclaims, restart requests), the one place that acts on them.
 - :class:`~accelsched.worker.rejoin.Rejoin`: ask NVML again, with backoff, about the
   devices left out of the inventory; report each back once it answers steadily.
 
@@ -31,6 +35,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from accelsched import events, internals
 from accelsched.config import GUARD_OPTIONS, resolve_options
+from accelsched.policy.health import DeviceHealth
+from accelsched.policy.leak import Verdict
 from accelsched.protocol import (
     CONFIRM_HANDLER,
     DRAIN_HANDLER,
@@ -44,13 +50,16 @@ from accelsched.protocol import (
     ReportReply,
 )
 from accelsched.worker import results
+from accelsched.worker.acting import WorkerActor
 from accelsched.worker.binder import Binder, Runner
 from accelsched.worker.figures import Figures
 from accelsched.worker.inventory import Inventory
-from accelsched.worker.leak_check import LeakCheck
+from accelsched.worker.leak_check import LeakCheck, LeakOptions
 from accelsched.worker.ledger import Ledger
 from accelsched.worker.pool_freer import PoolFreer
+from accelsched.worker.readings import DeviceReadings
 from accelsched.worker.rejoin import Rejoin
+from accelsched.worker.results import LiveResults
 from accelsched.worker.watch import Running, UnrequestedGPUUse, Watch
 
 if TYPE_CHECKING:
@@ -139,27 +148,30 @@ class GuardPlugin(WorkerPlugin):
                 fail=o["unrequested_gpu"] == "fail",
                 emit=self._emit,
             )
+        health = DeviceHealth()
         self.leaks = LeakCheck(
-            monitor=inv.monitor,
-            owned=inv.owned,
-            granted=lambda: inv.granted,
-            leases=self.binder.leases,
-            used=self.binder.used,
-            threshold=o["leak_threshold"],
-            confirmations=o["leak_confirmations"],
-            restart_on_leak=o["restart_on_leak"],
-            recover=o["recover_gpus"],
-            ask_restart=inv.ask_restart,
-            withdraw=self._withdraw,
-            emit=self._emit,
-            ledger=ledger,
-            simulated=inv.simulated,
+            readings=DeviceReadings(
+                monitor=inv.monitor,
+                owned=inv.owned,
+                granted=lambda: inv.granted,
+                health=health,
+                recover=o["recover_gpus"],
+            ),
+            live=LiveResults(ledger=ledger, owned=inv.owned, leases=self.binder.leases),
+            binder=self.binder,
+            options=LeakOptions(o["leak_threshold"], o["leak_confirmations"], o["restart_on_leak"]),
+            actor=WorkerActor(
+                inventory=inv,
+                set_devices=self._use_devices,
+                emit=self._emit,
+                spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
+            ),
             executing=lambda: internals.gpu_tasks_in_threads(worker),
         )
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
                 inventory=inv,
-                health=self.leaks.health,
+                health=health,
                 interval=o["check_interval"],
                 report=self.report,
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
@@ -210,6 +222,7 @@ class GuardPlugin(WorkerPlugin):
         leaks = self.leaks
         if leaks is None or not self.inventory.visible:
             return
+        live = leaks.live
         worker = self.worker
         assert worker is not None
         if finish in _RUNNING:  # a function starts running in a thread (every task counts)
@@ -223,14 +236,14 @@ class GuardPlugin(WorkerPlugin):
             return
         if finish == "memory":
             computed = start in _RUNNING  # here: its function has returned
-            results.stored(leaks, worker, key, computed=computed)
+            results.stored(live, worker, key, computed=computed)
             if computed:
                 self.running.ended(key)
                 return
         elif start == "memory":
-            leaks.released(key)
+            live.released(key)
         if finish == "forgotten":
-            leaks.ledger.drop(key)
+            live.ledger.drop(key)
         if key in self.running.keys:
             self.running.recount(key)
 
@@ -268,19 +281,6 @@ class GuardPlugin(WorkerPlugin):
         if self.leaks is not None:
             self.leaks.residue(name, residues)
 
-    def _withdraw(self, device: int, withdrawn: bool) -> None:
-        """Stop (or resume) offering ``device``: leases at once, the count right after."""
-        assert self.worker is not None and self.binder is not None
-        if withdrawn:
-            self.inventory.withdrawn.add(device)
-        else:
-            self.inventory.withdrawn.discard(device)
-        usable = [
-            d.index for d in self.inventory.granted if d.index not in self.inventory.withdrawn
-        ]
-        self._use_devices(usable)
-        internals.spawn(self.worker, self.inventory.offer, self._use_devices)
-
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""
         assert self.binder is not None
@@ -291,7 +291,7 @@ class GuardPlugin(WorkerPlugin):
         assert self.binder is not None
         self.binder.set_devices(usable, self.inventory.granted)
 
-    def check(self) -> list:
+    def check(self) -> list[Verdict]:
         """One leak check now (the periodic callback runs this every ``check_interval``).
 
         The next GPU task on each device reads NVML again: what the ledger knew of a
@@ -299,7 +299,7 @@ class GuardPlugin(WorkerPlugin):
         assert self.leaks is not None
         if self.rejoin is not None:
             self.rejoin.check()
-        self.leaks.ledger.recheck()
+        self.leaks.live.ledger.recheck()
         return self.leaks.check()
 
     def _emit(self, action: str, **figures: Any) -> None:

@@ -106,27 +106,40 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 
 def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.config import Threshold
-    from accelsched.policy.leases import LeaseTable
-    from accelsched.worker.leak_check import LeakCheck
+    from accelsched.policy.health import DeviceHealth
+    from accelsched.worker.acting import WorkerActor
+    from accelsched.worker.binder import Binder
+    from accelsched.worker.inventory import Inventory
+    from accelsched.worker.leak_check import LeakCheck, LeakOptions
     from accelsched.worker.ledger import Ledger
+    from accelsched.worker.pool_freer import PoolFreer
+    from accelsched.worker.readings import DeviceReadings
+    from accelsched.worker.results import LiveResults
 
     dev = Device(fake)
     dev.context()
     owned = dev.monitor.devices()
+    pools = PoolFreer(every=0, above=0.0, monitor=dev.monitor, simulated=fake)
+    binder = Binder(simulated=fake, oom_exceptions=(), pools=pools, emit=no_event)
+    binder.set_devices([d.index for d in owned])
+    binder.used.update(d.index for d in owned)
     check = LeakCheck(
-        monitor=dev.monitor,
-        owned=owned,
-        granted=lambda: owned,
-        leases=LeaseTable([d.index for d in owned]),
-        used={d.index for d in owned},
-        threshold=Threshold(nbytes=64 * 2**30),
-        confirmations=2,
-        restart_on_leak=False,
-        recover=True,
-        ask_restart=lambda reason, nbytes: None,
-        withdraw=lambda device, withdrawn: None,
-        emit=no_event,
-        ledger=Ledger(dev.monitor),
+        readings=DeviceReadings(
+            monitor=dev.monitor,
+            owned=owned,
+            granted=lambda: owned,
+            health=DeviceHealth(),
+            recover=True,
+        ),
+        live=LiveResults(ledger=Ledger(dev.monitor), owned=owned, leases=binder.leases),
+        binder=binder,
+        options=LeakOptions(Threshold(nbytes=64 * 2**30), confirmations=2, restart_on_leak=False),
+        actor=WorkerActor(
+            inventory=Inventory(advertise_undeclared=False),
+            set_devices=binder.set_devices,
+            emit=no_event,
+            spawn=lambda fn, *args: None,
+        ),
     )
     assert check.check(), "the check looked at no device"
     return {"check_one_device": per_call_us(check.check, 200 if quick else 1000)}

@@ -1,0 +1,120 @@
+"""The one place on a worker where a decision's proposals are carried out.
+
+As in distributed's Active Memory Manager (policies suggest, one place acts), the
+worker's decisions (:func:`~accelsched.policy.health.judge_answers`,
+:class:`~accelsched.policy.leak_decisions.LeakDecisions`) only return
+:class:`~accelsched.policy.proposals.Proposal` objects. :class:`WorkerActor` turns them
+into what the rest of the cluster sees: events in the scheduler's log (their fields are
+written here, in the order docs/events.md gives), devices withdrawn from or offered
+again to placement, a garbage collection, a restart request. A test checks a decision
+by its proposals and the actor by the proposals it is given.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+
+from accelsched import events
+from accelsched.policy.proposals import Proposal
+from accelsched.worker.inventory import Inventory
+from accelsched.worker.reclaim import freeze_startup_objects, reclaim
+
+__all__ = ["WorkerActor"]
+
+
+def _device(p: Proposal) -> int:
+    """The device a worker's proposal is about (its subject: a CUDA index)."""
+    if not isinstance(p.subject, int):
+        raise TypeError(f"{p.action!r} is about a device, not {p.subject!r}")
+    return p.subject
+
+
+class WorkerActor:
+    """Carries out the worker's proposals, in the order given."""
+
+    def __init__(
+        self,
+        *,
+        inventory: Inventory,
+        set_devices: Callable[[list[int]], None],
+        emit: Callable[..., None],
+        spawn: Callable[..., None],
+    ) -> None:
+        self.inventory = inventory
+        self._set_devices = set_devices  # the devices leases may land on
+        self._emit = emit  # one event to the scheduler's log
+        self._spawn = spawn  # runs a coroutine function in the background
+        freeze_startup_objects()  # a reclaim's collection scans only what came since
+        self._acts: dict[str, Callable[[Proposal], None]] = {
+            "withdraw": self._withdraw,
+            "recover": self._recover,
+            "report-leak": self._report_leak,
+            "report-reclaimed": self._report_reclaimed,
+            "ask-restart": self._ask_restart,
+        }
+
+    def apply(self, proposals: Iterable[Proposal]) -> None:
+        """Carry out ``proposals`` in order; consecutive reclaims share one collection."""
+        for action, group in itertools.groupby(proposals, key=lambda p: p.action):
+            if action == "reclaim":
+                devices = [_device(p) for p in group]
+                reclaim(devices, simulated=self.inventory.simulated)
+                continue
+            act = self._acts.get(action)
+            if act is None:
+                raise ValueError(f"not a worker's action: {action!r}")
+            for p in group:
+                act(p)
+
+    def _withdraw(self, p: Proposal) -> None:
+        """No new lease lands on the device and the worker advertises one GPU fewer
+        (tasks assigned against the old count that no longer fit go back)."""
+        device = _device(p)
+        self._emit(
+            events.GPU_UNHEALTHY, device=device, uuid=p.detail["uuid"], error=p.detail["error"]
+        )
+        self.inventory.withdrawn.add(device)
+        self._offer()
+
+    def _recover(self, p: Proposal) -> None:
+        device = _device(p)
+        self._emit(events.GPU_RECOVERED, device=device, uuid=p.detail["uuid"])
+        self.inventory.withdrawn.discard(device)
+        self._offer()
+
+    def _offer(self) -> None:
+        """Stop (or resume) offering a device: leases at once, the count right after."""
+        inv = self.inventory
+        self._set_devices([d.index for d in inv.granted if d.index not in inv.withdrawn])
+        self._spawn(inv.offer, self._set_devices)
+
+    def _report_leak(self, p: Proposal) -> None:
+        f = p.figures
+        self._emit(
+            events.LEAK,
+            device=_device(p),
+            nbytes=int(f["nbytes"]),
+            threshold=int(f["threshold"]),
+            checks=int(f["checks"]),
+            prefixes=list(p.detail["prefixes"]),
+            attributed=dict(p.detail["attributed"]),
+            unexplained=int(f["unexplained"]),
+            reclaimed=int(f["reclaimed"]),
+        )
+
+    def _report_reclaimed(self, p: Proposal) -> None:
+        f = p.figures
+        self._emit(
+            events.LEAK_RECLAIMED,
+            device=_device(p),
+            nbytes=int(f["nbytes"]),
+            reclaimed=int(f["reclaimed"]),
+            remaining=int(f["remaining"]),
+            threshold=int(f["threshold"]),
+            prefixes=list(p.detail["prefixes"]),
+            seconds=f["seconds"],
+        )
+
+    def _ask_restart(self, p: Proposal) -> None:
+        self.inventory.ask_restart(p.reason or "", int(p.figures.get("nbytes", 0)))
