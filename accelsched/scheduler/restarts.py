@@ -4,9 +4,9 @@ A worker's guard asks (``accelsched_restart``); :func:`accelsched.policy.budget.
 decides whether the restart may start now. An admitted restart drains the worker (its
 guard sends queued GPU tasks back to the scheduler, its executing tasks finish), retires
 it (its keys move to peers), checks that worked, then restarts it through its nanny: the
-only order that loses nothing. When it cannot happen without loss, or past the restart budget, the
-worker's GPUs are quarantined instead
-(:meth:`accelsched.scheduler.gate.Gate.quarantine`).
+only order that loses nothing. When it cannot happen without loss, or past the restart
+budget, the worker's GPUs are quarantined instead
+(:class:`~accelsched.scheduler.quarantine.Quarantine`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from accelsched import events, internals
 from accelsched.policy.budget import RestartBudget, admit_restart
 from accelsched.protocol import RESTART_HANDLER, RestartReply
-from accelsched.scheduler.gate import Gate
+from accelsched.scheduler.authority import Authority
+from accelsched.scheduler.quarantine import Quarantine
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -44,13 +45,15 @@ class Restarts:
         self,
         *,
         budget: RestartBudget,
-        gate: Gate,
+        authority: Authority,
+        quarantine: Quarantine,
         emit: Callable[..., None],
         active: Callable[[], bool],
     ) -> None:
         self.scheduler: Scheduler | None = None
         self.budget = budget
-        self.gate = gate
+        self._authority = authority
+        self._quarantine = quarantine
         self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
         # Retire and kill one worker at a time: while a retired worker is still
         # registered, another retirement could drop the only other copy of its keys
@@ -76,14 +79,14 @@ class Restarts:
         """A worker asks to be restarted. Only the worker itself may ask.
 
         The worker, called back at the address it registered under, must confirm the
-        request (:meth:`~accelsched.scheduler.gate.Gate.confirmed`). The restart runs in
-        the background; the reply says whether it was accepted.
+        request (:meth:`~accelsched.scheduler.authority.Authority.confirmed`). The restart
+        runs in the background; the reply says whether it was accepted.
         """
         scheduler = self.scheduler
         assert scheduler is not None
         if not self._active():
             return {"status": "no-plugin"}
-        if worker not in scheduler.workers or not await self.gate.authority.confirmed(
+        if worker not in scheduler.workers or not await self._authority.confirmed(
             comm, worker, request, RESTART_HANDLER, {"reason": reason, **figures}
         ):
             return {"status": "refused"}
@@ -107,7 +110,7 @@ class Restarts:
         elif admission.act == "defer":
             self.defer(worker, admission.reason or "", quarantine=quarantine)
         elif admission.act == "quarantine" and quarantine:
-            self.gate.quarantine(worker, "restart-budget")
+            self._quarantine.add(worker, "restart-budget")
         reply: RestartReply = {"status": admission.status}
         if admission.status == "deferred" and admission.reason:
             reply["reason"] = admission.reason
@@ -129,7 +132,7 @@ class Restarts:
             internals.drain(scheduler, ws, stimulus_id)
             # its queue goes elsewhere now; only what it runs is waited for
             queued = internals.assigned(ws)
-            await self.gate.tell_draining(worker, True)
+            await self._authority.tell_draining(worker, True)
             internals.send_queue_away(scheduler, ws)  # what has not started moves to peers
             deadline = monotonic() + DRAIN_TIMEOUT
             while internals.is_processing(ws) and monotonic() < deadline:
@@ -182,7 +185,7 @@ class Restarts:
         self.defer(ws.address, reason, quarantine=quarantine)
         internals.resume(self.scheduler, ws, previous, stimulus_id)
         if not quarantine:  # back in service with its devices that answer: run GPU tasks
-            internals.spawn(self.scheduler, self.gate.tell_draining, ws.address, False)
+            internals.spawn(self.scheduler, self._authority.tell_draining, ws.address, False)
 
     def defer(self, worker: str, reason: str, *, quarantine: bool = True) -> None:
         """The restart cannot happen without loss now: say so once, and quarantine."""
@@ -192,4 +195,4 @@ class Restarts:
             self.deferred[worker] = reason
             self._emit(events.RESTART_DEFERRED, worker, reason=reason)
         if quarantine:
-            self.gate.quarantine(worker, f"restart-deferred: {reason}")
+            self._quarantine.add(worker, f"restart-deferred: {reason}")
