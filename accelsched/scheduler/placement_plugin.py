@@ -16,6 +16,8 @@ makes the label mean something, through its parts (``accelsched/scheduler/``):
   ``fallback_timeout`` runs its CPU form.
 - :class:`~accelsched.scheduler.restarts.Restarts`: a leaking worker is restarted
   without losing data, or quarantined.
+- :class:`~accelsched.scheduler.acting.SchedulerActor`: carries out what the decisions
+  propose (fallbacks, restarts, deferrals, quarantine), in one place.
 - :class:`~accelsched.scheduler.snapshot.Observer`: the status snapshot and its history.
 
 The plugin itself only wires distributed's hooks to those parts, checks at start that
@@ -26,6 +28,7 @@ sends events. What the workers say to it is in :mod:`accelsched.protocol`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -34,7 +37,9 @@ from accelsched import events, internals
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
 from accelsched.observe import dashboard_page, metrics
 from accelsched.policy.budget import RestartBudget
+from accelsched.policy.proposals import Proposal
 from accelsched.protocol import EVENT_OP, GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
+from accelsched.scheduler.acting import SchedulerActor
 from accelsched.scheduler.authority import Authority
 from accelsched.scheduler.device_reports import DeviceReports
 from accelsched.scheduler.fallback import Fallback
@@ -89,6 +94,7 @@ class PlacementPlugin(SchedulerPlugin):
             interval=o["fallback_interval"],
             emit=emit,
             active=active,
+            act=self._act,
         )
         budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
         self.restarts = Restarts(
@@ -97,6 +103,10 @@ class PlacementPlugin(SchedulerPlugin):
             quarantine=self.quarantine,
             emit=emit,
             active=active,
+            act=self._act,
+        )
+        self.actor = SchedulerActor(
+            fallback=self.fallback, restarts=self.restarts, quarantine=self.quarantine
         )
         self.observer = Observer(self.grants)
 
@@ -211,9 +221,9 @@ class PlacementPlugin(SchedulerPlugin):
 
     # --- for the parts ------------------------------------------------------------------
 
-    def check_fallback(self) -> None:
-        """Run one fallback check now (the periodic tick does this on its own)."""
-        self.fallback.check()
+    def _act(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None:
+        """The parts hand what the decisions propose to the one place that acts."""
+        self.actor.act(proposals, keep_devices=keep_devices)
 
     def _emit(self, action: str, worker: str | None = None, **figures: Any) -> None:
         assert self.scheduler is not None

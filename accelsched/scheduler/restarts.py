@@ -1,11 +1,12 @@
 """Restart coordination: a leaking worker restarts without losing data, or is quarantined.
 
 A worker's guard asks (``accelsched_restart``); :func:`accelsched.policy.budget.admit_restart`
-decides whether the restart may start now. An admitted restart drains the worker (its
-guard sends queued GPU tasks back to the scheduler, its executing tasks finish), retires
-it (its keys move to peers), checks that worked, then restarts it through its nanny: the
-only order that loses nothing. When it cannot happen without loss, or past the restart
-budget, the worker's GPUs are quarantined instead
+proposes what to do, the scheduler's actor (:mod:`accelsched.scheduler.acting`) carries it
+out, and :func:`accelsched.policy.budget.restart_reply` is the answer. An admitted restart
+drains the worker (its guard sends queued GPU tasks back to the scheduler, its executing
+tasks finish), retires it (its keys move to peers), checks that worked, then restarts it
+through its nanny: the only order that loses nothing. When it cannot happen without loss,
+or past the restart budget, the worker's GPUs are quarantined instead
 (:class:`~accelsched.scheduler.quarantine.Quarantine`).
 """
 
@@ -18,7 +19,7 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
-from accelsched.policy.budget import RestartBudget, admit_restart
+from accelsched.policy.budget import RestartBudget, admit_restart, keeps_devices, restart_reply
 from accelsched.protocol import RESTART_HANDLER, RestartReply
 from accelsched.scheduler.authority import Authority
 from accelsched.scheduler.quarantine import Quarantine
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.core import Status
     from distributed.scheduler import WorkerState
+
+    from accelsched.scheduler.acting import Act
 
 __all__ = ["Restarts", "DRAIN_TIMEOUT"]
 
@@ -49,6 +52,7 @@ class Restarts:
         quarantine: Quarantine,
         emit: Callable[..., None],
         active: Callable[[], bool],
+        act: Act,
     ) -> None:
         self.scheduler: Scheduler | None = None
         self.budget = budget
@@ -61,6 +65,7 @@ class Restarts:
         self._retire_lock = asyncio.Lock()
         self._emit = emit
         self._active = active
+        self._act = act
 
     def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -89,32 +94,32 @@ class Restarts:
         if worker not in scheduler.workers or not await self._authority.confirmed(
             comm, worker, request, RESTART_HANDLER, {"reason": reason, **figures}
         ):
-            return {"status": "refused"}
+            return restart_reply(None, authentic=False)
         ws = scheduler.workers.get(worker)
         if ws is None:  # it left while it was asked
-            return {"status": "refused"}
-        admission = admit_restart(
+            return restart_reply(None, authentic=False)
+        proposal = admit_restart(
             self.budget,
             ws.nanny or worker,
             monotonic(),
+            worker=worker,
+            why=reason,
             authentic=True,
             has_nanny=ws.nanny is not None,
             has_peer=internals.has_running_peer(scheduler, ws),
         )
-        # A leaking worker must take no GPU task until it restarts; one whose failing
-        # device is already withdrawn may go on with the devices that answer.
-        quarantine = reason != "gpu-unhealthy"
-        if admission.act == "restart":
-            assert ws.nanny is not None
-            internals.spawn(scheduler, self.restart, ws, ws.nanny, reason)
-        elif admission.act == "defer":
-            self.defer(worker, admission.reason or "", quarantine=quarantine)
-        elif admission.act == "quarantine" and quarantine:
-            self._quarantine.add(worker, "restart-budget")
-        reply: RestartReply = {"status": admission.status}
-        if admission.status == "deferred" and admission.reason:
-            reply["reason"] = admission.reason
-        return reply
+        if proposal is not None:
+            self._act([proposal], keep_devices=keeps_devices(reason))
+        return restart_reply(proposal)
+
+    def begin(self, worker: str, why: str) -> None:
+        """Start the admitted restart of ``worker`` in the background (the actor's
+        ``restart``); its budget is spent until it ends."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        ws = scheduler.workers[worker]  # admitted just now, with no wait since
+        assert ws.nanny is not None
+        internals.spawn(scheduler, self.restart, ws, ws.nanny, why)
 
     async def restart(self, ws: WorkerState, budget_key: str, reason: str) -> None:
         """Drain, retire, check, restart: the only order that loses nothing."""
@@ -181,7 +186,7 @@ class Restarts:
         worker that leaks: they wait for (or fall back from) other GPUs.
         """
         assert self.scheduler is not None
-        quarantine = why != "gpu-unhealthy"
+        quarantine = not keeps_devices(why)
         self.defer(ws.address, reason, quarantine=quarantine)
         internals.resume(self.scheduler, ws, previous, stimulus_id)
         if not quarantine:  # back in service with its devices that answer: run GPU tasks
