@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from accelsched.devices.records import MemoryReading
-from accelsched.policy.budget import RestartBudget, admit_restart
+from accelsched.policy.budget import RestartBudget, admit_restart, keeps_devices, restart_reply
 from accelsched.policy.leak import LeakReports, Reclaims, Verdict
+from accelsched.policy.proposals import Proposal
 from accelsched.policy.timeouts import (
     CHAIN,
     MAX_GPUS,
@@ -20,6 +21,7 @@ from accelsched.policy.timeouts import (
     sweep,
 )
 from accelsched.policy.unrequested import Use, classify
+from accelsched.scheduler.acting import SchedulerActor
 
 # --- which tasks fall back now, and when to look again --------------------------------
 
@@ -57,14 +59,18 @@ def test_deadlines_memory_stays_with_what_waits() -> None:
     assert len(d._heap) <= 64  # compacted: stale entries do not pile up
 
 
+def fall_back(key: str, reason: str, waited: float) -> Proposal:
+    return Proposal("fall-back", key, reason, {"waited": waited})
+
+
 def test_a_burst_of_fallbacks_is_one_event() -> None:
-    few = [(f"k{i}", TIMEOUT, 1.0 + i) for i in range(3)]
+    few = [fall_back(f"k{i}", TIMEOUT, 1.0 + i) for i in range(3)]
     assert summarise(few, detail=10) == [
         {"key": "k0", "waited": 1.0, "reason": TIMEOUT, "count": 1},
         {"key": "k1", "waited": 2.0, "reason": TIMEOUT, "count": 1},
         {"key": "k2", "waited": 3.0, "reason": TIMEOUT, "count": 1},
     ]
-    burst = [(f"k{i}", NO_GPU_CAPACITY if i % 4 else CHAIN, float(i)) for i in range(100)]
+    burst = [fall_back(f"k{i}", NO_GPU_CAPACITY if i % 4 else CHAIN, float(i)) for i in range(100)]
     (event,) = summarise(burst, detail=10)
     assert event["count"] == 100 and "key" not in event
     assert event["keys"] == [f"k{i}" for i in range(10)]
@@ -81,9 +87,9 @@ def test_sweep_falls_back_what_is_due_and_wakes_at_the_next_deadline() -> None:
         Waiting("soon", since=9.0, amount=1, timeout=2.0),  # deadline 11
         Waiting("strict", since=0.0, amount=1, timeout=None),  # never
     ]
-    decided = sweep(policy, waiting, now=10.0, largest=0)
-    assert decided.fall_back == [("due", TIMEOUT, 10.0)]
-    assert decided.wake_at == 11.0
+    proposals, wake_at = sweep(policy, waiting, now=10.0, largest=0)
+    assert proposals == [Proposal("fall-back", "due", TIMEOUT, {"waited": 10.0})]
+    assert wake_at == 11.0
 
 
 def test_sweep_zero_timeout_and_chains_depend_on_capacity() -> None:
@@ -92,11 +98,11 @@ def test_sweep_zero_timeout_and_chains_depend_on_capacity() -> None:
         Waiting("zero", since=3.0, amount=1, timeout=0.0),
         Waiting("chained", since=3.0, amount=2, timeout=60.0, predecessor_fell_back=True),
     ]
-    none_fits = sweep(policy, waiting, now=3.0, largest=1)
-    assert none_fits.fall_back == [("zero", NO_GPU_CAPACITY, 0.0), ("chained", CHAIN, 0.0)]
-    assert none_fits.wake_at is None
-    fits = sweep(policy, waiting[1:], now=3.0, largest=2)  # a 2-GPU worker exists
-    assert fits.fall_back == [] and fits.wake_at == 63.0
+    proposals, wake_at = sweep(policy, waiting, now=3.0, largest=1)
+    assert proposals == [fall_back("zero", NO_GPU_CAPACITY, 0.0), fall_back("chained", CHAIN, 0.0)]
+    assert wake_at is None
+    proposals, wake_at = sweep(policy, waiting[1:], now=3.0, largest=2)  # a 2-GPU worker
+    assert proposals == [] and wake_at == 63.0
 
 
 def test_sweep_an_amount_no_worker_can_ever_offer_falls_back_at_once() -> None:
@@ -106,58 +112,133 @@ def test_sweep_an_amount_no_worker_can_ever_offer_falls_back_at_once() -> None:
         Waiting("edge", since=3.0, amount=MAX_GPUS, timeout=60.0),
         Waiting("strict", since=3.0, amount=MAX_GPUS + 1, timeout=None),
     ]
-    decided = sweep(policy, waiting, now=3.5, largest=2**70)  # whatever workers claim
-    assert decided.fall_back == [("huge", UNSATISFIABLE, 0.5)]
-    assert decided.wake_at == 63.0  # "edge" waits its timeout; "strict" errs elsewhere
+    proposals, wake_at = sweep(policy, waiting, now=3.5, largest=2**70)  # whatever workers say
+    assert proposals == [fall_back("huge", UNSATISFIABLE, 0.5)]
+    assert proposals[0].figures["waited"] == 0.5
+    assert wake_at == 63.0  # "edge" waits its timeout; "strict" errs elsewhere
 
 
 def test_sweep_of_nothing_sets_no_timer() -> None:
-    decided = sweep(FallbackPolicy(1.0), [], now=0.0, largest=0)
-    assert decided.fall_back == [] and decided.wake_at is None
+    assert sweep(FallbackPolicy(1.0), [], now=0.0, largest=0) == ([], None)
 
 
 # --- restart admission ------------------------------------------------------------------
 
 
-def admit(budget: RestartBudget, now: float = 0.0, **facts: bool):  # type: ignore[no-untyped-def]
+def admit(budget: RestartBudget, now: float = 0.0, **facts: bool) -> Proposal | None:
     return admit_restart(
         budget,
         "nanny-a",
         now,
+        worker="tcp://a",
+        why="leak",
         **{"authentic": True, "has_nanny": True, "has_peer": True, **facts},
     )
 
 
 def test_admission_refuses_strangers_and_defers_what_would_lose_data() -> None:
     budget = RestartBudget(max_restarts=3, window=60.0)
-    a = admit(budget, authentic=False)
-    assert (a.status, a.act) == ("refused", "none")
+    stranger = admit(budget, authentic=False)
+    assert stranger is None
+    assert restart_reply(stranger, authentic=False) == {"status": "refused"}
     a = admit(budget, has_nanny=False)
-    assert (a.status, a.act, a.reason) == ("deferred", "defer", "no-nanny")
+    assert a == Proposal("defer", "tcp://a", "no-nanny")
+    assert restart_reply(a) == {"status": "deferred", "reason": "no-nanny"}
     a = admit(budget, has_peer=False)
-    assert (a.status, a.act, a.reason) == ("deferred", "defer", "no-peer")
+    assert a == Proposal("defer", "tcp://a", "no-peer")
+    assert restart_reply(a) == {"status": "deferred", "reason": "no-peer"}
     assert budget.in_flight == frozenset()  # none of them took budget
 
 
 def test_admission_counts_the_budget() -> None:
     budget = RestartBudget(max_restarts=2, window=60.0, max_concurrent=1)
     first = admit(budget, now=0.0)
-    assert (first.status, first.act) == ("accepted", "restart")
+    assert first == Proposal("restart", "tcp://a", "leak")  # reason: what its event says
+    assert restart_reply(first) == {"status": "accepted"}
+    assert budget.in_flight == frozenset({"nanny-a"})  # keyed by its nanny
     again = admit(budget, now=1.0)
-    assert (again.status, again.act) == ("in-flight", "none")
+    assert again is None and restart_reply(again) == {"status": "in-flight"}
     budget.done("nanny-a")
-    assert admit(budget, now=2.0).act == "restart"
+    assert admit(budget, now=2.0) == Proposal("restart", "tcp://a", "leak")
     budget.done("nanny-a")
     over = admit(budget, now=3.0)  # a third within 60 s
-    assert (over.status, over.act, over.reason) == ("deferred", "quarantine", "budget")
-    assert admit(budget, now=61.0).act == "restart"  # the first left the window
+    assert over == Proposal("quarantine", "tcp://a", "budget")
+    assert restart_reply(over) == {"status": "deferred", "reason": "budget"}
+    assert budget.in_flight == frozenset()  # a refusal takes no budget
+    restarted = admit(budget, now=61.0)  # the first left the window
+    assert restarted is not None and restarted.action == "restart"
 
 
 def test_admission_defers_on_concurrency() -> None:
     budget = RestartBudget(max_restarts=5, window=60.0, max_concurrent=1)
     assert budget.request("nanny-b", 0.0).allowed
     a = admit(budget)
-    assert (a.status, a.act, a.reason) == ("deferred", "defer", "concurrency")
+    assert a == Proposal("defer", "tcp://a", "concurrency")
+    assert restart_reply(a) == {"status": "deferred", "reason": "concurrency"}
+
+
+def test_a_restart_for_a_failed_device_carries_its_reason_and_keeps_the_others() -> None:
+    budget = RestartBudget(max_restarts=1, window=60.0)
+    unhealthy = admit_restart(
+        budget,
+        "nanny-a",
+        0.0,
+        worker="tcp://a",
+        why="gpu-unhealthy",
+        authentic=True,
+        has_nanny=True,
+        has_peer=True,
+    )
+    assert unhealthy == Proposal("restart", "tcp://a", "gpu-unhealthy")
+    assert keeps_devices("gpu-unhealthy")  # its failed device is withdrawn already
+    assert not keeps_devices("leak")  # a leaking worker takes no GPU task meanwhile
+
+
+class Recorder:
+    """Stands in for the parts the actor acts through: records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def fall_back(self, proposals: list[Proposal]) -> None:
+        self.calls.append(("fall_back", [p.subject for p in proposals]))
+
+    def begin(self, worker: str, why: str) -> None:
+        self.calls.append(("begin", worker, why))
+
+    def defer(self, worker: str, reason: str, *, quarantine: bool) -> None:
+        self.calls.append(("defer", worker, reason, quarantine))
+
+    def add(self, worker: str, reason: str) -> None:
+        self.calls.append(("quarantine", worker, reason))
+
+
+def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
+    parts = Recorder()
+    actor = SchedulerActor(fallback=parts, restarts=parts, quarantine=parts)  # type: ignore[arg-type]
+    actor.act(
+        [
+            fall_back("x", TIMEOUT, 5.0),
+            Proposal("restart", "tcp://a", "leak"),
+            fall_back("y", CHAIN, 0.0),
+            Proposal("defer", "tcp://b", "no-peer"),
+            Proposal("quarantine", "tcp://c", "budget"),
+        ]
+    )
+    assert parts.calls == [
+        ("begin", "tcp://a", "leak"),
+        ("defer", "tcp://b", "no-peer", True),
+        ("quarantine", "tcp://c", "restart-budget"),
+        ("fall_back", ["x", "y"]),  # one check's fallbacks together, after the rest
+    ]
+    parts.calls.clear()
+    keep = [Proposal("defer", "tcp://b", "no-peer"), Proposal("quarantine", "tcp://c", "budget")]
+    actor.act(keep, keep_devices=True)  # asked because a device failed
+    assert parts.calls == [("defer", "tcp://b", "no-peer", False)]
+    with pytest.raises(ValueError, match="not a scheduler action"):
+        actor.act([Proposal("withdraw", 0)])
+    actor.act([])
+    assert len(parts.calls) == 1  # nothing proposed, nothing done
 
 
 # --- de-duplication of leak reports -------------------------------------------------------

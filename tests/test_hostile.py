@@ -423,7 +423,7 @@ async def test_hostile_names_are_shown_escaped_never_acted_on(c, s):
 
 async def _hostile_names(c: Any, s: Any, a: Worker, b: Worker) -> None:
     await accelsched.register(c)
-    gate = s.plugins[PLACEMENT_PLUGIN].gate
+    grants = s.plugins[PLACEMENT_PLUGIN].grants
 
     def judged() -> bool:
         """one worker verified, the other corrected (both see the same two GPUs; the
@@ -432,8 +432,8 @@ async def _hostile_names(c: Any, s: Any, a: Worker, b: Worker) -> None:
         return {"gpu-verified", "gpu-corrected"} <= done
 
     await wait_for(judged, timeout=30)
-    owner, other = (a, b) if gate.granted.get(a.address) else (b, a)
-    (device,) = gate.granted[owner.address]
+    owner, other = (a, b) if grants.of(a.address).devices else (b, a)
+    (device,) = grants.of(owner.address).devices  # the grant's own record
     device["name"] = "GPU\x1b]0;owned\x07\u202eevil"
     device["uuid"] = "GPU-1\r\nforged  0  NVIDIA"
     s.log_event(

@@ -64,7 +64,7 @@ async def test_undeclared_gpus_are_advertised(c, s, a):
     (v,) = events(s, "gpu-verified")
     assert (
         v["devices"][0]["uuid"]
-        == s.plugins["accelsched-placement"].gate.granted[a.worker_address][0]["uuid"]
+        == s.plugins["accelsched-placement"].grants.of(a.worker_address).devices[0]["uuid"]
     )
 
 
@@ -73,7 +73,7 @@ async def test_advertising_can_be_switched_off(c, s, a):
     await accelsched.register(c, advertise_undeclared=False)
     await wait_for(lambda: "accelsched-guard" in s.worker_plugins)
     await c.run(lambda: None)  # the guard's setup has run once run() answers
-    await wait_for(lambda: a.worker_address in s.plugins["accelsched-placement"].gate.granted)
+    await wait_for(lambda: s.plugins["accelsched-placement"].grants.reported(a.worker_address))
     assert gpus(s, a.worker_address) == 0
     assert not events(s, "gpu-verified")
 

@@ -115,7 +115,7 @@ async def test_a_stranger_varying_the_handler_cannot_flood_refusals(c, s, a):
         await stranger.close_rpc()
     refused = [m for _, m in s.get_events("accelsched") if m["action"] == "request-refused"]
     assert len(refused) <= 1
-    assert len(s.plugins[PLACEMENT_PLUGIN].gate.authority._refusals) <= 1
+    assert len(s.plugins[PLACEMENT_PLUGIN].authority._refusals) <= 1
 
 
 # --- marked steps ------------------------------------------------------------------------

@@ -76,7 +76,7 @@ async def test_only_the_scheduler_may_drain_a_worker(c, s, a):
             reply = await getattr(r, DRAIN_HANDLER)(**kwargs)
             assert reply["status"] in ("refused", "invalid"), (kwargs, reply)
     # an id the scheduler really has outstanding, for another order
-    real = s.plugins["accelsched-placement"].gate.authority.order(DRAIN_HANDLER, {"on": False})
+    real = s.plugins["accelsched-placement"].authority.order(DRAIN_HANDLER, {"on": False})
     async with rpc(a.address) as r:
         assert (await getattr(r, DRAIN_HANDLER)(on=True, request=real))["status"] == "refused"
     assert guard(a).inventory.draining is False
@@ -99,12 +99,12 @@ async def test_only_the_scheduler_may_drain_a_worker(c, s, a):
 async def test_the_schedulers_own_drain_order_is_obeyed(c, s, a):
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.address) == 1)
-    gate = s.plugins["accelsched-placement"].gate
-    await gate.tell_draining(a.address, True)
+    authority = s.plugins["accelsched-placement"].authority
+    await authority.tell_draining(a.address, True)
     assert guard(a).inventory.draining is True
-    await gate.tell_draining(a.address, False)
+    await authority.tell_draining(a.address, False)
     assert guard(a).inventory.draining is False
-    assert len(gate.authority.orders) == 0  # each spent or forgotten
+    assert len(authority.orders) == 0  # each spent or forgotten
     assert not events(s, "request-refused")
 
 

@@ -33,13 +33,12 @@ WORKERS = [
 
 def snapshot(s: Any) -> dict[str, Any]:
     """Everything a forged request could change, on the scheduler."""
-    gate = s.plugins["accelsched-placement"].gate
+    grants = s.plugins["accelsched-placement"].grants
     return {
         "resources": copy.deepcopy(s.resources),
         "worker_resources": {a: dict(ws.resources) for a, ws in s.workers.items()},
-        "granted": copy.deepcopy(gate.granted),
-        "owners": dict(gate.registry.owners),
-        "quarantined": dict(gate.quarantined),
+        "grants": {a: (grants.reported(a), copy.deepcopy(grants.of(a))) for a in s.workers},
+        "owners": dict(grants.registry.owners),
         "workers": set(s.workers),
         "budget": s.plugins["accelsched-placement"].restarts.budget.in_flight,
     }

@@ -4,15 +4,27 @@ A worker that leaks on every task would otherwise be restarted in a loop, and se
 workers restarting at once can take a cluster's capacity down together. The budget
 allows ``max_restarts`` per worker per ``window`` seconds and ``max_concurrent`` restarts
 in flight across the cluster; past it the PlacementPlugin quarantines instead.
+
+:func:`admit_restart` answers a worker's restart request with a
+:class:`~accelsched.policy.proposals.Proposal` (``restart``, ``defer`` or
+``quarantine``) or None; :func:`restart_reply` is the reply the worker gets for it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
 
-__all__ = ["RestartBudget", "Decision", "Admission", "admit_restart"]
+from accelsched.policy.proposals import Proposal
+from accelsched.protocol import RestartReply
+
+__all__ = [
+    "RestartBudget",
+    "Decision",
+    "admit_restart",
+    "restart_reply",
+    "keeps_devices",
+]
 
 
 @dataclass(frozen=True)
@@ -72,46 +84,67 @@ class RestartBudget:
         return frozenset(self._in_flight)
 
 
-@dataclass(frozen=True)
-class Admission:
-    """The answer to a worker's restart request, and what the scheduler does about it.
-
-    ``status`` is the reply's (``RestartReply``); ``act`` is ``"restart"`` (start it),
-    ``"defer"`` (cannot happen without loss now: say so, quarantine the worker's GPUs),
-    ``"quarantine"`` (over budget: quarantine only) or ``"none"``.
-    """
-
-    status: Literal["accepted", "refused", "deferred", "in-flight"]
-    act: Literal["restart", "defer", "quarantine", "none"]
-    reason: str | None = None
-
-
 def admit_restart(
     budget: RestartBudget,
     key: str,
     now: float,
     *,
+    worker: str,
+    why: str,
     authentic: bool,
     has_nanny: bool,
     has_peer: bool,
-) -> Admission:
-    """Whether a worker's restart may start now.
+) -> Proposal | None:
+    """What to do about ``worker``'s request to be restarted because of ``why``.
 
     ``authentic``: the request comes from the worker itself. ``has_nanny``: something can
     start it again. ``has_peer``: another running worker can take its data. ``key``
     identifies the worker across restarts (its nanny), for the budget.
+
+    ``restart`` (reason: ``why``, what its event says) starts it; ``defer`` (reason:
+    ``no-nanny``, ``no-peer``, ``concurrency``) means it cannot happen without loss now;
+    ``quarantine`` (reason ``budget``) means it restarted too often lately. None: nothing
+    to do (a stranger asked, or its restart is already under way). Only an admitted
+    restart takes budget.
     """
     if not authentic:
-        return Admission("refused", "none")
+        return None
     if not has_nanny:
-        return Admission("deferred", "defer", "no-nanny")
+        return Proposal("defer", worker, "no-nanny")
     if not has_peer:
-        return Admission("deferred", "defer", "no-peer")
+        return Proposal("defer", worker, "no-peer")
     decision = budget.request(key, now)
     if decision.allowed:
-        return Admission("accepted", "restart")
+        return Proposal("restart", worker, why)
     if decision.reason == "in-flight":
-        return Admission("in-flight", "none")  # its restart is under way: nothing to do
+        return None
     if decision.reason == "budget":
-        return Admission("deferred", "quarantine", "budget")
-    return Admission("deferred", "defer", decision.reason or "concurrency")
+        return Proposal("quarantine", worker, "budget")
+    return Proposal("defer", worker, decision.reason or "concurrency")
+
+
+def restart_reply(proposal: Proposal | None, *, authentic: bool = True) -> RestartReply:
+    """The ``accelsched_restart`` reply for what :func:`admit_restart` proposed.
+
+    The worker's guard reads it to know whether to ask again later: ``accepted`` (it
+    restarts), ``deferred`` with the reason (it may ask again), ``in-flight`` (already
+    restarting), ``refused`` (not its own request).
+    """
+    if proposal is None:
+        return {"status": "in-flight" if authentic else "refused"}
+    if proposal.action == "restart":
+        return {"status": "accepted"}
+    reply: RestartReply = {"status": "deferred"}
+    if proposal.reason:
+        reply["reason"] = proposal.reason
+    return reply
+
+
+def keeps_devices(why: str) -> bool:
+    """Whether a worker keeps its GPUs in placement while its restart waits or fails.
+
+    A leaking worker must take no GPU task until it restarts (its GPUs are quarantined);
+    one that asked because a device failed has that device withdrawn already and goes on
+    with the devices that answer.
+    """
+    return why == "gpu-unhealthy"  # the reason its guard asks with

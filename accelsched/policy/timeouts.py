@@ -3,7 +3,9 @@
 A GPU task that no worker can take sits in distributed's ``no-worker`` state forever.
 With a fallback timeout it runs its CPU form instead. The PlacementPlugin feeds
 :class:`FallbackPolicy` each unrunnable GPU task's wait and the cluster's GPU capacity;
-the policy answers with the reason to fall back, or None to keep waiting.
+the policy answers with the reason to fall back, or None to keep waiting. :func:`sweep`
+turns one check's answers into ``fall-back`` proposals
+(:class:`~accelsched.policy.proposals.Proposal`), which the scheduler's actor carries out.
 """
 
 from __future__ import annotations
@@ -12,18 +14,19 @@ import functools
 import heapq
 import numbers
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dask.utils import parse_timedelta
 
 from accelsched.config import parse_optional_duration
+from accelsched.policy.proposals import Proposal
 
 __all__ = [
     "FallbackPolicy",
     "Waiting",
-    "Sweep",
+    "sweep",
     "TIMEOUT",
     "NO_GPU_CAPACITY",
     "UNSATISFIABLE",
@@ -165,19 +168,16 @@ class Waiting:
     predecessor_fell_back: bool = False
 
 
-@dataclass(frozen=True)
-class Sweep:
-    """What one check decided: tasks to run in their CPU form now, and when to look again."""
-
-    fall_back: list[tuple[Hashable, str, float]]  # (key, reason, seconds waited)
-    wake_at: float | None  # the earliest deadline still ahead; None: nothing to time
-
-
 def sweep(
     policy: FallbackPolicy, waiting: Iterable[Waiting], *, now: float, largest: float
-) -> Sweep:
-    """Decide for every waiting task; ``largest`` is the most GPUs one worker offers now."""
-    fall_back: list[tuple[Hashable, str, float]] = []
+) -> tuple[list[Proposal], float | None]:
+    """Decide for every waiting task; ``largest`` is the most GPUs one worker offers now.
+
+    Returns one ``fall-back`` proposal per task to run in its CPU form now (reason: why;
+    figures: ``waited``, seconds), and the earliest deadline still ahead (None: nothing to
+    time), so the caller knows when to look again without acting on anything here.
+    """
+    proposals: list[Proposal] = []
     wake_at: float | None = None
     for w in waiting:
         waited = now - w.since
@@ -189,11 +189,11 @@ def sweep(
             can_ever=satisfiable(w.amount),
         )
         if reason is not None:
-            fall_back.append((w.key, reason, waited))
+            proposals.append(Proposal("fall-back", w.key, reason, {"waited": waited}))
         elif w.timeout is not None:
             deadline = w.since + w.timeout
             wake_at = deadline if wake_at is None else min(wake_at, deadline)
-    return Sweep(fall_back, wake_at)
+    return proposals, wake_at
 
 
 class Deadlines:
@@ -259,24 +259,30 @@ class Deadlines:
         heapq.heapify(self._heap)
 
 
-def summarise(fell: list[tuple[Hashable, str, float]], detail: int) -> list[dict[str, Any]]:
-    """The ``fallback`` events for one check: one per task up to ``detail`` tasks, else one
-    for the whole burst (its size, a sample of keys, the reasons counted, waits).
+def summarise(fell: Sequence[Proposal], detail: int) -> list[dict[str, Any]]:
+    """The ``fallback`` events for one check's ``fall-back`` proposals: one per task up to
+    ``detail`` tasks, else one for the whole burst (its size, a sample of keys, the
+    reasons counted, waits).
 
     A burst of thousands of fallbacks (a cluster that lost its GPUs) then costs one log
     line and one event, not thousands.
     """
     if len(fell) <= detail:
         return [
-            {"key": key, "waited": round(waited, 3), "reason": reason, "count": 1}
-            for key, reason, waited in fell
+            {
+                "key": p.subject,
+                "waited": round(p.figures["waited"], 3),
+                "reason": p.reason,
+                "count": 1,
+            }
+            for p in fell
         ]
-    reasons = Counter(reason for _, reason, _ in fell)
-    waits = sorted(waited for _, _, waited in fell)
+    reasons = Counter(p.reason for p in fell)
+    waits = sorted(p.figures["waited"] for p in fell)
     return [
         {
             "count": len(fell),
-            "keys": [key for key, _, _ in fell[:detail]],
+            "keys": [p.subject for p in fell[:detail]],
             "reason": reasons.most_common(1)[0][0],
             "reasons": dict(reasons),
             "waited": round(waits[len(waits) // 2], 3),

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
-from accelsched import events
+from accelsched import events, internals
 from accelsched.policy.requests import Outstanding, fingerprint
 from accelsched.protocol import CONFIRM_HANDLER, DRAIN_HANDLER, ConfirmReply
 
@@ -41,7 +41,8 @@ ORDERS = frozenset({DRAIN_HANDLER})
 
 
 class Authority:
-    """Confirms requests with the workers they name; logs the refusals."""
+    """Confirms requests with the workers they name, gives and confirms the scheduler's
+    own orders, and logs the refusals."""
 
     def __init__(self, *, emit: Callable[..., None]) -> None:
         self.scheduler: Scheduler | None = None
@@ -49,6 +50,15 @@ class Authority:
         self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last, since)
         self.orders = Outstanding()  # the scheduler's own orders to workers, unconfirmed
         self._tokens: dict[str, str] = {}  # worker -> the token its events carry
+
+    def start(self, scheduler: Scheduler) -> None:
+        """Answer the workers asking whether an order is the scheduler's."""
+        self.scheduler = scheduler
+        internals.install_handler(scheduler, CONFIRM_HANDLER, self.confirm_order)
+
+    def stop(self) -> None:
+        assert self.scheduler is not None
+        internals.remove_handler(self.scheduler, CONFIRM_HANDLER, self.confirm_order)
 
     async def confirmed(
         self, comm: Any, worker: str, request: Any, handler: str, content: Mapping[str, Any]
@@ -88,6 +98,25 @@ class Authority:
     def order(self, handler: str, content: Mapping[str, Any]) -> str:
         """An id for an order the scheduler is about to send (its worker confirms it)."""
         return self.orders.new(handler, content)
+
+    async def tell_draining(self, worker: str, on: bool) -> None:
+        """Order the worker's guard to send GPU tasks back as they reach execution (or to
+        run them again).
+
+        distributed sends every GPU task to a valid worker at once; a worker restarting
+        or quarantined would otherwise work through its queue. Only the worker knows which
+        tasks it runs, so it turns the rest away itself (distributed's ``Reschedule``):
+        nothing that finished is released, nothing runs twice. The guard confirms the
+        order with the scheduler first; a worker without a guard works through its queue.
+        """
+        assert self.scheduler is not None
+        request = self.order(DRAIN_HANDLER, {"on": on})
+        try:
+            await getattr(self.scheduler.rpc(worker), DRAIN_HANDLER)(on=on, request=request)
+        except Exception as exc:  # gone, or no guard
+            logger.debug("accelsched: %s was not told to drain (%s): %r", worker, on, exc)
+        finally:
+            self.orders.forget(request)
 
     def confirm_order(
         self,

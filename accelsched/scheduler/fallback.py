@@ -3,11 +3,13 @@
 New GPU tasks are prepared in ``update_graph`` (their restriction made hard, their
 ``fallback_timeout`` annotation read). A GPU task with a timeout that becomes unrunnable
 enters :class:`~accelsched.policy.timeouts.Deadlines` with the time it may fall back; a check
-pops only the tasks that are due, asks :func:`accelsched.policy.timeouts.sweep` which fall back
-now, lifts their GPU restriction (marking them, so the worker copies their device inputs
-to the host) and sends them on. A check costs what is due, not what waits: nothing when
-no task has a timeout, O(k log n) for k due of n waiting. Checks run exactly at the next
-deadline, with a periodic tick as a safety net.
+pops only the tasks that are due and asks :func:`accelsched.policy.timeouts.sweep` which fall
+back now. Its ``fall-back`` proposals go to the scheduler's actor
+(:mod:`accelsched.scheduler.acting`), which has :meth:`Fallback.fall_back` lift their GPU
+restriction (marking them, so the worker copies their device inputs to the host) and
+send them on. A check costs what is due, not what waits: nothing when no task has a
+timeout, O(k log n) for k due of n waiting. Checks run exactly at the next deadline,
+with a periodic tick as a safety net.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dask.config
 
 from accelsched import events, internals
 from accelsched.policy.marks import find_mark, mark_problem
+from accelsched.policy.proposals import Proposal
 from accelsched.policy.timeouts import (
     MAX_GPUS,
     Deadlines,
@@ -35,9 +38,12 @@ from accelsched.policy.timeouts import (
     sweep,
 )
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, INVALID_RESOURCE, TIMEOUT_ANNOTATION
+from accelsched.scheduler.check_timer import CheckTimer
 
 if TYPE_CHECKING:
     from distributed import Scheduler
+
+    from accelsched.scheduler.acting import Act
 
 __all__ = ["Fallback"]
 
@@ -61,6 +67,7 @@ class Fallback:
         interval: float,
         emit: Callable[..., None],
         active: Callable[[], bool],
+        act: Act,
     ) -> None:
         self.scheduler: Scheduler | None = None
         self.policy = FallbackPolicy(timeout)
@@ -69,16 +76,17 @@ class Fallback:
         self.invalid: dict[Any, str] = {}  # key -> why its annotation is invalid
         self.fell_back: set[Any] = set()  # keys that fell back for lack of GPUs
         self.deadlines = Deadlines()  # unrunnable tasks that may fall back, by deadline
-        self._check_soon = False
-        self._timer: tuple[float, Any] | None = None  # (deadline, handle)
+        self._timer = CheckTimer(self.check)
         self._warned_no_workers = False
         self._limits_checked: set[float] = set()
         self._emit = emit
         self._active = active
+        self._act = act
         self.checks = 0  # checks completed (ticks and timers): "one ran since then"
 
     def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self._timer.start(scheduler)
         internals.start_periodic(scheduler, _PERIODIC, self.check, self.interval)
         self._warn_no_workers_timeout(self.policy.default)
         # tasks already unrunnable when the plugin arrives (registered late, re-registered)
@@ -204,7 +212,7 @@ class Fallback:
 
         Pops only the tasks whose deadline passed (:class:`~accelsched.policy.timeouts.Deadlines`).
         """
-        self._check_soon = False
+        self._timer.checking()
         scheduler = self.scheduler
         if scheduler is None or not self._active():
             return  # unregistered or replaced; its timers may still fire
@@ -218,7 +226,6 @@ class Fallback:
     def _decide(self, scheduler: Scheduler, due: list[tuple[Any, float]], now: float) -> None:
         stimulus_id = f"accelsched-fallback-{time()}"
         waiting: list[Waiting] = []
-        tasks: dict[Any, Any] = {}
         for key, since in due:
             ts = scheduler.tasks.get(key)
             if ts is None or ts.state != "no-worker":
@@ -231,7 +238,6 @@ class Fallback:
             amount = (ts.resource_restrictions or {}).get(GPU)
             if not amount:
                 continue
-            tasks[key] = ts
             waiting.append(
                 Waiting(
                     key,
@@ -241,60 +247,43 @@ class Fallback:
                     any(d.key in self.fell_back for d in ts.dependencies),
                 )
             )
-        decided = sweep(
+        proposals, _ = sweep(
             self.policy, waiting, now=now, largest=internals.largest_gpu_count(scheduler)
         )
-        fell = {key for key, _, _ in decided.fall_back}
+        fell = {p.subject for p in proposals}
         for w in waiting:  # due but kept waiting (a chain with GPUs now): its own deadline
             if w.key not in fell and w.timeout is not None:
                 self.deadlines.add(w.key, w.since, max(now, w.since + w.timeout))
-        for key, reason, _ in decided.fall_back:
-            self._fall_back(tasks[key], reason)
-        for figures in summarise(decided.fall_back, FALLBACK_DETAIL):
-            self._emit(events.FALLBACK, None, **figures)
-        internals.run_now(scheduler, list(fell), stimulus_id)
+        self._act(proposals)
 
-    def _fall_back(self, ts: Any, reason: str) -> None:
-        restrictions = dict(ts.resource_restrictions)
-        restrictions.pop(GPU, None)
-        internals.set_resource_restrictions(ts, restrictions)
-        # the worker gets the annotations too: the GPU amount it no longer needs goes, so
-        # none can break the message (an int past 2**64 cost every worker its stream)
-        internals.drop_annotated_resource(ts, GPU)
-        internals.annotate(ts, FALLBACK_ANNOTATION, reason)
-        self.fell_back.add(ts.key)
+    def fall_back(self, proposals: list[Proposal]) -> None:
+        """Run these unrunnable GPU tasks' CPU form now (the actor's ``fall-back``).
 
-    def _schedule(self) -> None:
-        """Check at the next deadline (at once when it passed)."""
-        deadline = self.deadlines.next_deadline()
-        if deadline is None or self.scheduler is None:
-            return
-        if deadline <= monotonic():
-            if not self._check_soon:
-                self._check_soon = True
-                internals.call_soon(self.scheduler, self.check)
-            return
-        self._wake_at(deadline)
-
-    def _wake_at(self, deadline: float) -> None:
-        """Check again exactly when the next timeout expires, not at the next tick.
-
-        The periodic check stays as a safety net; this keeps fallback latency close to
-        the timeout instead of up to one ``fallback_interval`` past it.
+        Each loses its GPU restriction and is marked with the reason; the check's events
+        are summarised (:func:`~accelsched.policy.timeouts.summarise`) and the tasks are
+        sent on together.
         """
         scheduler = self.scheduler
         assert scheduler is not None
-        if self._timer is not None:
-            if self._timer[0] <= deadline:
-                return
-            internals.cancel_call(scheduler, self._timer[1])
+        tasks: dict[Any, Any] = scheduler.tasks  # keys as the proposals carry them
+        for p in proposals:
+            ts = tasks[p.subject]
+            restrictions = dict(ts.resource_restrictions)
+            restrictions.pop(GPU, None)
+            internals.set_resource_restrictions(ts, restrictions)
+            # the worker gets the annotations too: the GPU amount it no longer needs goes,
+            # so none can break the message (an int past 2**64 cost every worker its stream)
+            internals.drop_annotated_resource(ts, GPU)
+            internals.annotate(ts, FALLBACK_ANNOTATION, p.reason)
+            self.fell_back.add(ts.key)
+        for figures in summarise(proposals, FALLBACK_DETAIL):
+            self._emit(events.FALLBACK, None, **figures)
+        stimulus_id = f"accelsched-fallback-{time()}"
+        internals.run_now(scheduler, [p.subject for p in proposals], stimulus_id)
 
-        def fire() -> None:
-            self._timer = None
-            self.check()
-
-        delay = max(0.0, deadline - monotonic()) + 0.001
-        self._timer = (deadline, internals.call_later(scheduler, delay, fire))
+    def _schedule(self) -> None:
+        """Check at the next deadline (at once when it passed)."""
+        self._timer.at(self.deadlines.next_deadline())
 
     def _warn_no_workers_timeout(self, timeout: float | None) -> None:
         """Warn (once) when distributed would fail tasks before they could fall back."""

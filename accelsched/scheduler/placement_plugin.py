@@ -1,14 +1,24 @@
 """PlacementPlugin: the scheduler side of accelsched, wiring hooks to its parts.
 
 distributed treats ``resources={"GPU": n}`` as a label a worker declares. This plugin
-makes the label mean something, through three parts (``accelsched/scheduler/``):
+makes the label mean something, through its parts (``accelsched/scheduler/``):
 
-- :class:`~accelsched.scheduler.gate.Gate`: a worker's GPUs count only once its guard
-  verified them; one owner per GPU UUID; quarantine; re-offer of ``no-worker`` tasks.
+- :class:`~accelsched.scheduler.authority.Authority`: only a worker speaks for itself;
+  only the scheduler gives orders.
+- :class:`~accelsched.scheduler.grants.Grants`: what each worker was granted (one owner
+  per GPU UUID), declared, offers, and whether it is quarantined.
+- :class:`~accelsched.scheduler.gpu_counts.GpuCounts`: the GPU count placement uses,
+  from the grant; re-offer of ``no-worker`` tasks.
+- :class:`~accelsched.scheduler.device_reports.DeviceReports`: the guards' inventory and
+  offers.
+- :class:`~accelsched.scheduler.quarantine.Quarantine`: a worker's GPUs out of placement.
 - :class:`~accelsched.scheduler.fallback.Fallback`: a GPU task unrunnable past its
   ``fallback_timeout`` runs its CPU form.
 - :class:`~accelsched.scheduler.restarts.Restarts`: a leaking worker is restarted
   without losing data, or quarantined.
+- :class:`~accelsched.scheduler.acting.SchedulerActor`: carries out what the decisions
+  propose (fallbacks, restarts, deferrals, quarantine), in one place.
+- :class:`~accelsched.scheduler.snapshot.Observer`: the status snapshot and its history.
 
 The plugin itself only wires distributed's hooks to those parts, checks at start that
 the distributed internals they rely on are there (:mod:`accelsched.internals`), and
@@ -18,6 +28,7 @@ sends events. What the workers say to it is in :mod:`accelsched.protocol`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -26,9 +37,15 @@ from accelsched import events, internals
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
 from accelsched.observe import dashboard_page, metrics
 from accelsched.policy.budget import RestartBudget
+from accelsched.policy.proposals import Proposal
 from accelsched.protocol import EVENT_OP, GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
+from accelsched.scheduler.acting import SchedulerActor
+from accelsched.scheduler.authority import Authority
+from accelsched.scheduler.device_reports import DeviceReports
 from accelsched.scheduler.fallback import Fallback
-from accelsched.scheduler.gate import Gate
+from accelsched.scheduler.gpu_counts import GpuCounts
+from accelsched.scheduler.grants import Grants
+from accelsched.scheduler.quarantine import Quarantine
 from accelsched.scheduler.restarts import Restarts
 from accelsched.scheduler.snapshot import Observer
 
@@ -57,19 +74,41 @@ class PlacementPlugin(SchedulerPlugin):
 
     def _init_parts(self) -> None:
         o = self.options
+        emit, active = self._emit, self._active
         self.scheduler: Scheduler | None = None
-        self.gate = Gate(share_gpus=o["share_gpus"], emit=self._emit, active=self._active)
+        self.authority = Authority(emit=emit)
+        self.grants = Grants(share_gpus=o["share_gpus"])
+        self.counts = GpuCounts(self.grants, active=active)
+        self.reports = DeviceReports(
+            grants=self.grants,
+            counts=self.counts,
+            authority=self.authority,
+            emit=emit,
+            active=active,
+        )
+        self.quarantine = Quarantine(
+            grants=self.grants, counts=self.counts, authority=self.authority, emit=emit
+        )
         self.fallback = Fallback(
             timeout=o["fallback_timeout"],
             interval=o["fallback_interval"],
-            emit=self._emit,
-            active=self._active,
+            emit=emit,
+            active=active,
+            act=self._act,
         )
         budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
         self.restarts = Restarts(
-            budget=budget, gate=self.gate, emit=self._emit, active=self._active
+            budget=budget,
+            authority=self.authority,
+            quarantine=self.quarantine,
+            emit=emit,
+            active=active,
+            act=self._act,
         )
-        self.observer = Observer(self.gate)
+        self.actor = SchedulerActor(
+            fallback=self.fallback, restarts=self.restarts, quarantine=self.quarantine
+        )
+        self.observer = Observer(self.grants)
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the options travel to the scheduler; the parts are built there.
@@ -105,7 +144,10 @@ class PlacementPlugin(SchedulerPlugin):
         internals.reserve_topic(scheduler, events.TOPIC, EVENT_OP, self._worker_event)
         self.restarts.start(scheduler)
         self.fallback.start(scheduler)
-        self.gate.start(scheduler)
+        self.authority.start(scheduler)
+        self.quarantine.start(scheduler)
+        self.counts.start(scheduler)  # every worker's declared GPUs stripped
+        self.reports.start(scheduler)  # then the guards asked to report
         self.observer.start(scheduler)
         dashboard_page.install(scheduler)
 
@@ -121,14 +163,16 @@ class PlacementPlugin(SchedulerPlugin):
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
         internals.release_topic(scheduler, events.TOPIC, EVENT_OP)
-        self.gate.stop()
+        self.reports.stop()
+        self.authority.stop()
+        self.counts.stop()
         self.observer.stop()
 
     async def close(self) -> None:
         """The scheduler closes: stop the periodic checks and the gauge's reading."""
         self.fallback.close()
         self.observer.stop()
-        metrics.stop_gpus(self.gate.gpu_counts)
+        self.counts.close()
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """Strip the declared GPU count: it counts only once the worker's guard reports.
@@ -136,13 +180,14 @@ class PlacementPlugin(SchedulerPlugin):
         Runs before distributed offers ``no-worker`` tasks to the new worker, so nothing
         reaches it on the strength of a declaration.
         """
-        self.gate.add_worker(scheduler.workers[worker])
+        self.counts.add_worker(scheduler.workers[worker])
         self.observer.add_worker(scheduler.workers[worker])
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         """Free the worker's GPUs for the next claimant and forget everything about it."""
         self.restarts.remove_worker(worker)
-        self.gate.remove_worker(worker)
+        self.reports.remove_worker(worker)
+        self.authority.forget(worker)
 
     def update_graph(
         self, scheduler: Scheduler, *, tasks: list | None = None, **kwargs: Any
@@ -167,7 +212,7 @@ class PlacementPlugin(SchedulerPlugin):
         """A guard's event (``EventMessage``): logged in the name of the worker whose
         token it carries. ``worker`` is distributed's stamp, which a message naming
         another worker overrides; the token is what only that worker's process holds."""
-        owner = self.gate.authority.speaks_for(worker, token)
+        owner = self.authority.speaks_for(worker, token)
         if owner is None or self.scheduler is None:
             logger.warning("accelsched: dropped an event that %s cannot vouch for", worker)
             return
@@ -176,9 +221,9 @@ class PlacementPlugin(SchedulerPlugin):
 
     # --- for the parts ------------------------------------------------------------------
 
-    def check_fallback(self) -> None:
-        """Run one fallback check now (the periodic tick does this on its own)."""
-        self.fallback.check()
+    def _act(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None:
+        """The parts hand what the decisions propose to the one place that acts."""
+        self.actor.act(proposals, keep_devices=keep_devices)
 
     def _emit(self, action: str, worker: str | None = None, **figures: Any) -> None:
         assert self.scheduler is not None

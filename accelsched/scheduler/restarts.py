@@ -1,12 +1,13 @@
 """Restart coordination: a leaking worker restarts without losing data, or is quarantined.
 
 A worker's guard asks (``accelsched_restart``); :func:`accelsched.policy.budget.admit_restart`
-decides whether the restart may start now. An admitted restart drains the worker (its
-guard sends queued GPU tasks back to the scheduler, its executing tasks finish), retires
-it (its keys move to peers), checks that worked, then restarts it through its nanny: the
-only order that loses nothing. When it cannot happen without loss, or past the restart budget, the
-worker's GPUs are quarantined instead
-(:meth:`accelsched.scheduler.gate.Gate.quarantine`).
+proposes what to do, the scheduler's actor (:mod:`accelsched.scheduler.acting`) carries it
+out, and :func:`accelsched.policy.budget.restart_reply` is the answer. An admitted restart
+drains the worker (its guard sends queued GPU tasks back to the scheduler, its executing
+tasks finish), retires it (its keys move to peers), checks that worked, then restarts it
+through its nanny: the only order that loses nothing. When it cannot happen without loss,
+or past the restart budget, the worker's GPUs are quarantined instead
+(:class:`~accelsched.scheduler.quarantine.Quarantine`).
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
-from accelsched.policy.budget import RestartBudget, admit_restart
+from accelsched.policy.budget import RestartBudget, admit_restart, keeps_devices, restart_reply
 from accelsched.protocol import RESTART_HANDLER, RestartReply
-from accelsched.scheduler.gate import Gate
+from accelsched.scheduler.authority import Authority
+from accelsched.scheduler.quarantine import Quarantine
 
 if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.core import Status
     from distributed.scheduler import WorkerState
+
+    from accelsched.scheduler.acting import Act
 
 __all__ = ["Restarts", "DRAIN_TIMEOUT"]
 
@@ -44,13 +48,16 @@ class Restarts:
         self,
         *,
         budget: RestartBudget,
-        gate: Gate,
+        authority: Authority,
+        quarantine: Quarantine,
         emit: Callable[..., None],
         active: Callable[[], bool],
+        act: Act,
     ) -> None:
         self.scheduler: Scheduler | None = None
         self.budget = budget
-        self.gate = gate
+        self._authority = authority
+        self._quarantine = quarantine
         self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
         # Retire and kill one worker at a time: while a retired worker is still
         # registered, another retirement could drop the only other copy of its keys
@@ -58,6 +65,7 @@ class Restarts:
         self._retire_lock = asyncio.Lock()
         self._emit = emit
         self._active = active
+        self._act = act
 
     def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -76,42 +84,42 @@ class Restarts:
         """A worker asks to be restarted. Only the worker itself may ask.
 
         The worker, called back at the address it registered under, must confirm the
-        request (:meth:`~accelsched.scheduler.gate.Gate.confirmed`). The restart runs in
-        the background; the reply says whether it was accepted.
+        request (:meth:`~accelsched.scheduler.authority.Authority.confirmed`). The restart
+        runs in the background; the reply says whether it was accepted.
         """
         scheduler = self.scheduler
         assert scheduler is not None
         if not self._active():
             return {"status": "no-plugin"}
-        if worker not in scheduler.workers or not await self.gate.authority.confirmed(
+        if worker not in scheduler.workers or not await self._authority.confirmed(
             comm, worker, request, RESTART_HANDLER, {"reason": reason, **figures}
         ):
-            return {"status": "refused"}
+            return restart_reply(None, authentic=False)
         ws = scheduler.workers.get(worker)
         if ws is None:  # it left while it was asked
-            return {"status": "refused"}
-        admission = admit_restart(
+            return restart_reply(None, authentic=False)
+        proposal = admit_restart(
             self.budget,
             ws.nanny or worker,
             monotonic(),
+            worker=worker,
+            why=reason,
             authentic=True,
             has_nanny=ws.nanny is not None,
             has_peer=internals.has_running_peer(scheduler, ws),
         )
-        # A leaking worker must take no GPU task until it restarts; one whose failing
-        # device is already withdrawn may go on with the devices that answer.
-        quarantine = reason != "gpu-unhealthy"
-        if admission.act == "restart":
-            assert ws.nanny is not None
-            internals.spawn(scheduler, self.restart, ws, ws.nanny, reason)
-        elif admission.act == "defer":
-            self.defer(worker, admission.reason or "", quarantine=quarantine)
-        elif admission.act == "quarantine" and quarantine:
-            self.gate.quarantine(worker, "restart-budget")
-        reply: RestartReply = {"status": admission.status}
-        if admission.status == "deferred" and admission.reason:
-            reply["reason"] = admission.reason
-        return reply
+        if proposal is not None:
+            self._act([proposal], keep_devices=keeps_devices(reason))
+        return restart_reply(proposal)
+
+    def begin(self, worker: str, why: str) -> None:
+        """Start the admitted restart of ``worker`` in the background (the actor's
+        ``restart``); its budget is spent until it ends."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        ws = scheduler.workers[worker]  # admitted just now, with no wait since
+        assert ws.nanny is not None
+        internals.spawn(scheduler, self.restart, ws, ws.nanny, why)
 
     async def restart(self, ws: WorkerState, budget_key: str, reason: str) -> None:
         """Drain, retire, check, restart: the only order that loses nothing."""
@@ -129,7 +137,7 @@ class Restarts:
             internals.drain(scheduler, ws, stimulus_id)
             # its queue goes elsewhere now; only what it runs is waited for
             queued = internals.assigned(ws)
-            await self.gate.tell_draining(worker, True)
+            await self._authority.tell_draining(worker, True)
             internals.send_queue_away(scheduler, ws)  # what has not started moves to peers
             deadline = monotonic() + DRAIN_TIMEOUT
             while internals.is_processing(ws) and monotonic() < deadline:
@@ -178,11 +186,11 @@ class Restarts:
         worker that leaks: they wait for (or fall back from) other GPUs.
         """
         assert self.scheduler is not None
-        quarantine = why != "gpu-unhealthy"
+        quarantine = not keeps_devices(why)
         self.defer(ws.address, reason, quarantine=quarantine)
         internals.resume(self.scheduler, ws, previous, stimulus_id)
         if not quarantine:  # back in service with its devices that answer: run GPU tasks
-            internals.spawn(self.scheduler, self.gate.tell_draining, ws.address, False)
+            internals.spawn(self.scheduler, self._authority.tell_draining, ws.address, False)
 
     def defer(self, worker: str, reason: str, *, quarantine: bool = True) -> None:
         """The restart cannot happen without loss now: say so once, and quarantine."""
@@ -192,4 +200,4 @@ class Restarts:
             self.deferred[worker] = reason
             self._emit(events.RESTART_DEFERRED, worker, reason=reason)
         if quarantine:
-            self.gate.quarantine(worker, f"restart-deferred: {reason}")
+            self._quarantine.add(worker, f"restart-deferred: {reason}")

@@ -2,7 +2,7 @@
 dashboard page.
 
 One snapshot (:class:`~accelsched.protocol.StatusReply`) serves both. It joins what the
-scheduler side already holds (the gate's grants, declarations and quarantine) with what
+scheduler side already holds (its grants, declarations and quarantine) with what
 only each worker knows (leases in use, the leak estimate and its threshold), which rides
 on the workers' heartbeats as a custom metric (:mod:`accelsched.worker.figures`). Counts
 of restarts, leaks and fallbacks come from the events (the single source), fed by the
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import WorkerState
 
-    from accelsched.scheduler.gate import Gate
+    from accelsched.scheduler.grants import Grants
 
 __all__ = ["Observer", "Marker", "Sample", "STATUS_VERSION"]
 
@@ -74,8 +74,8 @@ class Marker(NamedTuple):
 class Observer:
     """Names, event counts, the snapshot and its bounded history."""
 
-    def __init__(self, gate: Gate) -> None:
-        self.gate = gate
+    def __init__(self, grants: Grants) -> None:
+        self._grants = grants
         self.scheduler: Scheduler | None = None
         self.names: OrderedDict[str, str] = OrderedDict()  # address -> worker name
         self.counts: dict[str, Counter[str]] = {}  # worker name -> counted events
@@ -173,8 +173,9 @@ class Observer:
         addr = ws.address
         metric = internals.worker_metric(ws, GUARD_METRIC)
         figures = _figures(metric)
+        grant = self._grants.of(addr)
         devices: list[DeviceStatus] = []
-        for rec in self.gate.granted.get(addr, []):
+        for rec in grant.devices:
             f = figures.get(rec["index"])
             devices.append(
                 {
@@ -199,8 +200,8 @@ class Observer:
             "name": name,
             "address": addr,
             "gpus": ws.resources.get(GPU, 0),
-            "declared": self.gate.declared.get(addr),
-            "quarantined": self.gate.quarantined.get(addr),
+            "declared": grant.declared,
+            "quarantined": grant.quarantined,
             "devices": devices,
             "restarts": counts["restarts"],
             "leaks": counts["leaks"],

@@ -53,7 +53,6 @@ async def _register_workers(n: int, uuids: list[str]) -> dict[str, Any]:
         # accelsched's own work on the event loop (the handlers above also wait for the
         # worker's confirmation, a round trip that here shares one loop with every worker)
         plugin = s.plugins[PLACEMENT_PLUGIN]
-        gate = plugin.gate
         own: list[float] = []
 
         def sync_timing(obj: Any, attr: str) -> None:
@@ -69,10 +68,10 @@ async def _register_workers(n: int, uuids: list[str]) -> dict[str, Any]:
             setattr(obj, attr, timed_sync)
 
         for obj, attr in (
-            (gate.registry, "claim"),
-            (gate, "_place"),
-            (gate, "_emit"),
-            (gate, "add_worker"),
+            (plugin.grants, "claim"),
+            (plugin.counts, "place"),
+            (plugin.reports, "_emit"),
+            (plugin.counts, "add_worker"),
             (plugin.observer, "add_worker"),
         ):
             if hasattr(obj, attr):

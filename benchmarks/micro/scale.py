@@ -3,7 +3,7 @@
 All on an in-process scheduler (``LocalCluster(processes=False)``), so the plugin's own
 methods can be timed directly:
 
-- **check**: one fallback check (``PlacementPlugin.check_fallback``) with N GPU tasks
+- **check**: one fallback check (``PlacementPlugin.fallback.check``) with N GPU tasks
   unrunnable (no GPU worker), nothing due: with a timeout on every task, and with none.
   The check pops only what is due, so it should not grow with N.
 - **hooks**: ``update_graph`` per task, and the ``transition`` hook per call, for plain
@@ -68,11 +68,11 @@ def _wait_states(cluster: LocalCluster, keys: list, state: str, timeout: float =
 
 def _time_checks(repeat: int, dask_scheduler: Any = None) -> list[float]:
     """On the scheduler's event loop: seconds of ``repeat`` fallback checks."""
-    plugin = dask_scheduler.plugins[PLACEMENT_PLUGIN]
+    fallback = dask_scheduler.plugins[PLACEMENT_PLUGIN].fallback
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        plugin.check_fallback()
+        fallback.check()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -88,7 +88,7 @@ def _burst_check(dask_scheduler: Any = None) -> float:
         fallback.deadlines.discard(key)
         fallback.deadlines.add(key, now, now)
     t0 = time.perf_counter()
-    plugin.check_fallback()
+    fallback.check()
     return time.perf_counter() - t0
 
 

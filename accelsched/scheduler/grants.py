@@ -1,0 +1,139 @@
+"""What the scheduler holds about each worker's GPUs: the record every other part reads.
+
+Workers register before their plugins run, so what a worker declares counts for nothing
+until its guard has verified its devices. Per worker address this keeps the devices
+granted (one owner per GPU UUID, :class:`~accelsched.policy.ownership.OwnershipRegistry`),
+the UUIDs it was refused, the ``GPU`` count it registered with (put back on unregister),
+the count its guard offers now, and its quarantine. From these follow the counts
+placement may use (:meth:`Grants.allowed`, :meth:`Grants.placed`).
+
+Nothing here talks to distributed: the parts that act on the scheduler
+(:mod:`accelsched.scheduler.gpu_counts`, :mod:`accelsched.scheduler.device_reports`,
+:mod:`accelsched.scheduler.quarantine`) change it through the methods below, and readers
+(the status snapshot) get a :class:`WorkerGrant`, never the dicts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from accelsched.policy.ownership import OwnershipRegistry
+from accelsched.protocol import DeviceRecord
+
+__all__ = ["Grants", "WorkerGrant"]
+
+
+class WorkerGrant(NamedTuple):
+    """One worker's GPUs as the scheduler holds them, to read (the records are the
+    grant's own: a reader copies what it keeps)."""
+
+    devices: tuple[DeviceRecord, ...]  # granted, in the order its guard reported them
+    declared: float | None  # the GPU count it registered with; None: declared none
+    quarantined: str | None  # why its GPUs are out of placement; None: they are not
+
+
+class Grants:
+    """Grants, ownership, declarations, offers and quarantine, per worker address."""
+
+    def __init__(self, *, share_gpus: bool) -> None:
+        #: the ownership decisions (one owner per UUID unless shared)
+        self.registry = OwnershipRegistry(share=share_gpus)
+        self._granted: dict[str, list[DeviceRecord]] = {}  # worker -> devices granted
+        self._refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
+        self._declared: dict[str, float] = {}  # worker -> GPU count it registered with
+        self._offered: dict[str, int] = {}  # worker -> granted GPUs its guard offers now
+        self._quarantined: dict[str, str] = {}  # worker -> reason
+
+    # --- reading -----------------------------------------------------------------------
+
+    def of(self, worker: str) -> WorkerGrant:
+        return WorkerGrant(
+            tuple(self._granted.get(worker, ())),
+            self._declared.get(worker),
+            self._quarantined.get(worker),
+        )
+
+    def reported(self, worker: str) -> bool:
+        """Whether ``worker``'s guard has reported (its grant may be empty)."""
+        return worker in self._granted
+
+    def uuids(self, worker: str) -> list[str]:
+        """The UUIDs granted to ``worker``, in its guard's order (the inventory reply)."""
+        return [d["uuid"] for d in self._granted.get(worker, ())]
+
+    def allowed(self, worker: str) -> int:
+        """The most GPUs ``worker`` may advertise now (0 while quarantined)."""
+        if worker in self._quarantined:
+            return 0
+        return len(self._granted.get(worker, ()))
+
+    def placed(self, worker: str) -> int:
+        """The GPU count placement uses: what the guard offers, within the grant."""
+        return min(self._offered.get(worker, 0), self.allowed(worker))
+
+    def gauge(self) -> tuple[int, int]:
+        """(GPUs placement may use, GPUs of quarantined workers): the metrics gauge."""
+        granted = {w: len(d) for w, d in self._granted.items()}
+        quarantined = sum(granted.get(w, 0) for w in self._quarantined)
+        return sum(granted.values()) - quarantined, quarantined
+
+    # --- declarations --------------------------------------------------------------------
+
+    def declare(self, worker: str, count: float) -> None:
+        """``worker`` registered declaring ``count`` GPUs (the first word stands)."""
+        self._declared.setdefault(worker, count)
+
+    def correct_declaration(self, worker: str, count: float) -> None:
+        """The worker's own word on what it was started with: a plugin registered after
+        an earlier one found the count that one had corrected."""
+        if worker in self._declared:
+            self._declared[worker] = count
+
+    def take_declarations(self) -> dict[str, float]:
+        """Every declaration, forgotten here: the counts to put back on unregister."""
+        declared, self._declared = self._declared, {}
+        return declared
+
+    # --- grants ----------------------------------------------------------------------------
+
+    def unchanged(self, worker: str, wanted: list[DeviceRecord]) -> bool:
+        """Whether granting ``wanted`` would change nothing (a repeated report)."""
+        previous = self._granted.get(worker)
+        return (
+            previous is not None
+            and [d["uuid"] for d in previous] == [d["uuid"] for d in wanted]
+            and not self._refused.get(worker)
+        )
+
+    def claim(
+        self, worker: str, wanted: list[DeviceRecord]
+    ) -> tuple[list[DeviceRecord], dict[str, str]]:
+        """Grant ``worker`` the devices of ``wanted`` nobody else owns; returns them and
+        the refused UUIDs with their owners."""
+        granted_uuids, refused = self.registry.claim(worker, [d["uuid"] for d in wanted])
+        granted = [d for d in wanted if d["uuid"] in granted_uuids]
+        self._granted[worker] = granted
+        self._refused[worker] = set(refused)
+        return granted, refused
+
+    def offer(self, worker: str, count: int) -> None:
+        """``worker``'s guard offers ``count`` of its granted GPUs now."""
+        self._offered[worker] = count
+
+    def quarantine(self, worker: str, reason: str) -> bool:
+        """Note ``worker``'s quarantine; False when it was quarantined already."""
+        if worker in self._quarantined:
+            return False
+        self._quarantined[worker] = reason
+        return True
+
+    def remove(self, worker: str) -> list[str]:
+        """Forget ``worker`` (it left) and free its GPUs; returns the other workers that
+        were refused one of them, which may claim it now."""
+        freed = set(self.registry.release(worker))
+        self._refused.pop(worker, None)
+        self._granted.pop(worker, None)
+        self._declared.pop(worker, None)
+        self._offered.pop(worker, None)
+        self._quarantined.pop(worker, None)
+        return [other for other, uuids in self._refused.items() if uuids & freed]
