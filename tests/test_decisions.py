@@ -21,7 +21,7 @@ from accelsched.policy.timeouts import (
     sweep,
 )
 from accelsched.policy.unrequested import Use, classify
-from accelsched.scheduler.acting import SchedulerActor
+from accelsched.scheduler.scheduler_actor import SchedulerActor
 
 # --- which tasks fall back now, and when to look again --------------------------------
 

@@ -12,8 +12,8 @@ import pytest
 from accelsched.policy.health import Answer, DeviceHealth, judge_answers
 from accelsched.policy.leak_decisions import LeakDecisions, Remeasured, Suspects
 from accelsched.policy.proposals import Proposal
-from accelsched.worker import acting
-from accelsched.worker.acting import WorkerActor
+from accelsched.worker import worker_actor as acting
+from accelsched.worker.worker_actor import WorkerActor
 
 T = 256  # the threshold, in bytes, of every device below
 

@@ -5,7 +5,7 @@ New GPU tasks are prepared in ``update_graph`` (their restriction made hard, the
 enters :class:`~accelsched.policy.timeouts.Deadlines` with the time it may fall back; a check
 pops only the tasks that are due and asks :func:`accelsched.policy.timeouts.sweep` which fall
 back now. Its ``fall-back`` proposals go to the scheduler's actor
-(:mod:`accelsched.scheduler.acting`), which has :meth:`Fallback.fall_back` lift their GPU
+(:mod:`accelsched.scheduler.scheduler_actor`), which has :meth:`Fallback.fall_back` lift their GPU
 restriction (marking them, so the worker copies their device inputs to the host) and
 send them on. A check costs what is due, not what waits: nothing when no task has a
 timeout, O(k log n) for k due of n waiting. Checks run exactly at the next deadline,
@@ -43,7 +43,7 @@ from accelsched.scheduler.check_timer import CheckTimer
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from accelsched.scheduler.acting import Act
+    from accelsched.scheduler.scheduler_actor import Act
 
 __all__ = ["Fallback"]
 

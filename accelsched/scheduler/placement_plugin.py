@@ -16,7 +16,7 @@ makes the label mean something, through its parts (``accelsched/scheduler/``):
   ``fallback_timeout`` runs its CPU form.
 - :class:`~accelsched.scheduler.restarts.Restarts`: a leaking worker is restarted
   without losing data, or quarantined.
-- :class:`~accelsched.scheduler.acting.SchedulerActor`: carries out what the decisions
+- :class:`~accelsched.scheduler.scheduler_actor.SchedulerActor`: carries out what the decisions
   propose (fallbacks, restarts, deferrals, quarantine), in one place.
 - :class:`~accelsched.scheduler.snapshot.Observer`: the status snapshot and its history.
 
@@ -39,7 +39,6 @@ from accelsched.observe import dashboard_page, metrics
 from accelsched.policy.budget import RestartBudget
 from accelsched.policy.proposals import Proposal
 from accelsched.protocol import EVENT_OP, GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
-from accelsched.scheduler.acting import SchedulerActor
 from accelsched.scheduler.authority import Authority
 from accelsched.scheduler.device_reports import DeviceReports
 from accelsched.scheduler.fallback import Fallback
@@ -47,6 +46,7 @@ from accelsched.scheduler.gpu_counts import GpuCounts
 from accelsched.scheduler.grants import Grants
 from accelsched.scheduler.quarantine import Quarantine
 from accelsched.scheduler.restarts import Restarts
+from accelsched.scheduler.scheduler_actor import SchedulerActor
 from accelsched.scheduler.snapshot import Observer
 
 if TYPE_CHECKING:

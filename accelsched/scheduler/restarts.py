@@ -1,7 +1,7 @@
 """Restart coordination: a leaking worker restarts without losing data, or is quarantined.
 
 A worker's guard asks (``accelsched_restart``); :func:`accelsched.policy.budget.admit_restart`
-proposes what to do, the scheduler's actor (:mod:`accelsched.scheduler.acting`) carries it
+proposes what to do, the scheduler's actor (:mod:`accelsched.scheduler.scheduler_actor`) carries it
 out, and :func:`accelsched.policy.budget.restart_reply` is the answer. An admitted restart
 drains the worker (its guard sends queued GPU tasks back to the scheduler, its executing
 tasks finish), retires it (its keys move to peers), checks that worked, then restarts it
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from distributed.core import Status
     from distributed.scheduler import WorkerState
 
-    from accelsched.scheduler.acting import Act
+    from accelsched.scheduler.scheduler_actor import Act
 
 __all__ = ["Restarts", "DRAIN_TIMEOUT"]
 

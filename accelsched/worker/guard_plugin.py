@@ -13,7 +13,7 @@ The parts (``accelsched/worker/``):
   devices (:class:`~accelsched.worker.readings.DeviceReadings`) and estimate device memory
   nothing legitimate holds (:class:`~accelsched.worker.results.LiveResults` is what results
   hold); on a confirmed leak, ask for a lossless restart.
-- :class:`~accelsched.worker.acting.WorkerActor`: carries out what those decisions propose
+- :class:`~accelsched.worker.worker_actor.WorkerActor`: carries out what those decisions propose
   (events, withdrawals, reclaims, restart requests), the one place that acts on them.
 - :class:`~accelsched.worker.rejoin.Rejoin`: ask NVML again, with backoff, about the
   devices left out of the inventory; report each back once it answers steadily.
@@ -50,7 +50,6 @@ from accelsched.protocol import (
     ReportReply,
 )
 from accelsched.worker import results
-from accelsched.worker.acting import WorkerActor
 from accelsched.worker.binder import Binder, Runner
 from accelsched.worker.figures import Figures
 from accelsched.worker.inventory import Inventory
@@ -61,6 +60,7 @@ from accelsched.worker.readings import DeviceReadings
 from accelsched.worker.rejoin import Rejoin
 from accelsched.worker.results import LiveResults
 from accelsched.worker.watch import Running, UnrequestedGPUUse, Watch
+from accelsched.worker.worker_actor import WorkerActor
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -269,8 +269,8 @@ class GuardPlugin(WorkerPlugin):
         if (amount > 0 or resources.get(GPU_MEMORY, 0) > 0) and self.inventory.granted:
             if self.inventory.draining:  # restarting: the scheduler places it elsewhere
                 return _send_back
-            requirement = annotations.get(REQUIREMENT_ANNOTATION)
-            return self.binder.gpu_runner(key, amount, prefix, requirement)
+            need = annotations.get(REQUIREMENT_ANNOTATION)
+            return self.binder.gpu_runner(key, amount, prefix, need)
         watch = self.watch
         runner = watch.runner(key) if watch is not None and watch.sampled(prefix) else None
         if annotations.get(FALLBACK_ANNOTATION):
@@ -292,10 +292,9 @@ class GuardPlugin(WorkerPlugin):
         self.binder.set_devices(usable, self.inventory.granted)
 
     def check(self) -> list[Verdict]:
-        """One leak check now (the periodic callback runs this every ``check_interval``).
-
-        The next GPU task on each device reads NVML again: what the ledger knew of a
-        device without a context (no reading to measure by) is forgotten at each check."""
+        """One leak check now (the periodic callback, every ``check_interval``). The
+        next GPU task on each device reads NVML again: what the ledger knew of a device
+        without a context (no reading to measure by) is forgotten at each check."""
         assert self.leaks is not None
         if self.rejoin is not None:
             self.rejoin.check()

@@ -6,7 +6,7 @@ results (:class:`~accelsched.worker.results.LiveResults`) and pool caches
 (:func:`accelsched.policy.leak.estimate`), and lets
 :class:`~accelsched.policy.leak_decisions.LeakDecisions` judge the estimates. Every
 decision comes back as proposals, which one actor carries out
-(:class:`~accelsched.worker.acting.WorkerActor`): read, decide, act. A confirmed leak is
+(:class:`~accelsched.worker.worker_actor.WorkerActor`): read, decide, act. A confirmed leak is
 reported once and, with ``restart_on_leak``, the worker asks for its own lossless
 restart, unless collecting garbage and freeing the pools gave the memory back first:
 then the devices are read again and the decisions say how it ended. A device that stops
@@ -26,11 +26,11 @@ from accelsched.devices.pool import PoolStats, active_pools
 from accelsched.policy.leak import Baseline, Verdict, estimate
 from accelsched.policy.leak_decisions import LeakDecisions, Remeasured
 from accelsched.policy.proposals import Proposal
-from accelsched.worker.acting import WorkerActor
 from accelsched.worker.binder import Binder
 from accelsched.worker.ledger import net_of_pools
 from accelsched.worker.readings import DeviceReadings
 from accelsched.worker.results import LiveResults
+from accelsched.worker.worker_actor import WorkerActor
 
 __all__ = ["LeakCheck", "LeakOptions"]
 

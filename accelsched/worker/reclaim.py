@@ -6,7 +6,7 @@ that refers to itself, or a failed task's exception, whose traceback keeps the t
 frames and the device arrays in their locals (distributed keeps the exception in a
 message that the traceback's frames refer to: a cycle). ``gc.collect()`` returns such
 arrays to their pools, and freeing the pools returns the pools' caches to the driver.
-The worker's actor (:class:`~accelsched.worker.acting.WorkerActor`) calls this on a
+The worker's actor (:class:`~accelsched.worker.worker_actor.WorkerActor`) calls this on a
 confirmed leak's ``reclaim`` proposal; the leak check then measures again
 (:class:`~accelsched.policy.leak.Reclaims` decides).
 """

@@ -107,7 +107,6 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.config import Threshold
     from accelsched.policy.health import DeviceHealth
-    from accelsched.worker.acting import WorkerActor
     from accelsched.worker.binder import Binder
     from accelsched.worker.inventory import Inventory
     from accelsched.worker.leak_check import LeakCheck, LeakOptions
@@ -115,6 +114,7 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.worker.pool_freer import PoolFreer
     from accelsched.worker.readings import DeviceReadings
     from accelsched.worker.results import LiveResults
+    from accelsched.worker.worker_actor import WorkerActor
 
     dev = Device(fake)
     dev.context()
