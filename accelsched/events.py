@@ -57,6 +57,16 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
 ``gpu-recovered`` (worker)
     A device withdrawn as unhealthy answers NVML again and is offered again
     (``recover_gpus``). ``device``, ``uuid``.
+``unmet-requirement`` (scheduler)
+    A GPU task's requirement (memory, model, capability, MIG) is met by no verified
+    device in the cluster: its tasks wait for a worker that has one, or run their CPU
+    form after their timeout. ``requirement`` (what was asked, e.g.
+    ``"memory>=60GiB,model=*H100*"``), ``key`` (the first task). Said once per
+    requirement until a device meets it.
+``over-declared`` (worker)
+    A task that declared device memory added more than it declared to its device
+    (measured as the ledger measures every GPU task): a neighbour sharing the device may
+    run out. ``key``, ``device``, ``declared``, ``measured`` (bytes).
 ``request-refused`` (scheduler)
     A request naming a worker did not come from that worker: the worker, called back at
     its registered address, did not confirm it. Nothing changed. ``handler``, ``peer``
@@ -84,6 +94,8 @@ QUARANTINE: Final = "quarantine"
 GPU_UNHEALTHY: Final = "gpu-unhealthy"
 GPU_RECOVERED: Final = "gpu-recovered"
 REQUEST_REFUSED: Final = "request-refused"
+UNMET_REQUIREMENT: Final = "unmet-requirement"
+OVER_DECLARED: Final = "over-declared"
 
 ACTIONS: Final = frozenset(
     {
@@ -100,6 +112,8 @@ ACTIONS: Final = frozenset(
         GPU_UNHEALTHY,
         GPU_RECOVERED,
         REQUEST_REFUSED,
+        UNMET_REQUIREMENT,
+        OVER_DECLARED,
     }
 )
 
@@ -167,5 +181,12 @@ def _describe(msg: Mapping[str, Any], w: str) -> str:
                 f"{msg['waited']}s median, {msg['waited_max']}s max; e.g. {list(msg['keys'])[:3]})"
             )
         return f"task {msg['key']!r}{where}: fell back after {msg['waited']}s ({msg['reason']})"
+    if a == UNMET_REQUIREMENT:
+        return f"no verified device meets {msg['requirement']} (task {msg['key']!r} waits)"
+    if a == OVER_DECLARED:
+        return (
+            f"{w}: task {msg['key']!r} declared {int(msg['declared']) / mib:.0f} MiB, added "
+            f"{int(msg['measured']) / mib:.0f} MiB on device {msg['device']}"
+        )
     details = {k: v for k, v in msg.items() if k not in ("action", "worker")}
     return f"{w}: {details}"

@@ -89,11 +89,18 @@ def apply_resources(
     return result
 
 
-def set_worker_gpus(scheduler: Scheduler, ws: WorkerState, count: float) -> None:
-    """The GPU count the scheduler places against for ``ws``, keeping what tasks use."""
-    ws.resources[GPU] = count
-    ws.used_resources.setdefault(GPU, 0)
-    scheduler.resources.setdefault(GPU, {})[ws.address] = count
+def set_worker_gpus(scheduler: Scheduler, ws: WorkerState, count: float, name: str = GPU) -> None:
+    """The amount of resource ``name`` (the GPU count by default) the scheduler places
+    against for ``ws``, keeping what tasks use."""
+    ws.resources[name] = count
+    ws.used_resources.setdefault(name, 0)
+    scheduler.resources.setdefault(name, {})[ws.address] = count
+
+
+def restrict_to_workers(ts: TaskState, workers: set[str] | None) -> None:
+    """Place ``ts`` only on these workers (None: anywhere); a hard restriction."""
+    ts.worker_restrictions = set(workers) if workers is not None else None
+    ts.loose_restrictions = False
 
 
 def largest_gpu_count(scheduler: Scheduler) -> float:

@@ -149,11 +149,11 @@ def _capability(value: Any) -> tuple[int, int]:
     if isinstance(value, str) and (m := _CAPABILITY.match(value)):
         return int(m.group(1)), int(m.group(2))
     if (
-        isinstance(value, tuple)
+        isinstance(value, (tuple, list))
         and len(value) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1000 for v in value)
     ):
-        return value[0], value[1]
+        return int(value[0]), int(value[1])
     raise ValueError(
         f"invalid GPU requirement capability={value!r}: expected 'major.minor' "
         "such as '8.0', or (8, 0)"

@@ -7,16 +7,23 @@ timeout instead of up to one ``fallback_interval`` past it, with one timer at a 
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
+import dask.config
+
 from accelsched import internals
+from accelsched.policy.timeouts import no_workers_conflict
 
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-__all__ = ["CheckTimer"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckTimer", "NoWorkersWarning"]
 
 
 class CheckTimer:
@@ -60,3 +67,23 @@ class CheckTimer:
 
         delay = max(0.0, deadline - monotonic()) + 0.001
         self._timer = (deadline, internals.call_later(scheduler, delay, fire))
+
+
+class NoWorkersWarning:
+    """Warns once when distributed's ``no-workers-timeout`` would fail unplaced tasks
+    before they could fall back (a config read per timeout value, not per task)."""
+
+    def __init__(self) -> None:
+        self._warned = False
+        self._checked: set[float] = set()
+
+    def check(self, timeout: float | None) -> None:
+        if timeout is None or self._warned or timeout in self._checked:
+            return
+        self._checked.add(timeout)
+        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
+        msg = no_workers_conflict(limit, timeout)
+        if msg is not None:
+            self._warned = True
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -15,12 +15,9 @@ with a periodic tick as a safety net.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 from time import monotonic, time
 from typing import TYPE_CHECKING, Any
-
-import dask.config
 
 from accelsched import events, internals
 from accelsched.policy.marks import find_mark, mark_problem
@@ -31,18 +28,25 @@ from accelsched.policy.timeouts import (
     FallbackPolicy,
     Waiting,
     invalid_amount,
-    no_workers_conflict,
     parse_task_timeout,
     satisfiable,
     summarise,
     sweep,
 )
-from accelsched.protocol import FALLBACK_ANNOTATION, GPU, INVALID_RESOURCE, TIMEOUT_ANNOTATION
-from accelsched.scheduler.check_timer import CheckTimer
+from accelsched.protocol import (
+    FALLBACK_ANNOTATION,
+    GPU,
+    GPU_MEMORY,
+    INVALID_RESOURCE,
+    REQUIREMENT_ANNOTATION,
+    TIMEOUT_ANNOTATION,
+)
+from accelsched.scheduler.check_timer import CheckTimer, NoWorkersWarning
 
 if TYPE_CHECKING:
     from distributed import Scheduler
 
+    from accelsched.scheduler.eligibility import Eligibility
     from accelsched.scheduler.scheduler_actor import Act
 
 __all__ = ["Fallback"]
@@ -68,8 +72,10 @@ class Fallback:
         emit: Callable[..., None],
         active: Callable[[], bool],
         act: Act,
+        eligibility: Eligibility,
     ) -> None:
         self.scheduler: Scheduler | None = None
+        self.eligibility = eligibility  # tasks with requirements: where they may run
         self.policy = FallbackPolicy(timeout)
         self.interval = interval
         self.timeouts: dict[Any, float | None] = {}  # key -> annotated timeout
@@ -77,8 +83,7 @@ class Fallback:
         self.fell_back: set[Any] = set()  # keys that fell back for lack of GPUs
         self.deadlines = Deadlines()  # unrunnable tasks that may fall back, by deadline
         self._timer = CheckTimer(self.check)
-        self._warned_no_workers = False
-        self._limits_checked: set[float] = set()
+        self._no_workers = NoWorkersWarning()
         self._emit = emit
         self._active = active
         self._act = act
@@ -88,7 +93,7 @@ class Fallback:
         self.scheduler = scheduler
         self._timer.start(scheduler)
         internals.start_periodic(scheduler, _PERIODIC, self.check, self.interval)
-        self._warn_no_workers_timeout(self.policy.default)
+        self._no_workers.check(self.policy.default)
         # tasks already unrunnable when the plugin arrives (registered late, re-registered)
         for ts, since in list(internals.unrunnable(scheduler).items()):
             self._enter(ts.key, since)
@@ -144,12 +149,17 @@ class Fallback:
             self.timeouts[ts.key] = timeout
         elif mark is not None and mark.timeout_given:  # the step's own timeout
             self.timeouts[ts.key] = mark.timeout
+        given = annotations.get(REQUIREMENT_ANNOTATION) or (mark.requirement if mark else None)
+        problem = self.eligibility.prepare(ts, given, amount) if given else None
+        if problem is not None:
+            self._park(ts, problem)
+            return
         if not satisfiable(amount) and self.timeout_of(ts.key) is None:
             # strict, and no worker can ever take it: it errs alone, never sent anywhere
             self._park(ts, f"resources={{'GPU': {amount!r}}}: {UNSATISFIABLE_TEXT}")
             return
         if ts.key in self.timeouts:
-            self._warn_no_workers_timeout(self.timeouts[ts.key])
+            self._no_workers.check(self.timeouts[ts.key])
 
     def _park(self, ts: Any, problem: str) -> None:
         """An invalid task waits on an unsatisfiable resource and errs alone at the next
@@ -177,6 +187,7 @@ class Fallback:
         elif start == "no-worker":
             self.deadlines.discard(key)
         if finish == "forgotten":
+            self.eligibility.forget(key)
             self.timeouts.pop(key, None)
             self.invalid.pop(key, None)
             self.fell_back.discard(key)
@@ -235,7 +246,8 @@ class Fallback:
                     scheduler, key, ValueError(f"task {key!r}: {self.invalid[key]}"), stimulus_id
                 )
                 continue
-            amount = (ts.resource_restrictions or {}).get(GPU)
+            restrictions = ts.resource_restrictions or {}
+            amount = restrictions.get(GPU) or (1 if restrictions.get(GPU_MEMORY) else 0)
             if not amount:
                 continue
             waiting.append(
@@ -270,7 +282,9 @@ class Fallback:
             ts = tasks[p.subject]
             restrictions = dict(ts.resource_restrictions)
             restrictions.pop(GPU, None)
+            restrictions.pop(GPU_MEMORY, None)
             internals.set_resource_restrictions(ts, restrictions)
+            self.eligibility.fell_back(ts)
             # the worker gets the annotations too: the GPU amount it no longer needs goes,
             # so none can break the message (an int past 2**64 cost every worker its stream)
             internals.drop_annotated_resource(ts, GPU)
@@ -284,15 +298,3 @@ class Fallback:
     def _schedule(self) -> None:
         """Check at the next deadline (at once when it passed)."""
         self._timer.at(self.deadlines.next_deadline())
-
-    def _warn_no_workers_timeout(self, timeout: float | None) -> None:
-        """Warn (once) when distributed would fail tasks before they could fall back."""
-        if timeout is None or self._warned_no_workers or timeout in self._limits_checked:
-            return
-        self._limits_checked.add(timeout)  # a config read per value, not per task
-        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
-        msg = no_workers_conflict(limit, timeout)
-        if msg is not None:
-            self._warned_no_workers = True
-            logger.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
 from accelsched.observe import metrics
-from accelsched.protocol import GPU
+from accelsched.protocol import GPU, GPU_MEMORY
+from accelsched.scheduler.eligibility import Eligibility, memory_capacity
 from accelsched.scheduler.grants import Grants
 
 if TYPE_CHECKING:
@@ -28,10 +29,13 @@ __all__ = ["GpuCounts"]
 class GpuCounts:
     """Sets the GPU count of every worker from its grant; serves the GPU gauge."""
 
-    def __init__(self, grants: Grants, *, active: Callable[[], bool]) -> None:
+    def __init__(
+        self, grants: Grants, *, active: Callable[[], bool], eligibility: Eligibility
+    ) -> None:
         self.scheduler: Scheduler | None = None
         self._grants = grants
         self._active = active
+        self._eligibility = eligibility
 
     def start(self, scheduler: Scheduler) -> None:
         """Gate ``set_resources``, serve the gauge, strip every worker's declared GPUs."""
@@ -77,7 +81,11 @@ class GpuCounts:
             return  # never declared, nothing granted: stays out of the GPU resource
         before = ws.resources.get(GPU, 0)
         internals.set_worker_gpus(scheduler, ws, after)
+        # declared-memory tasks take GPU-memory: the granted devices' capacity
+        records = self._grants.granted_devices().get(ws.address, [])
+        internals.set_worker_gpus(scheduler, ws, memory_capacity(records, after), GPU_MEMORY)
         if after > before:  # waiting tasks, and its share of its peers' queues
+            self._eligibility.refresh(ws.address)  # tasks with requirements it meets
             internals.offer_unrunnable(scheduler, ws)
             internals.take_share(scheduler, ws)
         elif after < before:  # a device withdrawn: what no longer fits goes elsewhere
@@ -89,6 +97,8 @@ class GpuCounts:
         assert self.scheduler is not None
         if GPU in ws.resources:
             internals.set_worker_gpus(self.scheduler, ws, 0)
+        if GPU_MEMORY in ws.resources:
+            internals.set_worker_gpus(self.scheduler, ws, 0, GPU_MEMORY)
 
     def set_resources(
         self, original: Callable[..., Any], worker: str, resources: dict | None
@@ -105,9 +115,10 @@ class GpuCounts:
         if ws is None or not self._active():  # unregistered: distributed's own behaviour
             return original(worker=worker, resources=resources)
         resources = dict(resources or {})
-        resources.pop(GPU, None)
-        if GPU in ws.resources:
-            resources[GPU] = ws.resources[GPU]  # kept as this part set it
+        for name in (GPU, GPU_MEMORY):
+            resources.pop(name, None)
+            if name in ws.resources:
+                resources[name] = ws.resources[name]  # kept as this part set it
         result = internals.apply_resources(original, scheduler, worker, resources)
         self.place(ws)
         return result

@@ -53,6 +53,10 @@ class Grants:
             self._quarantined.get(worker),
         )
 
+    def granted_devices(self) -> dict[str, list[DeviceRecord]]:
+        """Every worker's granted devices, as its guard reported them (read-only use)."""
+        return self._granted
+
     def reported(self, worker: str) -> bool:
         """Whether ``worker``'s guard has reported (its grant may be empty)."""
         return worker in self._granted

@@ -41,6 +41,7 @@ from accelsched.policy.proposals import Proposal
 from accelsched.protocol import EVENT_OP, GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
 from accelsched.scheduler.authority import Authority
 from accelsched.scheduler.device_reports import DeviceReports
+from accelsched.scheduler.eligibility import Eligibility
 from accelsched.scheduler.fallback import Fallback
 from accelsched.scheduler.gpu_counts import GpuCounts
 from accelsched.scheduler.grants import Grants
@@ -78,7 +79,8 @@ class PlacementPlugin(SchedulerPlugin):
         self.scheduler: Scheduler | None = None
         self.authority = Authority(emit=emit)
         self.grants = Grants(share_gpus=o["share_gpus"])
-        self.counts = GpuCounts(self.grants, active=active)
+        self.eligibility = Eligibility(self.grants, emit=emit)
+        self.counts = GpuCounts(self.grants, active=active, eligibility=self.eligibility)
         self.reports = DeviceReports(
             grants=self.grants,
             counts=self.counts,
@@ -95,6 +97,7 @@ class PlacementPlugin(SchedulerPlugin):
             emit=emit,
             active=active,
             act=self._act,
+            eligibility=self.eligibility,
         )
         budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
         self.restarts = Restarts(
@@ -143,6 +146,7 @@ class PlacementPlugin(SchedulerPlugin):
         # the scheduler writes accelsched's events (a guard's arrive on its worker's stream)
         internals.reserve_topic(scheduler, events.TOPIC, EVENT_OP, self._worker_event)
         self.restarts.start(scheduler)
+        self.eligibility.start(scheduler)
         self.fallback.start(scheduler)
         self.authority.start(scheduler)
         self.quarantine.start(scheduler)

@@ -17,6 +17,7 @@ from typing import Any
 from dask.utils import key_split
 from distributed import Reschedule
 
+from accelsched import events
 from accelsched.context import Lease, bind, unbind
 from accelsched.devices.arrays import to_host
 from accelsched.devices.records import DeviceInfo
@@ -114,7 +115,9 @@ class Binder:
                     finally:
                         ledger.unmeasured(devices, prefix, plan)
                 result = spec(values)
-                self._measured(key, devices, before, result, steps)
+                grew = self._measured(key, devices, before, result, steps)
+                if requirement is not None and requirement.memory is not None:
+                    self._over_declared(key, devices[0], requirement.memory, grew)
                 return result
             finally:
                 self.pools.after_gpu_task(devices)
@@ -129,18 +132,28 @@ class Binder:
         before: tuple[Any, dict[int, int]] | None,
         result: Any,
         steps: _Steps | None,
-    ) -> None:
-        """Hold what the task added against its key; attribute what it left behind."""
+    ) -> int | None:
+        """Hold what the task added against its key; attribute what it left behind.
+        Returns the bytes it added in all (None: not measured)."""
         if self.ledger is None:
-            return
+            return None
         token, reading = before if before is not None else (None, None)
         if reading is None or not self.leases.still_alone(key, token):
             for d in devices:  # memory changed unmeasured: no base for arrivals there
                 self.ledger.forget(d)
-            return
-        left = self.ledger.after(key, reading, result)
+            return None
+        left, held = self.ledger.after(key, reading, result), self.ledger.held_by(key)
         if self._residue is not None and not (steps is not None and steps.measured):
             self._residue(key_split(key), left)
+        return sum(held.values()) + sum(left.values())
+
+    def _over_declared(self, key: Any, device: int, declared: int, grew: int | None) -> None:
+        """A declared-memory task measured (alone on its device) adding more than it
+        declared: its neighbours' room was not what the packing counted on."""
+        if grew is not None and grew > declared:
+            self._emit(
+                events.OVER_DECLARED, key=str(key), device=device, declared=declared, measured=grew
+            )
 
     def run_step(self, steps: _Steps, name: str, call: Callable[[], Any]) -> Any:
         """Run one marked step of a task (``steps``' meter), measured when outermost."""

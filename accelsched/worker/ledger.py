@@ -214,6 +214,11 @@ class Ledger:
         number, a string: :meth:`held` would say ``{}`` without asking anything)."""
         return value is None or type(value) in _PLAIN
 
+    def held_by(self, key: Any) -> dict[int, int]:
+        """What :meth:`after` measured ``key``'s result holding, per device."""
+        with self._lock:
+            return dict(self._measured.get(key, {}))
+
     def measured(self, key: Any) -> bool:
         """Whether ``key``'s task was measured (what it holds needs no look at its value)."""
         return key in self._measured

@@ -1,0 +1,151 @@
+"""Placement by what a task needs of its device, on a cluster of mixed simulated GPUs.
+
+Two nanny workers, each on one simulated device of its own: an 80 GiB H100 (compute
+capability 9.0) and a 40 GiB A100 (8.0), as NVML reports them through the real pynvml.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import dask
+import pytest
+from distributed import Nanny
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.testing import FakeGPUs, fake_gpus
+from tests.utils import events, wait_for
+
+GiB = 2**30
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"
+WORKERS = [
+    ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}}),
+    ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "1"}, "resources": {"GPU": 1}}),
+]
+
+
+@pytest.fixture(autouse=True)
+def mixed_gpus() -> Iterator[FakeGPUs]:
+    with fake_gpus(2, ["80GiB", "40GiB"], names=[H100, A100], capability=["9.0", "8.0"]) as g:
+        yield g
+
+
+def where() -> tuple[str, int | None, float]:
+    """The device this task holds (its NVML name, CUDA index), and when it ran."""
+    from accelsched.devices.nvml import NVMLMonitor
+
+    device = accelsched.current_device()
+    names = {d.index: d.name for d in NVMLMonitor().devices()}
+    return names.get(device, "none") if device is not None else "none", device, time.time()
+
+
+@accelsched.gpu(memory="60GiB")
+def large(_: int) -> tuple[str, int | None, float]:
+    return where()
+
+
+@accelsched.gpu(model="*A100*")
+def on_a100(_: int) -> tuple[str, int | None, float]:
+    return where()
+
+
+@accelsched.gpu(capability="9.0")
+def hopper(_: int) -> tuple[str, int | None, float]:
+    return where()
+
+
+@accelsched.gpu(memory="8GiB", model="*A100*")
+def small(i: int) -> tuple[float, float, int]:
+    """Holds its lease for a while: tasks that share the device overlap in time."""
+    start = time.time()
+    time.sleep(0.4)
+    return start, time.time(), os.getpid()
+
+
+@accelsched.gpu(memory="100GiB", fallback_timeout="500ms")
+def too_large(x: int) -> str:
+    return "gpu" if accelsched.current_device() is not None else "cpu"
+
+
+def _register(c):  # type: ignore[no-untyped-def]
+    return accelsched.register(c, check_interval="1h", fast_restart=False)
+
+
+async def _verified(c, s) -> None:  # type: ignore[no-untyped-def]
+    await _register(c)
+    await wait_for(lambda: len(events(s, "gpu-verified")) == 2)
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_tasks_run_only_on_devices_that_meet_their_requirement(c, s, a, b):
+    await _verified(c, s)
+    by_name = {a.worker_address: H100, b.worker_address: A100}
+    for step, want in ((large, H100), (on_a100, A100), (hopper, H100)):
+        futures = c.map(step, range(6), pure=False)
+        results = await c.gather(futures)
+        assert {name for name, _, _ in results} == {want}, step
+        assert {d for _, d, _ in results} == {0}
+        who = await c.who_has(futures)
+        assert {by_name[w] for ws in who.values() for w in ws} == {want}, step
+    # the annotation form, for dask.annotate users
+    with dask.annotate(resources={"GPU": 1}, gpu={"model": "*H100*"}):
+        annotated = c.map(lambda i: where()[0], range(4), pure=False)
+    assert set(await c.gather(annotated)) == {H100}
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_declared_tasks_share_a_device_while_they_fit(c, s, a, b):
+    """Four 8 GiB tasks fit the A100's 38 GiB at once: they run side by side on it."""
+    await _verified(c, s)
+    spans = await c.gather(c.map(small, range(4), pure=False))
+    starts, ends = [st for st, _, _ in spans], [en for _, en, _ in spans]
+    assert max(starts) < min(ends), "the four did not overlap on the one device"
+    assert len({pid for _, _, pid in spans}) == 1
+    restrictions = s.tasks[next(iter(s.tasks))].resource_restrictions
+    assert restrictions == {"GPU-memory": 8 * 1024}  # MiB, no whole GPU
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_a_requirement_no_device_meets_is_said_and_follows_the_timeout(c, s, a, b):
+    await _verified(c, s)
+    assert await c.gather(c.map(too_large, range(3), pure=False)) == ["cpu"] * 3
+    (unmet,) = events(s, "unmet-requirement")
+    assert unmet["requirement"] == "memory>=100GiB"
+    fell = events(s, "fallback")
+    assert fell and all(e.get("reason") == "timeout" for e in fell)
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_a_bad_requirement_annotation_errs_that_task_alone_naming_it(c, s, a, b):
+    await _verified(c, s)
+    with dask.annotate(resources={"GPU": 1}, gpu={"memroy": "1GiB"}):
+        bad = c.submit(lambda: 1, pure=False)
+    good = c.submit(on_a100, 1, pure=False)
+    with pytest.raises(ValueError, match="unknown GPU requirement key.*'memroy'"):
+        await bad
+    assert (await good)[0] == A100
+
+
+@accelsched.gpu(memory="1GiB", model="*A100*")
+def greedy(i: int) -> object:
+    from accelsched.testing import device_alloc
+
+    return device_alloc(4 * GiB)  # a result of 4 GiB, on a device it declared 1 GiB of
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_a_task_adding_more_than_it_declared_is_reported(c, s, a, b):
+    await _verified(c, s)
+    first = c.submit(greedy, 0, pure=False)  # creates the device's context: no base
+    await first
+    second = c.submit(greedy, 1, pure=False)  # measured: alone on its device
+    await second
+    await wait_for(lambda: events(s, "over-declared"))
+    (event,) = events(s, "over-declared")
+    assert event["declared"] == GiB and event["measured"] >= 4 * GiB
+    assert event["worker"] == b.worker_address and event["device"] == 0
+    assert event["key"] == second.key
+    del first
