@@ -13,7 +13,7 @@ from typing import Literal, TypedDict
 __all__ = ["DeviceFigures", "GuardMetric", "DeviceStatus", "WorkerStatus", "StatusReply"]
 
 
-class DeviceFigures(TypedDict):
+class _DeviceFiguresBase(TypedDict):
     """What a guard alone knows about one granted device, at its last heartbeat.
 
     ``leases``: GPU tasks holding it now; ``leak_estimate``: bytes the last leak check
@@ -26,6 +26,13 @@ class DeviceFigures(TypedDict):
     withdrawn: bool
     leak_estimate: int | None
     leak_threshold: int
+
+
+class DeviceFigures(_DeviceFiguresBase, total=False):
+    """What a guard alone knows about one granted device (see the base's fields);
+    ``declared``: bytes the tasks holding it declared (absent from older guards)."""
+
+    declared: int
 
 
 class GuardMetric(TypedDict):
@@ -45,6 +52,8 @@ class DeviceStatus(TypedDict):
     uuid: str
     name: str
     memory: int
+    capability: str | None  # "9.0"; None: NVML did not say
+    declared: int | None  # bytes declared by the tasks holding it now
     figures: Literal["reported", "waiting", "unreadable"]
     leases: int | None
     withdrawn: bool

@@ -149,3 +149,38 @@ async def test_a_task_adding_more_than_it_declared_is_reported(c, s, a, b):
     assert event["worker"] == b.worker_address and event["device"] == 0
     assert event["key"] == second.key
     del first
+
+
+@accelsched.gpu(memory="10GiB", model="*H100*")
+def holds(event_name: str) -> int:
+    """Holds 10 GiB declared on the H100 until the test lets it go."""
+    from distributed import Event
+
+    Event(event_name).wait(30)
+    return 1
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_status_shows_each_devices_model_capability_and_declared_memory(c, s, a, b):
+    from distributed import Event
+
+    from accelsched.observe.status_table import render
+
+    await _verified(c, s)
+    done = Event("let-go")
+    held = c.submit(holds, "let-go", pure=False)
+    observer = s.plugins["accelsched-placement"].observer
+
+    def declared() -> dict[str, int | None]:
+        snap = observer.snapshot()
+        return {d["name"]: d["declared"] for w in snap["workers"] for d in w["devices"]}
+
+    await wait_for(lambda: declared().get(H100) == 10 * GiB)  # the next heartbeat says so
+    snap = observer.snapshot()
+    devices = {d["name"]: d for w in snap["workers"] for d in w["devices"]}
+    assert devices[H100]["capability"] == "9.0" and devices[A100]["capability"] == "8.0"
+    assert devices[A100]["declared"] == 0
+    text = render(snap)
+    assert "CC" in text and "DECLARED" in text and "10.0 GiB" in text
+    await done.set()
+    assert await held == 1

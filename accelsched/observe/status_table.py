@@ -61,6 +61,8 @@ COLUMNS: Final = [
     ("device", "GPU"),
     ("gpu", "NAME"),
     ("memory", "MEMORY"),
+    ("capability", "CC"),
+    ("declared", "DECLARED"),
     ("uuid", "UUID"),
     ("leases", "LEASES"),
     ("leak", "LEAK/THRESHOLD"),
@@ -121,6 +123,10 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.1f} GiB"
+
+
 def table_rows(snap: StatusReply) -> dict[str, list[str]]:
     """Columns of text: one row per worker and verified GPU, one for a worker without."""
     rows: dict[str, list[str]] = {c: [] for c, _ in COLUMNS}
@@ -133,6 +139,8 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
                 "device": "-" if d is None else str(d["index"]),
                 "gpu": "no verified GPU" if d is None else d["name"],
                 "memory": "-" if d is None else f"{d['memory'] / 2**30:.1f} GiB",
+                "capability": "-" if d is None else d.get("capability") or "?",
+                "declared": _gib(None if d is None else d.get("declared")),
                 "uuid": "-" if d is None else d["uuid"],
                 "leases": "-" if d is None or d["leases"] is None else str(d["leases"]),
                 "leak": "-"

@@ -35,12 +35,12 @@ from accelsched.protocol import (
     StatusReply,
     WorkerStatus,
 )
+from accelsched.scheduler.eligibility import facts_of
+from accelsched.scheduler.grants import Grants
 
 if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import WorkerState
-
-    from accelsched.scheduler.grants import Grants
 
 __all__ = ["Observer", "Marker", "Sample", "STATUS_VERSION"]
 
@@ -183,6 +183,8 @@ class Observer:
                     "uuid": rec["uuid"],
                     "name": rec["name"],
                     "memory": rec["memory"],
+                    "capability": _capability(rec),
+                    "declared": None if f is None else f.get("declared"),
                     "figures": "reported"
                     if f is not None
                     else "waiting"
@@ -259,7 +261,15 @@ def _figures(metric: Any) -> dict[int, DeviceFigures]:
             "leak_estimate": estimate,
             "leak_threshold": d["leak_threshold"],
         }
+        if _count(d.get("declared")):
+            out[d["index"]]["declared"] = d["declared"]
     return out
+
+
+def _capability(record: Any) -> str | None:
+    """A device's compute capability as ``"9.0"`` (None: not reported, or odd)."""
+    facts = facts_of(record)
+    return None if facts.capability is None else "{}.{}".format(*facts.capability)
 
 
 def _not_yet(metric: Any, figures: dict[int, DeviceFigures]) -> bool:

@@ -50,6 +50,7 @@ class Figures:
             for d in devices:
                 held[d] = held.get(d, 0) + 1
         withdrawn = self._withdrawn()
+        declared = self.leases.declared()
         out: list[DeviceFigures] = [
             {
                 "index": dev.index,
@@ -57,6 +58,7 @@ class Figures:
                 "withdrawn": dev.index in withdrawn,
                 "leak_estimate": self.estimates.get(dev.index),
                 "leak_threshold": self.leaks.threshold.resolve(dev.memory),
+                "declared": declared.get(dev.index, 0),
             }
             for dev in self._granted()
         ]
