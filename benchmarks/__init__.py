@@ -76,6 +76,7 @@ REGISTRY: dict[str, Benchmark] = {
         _study("attribution"),
         _study("detection"),
         _study("leak"),
+        _study("mixed_devices"),
         _micro("overhead"),
         _micro("hotpath"),
         _micro("scale"),
