@@ -10,12 +10,12 @@ it returns, with numbers, and check an actor by the proposals it is given.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-__all__ = ["Action", "Proposal", "SCHEDULER_ACTIONS", "WORKER_ACTIONS"]
+__all__ = ["Act", "Action", "Proposal", "SCHEDULER_ACTIONS", "WORKER_ACTIONS"]
 
 Action = Literal[
     # on the scheduler (subject: a task key or a worker)
@@ -62,3 +62,11 @@ class Proposal:
             object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))
         if not isinstance(self.detail, MappingProxyType):
             object.__setattr__(self, "detail", MappingProxyType(dict(self.detail)))
+
+
+class Act(Protocol):
+    """How a part hands its proposals to its side's actor (on the scheduler,
+    :meth:`accelsched.scheduler.scheduler_actor.SchedulerActor.act`; ``keep_devices``: a
+    restart asked for a failed device keeps the worker's other GPUs in placement)."""
+
+    def __call__(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None: ...

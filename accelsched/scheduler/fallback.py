@@ -46,8 +46,8 @@ from accelsched.scheduler.check_timer import CheckTimer, NoWorkersWarning
 if TYPE_CHECKING:
     from distributed import Scheduler
 
+    from accelsched.policy.proposals import Act
     from accelsched.scheduler.eligibility import Eligibility
-    from accelsched.scheduler.scheduler_actor import Act
 
 __all__ = ["Fallback"]
 

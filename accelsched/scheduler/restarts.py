@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from distributed.core import Status
     from distributed.scheduler import WorkerState
 
-    from accelsched.scheduler.scheduler_actor import Act
+    from accelsched.policy.proposals import Act
 
 __all__ = ["Restarts", "DRAIN_TIMEOUT"]
 

@@ -26,7 +26,7 @@ said but quarantines nothing, and over its budget nothing happens.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from accelsched.policy.proposals import Proposal
 
@@ -35,13 +35,7 @@ if TYPE_CHECKING:
     from accelsched.scheduler.quarantine import Quarantine
     from accelsched.scheduler.restarts import Restarts
 
-__all__ = ["Act", "SchedulerActor"]
-
-
-class Act(Protocol):
-    """How a part hands its proposals to the actor (:meth:`SchedulerActor.act`)."""
-
-    def __call__(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None: ...
+__all__ = ["SchedulerActor"]
 
 
 class SchedulerActor:
