@@ -103,6 +103,11 @@ def restrict_to_workers(ts: TaskState, workers: set[str] | None) -> None:
     ts.loose_restrictions = False
 
 
+def restricted_to(ts: TaskState) -> set[str]:
+    """The workers ``ts`` is restricted to (empty: none named)."""
+    return set(ts.worker_restrictions or ())
+
+
 def largest_gpu_count(scheduler: Scheduler) -> float:
     """The most GPUs any one worker offers now (what one task could be placed against)."""
     return max(scheduler.resources.get(GPU, {}).values(), default=0)

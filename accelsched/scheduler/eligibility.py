@@ -125,7 +125,7 @@ class Eligibility:
                 ts = scheduler.tasks.get(key)
                 if ts is None or ts.state not in _UNPLACED:
                     continue
-                current = set(ts.worker_restrictions or ()) - {NOWHERE}
+                current = internals.restricted_to(ts) - {NOWHERE}
                 internals.restrict_to_workers(ts, current | {worker})
 
     def forget(self, key: Any) -> None:
