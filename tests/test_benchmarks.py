@@ -23,10 +23,10 @@ import pytest
 
 import benchmarks
 from benchmarks import bench_hotpath, bench_scale
+from tests.utils import ROOT
 
 pytestmark = pytest.mark.benchmarks
 
-ROOT = Path(__file__).resolve().parents[1]
 MINE = tuple(benchmarks.NAMES)  # every benchmark, as `python -m benchmarks --quick` runs them
 PNG = b"\x89PNG\r\n\x1a\n"
 
