@@ -18,10 +18,12 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from tests.utils import ROOT
+
 DASK = str(Path(sys.executable).with_name("dask"))
 #: On the processes' path, so they unpickle the tests' functions (pytest imports a test
-#: module by its file name, from tests/).
-PATHS = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+#: module by its file name, from tests/; the shared helpers as ``tests.utils``).
+PATHS = [str(ROOT), str(ROOT / "tests")]
 
 
 class Process:
@@ -133,18 +135,3 @@ def worker(
         env,
         **process,
     )
-
-
-def accel_events(client: Any, action: str | None = None) -> list[dict[str, Any]]:
-    """accelsched events on the scheduler, through a synchronous client; one action's."""
-    out = [msg for _, msg in client.get_events("accelsched")]
-    return [m for m in out if action is None or m["action"] == action]
-
-
-def until(predicate: Any, timeout: float = 30) -> None:
-    """Poll (blocking) until ``predicate()`` holds; fail naming it."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
-        time.sleep(0.05)

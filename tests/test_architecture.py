@@ -17,8 +17,8 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched import internals
+from tests.utils import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]  # the source tree, wherever accelsched is installed
 PACKAGE = ROOT / "accelsched"
 SOURCES = sorted(p for p in PACKAGE.rglob("*.py"))
 

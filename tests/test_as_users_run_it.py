@@ -27,15 +27,13 @@ import pytest
 
 from tests import processes
 from tests.processes import Process, running
+from tests.utils import ACCELSCHED, FAST, ROOT, SIMULATE
 
-ROOT = Path(__file__).resolve().parents[1]
-ACCELSCHED = str(Path(sys.executable).with_name("accelsched"))
-SIMULATE = [ACCELSCHED, "simulate", "--gpus", "1", "--memory", "16GiB", "--"]
 #: The servers' Python path: the library, not the tests, not the client's folder.
 SERVER_PATHS = [str(ROOT)]
 #: The guard's options, as preload arguments and as ``register`` keywords: a leak of
 #: 512 MiB is declared within a second.
-GUARD = {"leak_threshold": "256MiB", "check_interval": "200ms", "leak_confirmations": 2}
+GUARD = {**FAST, "check_interval": "200ms"}
 #: Long enough that no strict task falls back on a slow machine; a step that must fall
 #: back says so with its own timeout.
 FALLBACK_TIMEOUT = "60s"

@@ -30,10 +30,10 @@ import benchmarks
 from benchmarks.gpu.costs import BENCHES as GPU_BENCHES
 from benchmarks.micro import hotpath as bench_hotpath
 from benchmarks.micro import scale as bench_scale
+from tests.utils import ROOT
 
 pytestmark = pytest.mark.benchmarks
 
-ROOT = Path(__file__).resolve().parents[1]
 MINE = tuple(benchmarks.NAMES)  # every benchmark, as `python -m benchmarks --quick` runs them
 PNG = b"\x89PNG\r\n\x1a\n"
 #: Folders whose modules each benchmark is, or helps one (held to the package's length).

@@ -23,11 +23,10 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import device_alloc, fake_gpus
-from tests.utils import events, gpus, wait_for
+from tests.utils import MiB, cvd, events, gpus, status_snapshot, wait_for
 
 pytest.importorskip("cryptography")  # Security.temporary() makes its certificates with it
 
-MiB = 2**20
 BLOCKS = 240  # x 4 steps + the reduction tree: over 1000 tasks
 LEAK_EVERY = 40  # about one block in 40 leaks 384 MiB in its GPU form
 MAX_RESTARTS = 3
@@ -63,17 +62,13 @@ def reference(x: np.ndarray, chunk: int) -> np.ndarray:
     return np.concatenate([_square(_normalise(b)).sum(axis=1) for b in blocks])
 
 
-def cvd(value: str) -> tuple[str, int, dict[str, Any]]:
-    return ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": value}})
-
-
 def test_chaos_pipeline_over_tls() -> None:
     security = Security.temporary()
 
     @gen_cluster(
         client=True,
         Worker=Nanny,
-        nthreads=[cvd("0"), cvd("1"), cvd("2"), cvd("3"), cvd("")],
+        nthreads=[("127.0.0.1", 1, cvd(d)) for d in ("0", "1", "2", "3", "")],
         security=security,
         timeout=240,
         # distributed's own GPU diagnostics cannot bear a GPU failing NVML
@@ -154,7 +149,7 @@ def test_chaos_pipeline_over_tls() -> None:
         assert counts.get("leak", 0) >= 1 and counts.get("gpu-unhealthy", 0) >= 1
         # one fault, said at most once per worker: a process that left its device out
         # says nothing, and one that withdrew it takes it back or is replaced
-        names = s.plugins["accelsched-placement"].observer.snapshot()["names"]
+        names = status_snapshot(s)["names"]
         unhealthy = Counter(names[e["worker"]] for e in events(s, "gpu-unhealthy"))
         assert max(unhealthy.values()) == 1, unhealthy
 

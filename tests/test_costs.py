@@ -13,12 +13,10 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.testing import device_alloc
 from accelsched.worker.watch import EVERY, FIRST_RUNS, Watch
-from tests.utils import gpus, wait_for
+from tests.utils import GiB, MiB, gpus, inc, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
-MiB = 2**20
-GiB = 2**30
 QUIET = dict(check_interval="1h")  # no periodic leak check reading NVML meanwhile
 
 
@@ -34,10 +32,6 @@ def count_reads(worker) -> list[int]:  # type: ignore[no-untyped-def]
 
     monitor.process_memory = counted
     return counter
-
-
-def inc(i: int) -> int:
-    return i + 1
 
 
 def small(i: int) -> int:

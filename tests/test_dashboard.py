@@ -29,12 +29,18 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.observe import dashboard_page
 from accelsched.testing import device_alloc
-from tests.test_status import NAMES, leak_and_restart, named_nannies, snapshot
-from tests.utils import events, wait_for
+from tests.utils import (
+    NAMES,
+    MiB,
+    events,
+    leak_and_restart,
+    named_nannies,
+    status_snapshot,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
-MiB = 2**20
 DASHBOARD = {"dashboard": True, "dashboard_address": "127.0.0.1:0"}
 CHROMIUM = next(
     (p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and os.path.exists(p)),
@@ -140,7 +146,7 @@ async def test_page_renders_live_cluster_in_chromium(c, s):
             )
 
         await wait_for(beta_estimate_drawn, timeout=30)
-        snap = snapshot(s)
+        snap = status_snapshot(s)
         uuids = [d["uuid"] for w in snap["workers"] for d in w["devices"]]
         gpu_name = snap["workers"][0]["devices"][0]["name"]
         shot = Path(os.environ.get("ACCELSCHED_DASHBOARD_SCREENSHOT") or tempfile.mktemp(".png"))
@@ -188,4 +194,4 @@ async def test_page_installed_at_scheduler_start_once(c, s):
 async def test_no_dashboard_no_page(c, s):
     await accelsched.register(c)
     assert dashboard_page.install(s) is False
-    assert snapshot(s)["workers"] == []  # the status handler works without a dashboard
+    assert status_snapshot(s)["workers"] == []  # the status handler works without a dashboard

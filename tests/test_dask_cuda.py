@@ -16,14 +16,12 @@ import pytest
 from distributed import Client, get_worker
 
 import accelsched
-from accelsched.testing import FakeGPUs, device_alloc, fake_gpus
+from accelsched.testing import FakeGPUs, fake_gpus
 from tests import processes
-from tests.processes import accel_events, running, until
+from tests.processes import running
+from tests.utils import FAST, events, gpu_counts, leaky, until
 
 dask_cuda = pytest.importorskip("dask_cuda")
-
-MiB = 2**20
-FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +35,7 @@ def gpus() -> Iterator[FakeGPUs]:
 def granted(client: Client) -> dict[str, str]:
     """Worker address -> the UUID its latest ``gpu-verified`` event granted."""
     out: dict[str, str] = {}
-    for e in accel_events(client, "gpu-verified"):
+    for e in events(client, "gpu-verified"):
         (device,) = e["devices"]
         out[e["worker"]] = device["uuid"]
     return out
@@ -47,11 +45,6 @@ def first_visible(client: Client) -> dict[str, str]:
     """Worker address -> its first CUDA_VISIBLE_DEVICES entry (as dask-cuda set it)."""
     visible = client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
     return {addr: cvd.split(",")[0] for addr, cvd in visible.items()}
-
-
-def gpu_counts(client: Client) -> dict[str, float]:
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    return {a: w["resources"].get("GPU", 0) for a, w in info.items()}
 
 
 def owns_first_visible(client: Client, gpus: FakeGPUs) -> None:
@@ -65,11 +58,6 @@ def owns_first_visible(client: Client, gpus: FakeGPUs) -> None:
 
 def bound() -> tuple[str, int | None, str]:
     return get_worker().address, accelsched.current_device(), os.environ["CUDA_VISIBLE_DEVICES"]
-
-
-def leaky(x: int) -> int:
-    device_alloc(512 * MiB, leak=True)  # never freed, like a forgotten CuPy array
-    return x
 
 
 # --- LocalCUDACluster, plugins registered by a client -----------------------------------------
@@ -90,7 +78,7 @@ def test_local_cuda_cluster_one_worker_per_gpu_each_owns_its_first(
     cuda_cluster: Client, gpus: FakeGPUs
 ) -> None:
     owns_first_visible(cuda_cluster, gpus)
-    assert not accel_events(cuda_cluster, "gpu-rejected")  # rotated: nobody claims another's
+    assert not events(cuda_cluster, "gpu-rejected")  # rotated: nobody claims another's
 
 
 def test_local_cuda_cluster_gpu_tasks_bound_to_the_owned_device(cuda_cluster: Client) -> None:
@@ -111,8 +99,8 @@ def test_leak_restarts_the_worker_and_the_new_one_is_verified(
     device = first_visible(cuda_cluster)[victim]
     with dask.annotate(resources={"GPU": 1}):
         assert cuda_cluster.submit(leaky, 1, workers=[victim]).result() == 1
-    until(lambda: accel_events(cuda_cluster, "restart"), timeout=60)
-    (leak,) = accel_events(cuda_cluster, "leak")
+    until(lambda: events(cuda_cluster, "restart"), timeout=60)
+    (leak,) = events(cuda_cluster, "leak")
     assert leak["worker"] == victim and "leaky" in leak["prefixes"]
     cuda_cluster.wait_for_workers(2, timeout=60)
 

@@ -20,7 +20,8 @@ from accelsched.config import Threshold
 from accelsched.protocol import PLACEMENT_PLUGIN
 from accelsched.testing import FakeGPUs, fake_gpus
 from tests import processes
-from tests.processes import Process, accel_events, running, until
+from tests.processes import Process, running
+from tests.utils import events, gpu_counts, until
 
 GPU_WORKERS = 3  # "gpu0" (device 0), "gpu1-0" and "gpu1-1" (both see device 1)
 
@@ -29,12 +30,6 @@ GPU_WORKERS = 3  # "gpu0" (device 0), "gpu1-0" and "gpu1-1" (both see device 1)
 def gpus() -> Iterator[FakeGPUs]:
     with fake_gpus(count=2, memory="16GiB") as g:
         yield g
-
-
-def gpu_counts(client: Client) -> dict[str, float]:
-    """Worker name -> the GPU count the scheduler places against (absent: none)."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    return {w["name"]: w["resources"].get("GPU", 0) for w in info.values()}
 
 
 def names(client: Client) -> dict[str, str]:
@@ -87,7 +82,7 @@ def preloaded(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> Itera
         ]
         with running(*workers), Client(address, timeout=30) as client:
             client.wait_for_workers(4, timeout=60)
-            until(lambda: len(accel_events(client, "gpu-verified")) == 2, timeout=60)
+            until(lambda: len(events(client, "gpu-verified")) == 2, timeout=60)
             client.procs = [*procs, *workers]  # type: ignore[attr-defined]
             yield client
 
@@ -117,17 +112,17 @@ def test_scheduler_preload_installs_both_plugins_with_its_options(preloaded: Cli
 
 def test_every_worker_verified_and_the_gpu_less_one_corrected(preloaded: Client) -> None:
     by_address = names(preloaded)
-    verified = {by_address[e["worker"]] for e in accel_events(preloaded, "gpu-verified")}
+    verified = {by_address[e["worker"]] for e in events(preloaded, "gpu-verified")}
     assert "gpu0" in verified and len(verified & {"gpu1-0", "gpu1-1"}) == 1
-    counts = gpu_counts(preloaded)
+    counts = gpu_counts(preloaded, by_name=True)
     assert counts["gpu0"] == 1
     assert sorted([counts["gpu1-0"], counts["gpu1-1"]]) == [0, 1]  # one device, one owner
     assert counts["cpu"] == 0  # declared GPU=1, has none
     (corrected,) = [
-        e for e in accel_events(preloaded, "gpu-corrected") if by_address[e["worker"]] == "cpu"
+        e for e in events(preloaded, "gpu-corrected") if by_address[e["worker"]] == "cpu"
     ]
     assert corrected["reason"] == "no-devices" and corrected["declared"] == 1
-    (rejected,) = accel_events(preloaded, "gpu-rejected")
+    (rejected,) = events(preloaded, "gpu-rejected")
     assert by_address[rejected["worker"]] in ("gpu1-0", "gpu1-1")
 
 
@@ -136,7 +131,7 @@ def where_and_device(i: int) -> tuple[str, int | None]:
 
 
 def test_gpu_tasks_are_placed_on_verified_devices_and_bound(preloaded: Client) -> None:
-    counts = gpu_counts(preloaded)
+    counts = gpu_counts(preloaded, by_name=True)
     owner1 = next(n for n in ("gpu1-0", "gpu1-1") if counts[n] == 1)
     with dask.annotate(resources={"GPU": 1}):
         futures = preloaded.map(where_and_device, range(12), pure=False)
@@ -149,7 +144,7 @@ def test_a_later_register_changes_nothing(preloaded: Client) -> None:
     before = preloaded.run_on_scheduler(
         lambda dask_scheduler: id(dask_scheduler.plugins["accelsched-placement"])
     )
-    verified = len(accel_events(preloaded, "gpu-verified"))
+    verified = len(events(preloaded, "gpu-verified"))
     accelsched.register(preloaded, fallback_timeout="1s")
     after = preloaded.run_on_scheduler(
         lambda dask_scheduler: (
@@ -158,7 +153,7 @@ def test_a_later_register_changes_nothing(preloaded: Client) -> None:
         )
     )
     assert after == (before, None)
-    assert len(accel_events(preloaded, "gpu-verified")) == verified
+    assert len(events(preloaded, "gpu-verified")) == verified
 
 
 # --- workers preloaded, the scheduler not -----------------------------------------------
@@ -191,7 +186,7 @@ def workers_only(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def test_worker_preload_installs_the_guard_with_its_options(workers_only: Client) -> None:
-    until(lambda: gpu_counts(workers_only)["cpu"] == 0)  # declared 1, owns none
+    until(lambda: gpu_counts(workers_only, by_name=True)["cpu"] == 0)  # declared 1, owns none
     (options,) = workers_only.run(
         lambda dask_worker: dask_worker.plugins["accelsched-guard"].options
     ).values()

@@ -43,7 +43,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.utils import ROOT
+
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*example:\s*(?P<spec>.*?)\s*-->\s*$")
 BASE_ENV = dict(os.environ)  # before any fake-GPU session of this module changes it

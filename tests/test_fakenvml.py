@@ -35,22 +35,25 @@ from accelsched.testing import (
     state,
 )
 from accelsched.testing import device_memory as pool_module
+from tests.utils import CTX, GiB, MiB, last_json, run_python
 
-MiB = 2**20
-GiB = 2**30
-CTX = 64 * MiB
+
+def _nvml_on(g: FakeGPUs) -> Iterator[FakeGPUs]:
+    """The real pynvml on the fake library for one test: the stand-in would not be the
+    library these tests are about, so without it (no C compiler) they skip."""
+    if g.standin:
+        pytest.skip("no C compiler: the fake library could not be built")
+    pynvml.nvmlInit()
+    try:
+        yield g
+    finally:
+        pynvml.nvmlShutdown()
 
 
 @pytest.fixture
 def gpus() -> Iterator[FakeGPUs]:
     with fake_gpus(2, "16GiB", names=["NVIDIA Fake A100", "NVIDIA Fake H100"]) as g:
-        if g.standin:
-            pytest.skip("no C compiler: the fake library could not be built")
-        pynvml.nvmlInit()
-        try:
-            yield g
-        finally:
-            pynvml.nvmlShutdown()
+        yield from _nvml_on(g)
 
 
 def the_pool() -> SimulatedPool:
@@ -86,19 +89,6 @@ def snapshot(nvml: Any) -> dict[str, Any]:
             }
         )
     return out
-
-
-def run_child(code: str, env: dict[str, str] | None = None) -> Any:
-    """Run ``code`` in a fresh interpreter; it prints one JSON document."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 # ---- the fake library through the real pynvml ----
@@ -342,14 +332,17 @@ def test_pickle_reallocates_or_detaches(gpus: FakeGPUs) -> None:
     b = pickle.loads(pickle.dumps(a))
     assert (b.device, b.nbytes, b.value) == (1, 10 * MiB, {"x": 1})
     assert used(1) == CTX + 20 * MiB
-    child = run_child(
-        f"""
-        import json, pickle
-        b = pickle.loads({pickle.dumps(a)!r})
-        print(json.dumps([b.device, b.nbytes, b.value]))
-        """,
-        env={"CUDA_VISIBLE_DEVICES": "0"},  # one device: CUDA index 1 is not visible
+    out = run_python(
+        textwrap.dedent(
+            f"""
+            import json, pickle
+            b = pickle.loads({pickle.dumps(a)!r})
+            print(json.dumps([b.device, b.nbytes, b.value]))
+            """
+        ),
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},  # one device: CUDA index 1 is not visible
     )
+    child = last_json(out)
     assert child == [None, 10 * MiB, {"x": 1}]
     del a, b
 
@@ -475,13 +468,7 @@ def mig() -> Iterator[FakeGPUs]:
     with fake_gpus(
         2, "80GiB", names="NVIDIA A100-SXM4-80GB", mig=[["4g.40gb", "3g.40gb"], None]
     ) as g:
-        if g.standin:
-            pytest.skip("no C compiler: the fake library could not be built")
-        pynvml.nvmlInit()
-        try:
-            yield g
-        finally:
-            pynvml.nvmlShutdown()
+        yield from _nvml_on(g)
 
 
 def mig_snapshot(nvml: Any) -> list[Any]:

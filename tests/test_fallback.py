@@ -13,7 +13,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import OutOfDeviceMemory, device_alloc
-from tests.utils import events, fallback_checks, gpus, past_deadline, wait_for
+from tests.utils import events, fallback_checks, gpus, inc, past_deadline, wait_for
 
 
 def where() -> str:
@@ -87,10 +87,6 @@ async def test_invalid_annotation_errs_that_task_only(c, s, a):
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
 async def test_chain_falls_back_together(c, s, a):
     await accelsched.register(c, fallback_timeout="1s")
-
-    def inc(x: int) -> int:
-        return x + 1
-
     with dask.annotate(resources={"GPU": 1}):
         fut = c.submit(inc, 0, key="chain-0")
         for i in range(1, 6):

@@ -9,7 +9,6 @@ starts (a CUDA context does not survive ``fork``).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,13 +20,8 @@ from distributed.utils_test import gen_cluster, gen_test
 import accelsched
 from accelsched.internals import forkserver
 from accelsched.testing import fake_gpus
-from tests.utils import events, gpus, wait_for
+from tests.utils import TWO_GPU_WORKERS, events, gpus, run_python, wait_for
 
-MiB = 2**20
-TWO_GPU_WORKERS = [
-    ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}}),
-    ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "1"}}),
-]
 #: Libraries that create or need a CUDA context: none may be in a process that forks.
 CUDA_LIBRARIES = ("cupy", "cupy_backends", "rmm", "numba", "cudf", "cuda", "torch", "cuml")
 
@@ -149,7 +143,5 @@ def test_the_fork_server_imports_no_cuda_library() -> None:
         "maps = open('/proc/self/maps').read()\n"
         "print(bad, 'libcuda.so' in maps, pynvml.nvmlLib is not None)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert out.stdout.split("\n")[0] == "[] False False", out
+    out = run_python(code, timeout=120)
+    assert out.split("\n")[0] == "[] False False", out

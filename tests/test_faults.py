@@ -16,7 +16,20 @@ import accelsched
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.policy.health import DeviceHealth
 from accelsched.testing import fake_gpus, standin
-from tests.utils import events, events_arrived, gpus, guard_checks, wait_for
+from tests.utils import (
+    TWO_GPU_WORKERS,
+    cvd,
+    events,
+    events_arrived,
+    gpus,
+    guard_checks,
+    hold,
+    inc,
+    left_out,
+    ran_on_gpu,
+    status_snapshot,
+    wait_for,
+)
 
 # ---- the fault-injection API, honoured by the fake library and the stand-in --------------
 
@@ -84,15 +97,6 @@ def test_a_failing_device_is_left_out_of_a_new_inventory() -> None:
 STREAK = DeviceHealth().streak
 
 
-def hold(name: str) -> int | None:
-    Event(name).wait()
-    return accelsched.current_device()
-
-
-def inc(x: int) -> int:
-    return x + 1
-
-
 def busy_device(worker) -> int:  # type: ignore[no-untyped-def]
     guard = worker.plugins["accelsched-guard"]
     (devices,) = guard.binder.leases.holders().values()
@@ -153,15 +157,11 @@ def test_failing_gpu_is_withdrawn_once_and_offered_again(calls: str, recover: bo
         run()
 
 
-def _cvd(value: str) -> dict:
-    return {"env": {"CUDA_VISIBLE_DEVICES": value}}
-
-
 def test_lost_gpu_restarts_its_worker_losslessly() -> None:
     @gen_cluster(
         client=True,
         Worker=Nanny,
-        nthreads=[("127.0.0.1", 1, _cvd("0")), ("127.0.0.1", 1, _cvd("1"))],
+        nthreads=TWO_GPU_WORKERS,
         timeout=90,
         # distributed's own GPU diagnostics cannot start a worker whose first visible
         # GPU is lost (NVMLError_GpuIsLost at start-up); see docs/reliability.md
@@ -218,13 +218,6 @@ def test_a_flapping_gpu_is_reported_once_and_kept_out() -> None:
         run()
 
 
-def ran_on_gpu(path: str, i: int) -> int | None:
-    """A strict GPU step that notes each run (one line per execution, any process)."""
-    with open(path, "a") as f:
-        f.write(f"{i}\n")
-    return accelsched.current_device()
-
-
 def test_a_gpu_left_out_after_its_restart_comes_back_when_it_answers(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A short fault on the only GPU worker: it restarts while the device still fails,
     and the new process leaves it out; once the device answers steadily it is verified
@@ -233,7 +226,7 @@ def test_a_gpu_left_out_after_its_restart_comes_back_when_it_answers(tmp_path) -
     @gen_cluster(
         client=True,
         Worker=Nanny,
-        nthreads=[("127.0.0.1", 1, _cvd("0")), ("127.0.0.1", 1, _cvd(""))],
+        nthreads=[("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd(""))],
         timeout=90,
         config={"distributed.diagnostics.nvml": False},  # see docs/reliability.md
     )
@@ -250,11 +243,6 @@ def test_a_gpu_left_out_after_its_restart_comes_back_when_it_answers(tmp_path) -
         await wait_for(lambda: events(s, "restart"), timeout=30)
         await wait_for(lambda: len(s.workers) == 2 and A not in s.workers, timeout=30)
         (new,) = set(s.workers) - {b.worker_address}
-
-        def left_out(dask_worker):  # type: ignore[no-untyped-def]
-            guard = dask_worker.plugins.get("accelsched-guard")
-            return None if guard is None else guard.inventory.monitor.left_out
-
         for _ in range(200):  # the new process took its inventory while the fault lasted
             if (await c.run(left_out, workers=[new]))[new] == [0]:
                 break
@@ -268,11 +256,7 @@ def test_a_gpu_left_out_after_its_restart_comes_back_when_it_answers(tmp_path) -
         assert recovered["worker"] == new and recovered["device"] == 0
         assert recovered["uuid"] == g.uuids[0]
         assert any(e["worker"] == new for e in events(s, "gpu-verified"))  # the grant path
-        (status,) = [
-            w
-            for w in s.plugins["accelsched-placement"].observer.snapshot()["workers"]
-            if w["address"] == new
-        ]
+        (status,) = [w for w in status_snapshot(s)["workers"] if w["address"] == new]
         assert [d["uuid"] for d in status["devices"]] == [g.uuids[0]] and status["gpus"] == 1
         assert await c.gather(futures) == [0] * 8
         with open(path) as f:

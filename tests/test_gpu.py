@@ -18,8 +18,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import dask
@@ -28,14 +26,22 @@ from distributed import Nanny, wait
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from tests.utils import events, gpus, guard_checks, wait_for
+from tests.utils import (
+    CONFIRMED,
+    FAST,
+    GiB,
+    MiB,
+    computed_once,
+    cvd,
+    events,
+    gpus,
+    guard_checks,
+    last_json,
+    run_python,
+    verified,
+    wait_for,
+)
 
-MiB = 2**20
-GiB = 2**30
-ROOT = Path(__file__).resolve().parents[1]
-FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
-#: Checks after which a leak present at the start would have been declared, and one more.
-CONFIRMED = 3
 _FAKE_ENV = (
     "ACCELSCHED_FAKE_NVML_DIR",
     "ACCELSCHED_FAKE_NVML_STANDIN",
@@ -102,22 +108,6 @@ def _no_nvml_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nvml, "device_get_count", lambda: 0)
 
 
-def run_python(
-    code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 90
-) -> Any:
-    """Run ``code`` in a fresh interpreter at the repository root; return its JSON output."""
-    out = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        cwd=ROOT,
-        env=real_env() if env is None else env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, f"subprocess failed ({out.returncode}):\n{out.stderr[-4000:]}"
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def smi_gpus() -> list[dict[str, Any]]:
     out = nvidia_smi("--query-gpu=uuid,name,memory.total", "--format=csv,noheader,nounits")
     assert out.returncode == 0, out.stderr
@@ -146,7 +136,7 @@ print(json.dumps({"reason": m.reason, "all": [row(d) for d in devices],
 
 def test_nvml_inventory_matches_nvidia_smi(record_property) -> None:
     smi = smi_gpus()
-    ours = run_python(INVENTORY)
+    ours = last_json(run_python(INVENTORY, env=real_env(), timeout=90))
     record_property("nvidia_smi", json.dumps(smi))
     record_property("nvml_monitor", json.dumps(ours))
     assert ours["reason"] is None
@@ -190,7 +180,7 @@ print(json.dumps(out))
 
 def test_cupy_pool_freeing_returns_memory_to_the_driver(record_property) -> None:
     pytest.importorskip("cupy")
-    r = run_python(POOL_FREEING)
+    r = last_json(run_python(POOL_FREEING, env=real_env(), timeout=90))
     record_property("pool_freeing", json.dumps(r))
     held, cached, after = r["held"], r["cached"], r["after"]
     assert r["before"]["has_context"] is not True  # no context before the first allocation
@@ -281,11 +271,11 @@ def test_fake_nvml_answers_in_the_shape_of_the_real_one(
     pytest.importorskip("cupy")
     if fake == "library" and not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here to build the fake libnvidia-ml.so.1")
-    real = run_python(SHAPES, "real")
+    real = last_json(run_python(SHAPES, "real", env=real_env(), timeout=90))
     env = real_env()
     env["ACCELSCHED_CACHE_DIR"] = str(tmp_path / "cache")  # a fresh build of the fake library
     env.pop(_CHECKED, None)
-    faked = run_python(SHAPES, fake, env=env)
+    faked = last_json(run_python(SHAPES, fake, env=env, timeout=90))
     record_property("real", json.dumps(real))
     record_property(fake, json.dumps(faked))
     assert real["module"] == "pynvml"
@@ -303,10 +293,6 @@ def test_fake_nvml_answers_in_the_shape_of_the_real_one(
 
 
 # --- cluster tests: one GPU worker and one CPU-only peer (nanny processes) -------------
-
-
-def cvd(value: str, **kw: object) -> dict:
-    return {"env": {"CUDA_VISIBLE_DEVICES": value}, **kw}
 
 
 GPU_AND_CPU: list[tuple[str, int] | tuple[str, int, dict]] = [
@@ -382,24 +368,11 @@ def too_big(n: int) -> tuple[str, int, int | None]:
     return "gpu", n, accelsched.current_device()
 
 
-async def verified(s, *nannies: Nanny) -> None:  # type: ignore[no-untyped-def]
-    await wait_for(
-        lambda: all(
-            n.worker_address in s.workers and gpus(s, n.worker_address) >= 1 for n in nannies
-        ),
-        timeout=30,
-    )
-
-
-def computed_once(s, key) -> bool:  # type: ignore[no-untyped-def]
-    return sum(1 for t in s.story(key) if t[2] == "processing") == 1
-
-
 @gen_cluster(client=True, Worker=Nanny, nthreads=GPU_AND_CPU, timeout=90)
 async def test_binding_and_array_module_on_a_real_gpu(c, s, gpu, cpu):
     pytest.importorskip("cupy")
     await accelsched.register(c)
-    await verified(s, gpu)
+    await verified(s, gpu, timeout=30)
     (v,) = events(s, "gpu-verified")
     assert v["worker"] == gpu.worker_address
     assert [d["uuid"] for d in v["devices"]] == [smi_gpus()[0]["uuid"]]
@@ -424,7 +397,7 @@ async def test_binding_and_array_module_on_a_real_gpu(c, s, gpu, cpu):
 async def test_dual_on_both_paths_and_oom_retry(c, s, gpu, cpu):
     pytest.importorskip("cupy")
     await accelsched.register(c)
-    await verified(s, gpu)
+    await verified(s, gpu, timeout=30)
     job = accelsched.dual(gpu_form, cpu_form)
     with dask.annotate(resources={"GPU": 1}):
         on_gpu = c.submit(job, 10, key="dual-gpu")
@@ -443,7 +416,7 @@ async def test_dual_on_both_paths_and_oom_retry(c, s, gpu, cpu):
 async def test_real_leak_restarts_the_worker_and_loses_nothing(c, s, gpu, cpu):
     pytest.importorskip("cupy")
     await accelsched.register(c, **FAST)
-    await verified(s, gpu)
+    await verified(s, gpu, timeout=30)
     target = gpu.worker_address
     with dask.annotate(resources={"GPU": 1}):
         before = [c.submit(square_on_gpu, i, key=f"square-{i}") for i in range(4)]
@@ -480,7 +453,7 @@ async def test_real_leak_restarts_the_worker_and_loses_nothing(c, s, gpu, cpu):
 async def test_no_false_positive_with_large_cupy_results_held(c, s, gpu, cpu):
     pytest.importorskip("cupy")
     await accelsched.register(c, free_pools_every=0, **FAST)
-    await verified(s, gpu)
+    await verified(s, gpu, timeout=30)
     with dask.annotate(resources={"GPU": 1}):
         held = c.map(big_result, [512 * MiB] * 4, key=[f"big-{i}" for i in range(4)])
         await wait(held)  # 2 GiB of device results stay on the worker, never gathered

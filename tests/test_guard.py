@@ -17,31 +17,26 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import device_alloc, fixed_pool
-from tests.utils import background, events, gpus, guard_checks, settled, wait_for
+from tests.utils import (
+    CONFIRMED,
+    FAST,
+    TWO_GPU_WORKERS,
+    GiB,
+    MiB,
+    background,
+    computed_once,
+    cvd,
+    device_result,
+    events,
+    gpus,
+    guard_checks,
+    leaky,
+    settled,
+    verified,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
-
-MiB = 2**20
-GiB = 2**30
-FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
-#: Checks after which a leak present at the start would have been declared, and one more.
-CONFIRMED = 3
-
-
-def cvd(value: str, **kw: object) -> dict:
-    return {"env": {"CUDA_VISIBLE_DEVICES": value}, **kw}
-
-
-TWO_GPU_WORKERS = [("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd("1"))]
-
-
-def leaky(i: int) -> int:
-    device_alloc(512 * MiB, leak=True)
-    return i
-
-
-def result(i: int) -> object:
-    return device_alloc(64 * MiB, value=i)
 
 
 def cached_on_device_0() -> int:
@@ -58,23 +53,11 @@ async def leak_on_only_worker(c, s, a, value: int):  # type: ignore[no-untyped-d
     await accelsched.register(c, **FAST)
     await verified(s, a)
     with dask.annotate(resources={"GPU": 1}):
-        kept = c.submit(result, value, key="kept")
+        kept = c.submit(device_result, value, key="kept")
         await kept
         await c.submit(leaky, 1, key="leaky-1")
     await wait_for(lambda: events(s, "restart-deferred"))
     return kept
-
-
-def computed_once(s, key) -> bool:  # type: ignore[no-untyped-def]
-    return sum(1 for t in s.story(key) if t[2] == "processing") == 1
-
-
-async def verified(s, *nannies: Nanny) -> None:  # type: ignore[no-untyped-def]
-    await wait_for(
-        lambda: all(
-            n.worker_address in s.workers and gpus(s, n.worker_address) >= 1 for n in nannies
-        )
-    )
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=60)
@@ -84,7 +67,7 @@ async def test_leak_restarts_only_that_worker_and_loses_nothing(c, s, a, b):
     target = a.worker_address
     scattered = await c.scatter({"scattered": list(range(100))}, workers=[target])
     with dask.annotate(resources={"GPU": 1}):
-        kept = [c.submit(result, i, key=f"result-{i}", workers=[target]) for i in range(3)]
+        kept = [c.submit(device_result, i, key=f"result-{i}", workers=[target]) for i in range(3)]
     await c.gather(kept)
     assert all(s.tasks[f"result-{i}"].who_has == {s.workers[target]} for i in range(3))
     b_before = b.worker_address

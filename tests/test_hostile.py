@@ -30,11 +30,9 @@ import accelsched
 from accelsched.demo.chart import report_path
 from accelsched.observe.status_table import render
 from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
-from tests.utils import cli, cli_process, wait_for
+from tests.utils import GPU_WORKER, cli, cli_process, gpus, status_snapshot, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
-
-GPU_WORKER = [("127.0.0.1", 1, {"resources": {"GPU": 1}})]
 
 #: Heartbeat metrics a hostile or broken worker could send.
 FORGED_METRICS: list[Any] = [
@@ -100,7 +98,7 @@ async def test_a_forged_heartbeat_metric_breaks_no_status(c, s, a):
 
     def figures_arrived() -> bool:
         """the worker's verified GPU with figures from a heartbeat"""
-        snap = s.plugins[PLACEMENT_PLUGIN].observer.snapshot()
+        snap = status_snapshot(s)
         return any(d["leases"] is not None for w in snap["workers"] for d in w["devices"])
 
     await wait_for(figures_arrived)
@@ -128,7 +126,7 @@ async def test_no_client_writes_accelsched_events(c, s, a):
     history: a client cannot add to it, alone or among other topics; other topics work,
     and unregistering gives distributed's handler back."""
     await accelsched.register(c)
-    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    await wait_for(lambda: gpus(s, a.address) == 1)
     forged = {"action": "restart", "worker": a.address, "reason": "leak"}
     for topic in ("accelsched", ["mine", "accelsched"], ("accelsched",)):
         with pytest.raises(PermissionError, match="'accelsched' event topic is written by"):
@@ -159,7 +157,7 @@ async def test_task_code_cannot_invent_accelsched_events(c, s, a):
     """Before: ``get_worker().log_event("accelsched", ...)`` inside a task was credited to
     that worker, and ``status`` counted restarts and a leak that never happened."""
     await accelsched.register(c)
-    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    await wait_for(lambda: gpus(s, a.address) == 1)
     before = len(s.get_events("accelsched"))
     with captured_logger("accelsched.internals") as log:
         assert await c.submit(forge_events) == 1
@@ -179,7 +177,7 @@ async def test_odd_events_break_nothing_and_grow_nothing(c, s, a):
     from prometheus_client import REGISTRY
 
     await accelsched.register(c)
-    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    await wait_for(lambda: gpus(s, a.address) == 1)
     observer = s.plugins[PLACEMENT_PLUGIN].observer
     forged: list[dict[str, Any]] = [
         {"action": "restart"},  # no figures at all

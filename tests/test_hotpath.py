@@ -16,10 +16,9 @@ from accelsched.testing import create_context, device_alloc
 from accelsched.worker.binder import Binder
 from accelsched.worker.ledger import LEARN, MEASURE, SKIP, Ledger
 from accelsched.worker.pool_freer import PoolFreer
+from tests.utils import MiB, inc
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
-
-MiB = 2**20
 
 
 class Counting(NVMLMonitor):
@@ -37,10 +36,6 @@ class Frame:
 
     def __init__(self, nbytes: int) -> None:
         self.payload = device_alloc(nbytes)
-
-
-def inc(i: int) -> int:
-    return i + 1
 
 
 def warm_up() -> int:

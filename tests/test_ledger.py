@@ -14,14 +14,9 @@ import accelsched
 from accelsched.devices.arrays import knows
 from accelsched.policy.leak import Attribution
 from accelsched.testing import device_alloc
-from tests.utils import events, gpus, guard_checks, wait_for
+from tests.utils import CONFIRMED, FAST, TWO_GPU_WORKERS, MiB, events, gpus, guard_checks, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
-
-MiB = 2**20
-FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
-#: Checks after which a leak present at the start would have been declared, and one more.
-CONFIRMED = 3
 
 
 class Frame:
@@ -52,10 +47,6 @@ def warm_up() -> int:
 def leaky(i: int) -> int:
     device_alloc(512 * MiB, leak=True)
     return i
-
-
-def cvd(value: str) -> tuple[str, int, dict]:
-    return ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": value}})
 
 
 def test_an_unknown_type_is_not_known() -> None:
@@ -92,7 +83,7 @@ def test_a_lease_proves_it_was_alone_for_the_whole_run() -> None:
     assert t.still_alone("a", t.alone_token("a"))
 
 
-@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0"), cvd("1")], timeout=90)
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=90)
 async def test_opaque_results_are_held_where_made_and_where_moved(c, s, a, b):
     await accelsched.register(c, **FAST)
     A, B = a.worker_address, b.worker_address
@@ -123,7 +114,7 @@ async def test_opaque_results_are_held_where_made_and_where_moved(c, s, a, b):
     assert (await frame).value == 7
 
 
-@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0"), cvd("1")], timeout=90)
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=90)
 async def test_leak_inside_a_fused_task_is_named_by_its_step(c, s, a, b):
     """Five step types fused into one task per block; one leaks: it is named first."""
     da = pytest.importorskip("dask.array")
@@ -228,7 +219,7 @@ def test_a_reserve_net_of_its_free_part() -> None:
     assert net_of_pools(5 * 2**30, PoolStats(fixed=4 * 2**30, fixed_free=None)) == 2**30
 
 
-@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0"), cvd("1")], timeout=90)
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=90)
 async def test_opaque_results_inside_a_fixed_pool_are_held(c, s, a, b):
     """A cudf-like result allocated from an RMM-style pool shrinks the pool's free part,
     not NVML's figure: measured so, it is held, and no leak is declared."""

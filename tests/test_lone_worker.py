@@ -8,30 +8,8 @@ from distributed import Event, Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.testing import device_alloc, fake_gpus
-from tests.utils import cli, events, gpus, wait_for
-
-MiB = 2**20
-
-
-def leak() -> int:
-    device_alloc(512 * MiB, leak=True)
-    return 1
-
-
-def hold(name: str) -> str:
-    Event(name).wait()
-    return name
-
-
-def ran_on_gpu(path: str, i: int) -> int | None:
-    with open(path, "a") as f:
-        f.write(f"{i}\n")
-    return accelsched.current_device()
-
-
-def cvd(value: str) -> dict:
-    return {"env": {"CUDA_VISIBLE_DEVICES": value}}
+from accelsched.testing import fake_gpus
+from tests.utils import FAST, cli, cvd, events, gpus, hold, leaky, ran_on_gpu, wait_for
 
 
 def test_a_lone_gpu_worker_whose_peer_died_restarts_when_a_peer_joins(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -42,17 +20,16 @@ def test_a_lone_gpu_worker_whose_peer_died_restarts_when_a_peer_joins(tmp_path) 
         timeout=120,
     )
     async def run(c, s, a, b):  # type: ignore[no-untyped-def]
-        await accelsched.register(
-            c, check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2
-        )
+        await accelsched.register(c, **FAST)
         A = a.worker_address
         await wait_for(lambda: gpus(s, A) == 1, 30)
         kept = await c.scatter({"kept": 42}, workers=[A])
-        busy = c.submit(hold, "busy", workers=[A], key="busy")  # the drain waits for it
+        # the drain waits for it
+        busy = c.submit(hold, "busy", returns="busy", workers=[A], key="busy")
         await wait_for(
             lambda: s.tasks.get("busy") is not None and s.tasks["busy"].state == "processing"
         )
-        assert await c.submit(leak, resources={"GPU": 1}, key="leak") == 1
+        assert await c.submit(leaky, 1, resources={"GPU": 1}, key="leak") == 1
         await wait_for(lambda: events(s, "leak"), 30)
         await wait_for(lambda: s.workers[A].status.name == "closing_gracefully", 30)  # draining
         await b.close()  # the only peer dies while the restart drains

@@ -19,7 +19,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.policy.marks import Mark, find_mark
-from tests.utils import events, gpus, past_deadline, wait_for
+from tests.utils import cvd, events, gpus, past_deadline, run_python, wait_for
 
 # ---- the walk, with numbers ---------------------------------------------------------------
 
@@ -98,10 +98,6 @@ def test_gpu_decorator_validates_and_pickles() -> None:
 # ---- on a cluster, with fusion and query planning at dask's defaults ---------------------
 
 
-def cvd(value: str) -> tuple[str, int, dict]:
-    return ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": value}})
-
-
 def where_gpu(block):  # type: ignore[no-untyped-def]
     """On a GPU: the block filled with the device index; on the host: -1."""
     return np.full_like(block, accelsched.current_device(), dtype="f8")
@@ -133,7 +129,12 @@ defaults = {"optimization.fuse.active": None, "dataframe.query-planning": None}
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
-@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0"), cvd("")], timeout=60)
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd(""))],
+    timeout=60,
+)
 async def test_marked_steps_are_placed_with_fusion_and_query_planning(c, s, gpu, cpu):
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, gpu.worker_address) == 1)
@@ -158,7 +159,7 @@ async def test_marked_steps_are_placed_with_fusion_and_query_planning(c, s, gpu,
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
-@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("")], timeout=60)
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd(""))], timeout=60)
 async def test_marked_steps_fall_back_by_their_own_or_the_default_timeout(c, s, cpu):
     await accelsched.register(c, fallback_timeout="300ms")
     with dask.config.set(defaults):
@@ -222,14 +223,12 @@ def test_a_type_seen_first_with_none_still_carries_marks_later() -> None:
         "assert find_mark(DataNode('a', None)) is None\n"
         "print(find_mark(Task('k', f, DataNode('b', step))))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert out.stdout.strip() == repr(Mark(count=1)), out.stdout + out.stderr
+    out = run_python(code, timeout=120)
+    assert out == repr(Mark(count=1)), out
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
-@gen_cluster(client=True, Worker=Nanny, nthreads=[cvd("0")], timeout=60)
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
 async def test_an_odd_neighbour_costs_no_task_its_mark(c, s, gpu):
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, gpu.worker_address) == 1)
@@ -292,26 +291,13 @@ print(repr((results, [m.count for m in marks], marks[1].timeout, again[0](2), ag
 """
 
 
-def run_python(cwd: object, code: str, *args: str, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        cwd=str(cwd),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip()
-
-
 def test_steps_from_a_scripts_main_travel_by_value_and_keep_their_mark(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "client.py").write_text(CLIENT)
     blob = tmp_path / "steps.pkl"
     subprocess.run([sys.executable, "client.py", str(blob), "3"], cwd=tmp_path, check=True)
     server = tmp_path / "server"
     server.mkdir()  # the client's folder is not on its path
-    results, counts, timeout, again_a, again_b = eval(run_python(server, SERVER, str(blob)))
+    results, counts, timeout, again_a, again_b = eval(run_python(SERVER, str(blob), cwd=server))
     assert results == [3, 1, 101, -6, -3, 15, ("cpu", 2)]  # no lease here: the CPU form
     assert counts == [1, 1, 2, 1, 1, 1, 1] and timeout == 1.0
     assert (again_a, again_b) == (6, 24)
@@ -325,7 +311,7 @@ def test_a_step_shipped_again_carries_the_globals_of_its_time(tmp_path) -> None:
     for scale in ("2", "5"):
         blob = tmp_path / f"steps{scale}.pkl"
         subprocess.run([sys.executable, "client.py", str(blob), scale], cwd=tmp_path, check=True)
-        results, *_ = eval(run_python(server, SERVER, str(blob)))
+        results, *_ = eval(run_python(SERVER, str(blob), cwd=server))
         assert results[0] == int(scale)
 
 
@@ -372,13 +358,13 @@ def test_a_step_this_process_cannot_import_keeps_its_mark_and_errs_alone(tmp_pat
     with_lib = {**__import__("os").environ, "PYTHONPATH": str(lib)}
     first, second = tmp_path / "a.pkl", tmp_path / "b.pkl"
     run_python(
-        tmp_path,
         "import sys, cloudpickle, mylib\n"
         "open(sys.argv[1], 'wb').write(cloudpickle.dumps([mylib.libstep, mylib.both]))",
         str(first),
+        cwd=tmp_path,
         env=with_lib,
     )
-    counts_and_errors = eval(run_python(tmp_path, WITHOUT_LIBRARY, str(first), str(second)))
+    counts_and_errors = eval(run_python(WITHOUT_LIBRARY, str(first), str(second), cwd=tmp_path))
     step_count, dual_count, errors = counts_and_errors
     assert (step_count, dual_count) == (2, 1)
     assert len(errors) == 2
@@ -386,11 +372,11 @@ def test_a_step_this_process_cannot_import_keeps_its_mark_and_errs_alone(tmp_pat
     assert "No module named 'mylib'" in errors[0]
     assert "step dual(on_gpu, on_cpu) could not be loaded" in errors[1]
     out = run_python(
-        tmp_path,
         "import pickle, sys\n"
         "step, both = pickle.loads(open(sys.argv[1], 'rb').read())\n"
         "print(repr((step(1), both(1), type(step).__name__)))",
         str(second),
+        cwd=tmp_path,
         env=with_lib,
     )
     assert eval(out) == (2, ("cpu", 1), "GPUStep")

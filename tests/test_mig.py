@@ -20,13 +20,21 @@ from accelsched.devices.nvml import NVMLMonitor
 from accelsched.devices.visible import Visible, resolve_devices
 from accelsched.policy.ownership import owned
 from accelsched.testing import FakeGPUs, device_alloc, fake_gpus, state
-from tests.utils import events, gpus, wait_for
+from tests.utils import (
+    CTX,
+    FAST,
+    GiB,
+    MiB,
+    cvd,
+    device_result,
+    events,
+    gpus,
+    leaky,
+    verified_now,
+    wait_for,
+)
 
-MiB = 2**20
-GiB = 2**30
-CTX = 64 * MiB
-FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
-CPU_ONLY = [("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": ""}})]
+CPU_ONLY = [("127.0.0.1", 1, cvd(""))]
 
 
 @pytest.fixture(autouse=True)
@@ -136,10 +144,8 @@ def _value(buffer) -> object:  # type: ignore[no-untyped-def]
     return buffer.value
 
 
-async def _nanny(s, cvd: str, gpus_declared: int = 1) -> Nanny:  # type: ignore[no-untyped-def]
-    return await Nanny(
-        s.address, nthreads=2, env={"CUDA_VISIBLE_DEVICES": cvd}, resources={"GPU": gpus_declared}
-    )
+async def _nanny(s, devices: str, gpus_declared: int = 1) -> Nanny:  # type: ignore[no-untyped-def]
+    return await Nanny(s.address, nthreads=2, **cvd(devices, resources={"GPU": gpus_declared}))
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=CPU_ONLY, timeout=60)
@@ -223,19 +229,6 @@ async def test_one_owner_per_mig_device(c, s, cpu):
             assert gpus(s, b.worker_address) == 0
 
 
-def _verified(s, *nannies: Nanny) -> bool:  # type: ignore[no-untyped-def]
-    return all(n.worker_address in s.workers and gpus(s, n.worker_address) == 1 for n in nannies)
-
-
-def _leaky(i: int) -> int:
-    device_alloc(512 * MiB, leak=True)
-    return i
-
-
-def _kept(i: int) -> object:
-    return device_alloc(64 * MiB, value=i)
-
-
 @gen_cluster(client=True, Worker=Nanny, nthreads=CPU_ONLY, timeout=90)
 async def test_a_leak_on_a_mig_device_restarts_only_that_worker(c, s, cpu):
     first, second = migs()
@@ -244,15 +237,15 @@ async def test_a_leak_on_a_mig_device_restarts_only_that_worker(c, s, cpu):
         await wait_for(lambda: all(gpus(s, n.worker_address) == 1 for n in (a, b)))
         target, peer = a.worker_address, b.worker_address
         with dask.annotate(resources={"GPU": 1}):
-            kept = c.submit(_kept, 7, key="kept", workers=[target])
+            kept = c.submit(device_result, 7, key="kept", workers=[target])
             await kept
-            await c.submit(_leaky, 1, key="leaky-1", workers=[target])
+            await c.submit(leaky, 1, key="leaky-1", workers=[target])
         await wait_for(lambda: events(s, "restart"), timeout=30)
         (leak,) = events(s, "leak")
         assert leak["worker"] == target and leak["nbytes"] >= 512 * MiB
         (restart,) = events(s, "restart")
         assert restart["worker"] == target
-        await wait_for(lambda: len(s.workers) == 3 and _verified(s, a, b), timeout=30)
+        await wait_for(lambda: len(s.workers) == 3 and verified_now(s, a, b, count=1), timeout=30)
         assert b.worker_address == peer  # the other MIG device's worker was never touched
         assert a.worker_address != target
         assert (await kept).value == 7  # moved before the restart, not lost

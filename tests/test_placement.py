@@ -19,24 +19,20 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.testing import device_alloc
-from tests.utils import events, gpus, wait_for
+from tests.utils import cvd, events, gpus, until, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
 GPU1 = {"resources": {"GPU": 1}}
 
 
-def env(cvd: str | None = None, **resources: float) -> dict:
-    kw: dict = {"resources": resources} if resources else {}
-    if cvd is not None:
-        kw["env"] = {"CUDA_VISIBLE_DEVICES": cvd}
-    return kw
-
-
 @gen_cluster(
     client=True,
     Worker=Nanny,
-    nthreads=[("127.0.0.1", 1, env("0,1", GPU=4)), ("127.0.0.1", 1, env("", GPU=1))],
+    nthreads=[
+        ("127.0.0.1", 1, cvd("0,1", resources={"GPU": 4})),
+        ("127.0.0.1", 1, cvd("", resources={"GPU": 1})),
+    ],
 )
 async def test_misdeclared_and_gpu_less_workers_are_corrected(c, s, a, b):
     await accelsched.register(c)
@@ -55,7 +51,7 @@ async def test_misdeclared_and_gpu_less_workers_are_corrected(c, s, a, b):
     assert totals == {a.worker_address: 2, b.worker_address: 0}
 
 
-@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, env("1"))])
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("1"))])
 async def test_undeclared_gpus_are_advertised(c, s, a):
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.worker_address) == 1)
@@ -68,7 +64,7 @@ async def test_undeclared_gpus_are_advertised(c, s, a):
     )
 
 
-@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, env("1"))])
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("1"))])
 async def test_advertising_can_be_switched_off(c, s, a):
     await accelsched.register(c, advertise_undeclared=False)
     await wait_for(lambda: "accelsched-guard" in s.worker_plugins)
@@ -95,12 +91,12 @@ def test_registration_order_gives_the_same_result(order: str, fake_gpus_2) -> No
             client.wait_for_workers(1)
             if order == "workers-first":
                 accelsched.register(client)
-            deadline = time.monotonic() + 15
-            while not any(
-                m["action"] == "gpu-verified" for _, m in client.get_events("accelsched")
-            ):
-                assert time.monotonic() < deadline, "no gpu-verified event"
-                time.sleep(0.05)
+
+            def verified() -> bool:
+                """a gpu-verified event"""
+                return bool(events(client, "gpu-verified"))
+
+            until(verified, timeout=15)
             with dask.annotate(resources={"GPU": 1}):
                 devices = client.gather(client.map(_overlapping_device, range(2)))
             res = client.run_on_scheduler(
@@ -147,7 +143,7 @@ def test_exclusive_ownership_by_uuid(share: bool, fake_gpus_2) -> None:
         try:
             if share:
                 _wait_events(client, "gpu-verified", 2)
-                assert not _events(client, "gpu-rejected")
+                assert not events(client, "gpu-rejected")
             else:
                 (rejected,) = _wait_events(client, "gpu-rejected", 1)
                 assert rejected["worker"] == second.worker_address
@@ -169,19 +165,15 @@ def test_exclusive_ownership_by_uuid(share: bool, fake_gpus_2) -> None:
             client.sync(second.close)
 
 
-async def _start_nanny(address: str, cvd: str) -> Nanny:
-    n = Nanny(address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": cvd})
+async def _start_nanny(address: str, devices: str) -> Nanny:
+    n = Nanny(address, nthreads=1, **cvd(devices))
     await n
     return n
 
 
-def _events(client, action: str) -> list[dict]:  # type: ignore[no-untyped-def]
-    return [m for _, m in client.get_events("accelsched") if m["action"] == action]
-
-
 def _wait_events(client, action: str, n: int, timeout: float = 20.0) -> list[dict]:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
-    while len(found := _events(client, action)) < n:
+    while len(found := events(client, action)) < n:
         assert time.monotonic() < deadline, f"expected {n} {action} events, got {found}"
         time.sleep(0.05)
     return found
@@ -190,7 +182,7 @@ def _wait_events(client, action: str, n: int, timeout: float = 20.0) -> list[dic
 @gen_cluster(
     client=True,
     Worker=Nanny,
-    nthreads=[("127.0.0.1", 4, env("0,1", GPU=2))],
+    nthreads=[("127.0.0.1", 4, cvd("0,1", resources={"GPU": 2}))],
 )
 async def test_concurrency_capped_and_devices_distinct(c, s, a):
     await accelsched.register(c)
@@ -216,7 +208,7 @@ async def test_concurrency_capped_and_devices_distinct(c, s, a):
     assert await c.submit(accelsched.current_device) is None
 
 
-@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, env(""))])
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd(""))])
 async def test_gpu_worker_joining_later_gets_waiting_tasks(c, s, a):
     await accelsched.register(c)
     with dask.annotate(resources={"GPU": 1}):
@@ -232,7 +224,7 @@ async def test_gpu_worker_joining_later_gets_waiting_tasks(c, s, a):
 @gen_cluster(
     client=True,
     Worker=Nanny,
-    nthreads=[("127.0.0.1", 1, env("0", GPU=1)), ("127.0.0.1", 1, env(""))],
+    nthreads=[("127.0.0.1", 1, cvd("0", resources={"GPU": 1})), ("127.0.0.1", 1, cvd(""))],
 )
 async def test_loose_restrictions_stay_hard_for_gpu(c, s, gpu, cpu):
     await accelsched.register(c)
@@ -248,7 +240,7 @@ async def test_loose_restrictions_stay_hard_for_gpu(c, s, gpu, cpu):
     assert s.tasks["loose"].who_has == {s.workers[gpu.worker_address]}
 
 
-@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, env("0"))])
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))])
 async def test_unrequested_gpu_use_is_reported(c, s, a):
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.worker_address) == 1)
@@ -268,7 +260,7 @@ async def test_unrequested_gpu_use_is_reported(c, s, a):
     assert len(events(s, "unrequested-gpu-use")) == 1
 
 
-@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, env("0"))])
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))])
 async def test_unrequested_gpu_use_can_fail_the_task(c, s, a):
     await accelsched.register(c, unrequested_gpu="fail")
     await wait_for(lambda: gpus(s, a.worker_address) == 1)

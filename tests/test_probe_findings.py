@@ -9,7 +9,6 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,11 +20,7 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.policy.marks import find_mark
 from accelsched.protocol import CONFIRM_HANDLER, GUARD_PLUGIN, PLACEMENT_PLUGIN
-from tests.utils import wait_for
-
-GPU_WORKER = [("127.0.0.1", 1, {"resources": {"GPU": 1}})]
-ACCELSCHED = str(Path(sys.executable).with_name("accelsched"))
-
+from tests.utils import ACCELSCHED, GPU_WORKER, events, gpus, wait_for
 
 # --- a guard's event costs its worker the cluster ----------------------------------------
 
@@ -50,7 +45,7 @@ async def test_a_guard_event_without_placement_plugin_keeps_the_worker(c, s, a):
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_a_guard_event_after_unregistering_placement_keeps_the_worker(c, s, a):
     await accelsched.register(c)
-    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    await wait_for(lambda: gpus(s, a.address) == 1)
     await c.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
     await _worker_survives_a_guard_event(c, s, a)
 
@@ -68,11 +63,11 @@ def log_with_a_set_topic() -> int:
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_a_set_topic_cannot_write_accelsched_events(c, s, a):
     await accelsched.register(c)
-    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
-    before = len(s.get_events("accelsched"))
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    before = len(events(s))
     assert await c.submit(log_with_a_set_topic, pure=False) == 1
     await wait_for(lambda: s.get_events("probe-sentinel"))
-    assert len(s.get_events("accelsched")) == before  # the task's forged leak
+    assert len(events(s)) == before  # the task's forged leak
     with pytest.raises(PermissionError):
         await c.log_event({"accelsched"}, {"action": "restart", "worker": a.address})
 
@@ -93,10 +88,10 @@ def forge_for_another_worker() -> int:
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_task_code_cannot_log_an_event_in_another_workers_name(c, s, a):
     await accelsched.register(c)
-    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    await wait_for(lambda: gpus(s, a.address) == 1)
     assert await c.submit(forge_for_another_worker, pure=False) == 1
     await wait_for(lambda: s.get_events("probe-sentinel"))
-    workers = {m.get("worker") for _, m in s.get_events("accelsched")}
+    workers = {m.get("worker") for m in events(s)}
     assert "tcp://10.9.9.9:1234" not in workers
 
 
@@ -104,7 +99,7 @@ async def test_task_code_cannot_log_an_event_in_another_workers_name(c, s, a):
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_a_stranger_varying_the_handler_cannot_flood_refusals(c, s, a):
     await accelsched.register(c)
-    await wait_for(lambda: s.workers[a.address].resources.get("GPU") == 1)
+    await wait_for(lambda: gpus(s, a.address) == 1)
     stranger = rpc(s.address)
     try:
         for i in range(20):
@@ -113,7 +108,7 @@ async def test_a_stranger_varying_the_handler_cannot_flood_refusals(c, s, a):
             )
     finally:
         await stranger.close_rpc()
-    refused = [m for _, m in s.get_events("accelsched") if m["action"] == "request-refused"]
+    refused = events(s, "request-refused")
     assert len(refused) <= 1
     assert len(s.plugins[PLACEMENT_PLUGIN].authority._refusals) <= 1
 

@@ -17,16 +17,9 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import device_alloc
-from tests.utils import events, gpus, guard_checks, wait_for
+from tests.utils import FAST, TWO_GPU_WORKERS, MiB, events, gpus, guard_checks, leaky, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
-
-MiB = 2**20
-FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
-TWO_GPU_WORKERS = [
-    ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}}),
-    ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "1"}}),
-]
 
 
 class Node:
@@ -49,11 +42,6 @@ def cycle_leak(i: int) -> int:
 def failing(i: int) -> int:
     held = device_alloc(512 * MiB)  # noqa: F841 (a local of the frame the traceback keeps)
     raise ValueError(f"task {i} failed holding device memory")
-
-
-def real_leak(i: int) -> int:
-    device_alloc(512 * MiB, leak=True)
-    return i
 
 
 async def ready(s) -> None:  # type: ignore[no-untyped-def]
@@ -96,7 +84,7 @@ async def test_real_leak_is_still_restarted(c, s, a, b):
     await ready(s)
     target = a.worker_address
     with dask.annotate(resources={"GPU": 1}):
-        await c.submit(real_leak, 1, key="leaky-1", workers=[target])
+        await c.submit(leaky, 1, key="leaky-1", workers=[target])
     await wait_for(lambda: events(s, "restart"), timeout=30)
     (leak,) = events(s, "leak")
     assert leak["worker"] == target and leak["nbytes"] >= 512 * MiB

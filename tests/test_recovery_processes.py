@@ -9,41 +9,25 @@ nanny's restarted ones too) reads at each NVML call.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import dask
 import pytest
 from distributed import Client
 
-import accelsched
 from accelsched.testing import state
 from tests import processes
-from tests.processes import accel_events, running, until
+from tests.processes import running
+from tests.utils import SIMULATE, events, left_out, ran_on_gpu, until
 
-ACCELSCHED = str(Path(sys.executable).with_name("accelsched"))
-SIMULATE = [ACCELSCHED, "simulate", "--gpus", "1", "--memory", "16GiB", "--"]
 #: distributed's own GPU diagnostics cannot start a worker whose GPU fails NVML
 NO_DIAGNOSTICS = {"DASK_DISTRIBUTED__DIAGNOSTICS__NVML": "False"}
 
 
-def ran_on_gpu(path: str, i: int) -> int | None:
-    """A strict GPU step that notes each run (one line per execution)."""
-    with open(path, "a") as f:
-        f.write(f"{i}\n")
-    return accelsched.current_device()
-
-
 def fake_dir() -> str:
     return os.environ[state.ENV_DIR]
-
-
-def left_out(dask_worker: Any) -> list[int] | None:
-    guard = dask_worker.plugins.get("accelsched-guard")
-    return None if guard is None else guard.inventory.monitor.left_out
 
 
 def set_fault(folder: Path, on: bool) -> None:
@@ -87,12 +71,12 @@ def test_a_gpu_left_out_after_a_restart_comes_back_across_processes(
     kept = client.scatter({"kept": 42}, workers=[first])
 
     set_fault(folder, True)
-    until(lambda: accel_events(client, "gpu-unhealthy"))
+    until(lambda: events(client, "gpu-unhealthy"))
     path = str(tmp / "runs")
     with dask.annotate(resources={"GPU": 1}):  # strict: no GPU anywhere until it is back
         futures = client.map(ran_on_gpu, [path] * 6, range(6), key=[f"g-{i}" for i in range(6)])
-    until(lambda: accel_events(client, "restart"), timeout=60)
-    (restart,) = accel_events(client, "restart")
+    until(lambda: events(client, "restart"), timeout=60)
+    (restart,) = events(client, "restart")
     assert restart["worker"] == first and restart["reason"] == "gpu-unhealthy"
     until(lambda: gpus_of(client, "gpu")[0] not in (None, first), timeout=60)
     new, count = gpus_of(client, "gpu")
@@ -106,8 +90,8 @@ def test_a_gpu_left_out_after_a_restart_comes_back_across_processes(
 
     set_fault(folder, False)
     until(lambda: gpus_of(client, "gpu") == (new, 1), timeout=60)
-    until(lambda: accel_events(client, "gpu-recovered"))
-    (recovered,) = accel_events(client, "gpu-recovered")
+    until(lambda: events(client, "gpu-recovered"))
+    (recovered,) = events(client, "gpu-recovered")
     assert recovered["worker"] == new and recovered["device"] == 0
     assert client.gather(futures) == [0] * 6
     with open(path) as f:

@@ -20,14 +20,9 @@ from accelsched import GuardPlugin
 from accelsched.devices.arrays import to_host
 from accelsched.protocol import GUARD_PLUGIN
 from accelsched.testing import device_alloc
-from tests.utils import events, gpus, wait_for
+from tests.utils import cvd, events, gpus, hold, inc, verified, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
-
-
-def hold(name: str) -> int:
-    Event(name).wait()
-    return 1
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2, {"resources": {"GPU": 2}})], timeout=30)
@@ -40,7 +35,7 @@ async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
         await wait_for(lambda: gpus(s, a.address) == 2)
         plugin = s.plugins["accelsched-placement"]
         with dask.annotate(resources={"GPU": 1}):
-            busy = c.submit(hold, "x", key="busy")
+            busy = c.submit(hold, "x", returns=1, key="busy")
         await wait_for(lambda: "busy" in s.tasks and s.tasks["busy"].state == "processing")
         restart = asyncio.ensure_future(
             plugin.restarts.restart(s.workers[a.address], "nanny", "leak")
@@ -59,28 +54,36 @@ async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
         restarts_module.DRAIN_TIMEOUT = old
 
 
-def innocent() -> str:
-    Event("go").wait()
+def innocent_after(go: str, started: str | None = None) -> str:
+    """Allocates nothing: says it runs on ``Event(started)`` (watched by then: its first
+    reading is taken), waits for ``Event(go)``, then runs on a while beside a rogue."""
+    if started is not None:
+        Event(started).set()
+    Event(go).wait()
     time.sleep(0.3)
     return "innocent ok"
 
 
-def rogue() -> int:
-    Event("go").wait()
+def rogue_after(go: str, started: str | None = None) -> int:
+    """Says it runs on ``Event(started)``, then leaks 1 MiB on device 0 once ``Event(go)``
+    is set: the growth a guard must not blame on a task beside it."""
+    if started is not None:
+        Event(started).set()
+    Event(go).wait()
     return device_alloc(2**20, device=0, leak=True).nbytes
 
 
 @gen_cluster(
     client=True,
     Worker=Nanny,
-    nthreads=[("127.0.0.1", 2, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})],
+    nthreads=[("127.0.0.1", 2, cvd("0"))],
     timeout=30,
 )
 async def test_overlapping_cpu_tasks_are_not_blamed(c, s, a):
     await accelsched.register(c, unrequested_gpu="fail")
-    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
-    fi = c.submit(innocent, key="innocent")
-    fr = c.submit(rogue, key="rogue")
+    await verified(s, a, count=1)
+    fi = c.submit(innocent_after, "go", key="innocent")
+    fr = c.submit(rogue_after, "go", key="rogue")
     await executing(c, a.worker_address, "innocent", "rogue")  # side by side
     await Event("go").set()
     assert await fi == "innocent ok"
@@ -107,12 +110,12 @@ def waits_for_go() -> str:
 @gen_cluster(
     client=True,
     Worker=Nanny,
-    nthreads=[("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})],
+    nthreads=[("127.0.0.1", 1, cvd("0"))],
     timeout=30,
 )
 async def test_other_processes_growth_is_not_blamed(c, s, a, fake_gpus_2):
     await accelsched.register(c, unrequested_gpu="fail")
-    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
+    await verified(s, a, count=1)
     fake_gpus_2.set_flags(pid_offset=100000)  # a container without the host PID namespace
     fut = c.submit(waits_for_go, key="plain")
     await Event("plain-started").wait()
@@ -120,10 +123,6 @@ async def test_other_processes_growth_is_not_blamed(c, s, a, fake_gpus_2):
     await Event("go").set()
     assert await fut == "ok"
     assert not events(s, "unrequested-gpu-use")
-
-
-def inc(x: int) -> int:
-    return x + 1
 
 
 @gen_cluster(client=True, nthreads=[], timeout=30)
@@ -150,12 +149,12 @@ async def test_invalid_annotation_errs_again_on_retry(c, s, a):
 @gen_cluster(
     client=True,
     Worker=Nanny,
-    nthreads=[("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}})],
+    nthreads=[("127.0.0.1", 1, cvd("0", resources={"GPU": 1}))],
     timeout=60,
 )
 async def test_unregistered_placement_steps_aside(c, s, a):
     await accelsched.register(c)
-    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
+    await verified(s, a, count=1)
     await c.unregister_scheduler_plugin("accelsched-placement")
     old = a.worker_address
     await c.restart_workers([old])
@@ -193,19 +192,6 @@ def test_to_host_keeps_container_types() -> None:
     assert to_host([1, (2, 3)]) == [1, (2, 3)]
 
 
-def cancelled_rogue() -> int:
-    Event("cancelled-started").set()
-    Event("cancelled-go").wait()
-    return device_alloc(2**20, device=0, leak=True).nbytes
-
-
-def watched_innocent() -> str:
-    Event("cancelled-innocent-started").set()  # watched: its first reading is taken by now
-    Event("cancelled-go").wait()
-    time.sleep(0.3)
-    return "innocent ok"
-
-
 def thread_state(key: str, dask_worker: Worker) -> str | None:
     ts = dask_worker.state.tasks.get(key)
     return None if ts is None else ts.state
@@ -214,15 +200,15 @@ def thread_state(key: str, dask_worker: Worker) -> str | None:
 @gen_cluster(
     client=True,
     Worker=Nanny,
-    nthreads=[("127.0.0.1", 2, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})],
+    nthreads=[("127.0.0.1", 2, cvd("0"))],
     timeout=30,
 )
 async def test_a_cancelled_task_still_running_is_not_blamed_on_another(c, s, a):
     """A task cancelled while it executes keeps running in its thread (distributed cannot
     stop it): what it allocates then must not be blamed on a task that starts beside it."""
     await accelsched.register(c, unrequested_gpu="fail")
-    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
-    rogue = c.submit(cancelled_rogue, key="rogue")
+    await verified(s, a, count=1)
+    rogue = c.submit(rogue_after, "cancelled-go", "cancelled-started", key="rogue")
     await Event("cancelled-started").wait()
     await c.cancel(rogue)
     del rogue
@@ -230,17 +216,13 @@ async def test_a_cancelled_task_still_running_is_not_blamed_on_another(c, s, a):
         a.worker_address: "cancelled"
     }:
         await asyncio.sleep(0.02)
-    innocent = c.submit(watched_innocent, key="innocent")
+    innocent = c.submit(
+        innocent_after, "cancelled-go", "cancelled-innocent-started", key="innocent"
+    )
     await Event("cancelled-innocent-started").wait()
     await Event("cancelled-go").set()
     assert await innocent == "innocent ok"
     assert not events(s, "unrequested-gpu-use")
-
-
-def running_rogue() -> int:
-    Event("rerun-started").set()
-    Event("rerun-go").wait()
-    return device_alloc(2**20, device=0, leak=True).nbytes
 
 
 def running_count() -> int:
@@ -253,17 +235,10 @@ def guard_confirmations(dask_worker: Worker) -> int:
     return dask_worker.plugins[GUARD_PLUGIN].options["leak_confirmations"]
 
 
-def rerun_innocent() -> str:
-    Event("innocent-started").set()  # watched: its first reading is taken by now
-    Event("rerun-go").wait()
-    time.sleep(0.3)
-    return "innocent ok"
-
-
 @gen_cluster(
     client=True,
     Worker=Nanny,
-    nthreads=[("127.0.0.1", 2, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})],
+    nthreads=[("127.0.0.1", 2, cvd("0"))],
     timeout=30,
 )
 async def test_a_task_running_when_the_guard_is_registered_again_still_counts(c, s, a):
@@ -271,13 +246,13 @@ async def test_a_task_running_when_the_guard_is_registered_again_still_counts(c,
     worker whose tasks run on: one that started under the old guard must still count as
     running, or what it allocates is blamed on a task that starts beside it."""
     await accelsched.register(c, unrequested_gpu="fail")
-    await wait_for(lambda: a.worker_address in s.workers and gpus(s, a.worker_address) == 1)
-    rogue = c.submit(running_rogue, key="rogue")
+    await verified(s, a, count=1)
+    rogue = c.submit(rogue_after, "rerun-go", "rerun-started", key="rogue")
     await Event("rerun-started").wait()
     await c.register_plugin(GuardPlugin(unrequested_gpu="fail", leak_confirmations=3))
     replaced = await c.run(guard_confirmations)
     assert replaced == {a.worker_address: 3}
-    innocent = c.submit(rerun_innocent, key="innocent")
+    innocent = c.submit(innocent_after, "rerun-go", "innocent-started", key="innocent")
     await Event("innocent-started").wait()
     await Event("rerun-go").set()
     assert await innocent == "innocent ok"

@@ -18,7 +18,7 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.policy.requests import Outstanding, fingerprint
 from accelsched.protocol import DRAIN_HANDLER, INVENTORY_HANDLER, RESTART_HANDLER
-from tests.utils import events, gpus, wait_for
+from tests.utils import GPU_WORKER, events, gpus, wait_for
 
 # --- the numbers ------------------------------------------------------------------------------
 
@@ -50,8 +50,6 @@ def test_a_fingerprint_is_the_same_after_msgpack() -> None:
 
 
 # --- on a cluster -----------------------------------------------------------------------------
-
-GPU_WORKER = [("127.0.0.1", 1, {"resources": {"GPU": 1}})]
 
 
 def guard(dask_worker: Any) -> Any:

@@ -19,9 +19,8 @@ import pytest
 from distributed import Client
 
 from tests import processes
-from tests.processes import running, until
-
-ACCELSCHED = str(Path(sys.executable).with_name("accelsched"))
+from tests.processes import running
+from tests.utils import ACCELSCHED, until
 
 SEE_GPUS = """
 import json, os, sys

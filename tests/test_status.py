@@ -17,62 +17,25 @@ import time
 from contextlib import AsyncExitStack
 from typing import Any
 
-import dask
 import pytest
-from distributed import Nanny, Scheduler
 from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.protocol import PLACEMENT_PLUGIN
-from accelsched.testing import device_alloc
-from tests.utils import cli, cli_process, events, wait_for
+from tests.utils import (
+    FAST,
+    NAMES,
+    MiB,
+    cli,
+    cli_process,
+    events,
+    leak_and_restart,
+    named_nannies,
+    status_snapshot,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
-
-MiB = 2**20
-FAST = dict(check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2)
-NAMES = ("alpha", "beta")
-
-
-def leaky(i: int) -> int:
-    device_alloc(512 * MiB, leak=True)
-    return i
-
-
-def snapshot(s: Scheduler) -> Any:
-    return s.plugins[PLACEMENT_PLUGIN].observer.snapshot()
-
-
-async def named_nannies(stack: AsyncExitStack, s: Scheduler) -> list[Nanny]:
-    """Two nannies named ``alpha`` and ``beta``, each owning its own fake GPU."""
-    return [
-        await stack.enter_async_context(
-            Nanny(s.address, name=name, nthreads=1, env={"CUDA_VISIBLE_DEVICES": str(i)})
-        )
-        for i, name in enumerate(NAMES)
-    ]
-
-
-async def leak_and_restart(c: Any, s: Scheduler, target: Nanny) -> None:
-    """Register accelsched, leak on ``target``, wait until it is restarted and both
-    workers report their figures again (heartbeat metric)."""
-    await accelsched.register(c, **FAST)
-    await wait_for(lambda: sum(len(w["devices"]) for w in snapshot(s)["workers"]) == 2)
-    with dask.annotate(resources={"GPU": 1}):
-        await c.submit(leaky, 1, key="leaky-1", workers=[target.worker_address])
-    await wait_for(lambda: events(s, "restart"), timeout=30)
-
-    def figures_back() -> bool:
-        """both workers verified again, with figures from a heartbeat"""
-        snap = snapshot(s)
-        devices = [d for w in snap["workers"] for d in w["devices"]]
-        return (
-            len(snap["workers"]) == 2
-            and len(devices) == 2
-            and all(d["leases"] is not None for d in devices)
-        )
-
-    await wait_for(figures_back, timeout=30)
 
 
 @gen_cluster(client=True, nthreads=[], timeout=120)
@@ -126,7 +89,7 @@ async def test_status_watch_redraws_until_interrupted(c, s):
     async with AsyncExitStack() as stack:
         await named_nannies(stack, s)
         await accelsched.register(c, **FAST)
-        await wait_for(lambda: sum(len(w["devices"]) for w in snapshot(s)["workers"]) == 2)
+        await wait_for(lambda: sum(len(w["devices"]) for w in status_snapshot(s)["workers"]) == 2)
         proc = await cli_process("status", s.address, "--json", "--watch", "0.2")
         assert proc.stdout is not None
         first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
@@ -342,7 +305,7 @@ async def test_before_the_first_heartbeat_the_table_says_it_waits(c, s):
         s.address, name="slow", nthreads=1, resources={"GPU": 1}, heartbeat_interval="1h"
     ) as a:
         await accelsched.register(c)
-        await wait_for(lambda: sum(len(w["devices"]) for w in snapshot(s)["workers"]) == 1)
+        await wait_for(lambda: sum(len(w["devices"]) for w in status_snapshot(s)["workers"]) == 1)
         code, out, err = await cli("status", s.address)
         assert code == 0, err
         (row,) = out.splitlines()[2:]
@@ -357,7 +320,7 @@ async def test_before_the_first_heartbeat_the_table_says_it_waits(c, s):
         assert code == 0, err
         (row,) = out.splitlines()[2:]
         assert WAITING_TEXT not in row and re.search(r"/\d+ MiB", row), out
-        (device,) = snapshot(s)["workers"][0]["devices"]
+        (device,) = status_snapshot(s)["workers"][0]["devices"]
         assert device["figures"] == "reported" and device["leases"] == 0
 
 

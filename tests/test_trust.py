@@ -14,13 +14,9 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.policy.requirements import capacity, mebibytes
-from tests.utils import background, events, gpus, settled, wait_for
+from tests.utils import background, cvd, events, gpus, settled, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
-
-
-def cvd(value: str, **kw: object) -> dict:
-    return {"env": {"CUDA_VISIBLE_DEVICES": value}, **kw}
 
 
 #: a (GPU 0, declares 1), b (GPU 1, declares 1), g (no GPU, declares none)

@@ -7,9 +7,7 @@ import pytest
 from accelsched.devices.pool import PoolStats
 from accelsched.policy.budget import RestartBudget
 from accelsched.policy.leak import Baseline, LeakDetector, estimate
-
-MiB = 2**20
-GiB = 2**30
+from tests.utils import GiB, MiB
 
 
 def test_estimate_nets_out_live_results_and_caches() -> None:
