@@ -108,6 +108,18 @@ def restricted_to(ts: TaskState) -> set[str]:
     return set(ts.worker_restrictions or ())
 
 
+def processing_on(ts: TaskState) -> str | None:
+    """The address of the worker ``ts`` was sent to (None: not processing)."""
+    ws = ts.processing_on
+    return None if ws is None else ws.address
+
+
+def in_service(scheduler: Scheduler, address: str) -> bool:
+    """Whether ``address`` is a worker in service: not draining, closing or gone."""
+    ws = scheduler.workers.get(address)
+    return ws is not None and ws.status in (Status.running, Status.paused)
+
+
 def largest_gpu_count(scheduler: Scheduler) -> float:
     """The most GPUs any one worker offers now (what one task could be placed against)."""
     return max(scheduler.resources.get(GPU, {}).values(), default=0)

@@ -119,7 +119,7 @@ def _memory(value: Any) -> int:
     if isinstance(value, str):
         try:
             value = parse_bytes(value)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):  # "1e400": past any float
             raise ValueError(
                 f"invalid GPU requirement memory={value!r}: expected bytes or '24GiB'"
             ) from None
@@ -129,15 +129,25 @@ def _memory(value: Any) -> int:
         value = int(value)
     if not isinstance(value, numbers.Integral) or not 0 < int(value) <= MAX_MEMORY:
         raise ValueError(
-            f"invalid GPU requirement memory={value!r}: expected 1 byte to 1 EiB (bytes or '24GiB')"
+            f"invalid GPU requirement memory={_shown(value)}: expected 1 byte to 1 EiB "
+            "(bytes or '24GiB')"
         )
     return int(value)
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, short: a bad value is named, not copied whole into the error."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past the digits Python converts to text
+        return f"<an integer of {int(value).bit_length()} bits>"
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _model(value: Any) -> str:
     if not isinstance(value, str) or not value.strip() or len(value) > MAX_PATTERN:
         raise ValueError(
-            f"invalid GPU requirement model={value!r}: expected a name pattern such as "
+            f"invalid GPU requirement model={_shown(value)}: expected a name pattern such as "
             f"'*H100*' (at most {MAX_PATTERN} characters)"
         )
     if any(not c.isprintable() for c in value):

@@ -29,6 +29,7 @@ from accelsched.protocol import (
     OfferReply,
 )
 from accelsched.scheduler.authority import Authority
+from accelsched.scheduler.eligibility import report_problem
 from accelsched.scheduler.gpu_counts import GpuCounts
 from accelsched.scheduler.grants import Grants
 
@@ -115,6 +116,9 @@ class DeviceReports:
             return {"status": "refused"}
         if worker not in self.scheduler.workers:  # it left while it was asked
             return {"status": "unknown-worker"}
+        if (problem := report_problem(devices, requested)) is not None:  # nothing granted
+            logger.warning("accelsched: refused the GPU report of %s: %s", worker, problem)
+            return {"status": "refused"}
         if isinstance(declared, (int, float)):
             self._grants.correct_declaration(worker, declared)
         wanted = devices[:requested]

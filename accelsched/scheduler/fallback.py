@@ -129,6 +129,8 @@ class Fallback:
             # no annotation (or fusion / query planning dropped it): a marked step?
             mark = find_mark(internals.task_spec(ts))
             if mark is None:
+                if (given := (ts.annotations or {}).get(REQUIREMENT_ANNOTATION)) is not None:
+                    self._park(ts, f"gpu={given!r:.80} on a task without resources={{'GPU': n}}")
                 return
             internals.set_resource_restrictions(
                 ts, {**(ts.resource_restrictions or {}), GPU: mark.count}
@@ -149,8 +151,7 @@ class Fallback:
             self.timeouts[ts.key] = timeout
         elif mark is not None and mark.timeout_given:  # the step's own timeout
             self.timeouts[ts.key] = mark.timeout
-        given = annotations.get(REQUIREMENT_ANNOTATION) or (mark.requirement if mark else None)
-        problem = self.eligibility.prepare(ts, given, amount) if given else None
+        problem = self.eligibility.prepare(ts, mark, amount)  # what its device must be
         if problem is not None:
             self._park(ts, problem)
             return

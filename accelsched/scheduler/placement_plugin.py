@@ -202,6 +202,8 @@ class PlacementPlugin(SchedulerPlugin):
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         """Inside the transition loop: only bookkeeping and scheduling a check."""
         self.fallback.transition(key, start, finish)
+        if key in self.eligibility.keys:  # a task with a requirement
+            self.eligibility.moved(key, start, finish, str(kwargs.get("stimulus_id", "")))
 
     def log_event(self, topic: str, msg: Any) -> None:
         """Every event the scheduler logs: feed accelsched's own to the metrics.

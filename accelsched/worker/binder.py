@@ -67,7 +67,10 @@ class Binder:
     ) -> Runner:
         """The runner of a GPU task (made on the event loop; runs in its thread).
         ``requirement``: the task's annotation, as the scheduler normalised it."""
-        need = parse_requirement(requirement) if requirement else None
+        try:
+            need = parse_requirement(requirement) if requirement else None
+        except ValueError as exc:  # not read by a scheduler plugin: it errs, unbound never
+            return functools.partial(_refuse, exc)
         return functools.partial(self._run_gpu, key, amount, prefix, need)
 
     def _run_gpu(
@@ -196,6 +199,10 @@ class Binder:
             return inner(spec, host) if inner is not None else spec(host)
 
         return run
+
+
+def _refuse(exc: ValueError, spec: Any, values: Any) -> Any:
+    raise exc
 
 
 class _Steps:
