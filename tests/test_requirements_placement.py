@@ -175,7 +175,8 @@ async def test_status_shows_each_devices_model_capability_and_declared_memory(c,
         snap = observer.snapshot()
         return {d["name"]: d["declared"] for w in snap["workers"] for d in w["devices"]}
 
-    await wait_for(lambda: declared().get(H100) == 10 * GiB)  # the next heartbeat says so
+    # the next heartbeats say so, for both devices
+    await wait_for(lambda: declared().get(H100) == 10 * GiB and declared().get(A100) is not None)
     snap = observer.snapshot()
     devices = {d["name"]: d for w in snap["workers"] for d in w["devices"]}
     assert devices[H100]["capability"] == "9.0" and devices[A100]["capability"] == "8.0"

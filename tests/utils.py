@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -193,6 +194,13 @@ def until(predicate: Callable[[], Any], timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
+def _as_from_a_terminal() -> None:
+    """In the child, before it runs: Ctrl-C acts, as in a user's shell. A test process can
+    hold SIGINT ignored (under pytest-xdist a worker sometimes does), and an ignored
+    disposition is inherited: Python then installs no KeyboardInterrupt for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def cli_process(*args: str) -> asyncio.subprocess.Process:
     """Start ``python -m accelsched.cli ARGS`` with its output piped (``--watch`` runs)."""
     return await asyncio.create_subprocess_exec(
@@ -202,6 +210,7 @@ async def cli_process(*args: str) -> asyncio.subprocess.Process:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        preexec_fn=_as_from_a_terminal,
     )
 
 
