@@ -145,7 +145,7 @@ def test_dask_cuda_worker_cli_preloaded(cli_cluster: Client, gpus: FakeGPUs) -> 
         lambda dask_worker: sorted({type(p).__module__ for p in dask_worker.plugins.values()})
     )
     for found in modules.values():  # dask-cuda's plugins beside the guard
-        assert {"accelsched.guard", "dask_cuda.plugins"} <= set(found)
+        assert {"accelsched.worker.guard_plugin", "dask_cuda.plugins"} <= set(found)
     log = cli_cluster.worker_log.output()  # type: ignore[attr-defined]
     assert "Failed to start preload" not in log  # dask_cuda.initialize and accelsched both ran
     assert "accelsched:" not in log  # no error, no warning
