@@ -7,7 +7,8 @@ read them (:mod:`accelsched.policy`) and the worker's parts; no NVML import.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from accelsched.protocol import DeviceRecord
 
 __all__ = ["DeviceInfo", "MemoryReading"]
 
@@ -33,7 +34,8 @@ class DeviceInfo:
     def mig(self) -> bool:
         return self.parent is not None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> DeviceRecord:
+        """The device as a guard reports it to the scheduler (``accelsched_inventory``)."""
         return {
             "index": self.index,
             "uuid": self.uuid,

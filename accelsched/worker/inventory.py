@@ -31,7 +31,6 @@ from accelsched.protocol import (
     OFFER_HANDLER,
     RESTART_HANDLER,
     ConfirmReply,
-    DeviceRecord,
     InventoryReply,
     InventoryRequest,
     OfferRequest,
@@ -47,17 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["Inventory", "under_dask_cuda"]
 
 logger = logging.getLogger(__name__)
-
-
-def _record(d: DeviceInfo) -> DeviceRecord:
-    return {
-        "index": d.index,
-        "uuid": d.uuid,
-        "name": d.name,
-        "memory": d.memory,
-        "capability": None if d.capability is None else list(d.capability),
-        "mig": d.mig,
-    }
 
 
 class Inventory:
@@ -118,7 +106,7 @@ class Inventory:
         request: InventoryRequest = {
             "worker": str(worker.contact_address),
             "request": "",
-            "devices": [_record(d) for d in self.owned],
+            "devices": [d.as_dict() for d in self.owned],
             "declared": declared_count(self.declared),
             "requested": self.claim.count,
             "reason": self.claim.reason,
