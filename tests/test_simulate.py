@@ -30,6 +30,7 @@ handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDevice
 json.dump({
     "names": [pynvml.nvmlDeviceGetName(h) for h in handles],
     "memory": [pynvml.nvmlDeviceGetMemoryInfo(h).total for h in handles],
+    "capability": [list(pynvml.nvmlDeviceGetCudaComputeCapability(h)) for h in handles],
     "state": os.environ["ACCELSCHED_FAKE_NVML_DIR"],
 }, sys.stdout)
 """
@@ -67,12 +68,13 @@ def lines(path: Path) -> list[str]:
 def test_the_command_sees_the_gpus_through_pynvml_and_they_are_gone_after() -> None:
     done = simulate(
         "--gpus", "2", "--memory", "16GiB", "--memory", "8GiB", "--name", "NVIDIA H100 80GB HBM3",
-        "--", sys.executable, "-c", SEE_GPUS,
+        "--capability", "8.0", "--capability", "7.5", "--", sys.executable, "-c", SEE_GPUS,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert seen["names"] == ["NVIDIA H100 80GB HBM3"] * 2
     assert seen["memory"] == [16 * 2**30, 8 * 2**30]
+    assert seen["capability"] == [[8, 0], [7, 5]]
     assert not Path(seen["state"]).exists()  # removed with the session
 
 
@@ -82,6 +84,7 @@ def test_one_memory_for_every_gpu_and_the_default_name() -> None:
     seen = json.loads(done.stdout)
     assert seen["memory"] == [4 * 2**30] * 3
     assert seen["names"] == ["NVIDIA Simulated GPU"] * 3
+    assert seen["capability"] == [[9, 0]] * 3
 
 
 @pytest.mark.parametrize(
@@ -109,6 +112,7 @@ def test_a_command_that_is_not_there() -> None:
         (["--gpus", "2", "--memory", "1GiB", "--memory", "2GiB", "--memory", "3GiB", "--", "true"],
          "--memory must be one value or a sequence of 2"),
         (["--gpus", "1", "--name", "", "--", "true"], "a name must be non-empty"),
+        (["--gpus", "1", "--capability", "nine", "--", "true"], "--capability must be 'major.minor'"),
         (["--gpus", "1", "--mig", "9g.1gb", "--", "true"], "not a MIG profile: '9g.1gb'"),
         (["--gpus", "1", "--pid-offset", "-1", "--", "true"], "invalid --pid-offset '-1'"),
         (["--gpus", "1", "--"], "no command to run"),

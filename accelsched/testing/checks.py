@@ -47,7 +47,7 @@ def _check_capability(value: str) -> tuple[int, int]:
     major, dot, minor = value.partition(".") if isinstance(value, str) else ("", "", "")
     if not (dot and major.isdigit() and minor.isdigit() and len(major + minor) <= 4):
         raise ValueError(
-            f"fake_gpus: a capability must be 'major.minor' such as '8.0', got {value!r}"
+            f"fake_gpus: capability must be 'major.minor' such as '8.0', got {value!r}"
         )
     return int(major), int(minor)
 

@@ -55,6 +55,7 @@ class Simulation:
     count: int
     memory: list[str] = field(default_factory=lambda: ["16GiB"])
     names: list[str] | None = None
+    capability: list[str] | None = None
     context_memory: str = "64MiB"
     process_memory: bool = True
     pid_offset: int = 0
@@ -66,11 +67,20 @@ class Simulation:
             "count": self.count,
             "memory": self.memory[0] if len(self.memory) == 1 else self.memory,
             "names": self.names[0] if self.names and len(self.names) == 1 else self.names,
+            **_one_or_each("capability", self.capability),
             "context_memory": self.context_memory,
             "process_memory": self.process_memory,
             "pid_offset": self.pid_offset,
             "mig": self.mig,
         }
+
+
+def _one_or_each(name: str, values: list[str] | None) -> dict[str, Any]:
+    """A ``fake_gpus`` argument given once for all devices or once per device; absent
+    when not given (its default)."""
+    if not values:
+        return {}
+    return {name: values[0] if len(values) == 1 else values}
 
 
 def run(simulation: Simulation, command: Sequence[str]) -> int:
@@ -146,6 +156,13 @@ def simulate_arguments(command: argparse.ArgumentParser) -> None:
         help="the GPUs' name (default 'NVIDIA Simulated GPU'); repeat it once per GPU to differ",
     )
     command.add_argument(
+        "--capability",
+        action="append",
+        metavar="MAJOR.MINOR",
+        help="the CUDA compute capability NVML reports (default 9.0); repeat it once per GPU "
+        "to differ",
+    )
+    command.add_argument(
         "--context-memory",
         default="64MiB",
         type=_size,
@@ -184,6 +201,7 @@ def simulate_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         count=args.gpus,
         memory=args.memory or ["16GiB"],
         names=args.names,
+        capability=args.capability,
         context_memory=args.context_memory,
         process_memory=args.process_memory,
         pid_offset=args.pid_offset,
@@ -200,7 +218,12 @@ def simulate_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 #: ``fake_gpus`` arguments and the ``simulate`` options that give them.
-_SIMULATE_OPTIONS = {"memory": "--memory", "names": "--name", "context_memory": "--context-memory"}
+_SIMULATE_OPTIONS = {
+    "memory": "--memory",
+    "names": "--name",
+    "capability": "--capability",
+    "context_memory": "--context-memory",
+}
 
 
 def _gpu_count(value: str) -> int:
