@@ -64,8 +64,9 @@ class DeviceStatus(TypedDict):
 class WorkerStatus(TypedDict):
     """One worker, by name. ``gpus``: the count placement uses now; ``declared``: what it
     registered with (None: no GPU declared); ``quarantined``: the reason, or None.
-    ``restarts``, ``leaks``, ``fallbacks``: events naming this worker (by name, so a
-    restarted worker keeps its count)."""
+    ``restarts``, ``leaks``, ``reclaims``, ``fallbacks``: events naming this worker (by
+    name, so a restarted worker keeps its count); ``reclaims`` counts ``leak-reclaimed``,
+    suspected leaks that a garbage collection and a pool free gave back (no restart)."""
 
     name: str
     address: str
@@ -75,6 +76,7 @@ class WorkerStatus(TypedDict):
     devices: list[DeviceStatus]
     restarts: int
     leaks: int
+    reclaims: int
     fallbacks: int
 
 
@@ -91,5 +93,6 @@ class StatusReply(TypedDict):
     workers: list[WorkerStatus]
     restarts: int
     leaks: int
+    reclaims: int
     fallbacks: int
     names: dict[str, str]

@@ -150,7 +150,7 @@ async def test_page_renders_live_cluster_in_chromium(c, s):
         uuids = [d["uuid"] for w in snap["workers"] for d in w["devices"]]
         gpu_name = snap["workers"][0]["devices"][0]["name"]
         shot = Path(os.environ.get("ACCELSCHED_DASHBOARD_SCREENSHOT") or tempfile.mktemp(".png"))
-        expected = [*NAMES, gpu_name, *uuids, "1 restarts, 1 leaks, 1 fallbacks"]
+        expected = [*NAMES, gpu_name, *uuids, "1 restarts, 1 leaks, 0 reclaimed, 1 fallbacks"]
         state = await asyncio.to_thread(load_in_chromium, page_url(s), expected, shot)
 
     assert state["title"] == "Dask: accelsched"

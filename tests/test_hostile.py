@@ -143,10 +143,11 @@ async def test_no_client_writes_accelsched_events(c, s, a):
 
 
 def forge_events() -> int:
-    """Task code posing as the guard: five restarts and a 953674 MiB leak."""
+    """Task code posing as the guard: five restarts, a reclaimed leak and a 953674 MiB leak."""
     worker = get_worker()
     for _ in range(5):
         worker.log_event("accelsched", {"action": "restart", "reason": "leak", "nbytes": 1})
+    worker.log_event("accelsched", {"action": "leak-reclaimed", "device": 0, "reclaimed": 1})
     leak = {"action": "leak", "device": 0, "nbytes": 10**12, "threshold": 1, "prefixes": []}
     worker.log_event(["accelsched", "mine"], leak)
     return 1
@@ -165,8 +166,8 @@ async def test_task_code_cannot_invent_accelsched_events(c, s, a):
         await wait_for(lambda: len(s.get_events("mine")) == 1)
     assert len(s.get_events("accelsched")) == before
     reply = await status(c)
-    assert (reply["restarts"], reply["leaks"]) == (0, 0)
-    assert [(w["restarts"], w["leaks"]) for w in reply["workers"]] == [(0, 0)]
+    assert (reply["restarts"], reply["leaks"], reply["reclaims"]) == (0, 0, 0)
+    assert [(w["restarts"], w["leaks"], w["reclaims"]) for w in reply["workers"]] == [(0, 0, 0)]
     assert f"dropped a 'accelsched' event {a.address} logged itself" in log.getvalue()
 
 

@@ -16,8 +16,19 @@ from distributed import Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
+from accelsched.observe.status_table import render
 from accelsched.testing import device_alloc
-from tests.utils import FAST, TWO_GPU_WORKERS, MiB, events, gpus, guard_checks, leaky, wait_for
+from tests.utils import (
+    FAST,
+    TWO_GPU_WORKERS,
+    MiB,
+    events,
+    gpus,
+    guard_checks,
+    leaky,
+    status_snapshot,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -65,6 +76,12 @@ async def _reclaimed_not_restarted(c, s, a, b, fn) -> dict:  # type: ignore[no-u
     await guard_checks(c, s, [target], 3)
     assert not events(s, "leak") and not events(s, "restart")
     assert a.worker_address == target
+    # what ``accelsched status`` shows: one reclaimed leak on that worker, no leak
+    snap = status_snapshot(s)
+    (row,) = [w for w in snap["workers"] if w["address"] == target]
+    assert [row[k] for k in ("reclaims", "leaks", "restarts")] == [1, 0, 0]
+    assert (snap["reclaims"], snap["leaks"]) == (1, 0)
+    assert "0 leaks, 1 reclaimed" in render(snap).splitlines()[0]
     return ev
 
 

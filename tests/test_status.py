@@ -58,19 +58,20 @@ async def test_status_table_json_and_events_by_name(c, s):
         for row in rows.values():
             assert any(uuid in row for uuid in verified)
             assert "NVIDIA" in row and "16.0 GiB" in row and "/256 MiB" in row
-        # RESTARTS and LEAKS columns: alpha restarted once for one leak, beta never
-        assert rows["alpha"].split()[-4:] == ["1", "1", "0", "-"]
-        assert rows["beta"].split()[-4:] == ["0", "0", "0", "-"]
+        # RESTARTS, LEAKS, RECLAIMED, FALLBACKS: alpha restarted once for one leak
+        assert rows["alpha"].split()[-5:] == ["1", "1", "0", "0", "-"]
+        assert rows["beta"].split()[-5:] == ["0", "0", "0", "0", "-"]
 
         code, out, err = await cli("status", s.address, "--json")
         assert code == 0, err
         snap = json.loads(out)
         assert snap["version"] == 1 and snap["scheduler"] == s.address and snap["guard"]
-        assert (snap["restarts"], snap["leaks"]) == (1, 1)
+        assert (snap["restarts"], snap["leaks"], snap["reclaims"]) == (1, 1, 0)
         workers = {w["name"]: w for w in snap["workers"]}
         assert set(workers) == set(NAMES)
         assert workers["alpha"]["address"] == alpha.worker_address
-        assert (workers["alpha"]["restarts"], workers["alpha"]["leaks"]) == (1, 1)
+        alpha_counts = [workers["alpha"][k] for k in ("restarts", "leaks", "reclaims")]
+        assert alpha_counts == [1, 1, 0]
         for w in workers.values():
             assert w["gpus"] == 1 and w["quarantined"] is None
             (device,) = w["devices"]

@@ -6,7 +6,7 @@ theme), from the same snapshot as ``accelsched status``
 (:class:`~accelsched.scheduler.snapshot.Observer`):
 
 - a table, one row per worker and verified GPU: name, memory, UUID, leases in use, leak
-  estimate against its threshold, restarts, leaks, fallbacks, quarantine;
+  estimate against its threshold, restarts, leaks, reclaimed leaks, fallbacks, quarantine;
 - the leak estimate of each device over time, its threshold dashed, leaks marked ``x``
   and restarts, quarantines and unhealthy devices as vertical lines;
 - fallbacks over time (cumulative).

@@ -68,6 +68,7 @@ COLUMNS: Final = [
     ("leak", "LEAK/THRESHOLD"),
     ("restarts", "RESTARTS"),
     ("leaks", "LEAKS"),
+    ("reclaims", "RECLAIMED"),
     ("fallbacks", "FALLBACKS"),
     ("quarantine", "QUARANTINE"),
 ]
@@ -150,6 +151,7 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
                 else _leak(d["leak_estimate"], d["leak_threshold"]),
                 "restarts": str(w["restarts"]),
                 "leaks": str(w["leaks"]),
+                "reclaims": str(w["reclaims"]),
                 "fallbacks": str(w["fallbacks"]),
                 "quarantine": quarantine_text(w["quarantined"]),
             }
@@ -172,7 +174,8 @@ def summary(snap: StatusReply) -> str:
     quarantined = sum(1 for w in snap["workers"] if w["quarantined"])
     line = (
         f"{len(snap['workers'])} workers, {gpus} verified GPUs, {quarantined} quarantined; "
-        f"{snap['restarts']} restarts, {snap['leaks']} leaks, {snap['fallbacks']} fallbacks"
+        f"{snap['restarts']} restarts, {snap['leaks']} leaks, {snap['reclaims']} reclaimed, "
+        f"{snap['fallbacks']} fallbacks"
     )
     if not snap["guard"]:
         line += " (no GuardPlugin registered: no GPU is verified)"

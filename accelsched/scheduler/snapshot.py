@@ -5,7 +5,7 @@ One snapshot (:class:`~accelsched.protocol.StatusReply`) serves both. It joins w
 scheduler side already holds (its grants, declarations and quarantine) with what
 only each worker knows (leases in use, the leak estimate and its threshold), which rides
 on the workers' heartbeats as a custom metric (:mod:`accelsched.worker.figures`). Counts
-of restarts, leaks and fallbacks come from the events (the single source), fed by the
+of restarts, leaks, reclaimed leaks and fallbacks come from the events (the single source), fed by the
 PlacementPlugin's ``log_event`` hook and replayed from the event log at start, so a
 re-registered plugin counts what happened before it.
 
@@ -53,7 +53,12 @@ MAX_FALLBACKS = 1000
 MAX_NAMES = 4096
 #: Events drawn as markers on the dashboard's time lines.
 MARKED = frozenset({events.LEAK, events.RESTART, events.QUARANTINE, events.GPU_UNHEALTHY})
-_COUNTED = {events.RESTART: "restarts", events.LEAK: "leaks", events.FALLBACK: "fallbacks"}
+_COUNTED = {
+    events.RESTART: "restarts",
+    events.LEAK: "leaks",
+    events.LEAK_RECLAIMED: "reclaims",
+    events.FALLBACK: "fallbacks",
+}
 _PERIODIC = "accelsched-observe"
 
 
@@ -165,6 +170,7 @@ class Observer:
             "workers": workers,
             "restarts": self.totals["restarts"],
             "leaks": self.totals["leaks"],
+            "reclaims": self.totals["reclaims"],
             "fallbacks": self.totals["fallbacks"],
             "names": names,
         }
@@ -207,6 +213,7 @@ class Observer:
             "devices": devices,
             "restarts": counts["restarts"],
             "leaks": counts["leaks"],
+            "reclaims": counts["reclaims"],
             "fallbacks": counts["fallbacks"],
         }
 
