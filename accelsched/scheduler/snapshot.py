@@ -5,9 +5,9 @@ One snapshot (:class:`~accelsched.protocol.StatusReply`) serves both. It joins w
 scheduler side already holds (its grants, declarations and quarantine) with what
 only each worker knows (leases in use, the leak estimate and its threshold), which rides
 on the workers' heartbeats as a custom metric (:mod:`accelsched.worker.figures`). Counts
-of restarts, leaks, reclaimed leaks and fallbacks come from the events (the single source), fed by the
-PlacementPlugin's ``log_event`` hook and replayed from the event log at start, so a
-re-registered plugin counts what happened before it.
+of restarts, leaks, reclaimed leaks and fallbacks come from the events (the single
+source), fed by the PlacementPlugin's ``log_event`` hook and replayed from the event log
+at start, so a re-registered plugin counts what happened before it.
 
 Workers are shown by name: a worker restarted through its nanny comes back at a new
 address under the same name, and its counts and history carry on.
