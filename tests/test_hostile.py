@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -28,9 +30,23 @@ from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
 from accelsched.demo.chart import report_path
+from accelsched.devices.backend import BACKEND_ENV
 from accelsched.observe.status_table import render
 from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
-from tests.utils import GPU_WORKER, cli, cli_process, gpus, status_snapshot, wait_for
+from accelsched.testing import state
+from tests import processes
+from tests.processes import running
+from tests.utils import (
+    ACCELSCHED,
+    GPU_WORKER,
+    SIMULATE,
+    cli,
+    cli_process,
+    gpus,
+    status_snapshot,
+    until,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -464,3 +480,46 @@ async def _hostile_names(c: Any, s: Any, a: Worker, b: Worker) -> None:
     ours = [m for _, m in s.get_events("accelsched") if m["action"] in accelsched.events.ACTIONS]
     assert len(out.splitlines()) == len(ours)  # one line an event, however named
     assert "'evil\\nrow: " in out and "\\x9b" in out
+
+
+def test_hostile_worker_names_on_a_command_line_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same where users meet it: ``dask worker --name`` given an escape sequence and
+    a newline, each on a simulated GPU, joining ``dask scheduler --preload accelsched``;
+    ``accelsched status`` and ``accelsched events`` run as the commands they are."""
+    # Each worker brings its own simulated GPU (``accelsched simulate``), which refuses to
+    # run inside this module's fake GPUs: the processes start without them.
+    for key in (state.ENV_DIR, state.ENV_STANDIN, BACKEND_ENV):
+        monkeypatch.delenv(key, raising=False)
+    sched = processes.scheduler(tmp_path, "--preload", "accelsched")
+    with running(sched):
+        address = processes.scheduler_address(tmp_path / "scheduler.json", sched)
+        workers = [
+            processes.worker(tmp_path, name, address, before=SIMULATE) for name in HOSTILE_NAMES
+        ]
+        with running(*workers):
+
+            def command(*args: str) -> str:
+                done = subprocess.run(
+                    [ACCELSCHED, *args, address], capture_output=True, text=True, timeout=60
+                )
+                assert done.returncode == 0, done.stderr
+                return done.stdout
+
+            def verified() -> bool:
+                """both hostile-named workers' GPUs verified"""
+                snap = json.loads(command("status", "--json"))
+                return sorted(len(w["devices"]) for w in snap["workers"]) == [1, 1]
+
+            until(verified, timeout=60)
+            out = command("status")
+            assert raw_controls(out) == [], out
+            assert len(out.splitlines()) == 2 + 2  # the summary, the heading, a row each
+            assert "'\\x1b[2J'" in out and "'evil\\nrow'" in out
+
+            out = command("events", "--action", "gpu-verified")
+            assert raw_controls(out) == [], out
+            lines = out.splitlines()
+            assert len(lines) == 2 and all(re.match(r"\d\d:\d\d:\d\d ", ln) for ln in lines)
+            assert "'\\x1b[2J: verified" in out and "'evil\\nrow: verified" in out
