@@ -286,15 +286,17 @@ def test_existing_benchmarks_figures(results: tuple[Path, dict[str, Any]]) -> No
 @pytest.mark.timeout(900)
 def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> None:
     overhead, scale = results[1]["overhead"], results[1]["scale"]
-    for kind in ("gpu", "cpu"):
-        rounds = overhead[kind]["rounds"]
-        assert len(rounds["plain"]) == len(rounds["accelsched"]) == overhead["rounds"] >= 5
-        assert all(r["wall"] > 0 for r in rounds["plain"] + rounds["accelsched"])
-        assert set(overhead[kind]["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
-    read = overhead["gpu"]["nvml_read"]  # the guard's measurement: about one read a task
+    for config in ("cli", "in_process"):  # both configurations, every kind paired
+        for kind in ("gpu", "cpu"):
+            figures = overhead[config][kind]
+            rounds = figures["rounds"]
+            assert len(rounds["plain"]) == len(rounds["accelsched"]) == overhead["rounds"] >= 5
+            assert all(r["wall"] > 0 for r in rounds["plain"] + rounds["accelsched"])
+            assert set(figures["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
+    read = overhead["cli"]["gpu"]["nvml_read"]  # the guard's measurement: one read a task
     assert 0.5 <= read["reads_per_task"] <= 3 and read["wall_us"]["median"] > 0
     # without a context no reading can be a base: tasks are not read around
-    assert overhead["gpu"]["nvml_read_no_context"]["reads_per_task"] < 0.5
+    assert overhead["cli"]["gpu"]["nvml_read_no_context"]["reads_per_task"] < 0.5
     assert {(r["unrunnable"], r["timeout"]) for r in scale["check"]} == {
         (n, t) for n in bench_scale.QUICK_SIZES for t in ("1h", None)
     }

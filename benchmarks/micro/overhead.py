@@ -1,10 +1,17 @@
 """What accelsched costs per task: paired rounds against plain distributed.
 
-Two clusters side by side, identical but for accelsched: each a ``dask scheduler``
-process and two single-thread ``dask worker`` processes (with their nannies) that see
-two simulated GPUs (``accelsched.testing.fake_gpus``) and own one each
-(``--resources GPU=1``). One of them gets ``accelsched.register``; the other is plain
-distributed. Every round runs the same workload on both, in alternating order:
+Two configurations, each with two clusters identical but for accelsched (one gets
+``accelsched.register``, the other is plain distributed), whose two single-thread
+workers see two simulated GPUs (``accelsched.testing.fake_gpus``) and own one each
+(``resources={"GPU": 1}``):
+
+- ``cli``: the clusters side by side for the whole run, each a ``dask scheduler``
+  process and two ``dask worker`` processes with their nannies, as the command line
+  starts them (:mod:`benchmarks.micro.cli_cluster`);
+- ``in_process``: a fresh cluster per round and side, its scheduler in this process
+  (``SpecCluster``) and two ``Nanny`` workers, as a script or notebook starts one.
+
+Every round runs the same workload on both sides, in alternating order:
 
 - ``gpu``: tiny tasks asking for ``resources={"GPU": 1}`` (placed, bound, measured by
   accelsched; merely counted by plain distributed);
@@ -12,25 +19,29 @@ distributed. Every round runs the same workload on both, in alternating order:
   unrequested GPU use by accelsched).
 
 Per round and cluster: wall time from submit to the last result, and CPU seconds spent
-by the scheduler process and by the worker processes, divided by the task count. The
+by the scheduler and by the worker processes, divided by the task count (in process,
+the scheduler's figure is this whole process: the scheduler and the client). The
 figures are the medians over rounds of the paired ratio (accelsched / plain) and of the
 paired CPU differences, with their spread (min, max).
 
 Run with ``python -m benchmarks overhead [--rounds 7]`` (``--quick``: 30 tasks, 5
-rounds, workers without nannies: a smoke run whose ratios are noise). The clusters are
-started by :mod:`benchmarks.micro.cli_cluster`.
+rounds, command-line workers without nannies: a smoke run whose ratios are noise).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
-from distributed import Client
+from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import accelsched
 from accelsched.testing import fake_gpus
@@ -126,24 +137,50 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def measure(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str, Any]:
+def _summary(rows: dict[str, list[dict]]) -> dict[str, Any]:
+    """Paired figures of one kind of task: ratios and differences, round by round."""
+    pairs = list(zip(rows["plain"], rows["accelsched"], strict=True))
+    return {
+        "wall_ratio": _spread([a["wall"] / p["wall"] for p, a in pairs]),
+        "plain_wall_s": _spread([p["wall"] for p, _ in pairs]),
+        "accelsched_wall_s": _spread([a["wall"] for _, a in pairs]),
+        "scheduler_cpu_us_per_task": {
+            "plain": _spread([p["sched_us"] for p, _ in pairs]),
+            "accelsched": _spread([a["sched_us"] for _, a in pairs]),
+            "delta": _spread([a["sched_us"] - p["sched_us"] for p, a in pairs]),
+        },
+        "worker_cpu_us_per_task": {
+            "plain": _spread([p["worker_us"] for p, _ in pairs]),
+            "accelsched": _spread([a["worker_us"] for _, a in pairs]),
+            "delta": _spread([a["worker_us"] - p["worker_us"] for p, a in pairs]),
+        },
+        "rounds": rows,
+    }
+
+
+def _ready(client: Client, label: str) -> None:
+    """Both GPUs verified before measuring."""
+    deadline = time.monotonic() + 60
+    while _verified(client) < 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{label} cluster: GPUs not verified")
+        time.sleep(0.05)
+
+
+def measure_cli(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str, Any]:
+    """The command-line configuration: both clusters up for the whole run."""
     with (
-        fake_gpus(count=2),
         cli_cluster(tmp, "plain", nanny) as (plain, ps),
         cli_cluster(tmp, "accelsched", nanny) as (acc, accs),
     ):
         accelsched.register(acc)
         acc.wait_for_workers(2)
-        deadline = time.monotonic() + 30  # both GPUs verified before measuring
-        while _verified(acc) < 2:
-            if time.monotonic() > deadline:
-                raise RuntimeError("accelsched cluster: GPUs not verified")
-            time.sleep(0.1)
+        _ready(acc, "accelsched")
         clusters = {
             "plain": (plain, ps, worker_processes(plain)),
             "accelsched": (acc, accs, worker_processes(acc)),
         }
-        result: dict[str, Any] = {"tasks": tasks, "rounds": rounds}
+        result: dict[str, Any] = {}
         for kind in ("gpu", "cpu"):
             gpu = kind == "gpu"
             for client, sched, workers in clusters.values():  # warm up: contexts, imports
@@ -154,23 +191,7 @@ def measure(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str,
                 for name in order:
                     client, sched, workers = clusters[name]
                     rows[name].append(_round(client, sched, workers, tasks, gpu))
-            pairs = list(zip(rows["plain"], rows["accelsched"], strict=True))
-            result[kind] = {
-                "wall_ratio": _spread([a["wall"] / p["wall"] for p, a in pairs]),
-                "plain_wall_s": _spread([p["wall"] for p, _ in pairs]),
-                "accelsched_wall_s": _spread([a["wall"] for _, a in pairs]),
-                "scheduler_cpu_us_per_task": {
-                    "plain": _spread([p["sched_us"] for p, _ in pairs]),
-                    "accelsched": _spread([a["sched_us"] for _, a in pairs]),
-                    "delta": _spread([a["sched_us"] - p["sched_us"] for p, a in pairs]),
-                },
-                "worker_cpu_us_per_task": {
-                    "plain": _spread([p["worker_us"] for p, _ in pairs]),
-                    "accelsched": _spread([a["worker_us"] for _, a in pairs]),
-                    "delta": _spread([a["worker_us"] - p["worker_us"] for p, a in pairs]),
-                },
-                "rounds": rows,
-            }
+            result[kind] = _summary(rows)
             if gpu:
                 result[kind]["nvml_read_no_context"] = _nvml_read_cost(
                     *clusters["accelsched"], tasks
@@ -180,6 +201,79 @@ def measure(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str,
         return result
 
 
+@contextlib.contextmanager
+def _quiet_workers() -> Iterator[None]:
+    """Worker processes that log errors only, as the command-line clusters do: they set
+    up logging on import, before a nanny's ``env`` or dask config reaches them, so the
+    environment they inherit says it."""
+    key = "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED"
+    saved = os.environ.get(key)
+    os.environ[key] = "error"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = saved
+
+
+@contextlib.contextmanager
+def in_process_cluster(label: str) -> Iterator[Client]:
+    """A scheduler in this process and two single-thread ``Nanny`` workers, one
+    simulated GPU each (``CUDA_VISIBLE_DEVICES`` in the worker's environment)."""
+    workers = {
+        f"{label}-{device}": {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "resources": {"GPU": 1},
+                "env": {"CUDA_VISIBLE_DEVICES": device},
+                "dashboard": False,
+            },
+        }
+        for device in ("0", "1")
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
+    with (
+        _quiet_workers(),
+        SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(2, timeout=60)
+        yield client
+
+
+def measure_in_process(tasks: int, rounds: int) -> dict[str, Any]:
+    """The in-process configuration: a fresh pair of clusters every round, started in
+    alternating order; each runs a warm-up, the GPU tasks, then the CPU tasks."""
+    here = psutil.Process()
+    rows: dict[str, dict[str, list[dict]]] = {
+        kind: {"plain": [], "accelsched": []} for kind in ("gpu", "cpu")
+    }
+    for r in range(rounds):
+        for name in ["plain", "accelsched"] if r % 2 == 0 else ["accelsched", "plain"]:
+            with in_process_cluster(name) as client:
+                if name == "accelsched":
+                    accelsched.register(client)
+                    _ready(client, name)
+                workers = worker_processes(client)
+                _round(client, here, workers, min(200, tasks), True)  # warm up
+                for kind in ("gpu", "cpu"):
+                    rows[kind][name].append(_round(client, here, workers, tasks, kind == "gpu"))
+    return {kind: _summary(kind_rows) for kind, kind_rows in rows.items()}
+
+
+def measure(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str, Any]:
+    with fake_gpus(count=2):
+        return {
+            "tasks": tasks,
+            "rounds": rounds,
+            "cli": measure_cli(tasks, rounds, tmp, nanny),
+            "in_process": measure_in_process(tasks, rounds),
+        }
+
+
 def _verified(client: Client) -> int:
     """Workers whose GPU the scheduler places against (the scheduler process cannot
     import this module: ask through ``scheduler_info``)."""
@@ -187,39 +281,50 @@ def _verified(client: Client) -> int:
     return sum(1 for w in workers if w.get("resources", {}).get("GPU", 0) >= 1)
 
 
+CONFIGS = {"cli": "command line", "in_process": "in process"}
+
+
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
-    """Per-round wall ratio and CPU per task, GPU and CPU tasks side by side."""
+    """Per configuration (a row each): per-round wall ratio and CPU per task, GPU and
+    CPU tasks side by side."""
     from benchmarks.harness.plots import plt, save  # the Agg backend, as every benchmark draws
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, grid = plt.subplots(len(CONFIGS), 3, figsize=(12, 3.4 * len(CONFIGS)), squeeze=False)
     kinds = ["gpu", "cpu"]
-    ratios = [
-        [
-            a["wall"] / p["wall"]
-            for p, a in zip(
-                result[k]["rounds"]["plain"], result[k]["rounds"]["accelsched"], strict=True
-            )
+    for axes, (config, title) in zip(grid, CONFIGS.items(), strict=True):
+        figures = result[config]
+        ratios = [
+            [
+                a["wall"] / p["wall"]
+                for p, a in zip(
+                    figures[k]["rounds"]["plain"], figures[k]["rounds"]["accelsched"], strict=True
+                )
+            ]
+            for k in kinds
         ]
-        for k in kinds
-    ]
-    axes[0].boxplot(ratios, tick_labels=[f"{k} tasks" for k in kinds])
-    axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].axhline(1.03, color="red", lw=0.8, ls="--", label="target 1.03")
-    axes[0].set_ylabel("wall time, accelsched / plain")
-    axes[0].legend(fontsize=8)
-    for ax, figure, label in (
-        (axes[1], "worker_us", "worker CPU µs per task"),
-        (axes[2], "sched_us", "scheduler CPU µs per task"),
-    ):
-        data, labels = [], []
-        for k in kinds:
-            for name in ("plain", "accelsched"):
-                data.append([r[figure] for r in result[k]["rounds"][name]])
-                labels.append(f"{k}\n{name}")
-        ax.boxplot(data, tick_labels=labels)
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelsize=7)
+        axes[0].boxplot(ratios, tick_labels=[f"{k} tasks" for k in kinds])
+        axes[0].axhline(1.0, color="grey", lw=0.8)
+        axes[0].axhline(1.03, color="red", lw=0.8, ls="--", label="target 1.03")
+        axes[0].set_ylabel("wall time, accelsched / plain")
+        axes[0].set_title(title, fontsize=9, loc="left")
+        axes[0].legend(fontsize=8)
+        scheduler_label = "scheduler CPU µs per task"
+        if config == "in_process":
+            scheduler_label = "scheduler + client CPU µs per task"
+        for ax, figure, label in (
+            (axes[1], "worker_us", "worker CPU µs per task"),
+            (axes[2], "sched_us", scheduler_label),
+        ):
+            data, labels = [], []
+            for k in kinds:
+                for name in ("plain", "accelsched"):
+                    data.append([r[figure] for r in figures[k]["rounds"][name]])
+                    labels.append(f"{k}\n{name}")
+            ax.boxplot(data, tick_labels=labels)
+            ax.set_ylabel(label, fontsize=8)
+            ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{result['tasks']} tiny tasks, {result['rounds']} paired rounds")
+    fig.tight_layout()
     return [save(fig, out / f"{NAME}.png", dpi=110)]
 
 
