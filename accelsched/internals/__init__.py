@@ -99,6 +99,7 @@ from accelsched.internals.worker import (
     send_to_scheduler,
     set_own_gpus,
     stored_value,
+    worker_in_service,
     wrap_execution,
     wrap_task,
 )
@@ -169,6 +170,7 @@ __all__ = [
     "wait_gone",
     "worker_metric",
     "worker_plugin_registered",
+    "worker_in_service",
     "wrap_execution",
     "wrap_set_resources",
     "send_to_scheduler",

@@ -61,6 +61,13 @@ def advertises_gpus(worker: Worker) -> bool:
     return GPU in worker.state.total_resources
 
 
+def worker_in_service(worker: Worker) -> bool:
+    """Whether the worker runs (or is paused): not closing, not being replaced."""
+    from distributed.core import Status
+
+    return worker.status in (Status.running, Status.paused)
+
+
 def plugin_modules(worker: Worker) -> list[str]:
     """Modules of the worker's plugins (dask-cuda adds its own)."""
     return [type(p).__module__ for p in getattr(worker, "plugins", {}).values()]

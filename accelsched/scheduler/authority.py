@@ -76,6 +76,12 @@ class Authority:
                 logger.debug("accelsched: %s could not confirm a request: %r", worker, exc)
         if isinstance(reply, dict) and reply.get("confirmed") is True:
             return True
+        answered = isinstance(reply, dict) and "confirmed" in reply
+        if not answered and not internals.in_service(self.scheduler, worker):
+            # A worker being restarted (or gone) may not answer: its own request, sent
+            # again while its process was being replaced, is no forgery. Refused all the
+            # same, and not reported as forged.
+            return False
         self._refused_request(worker, handler, str(getattr(comm, "peer_address", None)))
         return False
 

@@ -221,7 +221,9 @@ class Inventory:
             reply: RestartReply = await getattr(worker.scheduler, RESTART_HANDLER)(**request)
             logger.info("accelsched: restart request answered %r", reply)
         except Exception as exc:
-            logger.warning("accelsched: restart request (%s) failed: %r", RESTART_HANDLER, exc)
+            # a worker being replaced loses this call with its process: nothing to say
+            log = logger.warning if internals.worker_in_service(worker) else logger.debug
+            log("accelsched: restart request (%s) failed: %r", RESTART_HANDLER, exc)
         finally:
             self.pending.forget(request["request"])
             self.restart_pending = False
