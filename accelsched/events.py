@@ -69,8 +69,9 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
     run out. ``key``, ``device``, ``declared``, ``measured`` (bytes).
 ``request-refused`` (scheduler)
     A request naming a worker did not come from that worker: the worker, called back at
-    its registered address, did not confirm it (one being restarted that cannot answer
-    is refused without it). Nothing changed. ``handler``, ``peer``
+    its registered address, did not confirm it (a restart request with an id from a
+    worker the scheduler is replacing, which cannot be reached any more, is refused
+    without it). Nothing changed. ``handler``, ``peer``
     (the address the request came from), ``repeats`` (refusals of the same kind for the
     same worker in the minute before, not logged one by one).
 """

@@ -78,6 +78,7 @@ from accelsched.internals.scheduler import (
     wrap_set_resources,
 )
 from accelsched.internals.servers import (
+    UNREACHABLE,
     call_later,
     call_soon,
     cancel_call,
@@ -106,6 +107,7 @@ from accelsched.internals.worker import (
 
 __all__ = [
     "TESTED_DISTRIBUTED",
+    "UNREACHABLE",
     "Bound",
     "IncompatibleDistributed",
     "add_dashboard_page",
@@ -168,9 +170,9 @@ __all__ = [
     "task_spec",
     "unrunnable",
     "wait_gone",
+    "worker_in_service",
     "worker_metric",
     "worker_plugin_registered",
-    "worker_in_service",
     "wrap_execution",
     "wrap_set_resources",
     "send_to_scheduler",

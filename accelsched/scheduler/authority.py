@@ -12,7 +12,9 @@ nobody but the scheduler can drain a worker.
 The connection's own address proves nothing either way (a multi-homed worker or one
 behind NAT connects from another address than it advertises). A refusal is logged as a
 ``request-refused`` event, at most once a minute per worker and handler, so a flood of
-forged requests cannot push other events out of the scheduler's log.
+forged requests cannot push other events out of the scheduler's log; the one exception
+is a worker's own restart request that cannot be confirmed because the scheduler is
+replacing its process at that moment.
 """
 
 from __future__ import annotations
@@ -61,28 +63,40 @@ class Authority:
         internals.remove_handler(self.scheduler, CONFIRM_HANDLER, self.confirm_order)
 
     async def confirmed(
-        self, comm: Any, worker: str, request: Any, handler: str, content: Mapping[str, Any]
+        self,
+        comm: Any,
+        worker: str,
+        request: Any,
+        handler: str,
+        content: Mapping[str, Any],
+        *,
+        replacing: bool = False,
     ) -> bool:
         """Whether ``worker`` itself sent ``request`` to ``handler`` saying ``content``:
-        ask it, at its registered address."""
+        ask it, at its registered address.
+
+        ``replacing``: the scheduler is replacing that worker's process now. A request
+        with an id whose call back then fails to reach the worker is refused without the
+        forged-request report: it is the worker's own, asked again while its process
+        was going (a reply saying no, or a request without an id, is reported as ever).
+        """
         assert self.scheduler is not None
         reply: ConfirmReply | None = None
+        unreachable = False
         if isinstance(request, str) and request:
             try:
                 reply = await getattr(self.scheduler.rpc(worker), CONFIRM_HANDLER)(
                     request=request, fingerprint=fingerprint(handler, content)
                 )
-            except Exception as exc:  # gone, no guard, or not a worker at all
+            except internals.UNREACHABLE as exc:  # gone, or going
+                logger.debug("accelsched: %s could not confirm a request: %r", worker, exc)
+                unreachable = True
+            except Exception as exc:  # no guard, or not a worker at all
                 logger.debug("accelsched: %s could not confirm a request: %r", worker, exc)
         if isinstance(reply, dict) and reply.get("confirmed") is True:
             return True
-        answered = isinstance(reply, dict) and "confirmed" in reply
-        if not answered and not internals.in_service(self.scheduler, worker):
-            # A worker being restarted (or gone) may not answer: its own request, sent
-            # again while its process was being replaced, is no forgery. Refused all the
-            # same, and not reported as forged.
-            return False
-        self._refused_request(worker, handler, str(getattr(comm, "peer_address", None)))
+        if not (unreachable and replacing):
+            self._refused_request(worker, handler, str(getattr(comm, "peer_address", None)))
         return False
 
     def token_for(self, worker: str) -> str:

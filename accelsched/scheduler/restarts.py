@@ -91,8 +91,14 @@ class Restarts:
         assert scheduler is not None
         if not self._active():
             return {"status": "no-plugin"}
-        if worker not in scheduler.workers or not await self._authority.confirmed(
-            comm, worker, request, RESTART_HANDLER, {"reason": reason, **figures}
+        ws = scheduler.workers.get(worker)
+        if ws is None or not await self._authority.confirmed(
+            comm,
+            worker,
+            request,
+            RESTART_HANDLER,
+            {"reason": reason, **figures},
+            replacing=(ws.nanny or worker) in self.budget.in_flight,
         ):
             return restart_reply(None, authentic=False)
         ws = scheduler.workers.get(worker)

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Callable, Mapping
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
@@ -47,6 +48,13 @@ __all__ = ["Inventory", "under_dask_cuda"]
 
 logger = logging.getLogger(__name__)
 
+#: Replies to a restart request saying the scheduler is restarting this worker.
+TAKEN = frozenset({"accepted", "in-flight"})
+#: Seconds not to ask again after such a reply: a restart is over in well under this
+#: (about 0.2 s with fast restarts; a drain waiting for a long task answers "in-flight"
+#: again), and one that was given up is asked for again after it.
+RESTART_TAKEN_HOLD = 5.0
+
 
 class Inventory:
     """Devices visible, owned and granted; the requests this worker has outstanding."""
@@ -64,6 +72,9 @@ class Inventory:
         self.declared: object = None  # as the worker was started: maybe no number at all
         self.pending = Outstanding()  # requests this worker sent, unconfirmed
         self.restart_pending = False
+        #: Until when (monotonic) not to ask again: the scheduler took the last request
+        #: and is replacing this process (asked now, it could not answer the call back).
+        self.restart_taken_until = 0.0
         self.draining = False  # the scheduler restarts this worker: GPU tasks go back
         self._offering = asyncio.Lock()
         #: What this worker's events carry (the PlacementPlugin's word for it): None
@@ -197,7 +208,7 @@ class Inventory:
 
     def ask_restart(self, reason: str, nbytes: int) -> None:
         """Ask the scheduler, once at a time, to restart this worker without loss."""
-        if self.restart_pending:
+        if self.restart_pending or monotonic() < self.restart_taken_until:
             return
         assert self.worker is not None
         try:
@@ -220,6 +231,10 @@ class Inventory:
         try:
             reply: RestartReply = await getattr(worker.scheduler, RESTART_HANDLER)(**request)
             logger.info("accelsched: restart request answered %r", reply)
+            if isinstance(reply, dict) and reply.get("status") in TAKEN:
+                # a restart that is given up (no peer to take the data, say) is asked
+                # for again after this: the leak is still there
+                self.restart_taken_until = monotonic() + RESTART_TAKEN_HOLD
         except Exception as exc:
             # a worker being replaced loses this call with its process: nothing to say
             log = logger.warning if internals.worker_in_service(worker) else logger.debug
