@@ -404,6 +404,73 @@ def test_pid_offset(gpus: FakeGPUs) -> None:
     assert nvml.has_cuda_context().has_context
 
 
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from accelsched.testing import device_alloc
+    buf = device_alloc(100 * 2**20, device=0)
+    print("allocated", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def _holder() -> subprocess.Popen:
+    """A process holding 100 MiB (and a context) on GPU 0, until its stdin closes."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDER],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline() == "allocated\n"
+    return child
+
+
+def test_an_ended_process_holds_nothing_even_when_its_pid_is_reused(gpus: FakeGPUs) -> None:
+    """The driver frees an ended process's memory. Before, the fake kept counting a
+    killed process's record whenever a later process got its pid (pids wrap at
+    ``pid_max``, 32768 on many machines, within minutes under the leak benchmark's
+    churn: a device showed a leak nobody held), and while the ended process was a
+    zombie. A pid cannot be reused on purpose: the record is moved onto the pid of a
+    live process that never touched a GPU, the state pid reuse leaves on disk."""
+    child = _holder()
+    child.kill()  # no clean-up: its record stays behind
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, left unreaped
+    try:
+        # a zombie (killed, not yet reaped) holds nothing
+        assert state.alive(child.pid) is False
+        assert procs(0) == {} and used(0) == 0
+        assert state.read_procs(gpus.path) == {}
+    finally:
+        child.wait()
+        child.communicate()
+    stale = gpus.path / "proc" / str(child.pid)
+    assert stale.read_text().startswith("start ")  # who wrote it, besides what it held
+    later = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        stale.rename(gpus.path / "proc" / str(later.pid))
+        assert state.alive(later.pid) and procs(0) == {} and used(0) == 0
+        assert state.read_procs(gpus.path) == {}
+        standin.nvmlInit()
+        try:
+            assert snapshot(standin) == snapshot(pynvml)
+        finally:
+            standin.nvmlShutdown()
+        # the live holder itself is counted, by both
+        holder = _holder()
+        try:
+            assert procs(0) == {holder.pid: CTX + 100 * MiB}
+            assert state.read_procs(gpus.path) == {holder.pid: {0: CTX + 100 * MiB}}
+        finally:
+            holder.communicate("", timeout=60)
+    finally:
+        later.communicate(b"", timeout=60)
+
+
 # ---- the pure-Python stand-in ----
 
 

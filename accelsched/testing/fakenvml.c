@@ -13,9 +13,13 @@
  *   flags        optional lines: no_process_memory | pid_offset <n> | context_bytes <n> |
  *                fault <nvml_index> all|memory|processes|lost  (injected NVML errors)
  *   proc/<pid>   lines "<slot> <bytes>": that process's device memory, where a slot is
- *                an NVML index for a whole GPU, and count + k for the k-th line of `mig`
+ *                an NVML index for a whole GPU, and count + k for the k-th line of `mig`;
+ *                first, where known, "start <ticks>": the writer's start time (field 22
+ *                of Linux's /proc/<pid>/stat)
  *
- * A dead pid's file is ignored, as the driver frees a dead process's memory. Like
+ * The file of a process that has ended is ignored, as the driver frees an ended
+ * process's memory: a dead pid, a zombie, or a pid now used by a later process (its
+ * start time differs from the file's). Like
  * the real library, devices are numbered physically: CUDA_VISIBLE_DEVICES is ignored,
  * and MIG devices are not counted by nvmlDeviceGetCount: they are reached through
  * their parent (nvmlDeviceGetMigDeviceHandleByIndex) or by UUID. A MIG-mode GPU's
@@ -216,7 +220,39 @@ static int load_state(struct state *st)
     return 0;
 }
 
-static int alive(pid_t pid) { return kill(pid, 0) == 0 || errno != ESRCH; }
+/* From /proc/<pid>/stat: the state letter and the start time; 0 where unreadable. */
+static int proc_stat(pid_t pid, char *state, unsigned long long *start)
+{
+    char path[64], buf[1024], *p;
+    size_t n;
+    FILE *f;
+    snprintf(path, sizeof(path), "/proc/%ld/stat", (long)pid);
+    if ((f = fopen(path, "r")) == NULL)
+        return 0;
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    if ((p = strrchr(buf, ')')) == NULL) /* after the command, which may hold ')' */
+        return 0;
+    /* state (field 3), then fields 4..21, then starttime (field 22) */
+    if (sscanf(p + 1, " %c %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s "
+                      "%*s %*s %llu", state, start) != 2)
+        return 0;
+    return 1;
+}
+
+/* Whether `pid` runs, is no zombie and, when `start` is known (`has_start`), is the
+ * process that started then rather than a later one on a reused pid. */
+static int alive(pid_t pid, int has_start, unsigned long long start)
+{
+    char state;
+    unsigned long long now;
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+        return 0;
+    if (!proc_stat(pid, &state, &now)) /* no /proc: what kill says */
+        return 1;
+    return state != 'Z' && (!has_start || now == start);
+}
 
 static int by_pid(const void *a, const void *b)
 {
@@ -256,13 +292,28 @@ static unsigned load_procs(const struct state *st, const struct target *t, struc
     while (n < MAX_PROCS && (e = readdir(d)) != NULL) {
         char *end;
         long pid = strtol(e->d_name, &end, 10);
+        unsigned long long start = 0;
+        int has_start;
         FILE *f;
-        if (*e->d_name == '\0' || *end != '\0' || pid <= 0 || !alive((pid_t)pid))
+        if (*e->d_name == '\0' || *end != '\0' || pid <= 0)
             continue;
         snprintf(path, sizeof(path), "%s/proc/%s", st->dir, e->d_name);
         if ((f = fopen(path, "r")) == NULL)
             continue; /* replaced or removed meanwhile */
-        while (n < MAX_PROCS && fgets(line, sizeof(line), f)) {
+        if (fgets(line, sizeof(line), f) == NULL) {
+            fclose(f);
+            continue;
+        }
+        has_start = sscanf(line, "start %llu", &start) == 1;
+        if (!alive((pid_t)pid, has_start, start)) {
+            fclose(f);
+            continue;
+        }
+        if (has_start && fgets(line, sizeof(line), f) == NULL) {
+            fclose(f);
+            continue;
+        }
+        do {
             unsigned slot;
             unsigned long long bytes;
             if (sscanf(line, "%u %llu", &slot, &bytes) == 2 && on_target(st, t, slot)) {
@@ -273,7 +324,7 @@ static unsigned load_procs(const struct state *st, const struct target *t, struc
                 out[n].ci = mig >= 0 ? st->mig[mig].ci : NOT_AVAILABLE_UINT;
                 n++;
             }
-        }
+        } while (n < MAX_PROCS && fgets(line, sizeof(line), f));
         fclose(f);
     }
     closedir(d);

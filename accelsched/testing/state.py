@@ -17,15 +17,20 @@ the devices and on who holds how much memory, with no server to keep alive.
     without the host PID namespace), ``context_bytes <n>`` (what a CUDA context costs),
     ``fault <nvml_index> <kind>`` (injected NVML errors, see :data:`FAULT_KINDS`).
 ``proc/<pid>``
-    ``<slot> <bytes>`` per device the process has a context on, bytes including the
-    context. A slot is a GPU's NVML index, or ``count + k`` for the k-th MIG device of
-    ``mig`` (:func:`read_slots`). Written atomically; the file of a dead pid is ignored,
-    as the driver frees a dead process's memory.
+    ``start <ticks>`` first where the writer's start time is known (Linux: field 22 of
+    ``/proc/<pid>/stat``), then ``<slot> <bytes>`` per device the process has a context
+    on, bytes including the context. A slot is a GPU's NVML index, or ``count + k`` for
+    the k-th MIG device of ``mig`` (:func:`read_slots`). Written atomically. The file of
+    a process that has ended is ignored, as the driver frees an ended process's memory:
+    a dead pid, a zombie (it has exited; the driver does not wait for its reaping), or
+    a pid now used by another process (its start time differs: pids are reused, and
+    soon where ``pid_max`` is 32768).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import secrets
 import threading
@@ -235,13 +240,43 @@ def write_flags(path: Path, flags: Flags) -> None:
     _atomic_write(path / "flags", "".join(line + "\n" for line in lines))
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (EPERM means it runs under another user)."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """``pid``'s state letter and start time (clock ticks since boot) from Linux's
+    ``/proc/<pid>/stat``; None where it cannot be read (no such process, no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        fields = data[data.rindex(b")") + 2 :].split()  # after the command, which may hold ")"
+        return fields[0].decode(), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), None where unknown."""
+    stat = _stat(pid)
+    return None if stat is None else stat[1]
+
+
+@functools.lru_cache(maxsize=8)
+def _writer_start(pid: int) -> int | None:
+    """The start time of the process writing (itself, by :func:`write_proc`'s callers):
+    read once, as it publishes on every allocation."""
+    return start_time(pid)
+
+
+def alive(pid: int, started: int | None = None) -> bool:
+    """Whether ``pid`` runs (EPERM means it runs under another user), is no zombie, and,
+    given ``started``, is the process that started then (not a later one on its pid)."""
     try:
         os.kill(pid, 0)
     except OSError as e:
-        return e.errno != errno.ESRCH
-    return True
+        if e.errno == errno.ESRCH:
+            return False
+    stat = _stat(pid)
+    if stat is None:  # no /proc: what kill says
+        return True
+    return stat[0] != "Z" and (started is None or stat[1] == started)
 
 
 def read_procs(path: Path) -> dict[int, dict[int, int]]:
@@ -252,18 +287,22 @@ def read_procs(path: Path) -> dict[int, dict[int, int]]:
     except FileNotFoundError:
         return out
     for pid in entries:
-        if pid <= 0 or not alive(pid):
+        if pid <= 0:
             continue
         try:
             text = (path / "proc" / str(pid)).read_text()
         except FileNotFoundError:
             continue
+        started: int | None = None
         usage: dict[int, int] = {}
         for line in text.splitlines():
             parts = line.split()
-            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            if len(parts) == 2 and parts[0] == "start" and parts[1].isdigit():
+                started = int(parts[1])
+            elif len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
                 usage.setdefault(int(parts[0]), int(parts[1]))
-        out[pid] = usage
+        if alive(pid, started):
+            out[pid] = usage
     return out
 
 
@@ -273,7 +312,9 @@ def write_proc(path: Path, pid: int, usage: Mapping[int, int]) -> None:
     if not usage:
         target.unlink(missing_ok=True)
         return
-    _atomic_write(target, "".join(f"{i} {n}\n" for i, n in sorted(usage.items())))
+    started = _writer_start(pid)
+    head = "" if started is None else f"start {started}\n"
+    _atomic_write(target, head + "".join(f"{i} {n}\n" for i, n in sorted(usage.items())))
 
 
 def device_used(path: Path, slot: int, count: int | None = None) -> int:
