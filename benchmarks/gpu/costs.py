@@ -16,8 +16,10 @@ Measured (:mod:`benchmarks.gpu.probes`, then :mod:`benchmarks.gpu.on_cluster`):
 - ``guard_runner``: µs the GuardPlugin adds to one task, timed on its runner wrappers
   directly (device lease + CUDA device switch + pool free after the task; the watcher a
   CPU task gets on a GPU worker), and the wrapping itself.
-- ``cluster_tasks``: µs per tiny GPU task end to end, without then with the plugins
-  (scheduler round trips dominate; the difference is the guard's share, noisy).
+- ``cluster_tasks``: µs per tiny GPU task end to end on a plain cluster and on one with
+  the plugins, both on GPU 0, in 7 paired rounds of 300 tasks (5 of 100 with
+  ``--quick``) in alternating order: the paired ratio and difference (median, min,
+  max); scheduler round trips dominate, the difference is the guard's share.
 - ``nvml_query``: µs per ``NVMLMonitor.process_memory`` and ``used``.
 - ``guard_check``: µs per periodic leak check (``LeakCheck.check``) over one device.
 - ``free_all_blocks``: µs per ``CupyPool.free_all()`` with ~1 GiB cached (one block,

@@ -1,8 +1,11 @@
 """The GPU benchmark's measurements on a cluster: tiny GPU tasks with and without the
-plugins, then a real leak: its detection and the worker's restart to ready.
+plugins in paired rounds, then a real leak: its detection and the worker's restart to
+ready.
 
-One scheduler and two nannies in this process's event loop: one worker owning GPU 0,
-one seeing none (the peer the leaking worker's results move to).
+Everything in this process's event loop: a scheduler with the plugins and two nannies,
+one worker owning GPU 0 and one seeing none (the peer the leaking worker's results move
+to), and beside it for the paired rounds a plain scheduler whose one worker also uses
+GPU 0.
 """
 
 from __future__ import annotations
@@ -71,24 +74,56 @@ async def _timed_batch(client: Any, fn: Callable, n: int, tag: str) -> float:
     return elapsed / n * 1e6
 
 
+def _spread(values: list[float], digits: int = 1) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+    }
+
+
+async def _paired(clients: dict[str, Any], n: int, rounds: int) -> dict[str, Any]:
+    """``rounds`` paired batches of ``n`` tiny GPU tasks on a plain cluster and on one
+    with the plugins, in alternating order: µs per task end to end, their paired ratio
+    and difference (median, min, max)."""
+    rows: dict[str, list[float]] = {name: [] for name in clients}
+    names = list(clients)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            rows[name].append(await _timed_batch(clients[name], gpu_tiny_task, n, f"{name}{r}"))
+    pairs = list(zip(rows["plain"], rows["accelsched"], strict=True))
+    return {
+        "tasks_per_batch": n,
+        "rounds": rounds,
+        # the medians of each side (the table's two rows) and the paired figures
+        "without_plugins_us": round(statistics.median(rows["plain"]), 1),
+        "with_plugins_us": round(statistics.median(rows["accelsched"]), 1),
+        "ratio": _spread([a / p for p, a in pairs], 3),
+        "difference_us": _spread([a - p for p, a in pairs]),
+        "all_without_us": [round(x, 1) for x in rows["plain"]],
+        "all_with_us": [round(x, 1) for x in rows["accelsched"]],
+    }
+
+
 async def cluster_bench(fake: bool, quick: bool, out: dict[str, Any]) -> None:
-    """Fills ``out`` as it goes, so a later phase failing keeps the earlier figures."""
+    """Fills ``out`` as it goes, so a later phase failing keeps the earlier figures.
+
+    Two clusters share GPU 0: a plain one (its worker declares ``GPU=1``) and one with
+    the plugins (its GPU worker and a worker seeing no GPU, the peer a leaking worker's
+    results move to). The tiny tasks run on both in paired rounds; the leak, after the
+    plain cluster is gone, on the one with the plugins."""
     from distributed import Client, Nanny, Scheduler
 
     import accelsched
 
-    n = 100 if quick else 300
+    n, rounds = (100, 5) if quick else (300, 7)
+    gpu_env = {"CUDA_VISIBLE_DEVICES": "0"}
     async with (
         Scheduler(dashboard=False, port=0) as s,
-        Nanny(
-            s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": "0"}, resources={"GPU": 1}
-        ) as gpu,
+        Nanny(s.address, nthreads=1, env=gpu_env, resources={"GPU": 1}) as gpu,
         Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": ""}) as _cpu,
         Client(s.address, asynchronous=True) as c,
     ):
-        # without the plugins: distributed alone places on the declared resource
-        await _timed_batch(c, tiny_task, n, "warm")
-        without = [await _timed_batch(c, tiny_task, n, f"bare{r}") for r in range(3)]
         await accelsched.register(  # type: ignore[misc]
             c, check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2
         )
@@ -97,16 +132,16 @@ async def cluster_bench(fake: bool, quick: bool, out: dict[str, Any]) -> None:
             return await _events(c, "gpu-verified")
 
         await _until(verified, 30, "gpu-verified")
-        await _timed_batch(c, gpu_tiny_task, n, "gwarm")  # context creation happens here
-        with_ = [await _timed_batch(c, gpu_tiny_task, n, f"guard{r}") for r in range(3)]
-        out["cluster_tasks"] = {
-            "tasks_per_batch": n,
-            "without_plugins_us": round(statistics.median(without), 1),
-            "with_plugins_us": round(statistics.median(with_), 1),
-            "difference_us": round(statistics.median(with_) - statistics.median(without), 1),
-            "all_without_us": [round(x, 1) for x in without],
-            "all_with_us": [round(x, 1) for x in with_],
-        }
+        async with (
+            Scheduler(dashboard=False, port=0) as plain_s,
+            Nanny(plain_s.address, nthreads=1, env=gpu_env, resources={"GPU": 1}),
+            Client(plain_s.address, asynchronous=True) as plain,
+        ):
+            await plain.wait_for_workers(1)
+            clients = {"plain": plain, "accelsched": c}
+            for name, client in clients.items():  # the context is made here
+                await _timed_batch(client, gpu_tiny_task, n, f"{name}-warm")
+            out["cluster_tasks"] = await _paired(clients, n, rounds)
 
         # a leak: detection latency, then the lossless restart and the worker's return
         import dask

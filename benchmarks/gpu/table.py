@@ -50,6 +50,11 @@ def table(result: dict) -> str:
         ("cluster", "cluster_tasks", "with_plugins_us"),
         "us/task",
     )
+    add(
+        "tiny GPU task, with / without (paired median)",
+        ("cluster", "cluster_tasks", "ratio", "median"),
+        "x",
+    )
     add("NVMLMonitor.process_memory", ("nvml_query", "process_memory", "median_us"), "us/call")
     add(
         "GuardPlugin.check (one device)",
