@@ -297,6 +297,8 @@ static unsigned load_procs(const struct state *st, const struct target *t, struc
         FILE *f;
         if (*e->d_name == '\0' || *end != '\0' || pid <= 0)
             continue;
+        if (kill((pid_t)pid, 0) != 0 && errno == ESRCH)
+            continue; /* most records left behind are of dead pids: not opened */
         snprintf(path, sizeof(path), "%s/proc/%s", st->dir, e->d_name);
         if ((f = fopen(path, "r")) == NULL)
             continue; /* replaced or removed meanwhile */

@@ -265,14 +265,20 @@ def _writer_start(pid: int) -> int | None:
     return start_time(pid)
 
 
-def alive(pid: int, started: int | None = None) -> bool:
-    """Whether ``pid`` runs (EPERM means it runs under another user), is no zombie, and,
-    given ``started``, is the process that started then (not a later one on its pid)."""
+def _exists(pid: int) -> bool:
+    """Whether there is a process ``pid`` (EPERM: one of another user), zombies too."""
     try:
         os.kill(pid, 0)
     except OSError as e:
-        if e.errno == errno.ESRCH:
-            return False
+        return e.errno != errno.ESRCH
+    return True
+
+
+def alive(pid: int, started: int | None = None) -> bool:
+    """Whether ``pid`` runs (EPERM means it runs under another user), is no zombie, and,
+    given ``started``, is the process that started then (not a later one on its pid)."""
+    if not _exists(pid):
+        return False
     stat = _stat(pid)
     if stat is None:  # no /proc: what kill says
         return True
@@ -287,7 +293,7 @@ def read_procs(path: Path) -> dict[int, dict[int, int]]:
     except FileNotFoundError:
         return out
     for pid in entries:
-        if pid <= 0:
+        if pid <= 0 or not _exists(pid):  # most records left behind are of dead pids
             continue
         try:
             text = (path / "proc" / str(pid)).read_text()
