@@ -31,6 +31,7 @@ from accelsched.testing import (
     device_alloc,
     fake_gpus,
     fixed_pool,
+    liveness,
     standin,
     state,
 )
@@ -440,7 +441,7 @@ def test_an_ended_process_holds_nothing_even_when_its_pid_is_reused(gpus: FakeGP
     os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, left unreaped
     try:
         # a zombie (killed, not yet reaped) holds nothing
-        assert state.alive(child.pid) is False
+        assert liveness.alive(child.pid) is False
         assert procs(0) == {} and used(0) == 0
         assert state.read_procs(gpus.path) == {}
     finally:
@@ -453,7 +454,7 @@ def test_an_ended_process_holds_nothing_even_when_its_pid_is_reused(gpus: FakeGP
     )
     try:
         stale.rename(gpus.path / "proc" / str(later.pid))
-        assert state.alive(later.pid) and procs(0) == {} and used(0) == 0
+        assert liveness.alive(later.pid) and procs(0) == {} and used(0) == 0
         assert state.read_procs(gpus.path) == {}
         standin.nvmlInit()
         try:

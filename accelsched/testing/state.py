@@ -29,8 +29,6 @@ the devices and on who holds how much memory, with no server to keep alive.
 
 from __future__ import annotations
 
-import errno
-import functools
 import os
 import secrets
 import threading
@@ -39,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelsched.devices.visible import resolve_devices
+from accelsched.testing.liveness import alive, exists, writer_start
 
 __all__ = [
     "ENV_DIR",
@@ -57,7 +56,6 @@ __all__ = [
     "visible_slots",
     "read_flags",
     "write_flags",
-    "alive",
     "read_procs",
     "write_proc",
     "device_used",
@@ -240,51 +238,6 @@ def write_flags(path: Path, flags: Flags) -> None:
     _atomic_write(path / "flags", "".join(line + "\n" for line in lines))
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """``pid``'s state letter and start time (clock ticks since boot) from Linux's
-    ``/proc/<pid>/stat``; None where it cannot be read (no such process, no ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        fields = data[data.rindex(b")") + 2 :].split()  # after the command, which may hold ")"
-        return fields[0].decode(), int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot), None where unknown."""
-    stat = _stat(pid)
-    return None if stat is None else stat[1]
-
-
-@functools.lru_cache(maxsize=8)
-def _writer_start(pid: int) -> int | None:
-    """The start time of the process writing (itself, by :func:`write_proc`'s callers):
-    read once, as it publishes on every allocation."""
-    return start_time(pid)
-
-
-def _exists(pid: int) -> bool:
-    """Whether there is a process ``pid`` (EPERM: one of another user), zombies too."""
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno != errno.ESRCH
-    return True
-
-
-def alive(pid: int, started: int | None = None) -> bool:
-    """Whether ``pid`` runs (EPERM means it runs under another user), is no zombie, and,
-    given ``started``, is the process that started then (not a later one on its pid)."""
-    if not _exists(pid):
-        return False
-    stat = _stat(pid)
-    if stat is None:  # no /proc: what kill says
-        return True
-    return stat[0] != "Z" and (started is None or stat[1] == started)
-
-
 def read_procs(path: Path) -> dict[int, dict[int, int]]:
     """Live processes' device memory: ``{pid: {nvml_index: bytes}}``, by pid."""
     out: dict[int, dict[int, int]] = {}
@@ -293,7 +246,7 @@ def read_procs(path: Path) -> dict[int, dict[int, int]]:
     except FileNotFoundError:
         return out
     for pid in entries:
-        if pid <= 0 or not _exists(pid):  # most records left behind are of dead pids
+        if pid <= 0 or not exists(pid):  # most records left behind are of dead pids
             continue
         try:
             text = (path / "proc" / str(pid)).read_text()
@@ -318,7 +271,7 @@ def write_proc(path: Path, pid: int, usage: Mapping[int, int]) -> None:
     if not usage:
         target.unlink(missing_ok=True)
         return
-    started = _writer_start(pid)
+    started = writer_start(pid)
     head = "" if started is None else f"start {started}\n"
     _atomic_write(target, head + "".join(f"{i} {n}\n" for i, n in sorted(usage.items())))
 

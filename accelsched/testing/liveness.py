@@ -1,0 +1,62 @@
+"""Whether the process that wrote a memory record still runs.
+
+The driver frees a process's device memory when it ends, so the fake NVML counts a
+record (``proc/<pid>`` in the state directory, :mod:`accelsched.testing.state`) only
+while its writer runs: not for a dead pid, not for a zombie (it has exited; the driver
+does not wait for its reaping), and not for a later process on a reused pid (pids wrap,
+within minutes where ``pid_max`` is 32768). A record carries its writer's start time for
+that; ``fakenvml.c`` makes the same checks.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+
+__all__ = ["alive", "exists", "start_time", "writer_start"]
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """``pid``'s state letter and start time (clock ticks since boot) from Linux's
+    ``/proc/<pid>/stat``; None where it cannot be read (no such process, no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        fields = data[data.rindex(b")") + 2 :].split()  # after the command, which may hold ")"
+        return fields[0].decode(), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), None where unknown."""
+    stat = _stat(pid)
+    return None if stat is None else stat[1]
+
+
+@functools.lru_cache(maxsize=8)
+def writer_start(pid: int) -> int | None:
+    """The start time of the process writing its own record: read once, as it
+    publishes on every allocation."""
+    return start_time(pid)
+
+
+def exists(pid: int) -> bool:
+    """Whether there is a process ``pid`` (EPERM: one of another user), zombies too."""
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno != errno.ESRCH
+    return True
+
+
+def alive(pid: int, started: int | None = None) -> bool:
+    """Whether ``pid`` runs (EPERM means it runs under another user), is no zombie, and,
+    given ``started``, is the process that started then (not a later one on its pid)."""
+    if not exists(pid):
+        return False
+    stat = _stat(pid)
+    if stat is None:  # no /proc: what kill says
+        return True
+    return stat[0] != "Z" and (started is None or stat[1] == started)
