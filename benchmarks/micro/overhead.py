@@ -9,7 +9,8 @@ workers see two simulated GPUs (``accelsched.testing.fake_gpus``) and own one ea
   process and two ``dask worker`` processes with their nannies, as the command line
   starts them (:mod:`benchmarks.micro.cli_cluster`);
 - ``in_process``: a fresh cluster per round and side, its scheduler in this process
-  (``SpecCluster``) and two ``Nanny`` workers, as a script or notebook starts one.
+  (``SpecCluster``) and two ``Nanny`` workers, as a script or notebook starts one
+  (:mod:`benchmarks.micro.in_process_cluster`).
 
 Every round runs the same workload on both sides, in alternating order:
 
@@ -30,22 +31,19 @@ rounds, command-line workers without nannies: a smoke run whose ratios are noise
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
-from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed import Client
 
 import accelsched
 from accelsched.testing import fake_gpus
 from benchmarks.micro.cli_cluster import cli_cluster, cpu_seconds, worker_processes
+from benchmarks.micro.in_process_cluster import in_process_cluster
 
 NAME = "overhead"
 
@@ -199,49 +197,6 @@ def measure_cli(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[
         # last, as it leaves a context on each worker: the measurement's own cost
         result["gpu"]["nvml_read"] = _nvml_read_cost(*clusters["accelsched"], tasks, True)
         return result
-
-
-@contextlib.contextmanager
-def _quiet_workers() -> Iterator[None]:
-    """Worker processes that log errors only, as the command-line clusters do: they set
-    up logging on import, before a nanny's ``env`` or dask config reaches them, so the
-    environment they inherit says it."""
-    key = "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED"
-    saved = os.environ.get(key)
-    os.environ[key] = "error"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = saved
-
-
-@contextlib.contextmanager
-def in_process_cluster(label: str) -> Iterator[Client]:
-    """A scheduler in this process and two single-thread ``Nanny`` workers, one
-    simulated GPU each (``CUDA_VISIBLE_DEVICES`` in the worker's environment)."""
-    workers = {
-        f"{label}-{device}": {
-            "cls": Nanny,
-            "options": {
-                "nthreads": 1,
-                "resources": {"GPU": 1},
-                "env": {"CUDA_VISIBLE_DEVICES": device},
-                "dashboard": False,
-            },
-        }
-        for device in ("0", "1")
-    }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
-    with (
-        _quiet_workers(),
-        SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR) as cluster,
-        Client(cluster) as client,
-    ):
-        client.wait_for_workers(2, timeout=60)
-        yield client
 
 
 def measure_in_process(tasks: int, rounds: int) -> dict[str, Any]:
