@@ -184,8 +184,8 @@ async def test_a_worker_being_replaced_that_cannot_answer_is_not_called_a_forger
 @pytest.mark.usefixtures("fake_gpus_2")
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_a_worker_whose_restart_was_taken_does_not_ask_again_meanwhile(c, s, a):
-    """An accepted (or in-flight) restart request holds the worker's next one back for
-    a while: its process is being replaced."""
+    """An accepted (or in-flight) restart request holds the worker's next one for the
+    same reason back for a while: its process is being replaced."""
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.address) == 1)
     inventory = guard(a).inventory
@@ -204,8 +204,12 @@ async def test_a_worker_whose_restart_was_taken_does_not_ask_again_meanwhile(c, 
         inventory.ask_restart("leak", 1)  # held back
         await asyncio.sleep(0.1)
         assert len(sent) == 1 and not inventory.restart_pending
+        # another reason is sent: a failing GPU asks once, and must not be lost
+        inventory.ask_restart("gpu-unhealthy", 0)
+        await wait_for(lambda: len(sent) == 2 and not inventory.restart_pending)
+        assert sent[1]["reason"] == "gpu-unhealthy"
         inventory.restart_taken_until = 0.0  # the hold over: asked again
         inventory.ask_restart("leak", 1)
-        await wait_for(lambda: len(sent) == 2)
+        await wait_for(lambda: len(sent) == 3)
     finally:
         s.handlers[RESTART_HANDLER] = handler

@@ -220,15 +220,22 @@ static int load_state(struct state *st)
     return 0;
 }
 
-/* From /proc/<pid>/stat: the state letter and the start time; 0 where unreadable. */
+/* From /proc/<pid>/stat: the state letter and the start time; 0 where unreadable. Where
+ * /proc exists but holds no such process (it ended after kill saw it): state 'X'. */
 static int proc_stat(pid_t pid, char *state, unsigned long long *start)
 {
     char path[64], buf[1024], *p;
     size_t n;
     FILE *f;
     snprintf(path, sizeof(path), "/proc/%ld/stat", (long)pid);
-    if ((f = fopen(path, "r")) == NULL)
+    if ((f = fopen(path, "r")) == NULL) {
+        if (errno == ENOENT && access("/proc/self/stat", R_OK) == 0) {
+            *state = 'X';
+            *start = 0;
+            return 1;
+        }
         return 0;
+    }
     n = fread(buf, 1, sizeof(buf) - 1, f);
     fclose(f);
     buf[n] = '\0';
@@ -251,7 +258,7 @@ static int alive(pid_t pid, int has_start, unsigned long long start)
         return 0;
     if (!proc_stat(pid, &state, &now)) /* no /proc: what kill says */
         return 1;
-    return state != 'Z' && (!has_start || now == start);
+    return state != 'Z' && state != 'X' && (!has_start || now == start);
 }
 
 static int by_pid(const void *a, const void *b)

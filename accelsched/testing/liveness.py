@@ -5,26 +5,33 @@ record (``proc/<pid>`` in the state directory, :mod:`accelsched.testing.state`) 
 while its writer runs: not for a dead pid, not for a zombie (it has exited; the driver
 does not wait for its reaping), and not for a later process on a reused pid (pids wrap,
 within minutes where ``pid_max`` is 32768). A record carries its writer's start time for
-that; ``fakenvml.c`` makes the same checks.
+that; ``fakenvml.c`` makes the same checks. (A process whose main thread has exited
+while other threads run shows as a zombie too: such a process is taken as ended.)
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import os
 
-__all__ = ["alive", "exists", "start_time", "writer_start"]
+__all__ = ["HAS_PROC", "alive", "exists", "start_time", "writer_start"]
+
+
+#: Whether this system has Linux's ``/proc`` (else liveness is what ``kill`` says).
+HAS_PROC = os.path.exists("/proc/self/stat")
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
     """``pid``'s state letter and start time (clock ticks since boot) from Linux's
-    ``/proc/<pid>/stat``; None where it cannot be read (no such process, no ``/proc``)."""
+    ``/proc/<pid>/stat``; ``("X", 0)`` (dead) where ``/proc`` exists but holds no such
+    process (it ended after ``kill`` saw it); None where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
         fields = data[data.rindex(b")") + 2 :].split()  # after the command, which may hold ")"
         return fields[0].decode(), int(fields[19])
+    except FileNotFoundError:
+        return ("X", 0) if HAS_PROC else None
     except (OSError, ValueError, IndexError):
         return None
 
@@ -35,11 +42,22 @@ def start_time(pid: int) -> int | None:
     return None if stat is None else stat[1]
 
 
-@functools.lru_cache(maxsize=8)
+_WRITER: dict[int, int] = {}
+
+
 def writer_start(pid: int) -> int | None:
     """The start time of the process writing its own record: read once, as it
-    publishes on every allocation."""
-    return start_time(pid)
+    publishes on every allocation (not remembered when it could not be read; forgotten
+    in a forked child)."""
+    started = _WRITER.get(pid)
+    if started is None:
+        started = start_time(pid)
+        if started is not None:
+            _WRITER[pid] = started
+    return started
+
+
+os.register_at_fork(after_in_child=_WRITER.clear)
 
 
 def exists(pid: int) -> bool:
@@ -59,4 +77,4 @@ def alive(pid: int, started: int | None = None) -> bool:
     stat = _stat(pid)
     if stat is None:  # no /proc: what kill says
         return True
-    return stat[0] != "Z" and (started is None or stat[1] == started)
+    return stat[0] not in ("Z", "X") and (started is None or stat[1] == started)

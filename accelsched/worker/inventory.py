@@ -72,9 +72,11 @@ class Inventory:
         self.declared: object = None  # as the worker was started: maybe no number at all
         self.pending = Outstanding()  # requests this worker sent, unconfirmed
         self.restart_pending = False
-        #: Until when (monotonic) not to ask again: the scheduler took the last request
-        #: and is replacing this process (asked now, it could not answer the call back).
+        #: Until when (monotonic) not to ask again for the same reason: the scheduler
+        #: took the last request and is replacing this process (asked now, it could not
+        #: answer the call back). Another reason (a GPU failing, asked for once) is sent.
         self.restart_taken_until = 0.0
+        self.restart_taken_for = ""
         self.draining = False  # the scheduler restarts this worker: GPU tasks go back
         self._offering = asyncio.Lock()
         #: What this worker's events carry (the PlacementPlugin's word for it): None
@@ -208,7 +210,9 @@ class Inventory:
 
     def ask_restart(self, reason: str, nbytes: int) -> None:
         """Ask the scheduler, once at a time, to restart this worker without loss."""
-        if self.restart_pending or monotonic() < self.restart_taken_until:
+        if self.restart_pending or (
+            reason == self.restart_taken_for and monotonic() < self.restart_taken_until
+        ):
             return
         assert self.worker is not None
         try:
@@ -235,6 +239,7 @@ class Inventory:
                 # a restart that is given up (no peer to take the data, say) is asked
                 # for again after this: the leak is still there
                 self.restart_taken_until = monotonic() + RESTART_TAKEN_HOLD
+                self.restart_taken_for = reason
         except Exception as exc:
             # a worker being replaced loses this call with its process: nothing to say
             log = logger.warning if internals.worker_in_service(worker) else logger.debug
