@@ -17,8 +17,9 @@ Measured (:mod:`benchmarks.gpu.probes`, then :mod:`benchmarks.gpu.on_cluster`):
   directly (device lease + CUDA device switch + pool free after the task; the watcher a
   CPU task gets on a GPU worker), and the wrapping itself.
 - ``cluster_tasks``: µs per tiny GPU task end to end on a plain cluster and on one with
-  the plugins, both on GPU 0, in 7 paired rounds of 300 tasks (5 of 100 with
-  ``--quick``) in alternating order: the paired ratio and difference (median, min,
+  the plugins, both on GPU 0, each worker with a CUDA context made first (so the guard
+  measures every task, as for real GPU work), in 7 paired rounds of 300 tasks (5 of 100
+  with ``--quick``) in alternating order: the paired ratio and difference (median, min,
   max); scheduler round trips dominate, the difference is the guard's share.
 - ``nvml_query``: µs per ``NVMLMonitor.process_memory`` and ``used``.
 - ``guard_check``: µs per periodic leak check (``LeakCheck.check``) over one device.

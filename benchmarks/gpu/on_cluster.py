@@ -62,14 +62,38 @@ async def _until(predicate: Callable[[], Any], timeout: float, what: str) -> Any
         await asyncio.sleep(0.02)
 
 
-async def _timed_batch(client: Any, fn: Callable, n: int, tag: str) -> float:
+def make_context(fake: bool) -> int:
+    """A CUDA context in this worker process on its task's device, as real GPU work makes
+    one (with it, the guard measures every GPU task around it)."""
+    import accelsched
+
+    device = accelsched.current_device() or 0
+    if fake:
+        from accelsched.testing import create_context
+
+        create_context(device)
+    else:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            cupy.zeros(1)
+            cupy.cuda.Device().synchronize()
+    return device
+
+
+async def _timed_batch(
+    client: Any, fn: Callable, n: int, tag: str, results: list | None = None
+) -> float:
+    """µs per task of ``n`` tasks asking for a GPU; their results go to ``results``."""
     import dask
 
     with dask.annotate(resources={"GPU": 1}):
         futures = client.map(fn, range(n), key=[f"{tag}-{i}" for i in range(n)])
     t0 = time.perf_counter()
-    await client.gather(futures)
+    got = await client.gather(futures)
     elapsed = time.perf_counter() - t0
+    if results is not None:
+        results.extend(got)
     del futures
     return elapsed / n * 1e6
 
@@ -87,11 +111,17 @@ async def _paired(clients: dict[str, Any], n: int, rounds: int) -> dict[str, Any
     with the plugins, in alternating order: µs per task end to end, their paired ratio
     and difference (median, min, max)."""
     rows: dict[str, list[float]] = {name: [] for name in clients}
+    results: dict[str, list[int]] = {name: [] for name in clients}
     names = list(clients)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            rows[name].append(await _timed_batch(clients[name], gpu_tiny_task, n, f"{name}{r}"))
+            rows[name].append(
+                await _timed_batch(clients[name], gpu_tiny_task, n, f"{name}{r}", results[name])
+            )
     pairs = list(zip(rows["plain"], rows["accelsched"], strict=True))
+    bound = sum(1 for x in results["accelsched"] if x >= 0)
+    if bound != len(results["accelsched"]):  # every one bound to its device, or no figure
+        raise RuntimeError(f"{len(results['accelsched']) - bound} GPU task(s) ran unbound")
     return {
         "tasks_per_batch": n,
         "rounds": rounds,
@@ -110,8 +140,12 @@ async def cluster_bench(fake: bool, quick: bool, out: dict[str, Any]) -> None:
 
     Two clusters share GPU 0: a plain one (its worker declares ``GPU=1``) and one with
     the plugins (its GPU worker and a worker seeing no GPU, the peer a leaking worker's
-    results move to). The tiny tasks run on both in paired rounds; the leak, after the
-    plain cluster is gone, on the one with the plugins."""
+    results move to). Both workers are started before the plugins are registered (which
+    switches this process's nannies to the fork server), and each makes a CUDA context
+    first, as real GPU work does. The tiny tasks run on both in paired rounds; the leak,
+    after the plain cluster is gone, on the one with the plugins. Both schedulers share
+    this process's event loop: the plugins' scheduler work also slows the plain rounds a
+    little, so the difference, if anything, understates their cost."""
     from distributed import Client, Nanny, Scheduler
 
     import accelsched
@@ -124,22 +158,23 @@ async def cluster_bench(fake: bool, quick: bool, out: dict[str, Any]) -> None:
         Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": ""}) as _cpu,
         Client(s.address, asynchronous=True) as c,
     ):
-        await accelsched.register(  # type: ignore[misc]
-            c, check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2
-        )
-
-        async def verified() -> list:
-            return await _events(c, "gpu-verified")
-
-        await _until(verified, 30, "gpu-verified")
         async with (
             Scheduler(dashboard=False, port=0) as plain_s,
             Nanny(plain_s.address, nthreads=1, env=gpu_env, resources={"GPU": 1}),
             Client(plain_s.address, asynchronous=True) as plain,
         ):
             await plain.wait_for_workers(1)
+            await accelsched.register(  # type: ignore[misc]
+                c, check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2
+            )
+
+            async def verified() -> list:
+                return await _events(c, "gpu-verified")
+
+            await _until(verified, 30, "gpu-verified")
             clients = {"plain": plain, "accelsched": c}
-            for name, client in clients.items():  # the context is made here
+            for name, client in clients.items():
+                await client.submit(make_context, fake, resources={"GPU": 1}, pure=False)
                 await _timed_batch(client, gpu_tiny_task, n, f"{name}-warm")
             out["cluster_tasks"] = await _paired(clients, n, rounds)
 
