@@ -114,7 +114,12 @@ class LeakCheck:
             if v.above == 0:  # nothing unexplained: a base for measuring arrivals
                 self.live.ledger.settle(v.device, settled[v.device])
         self.last_verdicts = verdicts
-        proposals = self.decisions.propose(verdicts, complete=not busy, executing=self._executing)
+        # Complete only with no GPU task in a thread: one that has started (its prefix
+        # recorded) but not yet taken its lease leaves its device unjudged or unused, and
+        # a check then would wrongly clear its prefix as clean (under load, a leak was
+        # reported with no suspects).
+        complete = not busy and not self._executing()
+        proposals = self.decisions.propose(verdicts, complete=complete, executing=self._executing)
         start = monotonic()
         self.actor.apply(proposals)
         if self.decisions.trying:  # collected and freed: measure again, act on the outcome
