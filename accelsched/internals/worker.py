@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from dask._task_spec import GraphNode, Task
+from distributed.core import Status
 
 from accelsched.policy.ownership import valid_declaration
 from accelsched.protocol import GPU, GPU_MEMORY
@@ -63,8 +64,6 @@ def advertises_gpus(worker: Worker) -> bool:
 
 def worker_in_service(worker: Worker) -> bool:
     """Whether the worker runs (or is paused): not closing, not being replaced."""
-    from distributed.core import Status
-
     return worker.status in (Status.running, Status.paused)
 
 

@@ -248,14 +248,13 @@ static int proc_stat(pid_t pid, char *state, unsigned long long *start)
     return 1;
 }
 
-/* Whether `pid` runs, is no zombie and, when `start` is known (`has_start`), is the
- * process that started then rather than a later one on a reused pid. */
+/* Whether `pid`, which kill(pid, 0) found, is no zombie and, when `start` is known
+ * (`has_start`), is the process that started then rather than a later one on a reused
+ * pid. */
 static int alive(pid_t pid, int has_start, unsigned long long start)
 {
     char state;
     unsigned long long now;
-    if (kill(pid, 0) != 0 && errno == ESRCH)
-        return 0;
     if (!proc_stat(pid, &state, &now)) /* no /proc: what kill says */
         return 1;
     return state != 'Z' && state != 'X' && (!has_start || now == start);

@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 
-__all__ = ["HAS_PROC", "alive", "exists", "start_time", "writer_start"]
+__all__ = ["HAS_PROC", "alive", "exists", "writer_start"]
 
 
 #: Whether this system has Linux's ``/proc`` (else liveness is what ``kill`` says).
@@ -36,12 +36,6 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot), None where unknown."""
-    stat = _stat(pid)
-    return None if stat is None else stat[1]
-
-
 _WRITER: dict[int, int] = {}
 
 
@@ -51,9 +45,10 @@ def writer_start(pid: int) -> int | None:
     in a forked child)."""
     started = _WRITER.get(pid)
     if started is None:
-        started = start_time(pid)
-        if started is not None:
-            _WRITER[pid] = started
+        stat = _stat(pid)
+        if stat is None or stat[0] == "X":
+            return None
+        started = _WRITER[pid] = stat[1]
     return started
 
 

@@ -38,6 +38,7 @@ from accelsched.protocol import (
     ReportReply,
     RestartReply,
     RestartRequest,
+    RestartStatus,
     request_content,
 )
 
@@ -49,7 +50,7 @@ __all__ = ["Inventory", "under_dask_cuda"]
 logger = logging.getLogger(__name__)
 
 #: Replies to a restart request saying the scheduler is restarting this worker.
-TAKEN = frozenset({"accepted", "in-flight"})
+TAKEN: frozenset[RestartStatus] = frozenset({"accepted", "in-flight"})
 #: Seconds not to ask again after such a reply: a restart is over in well under this
 #: (about 0.2 s with fast restarts; a drain waiting for a long task answers "in-flight"
 #: again), and one that was given up is asked for again after it.

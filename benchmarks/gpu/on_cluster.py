@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.gpu.device import MiB
+from benchmarks.harness.clusters import spread
 
 
 def tiny_task(i: int) -> int:
@@ -98,12 +99,9 @@ async def _timed_batch(
     return elapsed / n * 1e6
 
 
-def _spread(values: list[float], digits: int = 1) -> dict[str, float]:
-    return {
-        "median": round(statistics.median(values), digits),
-        "min": round(min(values), digits),
-        "max": round(max(values), digits),
-    }
+def _rounded(values: list[float], digits: int = 1) -> dict[str, float]:
+    """:func:`~benchmarks.harness.clusters.spread`, rounded for the table."""
+    return {k: round(v, digits) for k, v in spread(values).items()}
 
 
 async def _paired(clients: dict[str, Any], n: int, rounds: int) -> dict[str, Any]:
@@ -128,8 +126,8 @@ async def _paired(clients: dict[str, Any], n: int, rounds: int) -> dict[str, Any
         # the medians of each side (the table's two rows) and the paired figures
         "without_plugins_us": round(statistics.median(rows["plain"]), 1),
         "with_plugins_us": round(statistics.median(rows["accelsched"]), 1),
-        "ratio": _spread([a / p for p, a in pairs], 3),
-        "difference_us": _spread([a - p for p, a in pairs]),
+        "ratio": _rounded([a / p for p, a in pairs], 3),
+        "difference_us": _rounded([a - p for p, a in pairs]),
         "all_without_us": [round(x, 1) for x in rows["plain"]],
         "all_with_us": [round(x, 1) for x in rows["accelsched"]],
     }
