@@ -5,7 +5,8 @@ answer would let a flapping device (failing and answering by turns) withdraw and
 re-offer itself, with an event and a restart request each time, at every check. So a
 device must answer for a streak of checks first, and each new failure doubles the
 streak it needs (up to a ceiling): one glitch costs a few checks, a flapping device
-stays out. A device a process left out of its inventory (it did not answer then) is
+stays out. Nothing here restarts a worker into a fault it can see (:func:`judge_answers`).
+A device a process left out of its inventory (it did not answer then) is
 on :class:`Probation`: asked again with backoff, and back under the same rule.
 :func:`judge_answers` turns a check's NVML answers into proposals.
 """
@@ -29,6 +30,7 @@ class DeviceHealth:
     _failures: dict[int, int] = field(default_factory=dict)
     _good: dict[int, int] = field(default_factory=dict)  # device -> answers in a row
     withdrawn: set[int] = field(default_factory=set)
+    restart_asked: set[int] = field(default_factory=set)  # back, kept out: restart asked
 
     def __post_init__(self) -> None:
         if self.streak < 1 or self.ceiling < self.streak:
@@ -76,9 +78,15 @@ def judge_answers(
     """What a check's answers call for, device by device in the order asked.
 
     A granted device that stops answering is withdrawn once (however many checks see it
-    fail) and the worker asks for a restart: a new process probes the devices again and
-    reports only those that answer. One that answered long enough comes back when
-    ``recover`` (``recover_gpus``), else stays out until that restart.
+    fail): no new lease lands on it and the worker advertises one GPU fewer, but it keeps
+    serving its other devices and CPU work. It does NOT ask for a restart: a fault NVML
+    shows now is the device's or the driver's, which a new process does not cure (a GPU
+    off the bus stays lost), and a new process started during it may not start at all
+    (distributed's own GPU diagnostics query the first visible device as it starts). So
+    the worker waits for the device to answer. One that answered long enough (the streak
+    :class:`DeviceHealth` requires) comes back in this process when ``recover``
+    (``recover_gpus``); without it, only then does the worker ask for a restart (reason
+    ``gpu-unhealthy``), into a device that answers: the new process verifies it again.
     """
     out: list[Proposal] = []
     for a in answers:
@@ -86,12 +94,15 @@ def judge_answers(
             if a.granted and health.failed(a.device):
                 detail = {"uuid": a.uuid, "error": a.error}
                 out.append(Proposal("withdraw", a.device, "gpu-unhealthy", detail=detail))
-                out.append(Proposal("ask-restart", (a.device,), "gpu-unhealthy", {"nbytes": 0}))
         elif health.answered(a.device):
             if recover:
                 out.append(Proposal("recover", a.device, detail={"uuid": a.uuid}))
-            else:
+            else:  # out of this process; a restart takes it back, now that it answers
                 health.withdrawn.add(a.device)
+                if a.device not in health.restart_asked:  # once: the restart is the cure
+                    health.restart_asked.add(a.device)
+                    proposal = Proposal("ask-restart", (a.device,), "gpu-unhealthy", {"nbytes": 0})
+                    out.append(proposal)
     return out
 
 
