@@ -1,10 +1,12 @@
 """NVML faults, injected through ``FakeGPUs.fail`` / ``lose`` / ``recover``: they never
 reach user tasks; a failing GPU is withdrawn once, without stranding tasks, offered again
-when it answers, and its worker still restarts losslessly when a peer exists."""
+when it answers; its worker is kept (no restart into a fault a new process would meet
+too), with distributed's own GPU diagnostics at their default."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import dask
 import pynvml
@@ -17,6 +19,7 @@ from accelsched.devices.nvml import NVMLMonitor
 from accelsched.policy.health import DeviceHealth
 from accelsched.testing import fake_gpus, standin
 from tests.utils import (
+    FAST,
     TWO_GPU_WORKERS,
     cvd,
     events,
@@ -25,6 +28,7 @@ from tests.utils import (
     guard_checks,
     hold,
     inc,
+    leaky,
     left_out,
     ran_on_gpu,
     status_snapshot,
@@ -136,8 +140,8 @@ def test_failing_gpu_is_withdrawn_once_and_offered_again(calls: str, recover: bo
         (unhealthy,) = events(s, "gpu-unhealthy")
         assert unhealthy["device"] == 1 - held and "Unknown" in unhealthy["error"]
         assert gpus(s, a.address) == 1  # still one fewer, whatever the fault's kind
-        # no nanny: the restart is deferred, and the worker is not quarantined for it
-        assert [e["reason"] for e in events(s, "restart-deferred")] == ["no-nanny"]
+        # no restart into a fault it can see: the worker is kept, not quarantined
+        assert not events(s, "restart-deferred") and not events(s, "restart")
         assert not events(s, "quarantine")
 
         g.recover()
@@ -147,6 +151,12 @@ def test_failing_gpu_is_withdrawn_once_and_offered_again(calls: str, recover: bo
         else:  # answering for longer than it takes to be offered again: kept out
             await guard_checks(c, s, [a.address], STREAK + 2)
             assert not events(s, "gpu-recovered") and gpus(s, a.address) == 1
+            # it answers now: a restart would take it back; no nanny here, so deferred
+            # (once), and the worker is not quarantined for it
+            await wait_for(lambda: events(s, "restart-deferred"))
+            await guard_checks(c, s, [a.address], STREAK + 2)
+            assert [e["reason"] for e in events(s, "restart-deferred")] == ["no-nanny"]
+            assert not events(s, "quarantine")
         if recover:
             assert await two in (0, 1)
         else:
@@ -157,34 +167,38 @@ def test_failing_gpu_is_withdrawn_once_and_offered_again(calls: str, recover: bo
         run()
 
 
-def test_lost_gpu_restarts_its_worker_losslessly() -> None:
+@pytest.mark.parametrize("peer", [True, False])
+def test_a_lost_gpu_keeps_its_worker(peer: bool) -> None:
+    """A GPU off the bus (``NVMLError_GpuIsLost``) is withdrawn and its worker kept, with
+    distributed's GPU diagnostics at their default: no restart into a fault a new
+    process would meet too; the worker serves CPU work, keeps its data, and GPU work
+    goes to the peer's GPU."""
+
     @gen_cluster(
-        client=True,
-        Worker=Nanny,
-        nthreads=TWO_GPU_WORKERS,
-        timeout=90,
-        # distributed's own GPU diagnostics cannot start a worker whose first visible
-        # GPU is lost (NVMLError_GpuIsLost at start-up); see docs/reliability.md
-        config={"distributed.diagnostics.nvml": False},
+        client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS if peer else TWO_GPU_WORKERS[:1]
     )
-    async def run(c, s, a, b):  # type: ignore[no-untyped-def]
+    async def run(c, s, a, *peers):  # type: ignore[no-untyped-def]
         await accelsched.register(c, check_interval="100ms")
         A = a.worker_address
-        await wait_for(lambda: gpus(s, A) == 1 and gpus(s, b.worker_address) == 1)
+        workers = [A] + [p.worker_address for p in peers]
+        await wait_for(lambda: all(gpus(s, w) == 1 for w in workers))
+        pid = (await c.run(os.getpid, workers=[A]))[A]
         kept = await c.scatter({"kept": 42}, workers=[A])
         g.lose(0)
-        await wait_for(lambda: events(s, "restart"), timeout=30)
-        (restart,) = events(s, "restart")
-        assert restart["worker"] == A and restart["reason"] == "gpu-unhealthy"
-        await wait_for(lambda: len(s.workers) == 2 and A not in s.workers)
-        (new,) = set(s.workers) - {b.worker_address}
-        # the new process left the lost GPU out: nothing to verify, nothing placed there
-        await c.run(lambda: None, workers=[new])
-        assert gpus(s, new) == 0
+        await wait_for(lambda: events(s, "gpu-unhealthy"), timeout=30)
+        (unhealthy,) = events(s, "gpu-unhealthy")
+        assert unhealthy["worker"] == A and "GpuIsLost" in unhealthy["error"]
+        await wait_for(lambda: gpus(s, A) == 0)
+        await guard_checks(c, s, [A], 2 * STREAK + 2)  # lost all along: kept, still out
+        assert not events(s, "restart") and not events(s, "restart-deferred")
+        assert set(s.workers) == set(workers) and gpus(s, A) == 0
+        assert (await c.run(os.getpid, workers=[A]))[A] == pid  # the same process
+        assert await c.submit(inc, 1, workers=[A], key="cpu") == 2
         assert await kept["kept"] == 42
-        with dask.annotate(resources={"GPU": 1}):
-            assert await c.submit(accelsched.current_device, key="after") == 0
-        assert s.tasks["after"].who_has == {s.workers[b.worker_address]}
+        if peer:
+            with dask.annotate(resources={"GPU": 1}):
+                assert await c.submit(accelsched.current_device, key="after") == 0
+            assert s.tasks["after"].who_has == {s.workers[workers[1]]}
 
     with fake_gpus(2) as g:
         run()
@@ -218,29 +232,32 @@ def test_a_flapping_gpu_is_reported_once_and_kept_out() -> None:
         run()
 
 
-def test_a_gpu_left_out_after_its_restart_comes_back_when_it_answers(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A short fault on the only GPU worker: it restarts while the device still fails,
-    and the new process leaves it out; once the device answers steadily it is verified
-    and offered again, and the strict GPU tasks that waited meanwhile run, once each."""
+def test_a_gpu_failing_during_a_leak_restart_comes_back_when_it_answers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The only GPU worker, with a peer, restarts for a leak and its GPU fails NVML while
+    it does: the new process starts anyway (distributed's GPU diagnostics at their
+    default) and leaves the device out; once it answers steadily it is verified and
+    offered again, and the strict GPU tasks that waited meanwhile run, once each."""
 
     @gen_cluster(
         client=True,
         Worker=Nanny,
         nthreads=[("127.0.0.1", 1, cvd("0")), ("127.0.0.1", 1, cvd(""))],
         timeout=90,
-        config={"distributed.diagnostics.nvml": False},  # see docs/reliability.md
     )
     async def run(c, s, a, b):  # type: ignore[no-untyped-def]
-        await accelsched.register(c, check_interval="100ms")
+        await accelsched.register(c, **FAST)
         A = a.worker_address
         await wait_for(lambda: gpus(s, A) == 1)
         kept = await c.scatter({"kept": 42}, workers=[A])
-        g.fail(0)
-        await wait_for(lambda: events(s, "gpu-unhealthy"))
+        with dask.annotate(resources={"GPU": 1}):
+            leak = c.submit(leaky, 1, key="leaky-1")
+        await wait_for(lambda: events(s, "restart"), timeout=30)
+        g.fail(0)  # from the restart's admission on: the new process starts during it
+        (restart,) = events(s, "restart")
+        assert restart["worker"] == A and restart["reason"] == "leak"
         path = str(tmp_path / "runs")
         with dask.annotate(resources={"GPU": 1}):  # strict: no GPU anywhere until it is back
             futures = c.map(ran_on_gpu, [path] * 8, range(8), key=[f"g-{i}" for i in range(8)])
-        await wait_for(lambda: events(s, "restart"), timeout=30)
         await wait_for(lambda: len(s.workers) == 2 and A not in s.workers, timeout=30)
         (new,) = set(s.workers) - {b.worker_address}
         for _ in range(200):  # the new process took its inventory while the fault lasted
@@ -249,7 +266,7 @@ def test_a_gpu_left_out_after_its_restart_comes_back_when_it_answers(tmp_path) -
             await asyncio.sleep(0.05)
         assert (await c.run(left_out, workers=[new]))[new] == [0]
         assert gpus(s, new) == 0 and all(f.status == "pending" for f in futures)
-
+        assert len(events(s, "restart")) == 1  # the fault restarts nothing more
         g.recover()
         await wait_for(lambda: gpus(s, new) == 1 and events(s, "gpu-recovered"), timeout=30)
         (recovered,) = events(s, "gpu-recovered")
@@ -262,6 +279,7 @@ def test_a_gpu_left_out_after_its_restart_comes_back_when_it_answers(tmp_path) -
         with open(path) as f:
             assert sorted(int(line) for line in f) == list(range(8))  # each ran once
         assert await kept["kept"] == 42
+        assert await leak == 1
 
     with fake_gpus(2) as g:
         run()

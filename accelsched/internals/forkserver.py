@@ -35,7 +35,14 @@ logger = logging.getLogger("accelsched.internals")
 
 METHOD_KEY = "distributed.worker.multiprocessing-method"
 #: What the server imports besides distributed's own list. No CUDA library here.
-PRELOAD = ("accelsched", "accelsched.worker.inventory", "accelsched.devices.nvml", "pynvml")
+PRELOAD = (
+    "accelsched",
+    "accelsched.worker.inventory",
+    "accelsched.devices.nvml",
+    "pynvml",
+    # forked workers start while their GPU fails NVML (distributed's diagnostics)
+    "accelsched.internals.started_despite_gpu_faults",
+)
 
 _lock = threading.Lock()
 _users: set[int] = set()  # nannies of this process that use the server
