@@ -9,16 +9,17 @@ it back once it answers. Nothing here turns distributed's diagnostics off.
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import dask
 import pytest
-from distributed import Nanny
+from distributed import Event, Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import fake_gpus
-from tests.utils import TWO_GPU_WORKERS, cvd, events, gpus, inc, run_python, wait_for
-
-pytestmark = pytest.mark.filterwarnings("ignore")
+from tests.utils import TWO_GPU_WORKERS, cvd, events, gpus, hold, inc, run_python, wait_for
 
 # ---- distributed's SystemMonitor in a process whose GPU fails NVML -----------------------
 
@@ -56,3 +57,46 @@ def test_a_process_starts_while_its_gpu_fails_nvml(fault: str | None) -> None:
         error = "NVMLError_Unknown" if fault == "all" else "NVMLError_GpuIsLost"
         assert plain.splitlines()[-1] == f"raised {error}"
         assert wrapped.splitlines()[-1] == "started False False"
+
+
+# ---- a transient fault right after verification, on nanny workers ------------------------
+
+
+@pytest.mark.parametrize("peer", [True, False])
+def test_a_transient_fault_after_verification_costs_no_worker(peer: bool) -> None:
+    """GPU 0 fails every NVML query for 3 s right after both workers were verified: it is
+    withdrawn, its worker kept (same process, serving CPU work, no restart asked), and
+    within a minute every worker and every GPU is back and GPU tasks run on each."""
+
+    @gen_cluster(
+        client=True,
+        Worker=Nanny,
+        nthreads=TWO_GPU_WORKERS if peer else [("127.0.0.1", 1, cvd("0"))],
+        timeout=90,
+    )
+    async def run(c, s, *nannies):  # type: ignore[no-untyped-def]
+        await accelsched.register(c, check_interval="100ms")
+        workers = [n.worker_address for n in nannies]
+        await wait_for(lambda: all(gpus(s, w) == 1 for w in workers))
+        A = workers[0]
+        pids = await c.run(os.getpid)
+        g.fail(0)
+        await wait_for(lambda: gpus(s, A) == 0)
+        assert await c.submit(inc, 1, workers=[A], key="cpu") == 2  # CPU work goes on
+        await asyncio.sleep(3)
+        g.recover()
+        await wait_for(lambda: all(gpus(s, w) == 1 for w in workers), timeout=60)
+        assert set(s.workers) == set(workers) and await c.run(os.getpid) == pids
+        assert not events(s, "restart") and not events(s, "restart-deferred")
+        (unhealthy,) = events(s, "gpu-unhealthy")
+        (recovered,) = events(s, "gpu-recovered")
+        assert unhealthy["worker"] == recovered["worker"] == A
+        with dask.annotate(resources={"GPU": 1}):  # one at a time per GPU: one on each
+            held = c.map(hold, ["go"] * len(workers), key=[f"h-{w}" for w in workers])
+        await wait_for(lambda: all(len(s.workers[w].executing) == 1 for w in workers))
+        await Event("go").set()
+        assert await c.gather(held) == [0] * len(workers)
+        assert {next(iter(s.tasks[f.key].who_has)).address for f in held} == set(workers)
+
+    with fake_gpus(2) as g:
+        run()
