@@ -1,9 +1,10 @@
 """GPUs that come back, with every party a process of its own.
 
-``dask scheduler --preload accelsched``, a ``dask worker`` on one simulated GPU
-(``accelsched simulate --gpus 1``) and a GPU-less ``dask worker``: a fault is injected
-through the simulated GPUs' state folder, which every process of that worker (its
-nanny's restarted ones too) reads at each NVML call.
+``dask scheduler --preload accelsched`` and ``dask worker`` processes (with their
+nannies), GPU workers each on one simulated GPU (``accelsched simulate --gpus 1``): a
+fault is injected through the simulated GPUs' state folder, which every process of that
+worker (its nanny's restarted ones too) reads at each NVML call. distributed's own GPU
+diagnostics are left at their default (on).
 """
 
 from __future__ import annotations
@@ -20,10 +21,7 @@ from distributed import Client
 from accelsched.testing import state
 from tests import processes
 from tests.processes import running
-from tests.utils import SIMULATE, events, left_out, ran_on_gpu, until
-
-#: distributed's own GPU diagnostics cannot start a worker whose GPU fails NVML
-NO_DIAGNOSTICS = {"DASK_DISTRIBUTED__DIAGNOSTICS__NVML": "False"}
+from tests.utils import SIMULATE, events, leaky, left_out, ran_on_gpu, until
 
 
 def fake_dir() -> str:
@@ -44,12 +42,18 @@ def gpus_of(client: Client, name: str) -> tuple[str | None, float]:
     return None, 0
 
 
+#: A 512 MiB leak (``leaky``) is declared within a few checks.
+LEAK_OPTIONS = ("--leak-threshold=256MiB", "--leak-confirmations=2")
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[Client, Path]]:
-    sched = processes.scheduler(tmp_path, "--preload", "accelsched", "--check-interval=100ms")
+    sched = processes.scheduler(
+        tmp_path, "--preload", "accelsched", "--check-interval=100ms", *LEAK_OPTIONS
+    )
     with running(sched):
         address = processes.scheduler_address(tmp_path / "scheduler.json", sched)
-        gpu = processes.worker(tmp_path, "gpu", address, before=SIMULATE, env=NO_DIAGNOSTICS)
+        gpu = processes.worker(tmp_path, "gpu", address, before=SIMULATE)
         cpu = processes.worker(tmp_path, "cpu", address, env={"CUDA_VISIBLE_DEVICES": ""})
         with running(gpu, cpu), Client(address, timeout=30) as client:
             try:
@@ -60,7 +64,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Client, Path]]:
                 raise
 
 
-def test_a_gpu_left_out_after_a_restart_comes_back_across_processes(
+def test_a_gpu_failing_during_a_leak_restart_comes_back_across_processes(
     cluster: tuple[Client, Path],
 ) -> None:
     client, tmp = cluster
@@ -70,14 +74,15 @@ def test_a_gpu_left_out_after_a_restart_comes_back_across_processes(
     folder = Path(client.run(fake_dir, workers=[first])[first])
     kept = client.scatter({"kept": 42}, workers=[first])
 
-    set_fault(folder, True)
-    until(lambda: events(client, "gpu-unhealthy"))
+    with dask.annotate(resources={"GPU": 1}):
+        leak = client.submit(leaky, 1, key="leaky-1")
+    until(lambda: events(client, "restart"), timeout=60)
+    set_fault(folder, True)  # while it restarts: the new process starts during the fault
+    (restart,) = events(client, "restart")
+    assert restart["worker"] == first and restart["reason"] == "leak"
     path = str(tmp / "runs")
     with dask.annotate(resources={"GPU": 1}):  # strict: no GPU anywhere until it is back
         futures = client.map(ran_on_gpu, [path] * 6, range(6), key=[f"g-{i}" for i in range(6)])
-    until(lambda: events(client, "restart"), timeout=60)
-    (restart,) = events(client, "restart")
-    assert restart["worker"] == first and restart["reason"] == "gpu-unhealthy"
     until(lambda: gpus_of(client, "gpu")[0] not in (None, first), timeout=60)
     new, count = gpus_of(client, "gpu")
     assert new is not None and count == 0
@@ -97,3 +102,5 @@ def test_a_gpu_left_out_after_a_restart_comes_back_across_processes(
     with open(path) as f:
         assert sorted(int(line) for line in f) == list(range(6))  # each ran once
     assert kept["kept"].result() == 42
+    assert leak.result() == 1
+    assert len(events(client, "restart")) == 1  # the fault restarted nothing
