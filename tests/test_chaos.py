@@ -71,8 +71,6 @@ def test_chaos_pipeline_over_tls() -> None:
         nthreads=[("127.0.0.1", 1, cvd(d)) for d in ("0", "1", "2", "3", "")],
         security=security,
         timeout=240,
-        # distributed's own GPU diagnostics cannot bear a GPU failing NVML
-        config={"distributed.diagnostics.nvml": False},
     )
     async def run(c, s, *nannies):  # type: ignore[no-untyped-def]
         assert s.address.startswith("tls://")

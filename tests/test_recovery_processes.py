@@ -9,19 +9,33 @@ diagnostics are left at their default (on).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import dask
 import pytest
-from distributed import Client
+from distributed import Client, Event
 
 from accelsched.testing import state
 from tests import processes
 from tests.processes import running
-from tests.utils import SIMULATE, events, leaky, left_out, ran_on_gpu, until
+from tests.utils import (
+    ACCELSCHED,
+    SIMULATE,
+    events,
+    hold,
+    inc,
+    leaky,
+    left_out,
+    ran_on_gpu,
+    until,
+)
 
 
 def fake_dir() -> str:
@@ -32,6 +46,11 @@ def set_fault(folder: Path, on: bool) -> None:
     """Make the simulated GPU 0 fail every NVML query (or answer again), everywhere."""
     flags = state.read_flags(folder)
     state.write_flags(folder, replace(flags, faults=frozenset({(0, "all")} if on else ())))
+
+
+def executing(dask_worker: Any) -> int:
+    """Tasks running in this worker's threads. For ``Client.run``."""
+    return len(dask_worker.state.executing)
 
 
 def gpus_of(client: Client, name: str) -> tuple[str | None, float]:
@@ -104,3 +123,58 @@ def test_a_gpu_failing_during_a_leak_restart_comes_back_across_processes(
     assert kept["kept"].result() == 42
     assert leak.result() == 1
     assert len(events(client, "restart")) == 1  # the fault restarted nothing
+
+
+def test_a_transient_fault_costs_no_worker_on_a_command_line_cluster(tmp_path: Path) -> None:
+    """As users run it: ``dask scheduler --preload accelsched`` and two ``dask worker
+    --nworkers 1`` (nannies) under ``accelsched simulate``, one GPU each. GPU 0 fails
+    NVML for 3 s right after verification: within a minute both workers and both GPUs
+    are in place (``accelsched status --json``), with no restart, and GPU tasks run on
+    both."""
+    sched = processes.scheduler(tmp_path, "--preload", "accelsched", "--check-interval=100ms")
+    with running(sched):
+        address = processes.scheduler_address(tmp_path / "scheduler.json", sched)
+        workers = [
+            processes.worker(tmp_path, name, address, "--nworkers", "1", before=SIMULATE)
+            for name in ("gpu0", "gpu1")
+        ]
+        with running(*workers), Client(address, timeout=30) as client:
+
+            def status() -> dict[str, int]:
+                done = subprocess.run(
+                    [ACCELSCHED, "status", address, "--json"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                assert done.returncode == 0, done.stderr
+                snap = json.loads(done.stdout)
+                return {w["name"]: len(w["devices"]) for w in snap["workers"]}
+
+            try:
+                until(lambda: status() == {"gpu0": 1, "gpu1": 1}, timeout=60)
+                first, _ = gpus_of(client, "gpu0")
+                assert first is not None
+                pids = client.run(os.getpid)
+                folder = Path(client.run(fake_dir, workers=[first])[first])
+                set_fault(folder, True)
+                until(lambda: events(client, "gpu-unhealthy"))
+                until(lambda: gpus_of(client, "gpu0") == (first, 0))
+                assert client.submit(inc, 1, workers=[first]).result() == 2
+                time.sleep(3)
+                set_fault(folder, False)
+                until(lambda: status() == {"gpu0": 1, "gpu1": 1}, timeout=60)
+                until(lambda: gpus_of(client, "gpu0") == (first, 1), timeout=60)
+                assert client.run(os.getpid) == pids  # the same worker processes
+                assert not events(client, "restart")
+                with dask.annotate(resources={"GPU": 1}):  # one a GPU at a time: one each
+                    held = client.map(hold, ["go", "go"], key=["h-0", "h-1"])
+                until(lambda: sorted(client.run(executing).values()) == [1, 1], timeout=30)
+                Event("go", client=client).set()
+                assert client.gather(held) == [0, 0]
+                placed = {a for addrs in client.who_has(held).values() for a in addrs}
+                assert placed == set(pids)
+            except BaseException:
+                for p in (sched, *workers):
+                    print(f"--- {p.log.name}\n{p.output()[-3000:]}")
+                raise

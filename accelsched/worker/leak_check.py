@@ -11,7 +11,7 @@ reported once and, with ``restart_on_leak``, the worker asks for its own lossles
 restart, unless collecting garbage and freeing the pools gave the memory back first:
 then the devices are read again and the decisions say how it ended. A device that stops
 answering NVML is withdrawn once (and offered again when it answers, with
-``recover_gpus``) and the worker asks for a restart too.
+``recover_gpus``); no restart is asked while it fails.
 """
 
 from __future__ import annotations
