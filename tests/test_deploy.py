@@ -210,7 +210,7 @@ def test_bad_preload_argument_stops_the_scheduler(gpus: FakeGPUs, tmp_path: Path
     assert proc.wait(60) == 2
     out = proc.output()
     assert "Invalid value for '--fallback-timeout'" in out and "'soon'" in out
-    assert "Traceback" not in out
+    assert "Traceback" not in out and "Usage:" not in out  # one line: click's usage is noise
 
 
 def test_bad_config_value_stops_the_worker(gpus: FakeGPUs, tmp_path: Path) -> None:
@@ -219,6 +219,7 @@ def test_bad_config_value_stops_the_worker(gpus: FakeGPUs, tmp_path: Path) -> No
     assert proc.wait(60) == 2
     out = proc.output()
     assert "dask config accelsched.guard.leak-threshold" in out and "'lots'" in out
+    assert "Traceback" not in out and "Usage:" not in out
 
 
 def test_bad_preload_argv_from_config_stops_the_started_scheduler(
@@ -232,7 +233,7 @@ def test_bad_preload_argv_from_config_stops_the_started_scheduler(
         "DASK_DISTRIBUTED__SCHEDULER__PRELOAD_ARGV": '["--share-gpus", "maybe"]',
     }
     proc = processes.scheduler(tmp_path, env=env)
-    proc.wait(60)
+    assert proc.wait(60) == 1  # a supervisor (systemd, Kubernetes, Slurm) sees a failure
     out = proc.output()
     errors = [line for line in out.splitlines() if "accelsched:" in line or "ERROR" in line]
     assert len(errors) == 1, out
@@ -241,13 +242,38 @@ def test_bad_preload_argv_from_config_stops_the_started_scheduler(
 
 
 def test_placement_options_given_to_a_worker_stop_it(workers_only: Client, tmp_path: Path) -> None:
+    """On the command line: refused as ``dask worker`` parses it, before anything starts."""
     address = workers_only.scheduler.address
     proc = processes.worker(
         tmp_path, "w", address, "--preload", "accelsched", "--fallback-timeout", "5s"
     )
-    proc.wait(60)
+    assert proc.wait(60) == 2
     out = proc.output()
-    assert "--fallback-timeout apply to the scheduler" in out and "stopping this worker" in out
+    assert (
+        "Error: --fallback-timeout '5s' applies to the scheduler (placement), not to a worker"
+        in out
+    )
+    assert "Traceback" not in out and "Usage:" not in out
+
+
+def test_placement_options_from_config_stop_the_started_worker(
+    workers_only: Client, tmp_path: Path
+) -> None:
+    """From dask config the arguments are parsed in the worker's own process, under its
+    nanny: the worker stops, its nanny with it, and ``dask worker`` exits with 1."""
+    env = {
+        "DASK_DISTRIBUTED__WORKER__PRELOAD": '["accelsched"]',
+        "DASK_DISTRIBUTED__WORKER__PRELOAD_ARGV": '["--max-restarts", "2", "--share-gpus", "true"]',
+    }
+    proc = processes.worker(tmp_path, "w", workers_only.scheduler.address, env=env)
+    assert proc.wait(60) == 1
+    out = proc.output()
+    (line,) = [line for line in out.splitlines() if line.startswith("accelsched:")]
+    assert line == (
+        "accelsched: --share-gpus 'true', --max-restarts '2' apply to the scheduler "
+        "(placement), not to a worker: give them to `dask scheduler --preload accelsched`; "
+        "stopping this worker"
+    )
 
 
 # --- beside another preload that takes arguments (dask-gateway's) ---------------------------

@@ -109,20 +109,60 @@ def split_options(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return placement, guard
 
 
+class PreloadError(click.UsageError):
+    """A bad preload argument or config value: click prints ``Error: <message>``, one
+    line without the usage text (which would be the preload's, that nobody typed), and
+    the command exits with 2, click's code for a usage error."""
+
+    def show(self, file: Any = None) -> None:
+        click.ClickException.show(self, file)
+
+
+class BadPreloadValue(PreloadError, click.BadParameter):
+    """A bad value (:class:`click.BadParameter`), shown as :class:`PreloadError`."""
+
+
 async def setup_server(server: Any, invalid: str | None = None, **given: Any) -> None:
     """Install what belongs on ``server``; on any error, one log line and stop it.
 
     distributed logs and ignores an exception from a preload, and the server would run
     without accelsched: GPU workers unverified, a GPU-less one keeping its ``GPU: 1``.
+    Inside ``dask scheduler``/``dask worker`` (a click command runs the server in this
+    process), the command then exits with 1, so a supervisor sees the failure.
     """
     try:
         if invalid is not None:
-            raise click.UsageError(invalid)
+            raise PreloadError(invalid)
         await _install(server, given)
     except Exception as exc:
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
         logger.error("accelsched: %s; stopping this %s", message, type(server).__name__.lower())
-        preloading.stop(server, reason=f"accelsched-preload-failed: {message}")
+        _exit_nonzero_after_the_command()
+        preloading.stop(
+            server,
+            reason=f"accelsched-preload-failed: {message}",
+            in_nanny=_exit_nonzero_after_the_command,
+        )
+
+
+def _exit_nonzero_after_the_command() -> None:
+    """Make the command running in this process (``dask scheduler``, ``dask worker``
+    with ``--no-nanny``, or, run there, a worker's nanny) exit with 1 once it has closed
+    its servers, through click's own ``Exit``.
+
+    distributed's commands run the server inside their click callback, so the command's
+    context is current here; it closes when the callback returns, after the server has
+    closed cleanly. In a process no such command runs (a ``LocalCluster``, a test) nothing
+    changes: the server stops, the process goes on.
+    """
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or _dask_command() is None:
+        return
+
+    def fail() -> None:
+        raise click.exceptions.Exit(1)
+
+    ctx.find_root().call_on_close(fail)
 
 
 async def _install(server: Any, given: dict[str, Any]) -> None:
@@ -132,20 +172,48 @@ async def _install(server: Any, given: dict[str, Any]) -> None:
     if isinstance(server, Scheduler):
         await _setup_scheduler(server, placement_options, guard_options)
     elif isinstance(server, Worker):
-        if placement_options:
-            flags = ", ".join(_flag(o) for o in PLACEMENT_OPTIONS if o.name in placement_options)
-            raise click.UsageError(
-                f"{flags} apply to the scheduler (placement); give them to "
-                "`dask scheduler --preload accelsched`, not to a worker"
-            )
+        _refuse_placement_options(placement_options)
         _setup_worker(server, guard_options)
     elif isinstance(server, Nanny):
-        raise click.UsageError(
+        raise PreloadError(
             "accelsched guards the worker process: use `--preload accelsched`, "
             "not `--preload-nanny accelsched`"
         )
     else:
-        raise click.UsageError(f"accelsched cannot be preloaded into {type(server).__name__}")
+        raise PreloadError(f"accelsched cannot be preloaded into {type(server).__name__}")
+
+
+def _refuse_placement_options(placement_options: dict[str, Any]) -> None:
+    """A worker given the scheduler's options: an error naming each with its value."""
+    if not placement_options:
+        return
+    given = [
+        f"{_flag(o)} {placement_options[o.name]!r}"
+        for o in PLACEMENT_OPTIONS
+        if o.name in placement_options
+    ]
+    verb = "applies" if len(given) == 1 else "apply"
+    raise PreloadError(
+        f"{', '.join(given)} {verb} to the scheduler (placement), not to a worker: give "
+        f"{'it' if len(given) == 1 else 'them'} to `dask scheduler --preload accelsched`"
+    )
+
+
+def _dask_command() -> str | None:
+    """The module of the distributed/dask-cuda command running in this process's
+    current click context (``distributed.cli.dask_worker``, ...), or None."""
+    ctx = click.get_current_context(silent=True)
+    callback = getattr(getattr(ctx, "command", None), "callback", None)
+    module = getattr(callback, "__module__", None) or ""
+    return module if module.startswith(("distributed.cli.", "dask_cuda.cli")) else None
+
+
+def _parsing_for_a_worker_command() -> bool:
+    """Whether the arguments are being checked by ``dask worker``/``dask cuda worker``
+    as it parses its command line (distributed checks a preload's arguments then, in the
+    command's own process, before any worker starts)."""
+    module = _dask_command()
+    return module is not None and (module.endswith("dask_worker") or "dask_cuda" in module)
 
 
 async def _setup_scheduler(
@@ -199,6 +267,19 @@ class _PreloadCommand(click.Command):
     where distributed would log the error and run on without accelsched: there the
     error is handed to :func:`setup_server`, which stops the server.
     """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Parse as click does; every error becomes one clean line (:class:`PreloadError`),
+        and a worker's command refuses the scheduler's options before anything starts."""
+        try:
+            rest = super().parse_args(ctx, args)
+            if _parsing_for_a_worker_command():
+                _refuse_placement_options(split_options(ctx.params)[0])
+        except click.BadParameter as exc:
+            raise BadPreloadValue(exc.message, param=exc.param, param_hint=exc.param_hint) from None
+        except click.UsageError as exc:
+            raise PreloadError(exc.format_message()) from None
+        return rest
 
     def make_context(
         self,

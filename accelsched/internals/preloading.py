@@ -9,6 +9,8 @@ with no client: these functions do the same from there.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from distributed.protocol.pickle import dumps
@@ -63,14 +65,19 @@ def worker_plugin(worker: Worker, name: str) -> Any:
     return worker.plugins.get(name)
 
 
-def stop(server: Scheduler | Worker, reason: str) -> None:
+def stop(
+    server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None] | None = None
+) -> None:
     """Close ``server`` once its start has returned (closing a server that is still
     starting does nothing). A worker takes its nanny with it, which would otherwise
-    start it again and again."""
-    server.loop.add_callback(_close_after_start, server, reason)
+    start it again and again; ``in_nanny`` (an importable function) runs in the nanny's
+    process first, where ``dask worker`` runs (the worker is a child process)."""
+    server.loop.add_callback(_close_after_start, server, reason, in_nanny)
 
 
-async def _close_after_start(server: Scheduler | Worker, reason: str) -> None:
+async def _close_after_start(
+    server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None] | None
+) -> None:
     from distributed import Worker
 
     try:
@@ -78,6 +85,11 @@ async def _close_after_start(server: Scheduler | Worker, reason: str) -> None:
     except Exception:  # its start failed: it is closed already
         return
     if isinstance(server, Worker):
+        if in_nanny is not None and server.nanny is not None:
+            # the nanny's out-of-band "run" handler, as client.run(nanny=True); a nanny
+            # gone already has nothing to tell
+            with suppress(Exception):
+                await server.rpc(server.nanny).run(function=dumps(in_nanny))
         await server.close(nanny=True, reason=reason)
     else:
         await server.close(reason=reason)
