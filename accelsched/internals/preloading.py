@@ -85,11 +85,12 @@ async def _close_after_start(
     except Exception:  # its start failed: it is closed already
         return
     if isinstance(server, Worker):
-        if in_nanny is not None and server.nanny is not None:
+        nanny: Any = server.nanny  # its address (typed as a Nanny in distributed)
+        if in_nanny is not None and nanny is not None:
             # the nanny's out-of-band "run" handler, as client.run(nanny=True); a nanny
             # gone already has nothing to tell
             with suppress(Exception):
-                await server.rpc(server.nanny).run(function=dumps(in_nanny))
+                await server.rpc(nanny).run(function=dumps(in_nanny))
         await server.close(nanny=True, reason=reason)
     else:
         await server.close(reason=reason)
