@@ -140,6 +140,7 @@ class GuardPlugin(WorkerPlugin):
             emit=self._emit,
             ledger=ledger,
             residue=self._residue,
+            left_nothing=self._left_nothing,
         )
         if o["unrequested_gpu"] != "ignore":
             self.watch = Watch(
@@ -280,6 +281,10 @@ class GuardPlugin(WorkerPlugin):
     def _residue(self, name: str, residues: dict[int, int]) -> None:
         if self.leaks is not None:
             self.leaks.residue(name, residues)
+
+    def _left_nothing(self, prefix: str) -> None:
+        if self.leaks is not None:
+            self.leaks.decisions.attribution.left_nothing(prefix)
 
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""
