@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from accelsched.deploy.install import dask_setup, dask_teardown
     from accelsched.scheduler.placement_plugin import PlacementPlugin
     from accelsched.worker.guard_plugin import GuardPlugin
+
+_logger = logging.getLogger(__name__)
 
 try:
     __version__ = version("accelsched")
@@ -76,7 +80,10 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
 
     Options go to the plugin that owns them (``fallback_timeout`` to placement,
     ``leak_threshold`` to the guard, ...). Idempotent: when plugins of these names are
-    already registered, nothing changes (unregister them first to change options).
+    already registered (by an earlier call or the scheduler's ``--preload accelsched``)
+    they are kept, and an option given here that differs from what they run with raises
+    ``ValueError`` naming both values (unregister them first to change options); this
+    client's own config that differs is only logged (:mod:`accelsched.precedence`).
     With an asynchronous client, await the result.
     The scheduler plugin goes first so the guards' reports find it listening. With
     ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.deploy.forked_workers.
@@ -101,14 +108,63 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     plugins: list[Any] = [placement, guard]
     if guard.options["fast_restart"]:  # nannies fork new worker processes from a server
         plugins.append(FastRestart())
+    check = functools.partial(_check_running, options, placement, guard)
     if getattr(client, "asynchronous", False):
 
         async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:
+            check(await client.run_on_scheduler(_running_options))
             for plugin in plugins:
                 await client.register_plugin(plugin)
             return placement, guard
 
         return register_all()  # type: ignore[return-value]
+    check(client.run_on_scheduler(_running_options))
     for plugin in plugins:
         client.register_plugin(plugin)
     return placement, guard
+
+
+def _running_options(dask_scheduler: Any) -> dict[str, dict[str, Any] | None]:
+    """On the scheduler: the options of accelsched's plugins registered there, if any
+    (the guard as stored for the workers, before each worker's own settings)."""
+    from distributed.protocol.pickle import loads
+
+    from accelsched.protocol import GUARD_PLUGIN, PLACEMENT_PLUGIN
+
+    placement = dask_scheduler.plugins.get(PLACEMENT_PLUGIN)
+    guard = dask_scheduler.worker_plugins.get(GUARD_PLUGIN)
+    return {
+        "placement": getattr(placement, "options", None),
+        "guard": getattr(loads(guard), "options", None) if guard is not None else None,
+    }
+
+
+def _check_running(
+    given: dict[str, Any],
+    placement: PlacementPlugin,
+    guard: GuardPlugin,
+    running: dict[str, dict[str, Any] | None],
+) -> None:
+    """Raise if a plugin already running is kept while an option given here differs
+    from what it runs with; log this client's config that differs."""
+    from accelsched.precedence import conflicts
+
+    errors, notes = [], []
+    for owner, options, built in (
+        ("PlacementPlugin", PLACEMENT_OPTIONS, placement.options),
+        ("GuardPlugin", GUARD_OPTIONS, guard.options),
+    ):
+        now = running["placement" if options is PLACEMENT_OPTIONS else "guard"]
+        if now is not None:
+            e, n = conflicts(owner, options, given, built, now)
+            errors += e
+            notes += n
+    if errors:
+        raise ValueError(
+            f"register() was given {'; '.join(errors)}: accelsched's plugins already run "
+            "on this scheduler (its --preload accelsched or an earlier register()) and are "
+            "kept. Unregister them first to change options (docs/placement.md), or set the "
+            "option where the scheduler is started"
+        )
+    for note in notes:
+        _logger.warning("accelsched: this client's dask config %s: not used", note)

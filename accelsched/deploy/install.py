@@ -27,8 +27,16 @@ from typing import Any
 
 import click
 
-from accelsched import internals
+from accelsched import internals, precedence
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option, config_value
+from accelsched.deploy.failing import (
+    BadPreloadValue,
+    PreloadError,
+    exit_nonzero_after_the_command,
+    flag,
+    parsing_for_a_worker_command,
+    refuse_placement_options,
+)
 from accelsched.deploy.forked_workers import FastRestart
 from accelsched.internals import preloading
 from accelsched.protocol import FAST_RESTART_PLUGIN, GUARD_PLUGIN, PLACEMENT_PLUGIN
@@ -52,10 +60,6 @@ class _Nothing:
 
 
 NOTHING = _Nothing()
-
-
-def _flag(opt: Option) -> str:
-    return "--" + opt.name.replace("_", "-")
 
 
 def _validator(opt: Option) -> Any:
@@ -90,7 +94,7 @@ def _params() -> list[click.Parameter]:
             multiple = opt.name == "oom_exceptions"
             params.append(
                 click.Option(
-                    [_flag(opt)],
+                    [flag(opt)],
                     default=None,
                     multiple=multiple,
                     callback=_validator(opt),
@@ -109,19 +113,6 @@ def split_options(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return placement, guard
 
 
-class PreloadError(click.UsageError):
-    """A bad preload argument or config value: click prints ``Error: <message>``, one
-    line without the usage text (which would be the preload's, that nobody typed), and
-    the command exits with 2, click's code for a usage error."""
-
-    def show(self, file: Any = None) -> None:
-        click.ClickException.show(self, file)
-
-
-class BadPreloadValue(PreloadError, click.BadParameter):
-    """A bad value (:class:`click.BadParameter`), shown as :class:`PreloadError`."""
-
-
 async def setup_server(server: Any, invalid: str | None = None, **given: Any) -> None:
     """Install what belongs on ``server``; on any error, one log line and stop it.
 
@@ -137,32 +128,12 @@ async def setup_server(server: Any, invalid: str | None = None, **given: Any) ->
     except Exception as exc:
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
         logger.error("accelsched: %s; stopping this %s", message, type(server).__name__.lower())
-        _exit_nonzero_after_the_command()
+        exit_nonzero_after_the_command()
         preloading.stop(
             server,
             reason=f"accelsched-preload-failed: {message}",
-            in_nanny=_exit_nonzero_after_the_command,
+            in_nanny=exit_nonzero_after_the_command,
         )
-
-
-def _exit_nonzero_after_the_command() -> None:
-    """Make the command running in this process (``dask scheduler``, ``dask worker``
-    with ``--no-nanny``, or, run there, a worker's nanny) exit with 1 once it has closed
-    its servers, through click's own ``Exit``.
-
-    distributed's commands run the server inside their click callback, so the command's
-    context is current here; it closes when the callback returns, after the server has
-    closed cleanly. In a process no such command runs (a ``LocalCluster``, a test) nothing
-    changes: the server stops, the process goes on.
-    """
-    ctx = click.get_current_context(silent=True)
-    if ctx is None or _dask_command() is None:
-        return
-
-    def fail() -> None:
-        raise click.exceptions.Exit(1)
-
-    ctx.find_root().call_on_close(fail)
 
 
 async def _install(server: Any, given: dict[str, Any]) -> None:
@@ -172,7 +143,7 @@ async def _install(server: Any, given: dict[str, Any]) -> None:
     if isinstance(server, Scheduler):
         await _setup_scheduler(server, placement_options, guard_options)
     elif isinstance(server, Worker):
-        _refuse_placement_options(placement_options)
+        refuse_placement_options(placement_options)
         _setup_worker(server, guard_options)
     elif isinstance(server, Nanny):
         raise PreloadError(
@@ -181,39 +152,6 @@ async def _install(server: Any, given: dict[str, Any]) -> None:
         )
     else:
         raise PreloadError(f"accelsched cannot be preloaded into {type(server).__name__}")
-
-
-def _refuse_placement_options(placement_options: dict[str, Any]) -> None:
-    """A worker given the scheduler's options: an error naming each with its value."""
-    if not placement_options:
-        return
-    given = [
-        f"{_flag(o)} {placement_options[o.name]!r}"
-        for o in PLACEMENT_OPTIONS
-        if o.name in placement_options
-    ]
-    verb = "applies" if len(given) == 1 else "apply"
-    raise PreloadError(
-        f"{', '.join(given)} {verb} to the scheduler (placement), not to a worker: give "
-        f"{'it' if len(given) == 1 else 'them'} to `dask scheduler --preload accelsched`"
-    )
-
-
-def _dask_command() -> str | None:
-    """The module of the distributed/dask-cuda command running in this process's
-    current click context (``distributed.cli.dask_worker``, ...), or None."""
-    ctx = click.get_current_context(silent=True)
-    callback = getattr(getattr(ctx, "command", None), "callback", None)
-    module = getattr(callback, "__module__", None) or ""
-    return module if module.startswith(("distributed.cli.", "dask_cuda.cli")) else None
-
-
-def _parsing_for_a_worker_command() -> bool:
-    """Whether the arguments are being checked by ``dask worker``/``dask cuda worker``
-    as it parses its command line (distributed checks a preload's arguments then, in the
-    command's own process, before any worker starts)."""
-    module = _dask_command()
-    return module is not None and (module.endswith("dask_worker") or "dask_cuda" in module)
 
 
 async def _setup_scheduler(
@@ -235,27 +173,21 @@ async def _setup_scheduler(
 
 def _setup_worker(worker: Any, guard_options: dict[str, Any]) -> None:
     guard = GuardPlugin(**guard_options)  # validated now: a bad value stops the start
+    # this worker's own options: a guard its scheduler hands it applies them as well,
+    # unless given the same option explicitly (see accelsched.precedence; logged there)
+    precedence.worker_preload_options[worker] = {k: guard.options[k] for k in guard_options}
     internals.spawn(worker, _install_guard, worker, guard)
 
 
 async def _install_guard(worker: Any, guard: GuardPlugin) -> None:
     """After the start: the worker is registered, so the guard's report finds it known
-    (a report sent from inside the start would reach the scheduler before the worker)."""
+    (a report sent from inside the start would reach the scheduler before the worker).
+    A guard its scheduler handed it is set up by then, with this worker's options."""
     await preloading.started(worker)
-    present = preloading.worker_plugin(worker, GUARD_PLUGIN)
-    if present is not None:
-        differing = sorted(
-            k for k, v in guard.options.items() if getattr(present, "options", {}).get(k) != v
-        )
-        if differing:
-            logger.warning(
-                "accelsched: this worker runs the GuardPlugin its scheduler handed it; the "
-                "worker's own preload options differ and are not used: %s",
-                ", ".join(differing),
-            )
+    if preloading.worker_plugin(worker, GUARD_PLUGIN) is not None:
         return
     await worker.plugin_add(guard, name=GUARD_PLUGIN, catch_errors=False)
-    logger.info("accelsched: GuardPlugin installed by preload (%s)", guard.options)
+    logger.info("accelsched: GuardPlugin installed by preload")
 
 
 class _PreloadCommand(click.Command):
@@ -273,8 +205,8 @@ class _PreloadCommand(click.Command):
         and a worker's command refuses the scheduler's options before anything starts."""
         try:
             rest = super().parse_args(ctx, args)
-            if _parsing_for_a_worker_command():
-                _refuse_placement_options(split_options(ctx.params)[0])
+            if parsing_for_a_worker_command():
+                refuse_placement_options(split_options(ctx.params)[0])
         except click.BadParameter as exc:
             raise BadPreloadValue(exc.message, param=exc.param, param_hint=exc.param_hint) from None
         except click.UsageError as exc:

@@ -26,7 +26,7 @@ from accelsched.policy.requirements import DeviceFacts, Requirement, parse_requi
 from accelsched.worker.ledger import MEASURE, Ledger
 from accelsched.worker.pool_freer import PoolFreer
 
-__all__ = ["Binder"]
+__all__ = ["Binder", "send_back"]
 
 Runner = Callable[[Any, dict], Any]
 
@@ -208,6 +208,11 @@ class Binder:
             return inner(spec, host) if inner is not None else spec(host)
 
         return run
+
+
+def send_back(spec: Any, values: dict) -> Any:
+    """A GPU task reaching execution on a worker about to restart: placed again."""
+    raise Reschedule()
 
 
 def _refuse(exc: ValueError, spec: Any, values: Any) -> Any:
