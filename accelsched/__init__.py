@@ -90,6 +90,7 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     FastRestart`) makes the nannies start new worker processes from a fork server.
     """
     from accelsched.deploy.forked_workers import FastRestart
+    from accelsched.internals.preloading import running_options
     from accelsched.scheduler.placement_plugin import PlacementPlugin
     from accelsched.worker.guard_plugin import GuardPlugin
 
@@ -112,31 +113,16 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     if getattr(client, "asynchronous", False):
 
         async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:
-            check(await client.run_on_scheduler(_running_options))
+            check(await client.run_on_scheduler(running_options))
             for plugin in plugins:
                 await client.register_plugin(plugin)
             return placement, guard
 
         return register_all()  # type: ignore[return-value]
-    check(client.run_on_scheduler(_running_options))
+    check(client.run_on_scheduler(running_options))
     for plugin in plugins:
         client.register_plugin(plugin)
     return placement, guard
-
-
-def _running_options(dask_scheduler: Any) -> dict[str, dict[str, Any] | None]:
-    """On the scheduler: the options of accelsched's plugins registered there, if any
-    (the guard as stored for the workers, before each worker's own settings)."""
-    from distributed.protocol.pickle import loads
-
-    from accelsched.protocol import GUARD_PLUGIN, PLACEMENT_PLUGIN
-
-    placement = dask_scheduler.plugins.get(PLACEMENT_PLUGIN)
-    guard = dask_scheduler.worker_plugins.get(GUARD_PLUGIN)
-    return {
-        "placement": getattr(placement, "options", None),
-        "guard": getattr(loads(guard), "options", None) if guard is not None else None,
-    }
 
 
 def _check_running(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
-from distributed.protocol.pickle import dumps
+from distributed.protocol.pickle import dumps, loads
 
 from accelsched.internals.contract import _raise_if
 
@@ -94,3 +94,17 @@ async def _close_after_start(
         await server.close(nanny=True, reason=reason)
     else:
         await server.close(reason=reason)
+
+
+def running_options(dask_scheduler: Scheduler) -> dict[str, dict[str, Any] | None]:
+    """Run on the scheduler (``client.run_on_scheduler``): the options of accelsched's
+    plugins registered there, if any (the guard as stored for the workers, before each
+    worker's own settings)."""
+    from accelsched.protocol import GUARD_PLUGIN, PLACEMENT_PLUGIN
+
+    placement = dask_scheduler.plugins.get(PLACEMENT_PLUGIN)
+    guard = dask_scheduler.worker_plugins.get(GUARD_PLUGIN)
+    return {
+        "placement": getattr(placement, "options", None),
+        "guard": getattr(loads(guard), "options", None) if guard is not None else None,
+    }
