@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from accelsched.deploy.install import dask_setup, dask_teardown
     from accelsched.scheduler.placement_plugin import PlacementPlugin
     from accelsched.worker.guard_plugin import GuardPlugin
+
+_logger = logging.getLogger(__name__)
 
 try:
     __version__ = version("accelsched")
@@ -76,13 +80,17 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
 
     Options go to the plugin that owns them (``fallback_timeout`` to placement,
     ``leak_threshold`` to the guard, ...). Idempotent: when plugins of these names are
-    already registered, nothing changes (unregister them first to change options).
+    already registered (by an earlier call or the scheduler's ``--preload accelsched``)
+    they are kept, and an option given here that differs from what they run with raises
+    ``ValueError`` naming both values (unregister them first to change options); this
+    client's own config that differs is only logged (:mod:`accelsched.precedence`).
     With an asynchronous client, await the result.
     The scheduler plugin goes first so the guards' reports find it listening. With
     ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.deploy.forked_workers.
     FastRestart`) makes the nannies start new worker processes from a fork server.
     """
     from accelsched.deploy.forked_workers import FastRestart
+    from accelsched.internals.preloading import running_options
     from accelsched.scheduler.placement_plugin import PlacementPlugin
     from accelsched.worker.guard_plugin import GuardPlugin
 
@@ -101,14 +109,48 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     plugins: list[Any] = [placement, guard]
     if guard.options["fast_restart"]:  # nannies fork new worker processes from a server
         plugins.append(FastRestart())
+    check = functools.partial(_check_running, options, placement, guard)
     if getattr(client, "asynchronous", False):
 
         async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:
+            check(await client.run_on_scheduler(running_options))
             for plugin in plugins:
                 await client.register_plugin(plugin)
             return placement, guard
 
         return register_all()  # type: ignore[return-value]
+    check(client.run_on_scheduler(running_options))
     for plugin in plugins:
         client.register_plugin(plugin)
     return placement, guard
+
+
+def _check_running(
+    given: dict[str, Any],
+    placement: PlacementPlugin,
+    guard: GuardPlugin,
+    running: dict[str, dict[str, Any] | None],
+) -> None:
+    """Raise if a plugin already running is kept while an option given here differs
+    from what it runs with; log this client's config that differs."""
+    from accelsched.precedence import conflicts
+
+    errors, notes = [], []
+    for owner, options, built in (
+        ("PlacementPlugin", PLACEMENT_OPTIONS, placement.options),
+        ("GuardPlugin", GUARD_OPTIONS, guard.options),
+    ):
+        now = running["placement" if options is PLACEMENT_OPTIONS else "guard"]
+        if now is not None:
+            e, n = conflicts(owner, options, given, built, now)
+            errors += e
+            notes += n
+    if errors:
+        raise ValueError(
+            f"register() was given {'; '.join(errors)}: accelsched's plugins already run "
+            "on this scheduler (its --preload accelsched or an earlier register()) and are "
+            "kept. Unregister them first to change options (docs/placement.md), or set the "
+            "option where the scheduler is started"
+        )
+    for note in notes:
+        _logger.warning("accelsched: this client's dask config %s: not used", note)

@@ -24,7 +24,8 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
     A worker's device memory, net of live results and pool caches, stayed above the
     threshold. ``device``, ``nbytes``, ``threshold``, ``checks`` (consecutive checks
     above it), ``prefixes`` (the steps whose measured runs left memory behind, most
-    first; else every task prefix run since the last clean check), ``attributed``
+    first; else every task prefix run since the last clean check, less those seen to
+    leave nothing at every run), ``attributed``
     (``{step: bytes}``), ``unexplained`` (bytes no measured run accounts for),
     ``reclaimed`` (bytes garbage collection and a pool free gave back first, not
     enough; see ``leak-reclaimed``). Reported once per leak (again only if it grows by

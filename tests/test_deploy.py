@@ -21,7 +21,7 @@ from accelsched.protocol import PLACEMENT_PLUGIN
 from accelsched.testing import FakeGPUs, fake_gpus
 from tests import processes
 from tests.processes import Process, running
-from tests.utils import events, gpu_counts, until
+from tests.utils import events, gpu_counts, leaky, until
 
 GPU_WORKERS = 3  # "gpu0" (device 0), "gpu1-0" and "gpu1-1" (both see device 1)
 
@@ -45,8 +45,9 @@ def preloaded(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> Itera
     a config variable) and three kinds of workers:
 
     - ``gpu0``: device 0, declares ``GPU=1``, no preload: the scheduler hands it a guard;
+      its own config sets two guard options, one of which the scheduler gave explicitly;
     - ``gpu1``: two nanny workers that both see device 1, declare nothing, and run
-      ``--preload accelsched`` themselves;
+      ``--preload accelsched`` themselves, with an option of their own;
     - ``cpu``: sees no device, declares ``GPU=1``.
     """
     tmp = tmp_path_factory.mktemp("preloaded")
@@ -62,7 +63,16 @@ def preloaded(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> Itera
         address = processes.scheduler_address(tmp / "scheduler.json", sched)
         workers = [
             processes.worker(
-                tmp, "gpu0", address, "--resources", "GPU=1", env={"CUDA_VISIBLE_DEVICES": "0"}
+                tmp,
+                "gpu0",
+                address,
+                "--resources",
+                "GPU=1",
+                env={
+                    "CUDA_VISIBLE_DEVICES": "0",
+                    "DASK_ACCELSCHED__GUARD__FREE_POOLS_EVERY": "5",  # its own: used
+                    "DASK_ACCELSCHED__GUARD__LEAK_THRESHOLD": "128MiB",  # explicit wins
+                },
             ),
             processes.worker(
                 tmp,
@@ -73,7 +83,7 @@ def preloaded(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 "--preload",
                 "accelsched",
                 "--check-interval",
-                "300ms",  # differs from the scheduler's guard: not used
+                "300ms",  # the worker's own option: used (the scheduler's is from config)
                 env={"CUDA_VISIBLE_DEVICES": "1"},
             ),
             processes.worker(
@@ -93,13 +103,33 @@ def test_scheduler_preload_installs_both_plugins_with_its_options(preloaded: Cli
     )
     assert placement["max_restarts"] == 7  # DASK_ACCELSCHED__PLACEMENT__MAX_RESTARTS
     assert placement["fallback_timeout"] is None  # the default
-    guards = preloaded.run(lambda dask_worker: dask_worker.plugins["accelsched-guard"].options)
-    assert len(guards) == 4
-    gpu1_log = next(p for p in preloaded.procs if "gpu1" in p.log.name).output()  # type: ignore[attr-defined]
-    assert "preload options differ and are not used: check_interval" in gpu1_log
-    for options in guards.values():
-        assert options["leak_threshold"] == Threshold(nbytes=256 * 2**20)  # preload argument
-        assert options["check_interval"] == 1.0  # the scheduler's guard: not the worker's 300ms
+    by_address = {
+        a: w["name"] for a, w in preloaded.scheduler_info(n_workers=-1)["workers"].items()
+    }
+    guards = {
+        by_address[a]: o
+        for a, o in preloaded.run(
+            lambda dask_worker: dask_worker.plugins["accelsched-guard"].options
+        ).items()
+    }
+    assert sorted(guards) == ["cpu", "gpu0", "gpu1-0", "gpu1-1"]
+    for name, options in guards.items():
+        # the scheduler's explicit preload argument wins over gpu0's own 128MiB
+        assert options["leak_threshold"] == Threshold(nbytes=256 * 2**20)
+        # each worker's own settings win over the scheduler's config defaults
+        assert options["check_interval"] == (0.3 if name.startswith("gpu1") else 1.0), name
+        assert options["free_pools_every"] == (5 if name == "gpu0" else 1), name
+    logs = {p.log.stem: p.output() for p in preloaded.procs}  # type: ignore[attr-defined]
+    assert (
+        "accelsched: leak_threshold=134217728 bytes from this worker's dask config "
+        "accelsched.guard.leak-threshold is not used: the GuardPlugin was given "
+        "leak_threshold=268435456 bytes explicitly" in logs["gpu0"]
+    )
+    assert (
+        "free_pools_every=5 (this worker's dask config accelsched.guard.free-pools-every)"
+        in logs["gpu0"]
+    )
+    assert logs["gpu1"].count("check_interval=0.3 (this worker's --preload accelsched)") == 2
     # and the nannies fork new worker processes from a warm server (fast_restart)
     names = preloaded.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.nanny_plugins))
     assert names == ["accelsched-fast-restart"]
@@ -140,12 +170,22 @@ def test_gpu_tasks_are_placed_on_verified_devices_and_bound(preloaded: Client) -
     assert {device for _, device in results} == {0}  # each worker's own: its CUDA device 0
 
 
-def test_a_later_register_changes_nothing(preloaded: Client) -> None:
+def test_a_later_register_keeps_the_plugins_and_refuses_other_options(preloaded: Client) -> None:
+    """The preload's plugins are kept: register() with nothing new changes nothing, and
+    an option that differs from what they run with is an error naming both values."""
     before = preloaded.run_on_scheduler(
         lambda dask_scheduler: id(dask_scheduler.plugins["accelsched-placement"])
     )
     verified = len(events(preloaded, "gpu-verified"))
-    accelsched.register(preloaded, fallback_timeout="1s")
+    accelsched.register(preloaded)
+    accelsched.register(preloaded, max_restarts=7, leak_threshold="256MiB")  # as they run
+    with pytest.raises(
+        ValueError,
+        match=r"register\(\) was given fallback_timeout='1s' "
+        r"\(the running PlacementPlugin has None\); leak_threshold='1GiB' "
+        r"\(the running GuardPlugin has 268435456 bytes\)",
+    ):
+        accelsched.register(preloaded, fallback_timeout="1s", leak_threshold="1GiB")
     after = preloaded.run_on_scheduler(
         lambda dask_scheduler: (
             id(dask_scheduler.plugins["accelsched-placement"]),
@@ -202,6 +242,62 @@ def test_worker_preload_installs_the_guard_with_its_options(workers_only: Client
     assert "accelsched-placement" not in plugins
 
 
+def test_a_workers_own_config_reaches_its_guard(gpus: FakeGPUs, tmp_path: Path) -> None:
+    """A scheduler preloaded with the defaults (a 10% leak threshold: 1.6 GiB here); one
+    worker's own ``DASK_ACCELSCHED__GUARD__LEAK_THRESHOLD=256MiB``, as a helm chart's
+    worker ``env:`` sets it: its guard uses it, says so, and sees a 512 MiB leak."""
+    sched = processes.scheduler(tmp_path, "--preload", "accelsched")
+    with running(sched):
+        address = processes.scheduler_address(tmp_path / "scheduler.json", sched)
+        env = {
+            "CUDA_VISIBLE_DEVICES": "0",
+            "DASK_ACCELSCHED__GUARD__LEAK_THRESHOLD": "256MiB",
+            "DASK_ACCELSCHED__GUARD__CHECK_INTERVAL": "100ms",
+        }
+        worker = processes.worker(tmp_path, "gpu", address, env=env)
+        with running(worker), Client(address, timeout=30) as client:
+            client.wait_for_workers(1, timeout=60)
+            until(lambda: len(events(client, "gpu-verified")) == 1, timeout=60)
+            with dask.annotate(resources={"GPU": 1}):
+                assert client.submit(leaky, 1, pure=False).result() == 1
+            until(lambda: events(client, "leak"), timeout=60)
+            (leak, *_) = events(client, "leak")
+            assert leak["threshold"] == 256 * 2**20 and "leaky" in leak["prefixes"]
+            assert (
+                "leak_threshold=268435456 bytes (this worker's dask config "
+                "accelsched.guard.leak-threshold)" in worker.output()
+            )
+
+
+def test_precedence_on_one_worker_in_numbers() -> None:
+    """Explicit > the worker's preload > the worker's own config > as handed."""
+    from accelsched.precedence import on_this_worker
+
+    handed = accelsched.GuardPlugin(leak_confirmations=3).options  # explicit: 3
+    config = {
+        "accelsched.guard.leak-confirmations": 5,  # overruled by the explicit 3
+        "accelsched.guard.free-pools-every": 4,  # the worker's own: wins
+        "accelsched.guard.check-interval": "2s",  # the worker's preload says 300ms: wins
+    }
+    with dask.config.set(config):
+        here = on_this_worker(handed, {"leak_confirmations"}, {"check_interval": 0.3})
+    assert here.options == {**handed, "free_pools_every": 4, "check_interval": 0.3}
+    assert here.overruled == {
+        "leak_confirmations": (5, "this worker's dask config accelsched.guard.leak-confirmations")
+    }
+    assert here.sources == {
+        "free_pools_every": "this worker's dask config accelsched.guard.free-pools-every",
+        "check_interval": "this worker's --preload accelsched",
+    }
+    # nothing set on the worker: exactly as handed, nothing to say
+    assert on_this_worker(handed, {"leak_confirmations"}, {}).sources == {}
+    with (
+        dask.config.set({"accelsched.guard.leak-threshold": "lots"}),
+        pytest.raises(ValueError, match="invalid leak_threshold='lots'"),
+    ):
+        on_this_worker(handed, (), {})
+
+
 # --- bad options stop the server, with one clear line -------------------------------------
 
 
@@ -210,7 +306,7 @@ def test_bad_preload_argument_stops_the_scheduler(gpus: FakeGPUs, tmp_path: Path
     assert proc.wait(60) == 2
     out = proc.output()
     assert "Invalid value for '--fallback-timeout'" in out and "'soon'" in out
-    assert "Traceback" not in out
+    assert "Traceback" not in out and "Usage:" not in out  # one line: click's usage is noise
 
 
 def test_bad_config_value_stops_the_worker(gpus: FakeGPUs, tmp_path: Path) -> None:
@@ -219,6 +315,7 @@ def test_bad_config_value_stops_the_worker(gpus: FakeGPUs, tmp_path: Path) -> No
     assert proc.wait(60) == 2
     out = proc.output()
     assert "dask config accelsched.guard.leak-threshold" in out and "'lots'" in out
+    assert "Traceback" not in out and "Usage:" not in out
 
 
 def test_bad_preload_argv_from_config_stops_the_started_scheduler(
@@ -232,7 +329,7 @@ def test_bad_preload_argv_from_config_stops_the_started_scheduler(
         "DASK_DISTRIBUTED__SCHEDULER__PRELOAD_ARGV": '["--share-gpus", "maybe"]',
     }
     proc = processes.scheduler(tmp_path, env=env)
-    proc.wait(60)
+    assert proc.wait(60) == 1  # a supervisor (systemd, Kubernetes, Slurm) sees a failure
     out = proc.output()
     errors = [line for line in out.splitlines() if "accelsched:" in line or "ERROR" in line]
     assert len(errors) == 1, out
@@ -241,13 +338,38 @@ def test_bad_preload_argv_from_config_stops_the_started_scheduler(
 
 
 def test_placement_options_given_to_a_worker_stop_it(workers_only: Client, tmp_path: Path) -> None:
+    """On the command line: refused as ``dask worker`` parses it, before anything starts."""
     address = workers_only.scheduler.address
     proc = processes.worker(
         tmp_path, "w", address, "--preload", "accelsched", "--fallback-timeout", "5s"
     )
-    proc.wait(60)
+    assert proc.wait(60) == 2
     out = proc.output()
-    assert "--fallback-timeout apply to the scheduler" in out and "stopping this worker" in out
+    assert (
+        "Error: --fallback-timeout '5s' applies to the scheduler (placement), not to a worker"
+        in out
+    )
+    assert "Traceback" not in out and "Usage:" not in out
+
+
+def test_placement_options_from_config_stop_the_started_worker(
+    workers_only: Client, tmp_path: Path
+) -> None:
+    """From dask config the arguments are parsed in the worker's own process, under its
+    nanny: the worker stops, its nanny with it, and ``dask worker`` exits with 1."""
+    env = {
+        "DASK_DISTRIBUTED__WORKER__PRELOAD": '["accelsched"]',
+        "DASK_DISTRIBUTED__WORKER__PRELOAD_ARGV": '["--max-restarts", "2", "--share-gpus", "true"]',
+    }
+    proc = processes.worker(tmp_path, "w", workers_only.scheduler.address, env=env)
+    assert proc.wait(60) == 1
+    out = proc.output()
+    (line,) = [line for line in out.splitlines() if line.startswith("accelsched:")]
+    assert line == (
+        "accelsched: --share-gpus 'true', --max-restarts '2' apply to the scheduler "
+        "(placement), not to a worker: give them to `dask scheduler --preload accelsched`; "
+        "stopping this worker"
+    )
 
 
 # --- beside another preload that takes arguments (dask-gateway's) ---------------------------

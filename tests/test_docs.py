@@ -13,7 +13,9 @@ How a block runs is set by an HTML comment on the line before it (docs/testing.m
   Client of one shared cluster started as users start one: a ``dask scheduler``
   process, two ``dask worker`` processes ``gpu-0`` and ``gpu-1`` each under
   ``accelsched simulate --gpus 1`` (16 GiB), and one without a GPU, whose address is
-  ``cpu_worker``; accelsched registered). ``pycon`` blocks run as doctests in the same
+  ``cpu_worker``; accelsched registered). A block that calls ``accelsched.register``
+  itself finds none registered, as on a cluster a user starts, and the session's own
+  registration is restored after it. ``pycon`` blocks run as doctests in the same
   names.
 - ``<!-- example: event -->``: one or more event dicts. Each must be a literal with a
   known ``action`` that ``accelsched.events.describe`` can put into words.
@@ -159,9 +161,46 @@ cpu_worker = next(
 scheduler_address = ADDRESS
 
 
+def verified():
+    return sum(m["action"] == "gpu-verified" for _, m in client.get_events("accelsched"))
+
+
+def unregister():
+    for unregister_plugin, name in (
+        (client.unregister_worker_plugin, "accelsched-guard"),
+        (client.unregister_scheduler_plugin, "accelsched-placement"),
+    ):
+        with contextlib.suppress(ValueError):
+            unregister_plugin(name)
+
+
+def register_defaults():
+    # the session's registration, after a block that registered its own options
+    from accelsched.internals.preloading import running_options
+
+    running = client.run_on_scheduler(running_options)
+    if running == {
+        "placement": accelsched.PlacementPlugin().options,
+        "guard": accelsched.GuardPlugin().options,
+    }:
+        return
+    unregister()
+    before = verified()
+    accelsched.register(client)
+    deadline = time.monotonic() + 60
+    while verified() < before + 2:
+        assert time.monotonic() < deadline, "the simulated GPUs were not verified again"
+        time.sleep(0.05)
+
+
 def run_block(code, block_id, lang, keep):
     names = globals()
     saved = dict(names)
+    # a block that registers accelsched itself finds none registered, as on the cluster
+    # a user starts (register() refuses options that differ from plugins running)
+    own = "accelsched.register(" in code and not keep
+    if own and "unregister_" not in code:  # (a block that unregisters first shows how)
+        unregister()
     try:
         if lang == "pycon":
             test = doctest.DocTestParser().get_doctest(code, dict(names), block_id, block_id, 0)
@@ -181,6 +220,8 @@ def run_block(code, block_id, lang, keep):
                 if key not in saved:
                     del names[key]
             names.update(saved)
+        if own:
+            register_defaults()
 
 
 answers = sys.stdout

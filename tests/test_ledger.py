@@ -114,6 +114,28 @@ async def test_opaque_results_are_held_where_made_and_where_moved(c, s, a, b):
     assert (await frame).value == 7
 
 
+@accelsched.gpu
+def keep(i: int) -> int:
+    """A GPU step that allocates nothing on its device."""
+    return i
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS[:1], timeout=90)
+async def test_a_step_that_allocated_nothing_is_never_named(c, s, a):
+    """``keep`` runs first and allocates nothing; ``leaky`` is the first to allocate on
+    the device (it makes the process's context there), so no run can be measured and
+    nothing explains the leak: the event names ``leaky`` alone, never ``keep``."""
+    await accelsched.register(c, **FAST)
+    A = a.worker_address
+    await wait_for(lambda: gpus(s, A) == 1)
+    assert await c.gather([c.submit(keep, i, workers=[A]) for i in range(3)]) == [0, 1, 2]
+    await c.submit(leaky, 1, workers=[A], key="leaky-1")
+    await wait_for(lambda: events(s, "leak"), timeout=30)
+    (leak,) = events(s, "leak")
+    assert list(leak["prefixes"]) == ["leaky"], leak
+    assert leak["attributed"] == {}  # the leaking run made the context: not measured
+
+
 @gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=90)
 async def test_leak_inside_a_fused_task_is_named_by_its_step(c, s, a, b):
     """Five step types fused into one task per block; one leaks: it is named first."""

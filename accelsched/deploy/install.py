@@ -27,8 +27,16 @@ from typing import Any
 
 import click
 
-from accelsched import internals
+from accelsched import internals, precedence
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option, config_value
+from accelsched.deploy.failing import (
+    BadPreloadValue,
+    PreloadError,
+    exit_nonzero_after_the_command,
+    flag,
+    parsing_for_a_worker_command,
+    refuse_placement_options,
+)
 from accelsched.deploy.forked_workers import FastRestart
 from accelsched.internals import preloading
 from accelsched.protocol import FAST_RESTART_PLUGIN, GUARD_PLUGIN, PLACEMENT_PLUGIN
@@ -52,10 +60,6 @@ class _Nothing:
 
 
 NOTHING = _Nothing()
-
-
-def _flag(opt: Option) -> str:
-    return "--" + opt.name.replace("_", "-")
 
 
 def _validator(opt: Option) -> Any:
@@ -90,7 +94,7 @@ def _params() -> list[click.Parameter]:
             multiple = opt.name == "oom_exceptions"
             params.append(
                 click.Option(
-                    [_flag(opt)],
+                    [flag(opt)],
                     default=None,
                     multiple=multiple,
                     callback=_validator(opt),
@@ -114,15 +118,22 @@ async def setup_server(server: Any, invalid: str | None = None, **given: Any) ->
 
     distributed logs and ignores an exception from a preload, and the server would run
     without accelsched: GPU workers unverified, a GPU-less one keeping its ``GPU: 1``.
+    Inside ``dask scheduler``/``dask worker`` (a click command runs the server in this
+    process), the command then exits with 1, so a supervisor sees the failure.
     """
     try:
         if invalid is not None:
-            raise click.UsageError(invalid)
+            raise PreloadError(invalid)
         await _install(server, given)
     except Exception as exc:
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
         logger.error("accelsched: %s; stopping this %s", message, type(server).__name__.lower())
-        preloading.stop(server, reason=f"accelsched-preload-failed: {message}")
+        exit_nonzero_after_the_command()
+        preloading.stop(
+            server,
+            reason=f"accelsched-preload-failed: {message}",
+            in_nanny=exit_nonzero_after_the_command,
+        )
 
 
 async def _install(server: Any, given: dict[str, Any]) -> None:
@@ -132,20 +143,15 @@ async def _install(server: Any, given: dict[str, Any]) -> None:
     if isinstance(server, Scheduler):
         await _setup_scheduler(server, placement_options, guard_options)
     elif isinstance(server, Worker):
-        if placement_options:
-            flags = ", ".join(_flag(o) for o in PLACEMENT_OPTIONS if o.name in placement_options)
-            raise click.UsageError(
-                f"{flags} apply to the scheduler (placement); give them to "
-                "`dask scheduler --preload accelsched`, not to a worker"
-            )
+        refuse_placement_options(placement_options)
         _setup_worker(server, guard_options)
     elif isinstance(server, Nanny):
-        raise click.UsageError(
+        raise PreloadError(
             "accelsched guards the worker process: use `--preload accelsched`, "
             "not `--preload-nanny accelsched`"
         )
     else:
-        raise click.UsageError(f"accelsched cannot be preloaded into {type(server).__name__}")
+        raise PreloadError(f"accelsched cannot be preloaded into {type(server).__name__}")
 
 
 async def _setup_scheduler(
@@ -167,27 +173,21 @@ async def _setup_scheduler(
 
 def _setup_worker(worker: Any, guard_options: dict[str, Any]) -> None:
     guard = GuardPlugin(**guard_options)  # validated now: a bad value stops the start
+    # this worker's own options: a guard its scheduler hands it applies them as well,
+    # unless given the same option explicitly (see accelsched.precedence; logged there)
+    precedence.worker_preload_options[worker] = {k: guard.options[k] for k in guard_options}
     internals.spawn(worker, _install_guard, worker, guard)
 
 
 async def _install_guard(worker: Any, guard: GuardPlugin) -> None:
     """After the start: the worker is registered, so the guard's report finds it known
-    (a report sent from inside the start would reach the scheduler before the worker)."""
+    (a report sent from inside the start would reach the scheduler before the worker).
+    A guard its scheduler handed it is set up by then, with this worker's options."""
     await preloading.started(worker)
-    present = preloading.worker_plugin(worker, GUARD_PLUGIN)
-    if present is not None:
-        differing = sorted(
-            k for k, v in guard.options.items() if getattr(present, "options", {}).get(k) != v
-        )
-        if differing:
-            logger.warning(
-                "accelsched: this worker runs the GuardPlugin its scheduler handed it; the "
-                "worker's own preload options differ and are not used: %s",
-                ", ".join(differing),
-            )
+    if preloading.worker_plugin(worker, GUARD_PLUGIN) is not None:
         return
     await worker.plugin_add(guard, name=GUARD_PLUGIN, catch_errors=False)
-    logger.info("accelsched: GuardPlugin installed by preload (%s)", guard.options)
+    logger.info("accelsched: GuardPlugin installed by preload")
 
 
 class _PreloadCommand(click.Command):
@@ -199,6 +199,19 @@ class _PreloadCommand(click.Command):
     where distributed would log the error and run on without accelsched: there the
     error is handed to :func:`setup_server`, which stops the server.
     """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Parse as click does; every error becomes one clean line (:class:`PreloadError`),
+        and a worker's command refuses the scheduler's options before anything starts."""
+        try:
+            rest = super().parse_args(ctx, args)
+            if parsing_for_a_worker_command():
+                refuse_placement_options(split_options(ctx.params)[0])
+        except click.BadParameter as exc:
+            raise BadPreloadValue(exc.message, param=exc.param, param_hint=exc.param_hint) from None
+        except click.UsageError as exc:
+            raise PreloadError(exc.format_message()) from None
+        return rest
 
     def make_context(
         self,

@@ -9,9 +9,11 @@ with no client: these functions do the same from there.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
-from distributed.protocol.pickle import dumps
+from distributed.protocol.pickle import dumps, loads
 
 from accelsched.internals.contract import _raise_if
 
@@ -63,14 +65,19 @@ def worker_plugin(worker: Worker, name: str) -> Any:
     return worker.plugins.get(name)
 
 
-def stop(server: Scheduler | Worker, reason: str) -> None:
+def stop(
+    server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None] | None = None
+) -> None:
     """Close ``server`` once its start has returned (closing a server that is still
     starting does nothing). A worker takes its nanny with it, which would otherwise
-    start it again and again."""
-    server.loop.add_callback(_close_after_start, server, reason)
+    start it again and again; ``in_nanny`` (an importable function) runs in the nanny's
+    process first, where ``dask worker`` runs (the worker is a child process)."""
+    server.loop.add_callback(_close_after_start, server, reason, in_nanny)
 
 
-async def _close_after_start(server: Scheduler | Worker, reason: str) -> None:
+async def _close_after_start(
+    server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None] | None
+) -> None:
     from distributed import Worker
 
     try:
@@ -78,6 +85,26 @@ async def _close_after_start(server: Scheduler | Worker, reason: str) -> None:
     except Exception:  # its start failed: it is closed already
         return
     if isinstance(server, Worker):
+        nanny: Any = server.nanny  # its address (typed as a Nanny in distributed)
+        if in_nanny is not None and nanny is not None:
+            # the nanny's out-of-band "run" handler, as client.run(nanny=True); a nanny
+            # gone already has nothing to tell
+            with suppress(Exception):
+                await server.rpc(nanny).run(function=dumps(in_nanny))
         await server.close(nanny=True, reason=reason)
     else:
         await server.close(reason=reason)
+
+
+def running_options(dask_scheduler: Scheduler) -> dict[str, dict[str, Any] | None]:
+    """Run on the scheduler (``client.run_on_scheduler``): the options of accelsched's
+    plugins registered there, if any (the guard as stored for the workers, before each
+    worker's own settings)."""
+    from accelsched.protocol import GUARD_PLUGIN, PLACEMENT_PLUGIN
+
+    placement = dask_scheduler.plugins.get(PLACEMENT_PLUGIN)
+    guard = dask_scheduler.worker_plugins.get(GUARD_PLUGIN)
+    return {
+        "placement": getattr(placement, "options", None),
+        "guard": getattr(loads(guard), "options", None) if guard is not None else None,
+    }

@@ -79,7 +79,7 @@ class LeakDetector:
 
     confirmations: int = 2
     _above: dict[int, int] = field(default_factory=dict)
-    _prefixes: set[str] = field(default_factory=set)
+    _prefixes: dict[str, int] = field(default_factory=dict)  # prefix -> runs started
 
     def __post_init__(self) -> None:
         if self.confirmations < 1:
@@ -87,7 +87,12 @@ class LeakDetector:
 
     def ran(self, prefix: str) -> None:
         """Record a task prefix that ran since the last clean check (O(1))."""
-        self._prefixes.add(prefix)
+        prefixes = self._prefixes
+        prefixes[prefix] = prefixes.get(prefix, 0) + 1
+
+    def runs(self) -> dict[str, int]:
+        """How many runs of each prefix started since the last clean check."""
+        return dict(self._prefixes)
 
     def check(self, device: int, estimate: int, threshold: int) -> Verdict:
         above = self._above.get(device, 0) + 1 if estimate > threshold else 0
@@ -142,9 +147,16 @@ class Attribution:
     prefix until a clean check; a leak event names the prefixes ranked by bytes.
     Residues are recorded from the tasks' threads while a check reads them on the event
     loop: a lock keeps a residue from landing between a check's reading and its clearing.
+
+    A run seen to leave nothing at all on its devices (measured with no growth, or with
+    no CUDA context before or after it) is counted too: a prefix all of whose runs since
+    the last clean check left nothing is no suspect (:meth:`innocent`), even when no
+    measured run explains a leak (the leaking task made the device's first context, so
+    nothing could measure it).
     """
 
     _bytes: dict[int, dict[str, int]] = field(default_factory=dict)  # device -> prefix -> n
+    _nothing: dict[str, int] = field(default_factory=dict)  # prefix -> runs that left nothing
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, prefix: str, residues: dict[int, int]) -> None:
@@ -154,6 +166,17 @@ class Attribution:
                 if n > 0:
                     per = self._bytes.setdefault(device, {})
                     per[prefix] = per.get(prefix, 0) + n
+
+    def left_nothing(self, prefix: str) -> None:
+        """A run of ``prefix`` was seen to leave nothing on its devices."""
+        with self._lock:
+            self._nothing[prefix] = self._nothing.get(prefix, 0) + 1
+
+    def innocent(self, runs: dict[str, int]) -> set[str]:
+        """The prefixes of ``runs`` (prefix -> runs started) every run of which was seen
+        to leave nothing."""
+        with self._lock:
+            return {p for p, n in runs.items() if self._nothing.get(p, 0) >= n}
 
     def ranked(self, device: int) -> list[tuple[str, int]]:
         """Prefixes with what they left on ``device``, most first (ties by name)."""
@@ -166,6 +189,7 @@ class Attribution:
             out = {d: self._ranked(d) for d in devices}
             if clear:
                 self._bytes.clear()
+                self._nothing.clear()
             return out
 
     def _ranked(self, device: int) -> list[tuple[str, int]]:
@@ -175,6 +199,7 @@ class Attribution:
     def clear(self) -> None:
         with self._lock:
             self._bytes.clear()
+            self._nothing.clear()
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ class Suspects:
 
     ``ranked``: the steps or task prefixes whose measured runs left memory behind on the
     device since the last clean check, with those bytes, most first. When none did,
-    ``blamed``: every task prefix that ran on the worker since then, by name.
+    ``blamed``: every task prefix that ran on the worker since then, by name, less those
+    every run of which was seen to leave nothing (never an innocent step: with none
+    left, no suspect at all).
     """
 
     ranked: tuple[tuple[str, int], ...] = ()
@@ -110,7 +112,9 @@ class LeakDecisions:
         (then :meth:`reclaimed` decides, once measured again), else the leaks' reports
         and restart request.
         """
-        blamed = tuple(self.detector.end_check(verdicts, complete=complete))
+        innocent = self.attribution.innocent(self.detector.runs())
+        ran = self.detector.end_check(verdicts, complete=complete)
+        blamed = tuple(p for p in ran if p not in innocent)
         clean = complete and all(v.above == 0 for v in verdicts)
         ranked = self.attribution.take([v.device for v in verdicts], clear=clean)
         suspects = {v.device: Suspects(tuple(ranked[v.device]), blamed) for v in verdicts}

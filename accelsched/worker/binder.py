@@ -26,7 +26,7 @@ from accelsched.policy.requirements import DeviceFacts, Requirement, parse_requi
 from accelsched.worker.ledger import MEASURE, Ledger
 from accelsched.worker.pool_freer import PoolFreer
 
-__all__ = ["Binder"]
+__all__ = ["Binder", "send_back"]
 
 Runner = Callable[[Any, dict], Any]
 
@@ -43,6 +43,7 @@ class Binder:
         emit: Callable[..., None],
         ledger: Ledger | None = None,
         residue: Callable[[str, dict[int, int]], None] | None = None,
+        left_nothing: Callable[[str], None] | None = None,
     ) -> None:
         self.leases = LeaseTable()
         self.simulated = simulated
@@ -52,6 +53,7 @@ class Binder:
         self._emit = emit
         self.ledger = ledger  # measures what each task leaves on its devices
         self._residue = residue  # (step or task prefix, bytes it left behind)
+        self._left_nothing = left_nothing  # (task prefix): a run seen to leave nothing
 
     def set_devices(self, indices: list[int], devices: Sequence[DeviceInfo] = ()) -> None:
         """Lease ``indices``; ``devices`` describe them (what requirements are met by)."""
@@ -116,9 +118,12 @@ class Binder:
                     try:
                         return spec(values)
                     finally:
-                        ledger.unmeasured(devices, prefix, plan)
+                        if ledger.unmeasured(devices, prefix, plan):
+                            self._nothing(prefix)
                 result = spec(values)
                 grew = self._measured(key, devices, before, result, steps)
+                if grew == 0:
+                    self._nothing(prefix)
                 if requirement is not None and requirement.memory is not None:
                     self._over_declared(key, devices[0], requirement.memory, grew)
                 return result
@@ -149,6 +154,10 @@ class Binder:
         if self._residue is not None and not (steps is not None and steps.measured):
             self._residue(key_split(key), left)
         return sum(held.values()) + sum(left.values())
+
+    def _nothing(self, prefix: str) -> None:
+        if self._left_nothing is not None:
+            self._left_nothing(prefix)
 
     def _over_declared(self, key: Any, device: int, declared: int, grew: int | None) -> None:
         """A declared-memory task measured (alone on its device) adding more than it
@@ -199,6 +208,11 @@ class Binder:
             return inner(spec, host) if inner is not None else spec(host)
 
         return run
+
+
+def send_back(spec: Any, values: dict) -> Any:
+    """A GPU task reaching execution on a worker about to restart: placed again."""
+    raise Reschedule()
 
 
 def _refuse(exc: ValueError, spec: Any, values: Any) -> Any:

@@ -30,13 +30,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
-from distributed import Reschedule
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from accelsched import events, internals
+from accelsched import events, internals, precedence
 from accelsched.config import GUARD_OPTIONS, resolve_options
 from accelsched.policy.health import DeviceHealth
-from accelsched.policy.leak import Verdict
+from accelsched.policy.leak import Attribution, Verdict
 from accelsched.protocol import (
     CONFIRM_HANDLER,
     DRAIN_HANDLER,
@@ -50,7 +49,7 @@ from accelsched.protocol import (
     ReportReply,
 )
 from accelsched.worker import results
-from accelsched.worker.binder import Binder, Runner
+from accelsched.worker.binder import Binder, Runner, send_back
 from accelsched.worker.figures import Figures
 from accelsched.worker.inventory import Inventory
 from accelsched.worker.leak_check import LeakCheck, LeakOptions
@@ -73,11 +72,6 @@ _PERIODIC = "accelsched-guard"
 _RUNNING = frozenset({"executing", "long-running"})
 
 
-def _send_back(spec: Any, values: dict) -> Any:
-    """A GPU task reaching execution on a worker about to restart: placed again."""
-    raise Reschedule()
-
-
 class GuardPlugin(WorkerPlugin):
     """Verified inventory, per-task device binding, unrequested-use watch, leak check.
 
@@ -89,6 +83,7 @@ class GuardPlugin(WorkerPlugin):
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(GUARD_OPTIONS, options, type(self).__name__)
+        self.explicit = frozenset(options)  # given, not from config: a worker's own yields
         self._init_parts()
 
     def _init_parts(self) -> None:
@@ -104,10 +99,11 @@ class GuardPlugin(WorkerPlugin):
         self.running = Running(self._in_thread, self._judge_owed)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options}
+        return {"options": self.options, "explicit": self.explicit}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.options = state["options"]
+        self.explicit = state.get("explicit", frozenset())
         self._init_parts()
 
     # --- WorkerPlugin hooks -------------------------------------------------------------
@@ -122,11 +118,13 @@ class GuardPlugin(WorkerPlugin):
         """
         internals.check_worker(worker)
         self.worker = worker
-        o = self.options
-        inv = self.inventory
+        # this worker's own settings, where no explicit option says otherwise (logged)
+        o = self.options = precedence.guard_options_here(self.options, self.explicit, worker)
+        inv = self.inventory = Inventory(advertise_undeclared=o["advertise_undeclared"])
         inv.probe(worker)
         assert inv.monitor is not None
         ledger = Ledger(inv.monitor)
+        attribution = Attribution()
         self.binder = Binder(
             simulated=inv.simulated,
             oom_exceptions=o["oom_exceptions"],
@@ -139,7 +137,8 @@ class GuardPlugin(WorkerPlugin):
             ),
             emit=self._emit,
             ledger=ledger,
-            residue=self._residue,
+            residue=attribution.record,  # what each run left behind, by step
+            left_nothing=attribution.left_nothing,
         )
         if o["unrequested_gpu"] != "ignore":
             self.watch = Watch(
@@ -160,6 +159,7 @@ class GuardPlugin(WorkerPlugin):
             live=LiveResults(ledger=ledger, owned=inv.owned, leases=self.binder.leases),
             binder=self.binder,
             options=LeakOptions(o["leak_threshold"], o["leak_confirmations"], o["restart_on_leak"]),
+            attribution=attribution,
             actor=WorkerActor(
                 inventory=inv,
                 set_devices=self._use_devices,
@@ -268,7 +268,7 @@ class GuardPlugin(WorkerPlugin):
         amount = resources.get(GPU, 0)
         if (amount > 0 or resources.get(GPU_MEMORY, 0) > 0) and self.inventory.granted:
             if self.inventory.draining:  # restarting: the scheduler places it elsewhere
-                return _send_back
+                return send_back
             need = annotations.get(REQUIREMENT_ANNOTATION)
             return self.binder.gpu_runner(key, amount, prefix, need)
         watch = self.watch
@@ -276,10 +276,6 @@ class GuardPlugin(WorkerPlugin):
         if annotations.get(FALLBACK_ANNOTATION):
             return self.binder.fallback_runner(runner)
         return runner
-
-    def _residue(self, name: str, residues: dict[int, int]) -> None:
-        if self.leaks is not None:
-            self.leaks.residue(name, residues)
 
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from accelsched.config import Threshold
 from accelsched.devices.pool import PoolStats, active_pools
-from accelsched.policy.leak import Baseline, Verdict, estimate
+from accelsched.policy.leak import Attribution, Baseline, Verdict, estimate
 from accelsched.policy.leak_decisions import LeakDecisions, Remeasured
 from accelsched.policy.proposals import Proposal
 from accelsched.worker.binder import Binder
@@ -56,6 +56,7 @@ class LeakCheck:
         options: LeakOptions,
         actor: WorkerActor,
         executing: Callable[[], set[Any]] = set,
+        attribution: Attribution | None = None,
     ) -> None:
         self.readings = readings
         self.live = live
@@ -64,7 +65,9 @@ class LeakCheck:
         self.threshold = options.threshold
         self.actor = actor
         self._executing = executing  # keys of GPU tasks in threads now
-        self.decisions = LeakDecisions(options.confirmations, options.restart_on_leak)
+        self.decisions = LeakDecisions(
+            options.confirmations, options.restart_on_leak, attribution=attribution or Attribution()
+        )
         #: A task of this prefix started (hot path: the detector's own method, no call more).
         self.ran: Callable[[str], None] = self.decisions.detector.ran
         self.baselines: dict[int, Baseline] = {}

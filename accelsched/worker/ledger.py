@@ -108,9 +108,11 @@ class Ledger:
                 return MEASURE
         return SKIP if prefix in self._clean else LEARN
 
-    def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> None:
+    def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> bool:
         """After a task run under :data:`LEARN` or :data:`SKIP` (before pools are freed):
-        is there still no context on its devices?"""
+        is there still no context on its devices? Returns whether the run is known to
+        have left nothing there (no context before it, none after it as far as the
+        ledger knows, no pool holding memory)."""
         if plan == LEARN:
             gen = self._context_gen
             for d in devices:
@@ -120,7 +122,7 @@ class Ledger:
                     if len(self._clean) >= MAX_PREFIXES:
                         self._clean.clear()
                     self._clean.add(prefix)
-                    return
+                    return True
         pools = active_pools()
         if pools:
             try:
@@ -129,6 +131,8 @@ class Ledger:
                 held = True
             if held:
                 self.recheck(devices)  # a pool holds memory: a context exists there
+                return False
+        return plan == SKIP
 
     def recheck(self, devices: tuple[int, ...] | None = None) -> None:
         """Read NVML again before the next task on ``devices`` (all when None): a context

@@ -6,7 +6,7 @@ import pytest
 
 from accelsched.devices.pool import PoolStats
 from accelsched.policy.budget import RestartBudget
-from accelsched.policy.leak import Baseline, LeakDetector, estimate
+from accelsched.policy.leak import Attribution, Baseline, LeakDetector, estimate
 from tests.utils import GiB, MiB
 
 
@@ -78,6 +78,27 @@ def test_prefixes_since_last_clean_check() -> None:
     ]  # a skipped device: not clean
     assert d.end_check([d.check(0, 0, 10)]) == ["after", "busy", "leaky"]
     assert d.end_check([d.check(0, 0, 10)]) == []
+
+
+def test_runs_per_prefix_since_last_clean_check() -> None:
+    d = LeakDetector(confirmations=2)
+    for prefix in ("load", "load", "leaky"):
+        d.ran(prefix)
+    assert d.runs() == {"load": 2, "leaky": 1}
+    d.end_check([d.check(0, 20, 10)])  # not clean: kept
+    assert d.runs() == {"load": 2, "leaky": 1}
+    d.end_check([d.check(0, 0, 10)])
+    assert d.runs() == {}
+
+
+def test_innocent_prefixes_are_those_every_run_of_which_left_nothing() -> None:
+    a = Attribution()
+    a.left_nothing("keep")
+    a.left_nothing("keep")
+    a.left_nothing("half")
+    assert a.innocent({"keep": 2, "half": 2, "leaky": 1}) == {"keep"}
+    a.clear()
+    assert a.innocent({"keep": 2}) == set()
 
 
 def test_detector_rejects_zero_confirmations() -> None:

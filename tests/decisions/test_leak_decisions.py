@@ -133,6 +133,52 @@ def test_a_leak_no_measured_run_explains_blames_every_prefix_since_a_clean_check
     assert leak.detail == {"prefixes": ("c-step",), "attributed": ()}
 
 
+def test_a_step_every_run_of_which_left_nothing_is_never_blamed() -> None:
+    """``keep`` ran twice and left nothing both times; ``leaky`` made the device's
+    first context, so no run of it was measured: the leak blames ``leaky`` alone."""
+    d = LeakDecisions(confirmations=1, restart_on_leak=False)
+    for prefix in ("keep", "keep", "leaky"):
+        d.ran(prefix)
+    d.attribution.left_nothing("keep")
+    d.attribution.left_nothing("keep")
+    d.reclaims.outcome(0, before=600, after=600, threshold=T)  # tried already: held
+    (leak,) = d.propose(d.count({0: (600, T)}), complete=True)
+    assert leak.detail == {"prefixes": ("leaky",), "attributed": ()}
+    assert leak.figures["unexplained"] == 600
+
+
+def test_one_run_not_seen_to_leave_nothing_keeps_a_step_a_suspect() -> None:
+    d = LeakDecisions(confirmations=1, restart_on_leak=False)
+    for prefix in ("keep", "keep", "other"):
+        d.ran(prefix)
+    d.attribution.left_nothing("keep")  # the second run was not measured (or grew)
+    d.reclaims.outcome(0, before=600, after=600, threshold=T)
+    (leak,) = d.propose(d.count({0: (600, T)}), complete=True)
+    assert leak.detail["prefixes"] == ("keep", "other")
+
+
+def test_when_every_step_left_nothing_none_is_named() -> None:
+    """A leak no step since the last clean check can have made names no suspect."""
+    d = LeakDecisions(confirmations=1, restart_on_leak=False)
+    d.ran("keep")
+    d.attribution.left_nothing("keep")
+    d.reclaims.outcome(0, before=600, after=600, threshold=T)
+    (leak,) = d.propose(d.count({0: (600, T)}), complete=True)
+    assert leak.detail == {"prefixes": (), "attributed": ()}
+
+
+def test_runs_seen_leaving_nothing_are_forgotten_at_a_clean_check() -> None:
+    """After a clean, complete check, earlier clean runs excuse no later run."""
+    d = LeakDecisions(confirmations=1, restart_on_leak=False)
+    d.ran("keep")
+    d.attribution.left_nothing("keep")
+    assert d.propose(d.count({0: (0, T)}), complete=True) == []  # clean: forgotten
+    d.ran("keep")  # this run was not seen to leave nothing
+    d.reclaims.outcome(0, before=600, after=600, threshold=T)
+    (leak,) = d.propose(d.count({0: (600, T)}), complete=True)
+    assert leak.detail["prefixes"] == ("keep",)
+
+
 def test_a_reclaim_waits_for_the_gpu_tasks_in_their_threads() -> None:
     d = LeakDecisions(confirmations=1)
     asked: list[int] = []
