@@ -196,14 +196,16 @@ def choice(*allowed: str) -> Callable[[str, Any], str]:
     return parse
 
 
-def parse_dotted_names(name: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(v, str) and v and all(p.isidentifier() for p in v.split(".")) for v in value
-    ):
-        raise _bad(name, value, "a list of dotted exception names like 'mylib.OutOfMemory'")
-    return tuple(value)
+def dotted_names(example: str) -> Callable[[str, Any], tuple[str, ...]]:
+    def parse(name: str, value: Any) -> tuple[str, ...]:
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, str) and v and all(p.isidentifier() for p in v.split(".")) for v in value
+        ):
+            raise _bad(name, value, f"a list of dotted names like {example!r}")
+        return tuple(value)
+
+    return parse
 
 
 @dataclass(frozen=True)
@@ -297,6 +299,7 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     Option("leak_confirmations", "accelsched.guard.leak-confirmations", parse_positive_count),
     Option("restart_on_leak", "accelsched.guard.restart-on-leak", parse_bool),
     Option("recover_gpus", "accelsched.guard.recover-gpus", parse_bool),
-    Option("oom_exceptions", "accelsched.guard.oom-exceptions", parse_dotted_names),
+    Option("oom_exceptions", "accelsched.guard.oom-exceptions", dotted_names("mylib.OutOfMemory")),
     Option("fast_restart", "accelsched.guard.fast-restart", parse_bool),
+    Option("preimport", "accelsched.guard.preimport", dotted_names("dask.dataframe")),
 )

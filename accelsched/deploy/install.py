@@ -91,7 +91,7 @@ def _params() -> list[click.Parameter]:
     params: list[click.Parameter] = []
     for side, options in (("scheduler", PLACEMENT_OPTIONS), ("worker", GUARD_OPTIONS)):
         for opt in options:
-            multiple = opt.name == "oom_exceptions"
+            multiple = opt.name in ("oom_exceptions", "preimport")
             params.append(
                 click.Option(
                     [flag(opt)],

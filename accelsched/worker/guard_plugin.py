@@ -55,6 +55,7 @@ from accelsched.worker.inventory import Inventory
 from accelsched.worker.leak_check import LeakCheck, LeakOptions
 from accelsched.worker.ledger import Ledger
 from accelsched.worker.pool_freer import PoolFreer
+from accelsched.worker.preimport import preimport
 from accelsched.worker.readings import DeviceReadings
 from accelsched.worker.rejoin import Rejoin
 from accelsched.worker.results import LiveResults
@@ -120,6 +121,7 @@ class GuardPlugin(WorkerPlugin):
         self.worker = worker
         # this worker's own settings, where no explicit option says otherwise (logged)
         o = self.options = precedence.guard_options_here(self.options, self.explicit, worker)
+        preimport(o["preimport"])  # before this worker reads its first task
         inv = self.inventory = Inventory(advertise_undeclared=o["advertise_undeclared"])
         inv.probe(worker)
         assert inv.monitor is not None
