@@ -20,6 +20,7 @@ is a GPU task, with no ``dask.annotate`` (see :mod:`accelsched.policy.marks`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from collections.abc import Callable
@@ -28,15 +29,18 @@ from typing import Any, Generic, TypeVar, overload
 from accelsched.context import current_lease, out_of_memory, released
 from accelsched.policy.marks import Mark, note_marked
 from accelsched.policy.requirements import Requirement, parse_requirement
-from accelsched.policy.timeouts import invalid_amount, parse_task_timeout
+from accelsched.policy.timeouts import DUAL_TIMEOUT, invalid_amount, parse_task_timeout
 from accelsched.shipping import Unloadable, importable, ship, unpickle
 
 __all__ = ["dual", "Dual", "gpu", "GPUStep"]
 
-#: A dual step needs one GPU and falls back after the plugin's default timeout.
-_DUAL_MARK = Mark(count=1)
+#: A dual step needs one GPU and falls back after the plugin's default timeout, else
+#: after :data:`~accelsched.policy.timeouts.DUAL_TIMEOUT`.
+_DUAL_MARK = Mark(count=1, cpu_form=DUAL_TIMEOUT)
 
 R = TypeVar("R")
+
+_UNSET: Any = object()  # an argument not given (None is a value: strict)
 
 
 class Dual(Generic[R]):
@@ -138,6 +142,7 @@ def dual(
     gpu_fn: Callable[..., R],
     cpu_fn: Callable[..., R],
     *,
+    fallback_timeout: Any = _UNSET,
     memory: Any = None,
     model: str | None = None,
     capability: Any = None,
@@ -145,13 +150,18 @@ def dual(
 ) -> Dual[R]:
     """Return a callable that runs ``gpu_fn`` on a GPU and ``cpu_fn`` when it fell back.
 
-    ``memory``, ``model``, ``capability``, ``mig``: what its device must be
-    (:mod:`accelsched.policy.requirements`; docs/placement.md); a bad value raises here.
+    ``fallback_timeout``: how long its tasks wait unplaced before ``cpu_fn`` runs, as
+    ``gpu(fallback_timeout=...)`` takes it; None keeps them strict. Not given: the
+    plugin's ``fallback_timeout``, else :data:`~accelsched.policy.timeouts.DUAL_TIMEOUT`
+    (30 s). ``memory``, ``model``, ``capability``, ``mig``: what its device must be
+    (:mod:`accelsched.policy.requirements`; docs/placement.md). A bad value raises here.
     """
     requirement = _requirement("dual", memory, model, capability, mig)
-    return Dual(
-        gpu_fn, cpu_fn, Mark(count=1, requirement=requirement) if requirement else _DUAL_MARK
-    )
+    if fallback_timeout is _UNSET and requirement is None:
+        return Dual(gpu_fn, cpu_fn, _DUAL_MARK)
+    given = fallback_timeout is not _UNSET
+    mark = _gpu_mark(1, fallback_timeout if given else None, given, requirement, "dual")
+    return Dual(gpu_fn, cpu_fn, dataclasses.replace(mark, cpu_form=DUAL_TIMEOUT))
 
 
 def _requirement(
@@ -252,15 +262,19 @@ def _load_dual(label: str, payload: bytes, mark: Mark = _DUAL_MARK) -> Dual[Any]
 
 
 def _gpu_mark(
-    count: Any, fallback_timeout: Any, given: bool, requirement: Requirement | None = None
+    count: Any,
+    fallback_timeout: Any,
+    given: bool,
+    requirement: Requirement | None = None,
+    who: str = "gpu",
 ) -> Mark:
     if invalid_amount(count) is not None:
-        raise ValueError(f"gpu(): invalid count={count!r}: expected a positive number of GPUs")
-    timeout = parse_task_timeout(fallback_timeout) if given else None
+        raise ValueError(f"{who}(): invalid count={count!r}: expected a positive number of GPUs")
+    try:
+        timeout = parse_task_timeout(fallback_timeout) if given else None
+    except ValueError as exc:
+        raise ValueError(f"{who}(): {exc}") from None
     return Mark(count=count, timeout=timeout, timeout_given=given, requirement=requirement)
-
-
-_UNSET: Any = object()
 
 
 @overload

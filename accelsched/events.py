@@ -53,7 +53,8 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
     or leaves. ``reason`` (``"restart-budget"`` or ``"restart-deferred: ..."``).
 ``gpu-unhealthy`` (worker)
     A verified device stopped answering NVML: no new lease lands on it, the worker
-    advertises one GPU fewer, and it asks for a lossless restart. Said once per failure.
+    advertises one GPU fewer; the worker keeps its process (no restart while the device
+    fails) and offers it again once it answers. Said once per failure.
     ``device``, ``uuid``, ``error``.
 ``gpu-recovered`` (worker)
     A device withdrawn as unhealthy answers NVML again and is offered again
@@ -64,6 +65,11 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
     form after their timeout. ``requirement`` (what was asked, e.g.
     ``"memory>=60GiB,model=*H100*"``), ``key`` (the first task). Said once per
     requirement until a device meets it.
+``gpu-waiting`` (scheduler)
+    GPU tasks no worker took for a few seconds, and why: ``reason`` (``"no-verified-gpu"``,
+    ``"too-few-gpus"``, ``"unmet-requirement"``, ``"no-eligible-worker"``), ``waiting``
+    (how many, now), ``keys`` (a few of them). Said once per reason, again only after no
+    task waited for it.
 ``over-declared`` (worker)
     A task that declared device memory added more than it declared to its device
     (measured as the ledger measures every GPU task): a neighbour sharing the device may
@@ -82,6 +88,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from accelsched.policy.waiting import REASONS
+
 TOPIC: Final = "accelsched"
 
 GPU_VERIFIED: Final = "gpu-verified"
@@ -99,6 +107,7 @@ GPU_RECOVERED: Final = "gpu-recovered"
 REQUEST_REFUSED: Final = "request-refused"
 UNMET_REQUIREMENT: Final = "unmet-requirement"
 OVER_DECLARED: Final = "over-declared"
+GPU_WAITING: Final = "gpu-waiting"
 
 ACTIONS: Final = frozenset(
     {
@@ -117,6 +126,7 @@ ACTIONS: Final = frozenset(
         REQUEST_REFUSED,
         UNMET_REQUIREMENT,
         OVER_DECLARED,
+        GPU_WAITING,
     }
 )
 
@@ -186,6 +196,9 @@ def _describe(msg: Mapping[str, Any], w: str) -> str:
         return f"task {msg['key']!r}{where}: fell back after {msg['waited']}s ({msg['reason']})"
     if a == UNMET_REQUIREMENT:
         return f"no verified device meets {msg['requirement']} (task {msg['key']!r} waits)"
+    if a == GPU_WAITING:
+        why = REASONS.get(msg["reason"], msg["reason"])
+        return f"{msg['waiting']} GPU task(s) wait unplaced: {why} (e.g. {list(msg['keys'])})"
     if a == OVER_DECLARED:
         return (
             f"{w}: task {msg['key']!r} declared {int(msg['declared']) / mib:.0f} MiB, added "

@@ -95,4 +95,7 @@ class StatusReply(TypedDict):
     leaks: int
     reclaims: int
     fallbacks: int
+    #: GPU tasks no worker has taken for a few seconds, by why (``no-verified-gpu``,
+    #: ``too-few-gpus``, ``unmet-requirement``, ``no-eligible-worker``); empty: none.
+    waiting: dict[str, int]
     names: dict[str, str]

@@ -177,6 +177,10 @@ def summary(snap: StatusReply) -> str:
         f"{snap['restarts']} restarts, {snap['leaks']} leaks, {snap['reclaims']} reclaimed, "
         f"{snap['fallbacks']} fallbacks"
     )
+    waiting = snap.get("waiting") or {}  # a scheduler of an earlier accelsched has none
+    if waiting:
+        why = ", ".join(f"{n} {reason}" for reason, n in waiting.items())
+        line += f"; {sum(waiting.values())} GPU tasks waiting ({why})"
     if not snap["guard"]:
         line += " (no GuardPlugin registered: no GPU is verified)"
     return line

@@ -50,11 +50,14 @@ def note_marked() -> None:
 class Mark:
     """What a marked step needs: ``count`` GPUs, and its own fallback timeout (seconds;
     None: the plugin's default; ``timeout_given`` tells None-the-default from an explicit
-    ``fallback_timeout=None``, strict)."""
+    ``fallback_timeout=None``, strict). ``cpu_form``: the timeout a step with a CPU form
+    (``dual``) falls back after when neither the task, the step nor the plugin gives one
+    (None: strict, a GPU-only step)."""
 
     count: float = 1
     timeout: float | None = None
     timeout_given: bool = False
+    cpu_form: float | None = None
     #: What each device it holds must be (:mod:`accelsched.policy.requirements`).
     requirement: Requirement | None = None
 
@@ -78,15 +81,16 @@ def mark_problem(mark: Mark) -> str | None:
             return f"invalid GPU step mark: {problem}"
     if not isinstance(mark.timeout_given, bool):
         return f"invalid GPU step mark timeout_given={mark.timeout_given!r}"
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 <= timeout < math.inf
-    ):
-        return (
-            f"invalid GPU step mark fallback_timeout={timeout!r}: expected None or a "
-            "finite, non-negative number of seconds"
-        )
+    for name, seconds in (("fallback_timeout", timeout), ("cpu_form", mark.cpu_form)):
+        if seconds is not None and (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not 0 <= seconds < math.inf
+        ):
+            return (
+                f"invalid GPU step mark {name}={seconds!r}: expected None or a "
+                "finite, non-negative number of seconds"
+            )
     return None
 
 
@@ -193,7 +197,9 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     """The GPU requirement of a task: the marks of every step it calls, combined.
 
     Several marked steps in one task (fused) need as many GPUs as the largest of them; a
-    step's own fallback timeout counts when only one is given (several: the shortest).
+    step's own fallback timeout counts when only one is given (several: the shortest);
+    the task has a CPU form only when every step has one (a GPU-only step keeps it
+    strict by default).
     """
     if not _seen:
         return None
@@ -240,9 +246,11 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     given = [m.timeout for m in found if m.timeout_given]
     timeouts = [t for t in given if t is not None]
     requirement = combine([m.requirement for m in found if m.requirement])
+    cpu_forms = [m.cpu_form for m in found]
     return Mark(
         count=max(m.count for m in found),
         timeout=min(timeouts) if timeouts else None,
         timeout_given=bool(given),
         requirement=requirement,
+        cpu_form=None if None in cpu_forms else min(c for c in cpu_forms if c is not None),
     )

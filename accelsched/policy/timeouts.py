@@ -31,6 +31,7 @@ __all__ = [
     "NO_GPU_CAPACITY",
     "UNSATISFIABLE",
     "MAX_GPUS",
+    "DUAL_TIMEOUT",
     "CHAIN",
     "OOM",
     "parse_task_timeout",
@@ -45,6 +46,12 @@ NO_GPU_CAPACITY = "no-gpu-capacity"  # timeout 0: no GPU worker can take it now
 UNSATISFIABLE = "unsatisfiable"  # asks for more GPUs than any worker can ever have
 CHAIN = "chain"  # a GPU predecessor fell back and there is still no GPU capacity
 OOM = "oom"  # the GPU form ran out of device memory (decided on the worker)
+
+#: Seconds a ``dual`` step waits unplaced before its CPU form runs, where neither the
+#: task, the step nor the plugin says otherwise: it has a CPU form, so waiting for ever
+#: on a cluster without a GPU that can take it would only hide that. Long enough for a
+#: GPU worker to start or restart; ``dual(..., fallback_timeout=None)`` keeps it strict.
+DUAL_TIMEOUT = 30.0
 
 _UNSET: Any = object()
 

@@ -151,6 +151,8 @@ class Fallback:
             self.timeouts[ts.key] = timeout
         elif mark is not None and mark.timeout_given:  # the step's own timeout
             self.timeouts[ts.key] = mark.timeout
+        elif mark is not None and mark.cpu_form is not None and self.policy.default is None:
+            self.timeouts[ts.key] = mark.cpu_form  # a dual step: it has a CPU form
         problem = self.eligibility.prepare(ts, mark, amount)  # what its device must be
         if problem is not None:
             self._park(ts, problem)

@@ -49,6 +49,7 @@ from accelsched.scheduler.quarantine import Quarantine
 from accelsched.scheduler.restarts import Restarts
 from accelsched.scheduler.scheduler_actor import SchedulerActor
 from accelsched.scheduler.snapshot import Observer
+from accelsched.scheduler.waiting import WaitingTasks
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -111,7 +112,8 @@ class PlacementPlugin(SchedulerPlugin):
         self.actor = SchedulerActor(
             fallback=self.fallback, restarts=self.restarts, quarantine=self.quarantine
         )
-        self.observer = Observer(self.grants)
+        self.waiting = WaitingTasks(emit=emit, active=active)
+        self.observer = Observer(self.grants, waiting=self.waiting.counts)
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the options travel to the scheduler; the parts are built there.
@@ -148,6 +150,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.restarts.start(scheduler)
         self.eligibility.start(scheduler)
         self.fallback.start(scheduler)
+        self.waiting.start(scheduler)
         self.authority.start(scheduler)
         self.quarantine.start(scheduler)
         self.counts.start(scheduler)  # every worker's declared GPUs stripped
@@ -165,6 +168,7 @@ class PlacementPlugin(SchedulerPlugin):
         if scheduler is None:
             return
         self.fallback.close()
+        self.waiting.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
         internals.release_topic(scheduler, events.TOPIC, EVENT_OP)
         self.reports.stop()
@@ -175,6 +179,7 @@ class PlacementPlugin(SchedulerPlugin):
     async def close(self) -> None:
         """The scheduler closes: stop the periodic checks and the gauge's reading."""
         self.fallback.close()
+        self.waiting.close()
         self.observer.stop()
         self.counts.close()
 

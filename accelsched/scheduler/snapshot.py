@@ -22,6 +22,7 @@ per-worker counts.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from accelsched import events, internals
@@ -79,8 +80,9 @@ class Marker(NamedTuple):
 class Observer:
     """Names, event counts, the snapshot and its bounded history."""
 
-    def __init__(self, grants: Grants) -> None:
+    def __init__(self, grants: Grants, waiting: Callable[[], dict[str, int]]) -> None:
         self._grants = grants
+        self._waiting = waiting  # GPU tasks unplaced, by reason (scheduler/waiting.py)
         self.scheduler: Scheduler | None = None
         self.names: OrderedDict[str, str] = OrderedDict()  # address -> worker name
         self.counts: dict[str, Counter[str]] = {}  # worker name -> counted events
@@ -172,6 +174,7 @@ class Observer:
             "leaks": self.totals["leaks"],
             "reclaims": self.totals["reclaims"],
             "fallbacks": self.totals["fallbacks"],
+            "waiting": self._waiting(),
             "names": names,
         }
 
