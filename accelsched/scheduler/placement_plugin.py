@@ -49,7 +49,7 @@ from accelsched.scheduler.quarantine import Quarantine
 from accelsched.scheduler.restarts import Restarts
 from accelsched.scheduler.scheduler_actor import SchedulerActor
 from accelsched.scheduler.snapshot import Observer
-from accelsched.scheduler.waiting import WaitingTasks
+from accelsched.scheduler.unplaced import WaitingTasks
 
 if TYPE_CHECKING:
     from distributed import Scheduler

@@ -82,7 +82,7 @@ class Observer:
 
     def __init__(self, grants: Grants, waiting: Callable[[], dict[str, int]]) -> None:
         self._grants = grants
-        self._waiting = waiting  # GPU tasks unplaced, by reason (scheduler/waiting.py)
+        self._waiting = waiting  # GPU tasks unplaced, by reason (scheduler/unplaced.py)
         self.scheduler: Scheduler | None = None
         self.names: OrderedDict[str, str] = OrderedDict()  # address -> worker name
         self.counts: dict[str, Counter[str]] = {}  # worker name -> counted events
