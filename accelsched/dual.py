@@ -20,7 +20,6 @@ is a GPU task, with no ``dask.annotate`` (see :mod:`accelsched.policy.marks`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from accelsched.context import current_lease, out_of_memory, released
 from accelsched.policy.marks import Mark, note_marked
-from accelsched.policy.requirements import Requirement, parse_requirement
+from accelsched.policy.requirements import parse_requirement
 from accelsched.policy.timeouts import DUAL_TIMEOUT, invalid_amount, parse_task_timeout
 from accelsched.shipping import Unloadable, importable, ship, unpickle
 
@@ -156,23 +155,33 @@ def dual(
     (30 s). ``memory``, ``model``, ``capability``, ``mig``: what its device must be
     (:mod:`accelsched.policy.requirements`; docs/placement.md). A bad value raises here.
     """
-    requirement = _requirement("dual", memory, model, capability, mig)
-    if fallback_timeout is _UNSET and requirement is None:
-        return Dual(gpu_fn, cpu_fn, _DUAL_MARK)
+    mark = _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, memory, model, capability, mig)
+    return Dual(gpu_fn, cpu_fn, mark)
+
+
+def _mark(
+    who: str, count: Any, fallback_timeout: Any, cpu_form: float | None, *device: Any
+) -> Mark:
+    """A step's mark from ``who``'s arguments (``device``: memory, model, capability,
+    mig); a bad one raises naming ``who`` and the value."""
+    if invalid_amount(count) is not None:
+        raise ValueError(f"{who}(): invalid count={count!r}: expected a positive number of GPUs")
     given = fallback_timeout is not _UNSET
-    mark = _gpu_mark(1, fallback_timeout if given else None, given, requirement, "dual")
-    return Dual(gpu_fn, cpu_fn, dataclasses.replace(mark, cpu_form=DUAL_TIMEOUT))
-
-
-def _requirement(
-    who: str, memory: Any, model: Any, capability: Any, mig: Any
-) -> Requirement | None:
-    given = {"memory": memory, "model": model, "capability": capability, "mig": mig}
     try:
-        requirement = parse_requirement(given)
+        timeout = parse_task_timeout(fallback_timeout) if given else None
+        requirement = parse_requirement(dict(zip(_DEVICE, device, strict=True)))
     except ValueError as exc:
         raise ValueError(f"{who}(): {exc}") from None
-    return requirement or None
+    return Mark(
+        count=count,
+        timeout=timeout,
+        timeout_given=given,
+        cpu_form=cpu_form,
+        requirement=requirement or None,
+    )
+
+
+_DEVICE = ("memory", "model", "capability", "mig")
 
 
 class GPUStep(Generic[R]):
@@ -261,22 +270,6 @@ def _load_dual(label: str, payload: bytes, mark: Mark = _DUAL_MARK) -> Dual[Any]
     return step
 
 
-def _gpu_mark(
-    count: Any,
-    fallback_timeout: Any,
-    given: bool,
-    requirement: Requirement | None = None,
-    who: str = "gpu",
-) -> Mark:
-    if invalid_amount(count) is not None:
-        raise ValueError(f"{who}(): invalid count={count!r}: expected a positive number of GPUs")
-    try:
-        timeout = parse_task_timeout(fallback_timeout) if given else None
-    except ValueError as exc:
-        raise ValueError(f"{who}(): {exc}") from None
-    return Mark(count=count, timeout=timeout, timeout_given=given, requirement=requirement)
-
-
 @overload
 def gpu(fn: Callable[..., R], /) -> GPUStep[R]: ...
 
@@ -311,12 +304,7 @@ def gpu(
     ``model="*H100*"``, ``capability="8.0"``, ``mig=True/False``: what each of its
     devices must be (docs/placement.md). Bad arguments raise here, naming the value.
     """
-    mark = _gpu_mark(
-        count,
-        None if fallback_timeout is _UNSET else fallback_timeout,
-        fallback_timeout is not _UNSET,
-        _requirement("gpu", memory, model, capability, mig),
-    )
+    mark = _mark("gpu", count, fallback_timeout, None, memory, model, capability, mig)
     if fn is not None:
         return GPUStep(fn, mark)
     return lambda f: GPUStep(f, mark)

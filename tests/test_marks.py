@@ -19,6 +19,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.policy.marks import Mark, find_mark
+from accelsched.policy.timeouts import DUAL_TIMEOUT
 from tests.utils import cvd, events, gpus, past_deadline, run_python, wait_for
 
 # ---- the walk, with numbers ---------------------------------------------------------------
@@ -33,6 +34,8 @@ def on_device(x):  # type: ignore[no-untyped-def]
 
 
 step = accelsched.dual(on_device, host)
+#: A dual step's mark: one GPU, and a CPU form to fall back to after DUAL_TIMEOUT.
+DUAL = Mark(count=1, cpu_form=DUAL_TIMEOUT)
 
 
 @accelsched.gpu(count=2, fallback_timeout="5s")
@@ -47,15 +50,15 @@ def small(x):  # type: ignore[no-untyped-def]
 
 def test_marks_found_where_dask_nests_them() -> None:
     assert find_mark(Task("k", host, 1)) is None
-    assert find_mark(Task("k", step, 1)) == Mark(count=1)
+    assert find_mark(Task("k", step, 1)) == DUAL
     # a DataFrame partition: apply_and_enforce(..., _func=<step>)
-    assert find_mark(Task("k", host, TaskRef("a"), _func=step)) == Mark(count=1)
+    assert find_mark(Task("k", host, TaskRef("a"), _func=step)) == DUAL
     # a fused task: a subgraph of tasks in a dict argument
     fused = Task("k", host, {"inner": Task("i", big, 1), "other": Task("o", host, 2)})
     assert find_mark(fused) == Mark(count=2, timeout=5.0, timeout_given=True)
     # partials, compositions, lists
     assert find_mark(functools.partial(small, 1)) == Mark(count=1)
-    assert find_mark(Task("k", host, [functools.partial(host, step)])) == Mark(count=1)
+    assert find_mark(Task("k", host, [functools.partial(host, step)])) == DUAL
     # several steps: the largest count, the shortest own timeout
     both = Task("k", host, Task("a", step, 1), Task("b", big, 1))
     assert find_mark(both) == Mark(count=2, timeout=5.0, timeout_given=True)
@@ -76,7 +79,7 @@ def test_the_walk_never_enters_data_and_is_bounded() -> None:
     for _ in range(5000):
         deep = [deep]
     assert find_mark(deep) is None  # past MAX_VISITS: unmarked, and quickly
-    assert find_mark(deep, max_visits=10_000) == Mark(count=1)
+    assert find_mark(deep, max_visits=10_000) == DUAL
 
 
 def test_gpu_decorator_validates_and_pickles() -> None:
@@ -204,10 +207,10 @@ def test_methods_and_callable_instances_stay_marked() -> None:
 
 
 def test_the_task_function_is_found_before_long_arguments() -> None:
-    assert find_mark(Task("k", step, list(range(5000)))) == Mark(count=1)
+    assert find_mark(Task("k", step, list(range(5000)))) == DUAL
     assert find_mark(Task("k", host, list(range(5000)) + [step])) is None  # data, not calls
     assert find_mark(functools.partial(host, AttrDict(a=1))) is None
-    assert find_mark(Task("k", step, AttrDict(a=1))) == Mark(count=1)
+    assert find_mark(Task("k", step, AttrDict(a=1))) == DUAL
 
 
 def test_a_type_seen_first_with_none_still_carries_marks_later() -> None:
@@ -224,7 +227,7 @@ def test_a_type_seen_first_with_none_still_carries_marks_later() -> None:
         "print(find_mark(Task('k', f, DataNode('b', step))))\n"
     )
     out = run_python(code, timeout=120)
-    assert out == repr(Mark(count=1)), out
+    assert out == repr(DUAL), out
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
