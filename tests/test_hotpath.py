@@ -12,6 +12,7 @@ from dask._task_spec import Task
 
 import accelsched
 from accelsched.devices.nvml import MemoryReading, NVMLMonitor
+from accelsched.policy.leak import Attribution
 from accelsched.testing import create_context, device_alloc
 from accelsched.worker.binder import Binder
 from accelsched.worker.ledger import LEARN, MEASURE, SKIP, Ledger
@@ -22,13 +23,21 @@ pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
 
 class Counting(NVMLMonitor):
-    """The real monitor, counting this process's per-process reads."""
+    """The real monitor, counting this process's per-process reads; ``race`` runs
+    (once each) just after a reading, as a leak check on the event loop may."""
 
     reads = 0
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.race: list[Any] = []
+
     def process_memory(self, device: int) -> MemoryReading:
         self.reads += 1
-        return super().process_memory(device)
+        reading = super().process_memory(device)
+        while self.race:
+            self.race.pop()()
+        return reading
 
 
 class Frame:
@@ -60,6 +69,7 @@ class Tasks:
         self.monitor = Counting()
         self.ledger = Ledger(self.monitor)
         self.residues: list[tuple[str, dict[int, int]]] = []
+        self.attribution = Attribution()  # runs seen to leave nothing, by prefix
         self.binder = Binder(
             simulated=True,
             oom_exceptions=(),
@@ -67,6 +77,7 @@ class Tasks:
             emit=lambda *a, **k: None,
             ledger=self.ledger,
             residue=lambda name, left: self.residues.append((name, left)),
+            left_nothing=self.attribution.left_nothing,
         )
         self.binder.set_devices([0])
         self.n = 0
@@ -93,6 +104,29 @@ def test_no_context_no_reads_after_the_first_runs_of_a_prefix() -> None:
     for i in range(10):
         tasks.run(inc, i)
     assert tasks.monitor.reads == 3
+
+
+def test_a_check_during_a_runs_readings_does_not_hide_that_it_left_nothing() -> None:
+    """A leak check's ``recheck`` landing while a run's reading is taken drops the "no
+    context" the reading would record; the run's own readings still found none before
+    and after it, so it is seen to leave nothing (leak attribution never names it)."""
+    tasks = Tasks()
+    tasks.monitor.race.append(tasks.ledger.recheck)  # during inc's base reading
+    tasks.run(inc, 1)
+    assert tasks.monitor.reads == 2  # the base, and a closing reading to learn by
+    assert tasks.attribution.innocent({"inc": 1}) == {"inc"}
+
+    def keep(i: int) -> int:  # a prefix not seen yet: planned LEARN
+        return i
+
+    assert tasks.ledger.plan((0,), "keep") == LEARN
+    tasks.monitor.race.append(tasks.ledger.recheck)  # during keep's closing reading
+    tasks.run(keep, 1)
+    assert tasks.attribution.innocent({"inc": 1, "keep": 1}) == {"inc", "keep"}
+    assert tasks.ledger.plan((0,), "keep") == MEASURE  # not learnt: the check dropped it
+    tasks.run(keep, 2)  # read again: no context, learnt now
+    assert tasks.attribution.innocent({"keep": 2}) == {"keep"}
+    assert tasks.ledger.plan((0,), "keep") == SKIP
 
 
 @pytest.mark.parametrize("first", [warm_up, marked_warm_up], ids=["plain", "marked step"])

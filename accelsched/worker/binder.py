@@ -110,9 +110,7 @@ class Binder:
             try:
                 before = None
                 if plan == MEASURE:
-                    before = self._measure_before(key, devices, start=True)
-                    if before is None and ledger is not None:
-                        plan = ledger.plan(devices, prefix)  # its reading found no context?
+                    before, plan = self._opening(key, devices, prefix)
                 if plan != MEASURE:
                     assert ledger is not None
                     try:
@@ -181,18 +179,33 @@ class Binder:
             self._residue(name, self.ledger.residue(before[1], result))
         return result
 
+    def _opening(
+        self, key: Any, devices: tuple[int, ...], prefix: str
+    ) -> tuple[tuple[Any, dict[int, int]] | None, int]:
+        """A MEASURE task's (alone token, base) and its plan again: a base reading that
+        found no context plans it LEARN or SKIP itself, whatever a leak check dropped
+        meanwhile (else the run would be neither measured nor seen to leave nothing)."""
+        ledger = self.ledger
+        if ledger is None:
+            return None, MEASURE
+        token = self.leases.alone_token(key)
+        if token is None:  # not alone: no base; another task's reading may have found none
+            return None, ledger.plan(devices, prefix)
+        reading, plan = ledger.opening(devices, prefix)
+        return (None if reading is None else (token, reading)), plan
+
     def _measure_before(
-        self, key: Any, devices: tuple[int, ...], start: bool = False
+        self, key: Any, devices: tuple[int, ...]
     ) -> tuple[Any, dict[int, int]] | None:
-        """(alone token, reading) to measure the task by, when it holds its devices alone:
-        the token proves at the end that no other task took or gave back one meanwhile.
-        ``start``: before the task's code runs (else before one of its marked steps)."""
+        """(alone token, reading) to measure a marked step by, when its task holds its
+        devices alone: the token proves at the end that no other task took or gave back
+        one meanwhile (:meth:`_opening` is the same before the task's code runs)."""
         if self.ledger is None:
             return None
         token = self.leases.alone_token(key)
         if token is None:
             return None
-        reading = self.ledger.before(devices, record=start)
+        reading = self.ledger.before(devices)
         return None if reading is None else (token, reading)
 
     @staticmethod

@@ -69,23 +69,28 @@ class Ledger:
         ``record``: a reading taken between GPU tasks (no task code runs on ``device``
         until the next one), whose "no context" :meth:`plan` may rely on; a reading inside
         a task (a marked step's) may be followed by that task making a context."""
+        return self._read(device, record)[0]
+
+    def _read(self, device: int, record: bool) -> tuple[int | None, bool]:
+        """:meth:`noncache`, and whether this reading itself found no context there
+        (what the knowledge :meth:`plan` relies on may have been dropped meanwhile)."""
         gen = self._context_gen
         try:
             reading = self.monitor.process_memory(device)
         except Exception:
-            return None
+            return None, False
         if reading.has_context is False:
             if record:
                 with self._lock:
                     if gen == self._context_gen:  # nobody dropped the knowledge meanwhile
                         self._no_context[device] = True
-            return None  # a context made now would be counted as the task's
+            return None, True  # a context made now would be counted as the task's
         if device in self._no_context:
             self.recheck((device,))  # there is one now (or NVML cannot tell)
         if not reading.attributable or not reading.has_context:
-            return None
+            return None, False
         pool = sum((p.stats(device) for p in active_pools()), PoolStats())
-        return net_of_pools(reading.nbytes, pool)
+        return net_of_pools(reading.nbytes, pool), False
 
     # --- around a GPU task (its executor thread) ----------------------------------------
 
@@ -108,6 +113,16 @@ class Ledger:
                 return MEASURE
         return SKIP if prefix in self._clean else LEARN
 
+    def opening(self, devices: tuple[int, ...], prefix: str) -> tuple[dict[int, int] | None, int]:
+        """A :data:`MEASURE` task's base (:meth:`before`, read before its code runs) and
+        its plan again: :data:`LEARN` or :data:`SKIP` where that very reading found no
+        context on its devices, even if a leak check's :meth:`recheck` dropped the
+        knowledge meanwhile (else the run is neither measured nor seen to leave nothing)."""
+        base, empty = self._before(devices, record=True)
+        if base is None and empty:
+            return None, SKIP if prefix in self._clean else LEARN
+        return base, MEASURE if base is not None else self.plan(devices, prefix)
+
     def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> bool:
         """After a task run under :data:`LEARN` or :data:`SKIP` (before pools are freed):
         is there still no context on its devices? Returns whether the run is known to
@@ -115,14 +130,19 @@ class Ledger:
         ledger knows, no pool holding memory)."""
         if plan == LEARN:
             gen = self._context_gen
-            for d in devices:
-                self.noncache(d, record=True)  # records "no context" again, or finds one
+            # records "no context" again, or finds one
+            empty = all([self._read(d, True)[1] for d in devices])
             with self._lock:
-                if gen == self._context_gen and all(d in self._no_context for d in devices):
+                if (
+                    empty
+                    and gen == self._context_gen
+                    and all(d in self._no_context for d in devices)
+                ):
                     if len(self._clean) >= MAX_PREFIXES:
                         self._clean.clear()
                     self._clean.add(prefix)
-                    return True
+            if empty:  # these readings saw none, whatever a recheck dropped meanwhile
+                return True
         pools = active_pools()
         if pools:
             try:
@@ -149,15 +169,20 @@ class Ledger:
         """The base to measure a task by: the last task's closing reading where nothing
         changed since (back-to-back GPU tasks cost one NVML read per device, not two).
         ``record``: taken before the task's code runs (see :meth:`noncache`)."""
+        return self._before(devices, record=record)[0]
+
+    def _before(
+        self, devices: tuple[int, ...], *, record: bool
+    ) -> tuple[dict[int, int] | None, bool]:
+        """:meth:`before`, and whether every device was read now and found no context."""
         with self._lock:
-            fresh = [self._fresh.pop(d, None) for d in devices]
-        readings = {
-            d: self.noncache(d, record=record) if then is None else then
-            for d, then in zip(devices, fresh, strict=True)
-        }
+            fresh = dict(zip(devices, [self._fresh.pop(d, None) for d in devices], strict=True))
+        read = {d: self._read(d, record) for d, then in fresh.items() if then is None}
+        empty = len(read) == len(devices) and all(e for _, e in read.values())
+        readings = {d: read[d][0] if then is None else then for d, then in fresh.items()}
         if any(v is None for v in readings.values()):
-            return None
-        return readings  # type: ignore[return-value]
+            return None, empty
+        return readings, empty  # type: ignore[return-value]
 
     def residue(self, before: dict[int, int], result: Any) -> dict[int, int]:
         """What a step added beyond its known result, per device (nothing when the
