@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dask
 import pytest
 from distributed.utils_test import gen_cluster
 
@@ -126,6 +127,29 @@ async def test_the_plugins_default_timeout_applies_to_dual_steps(c, s, a):
     await wait_for(lambda: "strict-0" in s.tasks and s.tasks["strict-0"].state == "no-worker")
     assert plugin.fallback.timeout_of("strict-0") is None  # its own None wins
     await c.cancel(f)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_an_annotated_task_calling_a_dual_step_keeps_its_cpu_form(c, s, a):
+    """``resources={"GPU": 1}`` on a task that calls a dual step: the step still gives
+    its timeout (its default, or its own); a ``fallback_timeout`` annotation wins."""
+    await accelsched.register(c)
+    plugin = s.plugins[PLACEMENT_PLUGIN]
+    step = accelsched.dual(on_gpu, on_host)
+    f = c.submit(step, 0, key="ann-0", resources={"GPU": 1})
+    quick = accelsched.dual(on_gpu, on_host, fallback_timeout="1s")
+    h = c.submit(quick, 0, key="ann-1", resources={"GPU": 1})
+    assert await h == "cpu"
+    with dask.annotate(fallback_timeout=None):
+        g = c.submit(step, 0, key="ann-2", resources={"GPU": 1})
+    await wait_for(lambda: all(k in s.tasks for k in ("ann-0", "ann-2")))
+    timeout_of = plugin.fallback.timeout_of
+    assert (timeout_of("ann-0"), timeout_of("ann-1"), timeout_of("ann-2")) == (
+        DUAL_TIMEOUT,
+        1,
+        None,
+    )
+    await c.cancel([f, g])
 
 
 # --- as users run it --------------------------------------------------------------------

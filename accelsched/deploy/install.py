@@ -42,6 +42,7 @@ from accelsched.internals import preloading
 from accelsched.protocol import FAST_RESTART_PLUGIN, GUARD_PLUGIN, PLACEMENT_PLUGIN
 from accelsched.scheduler.placement_plugin import PlacementPlugin
 from accelsched.worker.guard_plugin import GuardPlugin
+from accelsched.worker.preimport import preimport
 
 __all__ = ["dask_setup", "dask_teardown", "setup_server", "split_options"]
 
@@ -176,6 +177,7 @@ def _setup_worker(worker: Any, guard_options: dict[str, Any]) -> None:
     # this worker's own options: a guard its scheduler hands it applies them as well,
     # unless given the same option explicitly (see accelsched.precedence; logged there)
     precedence.worker_preload_options[worker] = {k: guard.options[k] for k in guard_options}
+    preimport(guard.options["preimport"])  # before the worker starts, so before any task
     internals.spawn(worker, _install_guard, worker, guard)
 
 

@@ -39,6 +39,7 @@ class DeviceHealth:
     def failed(self, device: int) -> bool:
         """The device did not answer; True when this withdraws it (news, said once)."""
         self._good.pop(device, None)
+        self.restart_asked.discard(device)  # a new failure: once back, ask again
         if device in self.withdrawn:
             return False
         self.withdrawn.add(device)

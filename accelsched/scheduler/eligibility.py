@@ -123,13 +123,15 @@ class Eligibility:
                 internals.restrict_to_workers(ts, None)  # its own: unknown now
                 self.prepare(ts, None, restrictions.get(GPU, 1), say=False)
 
-    def prepare(self, ts: Any, mark: Mark | None, count: float, *, say: bool = True) -> str | None:
+    def prepare(
+        self, ts: Any, mark: Mark | None, count: float, *, say: bool = True, looked: bool = False
+    ) -> str | None:
         """Restrict a new GPU task by its requirement; a problem to err it with, or None.
 
-        ``mark``: the marked step the task calls, if known (else looked for here: an
-        annotated GPU task may call one too)."""
+        ``mark``: the marked step the task calls, if known (``looked``: None means it
+        calls none; else looked for here: an annotated GPU task may call one too)."""
         given = (ts.annotations or {}).get(REQUIREMENT_ANNOTATION)
-        if mark is None:
+        if mark is None and not looked:
             mark = find_mark(internals.task_spec(ts))
             if mark is not None and (problem := mark_problem(mark)) is not None:
                 return problem

@@ -135,6 +135,8 @@ class Fallback:
             internals.set_resource_restrictions(
                 ts, {**(ts.resource_restrictions or {}), GPU: mark.count}
             )
+        else:  # annotated; the steps it calls still give its timeout and requirement
+            mark = find_mark(internals.task_spec(ts))
         internals.harden_restrictions(ts)
         amount = ts.resource_restrictions[GPU]
         problem = (mark_problem(mark) if mark else None) or invalid_amount(amount)
@@ -153,7 +155,7 @@ class Fallback:
             self.timeouts[ts.key] = mark.timeout
         elif mark is not None and mark.cpu_form is not None and self.policy.default is None:
             self.timeouts[ts.key] = mark.cpu_form  # a dual step: it has a CPU form
-        problem = self.eligibility.prepare(ts, mark, amount)  # what its device must be
+        problem = self.eligibility.prepare(ts, mark, amount, looked=True)  # its device
         if problem is not None:
             self._park(ts, problem)
             return

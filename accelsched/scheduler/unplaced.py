@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
 from accelsched.policy.waiting import NOTICE_AFTER, Notices, reason_for
-from accelsched.protocol import GPU, GPU_MEMORY, INVALID_RESOURCE, REQUIREMENT_ANNOTATION
+from accelsched.protocol import (
+    FALLBACK_ANNOTATION,
+    GPU,
+    GPU_MEMORY,
+    INVALID_RESOURCE,
+    REQUIREMENT_ANNOTATION,
+)
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -55,6 +61,8 @@ class WaitingTasks:
             restrictions = ts.resource_restrictions or {}
             if now - since < NOTICE_AFTER or INVALID_RESOURCE in restrictions:
                 continue  # not yet; or an invalid task, erred at the fallback's next check
+            if FALLBACK_ANNOTATION in (ts.annotations or {}):
+                continue  # runs its CPU form: no GPU task any more
             amount = restrictions.get(GPU) or 0
             requirement = bool(restrictions.get(GPU_MEMORY)) or REQUIREMENT_ANNOTATION in (
                 ts.annotations or {}

@@ -57,6 +57,13 @@ def test_a_device_not_granted_is_not_withdrawn_and_without_recover_a_restart_tak
     for _ in range(10):  # answers on: still out of this process, asked once
         assert judge_answers(h, [Answer(1, "GPU-b")], recover=False) == []
     assert h.withdrawn == {1}
+    # it fails again (the restart was deferred, say) and answers again: asked again
+    assert judge_answers(h, [failing], recover=False) == []
+    # still withdrawn, so no new failure counted: the same streak of 2 answers
+    assert judge_answers(h, [Answer(1, "GPU-b")], recover=False) == []
+    assert judge_answers(h, [Answer(1, "GPU-b")], recover=False) == [
+        Proposal("ask-restart", (1,), "gpu-unhealthy", {"nbytes": 0})
+    ]
 
 
 def test_answers_are_judged_in_the_order_asked() -> None:
