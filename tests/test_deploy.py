@@ -225,6 +225,12 @@ def workers_only(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> It
             yield client
 
 
+def _dataframe_imported() -> bool:
+    import sys
+
+    return "dask.dataframe" in sys.modules
+
+
 def test_worker_preload_installs_the_guard_with_its_options(workers_only: Client) -> None:
     until(lambda: gpu_counts(workers_only, by_name=True)["cpu"] == 0)  # declared 1, owns none
     (options,) = workers_only.run(
@@ -232,6 +238,8 @@ def test_worker_preload_installs_the_guard_with_its_options(workers_only: Client
     ).values()
     assert options["leak_threshold"] == Threshold(nbytes=2**30)
     assert options["free_pools_every"] == 3
+    assert options["preimport"] == ("dask.dataframe",)  # imported before the worker starts
+    assert list(workers_only.run(_dataframe_imported).values()) == [True]
     # no PlacementPlugin: the worker's log says so
     log: Process = workers_only.cpu  # type: ignore[attr-defined]
     until(lambda: "no PlacementPlugin on the scheduler" in log.output())
