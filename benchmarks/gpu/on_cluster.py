@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.gpu.device import MiB
-from benchmarks.harness.clusters import spread
+from benchmarks.harness.results import spread
 
 
 def tiny_task(i: int) -> int:
@@ -100,7 +100,7 @@ async def _timed_batch(
 
 
 def _rounded(values: list[float], digits: int = 1) -> dict[str, float]:
-    """:func:`~benchmarks.harness.clusters.spread`, rounded for the table."""
+    """:func:`~benchmarks.harness.results.spread`, rounded for the table."""
     return {k: round(v, digits) for k, v in spread(values).items()}
 
 

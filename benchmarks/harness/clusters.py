@@ -9,9 +9,8 @@ Nothing here is timed by a test.
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import dask
@@ -75,11 +74,3 @@ def gpus_ready(client: Client, n: int) -> bool:
     """All ``n`` workers are running with one GPU placed against each."""
     counts = client.run_on_scheduler(_gpu_counts)
     return len(counts) == n and all(c == 1 for c in counts)
-
-
-def spread(values: Iterable[float]) -> dict[str, float]:
-    """Median, min and max: the figures every README table gives."""
-    v = list(values)
-    if not v:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {"median": statistics.median(v), "min": min(v), "max": max(v)}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +33,12 @@ def write_result(
     result = {"name": name, "kind": kind, "quick": quick, **figures, "provenance": provenance}
     path.write_text(json.dumps(jsonable(result), indent=2, default=str) + "\n")
     return result
+
+
+def spread(values: Iterable[float]) -> dict[str, float]:
+    """Median, min and max: the figures every README table gives (no distributed
+    import here: the GPU benchmark's image has only what it needs)."""
+    v = list(values)
+    if not v:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan")}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v)}

@@ -35,8 +35,9 @@ from distributed import Client
 import accelsched
 from accelsched.internals import restarting
 from accelsched.testing import device_alloc, fake_gpus
-from benchmarks.harness.clusters import MiB, events, gpu_cluster, gpus_ready, spread, wait
+from benchmarks.harness.clusters import MiB, events, gpu_cluster, gpus_ready, wait
 from benchmarks.harness.plots import bars
+from benchmarks.harness.results import spread
 
 NAME = "restart"
 ROUNDS, QUICK_ROUNDS = 6, 1

@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from accelsched.testing import fake_gpus
-from benchmarks.harness.clusters import GiB, MiB, spread
+from benchmarks.harness.clusters import GiB, MiB
 from benchmarks.harness.plots import memory_panels
+from benchmarks.harness.results import spread
 from benchmarks.studies.leak_policies import PolicyRun, Setup, guarded, lifetime, no_guard, per_task
 
 NAME = "leak"

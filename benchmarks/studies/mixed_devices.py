@@ -29,8 +29,9 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import accelsched
 from accelsched.testing import OutOfDeviceMemory, device_alloc, fake_gpus
-from benchmarks.harness.clusters import GiB, spread, wait
+from benchmarks.harness.clusters import GiB, wait
 from benchmarks.harness.plots import bars
+from benchmarks.harness.results import spread
 
 NAME = "mixed_devices"
 SMALL, LARGE = 4 * GiB, 60 * GiB
