@@ -23,6 +23,10 @@ def where() -> str:
 step = accelsched.dual(lambda x: ("gpu", x), lambda x: ("cpu", x))
 
 
+def _host(x):  # type: ignore[no-untyped-def]
+    return ("cpu", x)
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_gpu_less_cluster_falls_back_after_timeout(c, s, a):
     await accelsched.register(c, fallback_timeout="300ms")
@@ -248,8 +252,10 @@ async def test_a_burst_of_fallbacks_is_one_event(c, s, a):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_no_timeout_means_nothing_is_timed(c, s, a):
+    """A plain function annotated with a GPU: no timeout anywhere (a dual step would
+    bring its CPU form's default)."""
     await accelsched.register(c)
-    futs = c.map(step, range(20), resources={"GPU": 1}, key=[f"s-{i}" for i in range(20)])
+    futs = c.map(_host, range(20), resources={"GPU": 1}, key=[f"s-{i}" for i in range(20)])
     await wait_for(
         lambda: all(f.key in s.tasks and s.tasks[f.key].state == "no-worker" for f in futs)
     )
