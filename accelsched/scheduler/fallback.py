@@ -124,10 +124,10 @@ class Fallback:
     def _prepare_one(self, ts: Any) -> None:
         if ts is None or ts.state != "released":  # a resubmitted task already placed
             return
-        mark = None
+        # annotated or not, the marked steps it calls give its timeout and requirement
+        mark = find_mark(internals.task_spec(ts))
         if GPU not in (ts.resource_restrictions or {}):
             # no annotation (or fusion / query planning dropped it): a marked step?
-            mark = find_mark(internals.task_spec(ts))
             if mark is None:
                 if (given := (ts.annotations or {}).get(REQUIREMENT_ANNOTATION)) is not None:
                     self._park(ts, f"gpu={given!r:.80} on a task without resources={{'GPU': n}}")
@@ -135,8 +135,6 @@ class Fallback:
             internals.set_resource_restrictions(
                 ts, {**(ts.resource_restrictions or {}), GPU: mark.count}
             )
-        else:  # annotated; the steps it calls still give its timeout and requirement
-            mark = find_mark(internals.task_spec(ts))
         internals.harden_restrictions(ts)
         amount = ts.resource_restrictions[GPU]
         problem = (mark_problem(mark) if mark else None) or invalid_amount(amount)
