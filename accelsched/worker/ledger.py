@@ -165,11 +165,10 @@ class Ledger:
                 for d in devices:
                     self._no_context.pop(d, None)
 
-    def before(self, devices: tuple[int, ...], *, record: bool = False) -> dict[int, int] | None:
+    def before(self, devices: tuple[int, ...]) -> dict[int, int] | None:
         """The base to measure a task by: the last task's closing reading where nothing
-        changed since (back-to-back GPU tasks cost one NVML read per device, not two).
-        ``record``: taken before the task's code runs (see :meth:`noncache`)."""
-        return self._before(devices, record=record)[0]
+        changed since (back-to-back GPU tasks cost one NVML read per device, not two)."""
+        return self._before(devices, record=False)[0]
 
     def _before(
         self, devices: tuple[int, ...], *, record: bool
