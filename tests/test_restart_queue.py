@@ -84,10 +84,19 @@ async def test_a_restarted_worker_takes_its_share_of_its_peers_queue(c, s, a, b)
     await wait_for(lambda: gpus(s, a.worker_address) == gpus(s, b.worker_address) == 1, 30)
     before = {a.worker_address, b.worker_address}
     futures = c.map(where, range(N), resources={"GPU": 1}, pure=False)
+
+    def new_process_verified() -> bool:
+        """the restarted process's GPU verified"""
+        return any(gpus(s, w) == 1 for w in s.workers if w not in before)
+
+    await wait_for(new_process_verified, timeout=60)
+    # what the new process could take a share of: how long its restart took is the
+    # machine's business, what it does with what is left is accelsched's
+    left = sum(not f.done() for f in futures)
     ran_on = await c.gather(futures)  # nothing lost, nothing failed
     (restart,) = events(s, "restart")
     assert restart["assigned"] > 1
-    restarted = [w for w in set(ran_on) if w not in before]  # the new process's address
-    assert restarted, set(ran_on)
-    # the new process ran a good part of what was left at its start, not one stray task
-    assert ran_on.count(restarted[0]) >= N // 10, {w: ran_on.count(w) for w in set(ran_on)}
+    (restarted,) = {w for w in ran_on if w not in before}  # the new process's address
+    # a good part of what was left at its start, not one stray task (an even split is half)
+    assert left >= N // 10, left  # the queue outlasted the restart: the check means something
+    assert ran_on.count(restarted) >= left // 4, (left, {w: ran_on.count(w) for w in set(ran_on)})
