@@ -70,10 +70,6 @@ class LeaseTable:
         #: Tasks started or ended so far (whether one ran alone in the process).
         self.changes = 0
 
-    @property
-    def devices(self) -> list[int]:
-        return list(self._devices)
-
     def set_devices(
         self, devices: Sequence[int], facts: Mapping[int, DeviceFacts] | None = None
     ) -> None:
@@ -127,13 +123,7 @@ class LeaseTable:
         """Lease devices to ``key`` now and name them; None when it must wait for a lease
         to end. Raises :class:`NoFreeDevice` when no device here can ever hold it."""
         with self._lock:
-            load = dict.fromkeys(self._devices, 0.0)
-            declared = dict.fromkeys(self._devices, 0)
-            for t in self._tasks.values():
-                for d in t.devices:
-                    if d in load:
-                        load[d] += t.share
-                        declared[d] += t.nbytes
+            load, declared = self._sums()
             n = devices_needed(amount)
             share, nbytes = (amount / n if n else 0.0), 0
             if requirement is not None and requirement.memory is not None:
@@ -171,7 +161,7 @@ class LeaseTable:
         if len(candidates) < n:
             raise NoFreeDevice(
                 f"task {key!r} needs {n} device(s) but only {len(candidates)} of "
-                f"{self._devices} are free; busy: {self._holders()}"
+                f"{self._devices} are free; busy: {self.holders()}"
             )
         return tuple(candidates[:n])
 
@@ -246,13 +236,20 @@ class LeaseTable:
             mine = task.devices if task is not None else ()
             return token is not None and token == tuple(self._gen.get(d, 0) for d in mine)
 
-    def _holders(self) -> dict[Any, tuple[int, ...]]:
-        return {k: t.devices for k, t in self._tasks.items() if t.devices}
+    def _sums(self) -> tuple[dict[int, float], dict[int, int]]:
+        """The shares held and the bytes declared on each device (lock held)."""
+        load = dict.fromkeys(self._devices, 0.0)
+        declared = dict.fromkeys(self._devices, 0)
+        for t in self._tasks.values():
+            for d in t.devices:
+                if d in load:
+                    load[d] += t.share
+                    declared[d] += t.nbytes
+        return load, declared
 
     def holders(self) -> dict[Any, tuple[int, ...]]:
         """The devices each leased task holds."""
-        with self._lock:
-            return self._holders()
+        return {k: t.devices for k, t in list(self._tasks.items()) if t.devices}
 
     def busy(self) -> set[int]:
         """The devices some task holds now."""
@@ -262,12 +259,7 @@ class LeaseTable:
     def declared(self) -> dict[int, int]:
         """Bytes declared by running tasks, per device."""
         with self._lock:
-            out = dict.fromkeys(self._devices, 0)
-            for t in self._tasks.values():
-                for d in t.devices:
-                    if d in out:
-                        out[d] += t.nbytes
-            return out
+            return self._sums()[1]
 
     def __len__(self) -> int:
         """Tasks holding a lease."""

@@ -62,7 +62,8 @@ class Binder:
         self._emit = emit
         self.ledger = ledger  # measures what each task leaves on its devices
         self._residue = residue  # (step or task prefix, bytes it left behind)
-        self._left_nothing = left_nothing  # (task prefix): a run seen to leave nothing
+        # (task prefix): a run seen to leave nothing
+        self._nothing: Callable[[str], None] = left_nothing or _ignore
 
     def set_devices(self, indices: list[int], devices: Sequence[DeviceInfo] = ()) -> None:
         """Lease ``indices``; ``devices`` describe them (what requirements are met by)."""
@@ -201,10 +202,6 @@ class Binder:
             self._residue(key_split(key), left)
         return sum(held.values()) + sum(left.values())
 
-    def _nothing(self, prefix: str) -> None:
-        if self._left_nothing is not None:
-            self._left_nothing(prefix)
-
     def _over_declared(self, key: Any, device: int, declared: int, grew: int | None) -> None:
         """A declared-memory task measured (alone on its device) adding more than it
         declared: its neighbours' room was not what the packing counted on."""
@@ -278,6 +275,10 @@ def send_back(spec: Any, values: dict) -> Any:
 
 def _refuse(exc: ValueError, spec: Any, values: Any) -> Any:
     raise exc
+
+
+def _ignore(prefix: str) -> None:
+    pass
 
 
 class _Steps:

@@ -87,6 +87,7 @@ class GuardPlugin(WorkerPlugin):
         self.inventory = Inventory(advertise_undeclared=self.options["advertise_undeclared"])
         # built at setup, once the devices are known
         self.binder: Binder | None = None
+        self.ledger: Ledger | None = None  # what each GPU task and result holds, measured
         self.leaks: LeakCheck | None = None
         self.figures: Figures | None = None
         self.rejoin: Rejoin | None = None  # devices left out at setup, asked again
@@ -117,7 +118,7 @@ class GuardPlugin(WorkerPlugin):
         inv = self.inventory = Inventory(advertise_undeclared=o["advertise_undeclared"])
         inv.probe(worker)
         assert inv.monitor is not None
-        ledger = Ledger(inv.monitor)
+        ledger = self.ledger = Ledger(inv.monitor)
         attribution = Attribution()
         self.binder = Binder(
             simulated=inv.simulated,
@@ -219,9 +220,8 @@ class GuardPlugin(WorkerPlugin):
         leaks = self.leaks
         if leaks is None or not self.inventory.visible:
             return
-        live = leaks.live
-        worker = self.worker
-        assert worker is not None and self.binder is not None
+        live, ledger, worker = leaks.live, self.ledger, self.worker
+        assert worker is not None and ledger is not None and self.binder is not None
         running = self.binder.leases
         if finish in _RUNNING:  # a function starts running in a thread (every task counts)
             running.started(key)
@@ -246,7 +246,7 @@ class GuardPlugin(WorkerPlugin):
         elif start == "memory":
             live.released(key)
         if finish == "forgotten":
-            live.ledger.drop(key)
+            ledger.drop(key)
         if key in running:  # started or ended, as its thread says (cancelled runs on)
             if internals.runs_in_thread(worker, key):
                 running.started(key)
@@ -274,10 +274,10 @@ class GuardPlugin(WorkerPlugin):
         """One leak check now (the periodic callback, every ``check_interval``). The
         next GPU task on each device reads NVML again: what the ledger knew of a device
         without a context (no reading to measure by) is forgotten at each check."""
-        assert self.leaks is not None
+        assert self.leaks is not None and self.ledger is not None
         if self.rejoin is not None:
             self.rejoin.check()
-        self.leaks.live.ledger.recheck()
+        self.ledger.recheck()
         return self.leaks.check()
 
     def _emit(self, action: str, **figures: Any) -> None:
