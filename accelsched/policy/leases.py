@@ -83,11 +83,19 @@ class LeaseTable:
     def started(self, key: Any, *, gpu: bool = False) -> None:
         """``key``'s function runs in a thread now (``gpu``: it asked for a GPU)."""
         with self._lock:
-            task = self._tasks.setdefault(key, _Task(False, gpu))
-            if not task.counted:
+            task = self._tasks.get(key)
+            if task is None:
+                self._tasks[key] = _Task(True, gpu)
+                self.changes += 1
+            elif not task.counted:
                 task.counted = True
                 self.changes += 1
-            task.gpu = task.gpu or gpu
+
+    def asks_gpu(self, key: Any) -> None:
+        """``key``, counted as running, asked for a GPU: a leak check waits for it."""
+        task = self._tasks.get(key)
+        if task is not None:
+            task.gpu = True
 
     def ended(self, key: Any) -> bool:
         """``key``'s function returned; whether it was counted as running."""
@@ -123,6 +131,11 @@ class LeaseTable:
         """Lease devices to ``key`` now and name them; None when it must wait for a lease
         to end. Raises :class:`NoFreeDevice` when no device here can ever hold it."""
         with self._lock:
+            if amount == 1 and requirement is None:  # the common case: the lowest idle device
+                held = {d for t in self._tasks.values() for d in t.devices}
+                idle = [d for d in self._devices if d not in held]
+                if idle:
+                    return self._hold(key, (min(idle),), 1.0, 0)
             load, declared = self._sums()
             n = devices_needed(amount)
             share, nbytes = (amount / n if n else 0.0), 0
@@ -133,12 +146,18 @@ class LeaseTable:
                 chosen = self._spread(key, n, share, load)
             else:  # declared tasks hold devices, or a requirement: whole idle ones only
                 chosen = self._whole(key, n, requirement, load, declared)
-            if chosen is not None:
-                task = self._tasks.setdefault(key, _Task(False, True))
-                task.devices, task.share, task.nbytes = chosen, share, nbytes
-                for d in chosen:
-                    self._gen[d] = self._gen.get(d, 0) + 1
-            return chosen
+            return None if chosen is None else self._hold(key, chosen, share, nbytes)
+
+    def _hold(
+        self, key: Any, chosen: tuple[int, ...], share: float, nbytes: int
+    ) -> tuple[int, ...]:
+        task = self._tasks.get(key)
+        if task is None:
+            task = self._tasks[key] = _Task(False, True)
+        task.devices, task.share, task.nbytes = chosen, share, nbytes
+        for d in chosen:
+            self._gen[d] = self._gen.get(d, 0) + 1
+        return chosen
 
     def _spread(self, key: Any, n: int, share: float, load: dict[int, float]) -> tuple[int, ...]:
         by_load = sorted(load, key=lambda d: (load[d], d))

@@ -55,6 +55,7 @@ class Binder:
         self.leases = LeaseTable()  # what runs in this worker's threads, and holds what
         self.watch: Watch | None = None  # tasks that asked for no GPU, watched for use
         self._freed = threading.Condition()  # a lease ended, or the devices changed
+        self._waiting = 0  # tasks waiting for room
         self.simulated = simulated
         self.oom_exceptions = oom_exceptions
         self.pools = pools
@@ -92,7 +93,7 @@ class Binder:
         inputs on the host, another may be watched for GPU use."""
         amount = resources.get(GPU, 0)
         if amount > 0 or resources.get(GPU_MEMORY, 0) > 0:
-            self.leases.started(key, gpu=True)  # a leak check waits for it
+            self.leases.asks_gpu(key)
             if granted:
                 return (
                     send_back
@@ -132,8 +133,12 @@ class Binder:
             devices = leases.grant(key, amount, requirement)
             if devices is None:  # no room now: wait, in this thread, for a lease to end
                 with self._freed:
-                    while (devices := leases.grant(key, amount, requirement)) is None:
-                        self._freed.wait(WAIT_SLICE)
+                    self._waiting += 1  # before it looks again: a release then notifies
+                    try:
+                        while (devices := leases.grant(key, amount, requirement)) is None:
+                            self._freed.wait(WAIT_SLICE)
+                    finally:
+                        self._waiting -= 1
         except NoFreeDevice:
             # its devices were withdrawn (unhealthy) after it was assigned here, or none
             # here meets its requirement: the scheduler places it again
@@ -177,8 +182,9 @@ class Binder:
                 unbind(bound)
         finally:
             leases.release(key)
-            with self._freed:
-                self._freed.notify_all()
+            if self._waiting:
+                with self._freed:
+                    self._freed.notify_all()
 
     def _measured(
         self,
