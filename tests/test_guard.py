@@ -18,7 +18,6 @@ from distributed.core import rpc
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched import internals
 from accelsched.testing import device_alloc, fixed_pool
 from tests.utils import (
     CONFIRMED,
@@ -288,15 +287,15 @@ async def test_a_check_while_a_gpu_task_starts_keeps_its_prefix(c, s, a):
     guard = a.plugins["accelsched-guard"]
     leases = guard.binder.leases
     go = threading.Event()
-    take = leases.acquire
+    take = leases.grant
 
-    def acquire_later(*args: Any, **kwargs: Any) -> Any:
+    def grant_later(*args: Any, **kwargs: Any) -> Any:
         go.wait(30)
         return take(*args, **kwargs)
 
-    leases.acquire = acquire_later
+    leases.grant = grant_later
     fut = c.submit(leaky, 1, resources={"GPU": 1}, key="leaky-1")
-    await wait_for(lambda: "leaky-1" in internals.gpu_tasks_in_threads(a))
+    await wait_for(lambda: "leaky-1" in leases.gpu_keys())
     guard.leaks.check()  # nothing judged: not clean
     go.set()
     assert await fut == 1

@@ -71,15 +71,15 @@ def test_a_lease_proves_it_was_alone_for_the_whole_run() -> None:
     from accelsched.policy.leases import LeaseTable
 
     t = LeaseTable([0, 1])
-    t.acquire("a", 0.5)
+    t.grant("a", 0.5)
     token = t.alone_token("a")
     assert token is not None and t.still_alone("a", token)
-    t.acquire("b", 0.5)  # packs onto a's device
+    t.grant("b", 0.5)  # packs onto a's device
     assert t.alone_token("a") is None
     t.release("b")  # gone again: but it was there meanwhile
     assert not t.still_alone("a", token)
     assert t.still_alone("a", t.alone_token("a"))
-    t.acquire("c", 1)  # another device: a stays alone
+    t.grant("c", 1)  # another device: a stays alone
     assert t.still_alone("a", t.alone_token("a"))
 
 

@@ -230,3 +230,41 @@ def test_a_requirement_the_worker_cannot_read_errs_its_task_and_binds_nothing() 
     with pytest.raises(ValueError, match="unknown GPU requirement key.*'memroy'"):
         runner(lambda values: 1, {})
     assert len(binder.leases) == 0
+
+
+def test_a_gpu_task_whose_room_is_split_waits_in_its_thread_for_a_lease_to_end() -> None:
+    """The lease table only answers that no device has room now; the binder waits, in
+    the task's thread, until a lease ends, then runs it on the device that came free."""
+    import threading
+    import types
+
+    from accelsched.context import current_device
+    from accelsched.policy.requirements import DeviceFacts, Requirement
+    from accelsched.worker.binder import Binder
+
+    pools = types.SimpleNamespace(after_gpu_task=lambda devices: None)
+    binder = Binder(simulated=True, oom_exceptions=(), pools=pools, emit=lambda *a, **k: None)  # type: ignore[arg-type]
+    binder.leases.set_devices(
+        [0, 1],
+        {0: DeviceFacts("NVIDIA H100", 80 * GiB, (9, 0)), 1: DeviceFacts("A100", 40 * GiB, (8, 0))},
+    )
+    gate = threading.Event()
+
+    def held(values: Any) -> int | None:
+        gate.wait(10)
+        return current_device()
+
+    got: list[int | None] = []
+    fill = binder.gpu_runner("a", 0, "a", {"memory": 38 * GiB, "model": "*A100*"})
+    holder = threading.Thread(target=lambda: got.append(fill(held, {})))
+    holder.start()
+    assert binder.leases.grant("b", 0, Requirement(memory=70 * GiB)) == (0,)
+    small = binder.gpu_runner("c", 0, "c", {"memory": 10 * GiB})
+    waiter = threading.Thread(target=lambda: got.append(small(lambda v: current_device(), {})))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got  # 6 GiB left on one, 0 on the other: it waits
+    gate.set()
+    holder.join(5)
+    waiter.join(5)
+    assert got == [1, 1] and binder.leases.holders() == {"b": (0,)}

@@ -133,9 +133,6 @@ def check_worker(worker: Worker) -> None:
     for name in ("tasks", "total_resources"):
         if not isinstance(getattr(state, name, None), dict):
             problems.append(f"Worker.state.{name} is not a dict")
-    for name in ("executing", "long_running"):  # reclaim: a GPU task still in its thread
-        if not isinstance(getattr(state, name, None), set):
-            problems.append(f"Worker.state.{name} is not a set")
     if not callable(getattr(getattr(worker, "_ongoing_background_tasks", None), "call_soon", 0)):
         problems.append("Worker._ongoing_background_tasks.call_soon is gone")
     if not callable(getattr(getattr(worker, "_startup_lock", None), "locked", None)):

@@ -103,10 +103,16 @@ def runs_in_thread(worker: Worker, key: Any) -> bool:
     return ts.state in ("cancelled", "resumed") and ts.previous in _IN_THREAD and not ts.done
 
 
-def keys_in_threads(worker: Worker) -> list[Any]:
+def tasks_in_threads(worker: Worker) -> dict[Any, bool]:
     """The keys whose functions run in the worker's threads now (see
-    :func:`runs_in_thread`): one pass over its tasks, for a guard set up mid-run."""
-    return [key for key in list(worker.state.tasks) if runs_in_thread(worker, key)]
+    :func:`runs_in_thread`), each with whether it asked for a GPU: one pass over its
+    tasks, for a guard set up mid-run."""
+    tasks = worker.state.tasks
+    return {
+        key: (tasks[key].resource_restrictions or _EMPTY).get(GPU, 0) > 0
+        for key in list(tasks)
+        if runs_in_thread(worker, key)
+    }
 
 
 def wrap_execution(

@@ -1,19 +1,23 @@
-"""Per-task device binding on a worker.
+"""What runs in one worker's threads now, and which device each GPU task holds.
 
 The worker's state machine already caps how many GPU tasks run at once (its ``GPU``
 resource, which the GuardPlugin set to the devices it owns). What it does not do is give
-each running task its own device. :class:`LeaseTable` hands out devices, least busy
-first. Decisions only, no distributed import: :mod:`accelsched.worker.binder` acquires a
-lease in the task's executor thread, so a task cancelled before it starts never holds a
-device.
+each running task its own device. :class:`LeaseTable` is the one record of the tasks whose
+functions run in the worker's threads (the guard's transition hook says when one starts
+and ends) and of the devices each holds; everything else about them is derived from it:
+the busy devices, the GPU tasks a leak check waits for, whether a task ran alone.
+
+Decisions only, no distributed import, and no waiting: :meth:`LeaseTable.grant` answers
+with the devices a task takes (least busy first), None when it must wait for a lease to
+end, or raises :class:`NoFreeDevice` when no device of this worker could ever hold it;
+:mod:`accelsched.worker.binder` waits in the task's thread.
 
 A task with a :class:`~accelsched.policy.requirements.Requirement` takes only a device
 that meets it. One that declares memory shares a device with other declared tasks while
 their needs fit (:func:`~accelsched.policy.requirements.pack`), never one a whole-device
 task holds. The scheduler's accounting is per worker (its ``GPU`` and ``GPU-memory``
 totals), so a task can arrive when the room it needs is split over two devices, or its
-one matching device is busy: it waits here, in its thread, until a lease ends. A task no
-device of this worker could ever hold raises :class:`NoFreeDevice` at once.
+one matching device is busy: it waits until a lease ends.
 """
 
 from __future__ import annotations
@@ -33,34 +37,38 @@ class NoFreeDevice(RuntimeError):
     device of the worker can ever hold the task (its requirement)."""
 
 
-#: Seconds a waiting task sleeps between looks when no lease ends meanwhile: devices
-#: may be withdrawn or given back while it waits.
-WAIT_SLICE = 1.0
-
-
 def devices_needed(amount: float) -> int:
     """Devices a task asking for ``amount`` GPU units holds: fractions share one device."""
     return max(1, math.ceil(amount)) if amount > 0 else 0
 
 
+class _Task:
+    """One running task: the devices it holds (with its share of each, or the bytes it
+    declared on its one device); ``counted``: the transition hook saw it start and has
+    not seen it end; ``gpu``: it asked for a GPU."""
+
+    __slots__ = ("devices", "share", "nbytes", "counted", "gpu")
+
+    def __init__(self, counted: bool, gpu: bool) -> None:
+        self.devices: tuple[int, ...] = ()
+        self.share = 0.0
+        self.nbytes = 0
+        self.counted = counted
+        self.gpu = gpu
+
+
 class LeaseTable:
-    """Which task holds which device, in one worker. Thread-safe."""
+    """The tasks running in one worker's threads and the devices they hold. Thread-safe:
+    the transition hook writes on the event loop, leases are taken in executor threads."""
 
     def __init__(self, devices: Sequence[int] = ()) -> None:
         self._lock = threading.Lock()
-        self._freed = threading.Condition(self._lock)  # a lease ended
-        self._waiting = 0
         self._devices: list[int] = list(devices)
-        self._load: dict[int, float] = dict.fromkeys(self._devices, 0.0)
-        self._declared: dict[int, int] = dict.fromkeys(self._devices, 0)  # bytes
         self._facts: dict[int, DeviceFacts] = {}
-        self._held: dict[Any, tuple[tuple[int, ...], float]] = {}
-        self._memory_held: dict[Any, tuple[int, int]] = {}  # key -> (device, bytes)
-        self._gen: dict[int, int] = {}  # device -> acquisitions and releases so far
-
-    @property
-    def devices(self) -> list[int]:
-        return list(self._devices)
+        self._tasks: dict[Any, _Task] = {}
+        self._gen: dict[int, int] = {}  # device -> leases taken and given back there
+        #: Tasks started or ended so far (whether one ran alone in the process).
+        self.changes = 0
 
     def set_devices(
         self, devices: Sequence[int], facts: Mapping[int, DeviceFacts] | None = None
@@ -69,118 +77,144 @@ class LeaseTable:
             self._devices = list(devices)
             if facts is not None:
                 self._facts = dict(facts)
-            for d in self._devices:
-                self._load.setdefault(d, 0.0)
-                self._declared.setdefault(d, 0)
-            self._freed.notify_all()
 
-    def declared(self) -> dict[int, int]:
-        """Bytes declared by running tasks, per device."""
-        with self._lock:
-            return {d: self._declared.get(d, 0) for d in self._devices}
+    # --- what runs (the transition hook, on the event loop) ----------------------------
 
-    def acquire(
-        self, key: Any, amount: float, requirement: Requirement | None = None
-    ) -> tuple[int, ...]:
-        if requirement:
-            return self._acquire_required(key, amount, requirement)
-        if amount == 1:  # the common case: one whole device, the lowest idle one
-            with self._lock:
-                load = self._load
-                devices = self._devices
-                declared = self._declared
-                if len(devices) == 1:  # a one-device worker: that one, when idle
-                    d0 = devices[0]
-                    idle = devices if not load[d0] and not declared[d0] else ()
-                else:
-                    idle = [d for d in devices if not load[d] and not declared[d]]
-                if idle:
-                    d = min(idle)
-                    load[d] = 1.0
-                    self._gen[d] = self._gen.get(d, 0) + 1
-                    self._held[key] = ((d,), 1.0)
-                    return (d,)
-        n = devices_needed(amount)
-        share = amount / n if n else 0.0
+    def started(self, key: Any, *, gpu: bool = False) -> None:
+        """``key``'s function runs in a thread now (``gpu``: it asked for a GPU)."""
         with self._lock:
-            if any(self._declared.values()):  # declared tasks hold devices: wait for whole ones
-                return self._wait_whole(key, n, share, None)
-            by_load = sorted(self._devices, key=lambda d: (self._load[d], d))
-            if share >= 1.0:
-                # Whole devices: idle ones first. Fractions can leave every device partly
-                # used while the worker's total says a whole one is free (fragmentation):
-                # then share the least busy rather than fail. Devices fully held by other
-                # whole-device tasks are never shared.
-                candidates = [d for d in by_load if self._load[d] == 0] + [
-                    d for d in by_load if 0 < self._load[d] < 1 - 1e-9
-                ]
+            task = self._tasks.get(key)
+            if task is None:
+                self._tasks[key] = _Task(True, gpu)
+                self.changes += 1
+            elif not task.counted:
+                task.counted = True
+                self.changes += 1
+
+    def asks_gpu(self, key: Any) -> None:
+        """``key``, counted as running, asked for a GPU: a leak check waits for it."""
+        task = self._tasks.get(key)
+        if task is not None:
+            task.gpu = True
+
+    def ended(self, key: Any) -> bool:
+        """``key``'s function returned; whether it was counted as running."""
+        with self._lock:
+            task = self._tasks.get(key)
+            if task is None or not task.counted:
+                return False
+            self.changes += 1
+            if task.devices:  # its lease ends in its thread
+                task.counted = False
             else:
-                # fractions pack onto the fullest device they fit (best fit), keeping
-                # whole devices idle for whole-device tasks; amounts that do not tile a
-                # device (0.4, 1.5) go to the least busy when nothing fits
-                fits = [d for d in by_load if self._load[d] > 0 and self._load[d] + share <= 1]
-                candidates = sorted(fits, key=lambda d: -self._load[d]) + [
-                    d for d in by_load if d not in fits
-                ]
-            if len(candidates) < n:
-                raise NoFreeDevice(
-                    f"task {key!r} needs {n} device(s) but only {len(candidates)} of "
-                    f"{self._devices} are free; busy: {dict(self._held)}"
-                )
-            chosen = tuple(candidates[:n])
-            for d in chosen:
-                self._load[d] += share
-                self._gen[d] = self._gen.get(d, 0) + 1
-            self._held[key] = (chosen, share)
-            return chosen
+                del self._tasks[key]
+            return True
 
-    def _acquire_required(
-        self, key: Any, amount: float, requirement: Requirement
-    ) -> tuple[int, ...]:
+    def __contains__(self, key: Any) -> bool:
+        return key in self._tasks
+
+    def running(self) -> int:
+        """Tasks counted as running in this worker's threads."""
         with self._lock:
-            if requirement.memory is None:
-                n = devices_needed(amount)
-                return self._wait_whole(key, n, amount / n if n else 0.0, requirement)
-            need = requirement.memory
-            while True:
-                eligible = self._eligible(requirement)
-                if not any(capacity(self._facts[d].memory) >= need for d in eligible):
-                    raise NoFreeDevice(
-                        f"task {key!r} needs a device with {requirement.label()}; this "
-                        f"worker's devices {self._devices} have none"
-                    )
-                rooms = [(d, capacity(self._facts[d].memory), self._declared[d]) for d in eligible]
-                chosen = pack(need, rooms, whole=[d for d in eligible if self._load[d]])
-                if chosen is not None:
-                    self._declared[chosen] += need
-                    self._gen[chosen] = self._gen.get(chosen, 0) + 1
-                    self._memory_held[key] = (chosen, need)
-                    self._held[key] = ((chosen,), 0.0)
-                    return (chosen,)
-                self._wait()
+            return sum(t.counted for t in self._tasks.values())
 
-    def _wait_whole(
-        self, key: Any, n: int, share: float, requirement: Requirement | None
+    def gpu_keys(self) -> set[Any]:
+        """Keys of GPU tasks in threads now, leased or about to be."""
+        with self._lock:
+            return {k for k, t in self._tasks.items() if t.gpu}
+
+    # --- leases (executor threads) ------------------------------------------------------
+
+    def grant(
+        self, key: Any, amount: float, requirement: Requirement | None = None
+    ) -> tuple[int, ...] | None:
+        """Lease devices to ``key`` now and name them; None when it must wait for a lease
+        to end. Raises :class:`NoFreeDevice` when no device here can ever hold it."""
+        with self._lock:
+            if amount == 1 and requirement is None:  # the common case: the lowest idle device
+                held = {d for t in self._tasks.values() for d in t.devices}
+                idle = [d for d in self._devices if d not in held]
+                if idle:
+                    return self._hold(key, (min(idle),), 1.0, 0)
+            load, declared = self._sums()
+            n = devices_needed(amount)
+            share, nbytes = (amount / n if n else 0.0), 0
+            if requirement is not None and requirement.memory is not None:
+                share, nbytes = 0.0, requirement.memory
+                chosen = self._packed(key, requirement, load, declared)
+            elif requirement is None and not any(declared.values()):
+                chosen = self._spread(key, n, share, load)
+            else:  # declared tasks hold devices, or a requirement: whole idle ones only
+                chosen = self._whole(key, n, requirement, load, declared)
+            return None if chosen is None else self._hold(key, chosen, share, nbytes)
+
+    def _hold(
+        self, key: Any, chosen: tuple[int, ...], share: float, nbytes: int
     ) -> tuple[int, ...]:
-        """``n`` whole devices (meeting ``requirement``) that no task holds; called and
-        returning with the lock held, waiting for leases to end."""
-        while True:
-            eligible = self._eligible(requirement)
-            if len(eligible) < n:
-                what = "devices" if requirement is None else f"devices with {requirement.label()}"
-                raise NoFreeDevice(
-                    f"task {key!r} needs {n} {what}; this worker has {len(eligible)} of "
-                    f"{self._devices}"
-                )
-            idle = [d for d in eligible if not self._load[d] and not self._declared[d]]
-            if len(idle) >= n:
-                chosen = tuple(sorted(idle)[:n])
-                for d in chosen:
-                    self._load[d] += share
-                    self._gen[d] = self._gen.get(d, 0) + 1
-                self._held[key] = (chosen, share)
-                return chosen
-            self._wait()
+        task = self._tasks.get(key)
+        if task is None:
+            task = self._tasks[key] = _Task(False, True)
+        task.devices, task.share, task.nbytes = chosen, share, nbytes
+        for d in chosen:
+            self._gen[d] = self._gen.get(d, 0) + 1
+        return chosen
+
+    def _spread(self, key: Any, n: int, share: float, load: dict[int, float]) -> tuple[int, ...]:
+        by_load = sorted(load, key=lambda d: (load[d], d))
+        if share >= 1.0:
+            # Whole devices: idle ones first. Fractions can leave every device partly
+            # used while the worker's total says a whole one is free (fragmentation):
+            # then share the least busy rather than fail. Devices fully held by other
+            # whole-device tasks are never shared.
+            candidates = [d for d in by_load if load[d] == 0] + [
+                d for d in by_load if 0 < load[d] < 1 - 1e-9
+            ]
+        else:
+            # fractions pack onto the fullest device they fit (best fit), keeping whole
+            # devices idle for whole-device tasks; amounts that do not tile a device
+            # (0.4, 1.5) go to the least busy when nothing fits
+            fits = [d for d in by_load if load[d] > 0 and load[d] + share <= 1]
+            candidates = sorted(fits, key=lambda d: -load[d]) + [
+                d for d in by_load if d not in fits
+            ]
+        if len(candidates) < n:
+            raise NoFreeDevice(
+                f"task {key!r} needs {n} device(s) but only {len(candidates)} of "
+                f"{self._devices} are free; busy: {self.holders()}"
+            )
+        return tuple(candidates[:n])
+
+    def _packed(
+        self, key: Any, requirement: Requirement, load: dict[int, float], declared: dict[int, int]
+    ) -> tuple[int, ...] | None:
+        need = requirement.memory or 0
+        eligible = self._eligible(requirement)
+        if not any(capacity(self._facts[d].memory) >= need for d in eligible):
+            raise NoFreeDevice(
+                f"task {key!r} needs a device with {requirement.label()}; this "
+                f"worker's devices {self._devices} have none"
+            )
+        rooms = [(d, capacity(self._facts[d].memory), declared[d]) for d in eligible]
+        chosen = pack(need, rooms, whole=[d for d in eligible if load[d]])
+        return None if chosen is None else (chosen,)
+
+    def _whole(
+        self,
+        key: Any,
+        n: int,
+        requirement: Requirement | None,
+        load: dict[int, float],
+        declared: dict[int, int],
+    ) -> tuple[int, ...] | None:
+        """``n`` whole devices (meeting ``requirement``) that no task holds."""
+        eligible = self._eligible(requirement)
+        if len(eligible) < n:
+            what = "devices" if requirement is None else f"devices with {requirement.label()}"
+            raise NoFreeDevice(
+                f"task {key!r} needs {n} {what}; this worker has {len(eligible)} of {self._devices}"
+            )
+        idle = [d for d in eligible if not load[d] and not declared[d]]
+        return tuple(sorted(idle)[:n]) if len(idle) >= n else None
 
     def _eligible(self, requirement: Requirement | None) -> list[int]:
         """Devices that meet ``requirement`` (all, without one; none NVML did not describe)."""
@@ -189,52 +223,63 @@ class LeaseTable:
         facts = self._facts
         return [d for d in self._devices if d in facts and requirement.fits(facts[d])]
 
-    def _wait(self) -> None:
-        self._waiting += 1
-        try:
-            self._freed.wait(WAIT_SLICE)
-        finally:
-            self._waiting -= 1
-
     def release(self, key: Any) -> None:
+        """``key``'s lease ends (its thread, whatever happened)."""
         with self._lock:
-            chosen, share = self._held.pop(key, ((), 0.0))
-            for d in chosen:
-                self._load[d] = max(0.0, self._load[d] - share)
+            task = self._tasks.get(key)
+            if task is None:
+                return
+            for d in task.devices:
                 self._gen[d] = self._gen.get(d, 0) + 1
-            held = self._memory_held.pop(key, None)
-            if held is not None:
-                d, nbytes = held
-                self._declared[d] = max(0, self._declared.get(d, 0) - nbytes)
-            if self._waiting:
-                self._freed.notify_all()
+            task.devices = ()
+            if not task.counted:
+                del self._tasks[key]
+
+    # --- derived ----------------------------------------------------------------------
 
     def alone_token(self, key: Any) -> tuple[int, ...] | None:
         """A token when ``key`` holds its devices alone now, else None. While
         :meth:`still_alone` says so, no other task took or gave back any of them."""
         with self._lock:
-            mine = self._held.get(key, ((), 0.0))[0]
-            if mine and len(self._held) == 1:  # nobody else holds anything
-                return tuple([self._gen.get(d, 0) for d in mine])
+            task = self._tasks.get(key)
+            mine = set(task.devices if task is not None else ())
             if not mine or any(
-                set(mine) & set(devices) for k, (devices, _) in self._held.items() if k != key
+                mine.intersection(t.devices) for k, t in self._tasks.items() if k != key
             ):
                 return None
-            return tuple(self._gen.get(d, 0) for d in mine)
+            return tuple(self._gen.get(d, 0) for d in task.devices)  # type: ignore[union-attr]
 
     def still_alone(self, key: Any, token: tuple[int, ...] | None) -> bool:
         with self._lock:
-            mine = self._held.get(key, ((), 0.0))[0]
+            task = self._tasks.get(key)
+            mine = task.devices if task is not None else ()
             return token is not None and token == tuple(self._gen.get(d, 0) for d in mine)
 
+    def _sums(self) -> tuple[dict[int, float], dict[int, int]]:
+        """The shares held and the bytes declared on each device (lock held)."""
+        load = dict.fromkeys(self._devices, 0.0)
+        declared = dict.fromkeys(self._devices, 0)
+        for t in self._tasks.values():
+            for d in t.devices:
+                if d in load:
+                    load[d] += t.share
+                    declared[d] += t.nbytes
+        return load, declared
+
     def holders(self) -> dict[Any, tuple[int, ...]]:
-        with self._lock:
-            return {k: v[0] for k, v in self._held.items()}
+        """The devices each leased task holds."""
+        return {k: t.devices for k, t in list(self._tasks.items()) if t.devices}
 
     def busy(self) -> set[int]:
         """The devices some task holds now."""
         with self._lock:
-            return {d for devices, _ in self._held.values() for d in devices}
+            return {d for t in self._tasks.values() for d in t.devices}
+
+    def declared(self) -> dict[int, int]:
+        """Bytes declared by running tasks, per device."""
+        with self._lock:
+            return self._sums()[1]
 
     def __len__(self) -> int:
-        return len(self._held)
+        """Tasks holding a lease."""
+        return len(self.holders())

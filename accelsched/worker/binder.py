@@ -1,8 +1,9 @@
 """Per-task device binding on the worker: each GPU task holds its own device(s).
 
 The worker's state machine caps how many GPU tasks run at once (its ``GPU`` resource).
-The runners here, called in the task's executor thread, take a lease from the
-:class:`~accelsched.policy.leases.LeaseTable`, make the device current for the task
+The runners here, called in the task's executor thread, take a lease the
+:class:`~accelsched.policy.leases.LeaseTable` grants (waiting there while it has no
+room), make the device current for the task
 (:func:`accelsched.context.holding`), free pools as the task ends, and give the lease
 back whatever happens. A task that fell back to its CPU form gets its device-array
 inputs copied to the host first.
@@ -11,7 +12,8 @@ inputs copied to the host first.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dask.utils import key_split
@@ -23,12 +25,17 @@ from accelsched.devices.arrays import to_host
 from accelsched.devices.records import DeviceInfo
 from accelsched.policy.leases import LeaseTable, NoFreeDevice
 from accelsched.policy.requirements import DeviceFacts, Requirement, parse_requirement
+from accelsched.protocol import FALLBACK_ANNOTATION, GPU, GPU_MEMORY, REQUIREMENT_ANNOTATION
 from accelsched.worker.ledger import MEASURE, Ledger
 from accelsched.worker.pool_freer import PoolFreer
+from accelsched.worker.watch import Watch
 
 __all__ = ["Binder", "send_back"]
 
 Runner = Callable[[Any, dict], Any]
+
+#: Seconds a waiting task sleeps between looks when no lease ends meanwhile.
+WAIT_SLICE = 1.0
 
 
 class Binder:
@@ -45,7 +52,10 @@ class Binder:
         residue: Callable[[str, dict[int, int]], None] | None = None,
         left_nothing: Callable[[str], None] | None = None,
     ) -> None:
-        self.leases = LeaseTable()
+        self.leases = LeaseTable()  # what runs in this worker's threads, and holds what
+        self.watch: Watch | None = None  # tasks that asked for no GPU, watched for use
+        self._freed = threading.Condition()  # a lease ended, or the devices changed
+        self._waiting = 0  # tasks waiting for room
         self.simulated = simulated
         self.oom_exceptions = oom_exceptions
         self.pools = pools
@@ -53,7 +63,8 @@ class Binder:
         self._emit = emit
         self.ledger = ledger  # measures what each task leaves on its devices
         self._residue = residue  # (step or task prefix, bytes it left behind)
-        self._left_nothing = left_nothing  # (task prefix): a run seen to leave nothing
+        # (task prefix): a run seen to leave nothing
+        self._nothing: Callable[[str], None] = left_nothing or _ignore
 
     def set_devices(self, indices: list[int], devices: Sequence[DeviceInfo] = ()) -> None:
         """Lease ``indices``; ``devices`` describe them (what requirements are met by)."""
@@ -63,6 +74,39 @@ class Binder:
             if d.index in indices
         }
         self.leases.set_devices(indices, facts if devices else None)
+        with self._freed:  # a waiting task may fit now
+            self._freed.notify_all()
+
+    def route(
+        self,
+        key: Any,
+        resources: Mapping[str, float],
+        annotations: Mapping[str, Any],
+        prefix: str,
+        *,
+        granted: bool,
+        draining: bool,
+    ) -> Runner | None:
+        """The runner for a task starting to execute (event loop), or None to leave it:
+        a GPU task takes a lease (``granted``: this worker has devices; ``draining``: it
+        restarts, the scheduler places the task elsewhere), a fallen-back one gets its
+        inputs on the host, another may be watched for GPU use."""
+        amount = resources.get(GPU, 0)
+        if amount > 0 or resources.get(GPU_MEMORY, 0) > 0:
+            self.leases.asks_gpu(key)
+            if granted:
+                return (
+                    send_back
+                    if draining
+                    else self.gpu_runner(
+                        key, amount, prefix, annotations.get(REQUIREMENT_ANNOTATION)
+                    )
+                )
+        watch = self.watch
+        runner = watch.runner(key) if watch is not None and watch.sampled(prefix) else None
+        if annotations.get(FALLBACK_ANNOTATION):
+            return self.fallback_runner(runner)
+        return runner
 
     def gpu_runner(
         self, key: Any, amount: float, prefix: str = "", requirement: Any = None
@@ -86,7 +130,15 @@ class Binder:
     ) -> Any:
         leases = self.leases
         try:
-            devices = leases.acquire(key, amount, requirement)
+            devices = leases.grant(key, amount, requirement)
+            if devices is None:  # no room now: wait, in this thread, for a lease to end
+                with self._freed:
+                    self._waiting += 1  # before it looks again: a release then notifies
+                    try:
+                        while (devices := leases.grant(key, amount, requirement)) is None:
+                            self._freed.wait(WAIT_SLICE)
+                    finally:
+                        self._waiting -= 1
         except NoFreeDevice:
             # its devices were withdrawn (unhealthy) after it was assigned here, or none
             # here meets its requirement: the scheduler places it again
@@ -130,6 +182,9 @@ class Binder:
                 unbind(bound)
         finally:
             leases.release(key)
+            if self._waiting:
+                with self._freed:
+                    self._freed.notify_all()
 
     def _measured(
         self,
@@ -152,10 +207,6 @@ class Binder:
         if self._residue is not None and not (steps is not None and steps.measured):
             self._residue(key_split(key), left)
         return sum(held.values()) + sum(left.values())
-
-    def _nothing(self, prefix: str) -> None:
-        if self._left_nothing is not None:
-            self._left_nothing(prefix)
 
     def _over_declared(self, key: Any, device: int, declared: int, grew: int | None) -> None:
         """A declared-memory task measured (alone on its device) adding more than it
@@ -230,6 +281,10 @@ def send_back(spec: Any, values: dict) -> Any:
 
 def _refuse(exc: ValueError, spec: Any, values: Any) -> Any:
     raise exc
+
+
+def _ignore(prefix: str) -> None:
+    pass
 
 
 class _Steps:

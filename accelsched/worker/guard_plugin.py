@@ -26,7 +26,6 @@ says to the scheduler is in :mod:`accelsched.protocol`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
@@ -39,17 +38,13 @@ from accelsched.policy.leak import Attribution, Verdict
 from accelsched.protocol import (
     CONFIRM_HANDLER,
     DRAIN_HANDLER,
-    FALLBACK_ANNOTATION,
-    GPU,
-    GPU_MEMORY,
     GUARD_METRIC,
     GUARD_PLUGIN,
     REPORT_HANDLER,
-    REQUIREMENT_ANNOTATION,
     ReportReply,
 )
 from accelsched.worker import results
-from accelsched.worker.binder import Binder, Runner, send_back
+from accelsched.worker.binder import Binder
 from accelsched.worker.figures import Figures
 from accelsched.worker.inventory import Inventory
 from accelsched.worker.leak_check import LeakCheck, LeakOptions
@@ -59,7 +54,7 @@ from accelsched.worker.preimport import preimport
 from accelsched.worker.readings import DeviceReadings
 from accelsched.worker.rejoin import Rejoin
 from accelsched.worker.results import LiveResults
-from accelsched.worker.watch import Running, UnrequestedGPUUse, Watch
+from accelsched.worker.watch import TABLES, UnrequestedGPUUse, Watch
 from accelsched.worker.worker_actor import WorkerActor
 
 if TYPE_CHECKING:
@@ -92,12 +87,10 @@ class GuardPlugin(WorkerPlugin):
         self.inventory = Inventory(advertise_undeclared=self.options["advertise_undeclared"])
         # built at setup, once the devices are known
         self.binder: Binder | None = None
-        self.watch: Watch | None = None
+        self.ledger: Ledger | None = None  # what each GPU task and result holds, measured
         self.leaks: LeakCheck | None = None
         self.figures: Figures | None = None
         self.rejoin: Rejoin | None = None  # devices left out at setup, asked again
-        # keys executing here, counted in ACTIVITY
-        self.running = Running(self._in_thread, self._judge_owed)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options, "explicit": self.explicit}
@@ -125,7 +118,7 @@ class GuardPlugin(WorkerPlugin):
         inv = self.inventory = Inventory(advertise_undeclared=o["advertise_undeclared"])
         inv.probe(worker)
         assert inv.monitor is not None
-        ledger = Ledger(inv.monitor)
+        ledger = self.ledger = Ledger(inv.monitor)
         attribution = Attribution()
         self.binder = Binder(
             simulated=inv.simulated,
@@ -143,7 +136,7 @@ class GuardPlugin(WorkerPlugin):
             left_nothing=attribution.left_nothing,
         )
         if o["unrequested_gpu"] != "ignore":
-            self.watch = Watch(
+            self.binder.watch = Watch(
                 monitor=inv.monitor,
                 visible=inv.visible,
                 fail=o["unrequested_gpu"] == "fail",
@@ -168,7 +161,7 @@ class GuardPlugin(WorkerPlugin):
                 emit=self._emit,
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
             ),
-            executing=lambda: internals.gpu_tasks_in_threads(worker),
+            executing=self.binder.leases.gpu_keys,
         )
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
@@ -186,11 +179,13 @@ class GuardPlugin(WorkerPlugin):
             leaks=self.leaks,
         )
         internals.add_metric(worker, GUARD_METRIC, self.figures.read)
+        running = self.binder.leases
+        TABLES.add(running)
         if inv.visible:  # as the transition hook, which alone uncounts them
             # registered again (a new GuardPlugin replaces the old one, whose teardown
             # stopped counting its tasks): what runs now still shares the process
-            for key in internals.keys_in_threads(worker):
-                self.running.started(key)
+            for key, gpu in internals.tasks_in_threads(worker).items():
+                running.started(key, gpu=gpu)
         internals.install_handler(worker, REPORT_HANDLER, self.report)
         internals.install_handler(worker, CONFIRM_HANDLER, inv.confirm)
         internals.install_handler(worker, DRAIN_HANDLER, inv.drain)
@@ -210,7 +205,8 @@ class GuardPlugin(WorkerPlugin):
         internals.remove_handler(worker, CONFIRM_HANDLER, self.inventory.confirm)
         internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
         internals.stop_periodic(worker, _PERIODIC)
-        self.running.clear()
+        if self.binder is not None:  # what it counted no longer runs under this guard
+            TABLES.discard(self.binder.leases)
         if self.figures is not None:
             internals.remove_metric(worker, GUARD_METRIC, self.figures.read)
 
@@ -224,60 +220,45 @@ class GuardPlugin(WorkerPlugin):
         leaks = self.leaks
         if leaks is None or not self.inventory.visible:
             return
-        live = leaks.live
-        worker = self.worker
-        assert worker is not None
+        live, ledger, worker = leaks.live, self.ledger, self.worker
+        assert worker is not None and ledger is not None and self.binder is not None
+        running = self.binder.leases
         if finish in _RUNNING:  # a function starts running in a thread (every task counts)
-            self.running.started(key)
+            running.started(key)
             if finish == "executing":
                 prefix = key_split(key)
                 leaks.ran(prefix)
+                inv = self.inventory
                 internals.wrap_execution(
-                    worker, key, lambda k, res, ann: self._runner(k, res, ann, prefix)
+                    worker,
+                    key,
+                    lambda k, res, ann: self.binder.route(  # type: ignore[union-attr]
+                        k, res, ann, prefix, granted=bool(inv.granted), draining=inv.draining
+                    ),
                 )
             return
         if finish == "memory":
             computed = start in _RUNNING  # here: its function has returned
             results.stored(live, worker, key, computed=computed)
             if computed:
-                self.running.ended(key)
+                self._ended(key)
                 return
         elif start == "memory":
             live.released(key)
         if finish == "forgotten":
-            live.ledger.drop(key)
-        if key in self.running.keys:
-            self.running.recount(key)
+            ledger.drop(key)
+        if key in running:  # started or ended, as its thread says (cancelled runs on)
+            if internals.runs_in_thread(worker, key):
+                running.started(key)
+            else:
+                self._ended(key)
 
-    def _in_thread(self, key: Any) -> bool:
-        return self.worker is not None and internals.runs_in_thread(self.worker, key)
-
-    def _judge_owed(self) -> None:
-        """A task ended: if a check skipped its busy devices, judge them now, before the
-        next task takes them (a queue of back-to-back GPU tasks holds them nearly always)."""
-        if self.leaks is not None and self.leaks.owed:
+    def _ended(self, key: Any) -> None:
+        """A task's function returned: if a check skipped its busy devices, judge them now,
+        before the next task takes them (back-to-back GPU tasks hold them nearly always)."""
+        assert self.binder is not None and self.leaks is not None
+        if self.binder.leases.ended(key) and self.leaks.owed:
             self.leaks.check()
-
-    def _runner(
-        self,
-        key: Any,
-        resources: Mapping[str, float],
-        annotations: Mapping[str, Any],
-        prefix: str,
-    ) -> Runner | None:
-        """The runner for a task starting to execute, or None to leave it alone."""
-        assert self.binder is not None
-        amount = resources.get(GPU, 0)
-        if (amount > 0 or resources.get(GPU_MEMORY, 0) > 0) and self.inventory.granted:
-            if self.inventory.draining:  # restarting: the scheduler places it elsewhere
-                return send_back
-            need = annotations.get(REQUIREMENT_ANNOTATION)
-            return self.binder.gpu_runner(key, amount, prefix, need)
-        watch = self.watch
-        runner = watch.runner(key) if watch is not None and watch.sampled(prefix) else None
-        if annotations.get(FALLBACK_ANNOTATION):
-            return self.binder.fallback_runner(runner)
-        return runner
 
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""
@@ -293,10 +274,10 @@ class GuardPlugin(WorkerPlugin):
         """One leak check now (the periodic callback, every ``check_interval``). The
         next GPU task on each device reads NVML again: what the ledger knew of a device
         without a context (no reading to measure by) is forgotten at each check."""
-        assert self.leaks is not None
+        assert self.leaks is not None and self.ledger is not None
         if self.rejoin is not None:
             self.rejoin.check()
-        self.leaks.live.ledger.recheck()
+        self.ledger.recheck()
         return self.leaks.check()
 
     def _emit(self, action: str, **figures: Any) -> None:

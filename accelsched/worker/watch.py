@@ -1,9 +1,10 @@
 """Watching tasks that asked for no GPU: did they use one anyway?
 
 Device memory is read per process, so a task's growth can be blamed on it only when it
-ran alone: :class:`Activity` counts the tasks executing in this process, across all its
-workers (the guard's transition hook feeds it, so unwatched tasks count too), and a
-watched task's readings count only when no other task started or ended while it ran.
+ran alone: each worker's :class:`~accelsched.policy.leases.LeaseTable` records the tasks
+running in its threads (the guard's transition hook feeds it, so unwatched tasks count
+too), and a watched task's readings count only when no other task of any worker in the
+process started or ended while it ran.
 :func:`accelsched.policy.unrequested.classify` decides what the readings mean.
 
 Reading NVML costs tens of microseconds per device, twice per task: on a worker that sees
@@ -15,15 +16,24 @@ every task is watched, since a task that uses a GPU must then fail, not a later 
 
 from __future__ import annotations
 
-import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from accelsched import events
 from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
+from accelsched.policy.leases import LeaseTable
 from accelsched.policy.unrequested import classify
 
-__all__ = ["Activity", "ACTIVITY", "Running", "UnrequestedGPUUse", "Watch", "FIRST_RUNS", "EVERY"]
+__all__ = [
+    "TABLES",
+    "UnrequestedGPUUse",
+    "Watch",
+    "alone_token",
+    "still_alone",
+    "FIRST_RUNS",
+    "EVERY",
+]
 
 Runner = Callable[[Any, dict], Any]
 
@@ -40,78 +50,30 @@ class UnrequestedGPUUse(RuntimeError):
     """A task that did not ask for a GPU used one (``unrequested_gpu="fail"``)."""
 
 
-class Activity:
-    """Tasks executing in this process; tells a watched task whether it ran alone.
-
-    ``started``/``finished`` run on the workers' event loops (transition hooks), the
-    token calls in executor threads.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.running = 0
-        self.generation = 0
-
-    def started(self) -> None:
-        with self.lock:
-            self.running += 1
-            self.generation += 1
-
-    def finished(self) -> None:
-        with self.lock:
-            self.running = max(0, self.running - 1)
-            self.generation += 1
-
-    def alone_token(self) -> int | None:
-        """A token when the calling task is the only one executing, else None."""
-        with self.lock:
-            return self.generation if self.running <= 1 else None
-
-    def still_alone(self, token: int | None) -> bool:
-        with self.lock:
-            return token is not None and self.generation == token
+#: Every worker's record of what runs in its threads, in this process (the guards add
+#: theirs at setup): device memory is read per process, so a task ran alone only when no
+#: task of any of them ran beside it.
+TABLES: weakref.WeakSet[LeaseTable] = weakref.WeakSet()
 
 
-ACTIVITY = Activity()
+def _changes() -> tuple[int, int]:
+    """Tasks started or ended so far in this process, and tasks running now."""
+    changes = running = 0
+    for table in list(TABLES):
+        changes += table.changes
+        running += table.running()
+    return changes, running
 
 
-class Running:
-    """The keys whose functions run in one worker's threads, each counted once in
-    :data:`ACTIVITY` (every task, watched or not) until its function returns.
+def alone_token() -> int | None:
+    """A token when the calling task is the only one running in this process, else None."""
+    changes, running = _changes()
+    return changes if running <= 1 else None
 
-    A task released while it executes (``cancelled``) runs on in its thread:
-    ``in_thread(key)`` tells, and ``on_end()`` is called as each one ends (worker event
-    loop).
-    """
 
-    def __init__(self, in_thread: Callable[[Any], bool], on_end: Callable[[], None]) -> None:
-        self.keys: set[Any] = set()
-        self._in_thread = in_thread
-        self._on_end = on_end
-
-    def started(self, key: Any) -> None:
-        if key not in self.keys:
-            self.keys.add(key)
-            ACTIVITY.started()
-
-    def ended(self, key: Any) -> None:
-        if key in self.keys:
-            self.keys.discard(key)
-            ACTIVITY.finished()
-            self._on_end()
-
-    def recount(self, key: Any) -> None:
-        """``key`` changed state: started or ended, as its thread says."""
-        if self._in_thread(key):
-            self.started(key)
-        else:
-            self.ended(key)
-
-    def clear(self) -> None:
-        """What it counted no longer runs under this guard (unregistered)."""
-        for _ in self.keys:
-            ACTIVITY.finished()
-        self.keys.clear()
+def still_alone(token: int | None) -> bool:
+    """Whether no task started or ended in this process since :func:`alone_token`."""
+    return token is not None and _changes()[0] == token
 
 
 class Watch:
@@ -144,10 +106,10 @@ class Watch:
 
     def runner(self, key: Any) -> Runner:
         def run(spec: Any, values: dict) -> Any:
-            token = ACTIVITY.alone_token()
+            token = alone_token()
             before = self._readings() if token is not None else None
             result = spec(values)
-            if before is not None and ACTIVITY.still_alone(token):
+            if before is not None and still_alone(token):
                 self._judge(key, before, self._readings())
             return result
 

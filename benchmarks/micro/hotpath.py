@@ -53,7 +53,7 @@ NAME = "hotpath"
 #: The guard's parts timed per call: (label, side, attribute path from the GuardPlugin).
 #: A path missing from the code under test is skipped (and listed as such).
 PIECES: tuple[tuple[str, str, str], ...] = (
-    ("lease acquire", "thread", "binder.leases.acquire"),
+    ("lease acquire", "thread", "binder.leases.grant"),
     ("lease release", "thread", "binder.leases.release"),
     ("measurement plan", "thread", "binder.ledger.plan"),
     ("ledger before (NVML base)", "thread", "binder.ledger.before"),
@@ -61,11 +61,11 @@ PIECES: tuple[tuple[str, str, str], ...] = (
     ("no-context check after", "thread", "binder.ledger.unmeasured"),
     ("NVML process read", "thread", "inventory.monitor.process_memory"),
     ("pool check", "thread", "binder.pools.after_gpu_task"),
-    ("choose a runner", "loop", "_runner"),
+    ("choose a runner", "loop", "binder.route"),
     ("live results", "loop", "leaks.live.stored"),
     ("released", "loop", "leaks.live.released"),
-    ("running count, start", "loop", "running.started"),
-    ("running count, end", "loop", "running.ended"),
+    ("running count, start", "loop", "binder.leases.started"),
+    ("running count, end", "loop", "binder.leases.ended"),
 )
 #: What the guard's work per GPU task may cost, inside the worker (issue 19).
 BUDGET_US = 30.0

@@ -212,11 +212,11 @@ def test_declared_tasks_share_a_device_while_they_fit() -> None:
     table = _table()
     four = Requirement(memory=4 * GiB)
     # best fit: the smaller device fills first (capacity 38 GiB: nine 4 GiB tasks)
-    got = [table.acquire(f"s{i}", 0, four) for i in range(9)]
+    got = [table.grant(f"s{i}", 0, four) for i in range(9)]
     assert got == [(1,)] * 9 and table.declared() == {0: 0, 1: 36 * GiB}
-    assert table.acquire("s9", 0, four) == (0,)  # the tenth: 2 GiB left on the 40
+    assert table.grant("s9", 0, four) == (0,)  # the tenth: 2 GiB left on the 40
     big = Requirement(memory=60 * GiB, model="*H100*")
-    assert table.acquire("big", 0, big) == (0,)  # 76 - 4 = 72 left on the H100
+    assert table.grant("big", 0, big) == (0,)  # 76 - 4 = 72 left on the H100
     assert table.declared() == {0: 64 * GiB, 1: 36 * GiB}
     table.release("big")
     assert table.declared()[0] == 4 * GiB
@@ -224,35 +224,28 @@ def test_declared_tasks_share_a_device_while_they_fit() -> None:
 
 def test_a_whole_device_task_and_declared_tasks_never_share() -> None:
     table = _table()
-    assert table.acquire("whole", 1) == (0,)
-    assert table.acquire("small", 0, Requirement(memory=GiB)) == (1,)  # not the held one
+    assert table.grant("whole", 1) == (0,)
+    assert table.grant("small", 0, Requirement(memory=GiB)) == (1,)  # not the held one
     with pytest.raises(NoFreeDevice, match=r"a device with memory>=60GiB,model=\*A100\*"):
-        table.acquire("big", 0, Requirement(memory=60 * GiB, model="*A100*"))  # 40 GiB
+        table.grant("big", 0, Requirement(memory=60 * GiB, model="*A100*"))  # 40 GiB
 
 
 def test_a_task_no_device_here_fits_is_sent_back_at_once() -> None:
     table = _table()
     with pytest.raises(NoFreeDevice, match="model=\\*T4\\*"):
-        table.acquire("t4", 1, Requirement(model="*T4*"))
+        table.grant("t4", 1, Requirement(model="*T4*"))
     with pytest.raises(NoFreeDevice, match="memory>=100GiB"):
-        table.acquire("huge", 0, Requirement(memory=100 * GiB))
+        table.grant("huge", 0, Requirement(memory=100 * GiB))
     assert len(table) == 0
 
 
 def test_a_task_whose_room_is_split_waits_for_a_lease_to_end() -> None:
-    import threading
-
     table = _table()
     fill = Requirement(memory=38 * GiB, model="*A100*")
-    assert table.acquire("a", 0, fill) == (1,)
-    assert table.acquire("b", 0, Requirement(memory=70 * GiB)) == (0,)
-    got: list[tuple[int, ...]] = []
-    waiter = threading.Thread(
-        target=lambda: got.append(table.acquire("c", 0, Requirement(memory=10 * GiB)))
-    )
-    waiter.start()
-    waiter.join(0.3)
-    assert waiter.is_alive() and not got  # 6 GiB left on one, 0 on the other: it waits
+    assert table.grant("a", 0, fill) == (1,)
+    assert table.grant("b", 0, Requirement(memory=70 * GiB)) == (0,)
+    ten = Requirement(memory=10 * GiB)
+    assert table.grant("c", 0, ten) is None  # 6 GiB left on one, 0 on the other: it waits
+    assert table.grant("c", 0, ten) is None and len(table) == 2
     table.release("a")
-    waiter.join(5)
-    assert got == [(1,)]
+    assert table.grant("c", 0, ten) == (1,)

@@ -120,25 +120,25 @@ def test_task_timeout_invalid_names_value(value) -> None:  # type: ignore[no-unt
 
 def test_lease_table_distinct_devices_and_fractions() -> None:
     t = LeaseTable([0, 1])
-    assert t.acquire("a", 1) == (0,)
-    assert t.acquire("b", 1) == (1,)
+    assert t.grant("a", 1) == (0,)
+    assert t.grant("b", 1) == (1,)
     with pytest.raises(NoFreeDevice, match="'c'"):
-        t.acquire("c", 1)
+        t.grant("c", 1)
     t.release("a")
-    assert t.acquire("c", 1) == (0,)
+    assert t.grant("c", 1) == (0,)
     t.release("b")
     t.release("c")
-    assert t.acquire("two", 2) == (0, 1)
+    assert t.grant("two", 2) == (0, 1)
     t.release("two")
-    assert t.acquire("h1", 0.5) == (0,)
-    assert t.acquire("h2", 0.5) == (0,)  # fractions pack: device 1 stays whole
-    assert t.acquire("whole", 1) == (1,)
-    assert t.acquire("h3", 0.5) == (0,)  # nothing fits: least busy
+    assert t.grant("h1", 0.5) == (0,)
+    assert t.grant("h2", 0.5) == (0,)  # fractions pack: device 1 stays whole
+    assert t.grant("whole", 1) == (1,)
+    assert t.grant("h3", 0.5) == (0,)  # nothing fits: least busy
     assert len(t) == 4
     # fractions that do not tile a device never fail: 5 x 0.4 on two devices
     f = LeaseTable([0, 1])
-    assert [f.acquire(i, 0.4) for i in range(5)] == [(0,), (0,), (1,), (1,), (0,)]
-    assert f.acquire("x", 1.5) == (1, 0)
+    assert [f.grant(i, 0.4) for i in range(5)] == [(0,), (0,), (1,), (1,), (0,)]
+    assert f.grant("x", 1.5) == (1, 0)
 
 
 def test_options_validated_at_construction() -> None:
