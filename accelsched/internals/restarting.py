@@ -1,110 +1,173 @@
-"""The scheduler's side of a lossless restart: retire (copy the keys away), restart
-through the nanny, wait until the old process has left.
+"""The scheduler's side of a lossless restart: drain, retire (copy the keys away), check,
+restart through the nanny, wait until the old process has left.
 
-distributed's ``retire_workers`` checks whether the worker's keys have been copied every
-``len(has_what) / 400`` seconds, up to 0.5 s: a worker holding a few hundred results
-waits half a second after its last key was copied, and once more if the copy took just
-longer than one poll. :func:`retire` runs the same retirement and watches the same
-condition (every key the worker holds has another copy) every 10 ms itself, returning as
-soon as it holds; the retirement ends in the background (its next poll sees it done).
+Each step is distributed's own (``handle_worker_status_change``, ``retire_workers``,
+``restart_workers``); only their order is accelsched's, because only that order loses
+nothing: ``Worker.close_gracefully(restart=True)`` does not check that the retirement
+worked. One departure: ``retire_workers`` checks whether the worker's keys were copied
+every ``len(has_what) / 400`` seconds, up to 0.5 s, so a worker holding a few hundred
+results waits half a second after its last key was copied. :func:`replace_worker` watches
+the same condition (every key the worker holds has another copy) every 10 ms itself and
+goes on as soon as it holds; the retirement ends in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
-from accelsched.internals.scheduler import holds_sole_copy
+from distributed.core import Status
 
 if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import WorkerState
 
-__all__ = ["retire", "restart", "wait_gone", "send_queue_away", "take_share", "RETIRE_POLL"]
+__all__ = ["replace_worker", "resume", "has_running_peer", "take_share", "RETIRE_POLL"]
 
-#: How often :func:`retire` looks whether every key has another copy (seconds).
+#: How often the retirement is watched (seconds).
 RETIRE_POLL = 0.01
 #: False: wait for ``retire_workers`` to return, as before (the restart benchmark's
 #: "before" arm sets it; nothing else does).
 WATCH_RETIREMENT = True
 
 
-async def retire(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> bool:
-    """Copy ``ws``'s unique keys to peers, keeping it registered; True when it worked."""
-    if not WATCH_RETIREMENT:
-        retired = await scheduler.retire_workers(
-            workers=[ws.address], close_workers=False, remove=False, stimulus_id=stimulus_id
+def has_running_peer(scheduler: Scheduler, ws: WorkerState) -> bool:
+    return any(w is not ws for w in scheduler.running)
+
+
+def _holds_sole_copy(ws: WorkerState) -> bool:
+    return any(len(ts.who_has or ()) < 2 for ts in ws.has_what)
+
+
+def _copied(scheduler: Scheduler, ws: WorkerState) -> bool:
+    """Every key ``ws`` holds has another copy, and ``ws`` is still the registered one."""
+    return scheduler.workers.get(ws.address) is ws and not _holds_sole_copy(ws)
+
+
+async def replace_worker(
+    scheduler: Scheduler,
+    ws: WorkerState,
+    stimulus_id: str,
+    *,
+    tell_draining: Callable[[bool], Awaitable[None]],
+    lock: asyncio.Lock,
+    drain_timeout: float,
+    gone_timeout: float,
+) -> dict[str, int] | str | None:
+    """Drain, retire, check, restart ``ws`` through its nanny.
+
+    Returns the figures of a restart that happened (``moved``: keys copied away,
+    ``assigned``: tasks it had then), the reason it was given up (``busy``, ``no-peer``,
+    ``retire-failed``, ``restart-failed: ...``; the worker stays drained, see
+    :func:`resume`), or None when it left meanwhile. ``lock`` retires and kills one worker
+    at a time: while a retired worker is still registered, another retirement could drop
+    the only other copy of its keys ("the retired worker still has it").
+    """
+    if scheduler.workers.get(ws.address) is not ws:
+        return None  # it left (or another process took its address) meanwhile
+    # no new tasks for it (the scheduler's side only: what it runs finishes there)
+    scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
+    assigned = len(ws.processing)
+    await tell_draining(True)  # its guard sends GPU tasks back as they reach execution
+    _send_queue_away(scheduler, ws)  # what has not started moves to peers
+    deadline = monotonic() + drain_timeout
+    while ws.processing and monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if ws.processing:
+        return "busy"
+    async with lock:
+        if scheduler.workers.get(ws.address) is not ws:
+            return None
+        moved = len(ws.has_what)
+        if not await _retire(scheduler, ws, stimulus_id):
+            return "no-peer"
+        if _holds_sole_copy(ws):
+            return "retire-failed"
+        result = await scheduler.restart_workers(
+            [ws.address], wait_for_workers=False, on_error="return", stimulus_id=stimulus_id
         )
-        return ws.address in retired
-    loop = asyncio.get_running_loop()
-    outcome: asyncio.Future[Any] = loop.create_future()
-    outcome.add_done_callback(_retrieve)  # nobody waits for it once the copies exist
+        if (said := str(result.get(ws.address))) != "OK":
+            return f"restart-failed: {said}"
+        deadline = monotonic() + gone_timeout  # gone from who_has before the next retirement
+        while scheduler.workers.get(ws.address) is ws and monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    return {"moved": moved, "assigned": assigned}
+
+
+async def _retire(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> bool:
+    """Copy ``ws``'s unique keys to peers, keeping it registered; True when it worked."""
+    outcome: list[bool | Exception] = []
 
     async def retirement() -> None:
         try:
             retired = await scheduler.retire_workers(
                 workers=[ws.address], close_workers=False, remove=False, stimulus_id=stimulus_id
             )
+            outcome.append(ws.address in retired)
         except Exception as exc:
-            if not outcome.done():
-                outcome.set_exception(exc)
-        else:
-            if not outcome.done():
-                outcome.set_result(ws.address in retired)
+            outcome.append(exc)
 
     scheduler._ongoing_background_tasks.call_soon(retirement)
-    await asyncio.sleep(0)  # retire_workers has marked the worker retiring and kicked the
-    while not outcome.done():  # memory manager to copy its keys
-        if _copied(scheduler, ws):
+    await asyncio.sleep(0)  # retire_workers marked it retiring and kicked the memory manager
+    while not outcome:
+        if WATCH_RETIREMENT and _copied(scheduler, ws):
             return True
-        await asyncio.wait({outcome}, timeout=RETIRE_POLL)
-    return outcome.result()
+        await asyncio.sleep(RETIRE_POLL)
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
-def _copied(scheduler: Scheduler, ws: WorkerState) -> bool:
-    """Every key ``ws`` holds has another copy, and ``ws`` is still the registered one."""
-    return scheduler.workers.get(ws.address) is ws and not holds_sole_copy(ws)
+def resume(scheduler: Scheduler, ws: WorkerState, previous: Status, stimulus_id: str) -> None:
+    """Undo a drain that was given up: back to ``previous`` on both sides.
 
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-def send_queue_away(scheduler: Scheduler, ws: WorkerState) -> int:
-    """Ask ``ws`` to hand each task assigned to it to a peer that may run it, the way
-    distributed's work stealing moves a queued task: the worker gives up a task only if
-    it has not started it (what runs finishes there), so nothing runs twice. Returns the
-    number of requests sent; without work stealing, none (the guard sends the tasks back
-    one by one as they reach execution instead).
-
-    A drained worker otherwise works through its whole queue, each task bounced through
-    its thread pool (``Reschedule``): a second or more for a queue of a thousand.
+    A worker its memory monitor had paused stays paused (the monitor unpauses it when its
+    memory allows). A failed retirement tells the worker it is closing gracefully, so the
+    worker is told too; only a worker still registered under the same state is touched.
     """
+    if scheduler.workers.get(ws.address) is not ws:
+        return
+    if previous not in (Status.running, Status.paused):
+        previous = Status.running
+    scheduler.stream_comms[ws.address].send(
+        {"op": "worker-status-change", "status": previous.name, "stimulus_id": stimulus_id}
+    )
+    scheduler.handle_worker_status_change(previous, ws, stimulus_id)
+
+
+def _steal(scheduler: Scheduler, ts: Any, victim: WorkerState, thief: WorkerState) -> bool:
+    """Ask ``victim`` to hand the queued task ``ts`` to ``thief``, by distributed's work
+    stealing protocol: the worker gives a task up only if it has not started it, so
+    nothing runs twice. False when no request went out."""
     stealing = scheduler.extensions.get("stealing")
     if stealing is None:
-        return 0
-    sent = 0
+        return False
+    return stealing.move_task_request(ts, victim, thief) not in ("in-flight", "comm-closed")
+
+
+def _send_queue_away(scheduler: Scheduler, ws: WorkerState) -> None:
+    """Ask ``ws`` to hand each task queued on it to the least busy peer that may run it.
+    Without work stealing, the guard sends the tasks back one by one as they reach
+    execution instead; a drained worker would otherwise work through its whole queue,
+    each task bounced through its thread pool (``Reschedule``): a second or more for a
+    queue of a thousand."""
     for ts in list(ws.processing):
         valid = scheduler.valid_workers(ts)
         peers = [w for w in (scheduler.running if valid is None else valid) if w is not ws]
-        if not peers:
-            continue
-        thief = min(peers, key=lambda w: len(w.processing))
-        if stealing.move_task_request(ts, ws, thief) not in ("in-flight", "comm-closed"):
-            sent += 1
-    return sent
+        if peers:
+            _steal(scheduler, ts, ws, min(peers, key=lambda w: len(w.processing)))
 
 
 def take_share(scheduler: Scheduler, ws: WorkerState) -> int:
     """``ws`` just offered GPUs (a new or restarted worker): take its share of the tasks
-    queued on its peers, by the same protocol as :func:`send_queue_away`. distributed
-    sends every GPU task to a valid worker at submission, so a worker joining later (a
-    restarted one, whose queue went to its peer) would otherwise idle until work stealing
-    evens the queues out, slowly for short tasks. Returns the requests sent."""
-    stealing = scheduler.extensions.get("stealing")
+    queued on its peers, by the same protocol. distributed sends every GPU task to a
+    valid worker at submission, so a worker joining later (a restarted one, whose queue
+    went to its peer) would otherwise idle until work stealing evens the queues out,
+    slowly for short tasks. Returns the requests sent."""
     peers = [w for w in scheduler.running if w is not ws]
-    if stealing is None or ws not in scheduler.running or not peers:
+    if ws not in scheduler.running or not peers:
         return 0
     fair = sum(len(w.processing) for w in (*peers, ws)) // (len(peers) + 1)
     sent = 0
@@ -114,25 +177,7 @@ def take_share(scheduler: Scheduler, ws: WorkerState) -> int:
             if excess <= 1:
                 break
             valid = scheduler.valid_workers(ts)
-            if valid is not None and ws not in valid:
-                continue
-            if stealing.move_task_request(ts, victim, ws) not in ("in-flight", "comm-closed"):
+            if (valid is None or ws in valid) and _steal(scheduler, ts, victim, ws):
                 sent += 1
                 excess -= 1
     return sent
-
-
-async def restart(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> str:
-    """Restart ``ws`` through its nanny; returns distributed's word for it (``"OK"``)."""
-    result = await scheduler.restart_workers(
-        [ws.address], wait_for_workers=False, on_error="return", stimulus_id=stimulus_id
-    )
-    return str(result.get(ws.address))
-
-
-async def wait_gone(scheduler: Scheduler, ws: WorkerState, timeout: float) -> None:
-    """Wait until ``ws`` left the scheduler (its keys gone from ``who_has``)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while scheduler.workers.get(ws.address) is ws and loop.time() < deadline:
-        await asyncio.sleep(0.01)

@@ -1,4 +1,4 @@
-"""The scheduler's state: plugins, GPU resources, unrunnable tasks, draining a worker."""
+"""The scheduler's state: plugins, GPU resources, unrunnable tasks."""
 
 from __future__ import annotations
 
@@ -200,52 +200,3 @@ def offer_unrunnable(scheduler: Scheduler, ws: WorkerState) -> None:
     recs = scheduler.bulk_schedule_unrunnable_after_adding_worker(ws)
     if recs:
         scheduler.transitions(recs, stimulus_id=f"accelsched-gpu-verified-{time()}")
-
-
-# --- scheduler: draining and restarting a worker --------------------------------------
-
-
-def has_running_peer(scheduler: Scheduler, ws: WorkerState) -> bool:
-    return any(w is not ws for w in scheduler.running)
-
-
-def is_processing(ws: WorkerState) -> bool:
-    return bool(ws.processing)
-
-
-def keys_held(ws: WorkerState) -> int:
-    return len(ws.has_what)
-
-
-def holds_sole_copy(ws: WorkerState) -> bool:
-    """Whether some key on ``ws`` exists nowhere else."""
-    return any(len(ts.who_has or ()) < 2 for ts in ws.has_what)
-
-
-def drain(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> None:
-    """No new tasks for ``ws`` (scheduler side only: what it runs finishes). Keep its
-    ``ws.status`` from before for :func:`resume`."""
-    scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
-
-
-def assigned(ws: WorkerState) -> int:
-    """Tasks assigned to ``ws``: running there or waiting in its queue."""
-    return len(ws.processing)
-
-
-def resume(scheduler: Scheduler, ws: WorkerState, previous: Status, stimulus_id: str) -> None:
-    """Undo :func:`drain`: back to ``previous`` on both sides.
-
-    A worker its memory monitor had paused stays paused (the monitor unpauses it when its
-    memory allows, as it would have without the drain). A failed retirement tells the
-    worker it is closing gracefully, so the worker is told too; only a worker still
-    registered under the same state object is touched.
-    """
-    if scheduler.workers.get(ws.address) is not ws:
-        return
-    if previous not in (Status.running, Status.paused):
-        previous = Status.running
-    scheduler.stream_comms[ws.address].send(
-        {"op": "worker-status-change", "status": previous.name, "stimulus_id": stimulus_id}
-    )
-    scheduler.handle_worker_status_change(previous, ws, stimulus_id)

@@ -50,22 +50,20 @@ class RestartBudget:
 
     def recent(self, key: str, now: float) -> int:
         """Restarts of ``key`` within the window ending at ``now``."""
-        history = self._history.get(key)
-        if not history:
-            return 0
+        history = self._history.get(key, deque())
         while history and history[0] <= now - self.window:
             history.popleft()
-        if not history:
-            del self._history[key]  # workers come and go: keep only recent restarts
+        if not history:  # workers come and go: keep only recent restarts
+            self._history.pop(key, None)
         return len(history)
 
     def request(self, key: str, now: float) -> Decision:
         """May ``key`` restart now? Grants start a restart that :meth:`done` ends."""
-        for other in [k for k in self._history if k != key]:
+        for other in list(self._history):
             self.recent(other, now)  # forget keys whose restarts left the window
         if key in self._in_flight:
             return Decision(False, "in-flight")
-        if self.recent(key, now) >= self.max_restarts:
+        if len(self._history.get(key, ())) >= self.max_restarts:
             return Decision(False, "budget")
         if len(self._in_flight) >= self.max_concurrent:
             return Decision(False, "concurrency")
@@ -73,7 +71,7 @@ class RestartBudget:
         self._history.setdefault(key, deque()).append(now)
         return Decision(True)
 
-    def done(self, key: str, *, counted: bool = True, now: float | None = None) -> None:
+    def done(self, key: str, *, counted: bool = True) -> None:
         """The restart of ``key`` ended; ``counted=False`` when it never happened."""
         self._in_flight.discard(key)
         if not counted and self._history.get(key):
@@ -134,10 +132,7 @@ def restart_reply(proposal: Proposal | None, *, authentic: bool = True) -> Resta
         return {"status": "in-flight" if authentic else "refused"}
     if proposal.action == "restart":
         return {"status": "accepted"}
-    reply: RestartReply = {"status": "deferred"}
-    if proposal.reason:
-        reply["reason"] = proposal.reason
-    return reply
+    return {"status": "deferred", "reason": str(proposal.reason)}  # defer, quarantine
 
 
 def keeps_devices(why: str) -> bool:

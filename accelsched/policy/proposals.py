@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
-__all__ = ["Act", "Action", "Proposal", "SCHEDULER_ACTIONS", "WORKER_ACTIONS"]
+__all__ = ["Act", "Action", "Proposal"]
 
 Action = Literal[
     # on the scheduler (subject: a task key or a worker)
@@ -32,11 +32,6 @@ Action = Literal[
     # subject: the devices that call for it, a tuple (one request for all of them)
     "ask-restart",  # ask the scheduler to restart this worker (reason; figures: nbytes)
 ]
-
-SCHEDULER_ACTIONS: frozenset[str] = frozenset({"fall-back", "restart", "defer", "quarantine"})
-WORKER_ACTIONS: frozenset[str] = frozenset(
-    {"withdraw", "recover", "report-leak", "reclaim", "report-reclaimed", "ask-restart"}
-)
 
 
 @dataclass(frozen=True)
@@ -56,7 +51,7 @@ class Proposal:
     detail: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
-        if self.action not in SCHEDULER_ACTIONS | WORKER_ACTIONS:
+        if self.action not in get_args(Action):
             raise ValueError(f"unknown action {self.action!r}")
         if not isinstance(self.figures, MappingProxyType):
             object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))

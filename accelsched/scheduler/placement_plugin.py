@@ -11,13 +11,13 @@ makes the label mean something, through its parts (``accelsched/scheduler/``):
   from the grant; re-offer of ``no-worker`` tasks.
 - :class:`~accelsched.scheduler.device_reports.DeviceReports`: the guards' inventory and
   offers.
-- :class:`~accelsched.scheduler.quarantine.Quarantine`: a worker's GPUs out of placement.
 - :class:`~accelsched.scheduler.fallback.Fallback`: a GPU task unrunnable past its
   ``fallback_timeout`` runs its CPU form.
 - :class:`~accelsched.scheduler.restarts.Restarts`: a leaking worker is restarted
   without losing data, or quarantined.
 - :class:`~accelsched.scheduler.scheduler_actor.SchedulerActor`: carries out what the decisions
-  propose (fallbacks, restarts, deferrals, quarantine), in one place.
+  propose (fallbacks, restarts, deferrals, quarantine: a worker's GPUs out of
+  placement), in one place.
 - :class:`~accelsched.scheduler.snapshot.Observer`: the status snapshot and its history.
 
 The plugin itself only wires distributed's hooks to those parts, checks at start that
@@ -45,7 +45,6 @@ from accelsched.scheduler.eligibility import Eligibility
 from accelsched.scheduler.fallback import Fallback
 from accelsched.scheduler.gpu_counts import GpuCounts
 from accelsched.scheduler.grants import Grants
-from accelsched.scheduler.quarantine import Quarantine
 from accelsched.scheduler.restarts import Restarts
 from accelsched.scheduler.scheduler_actor import SchedulerActor
 from accelsched.scheduler.snapshot import Observer
@@ -89,9 +88,6 @@ class PlacementPlugin(SchedulerPlugin):
             emit=emit,
             active=active,
         )
-        self.quarantine = Quarantine(
-            grants=self.grants, counts=self.counts, authority=self.authority, emit=emit
-        )
         self.fallback = Fallback(
             timeout=o["fallback_timeout"],
             interval=o["fallback_interval"],
@@ -104,13 +100,17 @@ class PlacementPlugin(SchedulerPlugin):
         self.restarts = Restarts(
             budget=budget,
             authority=self.authority,
-            quarantine=self.quarantine,
             emit=emit,
             active=active,
             act=self._act,
         )
         self.actor = SchedulerActor(
-            fallback=self.fallback, restarts=self.restarts, quarantine=self.quarantine
+            fallback=self.fallback,
+            restarts=self.restarts,
+            grants=self.grants,
+            counts=self.counts,
+            authority=self.authority,
+            emit=emit,
         )
         self.waiting = WaitingTasks(emit=emit, active=active)
         self.observer = Observer(self.grants, waiting=self.waiting.counts)
@@ -152,7 +152,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.fallback.start(scheduler)
         self.waiting.start(scheduler)
         self.authority.start(scheduler)
-        self.quarantine.start(scheduler)
+        self.actor.start(scheduler)
         self.counts.start(scheduler)  # every worker's declared GPUs stripped
         self.reports.start(scheduler)  # then the guards asked to report
         self.observer.start(scheduler)
@@ -194,7 +194,7 @@ class PlacementPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         """Free the worker's GPUs for the next claimant and forget everything about it."""
-        self.restarts.remove_worker(worker)
+        self.actor.remove_worker(worker)
         self.reports.remove_worker(worker)
         self.authority.forget(worker)
 

@@ -178,6 +178,15 @@ class Inventory:
         for msg in early:
             self.send_event(msg)
 
+    def withdraw(self, device: int, out: bool = True) -> list[int]:
+        """Stop (``out``) or resume offering ``device``: returns the devices usable now."""
+        (self.withdrawn.add if out else self.withdrawn.discard)(device)
+        return self.usable
+
+    @property
+    def usable(self) -> list[int]:
+        return [d.index for d in self.granted if d.index not in self.withdrawn]
+
     async def offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
         """Advertise the granted devices that are not withdrawn; returns their indices.
 
@@ -190,7 +199,7 @@ class Inventory:
     async def _offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
         worker = self.worker
         assert worker is not None
-        usable = [d.index for d in self.granted if d.index not in self.withdrawn]
+        usable = self.usable
         on_usable(usable)
         request: OfferRequest = {
             "worker": str(worker.contact_address),

@@ -74,20 +74,17 @@ class WorkerActor:
         self._emit(
             events.GPU_UNHEALTHY, device=device, uuid=p.detail["uuid"], error=p.detail["error"]
         )
-        self.inventory.withdrawn.add(device)
-        self._offer()
+        self._offer(device, out=True)
 
     def _recover(self, p: Proposal) -> None:
         device = _device(p)
         self._emit(events.GPU_RECOVERED, device=device, uuid=p.detail["uuid"])
-        self.inventory.withdrawn.discard(device)
-        self._offer()
+        self._offer(device, out=False)
 
-    def _offer(self) -> None:
+    def _offer(self, device: int, *, out: bool) -> None:
         """Stop (or resume) offering a device: leases at once, the count right after."""
-        inv = self.inventory
-        self._set_devices([d.index for d in inv.granted if d.index not in inv.withdrawn])
-        self._spawn(inv.offer, self._set_devices)
+        self._set_devices(self.inventory.withdraw(device, out))
+        self._spawn(self.inventory.offer, self._set_devices)
 
     def _report_leak(self, p: Proposal) -> None:
         f = p.figures

@@ -209,13 +209,22 @@ class Recorder:
     def defer(self, worker: str, reason: str, *, quarantine: bool) -> None:
         self.calls.append(("defer", worker, reason, quarantine))
 
-    def add(self, worker: str, reason: str) -> None:
+    def quarantine(self, worker: str, reason: str) -> None:
         self.calls.append(("quarantine", worker, reason))
 
 
 def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
     parts = Recorder()
-    actor = SchedulerActor(fallback=parts, restarts=parts, quarantine=parts)  # type: ignore[arg-type]
+    actor = SchedulerActor(
+        fallback=parts,  # type: ignore[arg-type]
+        restarts=parts,  # type: ignore[arg-type]
+        grants=parts,  # type: ignore[arg-type]
+        counts=parts,  # type: ignore[arg-type]
+        authority=parts,  # type: ignore[arg-type]
+        emit=parts.calls.append,
+    )
+    # its own steps, recorded: what each proposal leads to, in order
+    actor.defer, actor.quarantine = parts.defer, parts.quarantine  # type: ignore[method-assign]
     actor.act(
         [
             fall_back("x", TIMEOUT, 5.0),

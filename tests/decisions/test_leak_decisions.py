@@ -255,6 +255,10 @@ class FakeInventory:
     simulated: bool = True
     restarts: list[tuple[str, int]] = field(default_factory=list)
 
+    def withdraw(self, device: int, out: bool = True) -> list[int]:
+        (self.withdrawn.add if out else self.withdrawn.discard)(device)
+        return [d.index for d in self.granted if d.index not in self.withdrawn]
+
     async def offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
         return []
 
