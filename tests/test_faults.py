@@ -283,3 +283,59 @@ def test_a_gpu_failing_during_a_leak_restart_comes_back_when_it_answers(tmp_path
 
     with fake_gpus(2) as g:
         run()
+
+
+def test_a_device_back_but_not_granted_is_reported_again_until_it_is() -> None:
+    """A left-out device that answers again is reported to the scheduler; a report that
+    does not get it granted (the scheduler busy with the same fault's restarts) is made
+    again, with backoff, not given up on: the device came back once and stayed out for
+    good otherwise. The scheduler and the inventory are stand-ins (only their answers
+    matter here); the device's answers are the fake NVML's."""
+    from accelsched.worker.rejoin import Rejoin
+
+    with fake_gpus(1) as g:
+        monitor = NVMLMonitor(env={})
+        g.fail(0)
+        assert monitor.devices() == [] and monitor.left_out == [0]
+        g.recover()
+        replies = ["busy", "busy", "OK"]  # what the scheduler answers, report by report
+        reported: list[float] = []
+        emitted: list[tuple[str, dict]] = []
+        now = [0.0]
+
+        class Inventory:  # what Rejoin uses of the worker's Inventory
+            def __init__(self) -> None:
+                self.monitor = monitor
+                self.granted: list = []
+
+            def rejoin(self, info) -> None:  # type: ignore[no-untyped-def]
+                monitor.adopt(info)
+
+        inventory = Inventory()
+
+        async def report() -> dict:
+            reported.append(now[0])
+            status = replies.pop(0)
+            if status == "OK":
+                inventory.granted = list(monitor.devices())
+            return {"status": status}
+
+        pending: list = []
+        rejoin = Rejoin(
+            inventory=inventory,  # type: ignore[arg-type]
+            health=DeviceHealth(streak=1),
+            interval=1.0,
+            report=report,
+            spawn=lambda fn, *args: pending.append(fn(*args)),
+            emit=lambda action, **fields: emitted.append((action, fields)),
+            clock=lambda: now[0],
+        )
+        for t in range(40):
+            now[0] = float(t)
+            rejoin.check()
+            while pending:
+                asyncio.run(pending.pop())
+        # back at its first probe (1 s), reported then, again 1 s and 2 s later: granted
+        assert reported == [1.0, 2.0, 4.0]
+        assert emitted == [("gpu-recovered", {"device": 0, "uuid": g.uuids[0]})]
+        assert rejoin.waiting == []

@@ -7,7 +7,9 @@ every check asks :class:`~accelsched.policy.health.Probation` which left-out dev
 asks NVML about them, and a device that answers steadily enters the inventory, which
 reports it to the scheduler like any device (``accelsched_inventory``: confirmed,
 verified, one owner per UUID). Once the scheduler grants it, the worker offers it and
-says so (``gpu-recovered``).
+says so (``gpu-recovered``). A report that does not get it granted (the scheduler busy
+with the restarts of the same fault, a peer's claim not yet gone) is not the last word:
+it is made again, with the same backoff, until the device is granted.
 """
 
 from __future__ import annotations
@@ -50,13 +52,21 @@ class Rejoin:
         self._spawn = spawn  # runs a coroutine function in the background
         self._emit = emit
         self._clock = clock
+        self._first = interval
+        self._longest = max(interval, 30.0)
+        #: Back in the inventory, not granted yet: reported again when due.
+        self._ungranted: dict[int, DeviceInfo] = {}
+        self._report_at = 0.0
+        self._report_wait = interval
+        self._reporting = False
         now = clock()
         for index in self.monitor.left_out:
             self.probation.left_out(index, now)
 
     @property
     def waiting(self) -> list[int]:
-        return self.probation.waiting
+        """Devices still out of this process, or back but not granted yet."""
+        return sorted({*self.probation.waiting, *self._ungranted})
 
     def check(self) -> None:
         """Probe the devices due now (event loop, at each check)."""
@@ -70,21 +80,33 @@ class Rejoin:
                 continue
             if self.probation.answered(index, now):
                 back.append(info)
-        if back:
-            for info in back:
-                self.inventory.rejoin(info)
-            self._spawn(self._offer, back)
-
-    async def _offer(self, back: list[DeviceInfo]) -> None:
-        """Report the inventory with the devices back; say which the scheduler granted."""
-        reply = await self._report()
-        granted = {d.uuid for d in self.inventory.granted}
         for info in back:
+            self.inventory.rejoin(info)
+            self._ungranted[info.index] = info
+        if back:
+            self._report_at, self._report_wait = now, self._first
+        if self._ungranted and not self._reporting and now >= self._report_at:
+            self._reporting = True
+            self._spawn(self._offer)
+
+    async def _offer(self) -> None:
+        """Report the inventory with the devices back; say which the scheduler granted,
+        and when to report the others again."""
+        try:
+            reply = await self._report()
+        finally:
+            self._reporting = False
+        granted = {d.uuid for d in self.inventory.granted}
+        for index, info in list(self._ungranted.items()):
             if info.uuid in granted:
+                del self._ungranted[index]
                 self._emit(events.GPU_RECOVERED, device=info.index, uuid=info.uuid)
-            else:  # claimed by another worker meanwhile, or more than this one declared
+            elif self._report_wait == self._first:  # said once per device back
                 logger.info(
-                    "accelsched: GPU %d answers NVML again but is not granted (%s)",
+                    "accelsched: GPU %d answers NVML again but is not granted yet (%s); "
+                    "reporting it again",
                     info.index,
                     reply.get("status"),
                 )
+        self._report_at = self._clock() + self._report_wait
+        self._report_wait = min(self._longest, 2 * self._report_wait)
