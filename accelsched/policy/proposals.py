@@ -20,6 +20,7 @@ __all__ = ["Act", "Action", "Proposal", "SCHEDULER_ACTIONS", "WORKER_ACTIONS"]
 Action = Literal[
     # on the scheduler (subject: a task key or a worker)
     "fall-back",  # a GPU task runs its CPU form now (reason: why; figures: waited)
+    "err",  # a GPU task that can never be placed errs (reason: why, naming the value)
     "restart",  # drain, retire and restart a worker, losing nothing
     "defer",  # a restart cannot happen without loss now: say so, its GPUs leave placement
     "quarantine",  # over its restart budget: its GPUs leave placement, no restart
@@ -33,7 +34,9 @@ Action = Literal[
     "ask-restart",  # ask the scheduler to restart this worker (reason; figures: nbytes)
 ]
 
-SCHEDULER_ACTIONS: frozenset[str] = frozenset({"fall-back", "restart", "defer", "quarantine"})
+SCHEDULER_ACTIONS: frozenset[str] = frozenset(
+    {"fall-back", "err", "restart", "defer", "quarantine"}
+)
 WORKER_ACTIONS: frozenset[str] = frozenset(
     {"withdraw", "recover", "report-leak", "reclaim", "report-reclaimed", "ask-restart"}
 )

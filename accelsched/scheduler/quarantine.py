@@ -28,24 +28,21 @@ class Quarantine:
 
     def __init__(
         self,
+        scheduler: Scheduler,
         *,
         grants: Grants,
         counts: GpuCounts,
         authority: Authority,
         emit: Callable[..., None],
     ) -> None:
-        self.scheduler: Scheduler | None = None
+        self.scheduler = scheduler
         self._grants = grants
         self._counts = counts
         self._authority = authority
         self._emit = emit
 
-    def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
     def add(self, worker: str, reason: str) -> None:
         """Quarantine ``worker`` (a worker gone, or already quarantined: nothing)."""
-        assert self.scheduler is not None
         ws = self.scheduler.workers.get(worker)
         if ws is None or not self._grants.quarantine(worker, reason):
             return

@@ -46,6 +46,7 @@ class Restarts:
 
     def __init__(
         self,
+        scheduler: Scheduler,
         *,
         budget: RestartBudget,
         authority: Authority,
@@ -54,7 +55,7 @@ class Restarts:
         active: Callable[[], bool],
         act: Act,
     ) -> None:
-        self.scheduler: Scheduler | None = None
+        self.scheduler = scheduler
         self.budget = budget
         self._authority = authority
         self._quarantine = quarantine
@@ -66,9 +67,6 @@ class Restarts:
         self._emit = emit
         self._active = active
         self._act = act
-
-    def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
 
     def remove_worker(self, worker: str) -> None:
         self.deferred.pop(worker, None)
@@ -88,7 +86,6 @@ class Restarts:
         runs in the background; the reply says whether it was accepted.
         """
         scheduler = self.scheduler
-        assert scheduler is not None
         if not self._active():
             return {"status": "no-plugin"}
         ws = scheduler.workers.get(worker)
@@ -122,7 +119,6 @@ class Restarts:
         """Start the admitted restart of ``worker`` in the background (the actor's
         ``restart``); its budget is spent until it ends."""
         scheduler = self.scheduler
-        assert scheduler is not None
         ws = scheduler.workers[worker]  # admitted just now, with no wait since
         assert ws.nanny is not None
         internals.spawn(scheduler, self.restart, ws, ws.nanny, why)
@@ -130,7 +126,6 @@ class Restarts:
     async def restart(self, ws: WorkerState, budget_key: str, reason: str) -> None:
         """Drain, retire, check, restart: the only order that loses nothing."""
         scheduler = self.scheduler
-        assert scheduler is not None
         worker = ws.address
         stimulus_id = f"accelsched-restart-{time()}"
         start = monotonic()
@@ -191,7 +186,6 @@ class Restarts:
         In this order the GPU tasks that piled up during the drain are not offered to the
         worker that leaks: they wait for (or fall back from) other GPUs.
         """
-        assert self.scheduler is not None
         quarantine = not keeps_devices(why)
         self.defer(ws.address, reason, quarantine=quarantine)
         internals.resume(self.scheduler, ws, previous, stimulus_id)
@@ -200,7 +194,7 @@ class Restarts:
 
     def defer(self, worker: str, reason: str, *, quarantine: bool = True) -> None:
         """The restart cannot happen without loss now: say so once, and quarantine."""
-        if self.scheduler is None or worker not in self.scheduler.workers:
+        if worker not in self.scheduler.workers:
             return  # it left meanwhile: nothing to defer
         if self.deferred.get(worker) != reason:
             self.deferred[worker] = reason

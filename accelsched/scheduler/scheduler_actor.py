@@ -10,6 +10,8 @@ that ask them (the fallback check, the restart handler) hand the proposals here,
 fall-back  :meth:`Fallback.fall_back <accelsched.scheduler.fallback.Fallback.fall_back>`:
            the task's GPU restriction lifted, marked, sent on; one ``fallback`` event
            per check (one per task up to a few)
+err        :meth:`Fallback.err <accelsched.scheduler.fallback.Fallback.err>`: the task
+           errs, naming why it can never be placed
 restart    :meth:`Restarts.begin <accelsched.scheduler.restarts.Restarts.begin>`:
            drain, retire, check, restart, in the background
 defer      :meth:`Restarts.defer <accelsched.scheduler.restarts.Restarts.defer>`:
@@ -53,6 +55,8 @@ class SchedulerActor:
         for p in proposals:
             if p.action == "fall-back":
                 fall_back.append(p)
+            elif p.action == "err":
+                self._fallback.err(p)
             elif p.action == "restart":
                 self._restarts.begin(str(p.subject), p.reason or "leak")
             elif p.action == "defer":
