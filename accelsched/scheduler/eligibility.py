@@ -143,14 +143,8 @@ class Eligibility:
     def refresh(self, worker: str, tasks: Mapping[Any, GpuTask]) -> None:
         """``worker``'s devices were granted: every unplaced task it can serve gains it."""
         facts = [facts_of(r) for r in self._grants.granted_devices().get(worker, [])]
-        fits: dict[tuple[Requirement, int], bool] = {}
         for key, task in tasks.items():
-            if task.need is None:
-                continue
-            group = (task.need, task.devices)
-            if group not in fits:
-                fits[group] = holds(task.need, task.devices, facts)
-            if not fits[group]:
+            if task.need is None or not holds(task.need, task.devices, facts):
                 continue
             self._unmet.discard(task.need.label())
             ts = self.scheduler.tasks.get(key)

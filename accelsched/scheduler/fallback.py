@@ -122,7 +122,6 @@ class Fallback:
         self._emit = emit
         self._active = active
         self._act = act
-        self._soon = False  # a check is queued to run at once
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
         self._no_workers_checked: set[float] | None = set()  # None: warned
         self.checks = 0  # checks completed (ticks and timers): "one ran since then"
@@ -279,7 +278,6 @@ class Fallback:
 
         Pops only the tasks whose deadline passed (:class:`~accelsched.policy.timeouts.Deadlines`).
         """
-        self._soon = False  # a deadline passed from here on queues another check
         if not self._active():
             return  # unregistered or replaced; its timers may still fire
         now = monotonic()
@@ -325,10 +323,10 @@ class Fallback:
         for p in proposals:
             ts = tasks[p.subject]
             task = self.tasks[p.subject]
-            restrictions = dict(ts.resource_restrictions)
-            restrictions.pop(GPU, None)
-            restrictions.pop(GPU_MEMORY, None)
-            internals.set_resource_restrictions(ts, restrictions)
+            internals.set_resource_restrictions(
+                ts,
+                {k: v for k, v in ts.resource_restrictions.items() if k not in (GPU, GPU_MEMORY)},
+            )
             self.eligibility.fell_back(ts, task)
             # the worker gets the annotations too: the GPU amount it no longer needs goes,
             # so none can break the message (an int past 2**64 cost every worker its stream)
@@ -343,28 +341,20 @@ class Fallback:
     # --- when the next check runs -------------------------------------------------------
 
     def _schedule(self) -> None:
-        """Check at the next deadline: at once when it passed, else one timer at a time
-        (the earliest), so a fallback comes close to its timeout, not a tick past it."""
+        """Check at the next deadline (at once when it passed), one timer at a time (the
+        earliest), so a fallback comes close to its timeout, not a tick past it."""
         at = self.deadlines.next_deadline()
-        if at is None:
-            return
-        scheduler = self.scheduler
-        if at <= monotonic():
-            if not self._soon:
-                self._soon = True
-                internals.call_soon(scheduler, self.check)
+        if at is None or (self._timer is not None and self._timer[0] <= at):
             return
         if self._timer is not None:
-            if self._timer[0] <= at:
-                return
-            internals.cancel_call(scheduler, self._timer[1])
+            internals.cancel_call(self.scheduler, self._timer[1])
 
         def fire() -> None:
             self._timer = None
             self.check()
 
         delay = max(0.0, at - monotonic()) + 0.001
-        self._timer = (at, internals.call_later(scheduler, delay, fire))
+        self._timer = (at, internals.call_later(self.scheduler, delay, fire))
 
     def _warn_no_workers(self, timeout: float | None) -> None:
         """Warn once when distributed's ``no-workers-timeout`` would fail unplaced tasks
