@@ -74,6 +74,7 @@ __all__ = [
     "FALLBACK_ANNOTATION",
     "INVALID_RESOURCE",
     "DeviceRecord",
+    "report_problem",
     "InventoryRequest",
     "InventoryReply",
     "RestartRequest",
@@ -143,6 +144,27 @@ class DeviceRecord(_DeviceBasics, total=False):
 
     capability: list[int] | None
     mig: bool
+
+
+def report_problem(devices: Any, requested: Any) -> str | None:
+    """Why a guard's device report cannot be granted as it is, or None. Requirements,
+    ``GPU-memory`` and status read these fields as the types :class:`DeviceRecord` says."""
+    if (
+        not isinstance(devices, (list, tuple))
+        or not isinstance(requested, int)
+        or isinstance(requested, bool)
+    ):
+        return f"devices={devices!r:.80} requested={requested!r:.20}: expected a list and a count"
+    for record in devices:
+        if not isinstance(record, dict):
+            return f"device record {record!r:.80}: expected a mapping"
+        for field, kind in (("index", int), ("uuid", str), ("name", str), ("memory", int)):
+            value = record.get(field)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                return f"device record {field}={value!r:.80}: expected {kind.__name__}"
+        if record["memory"] < 0:
+            return f"device record memory={record['memory']!r}: expected bytes"
+    return None
 
 
 class InventoryRequest(TypedDict):

@@ -260,4 +260,6 @@ async def test_no_timeout_means_nothing_is_timed(c, s, a):
         lambda: all(f.key in s.tasks and s.tasks[f.key].state == "no-worker" for f in futs)
     )
     plugin = s.plugins["accelsched-placement"]
-    assert len(plugin.fallback.deadlines) == 0  # strict tasks never enter the heap
+    # strict tasks never enter the heap
+    assert plugin.fallback.deadlines.next_deadline() is None
+    assert not plugin.fallback.deadlines._heap

@@ -12,7 +12,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import dask
 import pytest
@@ -86,6 +88,11 @@ def gpu_only(i: int) -> str:
     return "gpu-only"
 
 
+def timeouts(plugin: Any) -> Callable[[str], float | None]:
+    """The timeout the scheduler's record of each GPU task says it lives by."""
+    return lambda key: plugin.fallback.tasks[key].timeout
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
 async def test_a_dual_step_with_no_gpu_is_said_and_falls_back(c, s, a):
     """No worker has a GPU: the waiting tasks are counted by reason and said once;
@@ -99,7 +106,7 @@ async def test_a_dual_step_with_no_gpu_is_said_and_falls_back(c, s, a):
     only = c.submit(gpu_only, 0, key="only-0")
     quick = c.submit(accelsched.dual(on_gpu, on_host, fallback_timeout="1s"), 0, key="q-0")
     assert await quick == "cpu"  # its own timeout
-    timeout_of = plugin.fallback.timeout_of
+    timeout_of = timeouts(plugin)
     assert [timeout_of(f"dual-{i}") for i in range(3)] == [DUAL_TIMEOUT] * 3
     assert timeout_of("s-0") is None and timeout_of("only-0") is None
     await wait_for(lambda: events(s, "gpu-waiting"), timeout=NOTICE_AFTER + 5)
@@ -120,13 +127,14 @@ async def test_the_plugins_default_timeout_applies_to_dual_steps(c, s, a):
     await accelsched.register(c, fallback_timeout="1s")
     plugin = s.plugins[PLACEMENT_PLUGIN]
     step = accelsched.dual(on_gpu, on_host)
-    assert await c.submit(step, 0, key="d-0") == "cpu"
-    assert plugin.fallback.timeout_of("d-0") == 1
+    d = c.submit(step, 0, key="d-0")
+    assert await d == "cpu"
+    assert timeouts(plugin)("d-0") == 1
     own = accelsched.dual(on_gpu, on_host, fallback_timeout=None)
     f = c.submit(own, 0, key="strict-0")
     await wait_for(lambda: "strict-0" in s.tasks and s.tasks["strict-0"].state == "no-worker")
-    assert plugin.fallback.timeout_of("strict-0") is None  # its own None wins
-    await c.cancel(f)
+    assert timeouts(plugin)("strict-0") is None  # its own None wins
+    await c.cancel([d, f])
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
@@ -143,13 +151,13 @@ async def test_an_annotated_task_calling_a_dual_step_keeps_its_cpu_form(c, s, a)
     with dask.annotate(fallback_timeout=None):
         g = c.submit(step, 0, key="ann-2", resources={"GPU": 1})
     await wait_for(lambda: all(k in s.tasks for k in ("ann-0", "ann-2")))
-    timeout_of = plugin.fallback.timeout_of
+    timeout_of = timeouts(plugin)
     assert (timeout_of("ann-0"), timeout_of("ann-1"), timeout_of("ann-2")) == (
         DUAL_TIMEOUT,
         1,
         None,
     )
-    await c.cancel([f, g])
+    await c.cancel([f, g, h])
 
 
 # --- as users run it --------------------------------------------------------------------

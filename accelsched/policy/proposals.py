@@ -20,6 +20,7 @@ __all__ = ["Act", "Action", "Proposal"]
 Action = Literal[
     # on the scheduler (subject: a task key or a worker)
     "fall-back",  # a GPU task runs its CPU form now (reason: why; figures: waited)
+    "err",  # a GPU task that can never be placed errs (reason: why, naming the value)
     "restart",  # drain, retire and restart a worker, losing nothing
     "defer",  # a restart cannot happen without loss now: say so, its GPUs leave placement
     "quarantine",  # over its restart budget: its GPUs leave placement, no restart

@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import numbers
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dask.utils import parse_timedelta
 
 from accelsched.config import parse_optional_duration
+from accelsched.policy.marks import Mark
 from accelsched.policy.proposals import Proposal
 
 __all__ = [
     "FallbackPolicy",
     "Waiting",
+    "deadline",
     "sweep",
     "TIMEOUT",
     "NO_GPU_CAPACITY",
@@ -124,7 +127,7 @@ def no_workers_conflict(limit: Any, timeout: float) -> str | None:
 
 
 class FallbackPolicy:
-    """Decides, per unrunnable GPU task, whether to run its CPU form now.
+    """Decides, per unrunnable GPU task, how long it waits and whether to run its CPU form now.
 
     ``default`` is the plugin-wide timeout in seconds (None: strict, never fall back).
     """
@@ -132,9 +135,17 @@ class FallbackPolicy:
     def __init__(self, default: float | None) -> None:
         self.default = default
 
-    def timeout(self, annotated: float | None | Any = _UNSET) -> float | None:
-        """The timeout a task lives by: its annotation when it has one, else the default."""
-        return self.default if annotated is _UNSET else annotated
+    def timeout(self, annotated: Any = _UNSET, mark: Mark | None = None) -> float | None:
+        """The timeout a task lives by: its ``fallback_timeout`` annotation (parsed;
+        ValueError names a bad one), else the marked step's own, else a ``dual`` step's
+        CPU-form timeout where the plugin has no default, else the default."""
+        if annotated is not _UNSET:
+            return parse_task_timeout(annotated)
+        if mark is not None and mark.timeout_given:
+            return mark.timeout
+        if mark is not None and mark.cpu_form is not None and self.default is None:
+            return mark.cpu_form  # it has a CPU form: waiting for ever would only hide that
+        return self.default
 
     def decide(
         self,
@@ -175,17 +186,32 @@ class Waiting:
     predecessor_fell_back: bool = False
 
 
+def deadline(w: Waiting, *, looked: bool = False) -> float | None:
+    """When the policy looks at ``w`` (None: never, it is strict): the one deadline rule.
+
+    A task that just became unrunnable is looked at once when waiting cannot help (it
+    asks for more GPUs than any worker can ever offer) or may not (a predecessor fell
+    back: :data:`CHAIN`); else, and once looked at and kept waiting (``looked``), when
+    its own timeout passes.
+    """
+    if w.timeout is None:
+        return None
+    if not looked and (w.predecessor_fell_back or not satisfiable(w.amount)):
+        return w.since
+    return w.since + w.timeout
+
+
 def sweep(
     policy: FallbackPolicy, waiting: Iterable[Waiting], *, now: float, largest: float
-) -> tuple[list[Proposal], float | None]:
+) -> tuple[list[Proposal], dict[Hashable, float]]:
     """Decide for every waiting task; ``largest`` is the most GPUs one worker offers now.
 
     Returns one ``fall-back`` proposal per task to run in its CPU form now (reason: why;
-    figures: ``waited``, seconds), and the earliest deadline still ahead (None: nothing to
-    time), so the caller knows when to look again without acting on anything here.
+    figures: ``waited``, seconds), and the deadline (:func:`deadline`) of each task kept
+    waiting that has one, for the caller to look again then.
     """
     proposals: list[Proposal] = []
-    wake_at: float | None = None
+    later: dict[Hashable, float] = {}
     for w in waiting:
         waited = now - w.since
         reason = policy.decide(
@@ -197,73 +223,50 @@ def sweep(
         )
         if reason is not None:
             proposals.append(Proposal("fall-back", w.key, reason, {"waited": waited}))
-        elif w.timeout is not None:
-            deadline = w.since + w.timeout
-            wake_at = deadline if wake_at is None else min(wake_at, deadline)
-    return proposals, wake_at
+        elif (at := deadline(w, looked=True)) is not None:
+            later[w.key] = at
+    return proposals, later
 
 
 class Deadlines:
-    """The unrunnable GPU tasks that can fall back, ordered by when they may.
+    """The times the fallback check looks at waiting GPU tasks, earliest first.
 
-    A check costs what is due, not what waits: tasks enter when they become unrunnable
-    (with the time they may fall back), leave lazily when they are placed, and a check
-    pops only the entries whose deadline passed, O(k log n) for k due of n waiting.
-    Tasks without a timeout never enter, so a cluster with no timeouts pays nothing.
+    A check costs what is due, not what waits: a task enters when it becomes unrunnable
+    (with its :func:`deadline`), and a check pops only the entries whose deadline passed,
+    O(k log n) for k due of n waiting. The task's own record says whether an entry still
+    counts (``live(key, deadline)``: it left ``no-worker``, or entered again, since), so
+    nothing here is kept per task; tasks without a timeout never enter.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, live: Callable[[Hashable, float], bool]) -> None:
         self._heap: list[tuple[float, int, Hashable]] = []
-        self._since: dict[Hashable, tuple[float, int]] = {}  # key -> (since, entry id)
-        self._ids = 0
+        self._live = live
+        self._ids = itertools.count()
 
-    def __len__(self) -> int:
-        return len(self._since)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._since
-
-    def add(self, key: Hashable, since: float, deadline: float) -> None:
-        """``key`` became unrunnable at ``since`` and may fall back at ``deadline``."""
-        self._ids += 1
-        self._since[key] = (since, self._ids)
-        heapq.heappush(self._heap, (deadline, self._ids, key))
-
-    def discard(self, key: Hashable) -> None:
-        """``key`` left ``no-worker`` (placed, erred, forgotten); its entry is skipped."""
-        self._since.pop(key, None)
+    def add(self, key: Hashable, deadline: float) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._ids), key))
 
     def next_deadline(self) -> float | None:
-        """The earliest deadline of a task still waiting (drops stale entries on top)."""
+        """The earliest deadline that still counts (drops stale entries on top)."""
         heap = self._heap
-        while heap:
-            deadline, entry, key = heap[0]
-            current = self._since.get(key)
-            if current is not None and current[1] == entry:
-                return deadline
+        while heap and not self._live(heap[0][2], heap[0][0]):
             heapq.heappop(heap)
-        return None
+        return heap[0][0] if heap else None
 
-    def pop_due(self, now: float) -> list[tuple[Hashable, float]]:
-        """Remove and return ``(key, since)`` of every waiting task due at ``now``."""
+    def pop_due(self, now: float) -> list[Hashable]:
+        """Remove and return the keys whose deadline passed at ``now`` (live entries)."""
         due = []
         heap = self._heap
         while heap and heap[0][0] <= now:
-            _, entry, key = heapq.heappop(heap)
-            current = self._since.get(key)
-            if current is not None and current[1] == entry:
-                del self._since[key]
-                due.append((key, current[0]))
-        if len(heap) > 64 and len(heap) > 4 * len(self._since):
-            self._compact()
+            at, _, key = heapq.heappop(heap)
+            if self._live(key, at):
+                due.append(key)
+        if len(heap) > 64:  # stale entries outnumbering live ones go: memory stays O(waiting)
+            live = [e for e in heap if self._live(e[2], e[0])]
+            if 4 * len(live) < len(heap):
+                self._heap = live
+                heapq.heapify(live)
         return due
-
-    def _compact(self) -> None:
-        """Drop stale entries when they outnumber live ones (memory stays O(waiting))."""
-        self._heap = [
-            e for e in self._heap if (c := self._since.get(e[2])) is not None and c[1] == e[1]
-        ]
-        heapq.heapify(self._heap)
 
 
 def summarise(fell: Sequence[Proposal], detail: int) -> list[dict[str, Any]]:

@@ -46,20 +46,18 @@ class Authority:
     """Confirms requests with the workers they name, gives and confirms the scheduler's
     own orders, and logs the refusals."""
 
-    def __init__(self, *, emit: Callable[..., None]) -> None:
-        self.scheduler: Scheduler | None = None
+    def __init__(self, scheduler: Scheduler, *, emit: Callable[..., None]) -> None:
+        self.scheduler = scheduler
         self._emit = emit
         self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last, since)
         self.orders = Outstanding()  # the scheduler's own orders to workers, unconfirmed
         self._tokens: dict[str, str] = {}  # worker -> the token its events carry
 
-    def start(self, scheduler: Scheduler) -> None:
+    def start(self) -> None:
         """Answer the workers asking whether an order is the scheduler's."""
-        self.scheduler = scheduler
-        internals.install_handler(scheduler, CONFIRM_HANDLER, self.confirm_order)
+        internals.install_handler(self.scheduler, CONFIRM_HANDLER, self.confirm_order)
 
     def stop(self) -> None:
-        assert self.scheduler is not None
         internals.remove_handler(self.scheduler, CONFIRM_HANDLER, self.confirm_order)
 
     async def confirmed(
@@ -80,7 +78,6 @@ class Authority:
         forged-request report: it is the worker's own, asked again while its process
         was going (a reply saying no, or a request without an id, is reported as ever).
         """
-        assert self.scheduler is not None
         reply: ConfirmReply | None = None
         unreachable = False
         if isinstance(request, str) and request:
@@ -129,7 +126,6 @@ class Authority:
         nothing that finished is released, nothing runs twice. The guard confirms the
         order with the scheduler first; a worker without a guard works through its queue.
         """
-        assert self.scheduler is not None
         request = self.order(DRAIN_HANDLER, {"on": on})
         try:
             await getattr(self.scheduler.rpc(worker), DRAIN_HANDLER)(on=on, request=request)
@@ -153,7 +149,7 @@ class Authority:
         cannot grow the refusal table).
         """
         confirmed = self.orders.confirm(request, fingerprint)
-        if not confirmed and self.scheduler is not None and worker in self.scheduler.workers:
+        if not confirmed and worker in self.scheduler.workers:
             named = handler if handler in ORDERS else "unknown-order"  # not the caller's word
             self._refused_request(worker, named, str(getattr(comm, "peer_address", None)))
         return {"confirmed": confirmed}

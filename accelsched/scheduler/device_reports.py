@@ -27,9 +27,9 @@ from accelsched.protocol import (
     DeviceRecord,
     InventoryReply,
     OfferReply,
+    report_problem,
 )
 from accelsched.scheduler.authority import Authority
-from accelsched.scheduler.eligibility import report_problem
 from accelsched.scheduler.gpu_counts import GpuCounts
 from accelsched.scheduler.grants import Grants
 
@@ -46,6 +46,7 @@ class DeviceReports:
 
     def __init__(
         self,
+        scheduler: Scheduler,
         *,
         grants: Grants,
         counts: GpuCounts,
@@ -53,17 +54,17 @@ class DeviceReports:
         emit: Callable[..., None],
         active: Callable[[], bool],
     ) -> None:
-        self.scheduler: Scheduler | None = None
+        self.scheduler = scheduler
         self._grants = grants
         self._counts = counts
         self._authority = authority
         self._emit = emit
         self._active = active
 
-    def start(self, scheduler: Scheduler) -> None:
+    def start(self) -> None:
         """Serve the handlers. Guards already running report again now that someone
         listens (a guard registered later reports from its own setup)."""
-        self.scheduler = scheduler
+        scheduler = self.scheduler
         internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.install_handler(scheduler, OFFER_HANDLER, self.handle_offer)
         if internals.worker_plugin_registered(scheduler, GUARD_PLUGIN):
@@ -71,19 +72,16 @@ class DeviceReports:
                 internals.spawn(scheduler, self._ask_report, addr)
 
     def stop(self) -> None:
-        assert self.scheduler is not None
         internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
 
     def remove_worker(self, worker: str) -> None:
         """Free the worker's GPUs; workers refused one of them are asked to report again."""
-        assert self.scheduler is not None
         for other in self._grants.remove(worker):
             if other in self.scheduler.workers:
                 internals.spawn(self.scheduler, self._ask_report, other)
 
     async def _ask_report(self, addr: str) -> None:
-        assert self.scheduler is not None
         try:
             await getattr(self.scheduler.rpc(addr), REPORT_HANDLER)()
         except Exception as exc:  # a worker without the GuardPlugin, or gone
@@ -106,7 +104,6 @@ class DeviceReports:
         Grants a subset when another worker owns some. Idempotent: a repeated, unchanged
         report changes nothing and logs nothing.
         """
-        assert self.scheduler is not None
         if not self._active():
             return {"status": "no-plugin"}
         if worker not in self.scheduler.workers:
@@ -160,7 +157,6 @@ class DeviceReports:
     ) -> OfferReply:
         """A guard offers ``count`` of its granted GPUs (fewer while one is withdrawn)."""
         scheduler = self.scheduler
-        assert scheduler is not None
         if not self._active():
             return {"status": "no-plugin", "count": 0}
         if worker not in scheduler.workers:

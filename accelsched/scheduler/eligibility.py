@@ -19,12 +19,11 @@ say) loses it until its devices are granted or offered again, so nothing bounces
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
 from accelsched.policy.leases import devices_needed
-from accelsched.policy.marks import Mark, find_mark, mark_problem
 from accelsched.policy.requirements import (
     DeviceFacts,
     Requirement,
@@ -39,10 +38,13 @@ from accelsched.scheduler.grants import Grants
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-__all__ = ["Eligibility", "facts_of", "memory_capacity", "report_problem"]
+    from accelsched.policy.marks import Mark
+    from accelsched.scheduler.fallback import GpuTask
+
+__all__ = ["Eligibility", "UNPLACED", "facts_of", "memory_capacity"]
 
 #: Task states in which the scheduler has not yet chosen a worker: restrictions count.
-_UNPLACED = frozenset({"released", "waiting", "no-worker", "queued"})
+UNPLACED = frozenset({"released", "waiting", "no-worker", "queued"})
 #: A worker address no worker has: the restriction of a task no worker can serve yet.
 NOWHERE = "accelsched://no-verified-device-meets-the-requirement"
 #: How distributed names the stimulus of a task its worker sent back (``Reschedule``).
@@ -68,23 +70,6 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def report_problem(devices: Any, requested: Any) -> str | None:
-    """Why a guard's device report cannot be granted as it is, or None. Requirements,
-    ``GPU-memory`` and status read these fields as the types :class:`DeviceRecord` says."""
-    if not isinstance(devices, (list, tuple)) or not _whole(requested):
-        return f"devices={devices!r:.80} requested={requested!r:.20}: expected a list and a count"
-    for record in devices:
-        if not isinstance(record, dict):
-            return f"device record {record!r:.80}: expected a mapping"
-        for field, kind in (("index", int), ("uuid", str), ("name", str), ("memory", int)):
-            value = record.get(field)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                return f"device record {field}={value!r:.80}: expected {kind.__name__}"
-        if record["memory"] < 0:
-            return f"device record memory={record['memory']!r}: expected bytes"
-    return None
-
-
 def memory_capacity(records: list[DeviceRecord], count: int) -> int:
     """``GPU-memory`` (MiB) a worker offers: its first ``count`` granted devices'
     capacity (fewer while one is withdrawn: which one the offer does not say)."""
@@ -100,41 +85,24 @@ def holds(need: Requirement, n: int, facts: list[DeviceFacts]) -> bool:
 
 
 class Eligibility:
-    """Tasks with requirements, by requirement; which workers can serve each."""
+    """Restricts GPU tasks with a requirement to the workers that can serve them.
 
-    def __init__(self, grants: Grants, *, emit: Callable[..., None]) -> None:
-        self.scheduler: Scheduler | None = None
+    What it knows of each task is on the task's record (:class:`GpuTask`), which the
+    fallback keeps; here only which requirements were said to be unmet.
+    """
+
+    def __init__(self, scheduler: Scheduler, grants: Grants, *, emit: Callable[..., None]) -> None:
+        self.scheduler = scheduler
         self._grants = grants
         self._emit = emit
-        self._tasks: dict[tuple[str, int], set[Any]] = {}  # (label, devices) -> task keys
-        self.keys: dict[Any, tuple[str, int]] = {}  # task key -> its (label, devices)
-        self._requirements: dict[str, Requirement] = {}  # label -> requirement
-        self._unmet: dict[str, int] = {}  # label -> tasks seen while no device meets it
-        self._own: dict[Any, set[str]] = {}  # task key -> its own workers= restriction
-        self._sent: dict[Any, str] = {}  # task key -> the worker it was last sent to
-
-    def start(self, scheduler: Scheduler) -> None:
-        """Take up the waiting tasks a previous instance restricted (re-registered)."""
-        self.scheduler = scheduler
-        for ts in list(scheduler.tasks.values()):
-            restrictions = ts.resource_restrictions or {}
-            gpu = GPU in restrictions or GPU_MEMORY in restrictions
-            if gpu and ts.state in _UNPLACED and (ts.annotations or {}).get(REQUIREMENT_ANNOTATION):
-                internals.restrict_to_workers(ts, None)  # its own: unknown now
-                self.prepare(ts, None, restrictions.get(GPU, 1), say=False)
+        self._unmet: set[str] = set()  # requirements said unmet, until a device meets them
 
     def prepare(
-        self, ts: Any, mark: Mark | None, count: float, *, say: bool = True, looked: bool = False
+        self, ts: Any, task: GpuTask, mark: Mark | None, count: float, *, say: bool = True
     ) -> str | None:
-        """Restrict a new GPU task by its requirement; a problem to err it with, or None.
-
-        ``mark``: the marked step the task calls, if known (``looked``: None means it
-        calls none; else looked for here: an annotated GPU task may call one too)."""
+        """Restrict a new GPU task by its requirement (its annotated one, and that of the
+        marked step it calls); a problem to err it with, or None."""
         given = (ts.annotations or {}).get(REQUIREMENT_ANNOTATION)
-        if mark is None and not looked:
-            mark = find_mark(internals.task_spec(ts))
-            if mark is not None and (problem := mark_problem(mark)) is not None:
-                return problem
         step = mark.requirement if mark is not None else None
         if given is None and step is None:
             return None
@@ -147,24 +115,20 @@ class Eligibility:
             return None
         if need.memory is not None and count != 1:
             return f"{need.label()}: a task that declares memory takes one device, not {count}"
-        label, n = need.label(), devices_needed(count)
         internals.annotate(ts, REQUIREMENT_ANNOTATION, _normalised(need))
         if need.memory is not None:  # shares a device: memory, not a whole GPU
             restrictions = {k: v for k, v in ts.resource_restrictions.items() if k != GPU}
             restrictions[GPU_MEMORY] = mebibytes(need.memory)
             internals.set_resource_restrictions(ts, restrictions)
             internals.drop_annotated_resource(ts, GPU)
-        self._requirements[label] = need
-        self._tasks.setdefault((label, n), set()).add(ts.key)
-        self.keys[ts.key] = (label, n)
-        if own := internals.restricted_to(ts):
-            self._own[ts.key] = own
-        workers = self.serving(need, n)
-        internals.restrict_to_workers(ts, (workers & own if own else workers) or {NOWHERE})
-        if not workers:
-            first = label not in self._unmet
-            self._unmet[label] = self._unmet.get(label, 0) + 1
-            if first and say:
+        task.need, task.devices = need, devices_needed(count)
+        task.own = internals.restricted_to(ts) or None
+        workers = self.serving(need, task.devices)
+        mine = workers & task.own if task.own else workers
+        internals.restrict_to_workers(ts, mine or {NOWHERE})
+        if not workers and (label := need.label()) not in self._unmet:
+            self._unmet.add(label)
+            if say:
                 self._emit(events.UNMET_REQUIREMENT, None, requirement=label, key=str(ts.key))
         return None
 
@@ -176,64 +140,35 @@ class Eligibility:
             if holds(need, n, [facts_of(r) for r in records])
         }
 
-    def refresh(self, worker: str) -> None:
+    def refresh(self, worker: str, tasks: Mapping[Any, GpuTask]) -> None:
         """``worker``'s devices were granted: every unplaced task it can serve gains it."""
-        scheduler = self.scheduler
-        if scheduler is None:
-            return
-        records = self._grants.granted_devices().get(worker, [])
-        facts = [facts_of(r) for r in records]
-        for (label, n), keys in self._tasks.items():
-            if not holds(self._requirements[label], n, facts):
+        facts = [facts_of(r) for r in self._grants.granted_devices().get(worker, [])]
+        for key, task in tasks.items():
+            if task.need is None or not holds(task.need, task.devices, facts):
                 continue
-            self._unmet.pop(label, None)
-            for key in keys:
-                ts = scheduler.tasks.get(key)
-                own = self._own.get(key)
-                if ts is None or ts.state not in _UNPLACED or (own and worker not in own):
-                    continue
-                current = internals.restricted_to(ts) - {NOWHERE}
-                internals.restrict_to_workers(ts, current | {worker})
+            self._unmet.discard(task.need.label())
+            ts = self.scheduler.tasks.get(key)
+            if ts is None or ts.state not in UNPLACED or (task.own and worker not in task.own):
+                continue
+            current = internals.restricted_to(ts) - {NOWHERE}
+            internals.restrict_to_workers(ts, current | {worker})
 
-    def moved(self, key: Any, start: str, finish: str, stimulus_id: str) -> None:
+    def moved(self, ts: Any, task: GpuTask, start: str, finish: str, stimulus_id: str) -> None:
         """A task with a requirement moved: note where it was sent; one its worker sent
         back (no device there can hold it now) goes elsewhere, or waits."""
-        scheduler = self.scheduler
-        ts = None if scheduler is None else scheduler.tasks.get(key)
-        if scheduler is None or ts is None:
-            return
         if finish == "processing":
-            if (worker := internals.processing_on(ts)) is not None:
-                self._sent[key] = worker
+            task.sent = internals.processing_on(ts) or task.sent
         elif start == "processing" and stimulus_id.startswith(_SENT_BACK):
-            worker = self._sent.pop(key, None)
-            if worker is not None and internals.in_service(scheduler, worker):  # no drain
+            worker, task.sent = task.sent, None
+            if worker is not None and internals.in_service(self.scheduler, worker):  # no drain
                 left = internals.restricted_to(ts) - {worker}
                 internals.restrict_to_workers(ts, left or {NOWHERE})
 
-    def forget(self, key: Any) -> None:
-        """A forgotten task, or one that fell back (its CPU form runs anywhere)."""
-        self._sent.pop(key, None)
-        self._own.pop(key, None)
-        group = self.keys.pop(key, None)
-        if group is None:
-            return
-        keys = self._tasks.get(group, set())
-        keys.discard(key)
-        if not keys:
-            self._tasks.pop(group, None)
-            if not any(label == group[0] for label, _ in self._tasks):
-                self._requirements.pop(group[0], None)
-
-    def fell_back(self, ts: Any) -> None:
+    def fell_back(self, ts: Any, task: GpuTask) -> None:
         """The CPU form runs wherever its own restriction allows, with no device memory."""
-        if ts.key in self.keys:
-            internals.restrict_to_workers(ts, self._own.get(ts.key))
-            self.forget(ts.key)
-
-    def unmet(self) -> dict[str, int]:
-        """Requirements no verified device meets, and how many tasks asked for each."""
-        return dict(self._unmet)
+        if task.need is not None:
+            internals.restrict_to_workers(ts, task.own)
+            task.need = task.own = task.sent = None
 
 
 def _normalised(need: Requirement) -> dict[str, Any]:

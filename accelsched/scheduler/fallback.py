@@ -1,23 +1,38 @@
-"""CPU fallback on the scheduler: carrying out what :mod:`accelsched.policy.timeouts` decides.
+"""GPU tasks on the scheduler: one record each, CPU fallback, and what they wait for.
 
 New GPU tasks are prepared in ``update_graph`` (their restriction made hard, their
-``fallback_timeout`` annotation read). A GPU task with a timeout that becomes unrunnable
-enters :class:`~accelsched.policy.timeouts.Deadlines` with the time it may fall back; a check
-pops only the tasks that are due and asks :func:`accelsched.policy.timeouts.sweep` which fall
-back now. Its ``fall-back`` proposals go to the scheduler's actor
-(:mod:`accelsched.scheduler.scheduler_actor`), which has :meth:`Fallback.fall_back` lift their GPU
-restriction (marking them, so the worker copies their device inputs to the host) and
-send them on. A check costs what is due, not what waits: nothing when no task has a
-timeout, O(k log n) for k due of n waiting. Checks run exactly at the next deadline,
-with a periodic tick as a safety net.
+timeout read: :meth:`FallbackPolicy.timeout <accelsched.policy.timeouts.FallbackPolicy.timeout>`,
+their requirement: :mod:`accelsched.scheduler.eligibility`). Each gets one
+:class:`GpuTask` record, kept in one dict and forgotten in one place (the task is
+forgotten). A GPU task with a timeout that becomes unrunnable enters
+:class:`~accelsched.policy.timeouts.Deadlines` at its
+:func:`~accelsched.policy.timeouts.deadline`; a check pops only the tasks that are due and
+asks :func:`~accelsched.policy.timeouts.sweep` which fall back now. Its proposals (and an
+``err`` for each task with an invalid annotation) go to the scheduler's actor
+(:mod:`accelsched.scheduler.scheduler_actor`), which has :meth:`Fallback.fall_back` lift
+their GPU restriction (marking them, so the worker copies their device inputs to the
+host) and send them on, or :meth:`Fallback.err` err them. A check costs what is due, not
+what waits: nothing when no task has a timeout, O(k log n) for k due of n waiting. Checks
+run exactly at the next deadline (one timer at a time, at most one check queued for a
+deadline already passed), with a periodic tick as a safety net.
+
+Plain distributed leaves a task no worker can take in ``no-worker`` without a word. A
+one-second tick counts the GPU tasks unplaced for
+:data:`~accelsched.policy.waiting.NOTICE_AFTER` by reason
+(:mod:`accelsched.policy.waiting` decides) and says each new reason once
+(``gpu-waiting``); ``accelsched status`` shows the counts.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from time import monotonic, time
 from typing import TYPE_CHECKING, Any
+
+import dask.config
 
 from accelsched import events, internals
 from accelsched.policy.marks import find_mark, mark_problem
@@ -27,12 +42,14 @@ from accelsched.policy.timeouts import (
     Deadlines,
     FallbackPolicy,
     Waiting,
+    deadline,
     invalid_amount,
-    parse_task_timeout,
+    no_workers_conflict,
     satisfiable,
     summarise,
     sweep,
 )
+from accelsched.policy.waiting import NOTICE_AFTER, Notices, reason_for
 from accelsched.protocol import (
     FALLBACK_ANNOTATION,
     GPU,
@@ -41,19 +58,25 @@ from accelsched.protocol import (
     REQUIREMENT_ANNOTATION,
     TIMEOUT_ANNOTATION,
 )
-from accelsched.scheduler.check_timer import CheckTimer, NoWorkersWarning
+from accelsched.scheduler.eligibility import UNPLACED, Eligibility
 
 if TYPE_CHECKING:
     from distributed import Scheduler
 
     from accelsched.policy.proposals import Act
-    from accelsched.scheduler.eligibility import Eligibility
+    from accelsched.policy.requirements import Requirement
+    from accelsched.scheduler.grants import Grants
 
-__all__ = ["Fallback"]
+__all__ = ["Fallback", "GpuTask"]
 
 logger = logging.getLogger(__name__)
 
 _PERIODIC = "accelsched-fallback"
+_WAITING = "accelsched-waiting"
+#: Seconds between looks at what waits: a waiting reason is said within NOTICE_AFTER and this.
+TICK = 1.0
+#: Keys named in a ``gpu-waiting`` event, as examples.
+EXAMPLES = 3
 
 UNSATISFIABLE_TEXT = f"no worker can ever offer more than {MAX_GPUS} GPUs"
 
@@ -61,51 +84,75 @@ UNSATISFIABLE_TEXT = f"no worker can ever offer more than {MAX_GPUS} GPUs"
 FALLBACK_DETAIL = 10
 
 
+@dataclass(slots=True, eq=False)
+class GpuTask:
+    """One GPU task as the scheduler holds it, from ``update_graph`` until forgotten."""
+
+    timeout: float | None  # seconds unplaced before its CPU form runs; None: strict
+    problem: str | None = None  # why it errs at the next check (an invalid annotation)
+    need: Requirement | None = None  # what each of its devices must be (eligibility)
+    devices: int = 1  # how many devices meeting ``need`` it takes
+    own: set[str] | None = None  # its own ``workers=`` restriction
+    sent: str | None = None  # the worker it was last sent to
+    fell_back: bool = False  # its CPU form runs
+    since: float = 0.0  # when it last became unrunnable (monotonic)
+    due: float | None = None  # when a check looks at it; None: none will
+
+
 class Fallback:
-    """Per-task timeouts, the fallback checks and their timers."""
+    """The GPU tasks' records, their fallback checks and timers, and what they wait for."""
 
     def __init__(
         self,
+        scheduler: Scheduler,
         *,
         timeout: float | None,
         interval: float,
+        grants: Grants,
         emit: Callable[..., None],
         active: Callable[[], bool],
         act: Act,
-        eligibility: Eligibility,
     ) -> None:
-        self.scheduler: Scheduler | None = None
-        self.eligibility = eligibility  # tasks with requirements: where they may run
+        self.scheduler = scheduler
+        self.tasks: dict[Any, GpuTask] = {}  # task key -> its record: the only per-task state
         self.policy = FallbackPolicy(timeout)
-        self.interval = interval
-        self.timeouts: dict[Any, float | None] = {}  # key -> annotated timeout
-        self.invalid: dict[Any, str] = {}  # key -> why its annotation is invalid
-        self.fell_back: set[Any] = set()  # keys that fell back for lack of GPUs
-        self.deadlines = Deadlines()  # unrunnable tasks that may fall back, by deadline
-        self._timer = CheckTimer(self.check)
-        self._no_workers = NoWorkersWarning()
+        self.eligibility = Eligibility(scheduler, grants, emit=emit)
+        self.deadlines = Deadlines(self._live)
+        self.notices = Notices()
         self._emit = emit
         self._active = active
         self._act = act
+        self._timer: tuple[float, Any] | None = None  # (deadline, handle)
+        self._no_workers_checked: set[float] | None = set()  # None: warned
         self.checks = 0  # checks completed (ticks and timers): "one ran since then"
-
-    def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self._timer.start(scheduler)
-        internals.start_periodic(scheduler, _PERIODIC, self.check, self.interval)
-        self._no_workers.check(self.policy.default)
-        # tasks already unrunnable when the plugin arrives (registered late, re-registered)
+        internals.start_periodic(scheduler, _PERIODIC, self.check, interval)
+        internals.start_periodic(scheduler, _WAITING, self.tick, TICK)
+        self._warn_no_workers(timeout)
+        # GPU tasks already there (a plugin registered late, or again)
+        for ts in list(scheduler.tasks.values()):
+            restrictions = ts.resource_restrictions or {}
+            if GPU in restrictions or GPU_MEMORY in restrictions:
+                adopted = self.tasks[ts.key] = GpuTask(self.policy.default)
+                if ts.state in UNPLACED and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
+                    internals.restrict_to_workers(ts, None)  # its own: unknown now
+                    count = restrictions.get(GPU, 1)
+                    self.eligibility.prepare(ts, adopted, None, count, say=False)
         for ts, since in list(internals.unrunnable(scheduler).items()):
-            self._enter(ts.key, since)
+            if (task := self.tasks.get(ts.key)) is not None:
+                self._enter(ts, task, since)
         self._schedule()
 
+    def gained(self, worker: str) -> None:
+        """``worker``'s devices were granted: the unplaced tasks it can serve gain it."""
+        self.eligibility.refresh(worker, self.tasks)
+
     def close(self) -> None:
-        if self.scheduler is not None:
-            internals.stop_periodic(self.scheduler, _PERIODIC)
+        internals.stop_periodic(self.scheduler, _PERIODIC)
+        internals.stop_periodic(self.scheduler, _WAITING)
 
     # --- hooks ---------------------------------------------------------------------------
 
-    def prepare(self, scheduler: Scheduler, keys: Any) -> None:
+    def prepare(self, keys: Any) -> None:
         """Prepare new GPU tasks (still ``released``, so editing them is safe).
 
         A task is a GPU task when it is annotated ``resources={"GPU": n}`` or calls a
@@ -113,61 +160,55 @@ class Fallback:
         unsatisfiable resource; it errs at the next check, naming the value.
         """
         for key in keys or ():
+            ts = self.scheduler.tasks.get(key)
+            if ts is None or ts.state != "released":  # a resubmitted task already placed
+                continue
             try:
-                self._prepare_one(scheduler.tasks.get(key))
+                problem = self._prepare(ts)
             except Exception as exc:  # one odd task must not cost its neighbours theirs
                 logger.exception("accelsched: could not prepare task %r", key)
-                ts = scheduler.tasks.get(key)
-                if ts is not None and ts.state == "released":
-                    self._park(ts, f"accelsched could not read its annotations: {exc!r}")
+                problem = f"accelsched could not read its annotations: {exc!r}"
+            if problem is not None:
+                self._park(ts, problem)
 
-    def _prepare_one(self, ts: Any) -> None:
-        if ts is None or ts.state != "released":  # a resubmitted task already placed
-            return
+    def _prepare(self, ts: Any) -> str | None:
+        """Make ``ts`` a GPU task if it is one; why it cannot be placed, or None."""
         # annotated or not, the marked steps it calls give its timeout and requirement
         mark = find_mark(internals.task_spec(ts))
+        annotations = ts.annotations or {}
         if GPU not in (ts.resource_restrictions or {}):
             # no annotation (or fusion / query planning dropped it): a marked step?
             if mark is None:
-                if (given := (ts.annotations or {}).get(REQUIREMENT_ANNOTATION)) is not None:
-                    self._park(ts, f"gpu={given!r:.80} on a task without resources={{'GPU': n}}")
-                return
+                if (given := annotations.get(REQUIREMENT_ANNOTATION)) is not None:
+                    return f"gpu={given!r:.80} on a task without resources={{'GPU': n}}"
+                return None
             internals.set_resource_restrictions(
                 ts, {**(ts.resource_restrictions or {}), GPU: mark.count}
             )
         internals.harden_restrictions(ts)
         amount = ts.resource_restrictions[GPU]
-        problem = (mark_problem(mark) if mark else None) or invalid_amount(amount)
-        if problem is not None:
-            self._park(ts, problem)
-            return
-        annotations = ts.annotations or {}
-        if TIMEOUT_ANNOTATION in annotations:
-            try:
-                timeout = parse_task_timeout(annotations[TIMEOUT_ANNOTATION])
-            except ValueError as exc:
-                self._park(ts, str(exc))
-                return
-            self.timeouts[ts.key] = timeout
-        elif mark is not None and mark.timeout_given:  # the step's own timeout
-            self.timeouts[ts.key] = mark.timeout
-        elif mark is not None and mark.cpu_form is not None and self.policy.default is None:
-            self.timeouts[ts.key] = mark.cpu_form  # a dual step: it has a CPU form
-        problem = self.eligibility.prepare(ts, mark, amount, looked=True)  # its device
-        if problem is not None:
-            self._park(ts, problem)
-            return
-        if not satisfiable(amount) and self.timeout_of(ts.key) is None:
+        if problem := (mark_problem(mark) if mark else None) or invalid_amount(amount):
+            return problem
+        try:
+            if TIMEOUT_ANNOTATION in annotations:
+                timeout = self.policy.timeout(annotations[TIMEOUT_ANNOTATION])
+            else:
+                timeout = self.policy.timeout(mark=mark)
+        except ValueError as exc:
+            return str(exc)
+        task = self.tasks[ts.key] = GpuTask(timeout)
+        if problem := self.eligibility.prepare(ts, task, mark, amount):  # its device
+            return problem
+        if not satisfiable(amount) and timeout is None:
             # strict, and no worker can ever take it: it errs alone, never sent anywhere
-            self._park(ts, f"resources={{'GPU': {amount!r}}}: {UNSATISFIABLE_TEXT}")
-            return
-        if ts.key in self.timeouts:
-            self._no_workers.check(self.timeouts[ts.key])
+            return f"resources={{'GPU': {amount!r}}}: {UNSATISFIABLE_TEXT}"
+        self._warn_no_workers(timeout)
+        return None
 
     def _park(self, ts: Any, problem: str) -> None:
         """An invalid task waits on an unsatisfiable resource and errs alone at the next
         check, naming the value; its neighbours keep their own annotations."""
-        self.invalid[ts.key] = problem
+        self.tasks.setdefault(ts.key, GpuTask(None)).problem = problem
         # only what distributed can compare stays beside the unsatisfiable resource
         kept = {
             name: amount
@@ -176,48 +217,59 @@ class Fallback:
         }
         internals.set_resource_restrictions(ts, {**kept, INVALID_RESOURCE: 1})
 
-    def transition(self, key: Any, start: str, finish: str) -> None:
+    def transition(self, key: Any, start: str, finish: str, stimulus_id: str) -> None:
         """Forget a forgotten task; time a task that becomes unrunnable.
 
         Runs inside the transition loop for every task, so it only does O(1) bookkeeping
         (and O(log n) for a timed task entering ``no-worker``) and schedules a check.
         """
+        task = self.tasks.get(key)
+        if task is None:
+            return  # no GPU task
+        if finish == "forgotten":
+            del self.tasks[key]  # the one place a task is forgotten
+            return
+        ts = self.scheduler.tasks.get(key)
+        if ts is None:
+            return
         if finish == "no-worker":
-            if self.policy.default is None and not self.timeouts and not self.invalid:
-                return  # no task has a timeout: nothing to time
-            self._enter(key, monotonic())
+            self._enter(ts, task, monotonic())
             self._schedule()
         elif start == "no-worker":
-            self.deadlines.discard(key)
-        if finish == "forgotten":
-            self.eligibility.forget(key)
-            self.timeouts.pop(key, None)
-            self.invalid.pop(key, None)
-            self.fell_back.discard(key)
+            task.due = None
+        if task.need is not None:  # a task with a requirement
+            self.eligibility.moved(ts, task, start, finish, stimulus_id)
 
-    def _enter(self, key: Any, since: float) -> None:
-        """``key`` is unrunnable since ``since``: note when it may fall back (or err)."""
-        if key in self.invalid:
-            self.deadlines.add(key, since, since)
-            return
-        timeout = self.timeout_of(key)
-        if timeout is None:
-            return
-        ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
-        at_once = False  # waiting cannot help, or a chain: decided at once
-        if ts is not None:
-            unsatisfiable = not satisfiable((ts.resource_restrictions or {}).get(GPU, 0))
-            chain = bool(timeout and self.fell_back) and any(
-                d.key in self.fell_back for d in ts.dependencies
-            )
-            at_once = unsatisfiable or chain
-        self.deadlines.add(key, since, since if at_once else since + timeout)
+    def _enter(self, ts: Any, task: GpuTask, since: float) -> None:
+        """``ts`` is unrunnable since ``since``: note when a check looks at it."""
+        task.since = since
+        if task.problem is not None:
+            self._due(ts.key, task, since)
+        elif not task.fell_back and (w := self._waiting(ts, task)) is not None:
+            self._due(ts.key, task, deadline(w))
 
-    def timeout_of(self, key: Any) -> float | None:
-        """The task's annotated timeout, else the default (the policy's rule)."""
-        if key in self.timeouts:
-            return self.policy.timeout(self.timeouts[key])
-        return self.policy.timeout()
+    def _waiting(self, ts: Any, task: GpuTask) -> Waiting | None:
+        """``ts`` as :func:`~accelsched.policy.timeouts.sweep` sees it (None: it asks for no
+        GPU, or waits for ever)."""
+        restrictions = ts.resource_restrictions or {}
+        amount = restrictions.get(GPU) or (1 if restrictions.get(GPU_MEMORY) else 0)
+        if not amount or task.timeout is None:
+            return None
+        tasks = self.tasks
+        chain = any(
+            (d := tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
+        )
+        return Waiting(ts.key, task.since, amount, task.timeout, chain)
+
+    def _due(self, key: Hashable, task: GpuTask, at: float | None) -> None:
+        task.due = at
+        if at is not None:
+            self.deadlines.add(key, at)
+
+    def _live(self, key: Hashable, at: float) -> bool:
+        """Whether a deadline entry still counts: its task waits, due then."""
+        task = self.tasks.get(key)
+        return task is not None and task.due == at
 
     # --- the check -----------------------------------------------------------------------
 
@@ -226,50 +278,39 @@ class Fallback:
 
         Pops only the tasks whose deadline passed (:class:`~accelsched.policy.timeouts.Deadlines`).
         """
-        self._timer.checking()
-        scheduler = self.scheduler
-        if scheduler is None or not self._active():
+        if not self._active():
             return  # unregistered or replaced; its timers may still fire
         now = monotonic()
-        due = self.deadlines.pop_due(now)
-        if due:
-            self._decide(scheduler, due, now)
+        if due := self.deadlines.pop_due(now):
+            self._decide(due, now)
         self._schedule()
         self.checks += 1
 
-    def _decide(self, scheduler: Scheduler, due: list[tuple[Any, float]], now: float) -> None:
-        stimulus_id = f"accelsched-fallback-{time()}"
+    def _decide(self, due: list[Hashable], now: float) -> None:
+        """Ask the policy about the due tasks; hand what it answers to the actor."""
+        errs: list[Proposal] = []
         waiting: list[Waiting] = []
-        for key, since in due:
-            ts = scheduler.tasks.get(key)
+        tasks: dict[Any, Any] = self.scheduler.tasks  # keys as the heap carries them
+        for key in due:
+            task = self.tasks[key]
+            task.due = None
+            ts = tasks.get(key)
             if ts is None or ts.state != "no-worker":
                 continue
-            if key in self.invalid:  # kept: a retry errs again
-                internals.fail_task(
-                    scheduler, key, ValueError(f"task {key!r}: {self.invalid[key]}"), stimulus_id
-                )
-                continue
-            restrictions = ts.resource_restrictions or {}
-            amount = restrictions.get(GPU) or (1 if restrictions.get(GPU_MEMORY) else 0)
-            if not amount:
-                continue
-            waiting.append(
-                Waiting(
-                    key,
-                    since,
-                    amount,
-                    self.timeout_of(key),
-                    any(d.key in self.fell_back for d in ts.dependencies),
-                )
-            )
-        proposals, _ = sweep(
-            self.policy, waiting, now=now, largest=internals.largest_gpu_count(scheduler)
-        )
-        fell = {p.subject for p in proposals}
-        for w in waiting:  # due but kept waiting (a chain with GPUs now): its own deadline
-            if w.key not in fell and w.timeout is not None:
-                self.deadlines.add(w.key, w.since, max(now, w.since + w.timeout))
-        self._act(proposals)
+            if task.problem is not None:  # kept: a retry errs again
+                errs.append(Proposal("err", key, task.problem))
+            elif (w := self._waiting(ts, task)) is not None:
+                waiting.append(w)
+        largest = internals.largest_gpu_count(self.scheduler)
+        proposals, later = sweep(self.policy, waiting, now=now, largest=largest)
+        for key, at in later.items():  # due but kept waiting (a chain with GPUs now)
+            self._due(key, self.tasks[key], at)
+        self._act(errs + proposals)
+
+    def err(self, p: Proposal) -> None:
+        """Err the task, naming why it cannot be placed (the actor's ``err``)."""
+        exc = ValueError(f"task {p.subject!r}: {p.reason}")
+        internals.fail_task(self.scheduler, p.subject, exc, f"accelsched-fallback-{time()}")
 
     def fall_back(self, proposals: list[Proposal]) -> None:
         """Run these unrunnable GPU tasks' CPU form now (the actor's ``fall-back``).
@@ -278,26 +319,88 @@ class Fallback:
         are summarised (:func:`~accelsched.policy.timeouts.summarise`) and the tasks are
         sent on together.
         """
-        scheduler = self.scheduler
-        assert scheduler is not None
-        tasks: dict[Any, Any] = scheduler.tasks  # keys as the proposals carry them
+        tasks: dict[Any, Any] = self.scheduler.tasks  # keys as the proposals carry them
         for p in proposals:
             ts = tasks[p.subject]
-            restrictions = dict(ts.resource_restrictions)
-            restrictions.pop(GPU, None)
-            restrictions.pop(GPU_MEMORY, None)
-            internals.set_resource_restrictions(ts, restrictions)
-            self.eligibility.fell_back(ts)
+            task = self.tasks[p.subject]
+            internals.set_resource_restrictions(
+                ts,
+                {k: v for k, v in ts.resource_restrictions.items() if k not in (GPU, GPU_MEMORY)},
+            )
+            self.eligibility.fell_back(ts, task)
             # the worker gets the annotations too: the GPU amount it no longer needs goes,
             # so none can break the message (an int past 2**64 cost every worker its stream)
             internals.drop_annotated_resource(ts, GPU)
             internals.annotate(ts, FALLBACK_ANNOTATION, p.reason)
-            self.fell_back.add(ts.key)
+            task.fell_back = True
         for figures in summarise(proposals, FALLBACK_DETAIL):
             self._emit(events.FALLBACK, None, **figures)
         stimulus_id = f"accelsched-fallback-{time()}"
-        internals.run_now(scheduler, [p.subject for p in proposals], stimulus_id)
+        internals.run_now(self.scheduler, [p.subject for p in proposals], stimulus_id)
+
+    # --- when the next check runs -------------------------------------------------------
 
     def _schedule(self) -> None:
-        """Check at the next deadline (at once when it passed)."""
-        self._timer.at(self.deadlines.next_deadline())
+        """Check at the next deadline (at once when it passed), one timer at a time (the
+        earliest), so a fallback comes close to its timeout, not a tick past it."""
+        at = self.deadlines.next_deadline()
+        if at is None or (self._timer is not None and self._timer[0] <= at):
+            return
+        if self._timer is not None:
+            internals.cancel_call(self.scheduler, self._timer[1])
+
+        def fire() -> None:
+            self._timer = None
+            self.check()
+
+        delay = max(0.0, at - monotonic()) + 0.001
+        self._timer = (at, internals.call_later(self.scheduler, delay, fire))
+
+    def _warn_no_workers(self, timeout: float | None) -> None:
+        """Warn once when distributed's ``no-workers-timeout`` would fail unplaced tasks
+        before they could fall back (a config read per timeout value, not per task)."""
+        checked = self._no_workers_checked
+        if timeout is None or checked is None or timeout in checked:
+            return
+        checked.add(timeout)
+        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
+        if (msg := no_workers_conflict(limit, timeout)) is not None:
+            self._no_workers_checked = None  # said: once is enough
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    # --- what waits ----------------------------------------------------------------------
+
+    def waiting(self) -> dict[str, list[Any]]:
+        """The keys of GPU tasks unplaced long enough to count, by why."""
+        now = monotonic()
+        largest = internals.largest_gpu_count(self.scheduler)
+        out: dict[str, list[Any]] = {}
+        for ts, since in list(internals.unrunnable(self.scheduler).items()):
+            task = self.tasks.get(ts.key)
+            if task is None or task.problem is not None or task.fell_back:
+                continue  # no GPU task (any more); or invalid, erred at the next check
+            if now - since >= NOTICE_AFTER:
+                amount = (ts.resource_restrictions or {}).get(GPU) or 0
+                requirement = REQUIREMENT_ANNOTATION in (ts.annotations or {})
+                out.setdefault(reason_for(amount, largest, requirement), []).append(ts.key)
+        return out
+
+    def waiting_counts(self) -> dict[str, int]:
+        """``accelsched status``'s ``waiting``: how many wait, by reason."""
+        return {reason: len(keys) for reason, keys in sorted(self.waiting().items())}
+
+    def tick(self) -> None:
+        """Say each reason tasks newly wait for, once (a ``gpu-waiting`` event)."""
+        if not self._active():
+            return
+        waiting = self.waiting()
+        for reason in self.notices.update(waiting):
+            keys = waiting[reason]
+            self._emit(
+                events.GPU_WAITING,
+                None,
+                reason=reason,
+                waiting=len(keys),
+                keys=[str(k) for k in keys[:EXAMPLES]],
+            )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from accelsched import internals
 from accelsched.observe import metrics
 from accelsched.protocol import GPU, GPU_MEMORY
-from accelsched.scheduler.eligibility import Eligibility, memory_capacity
+from accelsched.scheduler.eligibility import memory_capacity
 from accelsched.scheduler.grants import Grants
 
 if TYPE_CHECKING:
@@ -30,16 +30,21 @@ class GpuCounts:
     """Sets the GPU count of every worker from its grant; serves the GPU gauge."""
 
     def __init__(
-        self, grants: Grants, *, active: Callable[[], bool], eligibility: Eligibility
+        self,
+        scheduler: Scheduler,
+        grants: Grants,
+        *,
+        active: Callable[[], bool],
+        gained: Callable[[str], None],
     ) -> None:
-        self.scheduler: Scheduler | None = None
+        """Gate ``set_resources``, serve the gauge, strip every worker's declared GPUs.
+
+        ``gained(worker)``: the worker's devices were granted (tasks with requirements
+        it meets gain it)."""
+        self.scheduler = scheduler
         self._grants = grants
         self._active = active
-        self._eligibility = eligibility
-
-    def start(self, scheduler: Scheduler) -> None:
-        """Gate ``set_resources``, serve the gauge, strip every worker's declared GPUs."""
-        self.scheduler = scheduler
+        self._gained = gained
         internals.wrap_set_resources(scheduler, self.set_resources)
         metrics.gpus_from(self._grants.gauge)
         for ws in list(scheduler.workers.values()):
@@ -48,7 +53,6 @@ class GpuCounts:
     def stop(self) -> None:
         """Unregistered: distributed's ``set_resources``, and every worker's GPU count as
         it was declared."""
-        assert self.scheduler is not None
         internals.restore_set_resources(self.scheduler)
         self.close()
         for addr, count in self._grants.take_declarations().items():
@@ -67,7 +71,6 @@ class GpuCounts:
         ``GPU: 0`` entry would make it valid for ``resources={"GPU": 0}`` tasks, which its
         own state machine cannot run).
         """
-        assert self.scheduler is not None
         if GPU not in ws.resources:
             return
         self._grants.declare(ws.address, ws.resources[GPU])
@@ -76,7 +79,6 @@ class GpuCounts:
     def place(self, ws: WorkerState) -> None:
         """Set the worker's GPU count to what its grant places; offer or send back tasks."""
         scheduler = self.scheduler
-        assert scheduler is not None
         if not (after := self._grants.placed(ws.address)) and GPU not in ws.resources:
             return  # never declared, nothing granted: stays out of the GPU resource
         before = ws.resources.get(GPU, 0)
@@ -85,7 +87,7 @@ class GpuCounts:
         records = self._grants.granted_devices().get(ws.address, [])
         internals.set_worker_gpus(scheduler, ws, memory_capacity(records, after), GPU_MEMORY)
         if after > before:  # waiting tasks, and its share of its peers' queues
-            self._eligibility.refresh(ws.address)  # tasks with requirements it meets
+            self._gained(ws.address)  # tasks with requirements it meets
             internals.offer_unrunnable(scheduler, ws)
             internals.take_share(scheduler, ws)
         elif after < before:  # a device withdrawn: what no longer fits goes elsewhere
@@ -94,7 +96,6 @@ class GpuCounts:
     def zero(self, ws: WorkerState) -> None:
         """No GPU task is placed on ``ws`` any more (quarantine); what it was sent already
         is its guard's to send back, as it reaches execution."""
-        assert self.scheduler is not None
         if GPU in ws.resources:
             internals.set_worker_gpus(self.scheduler, ws, 0)
         if GPU_MEMORY in ws.resources:
@@ -110,7 +111,6 @@ class GpuCounts:
         within its grant. Other resources pass through.
         """
         scheduler = self.scheduler
-        assert scheduler is not None
         ws = scheduler.workers.get(worker)
         if ws is None or not self._active():  # unregistered: distributed's own behaviour
             return original(worker=worker, resources=resources)

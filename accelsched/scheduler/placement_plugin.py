@@ -41,14 +41,12 @@ from accelsched.policy.proposals import Proposal
 from accelsched.protocol import EVENT_OP, GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
 from accelsched.scheduler.authority import Authority
 from accelsched.scheduler.device_reports import DeviceReports
-from accelsched.scheduler.eligibility import Eligibility
 from accelsched.scheduler.fallback import Fallback
 from accelsched.scheduler.gpu_counts import GpuCounts
 from accelsched.scheduler.grants import Grants
 from accelsched.scheduler.restarts import Restarts
 from accelsched.scheduler.scheduler_actor import SchedulerActor
 from accelsched.scheduler.snapshot import Observer
-from accelsched.scheduler.unplaced import WaitingTasks
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -69,59 +67,22 @@ class PlacementPlugin(SchedulerPlugin):
 
     name = PLACEMENT_PLUGIN
 
+    scheduler: Scheduler | None = None  # until start
+    observer: Observer | None = None  # until start: events logged before are replayed then
+    authority: Authority
+    grants: Grants
+    fallback: Fallback
+    counts: GpuCounts
+    reports: DeviceReports
+    restarts: Restarts
+    actor: SchedulerActor
+
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(PLACEMENT_OPTIONS, options, type(self).__name__)
-        self._init_parts()
-
-    def _init_parts(self) -> None:
-        o = self.options
-        emit, active = self._emit, self._active
-        self.scheduler: Scheduler | None = None
-        self.authority = Authority(emit=emit)
-        self.grants = Grants(share_gpus=o["share_gpus"])
-        self.eligibility = Eligibility(self.grants, emit=emit)
-        self.counts = GpuCounts(self.grants, active=active, eligibility=self.eligibility)
-        self.reports = DeviceReports(
-            grants=self.grants,
-            counts=self.counts,
-            authority=self.authority,
-            emit=emit,
-            active=active,
-        )
-        self.fallback = Fallback(
-            timeout=o["fallback_timeout"],
-            interval=o["fallback_interval"],
-            emit=emit,
-            active=active,
-            act=self._act,
-            eligibility=self.eligibility,
-        )
-        budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
-        self.restarts = Restarts(
-            budget=budget,
-            authority=self.authority,
-            emit=emit,
-            active=active,
-            act=self._act,
-        )
-        self.actor = SchedulerActor(
-            fallback=self.fallback,
-            restarts=self.restarts,
-            grants=self.grants,
-            counts=self.counts,
-            authority=self.authority,
-            emit=emit,
-        )
-        self.waiting = WaitingTasks(emit=emit, active=active)
-        self.observer = Observer(self.grants, waiting=self.waiting.counts)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Only the options travel to the scheduler; the parts are built there.
+        # Only the options travel to the scheduler; the parts are built there, in start.
         return {"options": self.options}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.options = state["options"]
-        self._init_parts()
 
     def _active(self) -> bool:
         """Whether this instance is the registered one (``unregister_scheduler_plugin``
@@ -142,20 +103,56 @@ class PlacementPlugin(SchedulerPlugin):
         """
         internals.check_scheduler(scheduler)
         self.scheduler = scheduler
-        internals.install_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
+        o, emit, active = self.options, self._emit, self._active
         internals.notify_unregistered(scheduler)
         # the event log is the source of the counts, the metrics and the history: only
         # the scheduler writes accelsched's events (a guard's arrive on its worker's stream)
         internals.reserve_topic(scheduler, events.TOPIC, EVENT_OP, self._worker_event)
-        self.restarts.start(scheduler)
-        self.eligibility.start(scheduler)
-        self.fallback.start(scheduler)
-        self.waiting.start(scheduler)
-        self.authority.start(scheduler)
-        self.actor.start(scheduler)
-        self.counts.start(scheduler)  # every worker's declared GPUs stripped
-        self.reports.start(scheduler)  # then the guards asked to report
-        self.observer.start(scheduler)
+        self.authority = Authority(scheduler, emit=emit)
+        self.authority.start()
+        self.grants = grants = Grants(share_gpus=o["share_gpus"])
+        self.fallback = Fallback(
+            scheduler,
+            timeout=o["fallback_timeout"],
+            interval=o["fallback_interval"],
+            grants=grants,
+            emit=emit,
+            active=active,
+            act=self._act,
+        )
+        # every worker's declared GPUs stripped, then the guards asked to report
+        self.counts = GpuCounts(scheduler, grants, active=active, gained=self.fallback.gained)
+        self.reports = DeviceReports(
+            scheduler,
+            grants=grants,
+            counts=self.counts,
+            authority=self.authority,
+            emit=emit,
+            active=active,
+        )
+        self.reports.start()
+        budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
+        self.restarts = Restarts(
+            scheduler,
+            budget=budget,
+            authority=self.authority,
+            emit=emit,
+            active=active,
+            act=self._act,
+        )
+        internals.install_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
+        self.actor = SchedulerActor(
+            scheduler,
+            fallback=self.fallback,
+            restarts=self.restarts,
+            grants=grants,
+            counts=self.counts,
+            authority=self.authority,
+            emit=emit,
+        )
+        observer = Observer(scheduler, grants, waiting=self.fallback.waiting_counts)
+        observer.start()
+        self.observer = observer
         dashboard_page.install(scheduler)
 
     def unregistered(self) -> None:
@@ -165,10 +162,9 @@ class PlacementPlugin(SchedulerPlugin):
         periodic check stops, and every worker's GPU count is its declaration again.
         """
         scheduler = self.scheduler
-        if scheduler is None:
-            return
+        if scheduler is None or self.observer is None:
+            return  # never started
         self.fallback.close()
-        self.waiting.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
         internals.release_topic(scheduler, events.TOPIC, EVENT_OP)
         self.reports.stop()
@@ -178,8 +174,9 @@ class PlacementPlugin(SchedulerPlugin):
 
     async def close(self) -> None:
         """The scheduler closes: stop the periodic checks and the gauge's reading."""
+        if self.observer is None:
+            return  # never started
         self.fallback.close()
-        self.waiting.close()
         self.observer.stop()
         self.counts.close()
 
@@ -190,7 +187,8 @@ class PlacementPlugin(SchedulerPlugin):
         reaches it on the strength of a declaration.
         """
         self.counts.add_worker(scheduler.workers[worker])
-        self.observer.add_worker(scheduler.workers[worker])
+        if self.observer is not None:
+            self.observer.add_worker(scheduler.workers[worker])
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         """Free the worker's GPUs for the next claimant and forget everything about it."""
@@ -202,13 +200,11 @@ class PlacementPlugin(SchedulerPlugin):
         self, scheduler: Scheduler, *, tasks: list | None = None, **kwargs: Any
     ) -> None:
         """New tasks, still ``released``: make GPU restrictions hard, read timeouts."""
-        self.fallback.prepare(scheduler, tasks)
+        self.fallback.prepare(tasks)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         """Inside the transition loop: only bookkeeping and scheduling a check."""
-        self.fallback.transition(key, start, finish)
-        if key in self.eligibility.keys:  # a task with a requirement
-            self.eligibility.moved(key, start, finish, str(kwargs.get("stimulus_id", "")))
+        self.fallback.transition(key, start, finish, str(kwargs.get("stimulus_id", "")))
 
     def log_event(self, topic: str, msg: Any) -> None:
         """Every event the scheduler logs: feed accelsched's own to the metrics.
@@ -217,7 +213,8 @@ class PlacementPlugin(SchedulerPlugin):
         """
         if topic == events.TOPIC and isinstance(msg, dict):
             metrics.observe(msg)
-            self.observer.observe(msg)
+            if self.observer is not None:
+                self.observer.observe(msg)
 
     def _worker_event(self, worker: Any = "", msg: Any = None, token: Any = None) -> None:
         """A guard's event (``EventMessage``): logged in the name of the worker whose
@@ -237,7 +234,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.actor.act(proposals, keep_devices=keep_devices)
 
     def _emit(self, action: str, worker: str | None = None, **figures: Any) -> None:
-        assert self.scheduler is not None
+        assert self.scheduler is not None  # parts exist only once started
         msg = events.event(action, worker, **figures)
         logger.info("accelsched %s", msg)
         self.scheduler.log_event(events.TOPIC, msg)

@@ -45,6 +45,7 @@ class Restarts:
 
     def __init__(
         self,
+        scheduler: Scheduler,
         *,
         budget: RestartBudget,
         authority: Authority,
@@ -52,16 +53,13 @@ class Restarts:
         active: Callable[[], bool],
         act: Act,
     ) -> None:
-        self.scheduler: Scheduler | None = None
+        self.scheduler = scheduler
         self.budget = budget
         self._authority = authority
         self._retire_lock = asyncio.Lock()  # see internals.replace_worker
         self._emit = emit
         self._active = active
         self._act = act
-
-    def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
 
     async def handle_restart(
         self,
@@ -78,7 +76,6 @@ class Restarts:
         runs in the background; the reply says whether it was accepted.
         """
         scheduler = self.scheduler
-        assert scheduler is not None
         if not self._active():
             return {"status": "no-plugin"}
         ws = scheduler.workers.get(worker)
@@ -111,7 +108,6 @@ class Restarts:
     def begin(self, worker: str, why: str) -> None:
         """Start the admitted restart of ``worker`` in the background (the actor's
         ``restart``); its budget is spent until it ends."""
-        assert self.scheduler is not None
         ws = self.scheduler.workers[worker]  # admitted just now, with no wait since
         assert ws.nanny is not None
         internals.spawn(self.scheduler, self.restart, ws, ws.nanny, why)
@@ -123,7 +119,6 @@ class Restarts:
         the drain are not offered to the worker that leaks, they wait for (or fall back
         from) other GPUs."""
         scheduler = self.scheduler
-        assert scheduler is not None
         start, previous = monotonic(), ws.status
         stimulus_id = f"accelsched-restart-{time()}"
         outcome: dict[str, int] | str | None = None

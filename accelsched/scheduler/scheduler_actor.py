@@ -10,6 +10,8 @@ here, and :class:`SchedulerActor` carries each out:
 fall-back  :meth:`Fallback.fall_back <accelsched.scheduler.fallback.Fallback.fall_back>`:
            the task's GPU restriction lifted, marked, sent on; one ``fallback`` event
            per check (one per task up to a few)
+err        :meth:`Fallback.err <accelsched.scheduler.fallback.Fallback.err>`: the task
+           errs, naming why it can never be placed
 restart    :meth:`Restarts.begin <accelsched.scheduler.restarts.Restarts.begin>`:
            drain, retire, check, restart, in the background
 defer      ``restart-deferred`` (when its reason is news), and quarantine
@@ -52,6 +54,7 @@ class SchedulerActor:
 
     def __init__(
         self,
+        scheduler: Scheduler,
         *,
         fallback: Fallback,
         restarts: Restarts,
@@ -60,7 +63,7 @@ class SchedulerActor:
         authority: Authority,
         emit: Callable[..., None],
     ) -> None:
-        self.scheduler: Scheduler | None = None
+        self.scheduler = scheduler
         self._fallback = fallback
         self._restarts = restarts
         self._grants = grants
@@ -68,9 +71,6 @@ class SchedulerActor:
         self._authority = authority
         self._emit = emit
         self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
-
-    def start(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
 
     def remove_worker(self, worker: str) -> None:
         self.deferred.pop(worker, None)
@@ -82,6 +82,8 @@ class SchedulerActor:
         for p in proposals:
             if p.action == "fall-back":
                 fall_back.append(p)
+            elif p.action == "err":
+                self._fallback.err(p)
             elif p.action == "restart":
                 self._restarts.begin(str(p.subject), p.reason or "leak")
             elif p.action == "defer":
@@ -96,7 +98,7 @@ class SchedulerActor:
 
     def defer(self, worker: str, reason: str, *, quarantine: bool = True) -> None:
         """The restart cannot happen without loss now: say so once, and quarantine."""
-        if self.scheduler is None or worker not in self.scheduler.workers:
+        if worker not in self.scheduler.workers:
             return  # it left meanwhile: nothing to defer
         if self.deferred.get(worker) != reason:
             self.deferred[worker] = reason
@@ -107,7 +109,6 @@ class SchedulerActor:
     def quarantine(self, worker: str, reason: str) -> None:
         """Take ``worker``'s GPUs out of placement, once, and say so (a worker gone, or
         quarantined already: nothing)."""
-        assert self.scheduler is not None
         ws = self.scheduler.workers.get(worker)
         if ws is None or not self._grants.quarantine(worker, reason):
             return

@@ -80,10 +80,12 @@ class Marker(NamedTuple):
 class Observer:
     """Names, event counts, the snapshot and its bounded history."""
 
-    def __init__(self, grants: Grants, waiting: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self, scheduler: Scheduler, grants: Grants, waiting: Callable[[], dict[str, int]]
+    ) -> None:
         self._grants = grants
-        self._waiting = waiting  # GPU tasks unplaced, by reason (scheduler/unplaced.py)
-        self.scheduler: Scheduler | None = None
+        self._waiting = waiting  # GPU tasks unplaced, by reason (scheduler/fallback.py)
+        self.scheduler = scheduler
         self.names: OrderedDict[str, str] = OrderedDict()  # address -> worker name
         self.counts: dict[str, Counter[str]] = {}  # worker name -> counted events
         self.totals: Counter[str] = Counter()
@@ -93,10 +95,10 @@ class Observer:
 
     # --- wiring ------------------------------------------------------------------------
 
-    def start(self, scheduler: Scheduler) -> None:
+    def start(self) -> None:
         """Learn the workers' names, replay the event log, serve the status handler and
         start sampling."""
-        self.scheduler = scheduler
+        scheduler = self.scheduler
         for ws in list(scheduler.workers.values()):
             self.add_worker(ws)
         for stamp, msg in scheduler.get_events(events.TOPIC):
@@ -107,8 +109,6 @@ class Observer:
 
     def stop(self) -> None:
         """Unregistered or closing: no handler, no sampling (the history stays readable)."""
-        if self.scheduler is None:
-            return
         internals.remove_handler(self.scheduler, STATUS_HANDLER, self.handle_status)
         internals.stop_periodic(self.scheduler, _PERIODIC)
 
@@ -121,8 +121,8 @@ class Observer:
     def observe(self, msg: dict[str, Any], stamp: float | None = None) -> None:
         """One accelsched event (from ``log_event``, or replayed with its time)."""
         action = msg.get("action")
-        if self.scheduler is None or action not in events.ACTIONS:
-            return  # before start: the replay of the event log at start counts it
+        if action not in events.ACTIONS:
+            return
         when = stamp if stamp is not None else self._now()
         # any client may log to the topic: only a worker we know has a row to count in
         # (an unknown or unhashable "worker" would grow ``counts`` or raise here)
@@ -159,7 +159,6 @@ class Observer:
         return self.snapshot()
 
     def snapshot(self) -> StatusReply:
-        assert self.scheduler is not None
         workers = [self._worker(ws) for ws in list(self.scheduler.workers.values())]
         workers.sort(key=lambda w: _natural(w["name"]))
         names = dict(self.names)
@@ -224,8 +223,6 @@ class Observer:
 
     def sample(self) -> None:
         """Record every device's leak estimate and threshold now (periodic)."""
-        if self.scheduler is None:
-            return
         now = self._now()
         for w in self.snapshot()["workers"]:
             for d in w["devices"]:

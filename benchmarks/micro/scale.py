@@ -84,9 +84,9 @@ def _burst_check(dask_scheduler: Any = None) -> float:
     now = time.monotonic()
     keys = [ts.key for ts in dask_scheduler.unrunnable]
     for key in keys:
-        fallback.timeouts[key] = 0.0
-        fallback.deadlines.discard(key)
-        fallback.deadlines.add(key, now, now)
+        task = fallback.tasks[key]
+        task.timeout, task.since, task.due = 0.0, now, now
+        fallback.deadlines.add(key, now)
     t0 = time.perf_counter()
     fallback.check()
     return time.perf_counter() - t0

@@ -17,6 +17,7 @@ from accelsched.policy.timeouts import (
     Deadlines,
     FallbackPolicy,
     Waiting,
+    deadline,
     summarise,
     sweep,
 )
@@ -26,37 +27,67 @@ from accelsched.scheduler.scheduler_actor import SchedulerActor
 # --- which tasks fall back now, and when to look again --------------------------------
 
 
+class Due(dict):  # type: ignore[type-arg]
+    """Each waiting task's deadline, as the scheduler's task records hold it."""
+
+    def add(self, d: Deadlines, key: object, at: float) -> None:
+        self[key] = at
+        d.add(key, at)  # type: ignore[arg-type]
+
+    def pop_due(self, d: Deadlines, now: float) -> list[object]:
+        due = d.pop_due(now)
+        for key in due:  # looked at: no longer due (as a check does)
+            del self[key]
+        return due
+
+
+def deadlines() -> tuple[Deadlines, Due]:
+    due = Due()
+    return Deadlines(lambda key, at: due.get(key) == at), due
+
+
 def test_deadlines_pop_only_what_is_due_in_order() -> None:
-    d = Deadlines()
-    d.add("a", since=0.0, deadline=5.0)
-    d.add("b", since=1.0, deadline=2.0)
-    d.add("c", since=2.0, deadline=9.0)
-    assert len(d) == 3 and d.next_deadline() == 2.0
-    assert d.pop_due(1.9) == []
-    assert d.pop_due(5.0) == [("b", 1.0), ("a", 0.0)]
-    assert d.next_deadline() == 9.0 and "c" in d and "a" not in d
+    d, due = deadlines()
+    due.add(d, "a", 5.0)
+    due.add(d, "b", 2.0)
+    due.add(d, "c", 9.0)
+    assert len(due) == 3 and d.next_deadline() == 2.0
+    assert due.pop_due(d, 1.9) == []
+    assert due.pop_due(d, 5.0) == ["b", "a"]
+    assert d.next_deadline() == 9.0 and "c" in due and "a" not in due
 
 
 def test_deadlines_skip_tasks_that_left_and_keep_the_newest_entry() -> None:
-    d = Deadlines()
-    d.add("placed", since=0.0, deadline=1.0)
-    d.discard("placed")  # placed before its deadline
-    d.add("again", since=0.0, deadline=1.0)
-    d.discard("again")
-    d.add("again", since=3.0, deadline=4.0)  # unrunnable again: only this entry counts
+    d, due = deadlines()
+    due.add(d, "placed", 1.0)
+    del due["placed"]  # placed before its deadline
+    due.add(d, "again", 1.0)
+    del due["again"]
+    due.add(d, "again", 4.0)  # unrunnable again: only this entry counts
     assert d.next_deadline() == 4.0
-    assert d.pop_due(10.0) == [("again", 3.0)]
-    assert d.next_deadline() is None and len(d) == 0
+    assert due.pop_due(d, 10.0) == ["again"]
+    assert d.next_deadline() is None and len(due) == 0
 
 
 def test_deadlines_memory_stays_with_what_waits() -> None:
-    d = Deadlines()
+    d, due = deadlines()
     for i in range(10_000):
-        d.add(i, since=0.0, deadline=100.0 + i)
-        d.discard(i)  # placed at once: every entry stale
-    d.add("last", since=0.0, deadline=1.0)
-    assert d.pop_due(1.0) == [("last", 0.0)]
+        due.add(d, i, 100.0 + i)
+        del due[i]  # placed at once: every entry stale
+    due.add(d, "last", 1.0)
+    assert due.pop_due(d, 1.0) == ["last"]
     assert len(d._heap) <= 64  # compacted: stale entries do not pile up
+
+
+def test_one_deadline_rule_for_entering_and_for_a_task_kept_waiting() -> None:
+    assert deadline(Waiting("strict", since=3.0, amount=1, timeout=None)) is None
+    assert deadline(Waiting("t", since=3.0, amount=1, timeout=5.0)) == 8.0
+    # waiting cannot help, or a predecessor fell back: looked at at once ...
+    assert deadline(Waiting("huge", since=3.0, amount=MAX_GPUS + 1, timeout=5.0)) == 3.0
+    chained = Waiting("chained", since=3.0, amount=1, timeout=5.0, predecessor_fell_back=True)
+    assert deadline(chained) == 3.0
+    # ... and once kept waiting (GPUs there now), at its own timeout
+    assert deadline(chained, looked=True) == 8.0
 
 
 def fall_back(key: str, reason: str, waited: float) -> Proposal:
@@ -87,9 +118,9 @@ def test_sweep_falls_back_what_is_due_and_wakes_at_the_next_deadline() -> None:
         Waiting("soon", since=9.0, amount=1, timeout=2.0),  # deadline 11
         Waiting("strict", since=0.0, amount=1, timeout=None),  # never
     ]
-    proposals, wake_at = sweep(policy, waiting, now=10.0, largest=0)
+    proposals, later = sweep(policy, waiting, now=10.0, largest=0)
     assert proposals == [Proposal("fall-back", "due", TIMEOUT, {"waited": 10.0})]
-    assert wake_at == 11.0
+    assert later == {"later": 13.0, "soon": 11.0} and min(later.values()) == 11.0
 
 
 def test_sweep_zero_timeout_and_chains_depend_on_capacity() -> None:
@@ -98,11 +129,11 @@ def test_sweep_zero_timeout_and_chains_depend_on_capacity() -> None:
         Waiting("zero", since=3.0, amount=1, timeout=0.0),
         Waiting("chained", since=3.0, amount=2, timeout=60.0, predecessor_fell_back=True),
     ]
-    proposals, wake_at = sweep(policy, waiting, now=3.0, largest=1)
+    proposals, later = sweep(policy, waiting, now=3.0, largest=1)
     assert proposals == [fall_back("zero", NO_GPU_CAPACITY, 0.0), fall_back("chained", CHAIN, 0.0)]
-    assert wake_at is None
-    proposals, wake_at = sweep(policy, waiting[1:], now=3.0, largest=2)  # a 2-GPU worker
-    assert proposals == [] and wake_at == 63.0
+    assert later == {}
+    proposals, later = sweep(policy, waiting[1:], now=3.0, largest=2)  # a 2-GPU worker
+    assert proposals == [] and later == {"chained": 63.0}
 
 
 def test_sweep_an_amount_no_worker_can_ever_offer_falls_back_at_once() -> None:
@@ -112,14 +143,14 @@ def test_sweep_an_amount_no_worker_can_ever_offer_falls_back_at_once() -> None:
         Waiting("edge", since=3.0, amount=MAX_GPUS, timeout=60.0),
         Waiting("strict", since=3.0, amount=MAX_GPUS + 1, timeout=None),
     ]
-    proposals, wake_at = sweep(policy, waiting, now=3.5, largest=2**70)  # whatever workers say
+    proposals, later = sweep(policy, waiting, now=3.5, largest=2**70)  # whatever workers say
     assert proposals == [fall_back("huge", UNSATISFIABLE, 0.5)]
     assert proposals[0].figures["waited"] == 0.5
-    assert wake_at == 63.0  # "edge" waits its timeout; "strict" errs elsewhere
+    assert later == {"edge": 63.0}  # "edge" waits its timeout; "strict" errs elsewhere
 
 
 def test_sweep_of_nothing_sets_no_timer() -> None:
-    assert sweep(FallbackPolicy(1.0), [], now=0.0, largest=0) == ([], None)
+    assert sweep(FallbackPolicy(1.0), [], now=0.0, largest=0) == ([], {})
 
 
 # --- restart admission ------------------------------------------------------------------
@@ -203,6 +234,9 @@ class Recorder:
     def fall_back(self, proposals: list[Proposal]) -> None:
         self.calls.append(("fall_back", [p.subject for p in proposals]))
 
+    def err(self, p: Proposal) -> None:
+        self.calls.append(("err", p.subject, p.reason))
+
     def begin(self, worker: str, why: str) -> None:
         self.calls.append(("begin", worker, why))
 
@@ -228,6 +262,7 @@ def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
     actor.act(
         [
             fall_back("x", TIMEOUT, 5.0),
+            Proposal("err", "bad", "invalid resources"),
             Proposal("restart", "tcp://a", "leak"),
             fall_back("y", CHAIN, 0.0),
             Proposal("defer", "tcp://b", "no-peer"),
@@ -235,6 +270,7 @@ def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
         ]
     )
     assert parts.calls == [
+        ("err", "bad", "invalid resources"),
         ("begin", "tcp://a", "leak"),
         ("defer", "tcp://b", "no-peer", True),
         ("quarantine", "tcp://c", "restart-budget"),

@@ -11,6 +11,7 @@ import accelsched
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
 from accelsched.devices.visible import parse_visible, resolve_visible
 from accelsched.policy.leases import LeaseTable, NoFreeDevice
+from accelsched.policy.marks import Mark
 from accelsched.policy.ownership import Claim, OwnershipRegistry, decide_claim, owned
 from accelsched.policy.timeouts import (
     CHAIN,
@@ -93,6 +94,15 @@ def test_fallback_policy_numbers() -> None:
     )
     p = FallbackPolicy(5.0)
     assert p.timeout() == 5.0 and p.timeout(None) is None and p.timeout(0.0) == 0.0
+    # a task's own annotation, else its step's, else a dual step's CPU form where the
+    # plugin has no default, else the default
+    step, dual_step = Mark(timeout=2.0, timeout_given=True), Mark(cpu_form=30.0)
+    assert p.timeout(mark=step) == 2.0 and p.timeout(1.0, mark=step) == 1.0
+    assert p.timeout(mark=dual_step) == 5.0 and strict.timeout(mark=dual_step) == 30.0
+    assert strict.timeout(mark=Mark()) is None
+    assert strict.timeout(mark=Mark(timeout_given=True, cpu_form=30.0)) is None  # its own None
+    with pytest.raises(ValueError, match="fallback_timeout"):
+        p.timeout("soon")
     kw = dict(predecessor_fell_back=False, gpu_capacity=False)
     assert p.decide(waited=4.99, timeout=5.0, **kw) is None
     assert p.decide(waited=5.0, timeout=5.0, **kw) == TIMEOUT
