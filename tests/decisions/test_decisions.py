@@ -250,6 +250,7 @@ class Recorder:
 def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
     parts = Recorder()
     actor = SchedulerActor(
+        parts,  # type: ignore[arg-type]
         fallback=parts,  # type: ignore[arg-type]
         restarts=parts,  # type: ignore[arg-type]
         grants=parts,  # type: ignore[arg-type]
