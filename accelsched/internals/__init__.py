@@ -78,7 +78,6 @@ from accelsched.internals.scheduler import (
     wrap_set_resources,
 )
 from accelsched.internals.servers import (
-    UNREACHABLE,
     call_later,
     call_soon,
     cancel_call,
@@ -89,7 +88,6 @@ from accelsched.internals.servers import (
     start_periodic,
     stop_periodic,
 )
-from accelsched.internals.topic import release_topic, reserve_topic
 from accelsched.internals.worker import (
     Bound,
     advertises_gpus,
@@ -97,7 +95,6 @@ from accelsched.internals.worker import (
     keys_in_threads,
     plugin_modules,
     runs_in_thread,
-    send_to_scheduler,
     set_own_gpus,
     stored_value,
     worker_in_service,
@@ -107,7 +104,6 @@ from accelsched.internals.worker import (
 
 __all__ = [
     "TESTED_DISTRIBUTED",
-    "UNREACHABLE",
     "Bound",
     "IncompatibleDistributed",
     "add_dashboard_page",
@@ -141,8 +137,6 @@ __all__ = [
     "notify_unregistered",
     "offer_unrunnable",
     "plugin_modules",
-    "release_topic",
-    "reserve_topic",
     "release_unfit",
     "remove_handler",
     "remove_metric",
@@ -175,7 +169,6 @@ __all__ = [
     "worker_plugin_registered",
     "wrap_execution",
     "wrap_set_resources",
-    "send_to_scheduler",
     "send_queue_away",
     "wrap_task",
 ]
