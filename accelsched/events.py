@@ -75,12 +75,10 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
     (measured as the ledger measures every GPU task): a neighbour sharing the device may
     run out. ``key``, ``device``, ``declared``, ``measured`` (bytes).
 ``request-refused`` (scheduler)
-    A request naming a worker did not come from that worker: the worker, called back at
-    its registered address, did not confirm it (a restart request with an id from a
-    worker the scheduler is replacing, which cannot be reached any more, is refused
-    without it). Nothing changed. ``handler``, ``peer``
-    (the address the request came from), ``repeats`` (refusals of the same kind for the
-    same worker in the minute before, not logged one by one).
+    A request naming a worker was not acted on: it came from a process the scheduler no
+    longer holds at that address (``"stale"``: a late request from a process since
+    replaced), it carried no id (``"no-id"``), or its id was seen before
+    (``"replayed"``). Nothing changed. ``handler``, ``reason``.
 """
 
 from __future__ import annotations

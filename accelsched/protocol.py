@@ -32,26 +32,22 @@ Worker handlers (``await scheduler.rpc(addr).<name>(...)``):
 ``accelsched_report`` (:data:`REPORT_HANDLER`)
     The scheduler asks a guard to report its inventory again (a new PlacementPlugin, or a
     GPU whose owner left); the reply is :class:`ReportReply`.
-``accelsched_confirm`` (:data:`CONFIRM_HANDLER`)
-    Who speaks for a worker: every request above names a worker and carries a one-time
-    ``request`` id. Before acting, the scheduler calls the named worker back at the
-    address it registered under and asks whether the request is its own, sent to that
-    handler with that content (``fingerprint``, :func:`accelsched.policy.requests.fingerprint`;
-    :class:`ConfirmReply`). An id confirms once. A client or another worker naming it is
-    refused, and nothing secret ever leaves the scheduler or the worker. The scheduler
-    serves an ``accelsched_confirm`` of its own for its orders (``accelsched_drain``).
 ``accelsched_drain`` (:data:`DRAIN_HANDLER`)
     The scheduler restarts this worker (``on=True``) or gave the restart up
     (``on=False``): while on, GPU tasks that reach execution go back to the scheduler
     (distributed's ``Reschedule``) instead of running, so the worker's queue is placed
-    elsewhere and the restart waits only for what already runs. The order carries a
-    one-time ``request`` id; the guard asks the scheduler back (the scheduler's own
-    ``accelsched_confirm``) before it obeys, so only the scheduler can drain a worker.
+    elsewhere and the restart waits only for what already runs. The order names the
+    ``process`` it is meant for; another process at that address ignores it.
+
+Every request from a worker names the worker address it speaks for, the ``process`` that
+sent it (``Worker.id``, the scheduler's ``WorkerState.server_id``) and a ``request`` id
+that process never uses twice: a stale request (from a process since replaced) or a
+replayed one is refused (:mod:`accelsched.policy.requests`). Nothing is authenticated:
+anyone connected is trusted, as in distributed (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Final, Literal, TypedDict
 
 __all__ = [
@@ -65,9 +61,7 @@ __all__ = [
     "RESTART_HANDLER",
     "OFFER_HANDLER",
     "REPORT_HANDLER",
-    "CONFIRM_HANDLER",
     "DRAIN_HANDLER",
-    "EVENT_OP",
     "STATUS_HANDLER",
     "GUARD_METRIC",
     "TIMEOUT_ANNOTATION",
@@ -75,6 +69,7 @@ __all__ = [
     "INVALID_RESOURCE",
     "DeviceRecord",
     "report_problem",
+    "Addressed",
     "InventoryRequest",
     "InventoryReply",
     "RestartRequest",
@@ -83,9 +78,6 @@ __all__ = [
     "RestartReply",
     "RestartStatus",
     "ReportReply",
-    "ConfirmReply",
-    "EventMessage",
-    "request_content",
     "DeviceFigures",
     "GuardMetric",
     "DeviceStatus",
@@ -113,12 +105,8 @@ INVENTORY_HANDLER: Final = "accelsched_inventory"
 RESTART_HANDLER: Final = "accelsched_restart"
 OFFER_HANDLER: Final = "accelsched_offer"
 REPORT_HANDLER: Final = "accelsched_report"
-CONFIRM_HANDLER: Final = "accelsched_confirm"
 DRAIN_HANDLER: Final = "accelsched_drain"
 STATUS_HANDLER: Final = "accelsched_status"
-#: A guard's events reach the scheduler on the worker's own stream under this op (never
-#: through ``Worker.log_event``, which task code may call with any topic).
-EVENT_OP: Final = "accelsched-event"
 #: The guard's custom worker metric, sent with every heartbeat (``Worker.metrics``).
 GUARD_METRIC: Final = "accelsched"
 
@@ -167,17 +155,23 @@ def report_problem(devices: Any, requested: Any) -> str | None:
     return None
 
 
-class InventoryRequest(TypedDict):
+class Addressed(TypedDict):
+    """What every request from a worker starts with: the worker address it speaks for,
+    the process that sent it (``Worker.id``) and an id that process uses once."""
+
+    worker: str
+    process: str
+    request: str
+
+
+class InventoryRequest(Addressed):
     """A guard's report: the devices it owns and how many it asks to advertise.
 
     ``declared`` is the worker's own ``GPU`` resource (None when it declared none);
     ``requested`` how many of ``devices`` (in order) it asks for; ``reason`` why that
-    differs from ``declared`` (see :func:`accelsched.policy.ownership.decide_claim`);
-    ``request`` the one-time id the worker confirms when called back.
+    differs from ``declared`` (see :func:`accelsched.policy.ownership.decide_claim`).
     """
 
-    worker: str
-    request: str
     devices: list[DeviceRecord]
     declared: float | None
     requested: int
@@ -189,28 +183,15 @@ class _InventoryReplyBase(TypedDict):
 
 
 class InventoryReply(_InventoryReplyBase, total=False):
-    """``OK`` with the granted ``uuids``; otherwise why not (``refused``: the named worker
-    did not confirm the request). ``token``: the worker's own, for its events
-    (:class:`EventMessage`); only the scheduler and that worker's process know it."""
+    """``OK`` with the granted ``uuids``; otherwise why not (``refused``: stale or
+    replayed, or a device record that is no device)."""
 
     uuids: list[str]
-    token: str
 
 
-class EventMessage(TypedDict):
-    """A guard's event (:data:`EVENT_OP`, on its worker's stream). ``token`` is the one
-    its inventory reply gave it: the event is logged in the name of the worker it belongs
-    to, whatever else the message says (a stream message can name any worker)."""
+class OfferRequest(Addressed):
+    """A guard offers ``count`` of its granted GPUs."""
 
-    msg: dict[str, Any]
-    token: str
-
-
-class OfferRequest(TypedDict):
-    """A guard offers ``count`` of its granted GPUs; the worker confirms ``request``."""
-
-    worker: str
-    request: str
     count: int
 
 
@@ -221,11 +202,9 @@ class OfferReply(TypedDict):
     count: int
 
 
-class RestartRequest(TypedDict):
-    """A guard asks for its worker's lossless restart; the worker confirms ``request``."""
+class RestartRequest(Addressed):
+    """A guard asks for its worker's lossless restart."""
 
-    worker: str
-    request: str
     reason: str
     nbytes: int
 
@@ -239,7 +218,7 @@ class _RestartReplyBase(TypedDict):
 
 class RestartReply(_RestartReplyBase, total=False):
     """``accepted`` (under way), ``in-flight`` (already under way), ``deferred`` (cannot
-    happen without loss now: ``reason``), ``refused`` (not that worker), ``no-plugin``."""
+    happen without loss now: ``reason``), ``refused`` (stale or replayed), ``no-plugin``."""
 
     reason: str
 
@@ -252,21 +231,6 @@ class ReportReply(_ReportReplyBase, total=False):
     """``OK`` with the CUDA indices the worker now advertises; else the scheduler's status."""
 
     devices: list[int]
-
-
-class ConfirmReply(TypedDict):
-    """Whether the named worker has ``request`` outstanding: it asked, nobody else."""
-
-    confirmed: bool
-
-
-#: Fields of a request that identify it, not what it says: left out of its fingerprint.
-_ADDRESSING = ("worker", "request")
-
-
-def request_content(request: Mapping[str, Any]) -> dict[str, Any]:
-    """What a request says (its fingerprint's content): all but whom and which id."""
-    return {k: v for k, v in request.items() if k not in _ADDRESSING}
 
 
 # what the status and the heartbeat metric carry: their own module, re-exported here

@@ -407,31 +407,12 @@ except ValueError as exc:
     assert "fallback_timeout=nan" in str(exc), exc
 
 
-# task code posing as the guard: nothing counted
-def forge():
-    worker = get_worker()
-    for _ in range(5):
-        worker.log_event("accelsched", {"action": "restart", "reason": "leak", "nbytes": 1})
-    worker.log_event(["accelsched", "mine"], {"action": "leak", "nbytes": 10**12})
-    return 1
-
-
-restarts_before = len(accelsched_events("restart"))
-assert client.submit(forge, workers=[address["gpu-1"]], pure=False).result() == 1
-deadline = time.monotonic() + 30
-while not client.get_events("mine"):
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
-assert len(accelsched_events("restart")) == restarts_before
-assert not [e for e in accelsched_events("leak") if e.get("nbytes") == 10**12]
-
-
-# a stranger (this client) orders a worker to drain: refused
+# a drain order meant for another process (one that had this address before): refused
 async def drain():
     async with rpc(address["gpu-1"]) as r:
         return [
-            (await r.accelsched_drain(on=True, request=request))["status"]
-            for request in ("", "guess")
+            (await r.accelsched_drain(on=True, process=process))["status"]
+            for process in ("", "Worker-gone")
         ]
 
 
@@ -448,7 +429,7 @@ print(json.dumps({"ok": True}))
 
 def test_one_task_or_caller_cannot_harm_the_cluster(preloaded: Cluster, tmp_path: Path) -> None:
     """Issue 17's cases on a command-line cluster: an unsatisfiable amount, a bad mark,
-    forged events from task code, a stranger's drain order."""
+    a drain order meant for another process."""
     code = "\n\n".join([first_cell(preloaded, False, 2), SETUP, STEPS, HOSTILE])
     assert run_script(tmp_path, preloaded, code) == {"ok": True}
 

@@ -166,25 +166,24 @@ async def test_restart_budget_stops_a_storm(c, s, a, b):
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=60)
-async def test_only_a_worker_can_ask_for_its_own_restart(c, s, a, b):
+async def test_a_restart_request_naming_another_worker_restarts_nobody(c, s, a, b):
+    """A request naming a's address from b's process (or from a process a never was)
+    is misdirected: refused as not from the process registered there."""
     await accelsched.register(c, **FAST)
     await verified(s, a, b)
-    # b has a request of its own outstanding: naming a, it proves nothing
-    outstanding = await c.run(
-        lambda dask_worker: dask_worker.plugins["accelsched-guard"].inventory.pending.new(
-            "accelsched_restart", {"reason": "leak"}
-        ),
-        workers=[b.worker_address],
-    )
     before = background(s)
     async with rpc(s.address) as r:
-        for request in ("guess", outstanding[b.worker_address]):
-            reply = await r.accelsched_restart(worker=a.worker_address, request=request)
+        for process in ("guess", s.workers[b.worker_address].server_id):
+            reply = await r.accelsched_restart(
+                worker=a.worker_address, process=process, request="1"
+            )
             assert reply["status"] == "refused"
     await settled(s, before)  # a restart the requests started anyway would be over
     assert not events(s, "restart") and len(s.workers) == 2
-    (refused,) = events(s, "request-refused")  # the second within the minute: counted
-    assert refused["worker"] == a.worker_address and refused["handler"] == "accelsched_restart"
+    refused = events(s, "request-refused")
+    assert [(e["worker"], e["handler"], e["reason"]) for e in refused] == [
+        (a.worker_address, "accelsched_restart", "stale")
+    ] * 2
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)

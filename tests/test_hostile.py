@@ -1,8 +1,9 @@
-"""Hostile callers of the observing surfaces: forged heartbeat metrics, forged events,
-bad command lines, peers that are no scheduler.
+"""Hostile input to the observing surfaces: odd heartbeat metrics, odd events, bad
+command lines, peers that are no scheduler.
 
-Any worker sends whatever heartbeat metric it likes; a client may not log to the
-``accelsched`` topic, yet events of any shape can reach it (code run on the scheduler).
+Any worker sends whatever heartbeat metric it likes, and events of any shape can reach
+the ``accelsched`` topic (anyone connected may log there, as in distributed: a client,
+a task, code run on the scheduler).
 None of it may break ``accelsched status``, the events command, the dashboard's history
 or the Prometheus registry for everybody else, nor grow the scheduler's memory. The
 worker here is a real in-process worker whose own metric function is swapped for a
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed import Worker, get_worker
+from distributed import Worker
 from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
@@ -134,57 +135,6 @@ async def test_a_forged_heartbeat_metric_breaks_no_status(c, s, a):
     await heartbeat_until(a, s, lambda metric: metric == as_sent(honest(a)))
     (device,) = (await status(c))["workers"][0]["devices"]
     assert device["leases"] == 0 and device["leak_threshold"] > 0
-
-
-@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
-async def test_no_client_writes_accelsched_events(c, s, a):
-    """The event log is the source of the status counts, the metrics and the dashboard's
-    history: a client cannot add to it, alone or among other topics; other topics work,
-    and unregistering gives distributed's handler back."""
-    await accelsched.register(c)
-    await wait_for(lambda: gpus(s, a.address) == 1)
-    forged = {"action": "restart", "worker": a.address, "reason": "leak"}
-    for topic in ("accelsched", ["mine", "accelsched"], ("accelsched",)):
-        with pytest.raises(PermissionError, match="'accelsched' event topic is written by"):
-            await c.log_event(topic, forged)
-    await c.log_event(["mine", "theirs"], {"fine": 1})
-    await wait_for(lambda: len(s.get_events("theirs")) == 1)
-    assert not [m for _, m in s.get_events("accelsched") if m.get("action") == "restart"]
-    assert (await status(c))["restarts"] == 0
-    await c.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
-    await c.log_event("accelsched", {"note": "no accelsched here any more"})
-    await wait_for(
-        lambda: len(s.get_events("accelsched")) > 0 and "note" in s.get_events("accelsched")[-1][1]
-    )
-
-
-def forge_events() -> int:
-    """Task code posing as the guard: five restarts, a reclaimed leak and a 953674 MiB leak."""
-    worker = get_worker()
-    for _ in range(5):
-        worker.log_event("accelsched", {"action": "restart", "reason": "leak", "nbytes": 1})
-    worker.log_event("accelsched", {"action": "leak-reclaimed", "device": 0, "reclaimed": 1})
-    leak = {"action": "leak", "device": 0, "nbytes": 10**12, "threshold": 1, "prefixes": []}
-    worker.log_event(["accelsched", "mine"], leak)
-    return 1
-
-
-@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
-async def test_task_code_cannot_invent_accelsched_events(c, s, a):
-    """Before: ``get_worker().log_event("accelsched", ...)`` inside a task was credited to
-    that worker, and ``status`` counted restarts and a leak that never happened."""
-    await accelsched.register(c)
-    await wait_for(lambda: gpus(s, a.address) == 1)
-    before = len(s.get_events("accelsched"))
-    with captured_logger("accelsched.internals") as log:
-        assert await c.submit(forge_events) == 1
-        # the worker's stream is ordered: once "mine" is in, every forged event was judged
-        await wait_for(lambda: len(s.get_events("mine")) == 1)
-    assert len(s.get_events("accelsched")) == before
-    reply = await status(c)
-    assert (reply["restarts"], reply["leaks"], reply["reclaims"]) == (0, 0, 0)
-    assert [(w["restarts"], w["leaks"], w["reclaims"]) for w in reply["workers"]] == [(0, 0, 0)]
-    assert f"dropped a 'accelsched' event {a.address} logged itself" in log.getvalue()
 
 
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)

@@ -197,20 +197,21 @@ async def test_re_registering_keeps_requirement_tasks_placeable(c, s, b):
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
 async def test_an_odd_device_report_is_refused_and_harms_nobody(c, s, a, b):
-    """A worker confirms a report of its own with a device whose memory is no number:
+    """A worker sends a report of its own with a device whose memory is no number:
     the report is refused, and placement, status and other workers' tasks go on."""
     from accelsched.observe.status_table import render
 
     await _verified(c, s)
     plugin = s.plugins["accelsched-placement"]
-
-    async def confirmed(*args: Any) -> bool:  # the worker vouches for what it sent
-        return True
-
-    plugin.authority.confirmed = confirmed
     odd = {"index": 0, "uuid": "GPU-odd", "name": "odd", "memory": "lots", "capability": "9"}
-    reply = await plugin.reports.handle_inventory(
-        None, worker=a.worker_address, devices=[odd], request="r", declared=1, requested=1
+    reply = plugin.reports.handle_inventory(
+        None,
+        worker=a.worker_address,
+        devices=[odd],
+        process=s.workers[a.worker_address].server_id,  # from its own process
+        request="r",
+        declared=1,
+        requested=1,
     )
     assert reply["status"] == "refused"
     with dask.annotate(resources={"GPU": 1}, gpu={"model": "*A100*"}):

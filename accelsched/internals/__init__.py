@@ -64,7 +64,6 @@ from accelsched.internals.scheduler import (
     wrap_set_resources,
 )
 from accelsched.internals.servers import (
-    UNREACHABLE,
     call_later,
     call_soon,
     cancel_call,
@@ -75,14 +74,12 @@ from accelsched.internals.servers import (
     start_periodic,
     stop_periodic,
 )
-from accelsched.internals.topic import release_topic, reserve_topic
 from accelsched.internals.worker import (
     Bound,
     advertises_gpus,
     declared_gpus,
     plugin_modules,
     runs_in_thread,
-    send_to_scheduler,
     set_own_gpus,
     stored_value,
     tasks_in_threads,
@@ -93,7 +90,6 @@ from accelsched.internals.worker import (
 
 __all__ = [
     "TESTED_DISTRIBUTED",
-    "UNREACHABLE",
     "Bound",
     "IncompatibleDistributed",
     "add_dashboard_page",
@@ -120,8 +116,6 @@ __all__ = [
     "notify_unregistered",
     "offer_unrunnable",
     "plugin_modules",
-    "release_topic",
-    "reserve_topic",
     "release_unfit",
     "remove_handler",
     "remove_metric",
@@ -153,6 +147,5 @@ __all__ = [
     "worker_plugin_registered",
     "wrap_execution",
     "wrap_set_resources",
-    "send_to_scheduler",
     "wrap_task",
 ]

@@ -60,12 +60,9 @@ def check_scheduler(scheduler: Scheduler) -> None:
 
     problems: list[str] = []
     handlers = getattr(scheduler, "handlers", None)
-    for name in ("set_resources", "unregister_scheduler_plugin", "log_event"):
+    for name in ("set_resources", "unregister_scheduler_plugin"):
         if not isinstance(handlers, dict) or name not in handlers:
             problems.append(f"Scheduler.handlers has no {name!r} handler")
-    streams = getattr(scheduler, "stream_handlers", None)
-    if not isinstance(streams, dict) or "log-event" not in streams:
-        problems.append("Scheduler.stream_handlers has no 'log-event' handler (workers' events)")
     if not isinstance(getattr(scheduler, "unrunnable", None), dict):
         problems.append("Scheduler.unrunnable is not a dict of task -> time it became unrunnable")
     for name in ("resources", "periodic_callbacks", "stream_comms", "worker_plugins", "plugins"):

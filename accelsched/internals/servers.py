@@ -5,12 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from distributed.comm.core import CommClosedError
 from tornado.ioloop import PeriodicCallback
-
-#: What a call to a process that is gone (or going) raises: no connection, or one closed
-#: under the call.
-UNREACHABLE: tuple[type[BaseException], ...] = (OSError, CommClosedError)
 
 
 def serving(server: Any) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -18,16 +17,6 @@ if TYPE_CHECKING:
 
 Runner = Callable[[Any, Any], Any]
 _DECLARED = "_accelsched_declared"
-
-
-def send_to_scheduler(worker: Worker, op: str, **msg: Any) -> None:
-    """Send ``op`` on the worker's own stream to the scheduler, from any thread (as
-    ``Worker.log_event`` does), so it is stamped with this worker's address."""
-    full = {"op": op, **msg}
-    if worker.thread_id == threading.get_ident():
-        worker.batched_send(full)
-    else:
-        worker.loop.add_callback(worker.batched_send, full)
 
 
 def declared_gpus(worker: Worker) -> object:

@@ -1,16 +1,17 @@
 """Who owns which GPU: decisions only, no distributed import.
 
 The worker side decides which of its visible devices it owns and what GPU count to
-advertise; the scheduler side keeps one owner per GPU UUID so two workers never drive the
-same device unless sharing is configured. The plugins feed these classes facts and carry
-out what they return.
+advertise; the scheduler side grants one owner per GPU UUID so two workers never drive
+the same device unless sharing is configured (:func:`grant`; who owns what is the
+scheduler's grants, :class:`accelsched.scheduler.grants.Grants`, kept there alone). The
+plugins feed these functions facts and carry out what they return.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 __all__ = [
@@ -19,7 +20,7 @@ __all__ = [
     "decide_claim",
     "valid_declaration",
     "declared_count",
-    "OwnershipRegistry",
+    "grant",
 ]
 
 T = TypeVar("T")
@@ -39,7 +40,7 @@ def owned(visible: Sequence[T], *, under_dask_cuda: bool) -> list[T]:
 @dataclass(frozen=True)
 class Claim:
     """The GPU count a worker asks the scheduler for, and why it differs from its
-    declaration. (What the scheduler grants may be less: see :class:`OwnershipRegistry`.)"""
+    declaration. (What the scheduler grants may be less: see :func:`grant`.)"""
 
     count: int
     reason: str | None  # None: the declaration was right
@@ -83,45 +84,22 @@ def decide_claim(declared: object, owned_count: int, *, advertise_undeclared: bo
     return Claim(owned_count, None)
 
 
-@dataclass
-class OwnershipRegistry:
-    """One owner per GPU UUID across the cluster (unless ``share``).
+def grant(
+    wanted: Iterable[str], owners: Mapping[str, str], *, share: bool
+) -> tuple[list[str], dict[str, str]]:
+    """The UUIDs of ``wanted`` a worker may drive, given the other workers' (``owners``:
+    UUID -> worker), and the refused ones with their owners: one owner per GPU UUID
+    unless ``share``.
 
     A MIG device is owned by its own ``MIG-`` UUID: two MIG devices of one GPU have two
     owners, and one MIG device named two ways (its UUID, its parent's index) has one.
     """
-
-    share: bool = False
-    owners: dict[str, str] = field(default_factory=dict)  # uuid -> worker address
-    _claims: dict[str, list[str]] = field(default_factory=dict)  # worker -> uuids
-
-    def claim(self, worker: str, uuids: Iterable[str]) -> tuple[list[str], dict[str, str]]:
-        """Give ``worker`` the UUIDs nobody else owns; return (granted, {refused: owner})."""
-        self.release(worker)
-        granted: list[str] = []
-        refused: dict[str, str] = {}
-        for uuid in uuids:
-            owner = self.owners.get(uuid)
-            if owner is not None and owner != worker and not self.share:
-                refused[uuid] = owner
-                continue
-            self.owners.setdefault(uuid, worker)
+    granted: list[str] = []
+    refused: dict[str, str] = {}
+    for uuid in wanted:
+        owner = owners.get(uuid)
+        if owner is not None and not share:
+            refused[uuid] = owner
+        else:
             granted.append(uuid)
-        self._claims[worker] = granted
-        return granted, refused
-
-    def release(self, worker: str) -> list[str]:
-        """Forget ``worker``'s claims (it left); its UUIDs become free to claim."""
-        uuids = self._claims.pop(worker, [])
-        for uuid in uuids:
-            if self.owners.get(uuid) == worker:
-                del self.owners[uuid]
-                # With sharing on, another claimant of the same UUID inherits it.
-                for other, claimed in self._claims.items():
-                    if uuid in claimed:
-                        self.owners[uuid] = other
-                        break
-        return uuids
-
-    def owned_by(self, worker: str) -> list[str]:
-        return list(self._claims.get(worker, []))
+    return granted, refused

@@ -1,58 +1,44 @@
-"""One-time request ids, each bound to its handler and its content: decisions only.
+"""Which requests from workers to act on: decisions only, no distributed import.
 
-Whoever acts on a request first asks the side that supposedly sent it whether it did
-(:mod:`accelsched.scheduler.authority` for requests from workers; a worker's guard for the
-scheduler's orders to it). The answer is yes only for an id that side has outstanding,
-for the same handler and the same content, and only once: a replayed or raced id, or an
-id lifted onto another handler or other figures, is refused.
+Nothing here authenticates anyone: in distributed, anyone connected is trusted (any
+client may run code on the scheduler; TLS keeps strangers out; docs/architecture.md).
+What this guards against are accidents. A request names the worker address it speaks
+for and the process that sent it (distributed's ``Worker.id``, the scheduler's
+``WorkerState.server_id``), and carries an id that process never uses twice:
+
+- a late request from a process that was replaced (a restart's second request, arriving
+  after the new process registered at the same address) must not restart the fresh one;
+- a request handled twice (replayed, retried) is acted on once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import secrets
-from collections.abc import Mapping
-from typing import Any
-
-__all__ = ["Outstanding", "fingerprint"]
+__all__ = ["Requests"]
 
 
-def fingerprint(handler: str, content: Mapping[str, Any]) -> str:
-    """What a request says, in a few bytes both sides compute alike (after msgpack,
-    which turns tuples into lists, as JSON does)."""
-    text = json.dumps([handler, dict(content)], sort_keys=True, separators=(",", ":"), default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-class Outstanding:
-    """The requests this side sent and has not seen confirmed."""
+class Requests:
+    """The request ids seen from each worker address, while its process is registered."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, str] = {}  # id -> fingerprint
+        self._seen: dict[str, set[str]] = {}  # worker -> ids acted on
 
-    def __len__(self) -> int:
-        return len(self._ids)
+    def refusal(
+        self, worker: str, process: object, registered: str | None, request: object
+    ) -> str | None:
+        """Why a request naming ``worker``, sent by ``process``, is not acted on, with
+        ``registered`` the process the scheduler holds at that address (None: no worker
+        there); None: act on it (its id is spent). The reasons: ``"stale"``,
+        ``"no-id"``, ``"replayed"``."""
+        if registered is None or process != registered:
+            return "stale"
+        if not isinstance(request, str) or not request:
+            return "no-id"
+        seen = self._seen.setdefault(worker, set())
+        if request in seen:
+            return "replayed"
+        seen.add(request)
+        return None
 
-    def __contains__(self, request: object) -> bool:
-        return request in self._ids
-
-    def new(self, handler: str, content: Mapping[str, Any]) -> str:
-        """A fresh id for a request to ``handler`` saying ``content``."""
-        request = secrets.token_hex(16)
-        self._ids[request] = fingerprint(handler, content)
-        return request
-
-    def confirm(self, request: Any, print_: Any) -> bool:
-        """Whether ``request`` is ours with this fingerprint; it is spent if so."""
-        if not isinstance(request, str) or not isinstance(print_, str):
-            return False
-        expected = self._ids.get(request)
-        if expected is None or not secrets.compare_digest(expected, print_):
-            return False
-        del self._ids[request]
-        return True
-
-    def forget(self, request: str) -> None:
-        """The request was answered (or failed): its id can never be confirmed now."""
-        self._ids.pop(request, None)
+    def forget(self, worker: str) -> None:
+        """The worker left: a process registering at its address starts afresh."""
+        self._seen.pop(worker, None)

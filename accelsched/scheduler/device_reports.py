@@ -6,8 +6,8 @@ verdict (``gpu-verified``, ``gpu-rejected``, ``gpu-corrected``) and answers with
 granted. Later the guard offers how many of them it can serve now (fewer while one is
 withdrawn), and placement follows (:class:`~accelsched.scheduler.gpu_counts.GpuCounts`).
 
-Only a worker speaks for itself: every report names a worker and carries a one-time id,
-which that worker must confirm (:mod:`accelsched.scheduler.authority`). When a worker
+A report from a process since replaced at that address, or one seen before, is refused
+(:mod:`accelsched.scheduler.authority`). When a worker
 leaves, the workers refused one of its GPUs are asked to report again, so a GPU whose
 owner left does not sit unused.
 """
@@ -89,11 +89,12 @@ class DeviceReports:
 
     # --- the inventory handler -----------------------------------------------------------
 
-    async def handle_inventory(
+    def handle_inventory(
         self,
         comm: Any,
         worker: str,
         devices: list[DeviceRecord],
+        process: str = "",
         request: str = "",
         declared: float | None = None,
         requested: int = 0,
@@ -108,19 +109,22 @@ class DeviceReports:
             return {"status": "no-plugin"}
         if worker not in self.scheduler.workers:
             return {"status": "unknown-worker"}
-        said = dict(devices=devices, declared=declared, requested=requested, reason=reason)
-        if not await self._authority.confirmed(comm, worker, request, INVENTORY_HANDLER, said):
+        if not self._authority.admits(worker, process, request, INVENTORY_HANDLER):
             return {"status": "refused"}
-        if worker not in self.scheduler.workers:  # it left while it was asked
-            return {"status": "unknown-worker"}
         if (problem := report_problem(devices, requested)) is not None:  # nothing granted
             logger.warning("accelsched: refused the GPU report of %s: %s", worker, problem)
             return {"status": "refused"}
         if isinstance(declared, (int, float)):
             self._grants.correct_declaration(worker, declared)
         wanted = devices[:requested]
-        if self._grants.unchanged(worker, wanted):
-            return self._reply(worker)
+        if not self._grants.unchanged(worker, wanted):
+            self._grant(worker, wanted, declared, reason)
+        return {"status": "OK", "uuids": self._grants.uuids(worker)}
+
+    def _grant(
+        self, worker: str, wanted: list[DeviceRecord], declared: float | None, reason: str | None
+    ) -> None:
+        """Grant what nobody else owns, and say so."""
         granted, refused = self._grants.claim(worker, wanted)
         if granted:
             self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
@@ -141,35 +145,23 @@ class DeviceReports:
                 granted=len(granted),
                 reason="owned" if refused else reason,
             )
-        return self._reply(worker)
-
-    def _reply(self, worker: str) -> InventoryReply:
-        return {
-            "status": "OK",
-            "uuids": self._grants.uuids(worker),
-            "token": self._authority.token_for(worker),
-        }
 
     # --- the offer handler -----------------------------------------------------------------
 
-    async def handle_offer(
-        self, comm: Any, worker: str, request: str = "", count: Any = 0
+    def handle_offer(
+        self, comm: Any, worker: str, process: str = "", request: str = "", count: Any = 0
     ) -> OfferReply:
         """A guard offers ``count`` of its granted GPUs (fewer while one is withdrawn)."""
         scheduler = self.scheduler
         if not self._active():
             return {"status": "no-plugin", "count": 0}
-        if worker not in scheduler.workers:
-            return {"status": "unknown-worker", "count": 0}
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            return {"status": "invalid", "count": 0}
-        if not await self._authority.confirmed(
-            comm, worker, request, OFFER_HANDLER, {"count": count}
-        ):
-            return {"status": "refused", "count": 0}
         ws = scheduler.workers.get(worker)
         if ws is None:
             return {"status": "unknown-worker", "count": 0}
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            return {"status": "invalid", "count": 0}
+        if not self._authority.admits(worker, process, request, OFFER_HANDLER):
+            return {"status": "refused", "count": 0}
         self._grants.offer(worker, count)
         self._counts.place(ws)
         return {"status": "OK", "count": self._grants.placed(worker)}

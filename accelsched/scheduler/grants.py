@@ -2,7 +2,8 @@
 
 Workers register before their plugins run, so what a worker declares counts for nothing
 until its guard has verified its devices. Per worker address this keeps the devices
-granted (one owner per GPU UUID, :class:`~accelsched.policy.ownership.OwnershipRegistry`),
+granted (one owner per GPU UUID, :func:`~accelsched.policy.ownership.grant`: the owners
+are these grants, kept nowhere else),
 the UUIDs it was refused, the ``GPU`` count it registered with (put back on unregister),
 the count its guard offers now, and its quarantine. From these follow the counts
 placement may use (:meth:`Grants.allowed`, :meth:`Grants.placed`).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from accelsched.policy.ownership import OwnershipRegistry
+from accelsched.policy.ownership import grant
 from accelsched.protocol import DeviceRecord
 
 __all__ = ["Grants", "WorkerGrant"]
@@ -36,8 +37,7 @@ class Grants:
     """Grants, ownership, declarations, offers and quarantine, per worker address."""
 
     def __init__(self, *, share_gpus: bool) -> None:
-        #: the ownership decisions (one owner per UUID unless shared)
-        self.registry = OwnershipRegistry(share=share_gpus)
+        self.share_gpus = share_gpus  # more than one worker may drive a GPU UUID
         self._granted: dict[str, list[DeviceRecord]] = {}  # worker -> devices granted
         self._refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
         self._declared: dict[str, float] = {}  # worker -> GPU count it registered with
@@ -60,6 +60,14 @@ class Grants:
     def reported(self, worker: str) -> bool:
         """Whether ``worker``'s guard has reported (its grant may be empty)."""
         return worker in self._granted
+
+    def owners(self) -> dict[str, str]:
+        """Who owns each granted GPU UUID (shared: the first worker granted it)."""
+        owners: dict[str, str] = {}
+        for worker, devices in self._granted.items():
+            for d in devices:
+                owners.setdefault(d["uuid"], worker)
+        return owners
 
     def uuids(self, worker: str) -> list[str]:
         """The UUIDs granted to ``worker``, in its guard's order (the inventory reply)."""
@@ -114,8 +122,9 @@ class Grants:
     ) -> tuple[list[DeviceRecord], dict[str, str]]:
         """Grant ``worker`` the devices of ``wanted`` nobody else owns; returns them and
         the refused UUIDs with their owners."""
-        granted_uuids, refused = self.registry.claim(worker, [d["uuid"] for d in wanted])
-        granted = [d for d in wanted if d["uuid"] in granted_uuids]
+        self._granted.pop(worker, None)  # its own earlier grant stands in nobody's way
+        uuids, refused = grant([d["uuid"] for d in wanted], self.owners(), share=self.share_gpus)
+        granted = [d for d in wanted if d["uuid"] in uuids]
         self._granted[worker] = granted
         self._refused[worker] = set(refused)
         return granted, refused
@@ -134,7 +143,7 @@ class Grants:
     def remove(self, worker: str) -> list[str]:
         """Forget ``worker`` (it left) and free its GPUs; returns the other workers that
         were refused one of them, which may claim it now."""
-        freed = set(self.registry.release(worker))
+        freed = set(self.uuids(worker))
         self._refused.pop(worker, None)
         self._granted.pop(worker, None)
         self._declared.pop(worker, None)

@@ -3,8 +3,8 @@
 distributed treats ``resources={"GPU": n}`` as a label a worker declares. This plugin
 makes the label mean something, through its parts (``accelsched/scheduler/``):
 
-- :class:`~accelsched.scheduler.authority.Authority`: only a worker speaks for itself;
-  only the scheduler gives orders.
+- :class:`~accelsched.scheduler.authority.Authority`: a worker's request is acted on
+  once, and only from the process it names; drain orders reach the process meant.
 - :class:`~accelsched.scheduler.grants.Grants`: what each worker was granted (one owner
   per GPU UUID), declared, offers, and whether it is quarantined.
 - :class:`~accelsched.scheduler.gpu_counts.GpuCounts`: the GPU count placement uses,
@@ -38,7 +38,7 @@ from accelsched.config import PLACEMENT_OPTIONS, resolve_options
 from accelsched.observe import dashboard_page, metrics
 from accelsched.policy.budget import RestartBudget
 from accelsched.policy.proposals import Proposal
-from accelsched.protocol import EVENT_OP, GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
+from accelsched.protocol import GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
 from accelsched.scheduler.authority import Authority
 from accelsched.scheduler.device_reports import DeviceReports
 from accelsched.scheduler.fallback import Fallback
@@ -105,11 +105,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         o, emit, active = self.options, self._emit, self._active
         internals.notify_unregistered(scheduler)
-        # the event log is the source of the counts, the metrics and the history: only
-        # the scheduler writes accelsched's events (a guard's arrive on its worker's stream)
-        internals.reserve_topic(scheduler, events.TOPIC, EVENT_OP, self._worker_event)
         self.authority = Authority(scheduler, emit=emit)
-        self.authority.start()
         self.grants = grants = Grants(share_gpus=o["share_gpus"])
         self.fallback = Fallback(
             scheduler,
@@ -158,7 +154,7 @@ class PlacementPlugin(SchedulerPlugin):
     def unregistered(self) -> None:
         """``client.unregister_scheduler_plugin``: leave the scheduler as it was found.
 
-        Handlers (``set_resources`` and ``log_event`` too) go back to distributed's, the
+        Handlers (``set_resources`` too) go back to distributed's, the
         periodic check stops, and every worker's GPU count is its declaration again.
         """
         scheduler = self.scheduler
@@ -166,9 +162,7 @@ class PlacementPlugin(SchedulerPlugin):
             return  # never started
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
-        internals.release_topic(scheduler, events.TOPIC, EVENT_OP)
         self.reports.stop()
-        self.authority.stop()
         self.counts.stop()
         self.observer.stop()
 
@@ -215,17 +209,6 @@ class PlacementPlugin(SchedulerPlugin):
             metrics.observe(msg)
             if self.observer is not None:
                 self.observer.observe(msg)
-
-    def _worker_event(self, worker: Any = "", msg: Any = None, token: Any = None) -> None:
-        """A guard's event (``EventMessage``): logged in the name of the worker whose
-        token it carries. ``worker`` is distributed's stamp, which a message naming
-        another worker overrides; the token is what only that worker's process holds."""
-        owner = self.authority.speaks_for(worker, token)
-        if owner is None or self.scheduler is None:
-            logger.warning("accelsched: dropped an event that %s cannot vouch for", worker)
-            return
-        if isinstance(msg, dict) and msg.get("action") in events.ACTIONS:
-            self.scheduler.log_event(events.TOPIC, {**msg, "worker": owner})
 
     # --- for the parts ------------------------------------------------------------------
 

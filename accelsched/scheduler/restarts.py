@@ -65,31 +65,23 @@ class Restarts:
         self,
         comm: Any,
         worker: str,
+        process: str = "",
         request: str = "",
         reason: str = "leak",
         **figures: Any,
     ) -> RestartReply:
-        """A worker asks to be restarted. Only the worker itself may ask.
+        """A worker asks to be restarted.
 
-        The worker, called back at the address it registered under, must confirm the
-        request (:meth:`~accelsched.scheduler.authority.Authority.confirmed`). The restart
-        runs in the background; the reply says whether it was accepted.
+        Only from the process registered at that address, once per request id
+        (:meth:`~accelsched.scheduler.authority.Authority.admits`): a late request from a
+        process since replaced does not restart the new one. The restart runs in the
+        background; the reply says whether it was accepted.
         """
         scheduler = self.scheduler
         if not self._active():
             return {"status": "no-plugin"}
         ws = scheduler.workers.get(worker)
-        if ws is None or not await self._authority.confirmed(
-            comm,
-            worker,
-            request,
-            RESTART_HANDLER,
-            {"reason": reason, **figures},
-            replacing=(ws.nanny or worker) in self.budget.in_flight,
-        ):
-            return restart_reply(None, authentic=False)
-        ws = scheduler.workers.get(worker)
-        if ws is None:  # it left while it was asked
+        if ws is None or not self._authority.admits(worker, process, request, RESTART_HANDLER):
             return restart_reply(None, authentic=False)
         proposal = admit_restart(
             self.budget,

@@ -36,7 +36,6 @@ from accelsched.config import GUARD_OPTIONS, resolve_options
 from accelsched.policy.health import DeviceHealth
 from accelsched.policy.leak import Attribution, Verdict
 from accelsched.protocol import (
-    CONFIRM_HANDLER,
     DRAIN_HANDLER,
     GUARD_METRIC,
     GUARD_PLUGIN,
@@ -187,13 +186,12 @@ class GuardPlugin(WorkerPlugin):
             for key, gpu in internals.tasks_in_threads(worker).items():
                 running.started(key, gpu=gpu)
         internals.install_handler(worker, REPORT_HANDLER, self.report)
-        internals.install_handler(worker, CONFIRM_HANDLER, inv.confirm)
         internals.install_handler(worker, DRAIN_HANDLER, inv.drain)
         if internals.serving(worker):
             await self.report()
         else:
             # Set up while the worker starts: it answers no RPC (the scheduler's
-            # confirmation call included) until this returns, so report right after.
+            # calls included) until this returns, so report right after.
             internals.spawn(worker, self.report)
         internals.stop_periodic(worker, _PERIODIC)
         if inv.visible or self.rejoin is not None:
@@ -202,7 +200,6 @@ class GuardPlugin(WorkerPlugin):
     async def teardown(self, worker: Worker) -> None:
         """Unregistered: remove the report handler and stop the leak check."""
         internals.remove_handler(worker, REPORT_HANDLER, self.report)
-        internals.remove_handler(worker, CONFIRM_HANDLER, self.inventory.confirm)
         internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
         internals.stop_periodic(worker, _PERIODIC)
         if self.binder is not None:  # what it counted no longer runs under this guard
@@ -286,4 +283,4 @@ class GuardPlugin(WorkerPlugin):
         assert worker is not None
         msg = events.event(action, worker.contact_address, **figures)
         logger.info("accelsched %s", msg)
-        self.inventory.send_event(msg)
+        worker.log_event(events.TOPIC, msg)

@@ -5,33 +5,30 @@ enumerates them: :mod:`accelsched.devices.visible`), decides which this worker o
 (:func:`accelsched.policy.ownership.owned`) and how many it asks for
 (:func:`accelsched.policy.ownership.decide_claim`), reports them (``accelsched_inventory``) and
 advertises only what the scheduler granted. Later it may ask for its own restart
-(``accelsched_restart``). Each request carries a one-time id the scheduler checks by
-calling this worker back (``accelsched_confirm``): only this process can confirm it.
+(``accelsched_restart``). Each request names this process and carries an id it never
+uses again, so the scheduler acts on it once and never on behalf of a process that took
+this address since (:mod:`accelsched.policy.requests`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
-from accelsched.events import TOPIC
 from accelsched.policy.ownership import Claim, decide_claim, declared_count, owned
-from accelsched.policy.requests import Outstanding, fingerprint
 from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.protocol import (
-    CONFIRM_HANDLER,
-    DRAIN_HANDLER,
-    EVENT_OP,
     INVENTORY_HANDLER,
     OFFER_HANDLER,
     RESTART_HANDLER,
-    ConfirmReply,
+    Addressed,
     InventoryReply,
     InventoryRequest,
     OfferRequest,
@@ -39,7 +36,6 @@ from accelsched.protocol import (
     RestartReply,
     RestartRequest,
     RestartStatus,
-    request_content,
 )
 
 if TYPE_CHECKING:
@@ -58,7 +54,7 @@ RESTART_TAKEN_HOLD = 5.0
 
 
 class Inventory:
-    """Devices visible, owned and granted; the requests this worker has outstanding."""
+    """Devices visible, owned and granted; what this worker says to the scheduler."""
 
     def __init__(self, *, advertise_undeclared: bool) -> None:
         self.advertise_undeclared = advertise_undeclared
@@ -71,19 +67,15 @@ class Inventory:
         self.withdrawn: set[int] = set()  # granted, but failing NVML: not offered
         self.claim = Claim(0, None)  # what this worker asks for
         self.declared: object = None  # as the worker was started: maybe no number at all
-        self.pending = Outstanding()  # requests this worker sent, unconfirmed
+        self._ids = itertools.count()  # request ids: this process uses each once
         self.restart_pending = False
         #: Until when (monotonic) not to ask again for the same reason: the scheduler
-        #: took the last request and is replacing this process (asked now, it could not
-        #: answer the call back). Another reason (a GPU failing, asked for once) is sent.
+        #: took the last request and is replacing this process (asking again would only
+        #: be answered "in-flight"). Another reason (a GPU failing, asked for once) is sent.
         self.restart_taken_until = 0.0
         self.restart_taken_for = ""
         self.draining = False  # the scheduler restarts this worker: GPU tasks go back
         self._offering = asyncio.Lock()
-        #: What this worker's events carry (the PlacementPlugin's word for it): None
-        #: until a report was answered, "" where no PlacementPlugin answered.
-        self.token: str | None = None
-        self._early: list[dict[str, Any]] = []  # events from before that answer
 
     def probe(self, worker: Worker) -> None:
         """Read the devices through NVML and decide what to claim (no scheduler yet)."""
@@ -118,27 +110,21 @@ class Inventory:
         worker = self.worker
         assert worker is not None
         request: InventoryRequest = {
-            "worker": str(worker.contact_address),
-            "request": "",
+            **self._addressed(),
             "devices": [d.as_dict() for d in self.owned],
             "declared": declared_count(self.declared),
             "requested": self.claim.count,
             "reason": self.claim.reason,
         }
-        request["request"] = self._new_request(INVENTORY_HANDLER, request)
         reply: InventoryReply | None
         try:
             reply = await getattr(worker.scheduler, INVENTORY_HANDLER)(**request)
         except Exception as exc:
             logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
             reply = None
-        finally:
-            self.pending.forget(request["request"])
         if isinstance(reply, dict) and reply.get("status") == "OK":
             granted = set(reply.get("uuids", ()))
-            self._events_go(str(reply.get("token") or ""))
         elif reply is None:
-            self._events_go("")
             # No PlacementPlugin: nothing enforces placement, but the worker still
             # advertises only what it owns.
             logger.warning(
@@ -153,30 +139,6 @@ class Inventory:
             return {"status": str(reply.get("status") if isinstance(reply, dict) else reply)}
         self.granted = [d for d in self.owned if d.uuid in granted]
         return {"status": "OK", "devices": await self.offer(on_granted)}
-
-    def send_event(self, msg: dict[str, Any]) -> None:
-        """Send one event to the scheduler's log (from any thread).
-
-        With a PlacementPlugin: on this worker's own stream, with the token it gave this
-        worker, so task code cannot log accelsched events in any worker's name (the
-        scheduler drops the topic from ``Worker.log_event``). Without one (an older
-        scheduler, or none registered): through ``Worker.log_event``, as any event.
-        Events from before the first answer wait for it (a few at most).
-        """
-        worker = self.worker
-        assert worker is not None
-        if self.token:
-            internals.send_to_scheduler(worker, EVENT_OP, msg=msg, token=self.token)
-        elif self.token == "":
-            worker.log_event(TOPIC, msg)
-        elif len(self._early) < 64:
-            self._early.append(msg)
-
-    def _events_go(self, token: str) -> None:
-        self.token = token
-        early, self._early = self._early, []
-        for msg in early:
-            self.send_event(msg)
 
     def withdraw(self, device: int, out: bool = True) -> list[int]:
         """Stop (``out``) or resume offering ``device``: returns the devices usable now."""
@@ -201,18 +163,11 @@ class Inventory:
         assert worker is not None
         usable = self.usable
         on_usable(usable)
-        request: OfferRequest = {
-            "worker": str(worker.contact_address),
-            "request": "",
-            "count": len(usable),
-        }
-        request["request"] = self._new_request(OFFER_HANDLER, request)
+        request: OfferRequest = {**self._addressed(), "count": len(usable)}
         try:
             await getattr(worker.scheduler, OFFER_HANDLER)(**request)
         except Exception as exc:  # no PlacementPlugin: the worker's own count only
             logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
-        finally:
-            self.pending.forget(request["request"])
         if usable or self.granted or internals.advertises_gpus(worker):
             memory = sum(mebibytes(capacity(d.memory)) for d in self.granted if d.index in usable)
             await internals.set_own_gpus(worker, len(usable), memory)
@@ -235,13 +190,7 @@ class Inventory:
     async def _request_restart(self, reason: str, nbytes: int) -> None:
         worker = self.worker
         assert worker is not None
-        request: RestartRequest = {
-            "worker": str(worker.contact_address),
-            "request": "",
-            "reason": reason,
-            "nbytes": nbytes,
-        }
-        request["request"] = self._new_request(RESTART_HANDLER, request)
+        request: RestartRequest = {**self._addressed(), "reason": reason, "nbytes": nbytes}
         try:
             reply: RestartReply = await getattr(worker.scheduler, RESTART_HANDLER)(**request)
             logger.info("accelsched: restart request answered %r", reply)
@@ -255,48 +204,31 @@ class Inventory:
             log = logger.warning if internals.worker_in_service(worker) else logger.debug
             log("accelsched: restart request (%s) failed: %r", RESTART_HANDLER, exc)
         finally:
-            self.pending.forget(request["request"])
             self.restart_pending = False
 
-    def _new_request(self, handler: str, request: Mapping[str, Any]) -> str:
-        return self.pending.new(handler, request_content(request))
+    def _addressed(self) -> Addressed:
+        """Whom a request speaks for: this worker's address, this process, a new id."""
+        assert self.worker is not None
+        return {
+            "worker": str(self.worker.contact_address),
+            "process": str(self.worker.id),
+            "request": str(next(self._ids)),
+        }
 
-    async def drain(self, on: Any = True, request: str = "") -> dict[str, str]:
+    def drain(self, on: Any = True, process: Any = "") -> dict[str, str]:
         """``accelsched_drain``: while this worker restarts, send GPU tasks back as they
         reach execution (its queue is placed elsewhere; only what runs is waited for).
 
-        Only the scheduler may order it: the order is confirmed with the scheduler first
-        (before, anyone could make a worker bounce every GPU task back, forever)."""
+        An order meant for another process (one this address had before) is refused:
+        a fresh worker must not bounce its GPU tasks for its predecessor's restart."""
+        assert self.worker is not None
         if not isinstance(on, bool):
             return {"status": "invalid"}
-        if not await self.ordered(DRAIN_HANDLER, request, {"on": on}):
-            logger.warning("accelsched: refused a drain order the scheduler did not send")
+        if process != self.worker.id:
+            logger.warning("accelsched: refused a drain order meant for process %r", process)
             return {"status": "refused"}
         self.draining = on
         return {"status": "OK"}
-
-    async def ordered(self, handler: str, request: Any, content: Mapping[str, Any]) -> bool:
-        """Whether the scheduler itself sent this order: asked back, as it asks us."""
-        worker = self.worker
-        assert worker is not None
-        if not isinstance(request, str) or not request:
-            return False
-        try:
-            reply = await getattr(worker.scheduler, CONFIRM_HANDLER)(
-                request=request,
-                fingerprint=fingerprint(handler, content),
-                worker=str(worker.contact_address),
-                handler=handler,
-            )
-        except Exception as exc:  # no PlacementPlugin, or the scheduler is gone
-            logger.debug("accelsched: could not confirm a %s order: %r", handler, exc)
-            return False
-        return isinstance(reply, dict) and reply.get("confirmed") is True
-
-    def confirm(self, request: str = "", fingerprint: str = "") -> ConfirmReply:
-        """``accelsched_confirm``: whether this worker sent ``request``, saying what
-        ``fingerprint`` stands for, and awaits it; confirmed once."""
-        return {"confirmed": self.pending.confirm(request, fingerprint)}
 
 
 def under_dask_cuda(worker: Any) -> bool:

@@ -12,7 +12,8 @@ from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resol
 from accelsched.devices.visible import parse_visible, resolve_visible
 from accelsched.policy.leases import LeaseTable, NoFreeDevice
 from accelsched.policy.marks import Mark
-from accelsched.policy.ownership import Claim, OwnershipRegistry, decide_claim, owned
+from accelsched.policy.ownership import Claim, decide_claim, grant, owned
+from accelsched.policy.requests import Requests
 from accelsched.policy.timeouts import (
     CHAIN,
     NO_GPU_CAPACITY,
@@ -20,6 +21,7 @@ from accelsched.policy.timeouts import (
     FallbackPolicy,
     parse_task_timeout,
 )
+from accelsched.scheduler.grants import Grants
 
 UUIDS = [
     "GPU-aaaaaaaa-0000-0000-0000-000000000000",
@@ -69,21 +71,51 @@ def test_decide_claim(declared, has, advertise, expected) -> None:  # type: igno
     assert decide_claim(declared, has, advertise_undeclared=advertise) == expected
 
 
+def _claim(grants: Grants, worker: str, uuids: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Claim devices by UUID; the UUIDs granted and the refused ones with their owners."""
+    wanted = [{"index": i, "uuid": u, "name": "x", "memory": 1} for i, u in enumerate(uuids)]
+    granted, refused = grants.claim(worker, wanted)  # type: ignore[arg-type]
+    return [d["uuid"] for d in granted], refused
+
+
 def test_registry_exclusive_then_released() -> None:
-    reg = OwnershipRegistry()
-    assert reg.claim("a", UUIDS[:2]) == (UUIDS[:2], {})
-    assert reg.claim("b", UUIDS[1:]) == ([UUIDS[2]], {UUIDS[1]: "a"})
-    reg.release("a")
-    assert reg.claim("b", UUIDS[1:]) == (UUIDS[1:], {})
-    assert reg.owners == {UUIDS[1]: "b", UUIDS[2]: "b"}
+    reg = Grants(share_gpus=False)
+    assert _claim(reg, "a", UUIDS[:2]) == (UUIDS[:2], {})
+    assert _claim(reg, "b", UUIDS[1:]) == ([UUIDS[2]], {UUIDS[1]: "a"})
+    assert reg.remove("a") == ["b"]  # refused one of a's: may claim it now
+    assert _claim(reg, "b", UUIDS[1:]) == (UUIDS[1:], {})
+    assert reg.owners() == {UUIDS[1]: "b", UUIDS[2]: "b"}
 
 
 def test_registry_shared() -> None:
-    reg = OwnershipRegistry(share=True)
-    reg.claim("a", UUIDS[:1])
-    assert reg.claim("b", UUIDS[:1]) == (UUIDS[:1], {})
-    reg.release("a")
-    assert reg.owners[UUIDS[0]] == "b"
+    reg = Grants(share_gpus=True)
+    _claim(reg, "a", UUIDS[:1])
+    assert _claim(reg, "b", UUIDS[:1]) == (UUIDS[:1], {})
+    reg.remove("a")
+    assert reg.owners()[UUIDS[0]] == "b"
+
+
+def test_grant_numbers() -> None:
+    owners = {UUIDS[0]: "a"}
+    assert grant(UUIDS[:2], owners, share=False) == ([UUIDS[1]], {UUIDS[0]: "a"})
+    assert grant(UUIDS[:2], owners, share=True) == (UUIDS[:2], {})
+    assert grant([], owners, share=False) == ([], {})
+
+
+def test_a_request_is_acted_on_once_and_only_from_its_process() -> None:
+    """Stale (another process at that address now, or none), no id, replayed: refused."""
+    requests = Requests()
+    assert requests.refusal("w", "Worker-old", "Worker-new", "1") == "stale"
+    assert requests.refusal("w", "Worker-old", None, "1") == "stale"
+    assert requests.refusal("w", None, "Worker-new", "1") == "stale"
+    assert requests.refusal("w", "Worker-new", "Worker-new", "") == "no-id"
+    assert requests.refusal("w", "Worker-new", "Worker-new", ["1"]) == "no-id"
+    assert requests.refusal("w", "Worker-new", "Worker-new", "1") is None
+    assert requests.refusal("w", "Worker-new", "Worker-new", "1") == "replayed"
+    assert requests.refusal("w", "Worker-new", "Worker-new", "2") is None
+    assert requests.refusal("v", "Worker-v", "Worker-v", "1") is None  # per worker
+    requests.forget("w")  # it left: the next process at its address starts afresh
+    assert requests.refusal("w", "Worker-next", "Worker-next", "1") is None
 
 
 def test_fallback_policy_numbers() -> None:
