@@ -38,7 +38,6 @@ from accelsched.internals.observing import (
     remove_metric,
     worker_metric,
 )
-from accelsched.internals.reclaiming import gpu_tasks_in_threads
 from accelsched.internals.restarting import (
     restart,
     retire,
@@ -94,6 +93,7 @@ from accelsched.internals.worker import (
     Bound,
     advertises_gpus,
     declared_gpus,
+    gpu_tasks_in_threads,
     keys_in_threads,
     plugin_modules,
     runs_in_thread,

@@ -209,3 +209,20 @@ def wrap_task(spec: Any, runner: Runner) -> Any:
     if isinstance(spec, Bound):
         return spec
     return Bound(spec, runner)
+
+
+def gpu_tasks_in_threads(worker: Worker) -> set[Any]:
+    """The keys of tasks restricted to GPUs executing in ``worker``'s threads (its state
+    machine's ``executing`` and ``long_running`` sets, cancelled ones included).
+
+    A failed task's thread holds its exception (and the traceback, and the frames'
+    device arrays) until the worker has handled the failure, which can come well after
+    the task released its device: memory measured then looks held even to
+    ``gc.collect()``, so the guard's reclaim waits for these.
+    """
+    state = worker.state
+    return {
+        ts.key
+        for ts in (*state.executing, *state.long_running)
+        if (ts.resource_restrictions or {}).get(GPU, 0) > 0
+    }

@@ -49,6 +49,12 @@ def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
     return process - baseline - live - retained
 
 
+def _grown(since: int | None, estimate: int, threshold: int) -> bool:
+    """A leak at ``estimate`` is new since one at ``since``: none then, or it grew by
+    another threshold's worth."""
+    return since is None or estimate - since >= threshold
+
+
 @dataclass
 class DeviceLeak:
     """Everything the leak decisions remember about one device between checks.
@@ -93,13 +99,13 @@ class DeviceLeak:
 
     def is_news(self, estimate: int, threshold: int) -> bool:
         """Whether a confirmed leak at ``estimate`` is to be reported; remembers it so."""
-        if self.reported is not None and estimate - self.reported < threshold:
+        if not _grown(self.reported, estimate, threshold):
             return False
         self.reported = estimate
         return True
 
     def worth_trying(self, estimate: int, threshold: int) -> bool:
-        return self.kept is None or estimate - self.kept >= threshold
+        return _grown(self.kept, estimate, threshold)
 
     def settled(self, executing: Collection[Hashable], max_wait: int) -> bool:
         """Whether to try a reclaim now, given the GPU tasks ``executing`` in threads
@@ -168,14 +174,14 @@ class Attribution:
 
     A run seen to leave nothing at all on its devices (measured with no growth, or with
     no CUDA context before or after it) is counted too: a prefix all of whose runs since
-    the last clean check left nothing is no suspect (:meth:`innocent`), even when no
+    the last clean check left nothing is no suspect (:meth:`suspects`), even when no
     measured run explains a leak (the leaking task made the device's first context, so
     nothing could measure it).
     """
 
     _bytes: dict[int, dict[str, int]] = field(default_factory=dict)  # device -> prefix -> n
     _nothing: dict[str, int] = field(default_factory=dict)  # prefix -> runs that left nothing
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, prefix: str, residues: dict[int, int]) -> None:
         """What a run of ``prefix`` left behind, per device."""
@@ -190,34 +196,25 @@ class Attribution:
         with self._lock:
             self._nothing[prefix] = self._nothing.get(prefix, 0) + 1
 
-    def innocent(self, runs: Mapping[str, int]) -> set[str]:
-        """The prefixes of ``runs`` (prefix -> runs started) every run of which was seen
-        to leave nothing."""
-        with self._lock:
-            return {p for p, n in runs.items() if self._nothing.get(p, 0) >= n}
-
-    def ranked(self, device: int) -> list[tuple[str, int]]:
-        """Prefixes with what they left on ``device``, most first (ties by name)."""
-        with self._lock:
-            return sorted(self._bytes.get(device, {}).items(), key=lambda kv: (-kv[1], kv[0]))
-
     def suspects(
         self, devices: Iterable[int], runs: Mapping[str, int], *, clear: bool
     ) -> dict[int, Suspects]:
-        """Whom a leak on each of ``devices`` would blame, ``runs`` being the prefixes
-        started since the last clean check; then forgotten, when ``clear``, at once."""
-        with self._lock:  # reentrant: one lock over the whole answer
-            innocent = self.innocent(runs)
-            blamed = tuple(sorted(p for p in runs if p not in innocent))
-            out = {d: Suspects(tuple(self.ranked(d)), blamed) for d in devices}
-            if clear:
-                self.clear()
-            return out
-
-    def clear(self) -> None:
+        """Whom a leak on each of ``devices`` would blame, ``runs`` (prefix -> runs
+        started) being the prefixes that ran since the last clean check: those with a
+        residue there, most bytes first (ties by name), else every prefix of ``runs``
+        less those every run of which was seen to leave nothing. Then forgotten, when
+        ``clear``, at once."""
         with self._lock:
-            self._bytes.clear()
-            self._nothing.clear()
+            blamed = tuple(sorted(p for p, n in runs.items() if self._nothing.get(p, 0) < n))
+            out = {
+                d: Suspects(tuple(sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))), blamed)
+                for d in devices
+                for per in [self._bytes.get(d, {})]
+            }
+            if clear:
+                self._bytes.clear()
+                self._nothing.clear()
+            return out
 
 
 @dataclass(frozen=True)
@@ -360,8 +357,12 @@ class LeakDecisions:
                 "threshold": v.threshold,
                 "seconds": round(again.seconds, 4),
             }
-            detail = {"prefixes": pending.suspects[v.device].prefixes}
-            out.append(Proposal("report-reclaimed", v.device, figures=figures, detail=detail))
+            prefixes = pending.suspects[v.device].prefixes
+            out.append(
+                Proposal(
+                    "report-reclaimed", v.device, figures=figures, detail={"prefixes": prefixes}
+                )
+            )
         return out + self._conclude(held, came_back, pending.suspects)
 
     def _conclude(
@@ -389,7 +390,8 @@ class LeakDecisions:
         for record in self._devices.values():
             record.above = 0
         if self.restart_on_leak:
-            nbytes = sum(v.estimate for v in held)
             devices = tuple(v.device for v in held)
-            out.append(Proposal("ask-restart", devices, "leak", {"nbytes": nbytes}))
+            out.append(
+                Proposal("ask-restart", devices, "leak", {"nbytes": sum(v.estimate for v in held)})
+            )
         return out

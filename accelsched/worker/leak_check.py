@@ -71,17 +71,16 @@ class LiveResults:
         else known by type), or data from elsewhere (a peer's transfer, a replica, a
         scatter: known by type, else measured on its idle devices)."""
         ledger = self._ledger
-        if not computed:
-            idle = {d.index for d in self._owned} - self._leases.busy()
-            self._hold(key, ledger.arrived(internals.stored_value(worker, key), idle))
-        elif ledger.measured(key):  # what it holds is known without its value
-            self._hold(key, ledger.held(key, None))
+        if computed and ledger.measured(key):  # what it holds is known without its value
+            held = ledger.held(key, None)
         else:
             value = internals.stored_value(worker, key)
-            if not ledger.holds_nothing(value):
-                self._hold(key, ledger.held(key, value))
-
-    def _hold(self, key: Any, held: dict[int, int]) -> None:
+            if computed and ledger.holds_nothing(value):
+                return
+            if computed:
+                held = ledger.held(key, value)
+            else:  # measured on the devices no task holds
+                held = ledger.arrived(value, {d.index for d in self._owned} - self._leases.busy())
         if held:
             self._held[key] = held
             for d, n in held.items():
@@ -161,11 +160,11 @@ class LeakCheck:
         pools = active_pools()
         readings = self._read(busy)
         busy |= self._leases.busy()
-        owned, used = self._owned, self._used
+        used = self._used
         # a device skipped while busy is judged as soon as a task ends (the guard calls
         # check again then): a queue of back-to-back GPU tasks holds it nearly always
-        self.owed = any(dev.index in busy and dev.index in used for dev in owned)
-        limits = {dev.index: self._threshold.resolve(dev.memory) for dev in owned}
+        self.owed = any(dev.index in busy and dev.index in used for dev in self._owned)
+        limits = {dev.index: self._threshold.resolve(dev.memory) for dev in self._owned}
         estimates: dict[int, tuple[int, int]] = {}
         for device, reading in readings.items():
             if device in busy or device not in used:

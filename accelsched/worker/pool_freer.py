@@ -81,19 +81,16 @@ class PoolFreer:
 
     def _caches_enough(self, pools: list, devices: tuple[int, ...]) -> bool:
         """Whether the pools cache at least ``minimum`` bytes on one of ``devices``."""
-        for device in devices:
-            cached = 0
-            for pool in pools:
-                try:
-                    stats = pool.stats(device)
-                except Exception:  # a pool that cannot say: free, as before
-                    return True
-                if stats.fixed:  # RMM owns the device pool (never shrinks): what can be
-                    return True  # freed (CuPy's pinned host pool) has no figure to wait for
-                cached += stats.cached
-            if cached >= self.minimum:
-                return True
-        return False
+        try:
+            per_device = [[pool.stats(device) for pool in pools] for device in devices]
+        except Exception:  # a pool that cannot say: free, as before
+            return True
+        # RMM owning the device pool (a fixed reserve that never shrinks): what can be freed
+        # (CuPy's pinned host pool) has no figure to wait for
+        return any(
+            any(s.fixed for s in stats) or sum(s.cached for s in stats) >= self.minimum
+            for stats in per_device
+        )
 
 
 def freeze_startup_objects() -> None:

@@ -112,9 +112,10 @@ def test_innocent_prefixes_are_those_every_run_of_which_left_nothing() -> None:
     a.left_nothing("keep")
     a.left_nothing("keep")
     a.left_nothing("half")
-    assert a.innocent({"keep": 2, "half": 2, "leaky": 1}) == {"keep"}
-    a.clear()
-    assert a.innocent({"keep": 2}) == set()
+    (suspects,) = a.suspects([0], {"keep": 2, "half": 2, "leaky": 1}, clear=True).values()
+    assert suspects.blamed == ("half", "leaky")  # "keep" alone innocent
+    (suspects,) = a.suspects([0], {"keep": 2}, clear=False).values()
+    assert suspects.blamed == ("keep",)  # forgotten
 
 
 def test_decisions_reject_zero_confirmations() -> None:
