@@ -61,10 +61,11 @@ def test_attribution_ranks_by_bytes_per_device() -> None:
     for prefix, n in [("load", 0), ("clean", 10), ("train", 500), ("clean", 20), ("x", -5)]:
         a.record(prefix, {0: n})
     a.record("other", {1: 900})
-    assert a.ranked(0) == [("train", 500), ("clean", 30)]
-    assert a.ranked(1) == [("other", 900)] and a.ranked(2) == []
-    a.clear()
-    assert a.ranked(0) == []
+    ranked = {d: s.ranked for d, s in a.suspects([0, 1, 2], {}, clear=False).items()}
+    assert ranked[0] == (("train", 500), ("clean", 30))
+    assert ranked[1] == (("other", 900),) and ranked[2] == ()
+    a.suspects([], {}, clear=True)
+    assert a.suspects([0], {}, clear=False)[0].ranked == ()
 
 
 def test_a_lease_proves_it_was_alone_for_the_whole_run() -> None:

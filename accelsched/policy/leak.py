@@ -3,29 +3,36 @@
 NVML sees a process's device memory as one number. Most of it is legitimate: the CUDA
 context and library handles (the *baseline*), results the worker still holds (*live*),
 and blocks an allocator caches or reserved up front (*retained*). What is left is the
-leak estimate; a leak is declared when it stays above the threshold for
-``confirmations`` consecutive checks, so a transient spike inside a running task does not
-restart anybody, and a big leak is acted on within a few checks.
+leak estimate (:func:`estimate`); a leak is declared when it stays above the threshold
+for ``confirmations`` consecutive checks, so a transient spike inside a running task does
+not restart anybody, and a big leak is acted on within a few checks.
+
+A confirmed leak is first *reclaimed* (garbage collected, pools freed) where that is
+worth a try; only the devices measured again after the try decide between
+``report-reclaimed`` and a ``report-leak`` with a restart request. :class:`LeakDecisions`
+answers each check with :class:`~accelsched.policy.proposals.Proposal` objects that the
+worker's one actor carries out; what it remembers of a device between checks is one
+:class:`DeviceLeak` record.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections import defaultdict
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from accelsched.devices.pool import PoolStats
+from accelsched.policy.proposals import Proposal
 
 __all__ = [
     "estimate",
-    "Baseline",
-    "LeakDetector",
-    "LeakReports",
     "Attribution",
+    "DeviceLeak",
+    "LeakDecisions",
+    "Remeasured",
+    "Suspects",
     "Verdict",
-    "Reclaims",
-    "Reclaimed",
 ]
 
 
@@ -42,24 +49,87 @@ def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
     return process - baseline - live - retained
 
 
-@dataclass
-class Baseline:
-    """What a process holds on a device besides its allocations: context, handles.
+def _grown(since: int | None, estimate: int, threshold: int) -> bool:
+    """A leak at ``estimate`` is new since one at ``since``: none then, or it grew by
+    another threshold's worth."""
+    return since is None or estimate - since >= threshold
 
-    Measured as ``process - max(pool.held, live)`` once a context exists: results
-    allocated from a known pool are inside ``pool.held`` already, results from an
-    allocator no pool reports are not. Lowered when a later reading is smaller (a leak can
-    only raise that figure), so memory allocated outside every known pool before the first
-    check (by the task that created the context, say) is folded into the baseline.
+
+@dataclass
+class DeviceLeak:
+    """Everything the leak decisions remember about one device between checks.
+
+    *Reported*: while a restart is deferred the same leak is confirmed at every check; it
+    is reported once, and again only when it grew by another threshold's worth.
+
+    *Reclaim before restart*: memory that only a reference cycle holds (a failed task's
+    traceback keeps its frames and their device arrays) looks leaked until Python's
+    collector runs, which for old objects is rare. A GPU task still in its thread may
+    hold it too: a failed task's thread holds its exception until the worker has handled
+    the failure, well after the task released its device (under load, hundreds of
+    milliseconds). So a try waits until the GPU tasks executing at the confirmation have
+    left their threads, and one check more (the check that sees them go may run inside
+    the very transition that ends them), for at most ``max_wait`` checks; tasks that
+    start meanwhile do not make it wait longer. A leak that stayed held (``kept``) is not
+    tried again at each confirmation while its restart waits: only once the estimate has
+    grown by another threshold since that try.
     """
 
-    value: int | None = None
+    baseline: int | None = None  # context and handles: the smallest footprint seen
+    estimate: int | None = None  # the last one judged (a busy device is not)
+    above: int = 0  # consecutive checks above the threshold
+    reported: int | None = None  # the estimate last reported as a leak
+    kept: int | None = None  # the estimate a reclaim left above the threshold
+    waiting_for: frozenset[Hashable] | None = None  # GPU tasks in threads at confirmation
+    seen_gone: bool = False  # ...and a check has seen them gone
+    waited: int = 0  # checks waited
 
-    def observe(self, process: int, live: int, pool_held: int) -> int:
+    def observe_baseline(self, process: int, live: int, pool_held: int) -> int:
+        """The baseline, lowered to ``process - max(pool_held, live)`` if that is smaller.
+
+        Results allocated from a known pool are inside ``pool_held`` already, results
+        from an allocator no pool reports are not. A leak can only raise that figure, so
+        memory allocated outside every known pool before the first check (by the task
+        that created the context, say) is folded into the baseline.
+        """
         candidate = max(0, process - max(live, pool_held))
-        if self.value is None or candidate < self.value:
-            self.value = candidate
-        return self.value
+        if self.baseline is None or candidate < self.baseline:
+            self.baseline = candidate
+        return self.baseline
+
+    def is_news(self, estimate: int, threshold: int) -> bool:
+        """Whether a confirmed leak at ``estimate`` is to be reported; remembers it so."""
+        if not _grown(self.reported, estimate, threshold):
+            return False
+        self.reported = estimate
+        return True
+
+    def worth_trying(self, estimate: int, threshold: int) -> bool:
+        return _grown(self.kept, estimate, threshold)
+
+    def settled(self, executing: Collection[Hashable], max_wait: int) -> bool:
+        """Whether to try a reclaim now, given the GPU tasks ``executing`` in threads
+        (asked once per check while the leak is confirmed and worth trying)."""
+        if self.waiting_for is None:
+            if not executing:
+                return True
+            self.waiting_for, self.seen_gone, self.waited = frozenset(executing), False, 1
+            return False
+        self.waited += 1
+        if self.waited > max_wait:
+            return True
+        if self.waiting_for & set(executing):
+            return False
+        gone_before, self.seen_gone = self.seen_gone, True
+        return gone_before
+
+    def tried(self, before: int, after: int, threshold: int) -> tuple[int, bool]:
+        """A reclaim took the estimate from ``before`` to ``after``: the bytes it gave
+        back, and whether that ended the leak (back at or under the threshold)."""
+        self.waiting_for = None
+        ended = after <= threshold
+        self.kept = None if ended else after
+        return max(0, before - after), ended
 
 
 @dataclass(frozen=True)
@@ -73,69 +143,23 @@ class Verdict:
     leak: bool
 
 
-@dataclass
-class LeakDetector:
-    """Counts consecutive checks above threshold, per device."""
+@dataclass(frozen=True)
+class Suspects:
+    """Whom a leak on one device blames.
 
-    confirmations: int = 2
-    _above: dict[int, int] = field(default_factory=dict)
-    _prefixes: dict[str, int] = field(default_factory=dict)  # prefix -> runs started
-
-    def __post_init__(self) -> None:
-        if self.confirmations < 1:
-            raise ValueError(f"invalid confirmations={self.confirmations!r}: expected >= 1")
-
-    def ran(self, prefix: str) -> None:
-        """Record a task prefix that ran since the last clean check (O(1))."""
-        prefixes = self._prefixes
-        prefixes[prefix] = prefixes.get(prefix, 0) + 1
-
-    def runs(self) -> dict[str, int]:
-        """How many runs of each prefix started since the last clean check."""
-        return dict(self._prefixes)
-
-    def check(self, device: int, estimate: int, threshold: int) -> Verdict:
-        above = self._above.get(device, 0) + 1 if estimate > threshold else 0
-        self._above[device] = above
-        return Verdict(device, estimate, threshold, above, above >= self.confirmations)
-
-    def end_check(self, verdicts: Iterable[Verdict], *, complete: bool = True) -> list[str]:
-        """Close a round of checks; return the prefixes to blame if any device leaked.
-
-        A complete round (no device skipped) with every device at or below its threshold
-        is clean: the prefixes seen so far are forgotten.
-        """
-        verdicts = list(verdicts)
-        blamed = sorted(self._prefixes)
-        if complete and all(v.above == 0 for v in verdicts):
-            self._prefixes.clear()
-        return blamed
-
-    def reset(self, device: int | None = None) -> None:
-        """Forget counts (after acting on a leak, so one leak is acted on once)."""
-        if device is None:
-            self._above.clear()
-        else:
-            self._above.pop(device, None)
-
-
-@dataclass
-class LeakReports:
-    """Which confirmed leaks are news: one ``leak`` event per leak, not one per check.
-
-    While a restart is deferred the same leak is confirmed at every check; it is reported
-    once, and again only when it grew by another threshold's worth.
+    ``ranked``: the steps or task prefixes whose measured runs left memory behind on the
+    device since the last clean check, with those bytes, most first. When none did,
+    ``blamed``: every task prefix that ran on the worker since then, by name, less those
+    every run of which was seen to leave nothing (never an innocent step: with none
+    left, no suspect at all).
     """
 
-    _reported: dict[int, int] = field(default_factory=dict)  # device -> bytes reported
+    ranked: tuple[tuple[str, int], ...] = ()
+    blamed: tuple[str, ...] = ()
 
-    def is_news(self, verdict: Verdict) -> bool:
-        """Whether to report ``verdict`` (a confirmed leak); remembers it when so."""
-        last = self._reported.get(verdict.device)
-        if last is not None and verdict.estimate - last < verdict.threshold:
-            return False
-        self._reported[verdict.device] = verdict.estimate
-        return True
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        return tuple(p for p, _ in self.ranked) or self.blamed
 
 
 @dataclass
@@ -150,7 +174,7 @@ class Attribution:
 
     A run seen to leave nothing at all on its devices (measured with no growth, or with
     no CUDA context before or after it) is counted too: a prefix all of whose runs since
-    the last clean check left nothing is no suspect (:meth:`innocent`), even when no
+    the last clean check left nothing is no suspect (:meth:`suspects`), even when no
     measured run explains a leak (the leaking task made the device's first context, so
     nothing could measure it).
     """
@@ -172,118 +196,202 @@ class Attribution:
         with self._lock:
             self._nothing[prefix] = self._nothing.get(prefix, 0) + 1
 
-    def innocent(self, runs: dict[str, int]) -> set[str]:
-        """The prefixes of ``runs`` (prefix -> runs started) every run of which was seen
-        to leave nothing."""
+    def suspects(
+        self, devices: Iterable[int], runs: Mapping[str, int], *, clear: bool
+    ) -> dict[int, Suspects]:
+        """Whom a leak on each of ``devices`` would blame, ``runs`` (prefix -> runs
+        started) being the prefixes that ran since the last clean check: those with a
+        residue there, most bytes first (ties by name), else every prefix of ``runs``
+        less those every run of which was seen to leave nothing. Then forgotten, when
+        ``clear``, at once."""
         with self._lock:
-            return {p for p, n in runs.items() if self._nothing.get(p, 0) >= n}
-
-    def ranked(self, device: int) -> list[tuple[str, int]]:
-        """Prefixes with what they left on ``device``, most first (ties by name)."""
-        with self._lock:
-            return self._ranked(device)
-
-    def take(self, devices: Iterable[int], *, clear: bool) -> dict[int, list[tuple[str, int]]]:
-        """:meth:`ranked` for each of ``devices``; then forgotten, when ``clear``, at once."""
-        with self._lock:
-            out = {d: self._ranked(d) for d in devices}
+            blamed = tuple(sorted(p for p, n in runs.items() if self._nothing.get(p, 0) < n))
+            out = {
+                d: Suspects(tuple(sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))), blamed)
+                for d in devices
+                for per in [self._bytes.get(d, {})]
+            }
             if clear:
                 self._bytes.clear()
                 self._nothing.clear()
             return out
 
-    def _ranked(self, device: int) -> list[tuple[str, int]]:
-        per = self._bytes.get(device, {})
-        return sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))
-
-    def clear(self) -> None:
-        with self._lock:
-            self._bytes.clear()
-            self._nothing.clear()
-
 
 @dataclass(frozen=True)
-class Reclaimed:
-    """What collecting garbage and freeing pools did to one device's confirmed leak."""
+class Remeasured:
+    """A device's estimate measured again after a reclaim."""
 
-    device: int
-    before: int  # the estimate that confirmed the leak
-    after: int  # the estimate measured again
-    threshold: int
-
-    @property
-    def reclaimed(self) -> int:
-        return max(0, self.before - self.after)
-
-    @property
-    def ended(self) -> bool:
-        """The leak is gone: no restart (the estimate is back at or under the threshold)."""
-        return self.after <= self.threshold
+    estimate: int | None  # None: NVML did not answer (the next check withdraws it)
+    seconds: float = 0.0  # collecting, freeing and measuring again
 
 
 @dataclass
-class Reclaims:
-    """Reclaim before restart: when to try, and what a try decided.
+class _Round:
+    """A reclaim proposed: the leaks it concerns, until their devices are measured again."""
 
-    Memory that only a reference cycle holds (a failed task's traceback keeps its frames
-    and their device arrays) looks leaked until Python's collector runs, which for old
-    objects is rare. On a confirmed leak the guard collects garbage and frees the pools
-    first; a restart is asked for only when the estimate measured again is still above
-    the threshold.
+    held: list[Verdict]  # confirmed, not tried: a restart is asked for them
+    tried: list[Verdict]
+    suspects: dict[int, Suspects]
 
-    A GPU task still in its thread may hold what looks leaked: a failed task's thread
-    holds its exception, and the traceback with it, until the worker has handled the
-    failure, which can come well after the task released its device (under load,
-    hundreds of milliseconds). So a try waits until the GPU tasks executing when the leak
-    was confirmed have left their threads, and one check more (the check that sees them
-    go may run inside the very transition that ends them), for at most ``max_wait``
-    checks. Tasks that start meanwhile do not make it wait longer, and nothing is
-    collected while it waits: a full collection costs the worker's event loop.
 
-    A leak that stayed held is not tried again at each confirmation while its restart
-    waits: only once the estimate has grown by another threshold since that try.
+@dataclass
+class LeakDecisions:
+    """What a leak check remembers between checks, and what it proposes at each.
+
+    ``restart_on_leak``: a leak still held after its reclaim asks for a restart.
+    ``max_wait``: the most checks a reclaim waits for GPU tasks to leave their threads.
     """
 
+    confirmations: int = 2
+    restart_on_leak: bool = True
+    attribution: Attribution = field(default_factory=Attribution)
     max_wait: int = 20
-    _held: dict[int, int] = field(default_factory=dict)  # device -> estimate left after a try
-    # device -> [keys it waits for, whether they were seen gone, checks waited]
-    _waits: dict[int, list[Any]] = field(default_factory=dict)
+    _devices: defaultdict[int, DeviceLeak] = field(
+        default_factory=lambda: defaultdict(DeviceLeak), init=False
+    )
+    _runs: dict[str, int] = field(default_factory=dict, init=False)  # prefix -> runs started
+    _round: _Round | None = field(default=None, init=False)
 
-    def worth_trying(self, device: int, estimate: int, threshold: int) -> bool:
-        last = self._held.get(device)
-        return last is None or estimate - last >= threshold
+    def __post_init__(self) -> None:
+        if self.confirmations < 1:
+            raise ValueError(f"invalid confirmations={self.confirmations!r}: expected >= 1")
 
-    def settled(self, device: int, executing: Iterable[Any]) -> bool:
-        """Whether to try on ``device`` now, given the GPU tasks ``executing`` in threads
-        (called once per check while its leak is confirmed and worth trying)."""
-        running = set(executing)
-        wait = self._waits.get(device)
-        if wait is None:
-            if not running:
-                return True
-            self._waits[device] = [running, False, 1]
-            return False
-        waited, seen_gone, checks = wait
-        wait[2] = checks + 1
-        if checks >= self.max_wait:
-            return True
-        if waited & running:
-            return False
-        if not seen_gone:
-            wait[1] = True
-            return False
-        return True
+    def device(self, index: int) -> DeviceLeak:
+        """What is remembered about device ``index`` (a new record the first time)."""
+        return self._devices[index]
 
-    def forget(self, device: int) -> None:
-        """``device`` is clean: a wait for its last leak is over."""
-        self._waits.pop(device, None)
+    def ran(self, prefix: str) -> None:
+        """A task of ``prefix`` started: a suspect until the next clean check (O(1), on
+        the event loop, as is the clearing: no lock)."""
+        runs = self._runs
+        runs[prefix] = runs.get(prefix, 0) + 1
 
-    def outcome(self, device: int, before: int, after: int, threshold: int) -> Reclaimed:
-        """Record a try on ``device``: ``before`` and ``after`` are its estimates."""
-        self._waits.pop(device, None)
-        result = Reclaimed(device, before, after, threshold)
-        if result.ended:
-            self._held.pop(device, None)
-        else:
-            self._held[device] = after
-        return result
+    @property
+    def trying(self) -> list[int]:
+        """The devices a reclaim was proposed for, until :meth:`reclaimed` hears of them."""
+        return [] if self._round is None else [v.device for v in self._round.tried]
+
+    def count(self, estimates: Mapping[int, tuple[int, int]]) -> list[Verdict]:
+        """One verdict per device judged: ``estimates`` is device -> (estimate,
+        threshold), in the order judged. A device at or under its threshold ends any
+        wait for a reclaim there."""
+        verdicts = []
+        for device, (leaked, threshold) in estimates.items():
+            record = self.device(device)
+            record.estimate = leaked
+            record.above = record.above + 1 if leaked > threshold else 0
+            if not record.above:
+                record.waiting_for = None
+            leak = record.above >= self.confirmations
+            verdicts.append(Verdict(device, leaked, threshold, record.above, leak))
+        return verdicts
+
+    def suspects(self, verdicts: list[Verdict], *, complete: bool) -> dict[int, Suspects]:
+        """Whom a leak on each device of ``verdicts`` blames. A ``complete`` check (no
+        device skipped for a running GPU task) with every device at or under its
+        threshold is clean: the suspects are forgotten."""
+        clean = complete and all(v.above == 0 for v in verdicts)
+        devices = [v.device for v in verdicts]
+        suspects = self.attribution.suspects(devices, self._runs, clear=clean)
+        if clean:
+            self._runs.clear()
+        return suspects
+
+    def propose(
+        self,
+        verdicts: list[Verdict],
+        *,
+        complete: bool,
+        executing: Callable[[], Collection[Hashable]] = set,
+    ) -> list[Proposal]:
+        """What this check's ``verdicts`` call for.
+
+        ``complete``: as for :meth:`suspects`. ``executing`` gives the GPU tasks in their
+        threads now, asked only when a reclaim is worth trying (it waits for them).
+        Proposes ``reclaim`` for the leaks to try (then :meth:`reclaimed` decides, once
+        measured again), else the leaks' reports and restart request.
+        """
+        suspects = self.suspects(verdicts, complete=complete)
+        leaks = [v for v in verdicts if v.leak]
+        worth = [v for v in leaks if self.device(v.device).worth_trying(v.estimate, v.threshold)]
+        running = set(executing()) if worth else set()
+        tried = [v for v in worth if self.device(v.device).settled(running, self.max_wait)]
+        held = [v for v in leaks if v not in worth]
+        if tried:
+            self._round = _Round(held, tried, suspects)
+            return [Proposal("reclaim", v.device) for v in tried]
+        self._round = None
+        return self._conclude(held, {}, suspects)
+
+    def reclaimed(self, after: Mapping[int, Remeasured]) -> list[Proposal]:
+        """What the reclaim proposed last decided, given its devices measured again.
+
+        A device missing from ``after`` was taken by a GPU task meanwhile: not judged now
+        (the check runs again when the task ends). One back at or under its threshold is
+        reported as reclaimed and its count starts again; one still above is a leak, at
+        its new estimate, and so is one NVML did not answer, at the estimate before.
+        """
+        pending, self._round = self._round, None
+        if pending is None:
+            return []
+        held = list(pending.held)
+        came_back: dict[int, int] = {}
+        out: list[Proposal] = []
+        for v in pending.tried:
+            again = after.get(v.device)
+            if again is None:
+                continue
+            if again.estimate is None:
+                held.append(v)
+                continue
+            record = self.device(v.device)
+            came_back[v.device], ended = record.tried(v.estimate, again.estimate, v.threshold)
+            if not ended:
+                held.append(replace(v, estimate=again.estimate))
+                continue
+            record.above = 0
+            figures = {
+                "nbytes": v.estimate,
+                "reclaimed": came_back[v.device],
+                "remaining": again.estimate,
+                "threshold": v.threshold,
+                "seconds": round(again.seconds, 4),
+            }
+            prefixes = pending.suspects[v.device].prefixes
+            out.append(
+                Proposal(
+                    "report-reclaimed", v.device, figures=figures, detail={"prefixes": prefixes}
+                )
+            )
+        return out + self._conclude(held, came_back, pending.suspects)
+
+    def _conclude(
+        self, held: list[Verdict], came_back: dict[int, int], suspects: dict[int, Suspects]
+    ) -> list[Proposal]:
+        """Report the held leaks that are news; one restart request for them all (asked
+        again at each confirmation: a deferred restart happens once its obstacle goes).
+        Every count starts again, so one leak is acted on once."""
+        if not held:
+            return []
+        out: list[Proposal] = []
+        for v in held:
+            if not self.device(v.device).is_news(v.estimate, v.threshold):
+                continue
+            s = suspects[v.device]
+            figures = {
+                "nbytes": v.estimate,
+                "threshold": v.threshold,
+                "checks": v.above,
+                "unexplained": max(0, v.estimate - sum(n for _, n in s.ranked)),
+                "reclaimed": came_back.get(v.device, 0),
+            }
+            detail = {"prefixes": s.prefixes, "attributed": s.ranked}
+            out.append(Proposal("report-leak", v.device, figures=figures, detail=detail))
+        for record in self._devices.values():
+            record.above = 0
+        if self.restart_on_leak:
+            devices = tuple(v.device for v in held)
+            out.append(
+                Proposal("ask-restart", devices, "leak", {"nbytes": sum(v.estimate for v in held)})
+            )
+        return out

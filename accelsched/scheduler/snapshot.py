@@ -4,7 +4,7 @@ dashboard page.
 One snapshot (:class:`~accelsched.protocol.StatusReply`) serves both. It joins what the
 scheduler side already holds (its grants, declarations and quarantine) with what
 only each worker knows (leases in use, the leak estimate and its threshold), which rides
-on the workers' heartbeats as a custom metric (:mod:`accelsched.worker.figures`). Counts
+on the workers' heartbeats as a custom metric (:mod:`accelsched.worker.leak_check`). Counts
 of restarts, leaks, reclaimed leaks and fallbacks come from the events (the single
 source), fed by the PlacementPlugin's ``log_event`` hook and replayed from the event log
 at start, so a re-registered plugin counts what happened before it.

@@ -10,9 +10,10 @@ The parts (``accelsched/worker/``):
 - :class:`~accelsched.worker.watch.Watch`: notice a task that did not ask for a GPU but
   created a CUDA context or grew this process's device memory.
 - :class:`~accelsched.worker.leak_check.LeakCheck`: every ``check_interval``, read the
-  devices (:class:`~accelsched.worker.readings.DeviceReadings`) and estimate device memory
-  nothing legitimate holds (:class:`~accelsched.worker.results.LiveResults` is what results
-  hold); on a confirmed leak, ask for a lossless restart.
+  devices through NVML and estimate device memory nothing legitimate holds
+  (:class:`~accelsched.worker.leak_check.LiveResults` is what results hold); on a
+  confirmed leak, ask for a lossless restart. Its heartbeat metric carries what only the
+  worker knows to ``accelsched status``.
 - :class:`~accelsched.worker.worker_actor.WorkerActor`: carries out what those decisions propose
   (events, withdrawals, reclaims, restart requests), the one place that acts on them.
 - :class:`~accelsched.worker.rejoin.Rejoin`: ask NVML again, with backoff, about the
@@ -42,17 +43,13 @@ from accelsched.protocol import (
     REPORT_HANDLER,
     ReportReply,
 )
-from accelsched.worker import results
 from accelsched.worker.binder import Binder
-from accelsched.worker.figures import Figures
 from accelsched.worker.inventory import Inventory
-from accelsched.worker.leak_check import LeakCheck, LeakOptions
+from accelsched.worker.leak_check import LeakCheck, LiveResults
 from accelsched.worker.ledger import Ledger
 from accelsched.worker.pool_freer import PoolFreer
 from accelsched.worker.preimport import preimport
-from accelsched.worker.readings import DeviceReadings
 from accelsched.worker.rejoin import Rejoin
-from accelsched.worker.results import LiveResults
 from accelsched.worker.watch import TABLES, UnrequestedGPUUse, Watch
 from accelsched.worker.worker_actor import WorkerActor
 
@@ -88,7 +85,7 @@ class GuardPlugin(WorkerPlugin):
         self.binder: Binder | None = None
         self.ledger: Ledger | None = None  # what each GPU task and result holds, measured
         self.leaks: LeakCheck | None = None
-        self.figures: Figures | None = None
+        self.live: LiveResults | None = None  # what results in memory hold, for the check
         self.rejoin: Rejoin | None = None  # devices left out at setup, asked again
 
     def __getstate__(self) -> dict[str, Any]:
@@ -142,17 +139,21 @@ class GuardPlugin(WorkerPlugin):
                 emit=self._emit,
             )
         health = DeviceHealth()
+        live = self.live = LiveResults(ledger=ledger, owned=inv.owned, leases=self.binder.leases)
         self.leaks = LeakCheck(
-            readings=DeviceReadings(
-                monitor=inv.monitor,
-                owned=inv.owned,
-                granted=lambda: inv.granted,
-                health=health,
-                recover=o["recover_gpus"],
-            ),
-            live=LiveResults(ledger=ledger, owned=inv.owned, leases=self.binder.leases),
-            binder=self.binder,
-            options=LeakOptions(o["leak_threshold"], o["leak_confirmations"], o["restart_on_leak"]),
+            monitor=inv.monitor,
+            owned=inv.owned,
+            granted=lambda: inv.granted,
+            withdrawn=lambda: inv.withdrawn,
+            health=health,
+            live=live,
+            ledger=ledger,
+            leases=self.binder.leases,
+            used=self.binder.used,
+            threshold=o["leak_threshold"],
+            confirmations=o["leak_confirmations"],
+            restart_on_leak=o["restart_on_leak"],
+            recover=o["recover_gpus"],
             attribution=attribution,
             actor=WorkerActor(
                 inventory=inv,
@@ -171,13 +172,7 @@ class GuardPlugin(WorkerPlugin):
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
                 emit=self._emit,
             )
-        self.figures = Figures(
-            granted=lambda: inv.granted,
-            withdrawn=lambda: inv.withdrawn,
-            leases=self.binder.leases,
-            leaks=self.leaks,
-        )
-        internals.add_metric(worker, GUARD_METRIC, self.figures.read)
+        internals.add_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
         running = self.binder.leases
         TABLES.add(running)
         if inv.visible:  # as the transition hook, which alone uncounts them
@@ -204,8 +199,8 @@ class GuardPlugin(WorkerPlugin):
         internals.stop_periodic(worker, _PERIODIC)
         if self.binder is not None:  # what it counted no longer runs under this guard
             TABLES.discard(self.binder.leases)
-        if self.figures is not None:
-            internals.remove_metric(worker, GUARD_METRIC, self.figures.read)
+        if self.leaks is not None:
+            internals.remove_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """Track live results; route a task starting to execute (worker event loop).
@@ -214,11 +209,11 @@ class GuardPlugin(WorkerPlugin):
         other tasks are watched for GPU use. The wrapping itself is O(1); the work
         happens in the task's thread. Every transition of every task passes here.
         """
-        leaks = self.leaks
-        if leaks is None or not self.inventory.visible:
+        leaks, live = self.leaks, self.live
+        if leaks is None or live is None or not self.inventory.visible:
             return
-        live, ledger, worker = leaks.live, self.ledger, self.worker
-        assert worker is not None and ledger is not None and self.binder is not None
+        worker = self.worker
+        assert worker is not None and self.binder is not None
         running = self.binder.leases
         if finish in _RUNNING:  # a function starts running in a thread (every task counts)
             running.started(key)
@@ -236,14 +231,14 @@ class GuardPlugin(WorkerPlugin):
             return
         if finish == "memory":
             computed = start in _RUNNING  # here: its function has returned
-            results.stored(live, worker, key, computed=computed)
+            live.entered(worker, key, computed=computed)
             if computed:
                 self._ended(key)
                 return
         elif start == "memory":
             live.released(key)
         if finish == "forgotten":
-            ledger.drop(key)
+            live.forgotten(key)
         if key in running:  # started or ended, as its thread says (cancelled runs on)
             if internals.runs_in_thread(worker, key):
                 running.started(key)

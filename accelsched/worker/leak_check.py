@@ -1,87 +1,153 @@
 """The leak check: device memory that nothing legitimate holds, checked periodically.
 
-Each check reads this process's device memory through NVML
-(:class:`~accelsched.worker.readings.DeviceReadings`), takes off the baseline, live
-results (:class:`~accelsched.worker.results.LiveResults`) and pool caches
+Each check reads, through NVML, every owned device no GPU task holds: this process's
+memory there, and the device's memory info (what pools and users read). It takes off
+the baseline, live results (:class:`LiveResults`) and pool caches
 (:func:`accelsched.policy.leak.estimate`), and lets
-:class:`~accelsched.policy.leak_decisions.LeakDecisions` judge the estimates. Every
-decision comes back as proposals, which one actor carries out
-(:class:`~accelsched.worker.worker_actor.WorkerActor`): read, decide, act. A confirmed leak is
-reported once and, with ``restart_on_leak``, the worker asks for its own lossless
+:class:`~accelsched.policy.leak.LeakDecisions` judge the estimates. Every decision comes
+back as proposals, which one actor carries out
+(:class:`~accelsched.worker.worker_actor.WorkerActor`): read, decide, act. A confirmed leak
+is reported once and, with ``restart_on_leak``, the worker asks for its own lossless
 restart, unless collecting garbage and freeing the pools gave the memory back first:
-then the devices are read again and the decisions say how it ended. A device that stops
-answering NVML is withdrawn once (and offered again when it answers, with
+then the devices are read again and the decisions say how it ended.
+
+A device whose query raises has stopped answering; one that answers after failing may
+come back. Whether either is news is :func:`~accelsched.policy.health.judge_answers`'s to
+say, with :class:`~accelsched.policy.health.DeviceHealth` (shared with
+:class:`~accelsched.worker.rejoin.Rejoin`, so a device failing again needs a longer
+streak, whichever part saw it fail): withdrawn once, offered again when it answers (with
 ``recover_gpus``); no restart is asked while it fails.
+
+What only the worker knows (leases in use, leak estimates) rides on distributed's own
+heartbeat, not a new RPC loop: :meth:`LeakCheck.heartbeat_metric` is registered as a
+custom worker metric (:data:`~accelsched.protocol.GUARD_METRIC`), and the scheduler finds
+it in the worker's ``WorkerState``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
 from time import monotonic
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from accelsched import internals
 from accelsched.config import Threshold
+from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
-from accelsched.policy.leak import Attribution, Baseline, Verdict, estimate
-from accelsched.policy.leak_decisions import LeakDecisions, Remeasured
-from accelsched.policy.proposals import Proposal
-from accelsched.worker.binder import Binder
-from accelsched.worker.ledger import net_of_pools
-from accelsched.worker.readings import DeviceReadings
-from accelsched.worker.results import LiveResults
+from accelsched.devices.records import MemoryReading
+from accelsched.policy.health import Answer, DeviceHealth, judge_answers
+from accelsched.policy.leak import Attribution, LeakDecisions, Remeasured, Verdict, estimate
+from accelsched.policy.leases import LeaseTable
+from accelsched.protocol import GuardMetric
+from accelsched.worker.ledger import Ledger, net_of_pools
 from accelsched.worker.worker_actor import WorkerActor
 
-__all__ = ["LeakCheck", "LeakOptions"]
+if TYPE_CHECKING:
+    from distributed import Worker
+
+__all__ = ["LeakCheck", "LiveResults"]
 
 
-@dataclass(frozen=True)
-class LeakOptions:
-    """The guard's options the leak check reads (``docs/configuration.md``)."""
+class LiveResults:
+    """The device bytes each result in the worker's memory holds, and their sum per
+    device (``owned``: the inventory's list, kept up to date in place): legitimate, so the
+    leak estimate takes them off.
 
-    threshold: Threshold
-    confirmations: int = 2
-    restart_on_leak: bool = True
+    Every task's result passes here (worker event loop), so the common cases cost a few
+    comparisons: a result its GPU task measured is held at its measurement without a look
+    at its value, and an unmeasured number or string (what most tiny tasks return) holds
+    nothing on a device.
+    """
+
+    def __init__(self, *, ledger: Ledger, owned: list[DeviceInfo], leases: LeaseTable) -> None:
+        self._ledger = ledger
+        self._owned = owned
+        self._leases = leases
+        self._held: dict[Any, dict[int, int]] = {}  # key -> device bytes it holds
+        self._total: dict[int, int] = {}  # device -> bytes of live results
+
+    def entered(self, worker: Worker, key: Any, *, computed: bool) -> None:
+        """``key`` entered ``worker``'s memory: ``computed`` here (measured by its task,
+        else known by type), or data from elsewhere (a peer's transfer, a replica, a
+        scatter: known by type, else measured on its idle devices)."""
+        ledger = self._ledger
+        if computed and ledger.measured(key):  # what it holds is known without its value
+            held = ledger.held(key, None)
+        else:
+            value = internals.stored_value(worker, key)
+            if computed and ledger.holds_nothing(value):
+                return
+            if computed:
+                held = ledger.held(key, value)
+            else:  # measured on the devices no task holds
+                held = ledger.arrived(value, {d.index for d in self._owned} - self._leases.busy())
+        if held:
+            self._held[key] = held
+            for d, n in held.items():
+                self._total[d] = self._total.get(d, 0) + n
+
+    def released(self, key: Any) -> None:
+        for d, n in self._held.pop(key, {}).items():
+            self._total[d] = self._total.get(d, 0) - n
+            self._ledger.forget(d)  # its memory went back unmeasured
+
+    def forgotten(self, key: Any) -> None:
+        """``key`` left the worker: what its task was measured to hold goes too."""
+        self._ledger.drop(key)
+
+    def on(self, device: int) -> int:
+        """Bytes live results hold on ``device``."""
+        return self._total.get(device, 0)
 
 
 class LeakCheck:
-    """Estimates this worker's owned devices and acts on what the decisions propose."""
+    """Reads this worker's owned devices, estimates their leaks and acts on what the
+    decisions propose; each option is the guard's (``docs/configuration.md``)."""
 
     def __init__(
         self,
         *,
-        readings: DeviceReadings,
+        monitor: NVMLMonitor,
+        owned: list[DeviceInfo],
+        granted: Callable[[], list[DeviceInfo]],
+        withdrawn: Callable[[], set[int]],
+        health: DeviceHealth,
         live: LiveResults,
-        binder: Binder,
-        options: LeakOptions,
+        ledger: Ledger,
+        leases: LeaseTable,
+        used: set[int],
         actor: WorkerActor,
-        executing: Callable[[], set[Any]] = set,
+        threshold: Threshold,
+        confirmations: int = 2,
+        restart_on_leak: bool = True,
+        recover: bool = True,
+        executing: Callable[[], set[Hashable]] = set,
         attribution: Attribution | None = None,
     ) -> None:
-        self.readings = readings
-        self.live = live
-        self.leases = binder.leases
-        self.used = binder.used  # devices GPU tasks of this worker held
-        self.threshold = options.threshold
-        self.actor = actor
+        self._monitor = monitor
+        self._owned = owned  # the inventory's list, kept up to date in place
+        self._granted = granted
+        self._withdrawn = withdrawn
+        self._health = health
+        self._recover = recover  # ``recover_gpus``: a withdrawn device answering comes back
+        self._live = live
+        self._ledger = ledger
+        self._leases = leases
+        self._used = used  # devices GPU tasks of this worker held
+        self._actor = actor
+        self._threshold = threshold
         self._executing = executing  # keys of GPU tasks in threads now
-        self.decisions = LeakDecisions(
-            options.confirmations, options.restart_on_leak, attribution=attribution or Attribution()
+        self._decisions = LeakDecisions(
+            confirmations, restart_on_leak, attribution=attribution or Attribution()
         )
-        #: A task of this prefix started (hot path: the detector's own method, no call more).
-        self.ran: Callable[[str], None] = self.decisions.detector.ran
-        self.baselines: dict[int, Baseline] = {}
+        #: A task of this prefix started (hot path: the decisions' own method, no call more).
+        self.ran: Callable[[str], None] = self._decisions.ran
         self.last_verdicts: list[Verdict] = []
         self.owed = False  # the last check skipped a busy device
         #: Checks completed since setup: tells a reader (a status page, a test waiting
         #: for "no leak") that the check has run since a moment of interest, which the
         #: verdicts alone cannot (they look the same before and after a clean check).
         self.checks: int = 0
-
-    def residue(self, name: str, residues: dict[int, int]) -> None:
-        """A step or task (``name``) left these bytes behind per device, beyond its result
-        (executor thread)."""
-        self.decisions.attribution.record(name, residues)
 
     def check(self) -> list[Verdict]:
         """One leak check over this process's devices (periodic, on the event loop).
@@ -90,76 +156,111 @@ class LeakCheck:
         results nor leaks, and the estimate means nothing until it ends. Which devices are
         busy is read before and after NVML, so a task starting in between is not judged.
         """
-        busy = self.leases.busy()
+        busy = self._leases.busy()
         pools = active_pools()
-        readings, health = self.readings.take(busy)
-        self.actor.apply(health)  # withdrawn before anything is judged
-        busy |= self.leases.busy()
-        owned, used = self.readings.owned, self.used
+        readings = self._read(busy)
+        busy |= self._leases.busy()
+        used = self._used
         # a device skipped while busy is judged as soon as a task ends (the guard calls
         # check again then): a queue of back-to-back GPU tasks holds it nearly always
-        self.owed = any(dev.index in busy and dev.index in used for dev in owned)
+        self.owed = any(dev.index in busy and dev.index in used for dev in self._owned)
+        limits = {dev.index: self._threshold.resolve(dev.memory) for dev in self._owned}
         estimates: dict[int, tuple[int, int]] = {}
-        settled: dict[int, int] = {}  # device -> its reading net of pools
-        for dev in owned:
-            reading = readings.get(dev.index)
-            if reading is None or dev.index in busy:
-                continue
-            if dev.index not in used:
-                continue  # no GPU task of this worker held it: nothing of ours to judge
+        for device, reading in readings.items():
+            if device in busy or device not in used:
+                continue  # running, or no GPU task of this worker held it: nothing to judge
             if reading.has_context is False or not reading.attributable:
                 continue
-            leaked, pool = self._estimate(dev.index, reading.nbytes, pools)
-            estimates[dev.index] = (leaked, self.threshold.resolve(dev.memory))
-            settled[dev.index] = net_of_pools(reading.nbytes, pool)
-        verdicts = self.decisions.count(estimates)
-        for v in verdicts:
-            if v.above == 0:  # nothing unexplained: a base for measuring arrivals
-                self.live.ledger.settle(v.device, settled[v.device])
-        self.last_verdicts = verdicts
+            limit = limits[device]
+            estimates[device] = (self._estimate(device, reading.nbytes, pools, limit), limit)
+        verdicts = self.last_verdicts = self._decisions.count(estimates)
         # Complete only with no GPU task in a thread: one that has started (its prefix
         # recorded) but not yet taken its lease leaves its device unjudged or unused, and
         # a check then would wrongly clear its prefix as clean (under load, a leak was
         # reported with no suspects).
         complete = not busy and not self._executing()
-        proposals = self.decisions.propose(verdicts, complete=complete, executing=self._executing)
+        proposals = self._decisions.propose(verdicts, complete=complete, executing=self._executing)
         start = monotonic()
-        self.actor.apply(proposals)
-        if self.decisions.trying:  # collected and freed: measure again, act on the outcome
-            self.actor.apply(self._remeasured(self.decisions.trying, start))
+        self._actor.apply(proposals)
+        if self._decisions.trying:  # collected and freed: measure again, act on the outcome
+            self._actor.apply(self._decisions.reclaimed(self._remeasure(start, limits)))
         self.checks += 1
         return verdicts
 
-    def _estimate(self, device: int, process: int, pools: list) -> tuple[int, PoolStats]:
-        """The leak estimate of ``device`` from this process's reading, and its pools."""
-        pool = sum((p.stats(device) for p in pools), PoolStats())
-        live = self.live.total.get(device, 0)
-        baseline = self.baselines.setdefault(device, Baseline()).observe(process, live, pool.held)
-        return estimate(process, baseline, live, pool), pool
+    def _read(self, busy: set[int]) -> dict[int, MemoryReading]:
+        """This process's reading of each owned device not in ``busy``; what their answers
+        call for (withdraw, recover, ask for a restart) is done before anything is judged."""
+        readings: dict[int, MemoryReading] = {}
+        answers: list[Answer] = []
+        for dev in self._owned:
+            if dev.index in busy:
+                continue
+            try:
+                readings[dev.index] = self._monitor.process_memory(dev.index)
+                self._monitor.used(dev.index)
+            except Exception as exc:  # NVMLError: the device stopped answering
+                readings.pop(dev.index, None)
+                granted = dev in self._granted()  # not ours to offer: nothing to withdraw
+                answers.append(Answer(dev.index, dev.uuid, error=repr(exc), granted=granted))
+                continue
+            answers.append(Answer(dev.index, dev.uuid))
+        self._actor.apply(judge_answers(self._health, answers, recover=self._recover))
+        return readings
 
-    def _remeasured(self, devices: list[int], start: float) -> list[Proposal]:
-        """What a reclaim on ``devices`` (begun at ``start``) ended in.
+    def _estimate(self, device: int, process: int, pools: list, limit: int) -> int:
+        """The leak estimate of ``device`` from this process's reading. One at or under
+        its threshold (``limit``) is settled: its reading net of pools is a base for
+        measuring what arrives from peers."""
+        pool = sum((p.stats(device) for p in pools), PoolStats())
+        live = self._live.on(device)
+        baseline = self._decisions.device(device).observe_baseline(process, live, pool.held)
+        leaked = estimate(process, baseline, live, pool)
+        if leaked <= limit:
+            self._ledger.settle(device, net_of_pools(process, pool))
+        return leaked
+
+    def _remeasure(self, start: float, limits: dict[int, int]) -> dict[int, Remeasured]:
+        """The devices a reclaim (begun at ``start``) was tried on, measured again.
 
         A device a task took meanwhile is not judged: its count stays, and the check runs
-        again when the task ends. One that came back is settled: a base for arrivals.
+        again when the task ends. One NVML does not answer is withdrawn at the next check.
         """
         pools = active_pools()
         after: dict[int, Remeasured] = {}
-        settled: dict[int, int] = {}
-        for device in devices:
-            reading = self.readings.again(device)
-            if reading is None:
+        for device in self._decisions.trying:
+            try:
+                reading = self._monitor.process_memory(device)
+            except Exception:  # NVMLError
                 after[device] = Remeasured(None)
                 continue
-            if device in self.leases.busy():
+            if device in self._leases.busy():
                 self.owed = True
                 continue
-            leaked, pool = self._estimate(device, reading.nbytes, pools)
+            leaked = self._estimate(device, reading.nbytes, pools, limits[device])
             after[device] = Remeasured(leaked, monotonic() - start)
-            settled[device] = net_of_pools(reading.nbytes, pool)
-        proposals = self.decisions.reclaimed(after)
-        ended = {p.subject for p in proposals if p.action == "report-reclaimed"}
-        for device, net in settled.items():
-            if device in ended:
-                self.live.ledger.settle(device, net)
-        return proposals
+        return after
+
+    def heartbeat_metric(self, worker: Any = None) -> GuardMetric:
+        """Leases in use and leak estimates of the granted devices, for ``accelsched
+        status`` and the dashboard page (distributed calls it with the worker at each
+        heartbeat; O(devices + running GPU tasks)). A device a GPU task holds is not
+        judged (its temporaries are no leak): its estimate is the last one made."""
+        held: dict[int, int] = {}
+        for devices in self._leases.holders().values():
+            for d in devices:
+                held[d] = held.get(d, 0) + 1
+        withdrawn = self._withdrawn()
+        declared = self._leases.declared()
+        return {
+            "devices": [
+                {
+                    "index": dev.index,
+                    "leases": held.get(dev.index, 0),
+                    "withdrawn": dev.index in withdrawn,
+                    "leak_estimate": self._decisions.device(dev.index).estimate,
+                    "leak_threshold": self._threshold.resolve(dev.memory),
+                    "declared": declared.get(dev.index, 0),
+                }
+                for dev in self._granted()
+            ]
+        }

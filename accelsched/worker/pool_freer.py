@@ -1,22 +1,45 @@
-"""Freeing the memory pools of CUDA libraries after GPU tasks.
+"""Giving cached device memory back: pools after GPU tasks, garbage on a suspected leak.
 
 Pools cache freed blocks so the next allocation is cheap; the cache looks like used
 memory to NVML and to other processes. Every ``free_pools_every`` GPU tasks, when the
 pools cache at least ``free_pools_min`` on a device the task held (and, with
 ``free_pools_above``, only when such a device is fuller than that fraction), the pools
-of :mod:`accelsched.devices.pool` give back what they cache, device by device. Freeing a
-near-empty pool after each of thousands of tiny tasks would cost more than it returns.
+of :mod:`accelsched.devices.pool` give back what they cache, device by device
+(:class:`PoolFreer`). Freeing a near-empty pool after each of thousands of tiny tasks
+would cost more than it returns.
+
+Device memory that nothing reachable holds but a reference cycle does looks leaked to
+NVML until Python's cyclic collector runs, and for old objects it runs rarely: an object
+that refers to itself, or a failed task's exception, whose traceback keeps the task's
+frames and the device arrays in their locals (distributed keeps the exception in a
+message that the traceback's frames refer to: a cycle). :func:`reclaim` collects such
+garbage, returning its arrays to their pools, then frees the pools. The worker's actor
+(:class:`~accelsched.worker.worker_actor.WorkerActor`) calls it on a confirmed leak's
+``reclaim`` proposal; the leak check then measures again
+(:class:`~accelsched.policy.leak.LeakDecisions` decides).
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
+import logging
+from collections.abc import Iterable
 
 from accelsched.context import using_device
 from accelsched.devices.nvml import NVMLMonitor
-from accelsched.devices.pool import active_pools
+from accelsched.devices.pool import DevicePool, active_pools
 
-__all__ = ["PoolFreer"]
+__all__ = ["PoolFreer", "reclaim", "freeze_startup_objects"]
+
+logger = logging.getLogger(__name__)
+
+
+def _free(pools: list[DevicePool], device: int, *, simulated: bool) -> int:
+    """Free every pool of ``pools`` on ``device`` (CuPy frees the current device's pool:
+    each device is visited); the bytes the pools said they released."""
+    with using_device(device, simulated=simulated):
+        return sum(pool.free_all() for pool in pools)
 
 
 class PoolFreer:
@@ -53,24 +76,45 @@ class PoolFreer:
                 fractions = [1.0]
             if max(fractions, default=0) <= self.above:
                 return
-        # CuPy frees the current device's pool: visit each device the task held
         for device in devices:
-            with using_device(device, simulated=self.simulated):
-                for pool in pools:
-                    pool.free_all()
+            _free(pools, device, simulated=self.simulated)
 
     def _caches_enough(self, pools: list, devices: tuple[int, ...]) -> bool:
         """Whether the pools cache at least ``minimum`` bytes on one of ``devices``."""
-        for device in devices:
-            cached = 0
-            for pool in pools:
-                try:
-                    stats = pool.stats(device)
-                except Exception:  # a pool that cannot say: free, as before
-                    return True
-                if stats.fixed:  # RMM owns the device pool (never shrinks): what can be
-                    return True  # freed (CuPy's pinned host pool) has no figure to wait for
-                cached += stats.cached
-            if cached >= self.minimum:
-                return True
-        return False
+        try:
+            per_device = [[pool.stats(device) for pool in pools] for device in devices]
+        except Exception:  # a pool that cannot say: free, as before
+            return True
+        # RMM owning the device pool (a fixed reserve that never shrinks): what can be freed
+        # (CuPy's pinned host pool) has no figure to wait for
+        return any(
+            any(s.fixed for s in stats) or sum(s.cached for s in stats) >= self.minimum
+            for stats in per_device
+        )
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (modules, distributed's worker, the guard) out of the
+    collector's reach (``gc.freeze()``), once, when the guard is set up: a reclaim's full
+    collection then scans only what was made since, and takes a fraction of the time it
+    took (it holds the event loop and the GIL). Frozen objects are still freed by
+    reference counting; only a reference cycle that is garbage already now stays (no
+    collection first: it would hold up the worker's start by as long)."""
+    if not gc.get_freeze_count():
+        gc.freeze()
+
+
+def reclaim(devices: Iterable[int], *, simulated: bool) -> int:
+    """Collect garbage, then free every active pool on each of ``devices``; the bytes the
+    pools said they released. Never creates a pool or a CUDA context: pools act only
+    where their library is already in use (:func:`~accelsched.devices.pool.active_pools`).
+    """
+    gc.collect()
+    pools = active_pools()
+    released = 0
+    for device in devices if pools else ():
+        try:
+            released += _free(pools, device, simulated=simulated)
+        except Exception:  # a pool or device that does not answer: measure anyway
+            logger.warning("accelsched: freeing pools on device %s failed", device, exc_info=True)
+    return released

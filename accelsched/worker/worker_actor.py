@@ -2,7 +2,7 @@
 
 As in distributed's Active Memory Manager (policies suggest, one place acts), the
 worker's decisions (:func:`~accelsched.policy.health.judge_answers`,
-:class:`~accelsched.policy.leak_decisions.LeakDecisions`) only return
+:class:`~accelsched.policy.leak.LeakDecisions`) only return
 :class:`~accelsched.policy.proposals.Proposal` objects. :class:`WorkerActor` turns them
 into what the rest of the cluster sees: events in the scheduler's log (their fields are
 written here, in the order docs/events.md gives), devices withdrawn from or offered
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from accelsched import events
 from accelsched.policy.proposals import Proposal
 from accelsched.worker.inventory import Inventory
-from accelsched.worker.reclaim import freeze_startup_objects, reclaim
+from accelsched.worker.pool_freer import freeze_startup_objects, reclaim
 
 __all__ = ["WorkerActor"]
 

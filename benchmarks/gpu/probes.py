@@ -109,11 +109,9 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.policy.health import DeviceHealth
     from accelsched.worker.binder import Binder
     from accelsched.worker.inventory import Inventory
-    from accelsched.worker.leak_check import LeakCheck, LeakOptions
+    from accelsched.worker.leak_check import LeakCheck, LiveResults
     from accelsched.worker.ledger import Ledger
     from accelsched.worker.pool_freer import PoolFreer
-    from accelsched.worker.readings import DeviceReadings
-    from accelsched.worker.results import LiveResults
     from accelsched.worker.worker_actor import WorkerActor
 
     dev = Device(fake)
@@ -123,17 +121,20 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     binder = Binder(simulated=fake, oom_exceptions=(), pools=pools, emit=no_event)
     binder.set_devices([d.index for d in owned])
     binder.used.update(d.index for d in owned)
+    ledger = Ledger(dev.monitor)
     check = LeakCheck(
-        readings=DeviceReadings(
-            monitor=dev.monitor,
-            owned=owned,
-            granted=lambda: owned,
-            health=DeviceHealth(),
-            recover=True,
-        ),
-        live=LiveResults(ledger=Ledger(dev.monitor), owned=owned, leases=binder.leases),
-        binder=binder,
-        options=LeakOptions(Threshold(nbytes=64 * 2**30), confirmations=2, restart_on_leak=False),
+        monitor=dev.monitor,
+        owned=owned,
+        granted=lambda: owned,
+        withdrawn=set,
+        health=DeviceHealth(),
+        live=LiveResults(ledger=ledger, owned=owned, leases=binder.leases),
+        ledger=ledger,
+        leases=binder.leases,
+        used=binder.used,
+        threshold=Threshold(nbytes=64 * 2**30),
+        confirmations=2,
+        restart_on_leak=False,
         actor=WorkerActor(
             inventory=Inventory(advertise_undeclared=False),
             set_devices=binder.set_devices,

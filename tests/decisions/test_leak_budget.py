@@ -1,4 +1,4 @@
-"""The leak detector and the restart budget, decided with numbers and no cluster."""
+"""The leak decisions and the restart budget, decided with numbers and no cluster."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from accelsched.devices.pool import PoolStats
 from accelsched.policy.budget import RestartBudget
-from accelsched.policy.leak import Attribution, Baseline, LeakDetector, estimate
+from accelsched.policy.leak import Attribution, DeviceLeak, LeakDecisions, Verdict, estimate
 from tests.utils import GiB, MiB
 
 
@@ -32,63 +32,79 @@ def test_estimate_fixed_pool_is_retained_not_leaked() -> None:
 
 
 def test_baseline_takes_the_smallest_footprint() -> None:
-    b = Baseline()
-    assert b.observe(process=500 * MiB, live=0, pool_held=200 * MiB) == 300 * MiB
+    b = DeviceLeak()
+    assert b.observe_baseline(process=500 * MiB, live=0, pool_held=200 * MiB) == 300 * MiB
     # results allocated from the pool are inside pool_held: not subtracted twice
-    assert b.observe(process=1300 * MiB, live=1000 * MiB, pool_held=1000 * MiB) == 300 * MiB
+    assert b.observe_baseline(process=1300 * MiB, live=1000 * MiB, pool_held=1000 * MiB) == (
+        300 * MiB
+    )
     # results from an allocator no pool reports
-    assert Baseline().observe(process=1300 * MiB, live=1000 * MiB, pool_held=0) == 300 * MiB
-    assert b.observe(process=450 * MiB, live=0, pool_held=200 * MiB) == 250 * MiB
-    assert Baseline().observe(process=10, live=50, pool_held=0) == 0
+    assert DeviceLeak().observe_baseline(process=1300 * MiB, live=1000 * MiB, pool_held=0) == (
+        300 * MiB
+    )
+    assert b.observe_baseline(process=450 * MiB, live=0, pool_held=200 * MiB) == 250 * MiB
+    assert DeviceLeak().observe_baseline(process=10, live=50, pool_held=0) == 0
+
+
+def judged(d: LeakDecisions, device: int, estimate: int, threshold: int) -> Verdict:
+    """One check of ``device`` alone."""
+    (verdict,) = d.count({device: (estimate, threshold)})
+    return verdict
+
+
+def blamed(d: LeakDecisions, estimates: dict[int, int], *, complete: bool = True) -> list[str]:
+    """The prefixes one check at ``estimates`` (threshold 10) blames, by name."""
+    suspects = d.suspects(
+        d.count({dev: (n, 10) for dev, n in estimates.items()}), complete=complete
+    )
+    return [p for s in suspects.values() for p in s.blamed]
 
 
 def test_leak_needs_consecutive_confirmations() -> None:
-    d = LeakDetector(confirmations=3)
+    d = LeakDecisions(confirmations=3)
     t = GiB
-    assert [d.check(0, 2 * t, t).leak for _ in range(2)] == [False, False]
-    assert d.check(0, 0, t).above == 0  # a dip resets the count
-    verdicts = [d.check(0, 2 * t, t) for _ in range(3)]
+    assert [judged(d, 0, 2 * t, t).leak for _ in range(2)] == [False, False]
+    assert judged(d, 0, 0, t).above == 0  # a dip resets the count
+    verdicts = [judged(d, 0, 2 * t, t) for _ in range(3)]
     assert [v.above for v in verdicts] == [1, 2, 3]
     assert [v.leak for v in verdicts] == [False, False, True]
-    assert d.check(1, 2 * t, t).above == 1  # devices are counted apart
+    assert judged(d, 1, 2 * t, t).above == 1  # devices are counted apart
 
 
 def test_big_leak_acted_on_at_first_check_with_one_confirmation() -> None:
-    d = LeakDetector(confirmations=1)
-    assert d.check(0, GiB + 1, GiB).leak
-    assert not d.check(0, GiB, GiB).leak  # at the threshold is not above it
+    d = LeakDecisions(confirmations=1)
+    assert judged(d, 0, GiB + 1, GiB).leak
+    assert not judged(d, 0, GiB, GiB).leak  # at the threshold is not above it
 
 
 def test_prefixes_since_last_clean_check() -> None:
-    d = LeakDetector(confirmations=1)
+    d = LeakDecisions(confirmations=1, restart_on_leak=False)
     d.ran("load")
-    assert d.end_check([d.check(0, 0, 10)]) == ["load"]
+    assert blamed(d, {0: 0}) == ["load"]
     d.ran("leaky")
-    assert d.end_check([d.check(0, 20, 10)]) == ["leaky"]  # not clean: kept
+    assert blamed(d, {0: 20}) == ["leaky"]  # not clean: kept
     d.ran("after")
-    assert d.end_check([d.check(0, 20, 10)]) == ["after", "leaky"]
-    d.reset()
-    assert d.check(0, 20, 10).above == 1
-    d.reset()
+    assert blamed(d, {0: 20}) == ["after", "leaky"]
+    d.device(0).tried(before=20, after=20, threshold=10)  # tried already: held
+    (leak,) = d.propose(d.count({0: (20, 10)}), complete=True)
+    assert leak.figures["checks"] == 3
+    assert judged(d, 0, 20, 10).above == 1  # a leak acted on: every count starts again
     d.ran("busy")
-    assert d.end_check([], complete=False) == [
-        "after",
-        "busy",
-        "leaky",
-    ]  # a skipped device: not clean
-    assert d.end_check([d.check(0, 0, 10)]) == ["after", "busy", "leaky"]
-    assert d.end_check([d.check(0, 0, 10)]) == []
+    assert blamed(d, {0: 0}, complete=False) == ["after", "busy", "leaky"]  # not clean
+    assert blamed(d, {0: 0}) == ["after", "busy", "leaky"]
+    assert blamed(d, {0: 0}) == []
 
 
 def test_runs_per_prefix_since_last_clean_check() -> None:
-    d = LeakDetector(confirmations=2)
+    d = LeakDecisions(confirmations=2)
     for prefix in ("load", "load", "leaky"):
         d.ran(prefix)
-    assert d.runs() == {"load": 2, "leaky": 1}
-    d.end_check([d.check(0, 20, 10)])  # not clean: kept
-    assert d.runs() == {"load": 2, "leaky": 1}
-    d.end_check([d.check(0, 0, 10)])
-    assert d.runs() == {}
+    d.attribution.left_nothing("load")  # one of its two runs
+    assert blamed(d, {0: 20}) == ["leaky", "load"]  # counted per run
+    d.attribution.left_nothing("load")
+    assert blamed(d, {0: 20}) == ["leaky"]  # not clean: kept, and both runs left nothing
+    assert blamed(d, {0: 0}) == ["leaky"]
+    assert blamed(d, {0: 0}) == []
 
 
 def test_innocent_prefixes_are_those_every_run_of_which_left_nothing() -> None:
@@ -96,14 +112,15 @@ def test_innocent_prefixes_are_those_every_run_of_which_left_nothing() -> None:
     a.left_nothing("keep")
     a.left_nothing("keep")
     a.left_nothing("half")
-    assert a.innocent({"keep": 2, "half": 2, "leaky": 1}) == {"keep"}
-    a.clear()
-    assert a.innocent({"keep": 2}) == set()
+    (suspects,) = a.suspects([0], {"keep": 2, "half": 2, "leaky": 1}, clear=True).values()
+    assert suspects.blamed == ("half", "leaky")  # "keep" alone innocent
+    (suspects,) = a.suspects([0], {"keep": 2}, clear=False).values()
+    assert suspects.blamed == ("keep",)  # forgotten
 
 
-def test_detector_rejects_zero_confirmations() -> None:
+def test_decisions_reject_zero_confirmations() -> None:
     with pytest.raises(ValueError, match="confirmations=0"):
-        LeakDetector(confirmations=0)
+        LeakDecisions(confirmations=0)
 
 
 def test_budget_per_worker_window() -> None:
