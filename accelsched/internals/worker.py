@@ -204,4 +204,3 @@ def wrap_task(spec: Any, runner: Runner) -> Any:
     if isinstance(spec, Bound):
         return spec
     return Bound(spec, runner)
-
