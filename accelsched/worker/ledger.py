@@ -12,13 +12,17 @@ prefix. Data arriving from a peer is measured the same way when its device is id
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
+
+from dask.utils import key_split
 
 from accelsched.devices.arrays import device_nbytes, knows
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
+from accelsched.policy.leases import LeaseTable
 
-__all__ = ["Ledger", "net_of_pools", "MEASURE", "LEARN", "SKIP"]
+__all__ = ["Ledger", "Meter", "net_of_pools", "MEASURE", "LEARN", "SKIP"]
 
 #: Ledger.plan's answers.
 MEASURE, LEARN, SKIP = 0, 1, 2
@@ -44,8 +48,16 @@ def net_of_pools(nbytes: int, pool: PoolStats) -> int:
 class Ledger:
     """Measured device bytes per key; the last fully explained reading per device."""
 
-    def __init__(self, monitor: NVMLMonitor) -> None:
+    def __init__(
+        self,
+        monitor: NVMLMonitor,
+        *,
+        residue: Callable[[str, dict[int, int]], None] | None = None,
+        left_nothing: Callable[[str], None] | None = None,
+    ) -> None:
         self.monitor = monitor
+        self.residue = residue  # (step or task prefix, bytes it left behind): attribution
+        self.left_nothing = left_nothing or _ignore  # (task prefix): a run left nothing
         self._lock = threading.Lock()
         self._measured: dict[Any, dict[int, int]] = {}  # key -> {device: bytes}
         self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
@@ -113,16 +125,6 @@ class Ledger:
                 return MEASURE
         return SKIP if prefix in self._clean else LEARN
 
-    def opening(self, devices: tuple[int, ...], prefix: str) -> tuple[dict[int, int] | None, int]:
-        """A :data:`MEASURE` task's base (:meth:`before`, read before its code runs) and
-        its plan again: :data:`LEARN` or :data:`SKIP` where that very reading found no
-        context on its devices, even if a leak check's :meth:`recheck` dropped the
-        knowledge meanwhile (else the run is neither measured nor seen to leave nothing)."""
-        base, empty = self._before(devices, record=True)
-        if base is None and empty:
-            return None, SKIP if prefix in self._clean else LEARN
-        return base, MEASURE if base is not None else self.plan(devices, prefix)
-
     def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> bool:
         """After a task run under :data:`LEARN` or :data:`SKIP` (before pools are freed):
         is there still no context on its devices? Returns whether the run is known to
@@ -183,23 +185,13 @@ class Ledger:
             return None, empty
         return readings, empty  # type: ignore[return-value]
 
-    def residue(self, before: dict[int, int], result: Any) -> dict[int, int]:
-        """What a step added beyond its known result, per device (nothing when the
-        result's type is unknown: its growth may be the result itself)."""
-        if not knows(result):
-            return {}
-        known = device_nbytes(result)
-        left = {}
-        for device, then in before.items():
-            now = self.noncache(device)
-            if now is not None:
-                left[device] = max(0, now - then - known.get(device, 0))
-        return left
-
-    def after(self, key: Any, before: dict[int, int], result: Any) -> dict[int, int]:
-        """Hold the task's growth against ``key``; return its residue (bytes left behind
-        beyond its known result: 0 when the result's type is unknown)."""
+    def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
+        """Hold the task's growth against ``key`` (None: a marked step's, held by no key);
+        return its residue (bytes left behind beyond its known result: 0 when the result's
+        type is unknown, its growth may be the result itself) and its growth in all."""
         known = device_nbytes(result) if knows(result) else None
+        if key is None and known is None:
+            return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
         held: dict[int, int] = {}
         residue: dict[int, int] = {}
         with self._lock:
@@ -214,14 +206,16 @@ class Ledger:
             size = known.get(device, 0) if known is not None else grew
             held[device] = size
             residue[device] = max(0, grew - size)
+            if key is not None:
+                with self._lock:
+                    # a key released or data arrived while it was read: no base from it
+                    if (self._epoch.get(device, 0), self._arrivals) == epochs[device]:
+                        self._settled[device] = now
+                        self._fresh[device] = now
+        if key is not None:
             with self._lock:
-                # a key released or data arrived while it was read: no base from it
-                if (self._epoch.get(device, 0), self._arrivals) == epochs[device]:
-                    self._settled[device] = now
-                    self._fresh[device] = now
-        with self._lock:
-            self._measured[key] = held
-        return residue
+                self._measured[key] = held
+        return residue, sum(held.values()) + sum(residue.values())
 
     # --- on the event loop ----------------------------------------------------------------
 
@@ -241,11 +235,6 @@ class Ledger:
         """Whether ``value``, unmeasured, holds nothing on a device by its type alone (a
         number, a string: :meth:`held` would say ``{}`` without asking anything)."""
         return value is None or type(value) in _PLAIN
-
-    def held_by(self, key: Any) -> dict[int, int]:
-        """What :meth:`after` measured ``key``'s result holding, per device."""
-        with self._lock:
-            return dict(self._measured.get(key, {}))
 
     def measured(self, key: Any) -> bool:
         """Whether ``key``'s task was measured (what it holds needs no look at its value)."""
@@ -294,3 +283,90 @@ class Ledger:
             self._settled.pop(device, None)
             self._fresh.pop(device, None)
             self._epoch[device] = self._epoch.get(device, 0) + 1
+
+
+def _ignore(prefix: str) -> None:
+    pass
+
+
+class Meter:
+    """One GPU task's measurement, from its lease to its return; also its lease's
+    ``meter`` (:meth:`accelsched.context.Lease.run_step`), measuring each outermost marked
+    step the task calls, so the attribution names the step that left memory behind, even
+    inside a fused task.
+
+    A reading counts only while the task holds its devices alone: the lease table's token,
+    taken with the base, proves at the end that no other task took or gave back one
+    meanwhile. What :meth:`Ledger.plan` says decides whether any reading is taken.
+    """
+
+    __slots__ = ("ledger", "leases", "key", "devices", "prefix", "plan", "depth", "steps", "grew")
+
+    def __init__(
+        self, ledger: Ledger, leases: LeaseTable, key: Any, devices: tuple[int, ...], prefix: str
+    ) -> None:
+        self.ledger = ledger
+        self.leases = leases
+        self.key = key
+        self.devices = devices
+        self.prefix = prefix
+        self.plan = ledger.plan(devices, prefix)
+        self.depth = 0  # marked steps running now, nested
+        self.steps = 0  # marked steps measured so far
+        self.grew: int | None = None  # what the task added in all, when measured
+
+    def _open(self, record: bool) -> tuple[Any, dict[int, int] | None, bool]:
+        """(alone token, base reading, whether that reading found no context anywhere)."""
+        token = self.leases.alone_token(self.key)
+        if token is None:  # not alone: no base
+            return None, None, False
+        base, empty = self.ledger._before(self.devices, record=record)
+        return token, base, empty
+
+    def run(self, spec: Any, values: Any) -> Any:
+        """Run the task's code, measured as planned: with no context on its devices no
+        reading can be a base (the context a task makes would count as its growth), so it
+        is not read around, only checked after (:meth:`Ledger.unmeasured`)."""
+        ledger, devices, prefix = self.ledger, self.devices, self.prefix
+        token = base = None
+        if self.plan == MEASURE:
+            token, base, empty = self._open(record=True)
+            if base is None:
+                # a base reading that found no context plans the run itself, whatever a
+                # leak check dropped meanwhile (else it would be neither measured nor seen
+                # to leave nothing); not alone, another task's reading may have found none
+                clean = prefix in ledger._clean
+                self.plan = (SKIP if clean else LEARN) if empty else ledger.plan(devices, prefix)
+        if self.plan != MEASURE:
+            try:
+                return spec(values)
+            finally:
+                if ledger.unmeasured(devices, prefix, self.plan):
+                    ledger.left_nothing(prefix)
+        result = spec(values)
+        if base is None or not self.leases.still_alone(self.key, token):
+            for d in devices:  # memory changed unmeasured: no base for arrivals there
+                ledger.forget(d)
+            return result
+        left, self.grew = ledger.after(self.key, base, result)
+        if ledger.residue is not None and not self.steps:
+            ledger.residue(key_split(self.key), left)
+        if self.grew == 0:
+            ledger.left_nothing(prefix)
+        return result
+
+    def __call__(self, name: str, call: Callable[[], Any]) -> Any:
+        """Run one marked step of the task, measured when outermost (and attributed)."""
+        residue = self.ledger.residue
+        token, base, _ = (
+            self._open(record=False) if self.depth == 0 and residue else (None, None, False)
+        )
+        self.depth += 1
+        try:
+            result = call()
+        finally:
+            self.depth -= 1
+        if base is not None and residue is not None and self.leases.still_alone(self.key, token):
+            self.steps += 1
+            residue(name, self.ledger.after(None, base, result)[0])
+        return result
