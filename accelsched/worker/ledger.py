@@ -327,7 +327,7 @@ class Meter:
         """Run the task's code, measured as planned: with no context on its devices no
         reading can be a base (the context a task makes would count as its growth), so it
         is not read around, only checked after (:meth:`Ledger.unmeasured`)."""
-        ledger, devices, prefix = self.ledger, self.devices, self.prefix
+        ledger = self.ledger
         token = base = None
         if self.plan == MEASURE:
             token, base, empty = self._open(record=True)
@@ -335,24 +335,26 @@ class Meter:
                 # a base reading that found no context plans the run itself, whatever a
                 # leak check dropped meanwhile (else it would be neither measured nor seen
                 # to leave nothing); not alone, another task's reading may have found none
-                clean = prefix in ledger._clean
-                self.plan = (SKIP if clean else LEARN) if empty else ledger.plan(devices, prefix)
+                clean = self.prefix in ledger._clean
+                self.plan = (
+                    (SKIP if clean else LEARN) if empty else ledger.plan(self.devices, self.prefix)
+                )
         if self.plan != MEASURE:
             try:
                 return spec(values)
             finally:
-                if ledger.unmeasured(devices, prefix, self.plan):
-                    ledger.left_nothing(prefix)
+                if ledger.unmeasured(self.devices, self.prefix, self.plan):
+                    ledger.left_nothing(self.prefix)
         result = spec(values)
         if base is None or not self.leases.still_alone(self.key, token):
-            for d in devices:  # memory changed unmeasured: no base for arrivals there
+            for d in self.devices:  # memory changed unmeasured: no base for arrivals there
                 ledger.forget(d)
             return result
         left, self.grew = ledger.after(self.key, base, result)
         if ledger.residue is not None and not self.steps:
             ledger.residue(key_split(self.key), left)
         if self.grew == 0:
-            ledger.left_nothing(prefix)
+            ledger.left_nothing(self.prefix)
         return result
 
     def __call__(self, name: str, call: Callable[[], Any]) -> Any:
