@@ -187,15 +187,14 @@ class LeaseTable:
     def _packed(
         self, key: Any, requirement: Requirement, load: dict[int, float], declared: dict[int, int]
     ) -> tuple[int, ...] | None:
-        need = requirement.memory or 0
-        eligible = self._eligible(requirement)
-        if not any(capacity(self._facts[d].memory) >= need for d in eligible):
+        eligible = self._eligible(requirement)  # each can hold the need (fits says so)
+        if not eligible:
             raise NoFreeDevice(
                 f"task {key!r} needs a device with {requirement.label()}; this "
                 f"worker's devices {self._devices} have none"
             )
         rooms = [(d, capacity(self._facts[d].memory), declared[d]) for d in eligible]
-        chosen = pack(need, rooms, whole=[d for d in eligible if load[d]])
+        chosen = pack(requirement.memory or 0, rooms, whole=[d for d in eligible if load[d]])
         return None if chosen is None else (chosen,)
 
     def _whole(
