@@ -64,28 +64,27 @@ class Ledger:
         # device -> the reading that ended the last measured task there: the next task's
         # base, unless memory changed meanwhile (a key released, data arrived)
         self._fresh: dict[int, int] = {}
-        # device -> changes noted on the event loop (forget, arrived): a closing reading
-        # taken across one of them is not reused as a base
-        self._epoch: dict[int, int] = {}
-        self._arrivals = 0
-        # device -> True: the last reading found no context of this process there, and
-        # nothing since can have made one (see plan); no reading can be a base meanwhile
-        self._no_context: dict[int, bool] = {}
+        # changes noted on the event loop (a key released, data arrived): a closing
+        # reading taken across one of them is not reused as a base
+        self._changes = 0
+        # devices where the last reading found no context of this process, and nothing
+        # since can have made one (see plan): no reading can be a base there meanwhile
+        self._no_context: set[int] = set()
         self._context_gen = 0  # bumped whenever that knowledge is dropped
         self._clean: set[str] = set()  # prefixes whose runs were seen to make no context
 
-    def noncache(self, device: int, *, record: bool = False) -> int | None:
+    def noncache(self, device: int) -> int | None:
         """This process's bytes on ``device`` minus what pools cache or reserve; None
-        when NVML cannot tell (no figure of its own, no context yet, or an error).
+        when NVML cannot tell (no figure of its own, no context yet, or an error)."""
+        return self._read(device, False)[0]
+
+    def _read(self, device: int, record: bool) -> tuple[int | None, bool]:
+        """:meth:`noncache`, and whether this reading itself found no context there
+        (what the knowledge :meth:`plan` relies on may have been dropped meanwhile).
 
         ``record``: a reading taken between GPU tasks (no task code runs on ``device``
         until the next one), whose "no context" :meth:`plan` may rely on; a reading inside
         a task (a marked step's) may be followed by that task making a context."""
-        return self._read(device, record)[0]
-
-    def _read(self, device: int, record: bool) -> tuple[int | None, bool]:
-        """:meth:`noncache`, and whether this reading itself found no context there
-        (what the knowledge :meth:`plan` relies on may have been dropped meanwhile)."""
         gen = self._context_gen
         try:
             reading = self.monitor.process_memory(device)
@@ -95,7 +94,7 @@ class Ledger:
             if record:
                 with self._lock:
                     if gen == self._context_gen:  # nobody dropped the knowledge meanwhile
-                        self._no_context[device] = True
+                        self._no_context.add(device)
             return None, True  # a context made now would be counted as the task's
         if device in self._no_context:
             self.recheck((device,))  # there is one now (or NVML cannot tell)
@@ -133,20 +132,14 @@ class Ledger:
         if plan == LEARN:
             gen = self._context_gen
             # records "no context" again, or finds one
-            empty = all([self._read(d, True)[1] for d in devices])
-            with self._lock:
-                if (
-                    empty
-                    and gen == self._context_gen
-                    and all(d in self._no_context for d in devices)
-                ):
-                    if len(self._clean) >= MAX_PREFIXES:
-                        self._clean.clear()
-                    self._clean.add(prefix)
-            if empty:  # these readings saw none, whatever a recheck dropped meanwhile
-                return True
-        pools = active_pools()
-        if pools:
+            if all([self._read(d, True)[1] for d in devices]):
+                with self._lock:
+                    if gen == self._context_gen and self._no_context.issuperset(devices):
+                        if len(self._clean) >= MAX_PREFIXES:
+                            self._clean.clear()
+                        self._clean.add(prefix)
+                return True  # these readings saw none, whatever a recheck dropped meanwhile
+        if pools := active_pools():
             try:
                 held = any(p.stats(d).held for p in pools for d in devices)
             except Exception:  # a pool that cannot say: read NVML before the next task
@@ -164,26 +157,23 @@ class Ledger:
             if devices is None:
                 self._no_context.clear()
             else:
-                for d in devices:
-                    self._no_context.pop(d, None)
+                self._no_context.difference_update(devices)
 
-    def before(self, devices: tuple[int, ...]) -> dict[int, int] | None:
-        """The base to measure a task by: the last task's closing reading where nothing
-        changed since (back-to-back GPU tasks cost one NVML read per device, not two)."""
-        return self._before(devices, record=False)[0]
-
-    def _before(
-        self, devices: tuple[int, ...], *, record: bool
+    def before(
+        self, devices: tuple[int, ...], *, record: bool = False
     ) -> tuple[dict[int, int] | None, bool]:
-        """:meth:`before`, and whether every device was read now and found no context."""
+        """The base to measure a task by: the last task's closing reading where nothing
+        changed since (back-to-back GPU tasks cost one NVML read per device, not two);
+        and whether every device was read now and found no context (``record``: see
+        :meth:`_read`)."""
         with self._lock:
-            fresh = dict(zip(devices, [self._fresh.pop(d, None) for d in devices], strict=True))
-        read = {d: self._read(d, record) for d, then in fresh.items() if then is None}
-        empty = len(read) == len(devices) and all(e for _, e in read.values())
-        readings = {d: read[d][0] if then is None else then for d, then in fresh.items()}
-        if any(v is None for v in readings.values()):
-            return None, empty
-        return readings, empty  # type: ignore[return-value]
+            fresh = [self._fresh.pop(d, None) for d in devices]
+        read = [
+            self._read(d, record) if then is None else (then, False)
+            for d, then in zip(devices, fresh, strict=True)
+        ]
+        base = {d: v for d, (v, _) in zip(devices, read, strict=True) if v is not None}
+        return (base if len(base) == len(devices) else None), all(e for _, e in read)
 
     def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
         """Hold the task's growth against ``key`` (None: a marked step's, held by no key);
@@ -194,8 +184,7 @@ class Ledger:
             return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
         held: dict[int, int] = {}
         residue: dict[int, int] = {}
-        with self._lock:
-            epochs = {d: (self._epoch.get(d, 0), self._arrivals) for d in before}
+        changes = self._changes
         for device, then in before.items():
             now = self.noncache(device)
             if now is None:
@@ -209,7 +198,7 @@ class Ledger:
             if key is not None:
                 with self._lock:
                     # a key released or data arrived while it was read: no base from it
-                    if (self._epoch.get(device, 0), self._arrivals) == epochs[device]:
+                    if self._changes == changes:
                         self._settled[device] = now
                         self._fresh[device] = now
         if key is not None:
@@ -225,10 +214,8 @@ class Ledger:
             measured = self._measured.pop(key, None)
         if measured is not None:
             # the measurement wins: type knowledge only where none exists
-            return {d: n for d, n in measured.items() if n} if measured else measured
-        if self.holds_nothing(value):
-            return {}
-        return device_nbytes(value)
+            return {d: n for d, n in measured.items() if n}
+        return {} if self.holds_nothing(value) else device_nbytes(value)
 
     @staticmethod
     def holds_nothing(value: Any) -> bool:
@@ -251,22 +238,19 @@ class Ledger:
         devices since the last explained reading."""
         with self._lock:
             self._fresh.clear()  # memory may have grown: no reused base
-            self._arrivals += 1
+            self._changes += 1
         if knows(value):
             return device_nbytes(value)
         out = {}
         for device in idle:
             with self._lock:
                 then = self._settled.get(device)
-            if then is None:
-                continue  # no explained base to measure from: type knowledge only
-            now = self.noncache(device)
-            if now is None:
-                continue
-            with self._lock:
-                self._settled[device] = now
-            if now > then:
-                out[device] = now - then
+            # without an explained base to measure from: type knowledge only
+            if then is not None and (now := self.noncache(device)) is not None:
+                with self._lock:
+                    self._settled[device] = now
+                if now > then:
+                    out[device] = now - then
         return out or device_nbytes(value)
 
     def settle(self, device: int, noncache: int | None) -> None:
@@ -282,7 +266,7 @@ class Ledger:
         with self._lock:
             self._settled.pop(device, None)
             self._fresh.pop(device, None)
-            self._epoch[device] = self._epoch.get(device, 0) + 1
+            self._changes += 1
 
 
 def _ignore(prefix: str) -> None:
@@ -320,7 +304,7 @@ class Meter:
         token = self.leases.alone_token(self.key)
         if token is None:  # not alone: no base
             return None, None, False
-        base, empty = self.ledger._before(self.devices, record=record)
+        base, empty = self.ledger.before(self.devices, record=record)
         return token, base, empty
 
     def run(self, spec: Any, values: Any) -> Any:
