@@ -329,19 +329,6 @@ def test_production_code_imports_no_test_double() -> None:
     assert "accelsched.testing" not in text
 
 
-#: "No module over about 300 lines": one concern a module, readable in a sitting.
-MAX_LINES = 310
-
-
-def test_no_module_over_about_300_lines() -> None:
-    long = {
-        str(p.relative_to(ROOT)): n
-        for p in SOURCES
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, long
-
-
 def test_pins_match_the_tested_range() -> None:
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -105,7 +105,7 @@ class Ledger:
 
     # --- around a GPU task (its executor thread) ----------------------------------------
 
-    def plan(self, devices: tuple[int, ...], prefix: str) -> int:
+    def plan(self, devices: tuple[int, ...], prefix: str, *, found_none: bool = False) -> int:
         """How to measure a task of ``prefix`` on ``devices``: :data:`MEASURE` (a base
         reading, or the last task's closing one, and a closing reading), :data:`LEARN`
         (no base can exist: the last reading found no context on its devices; one closing
@@ -117,11 +117,14 @@ class Ledger:
         to learn that costs tens of microseconds per tiny task. The knowledge is dropped
         by :meth:`recheck` (every leak check), by a run of an unknown prefix that made a
         context and by a pool holding memory there after a run (:meth:`unmeasured`).
+        ``found_none``: a reading just taken found no context on any of ``devices``,
+        whatever a leak check dropped meanwhile.
         """
-        no_context = self._no_context
-        for d in devices:
-            if d not in no_context:
-                return MEASURE
+        if not found_none:
+            no_context = self._no_context
+            for d in devices:
+                if d not in no_context:
+                    return MEASURE
         return SKIP if prefix in self._clean else LEARN
 
     def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> bool:
@@ -319,10 +322,7 @@ class Meter:
                 # a base reading that found no context plans the run itself, whatever a
                 # leak check dropped meanwhile (else it would be neither measured nor seen
                 # to leave nothing); not alone, another task's reading may have found none
-                clean = self.prefix in ledger._clean
-                self.plan = (
-                    (SKIP if clean else LEARN) if empty else ledger.plan(self.devices, self.prefix)
-                )
+                self.plan = ledger.plan(self.devices, self.prefix, found_none=empty)
         if self.plan != MEASURE:
             try:
                 return spec(values)
