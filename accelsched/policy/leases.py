@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from accelsched.policy.requirements import DeviceFacts, Requirement, capacity, pack
@@ -42,19 +43,17 @@ def devices_needed(amount: float) -> int:
     return max(1, math.ceil(amount)) if amount > 0 else 0
 
 
+@dataclass(slots=True)
 class _Task:
     """One running task: the devices it holds (with its share of each, or the bytes it
     declared on its one device); ``counted``: the transition hook saw it start and has
     not seen it end; ``gpu``: it asked for a GPU."""
 
-    __slots__ = ("devices", "share", "nbytes", "counted", "gpu")
-
-    def __init__(self, counted: bool, gpu: bool) -> None:
-        self.devices: tuple[int, ...] = ()
-        self.share = 0.0
-        self.nbytes = 0
-        self.counted = counted
-        self.gpu = gpu
+    counted: bool
+    gpu: bool
+    devices: tuple[int, ...] = ()
+    share: float = 0.0
+    nbytes: int = 0
 
 
 class LeaseTable:

@@ -103,7 +103,7 @@ _ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None)})
 _PLAIN_CALLABLES = frozenset(
     {types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial, type}
 )
-_CONTAINERS = (list, tuple, set, frozenset)
+_CONTAINERS = (dict, list, tuple, set, frozenset)
 _CALLS = ("func", "funcs", "first", "value")
 _ARGS = ("args", "kwargs", "keywords")
 _ARGUMENTS = (tuple, list, dict)
@@ -209,11 +209,10 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
             continue
         seen.add(ident)
         visits += 1
-        if isinstance(obj, dict):
-            queue.extend(itertools.islice(obj.values(), MAX_ITEMS))
-            continue
         if isinstance(obj, _CONTAINERS):
-            queue.extend(itertools.islice(obj, MAX_ITEMS))
+            queue.extend(
+                itertools.islice(obj.values() if isinstance(obj, dict) else obj, MAX_ITEMS)
+            )
             continue
         mark = mark_of(obj)
         if mark is None:
@@ -230,14 +229,12 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
             found.append(mark)
     if not found:
         return None
-    given = [m.timeout for m in found if m.timeout_given]
-    timeouts = [t for t in given if t is not None]
-    requirement = combine([m.requirement for m in found if m.requirement])
-    cpu_forms = [m.cpu_form for m in found]
+    timeouts = [m.timeout for m in found if m.timeout_given and m.timeout is not None]
+    cpu_forms = [m.cpu_form for m in found if m.cpu_form is not None]
     return Mark(
         count=max(m.count for m in found),
-        timeout=min(timeouts) if timeouts else None,
-        timeout_given=bool(given),
-        requirement=requirement,
-        cpu_form=None if None in cpu_forms else min(c for c in cpu_forms if c is not None),
+        timeout=min(timeouts, default=None),
+        timeout_given=any(m.timeout_given for m in found),
+        requirement=combine([m.requirement for m in found if m.requirement]),
+        cpu_form=min(cpu_forms) if len(cpu_forms) == len(found) else None,
     )

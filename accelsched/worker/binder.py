@@ -155,8 +155,17 @@ class Binder:
                 if meter is None:
                     return spec(values)
                 result = meter.run(spec, values)
-                if requirement is not None and requirement.memory is not None:
-                    self._over_declared(key, devices[0], requirement.memory, meter.grew)
+                declared = None if requirement is None else requirement.memory
+                if declared is not None and (meter.grew or 0) > declared:
+                    # measured alone on its device, it added more than it declared: its
+                    # neighbours' room was not what the packing counted on
+                    self._emit(
+                        events.OVER_DECLARED,
+                        key=str(key),
+                        device=devices[0],
+                        declared=declared,
+                        measured=meter.grew,
+                    )
                 return result
             finally:
                 self.pools.after_gpu_task(devices)
@@ -166,14 +175,6 @@ class Binder:
             if self._waiting:
                 with self._freed:
                     self._freed.notify_all()
-
-    def _over_declared(self, key: Any, device: int, declared: int, grew: int | None) -> None:
-        """A declared-memory task measured (alone on its device) adding more than it
-        declared: its neighbours' room was not what the packing counted on."""
-        if grew is not None and grew > declared:
-            self._emit(
-                events.OVER_DECLARED, key=str(key), device=device, declared=declared, measured=grew
-            )
 
     @staticmethod
     def fallback_runner(inner: Runner | None) -> Runner:
