@@ -208,13 +208,12 @@ def requirement_problem(value: Any) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
 class Conflict(Requirement):
     """Requirements no one device can meet at once (steps fused into one task that ask
     for different models, or MIG and a whole GPU): the task errs, naming them."""
 
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        object.__setattr__(self, "text", text)
+    text: str = ""
 
     def __bool__(self) -> bool:
         return True
@@ -223,7 +222,7 @@ class Conflict(Requirement):
         return False
 
     def label(self) -> str:
-        return f"conflicting: {self.text}"  # type: ignore[attr-defined]
+        return f"conflicting: {self.text}"
 
 
 def combine(requirements: list[Requirement]) -> Requirement | None:
@@ -236,7 +235,7 @@ def combine(requirements: list[Requirement]) -> Requirement | None:
     models = {r.model for r in requirements if r.model is not None}
     migs = {r.mig for r in requirements if r.mig is not None}
     if len(models) > 1 or len(migs) > 1:
-        return Conflict(" and ".join(sorted({r.label() for r in requirements})))
+        return Conflict(text=" and ".join(sorted({r.label() for r in requirements})))
     memories = [r.memory for r in requirements if r.memory is not None]
     capabilities = [r.capability for r in requirements if r.capability is not None]
     return Requirement(
@@ -276,11 +275,5 @@ def pack(
     fill one device and leave another whole for a large one.
     """
     held = set(whole)
-    best: tuple[int, int] | None = None
-    for index, capacity, leased in devices:
-        room = capacity - leased
-        if index in held or room < need:
-            continue
-        if best is None or room - need < best[0]:
-            best = (room - need, index)
-    return None if best is None else best[1]
+    left = [(room - leased - need, i) for i, room, leased in devices if i not in held]
+    return min(((n, i) for n, i in left if n >= 0), default=(0, None))[1]

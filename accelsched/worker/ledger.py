@@ -187,7 +187,7 @@ class Ledger:
             return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
         held: dict[int, int] = {}
         residue: dict[int, int] = {}
-        changes = self._changes
+        changes = self._changes  # a key released or data arrived meanwhile: no base from it
         for device, then in before.items():
             now = self.noncache(device)
             if now is None:
@@ -195,15 +195,12 @@ class Ledger:
             grew = max(0, now - then)
             # a known result holds its own size, and what else the run left is residue;
             # an unknown one holds all the growth (nothing can tell it from a leak)
-            size = known.get(device, 0) if known is not None else grew
-            held[device] = size
+            held[device] = size = known.get(device, 0) if known is not None else grew
             residue[device] = max(0, grew - size)
             if key is not None:
                 with self._lock:
-                    # a key released or data arrived while it was read: no base from it
                     if self._changes == changes:
-                        self._settled[device] = now
-                        self._fresh[device] = now
+                        self._settled[device] = self._fresh[device] = now
         if key is not None:
             with self._lock:
                 self._measured[key] = held
