@@ -144,22 +144,20 @@ def _exists(obj: Any, name: str) -> bool:
 
 
 def _plan(obj: Any) -> _Plan:
+    """What to read of objects of ``obj``'s type (none planned yet), planned now."""
     cls = type(obj)
-    plan = _PLANS.get(cls)
-    if plan is None:
-        data = _has(obj, "__array__") or _has(obj, "__cuda_array_interface__")
-        call = None  # the __call__ its class defines or inherits
-        if cls not in _PLAIN_CALLABLES:
-            call = next(
-                (c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None
-            )
-        plan = _Plan(
-            data,
-            () if data else tuple(n for n in _CALLS + _ARGS if _exists(obj, n)),
-            mark_of(call),
-        )
-        if len(_PLANS) < 4096:  # types made on the fly must not grow this forever
-            _PLANS[cls] = plan
+    data = _has(obj, "__array__") or _has(obj, "__cuda_array_interface__")
+    # the __call__ its class defines or inherits
+    call = (
+        None
+        if cls in _PLAIN_CALLABLES
+        else next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+    )
+    plan = _Plan(
+        data, () if data else tuple(n for n in _CALLS + _ARGS if _exists(obj, n)), mark_of(call)
+    )
+    if len(_PLANS) < 4096:  # types made on the fly must not grow this forever
+        _PLANS[cls] = plan
     return plan
 
 
