@@ -67,17 +67,19 @@ class Tasks:
 
     def __init__(self) -> None:
         self.monitor = Counting()
-        self.ledger = Ledger(self.monitor)
         self.residues: list[tuple[str, dict[int, int]]] = []
         self.attribution = Attribution()  # runs seen to leave nothing, by prefix
+        self.ledger = Ledger(
+            self.monitor,
+            residue=lambda name, left: self.residues.append((name, left)),
+            left_nothing=self.attribution.left_nothing,
+        )
         self.binder = Binder(
             simulated=True,
             oom_exceptions=(),
             pools=PoolFreer(every=1, above=0.0, monitor=self.monitor, simulated=True),
             emit=lambda *a, **k: None,
             ledger=self.ledger,
-            residue=lambda name, left: self.residues.append((name, left)),
-            left_nothing=self.attribution.left_nothing,
         )
         self.binder.set_devices([0])
         self.n = 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from accelsched.policy.requirements import DeviceFacts, Requirement, capacity, pack
@@ -42,19 +43,17 @@ def devices_needed(amount: float) -> int:
     return max(1, math.ceil(amount)) if amount > 0 else 0
 
 
+@dataclass(slots=True)
 class _Task:
     """One running task: the devices it holds (with its share of each, or the bytes it
     declared on its one device); ``counted``: the transition hook saw it start and has
     not seen it end; ``gpu``: it asked for a GPU."""
 
-    __slots__ = ("devices", "share", "nbytes", "counted", "gpu")
-
-    def __init__(self, counted: bool, gpu: bool) -> None:
-        self.devices: tuple[int, ...] = ()
-        self.share = 0.0
-        self.nbytes = 0
-        self.counted = counted
-        self.gpu = gpu
+    counted: bool
+    gpu: bool
+    devices: tuple[int, ...] = ()
+    share: float = 0.0
+    nbytes: int = 0
 
 
 class LeaseTable:
@@ -139,13 +138,27 @@ class LeaseTable:
             load, declared = self._sums()
             n = devices_needed(amount)
             share, nbytes = (amount / n if n else 0.0), 0
-            if requirement is not None and requirement.memory is not None:
-                share, nbytes = 0.0, requirement.memory
-                chosen = self._packed(key, requirement, load, declared)
-            elif requirement is None and not any(declared.values()):
-                chosen = self._spread(key, n, share, load)
-            else:  # declared tasks hold devices, or a requirement: whole idle ones only
-                chosen = self._whole(key, n, requirement, load, declared)
+            if requirement is None and not any(declared.values()):
+                return self._hold(key, self._spread(key, n, share, load), share, nbytes)
+            # a requirement, or declared tasks hold devices: eligible devices only
+            eligible = self._eligible(requirement)
+            need = None if requirement is None else requirement.memory  # bytes declared
+            n = n if need is None else 1  # a declared need takes one device
+            if len(eligible) < n:
+                what = "a device" if n == 1 else f"{n} devices"
+                meeting = "" if requirement is None else f" with {requirement.label()}"
+                raise NoFreeDevice(
+                    f"task {key!r} needs {what}{meeting}; this worker has {len(eligible)} "
+                    f"of {self._devices}"
+                )
+            if need is not None:
+                share, nbytes = 0.0, need
+                rooms = [(d, capacity(self._facts[d].memory), declared[d]) for d in eligible]
+                one = pack(nbytes, rooms, whole=[d for d in eligible if load[d]])
+                chosen: tuple[int, ...] | None = None if one is None else (one,)
+            else:  # whole devices no task holds
+                idle = [d for d in eligible if not load[d] and not declared[d]]
+                chosen = tuple(sorted(idle)[:n]) if len(idle) >= n else None
             return None if chosen is None else self._hold(key, chosen, share, nbytes)
 
     def _hold(
@@ -183,38 +196,6 @@ class LeaseTable:
                 f"{self._devices} are free; busy: {self.holders()}"
             )
         return tuple(candidates[:n])
-
-    def _packed(
-        self, key: Any, requirement: Requirement, load: dict[int, float], declared: dict[int, int]
-    ) -> tuple[int, ...] | None:
-        need = requirement.memory or 0
-        eligible = self._eligible(requirement)
-        if not any(capacity(self._facts[d].memory) >= need for d in eligible):
-            raise NoFreeDevice(
-                f"task {key!r} needs a device with {requirement.label()}; this "
-                f"worker's devices {self._devices} have none"
-            )
-        rooms = [(d, capacity(self._facts[d].memory), declared[d]) for d in eligible]
-        chosen = pack(need, rooms, whole=[d for d in eligible if load[d]])
-        return None if chosen is None else (chosen,)
-
-    def _whole(
-        self,
-        key: Any,
-        n: int,
-        requirement: Requirement | None,
-        load: dict[int, float],
-        declared: dict[int, int],
-    ) -> tuple[int, ...] | None:
-        """``n`` whole devices (meeting ``requirement``) that no task holds."""
-        eligible = self._eligible(requirement)
-        if len(eligible) < n:
-            what = "devices" if requirement is None else f"devices with {requirement.label()}"
-            raise NoFreeDevice(
-                f"task {key!r} needs {n} {what}; this worker has {len(eligible)} of {self._devices}"
-            )
-        idle = [d for d in eligible if not load[d] and not declared[d]]
-        return tuple(sorted(idle)[:n]) if len(idle) >= n else None
 
     def _eligible(self, requirement: Requirement | None) -> list[int]:
         """Devices that meet ``requirement`` (all, without one; none NVML did not describe)."""

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import types
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from accelsched.policy.requirements import Requirement, combine, requirement_problem
+from accelsched.policy.timeouts import invalid_amount
 
 __all__ = ["MARK_ATTRIBUTE", "Mark", "mark_of", "mark_problem", "find_mark", "MAX_VISITS"]
 
@@ -66,27 +66,22 @@ def mark_problem(mark: Mark) -> str | None:
     """Why ``mark`` cannot be taken as is, or None when it can.
 
     A mark arrives unpickled, so the scheduler checks it as strictly as :func:`gpu` checks
-    its arguments: a NaN or string timeout would otherwise sit in the fallback heap where
-    no deadline ever passes, holding up every fallback queued behind it.
+    its arguments (its count by the rule of a ``GPU`` resource): a NaN or string timeout
+    would otherwise sit in the fallback heap where no deadline ever passes, holding up
+    every fallback queued behind it.
     """
-    count, timeout = mark.count, mark.timeout
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
-        return f"invalid GPU step mark count={count!r}: expected a positive number of GPUs"
-    if not 0 < count < math.inf:
-        return f"invalid GPU step mark count={count!r}: expected a positive number of GPUs"
+    if invalid_amount(mark.count) is not None:
+        return f"invalid GPU step mark count={mark.count!r}: expected a positive number of GPUs"
     requirement = getattr(mark, "requirement", None)  # a mark pickled before it existed
-    if requirement is not None:
-        problem = requirement_problem(requirement)
-        if problem is not None:
-            return f"invalid GPU step mark: {problem}"
+    problem = None if requirement is None else requirement_problem(requirement)
+    if problem is not None:
+        return f"invalid GPU step mark: {problem}"
     if not isinstance(mark.timeout_given, bool):
         return f"invalid GPU step mark timeout_given={mark.timeout_given!r}"
-    for name, seconds in (("fallback_timeout", timeout), ("cpu_form", mark.cpu_form)):
-        if seconds is not None and (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, (int, float))
-            or not 0 <= seconds < math.inf
-        ):
+    for name, seconds in (("fallback_timeout", mark.timeout), ("cpu_form", mark.cpu_form)):
+        # zero is a timeout (fall back at once), no amount
+        bad = isinstance(seconds, bool) or (seconds != 0 and invalid_amount(seconds) is not None)
+        if seconds is not None and bad:
             return (
                 f"invalid GPU step mark {name}={seconds!r}: expected None or a "
                 "finite, non-negative number of seconds"
@@ -108,9 +103,10 @@ _ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None)})
 _PLAIN_CALLABLES = frozenset(
     {types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial, type}
 )
-_CONTAINERS = (list, tuple, set, frozenset)
+_CONTAINERS = (dict, list, tuple, set, frozenset)
 _CALLS = ("func", "funcs", "first", "value")
 _ARGS = ("args", "kwargs", "keywords")
+_ARGUMENTS = (tuple, list, dict)
 
 
 @dataclass(frozen=True)
@@ -118,8 +114,7 @@ class _Plan:
     """What the walk reads of objects of one type, decided at the first one seen."""
 
     data: bool  # an array: never entered
-    calls: tuple[str, ...]  # of func/funcs/first/value, those it has
-    args: tuple[str, ...]  # of args/kwargs/keywords, those it has
+    reads: tuple[str, ...]  # of func/funcs/first/value and args/kwargs/keywords, those it has
     call_mark: Mark | None  # a callable instance whose class's (inherited) __call__ is marked
 
 
@@ -149,23 +144,20 @@ def _exists(obj: Any, name: str) -> bool:
 
 
 def _plan(obj: Any) -> _Plan:
+    """What to read of objects of ``obj``'s type (none planned yet), planned now."""
     cls = type(obj)
-    plan = _PLANS.get(cls)
-    if plan is None:
-        data = _has(obj, "__array__") or _has(obj, "__cuda_array_interface__")
-        call = None  # the __call__ its class defines or inherits
-        if cls not in _PLAIN_CALLABLES:
-            call = next(
-                (c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None
-            )
-        plan = _Plan(
-            data,
-            () if data else tuple(n for n in _CALLS if _exists(obj, n)),
-            () if data else tuple(n for n in _ARGS if _exists(obj, n)),
-            mark_of(call),
-        )
-        if len(_PLANS) < 4096:  # types made on the fly must not grow this forever
-            _PLANS[cls] = plan
+    data = _has(obj, "__array__") or _has(obj, "__cuda_array_interface__")
+    # the __call__ its class defines or inherits
+    call = (
+        None
+        if cls in _PLAIN_CALLABLES
+        else next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+    )
+    plan = _Plan(
+        data, () if data else tuple(n for n in _CALLS + _ARGS if _exists(obj, n)), mark_of(call)
+    )
+    if len(_PLANS) < 4096:  # types made on the fly must not grow this forever
+        _PLANS[cls] = plan
     return plan
 
 
@@ -176,20 +168,13 @@ def _children(obj: Any, plan: _Plan, out: deque) -> None:
     (funcs, first), a graph's data node (value: a fused task's functions travel so):
     whatever of these an object has.
     """
-    for name in plan.calls:
+    for name in plan.reads:
         try:
             value = getattr(obj, name, None)
         except Exception:
             continue
-        if value is None:
-            continue
-        out.append(value)
-    for name in plan.args:
-        try:
-            value = getattr(obj, name, None)
-        except Exception:
-            continue
-        if value and isinstance(value, (tuple, list, dict)):
+        # a call, whatever it is; arguments only as a sequence or mapping to look into
+        if value is not None and (name in _CALLS or (isinstance(value, _ARGUMENTS) and value)):
             out.append(value)
 
 
@@ -222,11 +207,10 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
             continue
         seen.add(ident)
         visits += 1
-        if isinstance(obj, dict):
-            queue.extend(itertools.islice(obj.values(), MAX_ITEMS))
-            continue
         if isinstance(obj, _CONTAINERS):
-            queue.extend(itertools.islice(obj, MAX_ITEMS))
+            queue.extend(
+                itertools.islice(obj.values() if isinstance(obj, dict) else obj, MAX_ITEMS)
+            )
             continue
         mark = mark_of(obj)
         if mark is None:
@@ -243,14 +227,12 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
             found.append(mark)
     if not found:
         return None
-    given = [m.timeout for m in found if m.timeout_given]
-    timeouts = [t for t in given if t is not None]
-    requirement = combine([m.requirement for m in found if m.requirement])
-    cpu_forms = [m.cpu_form for m in found]
+    timeouts = [m.timeout for m in found if m.timeout_given and m.timeout is not None]
+    cpu_forms = [m.cpu_form for m in found if m.cpu_form is not None]
     return Mark(
         count=max(m.count for m in found),
-        timeout=min(timeouts) if timeouts else None,
-        timeout_given=bool(given),
-        requirement=requirement,
-        cpu_form=None if None in cpu_forms else min(c for c in cpu_forms if c is not None),
+        timeout=min(timeouts, default=None),
+        timeout_given=any(m.timeout_given for m in found),
+        requirement=combine([m.requirement for m in found if m.requirement]),
+        cpu_form=min(cpu_forms) if len(cpu_forms) == len(found) else None,
     )

@@ -8,8 +8,8 @@ against what NVML verified of each device (:class:`DeviceFacts`). Decisions only
 distributed import.
 
 - ``memory``: device memory the task needs (bytes; ``"24GiB"``). Tasks that declare it
-  share a device while their declared needs fit in it (:func:`pack`); a device smaller
-  than the need is never eligible.
+  share a device while their declared needs fit in it (:func:`pack`); a device whose
+  :func:`capacity` (its memory less a reserve) is smaller than the need is never eligible.
 - ``model``: a shell pattern matched, case-insensitively, against the device's NVML
   name (``"*H100*"``, ``"NVIDIA A100*"``).
 - ``capability``: the least CUDA compute capability, ``"8.0"`` or ``(8, 0)``.
@@ -23,7 +23,7 @@ import hashlib
 import math
 import numbers
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,31 +75,32 @@ class Requirement:
         return any(v is not None for v in (self.memory, self.model, self.capability, self.mig))
 
     def fits(self, device: DeviceFacts) -> bool:
-        """Whether ``device`` can ever hold the task (its attributes and total memory)."""
-        if self.memory is not None and device.memory < self.memory:
-            return False
-        if self.model is not None and not fnmatch.fnmatchcase(
-            device.name.casefold(), self.model.casefold()
-        ):
-            return False
-        if self.capability is not None and (
-            device.capability is None or device.capability < self.capability
-        ):
-            return False
-        return self.mig is None or device.mig == self.mig
+        """Whether ``device`` can ever hold the task: its attributes, and for declared
+        memory what tasks may declare there (:func:`capacity`), the one rule both the
+        scheduler's eligibility and the worker's lease table go by."""
+        return (
+            (self.memory is None or capacity(device.memory) >= self.memory)
+            and (
+                self.model is None
+                or fnmatch.fnmatchcase(device.name.casefold(), self.model.casefold())
+            )
+            and (
+                self.capability is None
+                or (device.capability is not None and device.capability >= self.capability)
+            )
+            and (self.mig is None or device.mig == self.mig)
+        )
 
     def label(self) -> str:
         """A short, stable name for this requirement: events, status, resource names."""
-        parts = []
-        if self.memory is not None:
-            parts.append(f"memory>={_bytes_text(self.memory)}")
-        if self.model is not None:
-            parts.append(f"model={self.model}")
-        if self.capability is not None:
-            parts.append(f"capability>={self.capability[0]}.{self.capability[1]}")
-        if self.mig is not None:
-            parts.append("mig" if self.mig else "whole-gpu")
-        return ",".join(parts) or "any"
+        cc, mig = self.capability, self.mig
+        parts = (
+            "" if self.memory is None else f"memory>={_bytes_text(self.memory)}",
+            "" if self.model is None else f"model={self.model}",
+            "" if cc is None else f"capability>={cc[0]}.{cc[1]}",
+            "" if mig is None else "mig" if mig else "whole-gpu",
+        )
+        return ",".join(p for p in parts if p) or "any"
 
     def digest(self) -> str:
         """Eight hex digits naming this requirement, for names that must be short."""
@@ -113,26 +114,49 @@ def _bytes_text(n: int) -> str:
     return f"{n}B"
 
 
-def _memory(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"invalid GPU requirement memory={value!r}: expected bytes or '24GiB'")
+def _memory(value: Any) -> int | None:
     if isinstance(value, str):
         try:
             value = parse_bytes(value)
         except (ValueError, TypeError, OverflowError):  # "1e400": past any float
-            raise ValueError(
-                f"invalid GPU requirement memory={value!r}: expected bytes or '24GiB'"
-            ) from None
-    if isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
-            raise ValueError(f"invalid GPU requirement memory={value!r}: expected whole bytes")
+            return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
-    if not isinstance(value, numbers.Integral) or not 0 < int(value) <= MAX_MEMORY:
-        raise ValueError(
-            f"invalid GPU requirement memory={_shown(value)}: expected 1 byte to 1 EiB "
-            "(bytes or '24GiB')"
-        )
-    return int(value)
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return int(value) if ok and 0 < int(value) <= MAX_MEMORY else None
+
+
+def _model(value: Any) -> str | None:
+    ok = isinstance(value, str) and value.strip() and len(value) <= MAX_PATTERN
+    return value if ok and value.isprintable() else None
+
+
+def _capability(value: Any) -> tuple[int, int] | None:
+    if isinstance(value, str) and (m := _CAPABILITY.match(value)):
+        return int(m.group(1)), int(m.group(2))
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1000 for v in value)
+    ):
+        return int(value[0]), int(value[1])
+    return None
+
+
+#: Per key: what reads a given value (None: not one), and what was expected instead.
+_FIELDS: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "memory": (_memory, "expected whole bytes, 1 to 1 EiB, or a size such as '24GiB'"),
+    "model": (
+        _model,
+        f"expected a name pattern such as '*H100*' (at most {MAX_PATTERN} characters, "
+        "none unprintable)",
+    ),
+    "capability": (_capability, "expected 'major.minor' such as '8.0', or (8, 0)"),
+    "mig": (
+        lambda v: v if isinstance(v, bool) else None,
+        "expected True (a MIG device) or False (a whole GPU)",
+    ),
+}
 
 
 def _shown(value: Any) -> str:
@@ -142,41 +166,6 @@ def _shown(value: Any) -> str:
     except ValueError:  # an int past the digits Python converts to text
         return f"<an integer of {int(value).bit_length()} bits>"
     return text if len(text) <= 80 else f"{text[:77]}..."
-
-
-def _model(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip() or len(value) > MAX_PATTERN:
-        raise ValueError(
-            f"invalid GPU requirement model={_shown(value)}: expected a name pattern such as "
-            f"'*H100*' (at most {MAX_PATTERN} characters)"
-        )
-    if any(not c.isprintable() for c in value):
-        raise ValueError(f"invalid GPU requirement model={value!r}: unprintable characters")
-    return value
-
-
-def _capability(value: Any) -> tuple[int, int]:
-    if isinstance(value, str) and (m := _CAPABILITY.match(value)):
-        return int(m.group(1)), int(m.group(2))
-    if (
-        isinstance(value, (tuple, list))
-        and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1000 for v in value)
-    ):
-        return int(value[0]), int(value[1])
-    raise ValueError(
-        f"invalid GPU requirement capability={value!r}: expected 'major.minor' "
-        "such as '8.0', or (8, 0)"
-    )
-
-
-def _mig(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"invalid GPU requirement mig={value!r}: expected True (a MIG device) or "
-            "False (a whole GPU)"
-        )
-    return value
 
 
 def parse_requirement(value: Any) -> Requirement:
@@ -200,12 +189,14 @@ def parse_requirement(value: Any) -> Requirement:
         raise ValueError(
             f"invalid GPU requirement {value!r}: expected a mapping of {', '.join(KEYS)}"
         )
-    return Requirement(
-        memory=None if given.get("memory") is None else _memory(given["memory"]),
-        model=None if given.get("model") is None else _model(given["model"]),
-        capability=None if given.get("capability") is None else _capability(given["capability"]),
-        mig=None if given.get("mig") is None else _mig(given["mig"]),
-    )
+    parsed = {}
+    for key in KEYS:
+        if given.get(key) is not None:
+            read, expected = _FIELDS[key]
+            parsed[key] = read(given[key])
+            if parsed[key] is None:
+                raise ValueError(f"invalid GPU requirement {key}={_shown(given[key])}: {expected}")
+    return Requirement(**parsed)
 
 
 def requirement_problem(value: Any) -> str | None:
@@ -217,13 +208,12 @@ def requirement_problem(value: Any) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
 class Conflict(Requirement):
     """Requirements no one device can meet at once (steps fused into one task that ask
     for different models, or MIG and a whole GPU): the task errs, naming them."""
 
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        object.__setattr__(self, "text", text)
+    text: str = ""
 
     def __bool__(self) -> bool:
         return True
@@ -232,7 +222,7 @@ class Conflict(Requirement):
         return False
 
     def label(self) -> str:
-        return f"conflicting: {self.text}"  # type: ignore[attr-defined]
+        return f"conflicting: {self.text}"
 
 
 def combine(requirements: list[Requirement]) -> Requirement | None:
@@ -245,7 +235,7 @@ def combine(requirements: list[Requirement]) -> Requirement | None:
     models = {r.model for r in requirements if r.model is not None}
     migs = {r.mig for r in requirements if r.mig is not None}
     if len(models) > 1 or len(migs) > 1:
-        return Conflict(" and ".join(sorted({r.label() for r in requirements})))
+        return Conflict(text=" and ".join(sorted({r.label() for r in requirements})))
     memories = [r.memory for r in requirements if r.memory is not None]
     capabilities = [r.capability for r in requirements if r.capability is not None]
     return Requirement(
@@ -285,11 +275,5 @@ def pack(
     fill one device and leave another whole for a large one.
     """
     held = set(whole)
-    best: tuple[int, int] | None = None
-    for index, capacity, leased in devices:
-        room = capacity - leased
-        if index in held or room < need:
-            continue
-        if best is None or room - need < best[0]:
-            best = (room - need, index)
-    return None if best is None else best[1]
+    left = [(room - leased - need, i) for i, room, leased in devices if i not in held]
+    return min(((n, i) for n, i in left if n >= 0), default=(0, None))[1]

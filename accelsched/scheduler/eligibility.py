@@ -78,10 +78,7 @@ def memory_capacity(records: list[DeviceRecord], count: int) -> int:
 
 def holds(need: Requirement, n: int, facts: list[DeviceFacts]) -> bool:
     """Whether devices ``facts`` can ever hold a task needing ``n`` devices meeting ``need``."""
-    fit = [f for f in facts if need.fits(f)]
-    if need.memory is not None:
-        fit = [f for f in fit if capacity(f.memory) >= need.memory]
-    return len(fit) >= n
+    return sum(need.fits(f) for f in facts) >= n
 
 
 class Eligibility:

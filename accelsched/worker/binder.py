@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from dask.utils import key_split
 from distributed import Reschedule
 
 from accelsched import events
@@ -26,7 +25,7 @@ from accelsched.devices.records import DeviceInfo
 from accelsched.policy.leases import LeaseTable, NoFreeDevice
 from accelsched.policy.requirements import DeviceFacts, Requirement, parse_requirement
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, GPU_MEMORY, REQUIREMENT_ANNOTATION
-from accelsched.worker.ledger import MEASURE, Ledger
+from accelsched.worker.ledger import Ledger, Meter
 from accelsched.worker.pool_freer import PoolFreer
 from accelsched.worker.watch import Watch
 
@@ -49,8 +48,6 @@ class Binder:
         pools: PoolFreer,
         emit: Callable[..., None],
         ledger: Ledger | None = None,
-        residue: Callable[[str, dict[int, int]], None] | None = None,
-        left_nothing: Callable[[str], None] | None = None,
     ) -> None:
         self.leases = LeaseTable()  # what runs in this worker's threads, and holds what
         self.watch: Watch | None = None  # tasks that asked for no GPU, watched for use
@@ -62,9 +59,6 @@ class Binder:
         self.used: set[int] = set()  # devices GPU tasks of this worker held
         self._emit = emit
         self.ledger = ledger  # measures what each task leaves on its devices
-        self._residue = residue  # (step or task prefix, bytes it left behind)
-        # (task prefix): a run seen to leave nothing
-        self._nothing: Callable[[str], None] = left_nothing or _ignore
 
     def set_devices(self, indices: list[int], devices: Sequence[DeviceInfo] = ()) -> None:
         """Lease ``indices``; ``devices`` describe them (what requirements are met by)."""
@@ -146,9 +140,7 @@ class Binder:
         try:
             self.used.update(devices)
             ledger = self.ledger
-            plan = MEASURE if ledger is None else ledger.plan(devices, prefix)
-            # marked steps measured inside this task (the attribution names the step)
-            steps = None if ledger is None or self._residue is None else _Steps(self, key, devices)
+            meter = None if ledger is None else Meter(ledger, leases, key, devices, prefix)
             bound = bind(
                 Lease(
                     key,
@@ -156,26 +148,24 @@ class Binder:
                     simulated=self.simulated,
                     report=self._emit,
                     oom_exceptions=self.oom_exceptions,
-                    meter=steps,
+                    meter=meter,
                 )
             )
             try:
-                before = None
-                if plan == MEASURE:
-                    before, plan = self._opening(key, devices, prefix)
-                if plan != MEASURE:
-                    assert ledger is not None
-                    try:
-                        return spec(values)
-                    finally:
-                        if ledger.unmeasured(devices, prefix, plan):
-                            self._nothing(prefix)
-                result = spec(values)
-                grew = self._measured(key, devices, before, result, steps)
-                if grew == 0:
-                    self._nothing(prefix)
-                if requirement is not None and requirement.memory is not None:
-                    self._over_declared(key, devices[0], requirement.memory, grew)
+                if meter is None:
+                    return spec(values)
+                result = meter.run(spec, values)
+                declared = None if requirement is None else requirement.memory
+                if declared is not None and (meter.grew or 0) > declared:
+                    # measured alone on its device, it added more than it declared: its
+                    # neighbours' room was not what the packing counted on
+                    self._emit(
+                        events.OVER_DECLARED,
+                        key=str(key),
+                        device=devices[0],
+                        declared=declared,
+                        measured=meter.grew,
+                    )
                 return result
             finally:
                 self.pools.after_gpu_task(devices)
@@ -185,79 +175,6 @@ class Binder:
             if self._waiting:
                 with self._freed:
                     self._freed.notify_all()
-
-    def _measured(
-        self,
-        key: Any,
-        devices: tuple[int, ...],
-        before: tuple[Any, dict[int, int]] | None,
-        result: Any,
-        steps: _Steps | None,
-    ) -> int | None:
-        """Hold what the task added against its key; attribute what it left behind.
-        Returns the bytes it added in all (None: not measured)."""
-        if self.ledger is None:
-            return None
-        token, reading = before if before is not None else (None, None)
-        if reading is None or not self.leases.still_alone(key, token):
-            for d in devices:  # memory changed unmeasured: no base for arrivals there
-                self.ledger.forget(d)
-            return None
-        left, held = self.ledger.after(key, reading, result), self.ledger.held_by(key)
-        if self._residue is not None and not (steps is not None and steps.measured):
-            self._residue(key_split(key), left)
-        return sum(held.values()) + sum(left.values())
-
-    def _over_declared(self, key: Any, device: int, declared: int, grew: int | None) -> None:
-        """A declared-memory task measured (alone on its device) adding more than it
-        declared: its neighbours' room was not what the packing counted on."""
-        if grew is not None and grew > declared:
-            self._emit(
-                events.OVER_DECLARED, key=str(key), device=device, declared=declared, measured=grew
-            )
-
-    def run_step(self, steps: _Steps, name: str, call: Callable[[], Any]) -> Any:
-        """Run one marked step of a task (``steps``' meter), measured when outermost."""
-        before = self._measure_before(steps.key, steps.devices) if steps.depth == 0 else None
-        steps.depth += 1
-        try:
-            result = call()
-        finally:
-            steps.depth -= 1
-        if before is not None and self.leases.still_alone(steps.key, before[0]):
-            assert self.ledger is not None and self._residue is not None
-            steps.measured += 1
-            self._residue(name, self.ledger.residue(before[1], result))
-        return result
-
-    def _opening(
-        self, key: Any, devices: tuple[int, ...], prefix: str
-    ) -> tuple[tuple[Any, dict[int, int]] | None, int]:
-        """A MEASURE task's (alone token, base) and its plan again: a base reading that
-        found no context plans it LEARN or SKIP itself, whatever a leak check dropped
-        meanwhile (else the run would be neither measured nor seen to leave nothing)."""
-        ledger = self.ledger
-        if ledger is None:
-            return None, MEASURE
-        token = self.leases.alone_token(key)
-        if token is None:  # not alone: no base; another task's reading may have found none
-            return None, ledger.plan(devices, prefix)
-        reading, plan = ledger.opening(devices, prefix)
-        return (None if reading is None else (token, reading)), plan
-
-    def _measure_before(
-        self, key: Any, devices: tuple[int, ...]
-    ) -> tuple[Any, dict[int, int]] | None:
-        """(alone token, reading) to measure a marked step by, when its task holds its
-        devices alone: the token proves at the end that no other task took or gave back
-        one meanwhile (:meth:`_opening` is the same before the task's code runs)."""
-        if self.ledger is None:
-            return None
-        token = self.leases.alone_token(key)
-        if token is None:
-            return None
-        reading = self.ledger.before(devices)
-        return None if reading is None else (token, reading)
 
     @staticmethod
     def fallback_runner(inner: Runner | None) -> Runner:
@@ -281,25 +198,3 @@ def send_back(spec: Any, values: dict) -> Any:
 
 def _refuse(exc: ValueError, spec: Any, values: Any) -> Any:
     raise exc
-
-
-def _ignore(prefix: str) -> None:
-    pass
-
-
-class _Steps:
-    """A GPU task's meter (``Lease.meter``): measures each outermost marked step the task
-    calls, so the attribution names the step that left memory behind, even inside a fused
-    task. One per task, made only for tasks run with a ledger."""
-
-    __slots__ = ("binder", "key", "devices", "depth", "measured")
-
-    def __init__(self, binder: Binder, key: Any, devices: tuple[int, ...]) -> None:
-        self.binder = binder
-        self.key = key
-        self.devices = devices
-        self.depth = 0
-        self.measured = 0  # steps measured so far
-
-    def __call__(self, name: str, call: Callable[[], Any]) -> Any:
-        return self.binder.run_step(self, name, call)

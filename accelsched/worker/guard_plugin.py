@@ -114,8 +114,12 @@ class GuardPlugin(WorkerPlugin):
         inv = self.inventory = Inventory(advertise_undeclared=o["advertise_undeclared"])
         inv.probe(worker)
         assert inv.monitor is not None
-        ledger = self.ledger = Ledger(inv.monitor)
         attribution = Attribution()
+        ledger = self.ledger = Ledger(
+            inv.monitor,
+            residue=attribution.record,  # what each run left behind, by step
+            left_nothing=attribution.left_nothing,
+        )
         self.binder = Binder(
             simulated=inv.simulated,
             oom_exceptions=o["oom_exceptions"],
@@ -128,8 +132,6 @@ class GuardPlugin(WorkerPlugin):
             ),
             emit=self._emit,
             ledger=ledger,
-            residue=attribution.record,  # what each run left behind, by step
-            left_nothing=attribution.left_nothing,
         )
         if o["unrequested_gpu"] != "ignore":
             self.binder.watch = Watch(

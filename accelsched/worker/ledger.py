@@ -12,13 +12,17 @@ prefix. Data arriving from a peer is measured the same way when its device is id
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
+
+from dask.utils import key_split
 
 from accelsched.devices.arrays import device_nbytes, knows
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
+from accelsched.policy.leases import LeaseTable
 
-__all__ = ["Ledger", "net_of_pools", "MEASURE", "LEARN", "SKIP"]
+__all__ = ["Ledger", "Meter", "net_of_pools", "MEASURE", "LEARN", "SKIP"]
 
 #: Ledger.plan's answers.
 MEASURE, LEARN, SKIP = 0, 1, 2
@@ -44,36 +48,43 @@ def net_of_pools(nbytes: int, pool: PoolStats) -> int:
 class Ledger:
     """Measured device bytes per key; the last fully explained reading per device."""
 
-    def __init__(self, monitor: NVMLMonitor) -> None:
+    def __init__(
+        self,
+        monitor: NVMLMonitor,
+        *,
+        residue: Callable[[str, dict[int, int]], None] | None = None,
+        left_nothing: Callable[[str], None] | None = None,
+    ) -> None:
         self.monitor = monitor
+        self.residue = residue  # (step or task prefix, bytes it left behind): attribution
+        self.left_nothing = left_nothing or _ignore  # (task prefix): a run left nothing
         self._lock = threading.Lock()
         self._measured: dict[Any, dict[int, int]] = {}  # key -> {device: bytes}
         self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
         # device -> the reading that ended the last measured task there: the next task's
         # base, unless memory changed meanwhile (a key released, data arrived)
         self._fresh: dict[int, int] = {}
-        # device -> changes noted on the event loop (forget, arrived): a closing reading
-        # taken across one of them is not reused as a base
-        self._epoch: dict[int, int] = {}
-        self._arrivals = 0
-        # device -> True: the last reading found no context of this process there, and
-        # nothing since can have made one (see plan); no reading can be a base meanwhile
-        self._no_context: dict[int, bool] = {}
+        # changes noted on the event loop (a key released, data arrived): a closing
+        # reading taken across one of them is not reused as a base
+        self._changes = 0
+        # devices where the last reading found no context of this process, and nothing
+        # since can have made one (see plan): no reading can be a base there meanwhile
+        self._no_context: set[int] = set()
         self._context_gen = 0  # bumped whenever that knowledge is dropped
         self._clean: set[str] = set()  # prefixes whose runs were seen to make no context
 
-    def noncache(self, device: int, *, record: bool = False) -> int | None:
+    def noncache(self, device: int) -> int | None:
         """This process's bytes on ``device`` minus what pools cache or reserve; None
-        when NVML cannot tell (no figure of its own, no context yet, or an error).
+        when NVML cannot tell (no figure of its own, no context yet, or an error)."""
+        return self._read(device, False)[0]
+
+    def _read(self, device: int, record: bool) -> tuple[int | None, bool]:
+        """:meth:`noncache`, and whether this reading itself found no context there
+        (what the knowledge :meth:`plan` relies on may have been dropped meanwhile).
 
         ``record``: a reading taken between GPU tasks (no task code runs on ``device``
         until the next one), whose "no context" :meth:`plan` may rely on; a reading inside
         a task (a marked step's) may be followed by that task making a context."""
-        return self._read(device, record)[0]
-
-    def _read(self, device: int, record: bool) -> tuple[int | None, bool]:
-        """:meth:`noncache`, and whether this reading itself found no context there
-        (what the knowledge :meth:`plan` relies on may have been dropped meanwhile)."""
         gen = self._context_gen
         try:
             reading = self.monitor.process_memory(device)
@@ -83,7 +94,7 @@ class Ledger:
             if record:
                 with self._lock:
                     if gen == self._context_gen:  # nobody dropped the knowledge meanwhile
-                        self._no_context[device] = True
+                        self._no_context.add(device)
             return None, True  # a context made now would be counted as the task's
         if device in self._no_context:
             self.recheck((device,))  # there is one now (or NVML cannot tell)
@@ -94,7 +105,7 @@ class Ledger:
 
     # --- around a GPU task (its executor thread) ----------------------------------------
 
-    def plan(self, devices: tuple[int, ...], prefix: str) -> int:
+    def plan(self, devices: tuple[int, ...], prefix: str, *, found_none: bool = False) -> int:
         """How to measure a task of ``prefix`` on ``devices``: :data:`MEASURE` (a base
         reading, or the last task's closing one, and a closing reading), :data:`LEARN`
         (no base can exist: the last reading found no context on its devices; one closing
@@ -106,22 +117,15 @@ class Ledger:
         to learn that costs tens of microseconds per tiny task. The knowledge is dropped
         by :meth:`recheck` (every leak check), by a run of an unknown prefix that made a
         context and by a pool holding memory there after a run (:meth:`unmeasured`).
+        ``found_none``: a reading just taken found no context on any of ``devices``,
+        whatever a leak check dropped meanwhile.
         """
-        no_context = self._no_context
-        for d in devices:
-            if d not in no_context:
-                return MEASURE
+        if not found_none:
+            no_context = self._no_context
+            for d in devices:
+                if d not in no_context:
+                    return MEASURE
         return SKIP if prefix in self._clean else LEARN
-
-    def opening(self, devices: tuple[int, ...], prefix: str) -> tuple[dict[int, int] | None, int]:
-        """A :data:`MEASURE` task's base (:meth:`before`, read before its code runs) and
-        its plan again: :data:`LEARN` or :data:`SKIP` where that very reading found no
-        context on its devices, even if a leak check's :meth:`recheck` dropped the
-        knowledge meanwhile (else the run is neither measured nor seen to leave nothing)."""
-        base, empty = self._before(devices, record=True)
-        if base is None and empty:
-            return None, SKIP if prefix in self._clean else LEARN
-        return base, MEASURE if base is not None else self.plan(devices, prefix)
 
     def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> bool:
         """After a task run under :data:`LEARN` or :data:`SKIP` (before pools are freed):
@@ -131,20 +135,14 @@ class Ledger:
         if plan == LEARN:
             gen = self._context_gen
             # records "no context" again, or finds one
-            empty = all([self._read(d, True)[1] for d in devices])
-            with self._lock:
-                if (
-                    empty
-                    and gen == self._context_gen
-                    and all(d in self._no_context for d in devices)
-                ):
-                    if len(self._clean) >= MAX_PREFIXES:
-                        self._clean.clear()
-                    self._clean.add(prefix)
-            if empty:  # these readings saw none, whatever a recheck dropped meanwhile
-                return True
-        pools = active_pools()
-        if pools:
+            if all([self._read(d, True)[1] for d in devices]):
+                with self._lock:
+                    if gen == self._context_gen and self._no_context.issuperset(devices):
+                        if len(self._clean) >= MAX_PREFIXES:
+                            self._clean.clear()
+                        self._clean.add(prefix)
+                return True  # these readings saw none, whatever a recheck dropped meanwhile
+        if pools := active_pools():
             try:
                 held = any(p.stats(d).held for p in pools for d in devices)
             except Exception:  # a pool that cannot say: read NVML before the next task
@@ -162,48 +160,34 @@ class Ledger:
             if devices is None:
                 self._no_context.clear()
             else:
-                for d in devices:
-                    self._no_context.pop(d, None)
+                self._no_context.difference_update(devices)
 
-    def before(self, devices: tuple[int, ...]) -> dict[int, int] | None:
-        """The base to measure a task by: the last task's closing reading where nothing
-        changed since (back-to-back GPU tasks cost one NVML read per device, not two)."""
-        return self._before(devices, record=False)[0]
-
-    def _before(
-        self, devices: tuple[int, ...], *, record: bool
+    def before(
+        self, devices: tuple[int, ...], *, record: bool = False
     ) -> tuple[dict[int, int] | None, bool]:
-        """:meth:`before`, and whether every device was read now and found no context."""
+        """The base to measure a task by: the last task's closing reading where nothing
+        changed since (back-to-back GPU tasks cost one NVML read per device, not two);
+        and whether every device was read now and found no context (``record``: see
+        :meth:`_read`)."""
         with self._lock:
-            fresh = dict(zip(devices, [self._fresh.pop(d, None) for d in devices], strict=True))
-        read = {d: self._read(d, record) for d, then in fresh.items() if then is None}
-        empty = len(read) == len(devices) and all(e for _, e in read.values())
-        readings = {d: read[d][0] if then is None else then for d, then in fresh.items()}
-        if any(v is None for v in readings.values()):
-            return None, empty
-        return readings, empty  # type: ignore[return-value]
+            fresh = [self._fresh.pop(d, None) for d in devices]
+        read = [
+            self._read(d, record) if then is None else (then, False)
+            for d, then in zip(devices, fresh, strict=True)
+        ]
+        base = {d: v for d, (v, _) in zip(devices, read, strict=True) if v is not None}
+        return (base if len(base) == len(devices) else None), all(e for _, e in read)
 
-    def residue(self, before: dict[int, int], result: Any) -> dict[int, int]:
-        """What a step added beyond its known result, per device (nothing when the
-        result's type is unknown: its growth may be the result itself)."""
-        if not knows(result):
-            return {}
-        known = device_nbytes(result)
-        left = {}
-        for device, then in before.items():
-            now = self.noncache(device)
-            if now is not None:
-                left[device] = max(0, now - then - known.get(device, 0))
-        return left
-
-    def after(self, key: Any, before: dict[int, int], result: Any) -> dict[int, int]:
-        """Hold the task's growth against ``key``; return its residue (bytes left behind
-        beyond its known result: 0 when the result's type is unknown)."""
+    def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
+        """Hold the task's growth against ``key`` (None: a marked step's, held by no key);
+        return its residue (bytes left behind beyond its known result: 0 when the result's
+        type is unknown, its growth may be the result itself) and its growth in all."""
         known = device_nbytes(result) if knows(result) else None
+        if key is None and known is None:
+            return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
         held: dict[int, int] = {}
         residue: dict[int, int] = {}
-        with self._lock:
-            epochs = {d: (self._epoch.get(d, 0), self._arrivals) for d in before}
+        changes = self._changes  # a key released or data arrived meanwhile: no base from it
         for device, then in before.items():
             now = self.noncache(device)
             if now is None:
@@ -211,17 +195,16 @@ class Ledger:
             grew = max(0, now - then)
             # a known result holds its own size, and what else the run left is residue;
             # an unknown one holds all the growth (nothing can tell it from a leak)
-            size = known.get(device, 0) if known is not None else grew
-            held[device] = size
+            held[device] = size = known.get(device, 0) if known is not None else grew
             residue[device] = max(0, grew - size)
+            if key is not None:
+                with self._lock:
+                    if self._changes == changes:
+                        self._settled[device] = self._fresh[device] = now
+        if key is not None:
             with self._lock:
-                # a key released or data arrived while it was read: no base from it
-                if (self._epoch.get(device, 0), self._arrivals) == epochs[device]:
-                    self._settled[device] = now
-                    self._fresh[device] = now
-        with self._lock:
-            self._measured[key] = held
-        return residue
+                self._measured[key] = held
+        return residue, sum(held.values()) + sum(residue.values())
 
     # --- on the event loop ----------------------------------------------------------------
 
@@ -231,21 +214,14 @@ class Ledger:
             measured = self._measured.pop(key, None)
         if measured is not None:
             # the measurement wins: type knowledge only where none exists
-            return {d: n for d, n in measured.items() if n} if measured else measured
-        if self.holds_nothing(value):
-            return {}
-        return device_nbytes(value)
+            return {d: n for d, n in measured.items() if n}
+        return {} if self.holds_nothing(value) else device_nbytes(value)
 
     @staticmethod
     def holds_nothing(value: Any) -> bool:
         """Whether ``value``, unmeasured, holds nothing on a device by its type alone (a
         number, a string: :meth:`held` would say ``{}`` without asking anything)."""
         return value is None or type(value) in _PLAIN
-
-    def held_by(self, key: Any) -> dict[int, int]:
-        """What :meth:`after` measured ``key``'s result holding, per device."""
-        with self._lock:
-            return dict(self._measured.get(key, {}))
 
     def measured(self, key: Any) -> bool:
         """Whether ``key``'s task was measured (what it holds needs no look at its value)."""
@@ -262,22 +238,19 @@ class Ledger:
         devices since the last explained reading."""
         with self._lock:
             self._fresh.clear()  # memory may have grown: no reused base
-            self._arrivals += 1
+            self._changes += 1
         if knows(value):
             return device_nbytes(value)
         out = {}
         for device in idle:
             with self._lock:
                 then = self._settled.get(device)
-            if then is None:
-                continue  # no explained base to measure from: type knowledge only
-            now = self.noncache(device)
-            if now is None:
-                continue
-            with self._lock:
-                self._settled[device] = now
-            if now > then:
-                out[device] = now - then
+            # without an explained base to measure from: type knowledge only
+            if then is not None and (now := self.noncache(device)) is not None:
+                with self._lock:
+                    self._settled[device] = now
+                if now > then:
+                    out[device] = now - then
         return out or device_nbytes(value)
 
     def settle(self, device: int, noncache: int | None) -> None:
@@ -293,4 +266,90 @@ class Ledger:
         with self._lock:
             self._settled.pop(device, None)
             self._fresh.pop(device, None)
-            self._epoch[device] = self._epoch.get(device, 0) + 1
+            self._changes += 1
+
+
+def _ignore(prefix: str) -> None:
+    pass
+
+
+class Meter:
+    """One GPU task's measurement, from its lease to its return; also its lease's
+    ``meter`` (:meth:`accelsched.context.Lease.run_step`), measuring each outermost marked
+    step the task calls, so the attribution names the step that left memory behind, even
+    inside a fused task.
+
+    A reading counts only while the task holds its devices alone: the lease table's token,
+    taken with the base, proves at the end that no other task took or gave back one
+    meanwhile. What :meth:`Ledger.plan` says decides whether any reading is taken.
+    """
+
+    __slots__ = ("ledger", "leases", "key", "devices", "prefix", "plan", "depth", "steps", "grew")
+
+    def __init__(
+        self, ledger: Ledger, leases: LeaseTable, key: Any, devices: tuple[int, ...], prefix: str
+    ) -> None:
+        self.ledger = ledger
+        self.leases = leases
+        self.key = key
+        self.devices = devices
+        self.prefix = prefix
+        self.plan = ledger.plan(devices, prefix)
+        self.depth = 0  # marked steps running now, nested
+        self.steps = 0  # marked steps measured so far
+        self.grew: int | None = None  # what the task added in all, when measured
+
+    def _open(self, record: bool) -> tuple[Any, dict[int, int] | None, bool]:
+        """(alone token, base reading, whether that reading found no context anywhere)."""
+        token = self.leases.alone_token(self.key)
+        if token is None:  # not alone: no base
+            return None, None, False
+        base, empty = self.ledger.before(self.devices, record=record)
+        return token, base, empty
+
+    def run(self, spec: Any, values: Any) -> Any:
+        """Run the task's code, measured as planned: with no context on its devices no
+        reading can be a base (the context a task makes would count as its growth), so it
+        is not read around, only checked after (:meth:`Ledger.unmeasured`)."""
+        ledger = self.ledger
+        token = base = None
+        if self.plan == MEASURE:
+            token, base, empty = self._open(record=True)
+            if base is None:
+                # a base reading that found no context plans the run itself, whatever a
+                # leak check dropped meanwhile (else it would be neither measured nor seen
+                # to leave nothing); not alone, another task's reading may have found none
+                self.plan = ledger.plan(self.devices, self.prefix, found_none=empty)
+        if self.plan != MEASURE:
+            try:
+                return spec(values)
+            finally:
+                if ledger.unmeasured(self.devices, self.prefix, self.plan):
+                    ledger.left_nothing(self.prefix)
+        result = spec(values)
+        if base is None or not self.leases.still_alone(self.key, token):
+            for d in self.devices:  # memory changed unmeasured: no base for arrivals there
+                ledger.forget(d)
+            return result
+        left, self.grew = ledger.after(self.key, base, result)
+        if ledger.residue is not None and not self.steps:
+            ledger.residue(key_split(self.key), left)
+        if self.grew == 0:
+            ledger.left_nothing(self.prefix)
+        return result
+
+    def __call__(self, name: str, call: Callable[[], Any]) -> Any:
+        """Run one marked step of the task, measured when outermost (and attributed)."""
+        residue = self.ledger.residue
+        token, base, _ = (
+            self._open(record=False) if self.depth == 0 and residue else (None, None, False)
+        )
+        self.depth += 1
+        try:
+            result = call()
+        finally:
+            self.depth -= 1
+        if base is not None and residue is not None and self.leases.still_alone(self.key, token):
+            self.steps += 1
+            residue(name, self.ledger.after(None, base, result)[0])
+        return result

@@ -29,8 +29,6 @@ __all__ = [
     "TABLES",
     "UnrequestedGPUUse",
     "Watch",
-    "alone_token",
-    "still_alone",
     "FIRST_RUNS",
     "EVERY",
 ]
@@ -57,23 +55,14 @@ TABLES: weakref.WeakSet[LeaseTable] = weakref.WeakSet()
 
 
 def _changes() -> tuple[int, int]:
-    """Tasks started or ended so far in this process, and tasks running now."""
+    """Tasks started or ended so far in this process, and tasks running now: a task ran
+    alone when it was the only one running at its start and the first count is the same
+    at its end."""
     changes = running = 0
     for table in list(TABLES):
         changes += table.changes
         running += table.running()
     return changes, running
-
-
-def alone_token() -> int | None:
-    """A token when the calling task is the only one running in this process, else None."""
-    changes, running = _changes()
-    return changes if running <= 1 else None
-
-
-def still_alone(token: int | None) -> bool:
-    """Whether no task started or ended in this process since :func:`alone_token`."""
-    return token is not None and _changes()[0] == token
 
 
 class Watch:
@@ -106,10 +95,10 @@ class Watch:
 
     def runner(self, key: Any) -> Runner:
         def run(spec: Any, values: dict) -> Any:
-            token = alone_token()
-            before = self._readings() if token is not None else None
+            changes, running = _changes()
+            before = self._readings() if running <= 1 else None
             result = spec(values)
-            if before is not None and still_alone(token):
+            if before is not None and _changes()[0] == changes:  # no other task meanwhile
                 self._judge(key, before, self._readings())
             return result
 
