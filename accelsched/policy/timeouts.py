@@ -17,13 +17,15 @@ import numbers
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask.utils import parse_timedelta
 
 from accelsched.config import parse_optional_duration
-from accelsched.policy.marks import Mark
 from accelsched.policy.proposals import Proposal
+
+if TYPE_CHECKING:  # marks.py reads invalid_amount from here
+    from accelsched.policy.marks import Mark
 
 __all__ = [
     "FallbackPolicy",
