@@ -71,9 +71,8 @@ class Tasks:
         self.residues: list[tuple[str, dict[int, int]]] = []
         self.attribution = Attribution()  # runs seen to leave nothing, by prefix
         self.binder = Binder(
-            simulated=True,
             oom_exceptions=(),
-            pools=PoolFreer(every=1, above=0.0, monitor=self.monitor, simulated=True),
+            pools=PoolFreer(every=1, above=0.0, monitor=self.monitor),
             emit=lambda *a, **k: None,
             ledger=self.ledger,
             residue=lambda name, left: self.residues.append((name, left)),

@@ -37,7 +37,6 @@ class Binder:
     def __init__(
         self,
         *,
-        simulated: bool,
         oom_exceptions: tuple[str, ...],
         pools: PoolFreer,
         emit: Callable[..., None],
@@ -46,7 +45,6 @@ class Binder:
         left_nothing: Callable[[str], None] | None = None,
     ) -> None:
         self.leases = LeaseTable()
-        self.simulated = simulated
         self.oom_exceptions = oom_exceptions
         self.pools = pools
         self.used: set[int] = set()  # devices GPU tasks of this worker held
@@ -101,7 +99,6 @@ class Binder:
                 Lease(
                     key,
                     devices,
-                    simulated=self.simulated,
                     report=self._emit,
                     oom_exceptions=self.oom_exceptions,
                     meter=steps,

@@ -28,14 +28,12 @@ class PoolFreer:
         every: int,
         above: float,
         monitor: NVMLMonitor,
-        simulated: bool,
         minimum: int = 0,
     ) -> None:
         self.every = every
         self.above = above
         self.minimum = minimum
         self.monitor = monitor
-        self.simulated = simulated
         self._count = itertools.count(1)  # next() is atomic across threads
 
     def after_gpu_task(self, devices: tuple[int, ...]) -> None:
@@ -55,7 +53,7 @@ class PoolFreer:
                 return
         # CuPy frees the current device's pool: visit each device the task held
         for device in devices:
-            with using_device(device, simulated=self.simulated):
+            with using_device(device):
                 for pool in pools:
                     pool.free_all()
 

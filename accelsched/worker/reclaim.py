@@ -36,7 +36,7 @@ def freeze_startup_objects() -> None:
         gc.freeze()
 
 
-def reclaim(devices: Iterable[int], *, simulated: bool) -> int:
+def reclaim(devices: Iterable[int]) -> int:
     """Collect garbage, then free every active pool on each of ``devices``; the bytes the
     pools said they released. Never creates a pool or a CUDA context: pools act only
     where their library is already in use (:func:`~accelsched.devices.pool.active_pools`).
@@ -48,7 +48,7 @@ def reclaim(devices: Iterable[int], *, simulated: bool) -> int:
         return released
     for device in devices:  # CuPy frees the current device's pool: visit each one
         try:
-            with using_device(device, simulated=simulated):
+            with using_device(device):
                 for pool in pools:
                     released += pool.free_all()
         except Exception:  # a pool or device that does not answer: measure anyway
