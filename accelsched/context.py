@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from accelsched.devices.backend import cuda
+
 __all__ = [
     "Lease",
     "current_device",
@@ -32,13 +34,11 @@ class Lease:
     """The devices one task holds while it runs.
 
     ``devices`` are CUDA indices as this process sees them (positions within
-    ``CUDA_VISIBLE_DEVICES``); ``simulated`` is True for the fake GPUs of
-    :mod:`accelsched.testing`, on which no CUDA call can be made.
+    ``CUDA_VISIBLE_DEVICES``).
     """
 
     key: object
     devices: tuple[int, ...]
-    simulated: bool = False
     #: ``report(action, **figures)``: sends an accelsched event from the task's worker.
     report: Callable[..., None] | None = None
     #: Dotted names of exceptions meaning "out of device memory" (``oom_exceptions``).
@@ -74,14 +74,11 @@ def array_module() -> ModuleType:
 
     Write a step once against the returned module (``xp = array_module(); xp.sum(...)``)
     and it runs on the device when placed on a GPU and on the host when it fell back.
-    On the simulated GPUs of :mod:`accelsched.testing` this is numpy: they cannot run
-    kernels, only account for memory.
+    The NVML backend's CUDA says which (:mod:`accelsched.devices.backend`): on the
+    simulated GPUs of :mod:`accelsched.testing` it is numpy, they run no kernels.
     """
-    lease = current_lease()
-    if lease is not None and not lease.simulated:
-        import cupy
-
-        return cupy
+    if current_lease() is not None:
+        return cuda().array_module()
     import numpy
 
     return numpy
@@ -102,10 +99,8 @@ def bind(lease: Lease) -> tuple[Lease | None, Callable[[], Any] | None]:
     current; returns what :func:`unbind` needs to restore the thread's state."""
     previous = getattr(_local, "lease", None)
     _local.lease = lease
-    if lease.simulated:
-        return previous, None
     try:
-        return previous, _use_cuda_device(lease.device)
+        return previous, cuda().use(lease.device)
     except BaseException:
         _local.lease = previous
         raise
@@ -130,26 +125,15 @@ def released() -> Iterator[None]:
 
 
 @contextmanager
-def using_device(device: int, *, simulated: bool) -> Iterator[None]:
-    """Make ``device`` CUDA's current one in this thread for a moment (real GPUs only)."""
-    restore = None if simulated else _use_cuda_device(device)
+def using_device(device: int) -> Iterator[None]:
+    """Make ``device`` CUDA's current one in this thread for a moment (as the backend's
+    CUDA does: nothing on simulated GPUs)."""
+    restore = cuda().use(device)
     try:
         yield
     finally:
         if restore is not None:
             restore()
-
-
-def _use_cuda_device(device: int):  # type: ignore[no-untyped-def]
-    """Set CUDA's current device for this thread; returns a callable that restores it."""
-    try:
-        import cupy
-    except ImportError:
-        return None
-    runtime = cupy.cuda.runtime
-    before = runtime.getDevice()
-    runtime.setDevice(device)
-    return lambda: runtime.setDevice(before)
 
 
 #: Exception types registered as "out of device memory", beside ``oom_exceptions``.

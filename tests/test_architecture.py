@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib
 import io
 import re
 import subprocess
@@ -40,8 +39,6 @@ PURE = _folder("policy") | {
     "accelsched.status_protocol",
     "accelsched.events",
 }
-#: Modules kept at an old import path: one re-export each, nothing else.
-SHIM_DOC = "this path is kept for existing imports"
 #: distributed modules the package may import outside internals/: the documented API.
 PUBLIC_DISTRIBUTED = {
     "distributed",
@@ -269,10 +266,6 @@ def test_the_import_check_would_catch_a_dashboard_import() -> None:
     assert "distributed.dashboard.components.scheduler" in door
 
 
-def _is_shim(path: Path) -> bool:
-    return SHIM_DOC in (ast.get_docstring(ast.parse(path.read_text())) or "")
-
-
 def test_no_two_files_share_a_name() -> None:
     """One name, one file: searches, tracebacks and editor tabs are never ambiguous."""
     seen: dict[str, list[str]] = {}
@@ -281,19 +274,6 @@ def test_no_two_files_share_a_name() -> None:
             seen.setdefault(p.stem, []).append(str(p.relative_to(ROOT)))
     twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not twice, twice
-
-
-def test_kept_import_paths_only_re_export() -> None:
-    """A module kept at an old path holds one import from the module that moved, and the
-    names it re-exports are that module's."""
-    shims = [p for p in SOURCES if _is_shim(p)]
-    assert {p.stem for p in shims} >= {"placement", "guard", "status"}
-    for p in shims:
-        body = ast.parse(p.read_text()).body[1:]  # after the docstring
-        assert len(body) == 1 and isinstance(body[0], ast.ImportFrom), p
-        target = importlib.import_module(body[0].module or "")
-        for alias in body[0].names:
-            assert hasattr(target, alias.name), (p, alias.name)
 
 
 #: What only a test or the demo uses: the simulated devices.

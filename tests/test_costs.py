@@ -147,7 +147,7 @@ def test_freeing_waits_for_a_cache_worth_it_except_under_rmm() -> None:
     from accelsched.devices.pool import PoolStats
     from accelsched.worker.pool_freer import PoolFreer
 
-    freer = PoolFreer(every=1, above=0, monitor=None, simulated=True, minimum=64 * MiB)  # type: ignore[arg-type]
+    freer = PoolFreer(every=1, above=0, monitor=None, minimum=64 * MiB)  # type: ignore[arg-type]
     assert not freer._caches_enough([_Pool(PoolStats(cached=MiB))], (0,))
     assert freer._caches_enough([_Pool(PoolStats(cached=64 * MiB))], (0,))
     # RMM owns the device pool (a fixed reserve, nothing cached): the pinned pool is

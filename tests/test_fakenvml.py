@@ -372,7 +372,7 @@ def test_to_host_gives_a_detached_buffer(gpus: FakeGPUs) -> None:
 def test_current_device_from_the_task_lease(gpus: FakeGPUs) -> None:
     from accelsched.context import Lease, holding
 
-    with holding(Lease(key="k", devices=(1,), simulated=True)):
+    with holding(Lease(key="k", devices=(1,))):
         buf = device_alloc(MiB)
         create_context()
     assert buf.device == 1 and used(1) == CTX + MiB

@@ -213,10 +213,11 @@ else:
     gpus = session.__enter__()
     assert gpus.standin == (mode == "standin"), (mode, gpus)
     buf = device_alloc(1 << 20, device=0)
-from accelsched.devices.backend import load_backend
+from accelsched.devices.backend import cuda, load_backend
 from accelsched.devices.nvml import NVMLMonitor
-nvml, simulated = load_backend()
-assert simulated
+nvml = load_backend()
+# the backend's CUDA: CuPy on the real GPU, numpy (nothing made current) on the fakes
+assert cuda().array_module().__name__ == ("cupy" if mode == "real" else "numpy"), mode
 nvml.nvmlInit()
 h = nvml.nvmlDeviceGetHandleByIndex(0)
 

@@ -75,9 +75,8 @@ class Tasks:
             left_nothing=self.attribution.left_nothing,
         )
         self.binder = Binder(
-            simulated=True,
             oom_exceptions=(),
-            pools=PoolFreer(every=1, above=0.0, monitor=self.monitor, simulated=True),
+            pools=PoolFreer(every=1, above=0.0, monitor=self.monitor),
             emit=lambda *a, **k: None,
             ledger=self.ledger,
         )

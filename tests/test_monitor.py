@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
+from accelsched.devices.backend import cuda
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.testing import create_context, device_alloc, fake_gpus
+from accelsched.testing.nvml_backend import SimulatedCuda
 
 
 def test_inventory_in_cuda_order(fake_gpus_2) -> None:
@@ -101,9 +103,9 @@ def test_a_session_names_its_backend_and_marks_its_devices_simulated() -> None:
     with fake_gpus(count=1):
         assert os.environ["ACCELSCHED_NVML_BACKEND"] == "accelsched.testing.nvml_backend"
         m = NVMLMonitor(env={})
-        assert len(m.devices()) == 1 and m.simulated
+        assert len(m.devices()) == 1 and isinstance(cuda(), SimulatedCuda)
     assert "ACCELSCHED_NVML_BACKEND" not in os.environ  # restored
-    assert not NVMLMonitor(env={}).simulated
+    assert not isinstance(cuda(), SimulatedCuda)
 
 
 def test_the_environment_wins_over_a_config_snapshot(monkeypatch) -> None:
@@ -113,18 +115,18 @@ def test_the_environment_wins_over_a_config_snapshot(monkeypatch) -> None:
 
     with fake_gpus(count=1), dask.config.set({"accelsched.nvml-backend": "pynvml"}):
         m = NVMLMonitor(env={})
-        assert len(m.devices()) == 1 and m.simulated
+        assert len(m.devices()) == 1 and isinstance(cuda(), SimulatedCuda)
 
 
-def test_backend_by_argument(tmp_path, monkeypatch) -> None:
+def test_backend_by_name(tmp_path, monkeypatch) -> None:
     """A backend is any module with pynvml's functions: here one that sees no driver."""
     (tmp_path / "nodriver.py").write_text(
-        "SIMULATED = True\n"
         "class NVMLError(Exception): pass\n"
         "def nvmlInit():\n    raise NVMLError('Driver Not Loaded')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    m = NVMLMonitor(env={}, backend="nodriver")
+    monkeypatch.setenv("ACCELSCHED_NVML_BACKEND", "nodriver")
+    m = NVMLMonitor(env={})
     assert m.devices() == [] and not m.available
     assert "Driver Not Loaded" in (m.reason or "")
 

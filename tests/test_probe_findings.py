@@ -156,7 +156,7 @@ class _LostHandleNVML:
 def test_one_lost_gpu_at_listing_costs_only_itself(monkeypatch):
     from accelsched.devices import nvml
 
-    monkeypatch.setattr(nvml, "load_backend", lambda name=None: (_LostHandleNVML(), False))
+    monkeypatch.setattr(nvml, "load_backend", lambda: _LostHandleNVML())
     monitor = nvml.NVMLMonitor(env={})
     assert [d.index for d in monitor.devices()] == [0]
     assert monitor.left_out == [1]

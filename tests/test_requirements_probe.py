@@ -225,7 +225,7 @@ def test_a_requirement_the_worker_cannot_read_errs_its_task_and_binds_nothing() 
     where distributed would log it and run the GPU task with no device bound."""
     from accelsched.worker.binder import Binder
 
-    binder = Binder(simulated=True, oom_exceptions=(), pools=None, emit=lambda *a, **k: None)  # type: ignore[arg-type]
+    binder = Binder(oom_exceptions=(), pools=None, emit=lambda *a, **k: None)  # type: ignore[arg-type]
     binder.set_devices([0])
     runner = binder.gpu_runner("k", 1, "k", {"memroy": "1GiB"})
     with pytest.raises(ValueError, match="unknown GPU requirement key.*'memroy'"):

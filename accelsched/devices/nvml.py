@@ -9,8 +9,7 @@ an exception. MIG devices are found under their parent GPU (NVML does not count 
 and stand for it as CUDA does (:func:`accelsched.devices.visible.resolve_devices`): a
 worker's device is then the MIG device, with its own UUID, memory and processes.
 
-The NVML library is passed in (``backend``, else dask config ``accelsched.nvml-backend``;
-:mod:`accelsched.devices.backend`).
+The NVML library is passed in by name (:mod:`accelsched.devices.backend`).
 """
 
 from __future__ import annotations
@@ -44,13 +43,9 @@ class NVMLMonitor:
         self,
         env: Mapping[str, str] | None = None,
         pid: int | None = None,
-        backend: str | None = None,
     ) -> None:
         self.pid = os.getpid() if pid is None else pid
         self._env = env
-        self._backend = backend
-        #: The backend's devices are simulated: no CUDA device can be made current.
-        self.simulated = False
         self._nvml: Any = None
         self.reason: str | None = None
         self._devices: list[DeviceInfo] | None = None
@@ -64,7 +59,7 @@ class NVMLMonitor:
             return self._nvml
         with _init_lock:
             try:
-                nvml, self.simulated = load_backend(self._backend)
+                nvml = load_backend()
             except ImportError as exc:
                 if exc.name == "pynvml":
                     return self._unavailable("pynvml is not installed (pip install nvidia-ml-py)")
@@ -215,10 +210,6 @@ class NVMLMonitor:
             # is this worker seen from the host's pid namespace
             return MemoryReading(int(procs[0].usedGpuMemory), False, has_context, True)
         return MemoryReading(self.used(index), False, has_context, False)
-
-    def has_context(self, index: int) -> bool | None:
-        """Whether this process holds a CUDA context on the device (None: cannot tell)."""
-        return self.process_memory(index).has_context
 
 
 @dataclass

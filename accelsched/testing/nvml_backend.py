@@ -4,15 +4,16 @@ accelsched reads NVML through the module ``ACCELSCHED_NVML_BACKEND`` (or dask co
 ``accelsched.nvml-backend``) names, ``pynvml`` by default. A ``fake_gpus`` session sets
 the variable to this one for its process and every process it starts: the real
 ``pynvml`` over the fake ``libnvidia-ml.so.1``, or the pure-Python stand-in where the
-library could not be built. Its devices are simulated: no CUDA call can be made on them.
+library could not be built. Its :data:`CUDA` says what a task finds on these devices.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
-#: No CUDA device can be made current on these devices.
-SIMULATED = True
+from accelsched.devices.backend import Cuda
+
 #: What ``fake_gpus`` sets ``accelsched.nvml-backend`` to.
 NAME = __name__
 
@@ -27,3 +28,19 @@ def api() -> Any:
     import pynvml
 
     return pynvml
+
+
+class SimulatedCuda(Cuda):
+    """No CUDA device exists behind a simulated GPU: none is made current, and a task
+    computes with numpy (the devices account for memory, they run no kernels)."""
+
+    def use(self, device: int) -> None:
+        return None
+
+    def array_module(self) -> ModuleType:
+        import numpy
+
+        return numpy
+
+
+CUDA = SimulatedCuda()

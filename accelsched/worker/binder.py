@@ -43,7 +43,6 @@ class Binder:
     def __init__(
         self,
         *,
-        simulated: bool,
         oom_exceptions: tuple[str, ...],
         pools: PoolFreer,
         emit: Callable[..., None],
@@ -53,7 +52,6 @@ class Binder:
         self.watch: Watch | None = None  # tasks that asked for no GPU, watched for use
         self._freed = threading.Condition()  # a lease ended, or the devices changed
         self._waiting = 0  # tasks waiting for room
-        self.simulated = simulated
         self.oom_exceptions = oom_exceptions
         self.pools = pools
         self.used: set[int] = set()  # devices GPU tasks of this worker held
@@ -145,7 +143,6 @@ class Binder:
                 Lease(
                     key,
                     devices,
-                    simulated=self.simulated,
                     report=self._emit,
                     oom_exceptions=self.oom_exceptions,
                     meter=meter,

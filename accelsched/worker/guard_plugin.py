@@ -121,14 +121,12 @@ class GuardPlugin(WorkerPlugin):
             left_nothing=attribution.left_nothing,
         )
         self.binder = Binder(
-            simulated=inv.simulated,
             oom_exceptions=o["oom_exceptions"],
             pools=PoolFreer(
                 every=o["free_pools_every"],
                 above=o["free_pools_above"],
                 minimum=o["free_pools_min"],
                 monitor=inv.monitor,
-                simulated=inv.simulated,
             ),
             emit=self._emit,
             ledger=ledger,

@@ -60,7 +60,6 @@ class Inventory:
         self.advertise_undeclared = advertise_undeclared
         self.worker: Worker | None = None
         self.monitor: NVMLMonitor | None = None
-        self.simulated = False
         self.visible: list[DeviceInfo] = []
         self.owned: list[DeviceInfo] = []
         self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
@@ -83,7 +82,6 @@ class Inventory:
         self.declared = internals.declared_gpus(worker)
         self.monitor = NVMLMonitor()
         self.visible = self.monitor.devices()
-        self.simulated = self.monitor.simulated
         self.owned = owned(self.visible, under_dask_cuda=under_dask_cuda(worker))
         self.claim = decide_claim(
             self.declared, len(self.owned), advertise_undeclared=self.advertise_undeclared

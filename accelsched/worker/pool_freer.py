@@ -35,10 +35,10 @@ __all__ = ["PoolFreer", "reclaim", "freeze_startup_objects"]
 logger = logging.getLogger(__name__)
 
 
-def _free(pools: list[DevicePool], device: int, *, simulated: bool) -> int:
+def _free(pools: list[DevicePool], device: int) -> int:
     """Free every pool of ``pools`` on ``device`` (CuPy frees the current device's pool:
     each device is visited); the bytes the pools said they released."""
-    with using_device(device, simulated=simulated):
+    with using_device(device):
         return sum(pool.free_all() for pool in pools)
 
 
@@ -51,14 +51,12 @@ class PoolFreer:
         every: int,
         above: float,
         monitor: NVMLMonitor,
-        simulated: bool,
         minimum: int = 0,
     ) -> None:
         self.every = every
         self.above = above
         self.minimum = minimum
         self.monitor = monitor
-        self.simulated = simulated
         self._count = itertools.count(1)  # next() is atomic across threads
 
     def after_gpu_task(self, devices: tuple[int, ...]) -> None:
@@ -77,7 +75,7 @@ class PoolFreer:
             if max(fractions, default=0) <= self.above:
                 return
         for device in devices:
-            _free(pools, device, simulated=self.simulated)
+            _free(pools, device)
 
     def _caches_enough(self, pools: list, devices: tuple[int, ...]) -> bool:
         """Whether the pools cache at least ``minimum`` bytes on one of ``devices``."""
@@ -104,7 +102,7 @@ def freeze_startup_objects() -> None:
         gc.freeze()
 
 
-def reclaim(devices: Iterable[int], *, simulated: bool) -> int:
+def reclaim(devices: Iterable[int]) -> int:
     """Collect garbage, then free every active pool on each of ``devices``; the bytes the
     pools said they released. Never creates a pool or a CUDA context: pools act only
     where their library is already in use (:func:`~accelsched.devices.pool.active_pools`).
@@ -114,7 +112,7 @@ def reclaim(devices: Iterable[int], *, simulated: bool) -> int:
     released = 0
     for device in devices if pools else ():
         try:
-            released += _free(pools, device, simulated=simulated)
+            released += _free(pools, device)
         except Exception:  # a pool or device that does not answer: measure anyway
             logger.warning("accelsched: freeing pools on device %s failed", device, exc_info=True)
     return released

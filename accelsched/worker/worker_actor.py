@@ -59,7 +59,7 @@ class WorkerActor:
         for action, group in itertools.groupby(proposals, key=lambda p: p.action):
             if action == "reclaim":
                 devices = [_device(p) for p in group]
-                reclaim(devices, simulated=self.inventory.simulated)
+                reclaim(devices)
                 continue
             act = self._acts.get(action)
             if act is None:

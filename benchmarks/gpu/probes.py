@@ -84,8 +84,8 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
     visible = dev.monitor.devices()
 
     def binder(every: int) -> Binder:
-        pools = PoolFreer(every=every, above=0.0, monitor=dev.monitor, simulated=fake)
-        b = Binder(simulated=fake, oom_exceptions=(), pools=pools, emit=no_event)
+        pools = PoolFreer(every=every, above=0.0, monitor=dev.monitor)
+        b = Binder(oom_exceptions=(), pools=pools, emit=no_event)
         b.set_devices([d.index for d in visible])
         return b
 
@@ -117,8 +117,8 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     dev = Device(fake)
     dev.context()
     owned = dev.monitor.devices()
-    pools = PoolFreer(every=0, above=0.0, monitor=dev.monitor, simulated=fake)
-    binder = Binder(simulated=fake, oom_exceptions=(), pools=pools, emit=no_event)
+    pools = PoolFreer(every=0, above=0.0, monitor=dev.monitor)
+    binder = Binder(oom_exceptions=(), pools=pools, emit=no_event)
     binder.set_devices([d.index for d in owned])
     binder.used.update(d.index for d in owned)
     ledger = Ledger(dev.monitor)

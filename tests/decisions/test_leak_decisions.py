@@ -252,7 +252,6 @@ class FakeInventory:
 
     granted: list[Device] = field(default_factory=lambda: [Device(0), Device(1)])
     withdrawn: set[int] = field(default_factory=set)
-    simulated: bool = True
     restarts: list[tuple[str, int]] = field(default_factory=list)
 
     def withdraw(self, device: int, out: bool = True) -> list[int]:
@@ -301,14 +300,12 @@ def test_the_actor_withdraws_and_offers_again_saying_so() -> None:
 def test_the_actor_reports_leaks_with_the_events_fields_in_order(monkeypatch: Any) -> None:
     inv = FakeInventory()
     actor, done = actor_for(inv)
-    collections: list[tuple[list[int], bool]] = []
-    monkeypatch.setattr(
-        acting, "reclaim", lambda devs, simulated: collections.append((devs, simulated))
-    )
+    collections: list[list[int]] = []
+    monkeypatch.setattr(acting, "reclaim", lambda devs: collections.append(devs))
     d = LeakDecisions(confirmations=1)
     d.attribution.record("train", {0: 300, 1: 100})
     actor.apply(d.propose(d.count({0: (600, T), 1: (900, T)}), complete=True))
-    assert collections == [([0, 1], True)]  # one collection for both devices
+    assert collections == [[0, 1]]  # one collection for both devices
     actor.apply(d.reclaimed({0: Remeasured(100, 0.25), 1: Remeasured(800, 0.5)}))
     assert done == [
         (
