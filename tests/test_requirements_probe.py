@@ -244,7 +244,7 @@ def test_a_gpu_task_whose_room_is_split_waits_in_its_thread_for_a_lease_to_end()
     from accelsched.worker.binder import Binder
 
     pools = types.SimpleNamespace(after_gpu_task=lambda devices: None)
-    binder = Binder(simulated=True, oom_exceptions=(), pools=pools, emit=lambda *a, **k: None)  # type: ignore[arg-type]
+    binder = Binder(oom_exceptions=(), pools=pools, emit=lambda *a, **k: None)  # type: ignore[arg-type]
     binder.leases.set_devices(
         [0, 1],
         {0: DeviceFacts("NVIDIA H100", 80 * GiB, (9, 0)), 1: DeviceFacts("A100", 40 * GiB, (8, 0))},
