@@ -113,7 +113,7 @@ class PlacementPlugin(SchedulerPlugin):
             emit=emit,
         )
         self.waiting = WaitingTasks(emit=emit, active=active)
-        self.observer = Observer(self.grants, waiting=self.waiting.counts)
+        self.observer = Observer(self.grants, waiting=self.waiting.counts, options=o)
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the options travel to the scheduler; the parts are built there.

@@ -80,8 +80,10 @@ class Marker(NamedTuple):
 class Observer:
     """Names, event counts, the snapshot and its bounded history."""
 
-    def __init__(self, grants: Grants, waiting: Callable[[], dict[str, int]]) -> None:
-        self._grants = grants
+    def __init__(
+        self, grants: Grants, waiting: Callable[[], dict[str, int]], options: dict[str, Any]
+    ) -> None:
+        self._grants, self._options = grants, dict(options)  # the PlacementPlugin's options
         self._waiting = waiting  # GPU tasks unplaced, by reason (scheduler/unplaced.py)
         self.scheduler: Scheduler | None = None
         self.names: OrderedDict[str, str] = OrderedDict()  # address -> worker name
@@ -176,6 +178,7 @@ class Observer:
             "fallbacks": self.totals["fallbacks"],
             "waiting": self._waiting(),
             "names": names,
+            "options": dict(self._options),
         }
 
     def _worker(self, ws: WorkerState) -> WorkerStatus:
