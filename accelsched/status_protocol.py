@@ -8,7 +8,7 @@ either side.
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 __all__ = ["DeviceFigures", "GuardMetric", "DeviceStatus", "WorkerStatus", "StatusReply"]
 
@@ -80,7 +80,7 @@ class WorkerStatus(TypedDict):
     fallbacks: int
 
 
-class StatusReply(TypedDict):
+class _StatusReplyBase(TypedDict):
     """``accelsched status --json`` prints exactly this (``version`` changes only when a
     field changes meaning or goes away). ``fallbacks``: every fallback event, those naming
     no worker (a task unplaced past its timeout) included; ``names``: address -> worker
@@ -99,3 +99,10 @@ class StatusReply(TypedDict):
     #: ``too-few-gpus``, ``unmet-requirement``, ``no-eligible-worker``); empty: none.
     waiting: dict[str, int]
     names: dict[str, str]
+
+
+class StatusReply(_StatusReplyBase, total=False):
+    """The status reply (see the base's fields); ``options``: the PlacementPlugin's
+    options in effect, durations in seconds (absent from an earlier accelsched)."""
+
+    options: dict[str, Any]

@@ -367,9 +367,10 @@ def test_status_command_shows_the_verified_gpus(preloaded: Cluster) -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "3 workers, 2 verified GPUs, 0 quarantined" in lines[0], done.stdout
-    rows = {line.split()[0]: line for line in lines[2:]}
+    assert lines[1].startswith(f"options: fallback_timeout={float(FALLBACK_TIMEOUT[:-1])}")
+    rows = {line.split()[0]: line for line in lines[3:]}
     for name in ("gpu-0", "gpu-1"):
-        assert "NVIDIA Simulated GPU" in rows[name] and "16.0 GiB" in rows[name], done.stdout
+        assert "NVIDIA Simulated GPU" in rows[name] and "16.00 GiB" in rows[name], done.stdout
 
 
 HOSTILE = """

@@ -415,7 +415,7 @@ async def _hostile_names(c: Any, s: Any, a: Worker, b: Worker) -> None:
     assert raw_controls(out) == [], out
     snap = await status(c)
     rows = sum(max(1, len(w["devices"])) for w in snap["workers"])
-    assert len(out.splitlines()) == 2 + rows  # the summary, the heading, a line a row
+    assert len(out.splitlines()) == 3 + rows  # summary, options, heading, a line a row
     assert "'\\x1b[2J'" in out and "'evil\\nrow'" in out
     assert "\\u202e" in out and "\\r\\n" in out
 
@@ -465,7 +465,7 @@ def test_hostile_worker_names_on_a_command_line_cluster(
             until(verified, timeout=60)
             out = command("status")
             assert raw_controls(out) == [], out
-            assert len(out.splitlines()) == 2 + 2  # the summary, the heading, a row each
+            assert len(out.splitlines()) == 3 + 2  # summary, options, heading, a row each
             assert "'\\x1b[2J'" in out and "'evil\\nrow'" in out
 
             out = command("events", "--action", "gpu-verified")

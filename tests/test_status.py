@@ -12,17 +12,25 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
+import dask
 import pytest
+from distributed import Client
 from distributed.utils_test import gen_cluster
 
 import accelsched
+from accelsched.observe.status_table import snapshot
 from accelsched.protocol import PLACEMENT_PLUGIN
+from tests import processes
+from tests.processes import DASK, running
 from tests.utils import (
+    ACCELSCHED,
     FAST,
     NAMES,
     MiB,
@@ -32,6 +40,7 @@ from tests.utils import (
     leak_and_restart,
     named_nannies,
     status_snapshot,
+    until,
     wait_for,
 )
 
@@ -52,12 +61,13 @@ async def test_status_table_json_and_events_by_name(c, s):
         lines = out.splitlines()
         assert lines[0].startswith(f"scheduler {s.address}: 2 workers, 2 verified GPUs")
         assert "1 restarts, 1 leaks" in lines[0]
-        assert lines[1].split()[:3] == ["WORKER", "GPU", "NAME"]
-        rows = {line.split()[0]: line for line in lines[2:]}
+        assert lines[1].startswith("options: fallback_timeout=")
+        assert lines[2].split()[:3] == ["WORKER", "GPU", "NAME"]
+        rows = {line.split()[0]: line for line in lines[3:]}
         assert set(rows) == set(NAMES)  # names, never addresses
         for row in rows.values():
             assert any(uuid in row for uuid in verified)
-            assert "NVIDIA" in row and "16.0 GiB" in row and "/256 MiB" in row
+            assert "NVIDIA" in row and "16.00 GiB" in row and "/256.00 MiB" in row
         # RESTARTS, LEAKS, RECLAIMED, FALLBACKS: alpha restarted once for one leak
         assert rows["alpha"].split()[-5:] == ["1", "1", "0", "0", "-"]
         assert rows["beta"].split()[-5:] == ["0", "0", "0", "0", "-"]
@@ -222,6 +232,8 @@ def test_scheduler_file_errors_one_line(tmp_path, capsys):
     for args in (("tcp://127.0.0.1:1", "--scheduler-file", str(missing)), ()):
         code, _, err, _ = run("status", *args)
         assert code == 2 and "give a SCHEDULER address or --scheduler-file PATH" in err
+        assert ("not both" in err) == bool(args)
+        assert ("DASK_SCHEDULER_ADDRESS" in err) == (not args)
     code, _, err, _ = run("status", "--scheduler-file", "")
     assert code == 2 and "invalid PATH ''" in err
 
@@ -309,7 +321,7 @@ async def test_before_the_first_heartbeat_the_table_says_it_waits(c, s):
         await wait_for(lambda: sum(len(w["devices"]) for w in status_snapshot(s)["workers"]) == 1)
         code, out, err = await cli("status", s.address)
         assert code == 0, err
-        (row,) = out.splitlines()[2:]
+        (row,) = out.splitlines()[3:]
         assert WAITING_TEXT in row and "-/-" not in row, out
         code, out, err = await cli("status", s.address, "--json")
         assert code == 0, err
@@ -319,8 +331,8 @@ async def test_before_the_first_heartbeat_the_table_says_it_waits(c, s):
         await a.heartbeat()
         code, out, err = await cli("status", s.address)
         assert code == 0, err
-        (row,) = out.splitlines()[2:]
-        assert WAITING_TEXT not in row and re.search(r"/\d+ MiB", row), out
+        (row,) = out.splitlines()[3:]
+        assert WAITING_TEXT not in row and re.search(r"/\d+\.\d\d [MG]iB", row), out
         (device,) = status_snapshot(s)["workers"][0]["devices"]
         assert device["figures"] == "reported" and device["leases"] == 0
 
@@ -337,3 +349,76 @@ def test_a_quarantine_says_what_it_waits_for() -> None:
         "restart-deferred: concurrency; waits for a free restart slot"
     )
     assert quarantine_text("odd") == "odd"
+
+
+# --- as users run the commands: installed, against `dask scheduler --preload accelsched` --
+
+
+def test_the_version_from_both_commands() -> None:
+    """``accelsched --version`` (click's), ``dask accelsched --version`` (found through
+    dask's ``dask_cli`` entry points) and ``accelsched version``."""
+    for args, expected in [
+        ([ACCELSCHED, "--version"], f"accelsched, version {accelsched.__version__}\n"),
+        ([DASK, "accelsched", "--version"], f"accelsched, version {accelsched.__version__}\n"),
+        ([ACCELSCHED, "version"], f"{accelsched.__version__}\n"),
+    ]:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (0, expected), done.stderr
+
+
+def test_commands_on_a_command_line_scheduler(tmp_path: Path) -> None:
+    """``dask accelsched status`` finds the scheduler in ``DASK_SCHEDULER_ADDRESS`` and
+    shows the options in effect and the task waiting; ``events --json`` is one object a
+    line; ``events --follow`` prints an event logged after it printed the history, and
+    Ctrl-C ends it with 130."""
+    sched = processes.scheduler(tmp_path, "--preload", "accelsched")
+    with (
+        running(sched),
+        Client(processes.scheduler_address(tmp_path / "scheduler.json", sched)) as c,
+    ):
+        address = c.scheduler.address
+        with dask.annotate(resources={"GPU": 1}, gpu={"model": "*first*"}):
+            first = c.submit(int, 1, pure=False)
+        until(lambda: (snapshot(c) or {}).get("waiting"))
+
+        dask_status = [DASK, "accelsched", "status"]
+        done = subprocess.run(dask_status, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "DASK_SCHEDULER_ADDRESS" in done.stderr, done.stderr
+        env = {**os.environ, "DASK_SCHEDULER_ADDRESS": address}
+        done = subprocess.run(dask_status, capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert lines[0].startswith(f"scheduler {address}: 0 workers")
+        assert lines[0].endswith("; 1 GPU tasks waiting (1 no-verified-gpu)")
+        assert lines[1] == (
+            "options: fallback_timeout=None, fallback_interval=0.25, share_gpus=False, "
+            "max_restarts=3, restart_window=3600.0, max_concurrent_restarts=1"
+        )
+        assert lines[2].split()[:2] == ["WORKER", "GPU"] and len(lines) == 3
+
+        done = subprocess.run(
+            [ACCELSCHED, "events", "--json", address], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        logged = [json.loads(line) for line in done.stdout.splitlines()]
+        (unmet,) = [e for e in logged if e["action"] == "unmet-requirement"]
+        assert unmet["requirement"] == "model=*first*" and unmet["key"] == first.key
+        assert all(isinstance(e["time"], float) for e in logged)
+
+        async def follow() -> tuple[int, str, str]:
+            proc = await cli_process("events", address, "--follow")
+            assert proc.stdout is not None and proc.stderr is not None
+            seen = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            with dask.annotate(resources={"GPU": 1}, gpu={"model": "*second*"}):
+                second = c.submit(int, 2, pure=False)  # logged once the history is out
+            while "*second*" not in seen.splitlines()[-1]:
+                seen += (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            proc.send_signal(signal.SIGINT)  # Ctrl-C
+            code = await asyncio.wait_for(proc.wait(), 30)
+            del second
+            return code, seen, (await proc.stderr.read()).decode()
+
+        code, seen, err = asyncio.run(follow())
+        assert (code, err) == (130, ""), err
+        printed = [line for line in seen.splitlines() if "[unmet-requirement]" in line]
+        assert len(printed) == 2 and "model=*first*" in printed[0], seen

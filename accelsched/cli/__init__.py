@@ -1,5 +1,6 @@
-"""The ``accelsched`` command: ``demo``, ``status``, ``events``, ``simulate``, ``version``."""
+"""The ``accelsched`` command (also ``dask accelsched``): ``demo``, ``status``, ``events``,
+``simulate``, ``version``."""
 
-from accelsched.cli.main import main
+from accelsched.cli.main import cli, main
 
-__all__ = ["main"]
+__all__ = ["cli", "main"]

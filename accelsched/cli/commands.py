@@ -40,6 +40,9 @@ __all__ = ["print_status", "print_events", "address_problem", "ReaderGone"]
 
 T = TypeVar("T")
 
+#: Seconds between two looks at the event log under ``events --follow``.
+FOLLOW_EVERY = 0.5
+
 
 class _Unreachable(Exception):
     """The scheduler did not answer within the time given, or not as a scheduler."""
@@ -87,12 +90,8 @@ async def _connect(address: str, seconds: float) -> Client:
 
     # distributed's own limit a little later: ours, on the handshake too, says it first
     client = Client(address, asynchronous=True, timeout=f"{seconds + 1!r}s", set_as_default=False)
-
-    async def started() -> None:
-        await client
-
     try:
-        await _within(seconds, started())
+        await _within(seconds, client)
     except BaseException:  # Ctrl-C too: a half-started client closed now, not at exit
         await _close(client)
         raise
@@ -167,14 +166,15 @@ def _run(
         return pool.submit(lambda: asyncio.run(session())).result()
 
 
-def _seconds(timeout: float | str) -> float:
-    """A timeout in seconds, or as dask writes durations (``"10s"``)."""
-    from dask.utils import parse_timedelta
+def timeout_seconds(timeout: float | str) -> float:
+    """``--timeout``: a duration (``10s``, ``500ms``, seconds), finite and > 0 (nothing can
+    be reached in no time), read as accelsched reads durations (``.5s``: half a second)."""
+    from accelsched.config import parse_optional_duration
 
-    seconds = parse_timedelta(timeout)
-    if not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
-        raise ValueError(f"invalid timeout={timeout!r}: expected a duration > 0")
-    return float(seconds)
+    seconds = parse_optional_duration("--timeout", timeout)
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise ValueError(f"invalid --timeout={timeout!r}: expected a duration > 0")
+    return seconds
 
 
 def _no_accelsched(command: str, address: str) -> int:
@@ -185,39 +185,6 @@ def _no_accelsched(command: str, address: str) -> int:
         file=sys.stderr,
     )
     return NO_ACCELSCHED
-
-
-class _Status:
-    def __init__(
-        self, address: str, out: TextIO, as_json: bool, watch: float | None, seconds: float
-    ) -> None:
-        self.address, self.out, self.as_json, self.watch = address, out, as_json, watch
-        self.seconds = seconds
-        self.drawn = False  # once drawn, Ctrl-C under --watch is the way to stop: exit 0
-
-    async def __call__(self, client: Client) -> int:
-        out, watch = self.out, self.watch
-        while True:
-            snap = await _snapshot(client, self.seconds)
-            if snap is None:
-                return _no_accelsched("status", self.address)
-            if self.as_json:
-                # ASCII only: a name's control characters arrive as \u001b, never raw,
-                # and so do C1 and bidi controls, which JSON would let through as they are
-                text = json.dumps(snap, sort_keys=True, ensure_ascii=True) + "\n"
-            else:
-                if watch is not None and out.isatty():
-                    text = "\x1b[H\x1b[2J"  # redraw in place
-                elif watch is not None:
-                    text = time.strftime("-- %H:%M:%S\n")
-                else:
-                    text = ""
-                text += render(snap) + "\n"
-            _write(out, text)
-            self.drawn = True
-            if watch is None:
-                return OK
-            await asyncio.sleep(watch)
 
 
 def print_status(
@@ -232,49 +199,35 @@ def print_status(
     """``accelsched status``: the table (or ``--json``), once or every ``watch`` seconds
     until Ctrl-C (exit 0 then); ``timeout`` seconds for each wait on the scheduler,
     ``connect`` (default ``timeout``) for the connection."""
-    seconds = _seconds(timeout)
-    main = _Status(address, out, as_json, watch, seconds)
+    seconds = timeout_seconds(timeout)
+    drawn = False  # once drawn, Ctrl-C under --watch is the way to stop: exit 0
+
+    async def status(client: Client) -> int:
+        nonlocal drawn
+        while True:
+            snap = await _snapshot(client, seconds)
+            if snap is None:
+                return _no_accelsched("status", address)
+            if as_json:
+                # ASCII only: a name's control characters arrive as \u001b, never raw,
+                # and so do C1 and bidi controls, which JSON would let through as they are
+                text = json.dumps(snap, sort_keys=True, ensure_ascii=True) + "\n"
+            elif watch is None:
+                text = render(snap) + "\n"
+            else:  # redraw in place on a terminal
+                text = "\x1b[H\x1b[2J" if out.isatty() else time.strftime("-- %H:%M:%S\n")
+                text += render(snap) + "\n"
+            _write(out, text)
+            drawn = True
+            if watch is None:
+                return OK
+            await asyncio.sleep(watch)
+
     try:
-        return _run("status", address, seconds if connect is None else connect, main)
+        return _run("status", address, seconds if connect is None else connect, status)
     except KeyboardInterrupt:
-        if watch is None or not main.drawn:
+        if watch is None or not drawn:
             raise
-        return OK
-
-
-class _Events:
-    def __init__(
-        self, address: str, actions: list[str] | None, out: TextIO, seconds: float
-    ) -> None:
-        self.address, self.actions, self.out, self.seconds = address, actions, out, seconds
-
-    async def __call__(self, client: Client) -> int:
-        from accelsched import events
-
-        snap = await _snapshot(client, self.seconds)
-        if snap is None:
-            return _no_accelsched("events", self.address)
-        log = await _within(self.seconds, client.get_events(events.TOPIC))
-        names: dict[str, Any] = dict(snap["names"])
-        lines = []
-        for stamp, msg in log:
-            if not isinstance(msg, dict) or msg.get("action") not in events.ACTIONS:
-                continue  # not one of ours (logged before accelsched held the topic)
-            if self.actions and msg["action"] not in self.actions:
-                continue
-            owner = msg.get("owner")
-            if isinstance(owner, str):  # gpu-rejected: the owner's address(es), by name too
-                msg = {**msg, "owner": names.get(owner, owner)}
-            elif isinstance(owner, list):
-                msg = {
-                    **msg,
-                    "owner": [names.get(o, o) if isinstance(o, str) else o for o in owner],
-                }
-            when = time.strftime("%H:%M:%S", time.localtime(stamp))
-            # every figure of an event may come from a worker (its name, its devices'):
-            # the line is shown, so none of it acts on the terminal or starts a line
-            lines.append(f"{when} [{msg['action']}] {shown(events.describe(msg, names))}\n")
-        _write(self.out, "".join(lines))
         return OK
 
 
@@ -284,9 +237,14 @@ def print_events(
     out: TextIO,
     timeout: float | str = 10.0,
     connect: float | None = None,
+    *,
+    as_json: bool = False,
+    follow: bool = False,
 ) -> int:
     """``accelsched events``: the scheduler's accelsched events, oldest first, workers by
-    name (a restarted worker's old address too); ``timeout`` seconds for each wait,
+    name (a restarted worker's old address too), or ``as_json`` one object a line as
+    logged; ``follow``: then the new ones as they come, every :data:`FOLLOW_EVERY`
+    seconds, until Ctrl-C (``KeyboardInterrupt``). ``timeout`` seconds for each wait,
     ``connect`` (default ``timeout``) for the connection."""
     from accelsched import events
 
@@ -297,6 +255,41 @@ def print_events(
             file=sys.stderr,
         )
         return USAGE
-    seconds = _seconds(timeout)
-    main = _Events(address, actions, out, seconds)
-    return _run("events", address, seconds if connect is None else connect, main)
+    seconds = timeout_seconds(timeout)
+
+    def line(stamp: float, msg: Any, names: dict[str, str]) -> str:
+        """The event as a line ('' for one that is not ours or not asked for)."""
+        if not isinstance(msg, dict) or msg.get("action") not in events.ACTIONS:
+            return ""  # not one of ours (logged before accelsched held the topic)
+        if actions and msg["action"] not in actions:
+            return ""
+        if as_json:  # as logged, ASCII (see status --json); odd figures as their repr
+            text = json.dumps(
+                {"time": stamp, **msg}, ensure_ascii=True, default=repr, skipkeys=True
+            )
+            return text + "\n"
+        owner = msg.get("owner")
+        if isinstance(owner, str):  # gpu-rejected: the owner's address(es), by name too
+            msg = {**msg, "owner": names.get(owner, owner)}
+        elif isinstance(owner, list):
+            msg = {**msg, "owner": [names.get(o, o) if isinstance(o, str) else o for o in owner]}
+        when = time.strftime("%H:%M:%S", time.localtime(stamp))
+        # every figure of an event may come from a worker (its name, its devices'): the
+        # line is shown, so none of it acts on the terminal or starts a line
+        return f"{when} [{msg['action']}] {shown(events.describe(msg, names))}\n"
+
+    async def print_log(client: Client) -> int:
+        shown_until = float("-inf")  # the scheduler's time of the last event printed
+        while True:
+            snap = await _snapshot(client, seconds)
+            if snap is None:
+                return _no_accelsched("events", address)
+            log = await _within(seconds, client.get_events(events.TOPIC))
+            new = [(stamp, msg) for stamp, msg in log if stamp > shown_until]
+            _write(out, "".join(line(stamp, msg, snap["names"]) for stamp, msg in new))
+            shown_until = max([shown_until, *(stamp for stamp, _ in new)])
+            if not follow:
+                return OK
+            await asyncio.sleep(FOLLOW_EVERY)
+
+    return _run("events", address, seconds if connect is None else connect, print_log)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
+from dask.utils import format_bytes
+
 from accelsched.protocol import STATUS_HANDLER, DeviceStatus, StatusReply
 
 if TYPE_CHECKING:
@@ -46,8 +48,6 @@ EXIT_CODES_HELP: Final = (
     "2 bad arguments; 3 the scheduler runs no accelsched (PlacementPlugin not registered); "
     "130 Ctrl-C before an answer"
 )
-
-MiB = 2**20
 
 #: ``devices[].figures`` of a device granted since the worker's last heartbeat: its
 #: leases and leak figures are not known yet (see :class:`~accelsched.protocol.DeviceStatus`).
@@ -124,8 +124,8 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
-def _gib(nbytes: int | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**30:.1f} GiB"
+def _bytes(nbytes: int | None) -> str:
+    return "-" if nbytes is None else format_bytes(nbytes)
 
 
 def table_rows(snap: StatusReply) -> dict[str, list[str]]:
@@ -139,9 +139,9 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
                 "worker": w["name"],
                 "device": "-" if d is None else str(d["index"]),
                 "gpu": "no verified GPU" if d is None else d["name"],
-                "memory": "-" if d is None else f"{d['memory'] / 2**30:.1f} GiB",
+                "memory": _bytes(None if d is None else d["memory"]),
                 "capability": "-" if d is None else d.get("capability") or "?",
-                "declared": _gib(None if d is None else d.get("declared")),
+                "declared": _bytes(None if d is None else d.get("declared")),
                 "uuid": "-" if d is None else d["uuid"],
                 "leases": "-" if d is None or d["leases"] is None else str(d["leases"]),
                 "leak": "-"
@@ -163,9 +163,7 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
 
 
 def _leak(estimate: int | None, threshold: int | None) -> str:
-    est = "-" if estimate is None else f"{max(estimate, 0) / MiB:.0f}"
-    thr = "-" if threshold is None else f"{threshold / MiB:.0f}"
-    return f"{est}/{thr} MiB"
+    return f"{_bytes(None if estimate is None else max(estimate, 0))}/{_bytes(threshold)}"
 
 
 def summary(snap: StatusReply) -> str:
@@ -186,13 +184,21 @@ def summary(snap: StatusReply) -> str:
     return line
 
 
+def options_line(snap: StatusReply) -> str:
+    """The PlacementPlugin's options in effect (``register``'s keywords, in seconds)."""
+    options = snap.get("options")  # a scheduler of an earlier accelsched has none
+    if options is None:
+        return "options: not reported (an earlier accelsched)"
+    return "options: " + ", ".join(f"{k}={shown(v)}" for k, v in options.items())
+
+
 def render(snap: StatusReply) -> str:
-    """The text ``accelsched status`` prints: a summary line and the table, every cell
+    """The text ``accelsched status`` prints: a summary line, the options and the table, every cell
     :func:`shown` (names come from the cluster) before the widths are taken."""
     rows = {c: [shown(v) for v in cells] for c, cells in table_rows(snap).items()}
     n = len(rows["worker"])
     widths = {c: max([len(h)] + [len(v) for v in rows[c]]) for c, h in COLUMNS}
-    lines = [f"scheduler {shown(snap['scheduler'])}: {summary(snap)}"]
+    lines = [f"scheduler {shown(snap['scheduler'])}: {summary(snap)}", options_line(snap)]
     lines.append("  ".join(h.ljust(widths[c]) for c, h in COLUMNS).rstrip())
     for i in range(n):
         lines.append("  ".join(rows[c][i].ljust(widths[c]) for c, _ in COLUMNS).rstrip())

@@ -146,7 +146,9 @@ class PlacementPlugin(SchedulerPlugin):
             authority=self.authority,
             emit=emit,
         )
-        observer = Observer(scheduler, grants, waiting=self.fallback.waiting_counts)
+        observer = Observer(
+            scheduler, grants, waiting=self.fallback.waiting_counts, options=self.options
+        )
         observer.start()
         self.observer = observer
         dashboard_page.install(scheduler)

@@ -81,9 +81,13 @@ class Observer:
     """Names, event counts, the snapshot and its bounded history."""
 
     def __init__(
-        self, scheduler: Scheduler, grants: Grants, waiting: Callable[[], dict[str, int]]
+        self,
+        scheduler: Scheduler,
+        grants: Grants,
+        waiting: Callable[[], dict[str, int]],
+        options: dict[str, Any],
     ) -> None:
-        self._grants = grants
+        self._grants, self._options = grants, dict(options)  # the PlacementPlugin's options
         self._waiting = waiting  # GPU tasks unplaced, by reason (scheduler/fallback.py)
         self.scheduler = scheduler
         self.names: OrderedDict[str, str] = OrderedDict()  # address -> worker name
@@ -175,6 +179,7 @@ class Observer:
             "fallbacks": self.totals["fallbacks"],
             "waiting": self._waiting(),
             "names": names,
+            "options": dict(self._options),
         }
 
     def _worker(self, ws: WorkerState) -> WorkerStatus:
