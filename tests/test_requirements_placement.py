@@ -182,6 +182,6 @@ async def test_status_shows_each_devices_model_capability_and_declared_memory(c,
     assert devices[H100]["capability"] == "9.0" and devices[A100]["capability"] == "8.0"
     assert devices[A100]["declared"] == 0
     text = render(snap)
-    assert "CC" in text and "DECLARED" in text and "10.0 GiB" in text
+    assert "CC" in text and "DECLARED" in text and "10.00 GiB" in text
     await done.set()
     assert await held == 1
