@@ -10,14 +10,13 @@ from typing import Any
 import pytest
 from dask._task_spec import Task
 
-import accelsched
 from accelsched.devices.nvml import MemoryReading, NVMLMonitor
 from accelsched.policy.leak import Attribution
 from accelsched.testing import create_context, device_alloc
 from accelsched.worker.binder import Binder
 from accelsched.worker.ledger import LEARN, MEASURE, SKIP, Ledger
 from accelsched.worker.pool_freer import PoolFreer
-from tests.utils import MiB, inc
+from tests.utils import MiB, inc, marked_warm_up, warm_up
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -45,17 +44,6 @@ class Frame:
 
     def __init__(self, nbytes: int) -> None:
         self.payload = device_alloc(nbytes)
-
-
-def warm_up() -> int:
-    device_alloc(MiB)
-    return 0
-
-
-@accelsched.gpu
-def marked_warm_up() -> int:
-    device_alloc(MiB)
-    return 0
 
 
 def make_frame(nbytes: int) -> Frame:

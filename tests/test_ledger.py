@@ -14,7 +14,17 @@ import accelsched
 from accelsched.devices.arrays import knows
 from accelsched.policy.leak import Attribution
 from accelsched.testing import device_alloc
-from tests.utils import CONFIRMED, FAST, TWO_GPU_WORKERS, MiB, events, gpus, guard_checks, wait_for
+from tests.utils import (
+    CONFIRMED,
+    FAST,
+    TWO_GPU_WORKERS,
+    MiB,
+    events,
+    gpus,
+    guard_checks,
+    marked_warm_up,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -34,13 +44,6 @@ class Frame:
 @accelsched.gpu
 def make_frame(nbytes: int, value: int) -> Frame:
     return Frame(nbytes, value)
-
-
-@accelsched.gpu
-def warm_up() -> int:
-    """A first GPU task: the process gets its CUDA context, as real GPU work does."""
-    device_alloc(MiB)
-    return 0
 
 
 @accelsched.gpu
@@ -89,7 +92,7 @@ async def test_opaque_results_are_held_where_made_and_where_moved(c, s, a, b):
     await accelsched.register(c, **FAST)
     A, B = a.worker_address, b.worker_address
     await wait_for(lambda: gpus(s, A) == 1 and gpus(s, B) == 1)
-    await c.gather([c.submit(warm_up, workers=[w], pure=False) for w in (A, B)])
+    await c.gather([c.submit(marked_warm_up, workers=[w], pure=False) for w in (A, B)])
     # a 1 GiB result of an unknown type, kept on A: measured when made, held, not leaked
     frame = c.submit(make_frame, 1024 * MiB, 7, workers=[A], key="frame")
     await frame
@@ -248,7 +251,7 @@ async def test_opaque_results_inside_a_fixed_pool_are_held(c, s, a, b):
     not NVML's figure: measured so, it is held, and no leak is declared."""
     await accelsched.register(c, **FAST)
     await wait_for(lambda: sum(gpus(s, w) for w in s.workers) == 2, 30)
-    await c.submit(warm_up, workers=[a.worker_address], pure=False)
+    await c.submit(marked_warm_up, workers=[a.worker_address], pure=False)
     kept = [
         c.submit(frame_in_fixed_pool, 512 * MiB, i, workers=[a.worker_address], pure=False)
         for i in range(4)  # 2 GiB of results, eight times the threshold

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
 import dask
 import pytest
@@ -16,21 +15,15 @@ from distributed import Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.testing import FakeGPUs, fake_gpus
-from tests.utils import events, wait_for
+from tests.utils import A100, H100, events, wait_for
+
+pytestmark = pytest.mark.usefixtures("mixed_gpus")
 
 GiB = 2**30
-H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"
 WORKERS = [
     ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}}),
     ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "1"}, "resources": {"GPU": 1}}),
 ]
-
-
-@pytest.fixture(autouse=True)
-def mixed_gpus() -> Iterator[FakeGPUs]:
-    with fake_gpus(2, ["80GiB", "40GiB"], names=[H100, A100], capability=["9.0", "8.0"]) as g:
-        yield g
 
 
 def where() -> tuple[str, int | None, float]:

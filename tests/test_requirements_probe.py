@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import dask
@@ -20,7 +19,6 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.policy.requirements import parse_requirement
-from accelsched.testing import FakeGPUs, fake_gpus
 from tests.test_requirements_placement import (
     A100,
     H100,
@@ -33,15 +31,11 @@ from tests.test_requirements_placement import (
 )
 from tests.utils import events, wait_for
 
+pytestmark = pytest.mark.usefixtures("mixed_gpus")
+
 GiB = 2**30
 #: One nanny worker owning both devices (CUDA 0: the H100, 1: the A100).
 BOTH = [("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "0,1"}, "resources": {"GPU": 2}})]
-
-
-@pytest.fixture(autouse=True)
-def mixed_gpus() -> Iterator[FakeGPUs]:
-    with fake_gpus(2, ["80GiB", "40GiB"], names=[H100, A100], capability=["9.0", "8.0"]) as g:
-        yield g
 
 
 class SentBack(SchedulerPlugin):

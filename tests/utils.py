@@ -29,6 +29,8 @@ from accelsched.testing import device_alloc
 
 MiB = 2**20
 GiB = 2**30
+#: The names of the two models of the ``mixed_gpus`` fixture (tests/conftest.py).
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"
 #: What a fake GPU charges a process for its CUDA context, beside what it allocates.
 CTX = 64 * MiB
 
@@ -67,6 +69,19 @@ GPU_WORKER = [("127.0.0.1", 1, {"resources": {"GPU": 1}})]
 
 def inc(x: int) -> int:
     return x + 1
+
+
+def warm_up() -> int:
+    """A first task on a device: the process gets its CUDA context, as real GPU work does."""
+    device_alloc(MiB)
+    return 0
+
+
+@accelsched.gpu
+def marked_warm_up() -> int:
+    """:func:`warm_up` as a step marked in code (a GPU task without an annotation)."""
+    device_alloc(MiB)
+    return 0
 
 
 def leaky(i: int) -> int:
