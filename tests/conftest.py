@@ -2,7 +2,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import dask
 import pytest
 
 from accelsched.testing import FakeGPUs, fake_gpus
@@ -10,10 +9,6 @@ from tests.utils import A100, H100
 
 pytest_plugins = ["distributed.utils_test"]
 
-# For the tests that use dask.annotate(resources=...) on dask.array graphs: low-level
-# fusion drops annotations (steps marked in code need no setting: test_marks.py sets the
-# defaults back where it checks that).
-dask.config.set({"optimization.fuse.active": False})
 
 
 @pytest.fixture
