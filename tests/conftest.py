@@ -10,7 +10,6 @@ from tests.utils import A100, H100
 pytest_plugins = ["distributed.utils_test"]
 
 
-
 @pytest.fixture
 def fake_gpus_2() -> Iterator[FakeGPUs]:
     """Two fake 16 GiB GPUs for this process and every process it starts."""
