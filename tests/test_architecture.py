@@ -373,3 +373,17 @@ def test_every_test_the_reliability_table_names_exists() -> None:
             if not re.search(rf"^(async )?def {name}\(", source, re.M):
                 missing.append(f"{module}.py::{name}")
     assert not missing, missing
+
+
+def test_the_parts_diagram_names_every_part_and_only_parts_that_exist() -> None:
+    """docs/architecture.md's diagram of the parts is the map a newcomer reads: every
+    module of the scheduler side, the worker side and the decisions is on it, and every
+    file on it exists."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    diagram = text.split("## The parts", 1)[1].split("```")[1]
+    named = set(re.findall(r"\b(\w+\.py)\b", diagram))
+    for folder in ("scheduler", "worker", "policy"):
+        modules = {p.name for p in (ROOT / "accelsched" / folder).glob("*.py")} - {"__init__.py"}
+        assert modules <= named, (folder, sorted(modules - named))
+    existing = {p.name for p in (ROOT / "accelsched").rglob("*.py")}
+    assert named <= existing, sorted(named - existing)
