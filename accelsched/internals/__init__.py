@@ -65,7 +65,6 @@ from accelsched.internals.scheduler import (
 )
 from accelsched.internals.servers import (
     call_later,
-    call_soon,
     cancel_call,
     install_handler,
     remove_handler,
@@ -101,7 +100,6 @@ __all__ = [
     "drop_annotated_resource",
     "apply_resources",
     "call_later",
-    "call_soon",
     "cancel_call",
     "check_scheduler",
     "check_worker",

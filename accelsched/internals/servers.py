@@ -56,8 +56,3 @@ def call_later(server: Any, delay: float, fn: Callable[[], None]) -> Any:
 
 def cancel_call(server: Any, handle: Any) -> None:
     server.loop.remove_timeout(handle)
-
-
-def call_soon(server: Any, fn: Callable[[], None]) -> None:
-    """Call ``fn`` on the server's event loop once the current callback returns."""
-    server.loop.add_callback(fn)
