@@ -65,7 +65,6 @@ class Option:
     name: str
     key: str
     parse: Callable[[str, Any], Any]
-    doc: str = ""
 
 
 def resolve_options(
