@@ -22,8 +22,13 @@ from tests.utils import ROOT
 
 DASK = str(Path(sys.executable).with_name("dask"))
 #: On the processes' path, so they unpickle the tests' functions (pytest imports a test
-#: module by its file name, from tests/; the shared helpers as ``tests.utils``).
-PATHS = [str(ROOT), str(ROOT / "tests")]
+#: module by its file name, from its folder under tests/; the shared helpers as
+#: ``tests.utils``).
+PATHS = [
+    str(ROOT),
+    str(ROOT / "tests"),
+    *sorted(str(d) for d in (ROOT / "tests").iterdir() if d.is_dir() and d.name.isidentifier()),
+]
 
 
 class Process:

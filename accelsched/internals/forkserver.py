@@ -10,7 +10,7 @@ forked child ends with ``os._exit``.
 Nothing in the server may initialise CUDA: a CUDA context does not survive ``fork``. The
 server imports only distributed's list (distributed, dask, numpy, pandas, lz4, ...),
 accelsched and pynvml (which loads no library until ``nvmlInit``, and NVML is no CUDA
-context anyway); never CuPy, RMM, numba or cudf. ``tests/test_fast_restart.py`` checks it.
+context anyway); never CuPy, RMM, numba or cudf. ``tests/as_users/test_fast_restart.py`` checks it.
 
 What the server's children inherit is the server's environment, as it was when it
 started, plus the nanny's ``env``: so the server is started again whenever the nanny

@@ -2,7 +2,7 @@
 failing device must not do to placement.
 
 The cluster tests run nanny workers on mixed simulated GPUs (an 80 GiB H100 and a
-40 GiB A100), as tests/test_requirements_placement.py does.
+40 GiB A100), as tests/scheduler/test_requirements_placement.py does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.policy.requirements import parse_requirement
-from tests.test_requirements_placement import (
+from tests.scheduler.test_requirements_placement import (
     A100,
     H100,
     WORKERS,
