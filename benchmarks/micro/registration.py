@@ -21,6 +21,7 @@ from accelsched.protocol import PLACEMENT_PLUGIN
 async def _register_workers(n: int, uuids: list[str]) -> dict[str, Any]:
     """Start ``n`` in-process workers one by one, each owning one (MIG) device; time
     each from start to its GPU verified, and the scheduler's accelsched handlers."""
+    import inspect
     import os
 
     from distributed import Client as AsyncClient
@@ -43,15 +44,16 @@ async def _register_workers(n: int, uuids: list[str]) -> dict[str, Any]:
             def timing(handler: Any, name: str) -> Any:
                 async def timed(comm: Any = None, **kw: Any) -> Any:
                     t0 = time.perf_counter()
-                    out = await handler(comm, **kw)
+                    out = handler(comm, **kw)
+                    if inspect.isawaitable(out):  # the offer handler waits; the report does not
+                        out = await out
                     spent[name].append(time.perf_counter() - t0)
                     return out
 
                 return timed
 
             s.handlers[name] = timing(handler, name)
-        # accelsched's own work on the event loop (the handlers above also wait for the
-        # worker's confirmation, a round trip that here shares one loop with every worker)
+        # accelsched's own work on the event loop
         plugin = s.plugins[PLACEMENT_PLUGIN]
         own: list[float] = []
 
