@@ -15,15 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
 from accelsched.observe import metrics
-from accelsched.protocol import GPU, GPU_MEMORY
-from accelsched.scheduler.eligibility import memory_capacity
+from accelsched.policy.requirements import capacity, mebibytes
+from accelsched.protocol import GPU, GPU_MEMORY, DeviceRecord
 from accelsched.scheduler.grants import Grants
 
 if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import WorkerState
 
-__all__ = ["GpuCounts"]
+__all__ = ["GpuCounts", "memory_capacity"]
+
+
+def memory_capacity(records: list[DeviceRecord], count: int) -> int:
+    """``GPU-memory`` (MiB) a worker offers: its first ``count`` granted devices'
+    capacity (fewer while one is withdrawn: which one the offer does not say)."""
+    return sum(mebibytes(capacity(int(d["memory"]))) for d in records[:count])
 
 
 class GpuCounts:
