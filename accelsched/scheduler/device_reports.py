@@ -48,15 +48,9 @@ if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import WorkerState
 
-__all__ = ["DeviceReports", "memory_capacity"]
+__all__ = ["DeviceReports"]
 
 logger = logging.getLogger(__name__)
-
-
-def memory_capacity(records: list[DeviceRecord], count: int) -> int:
-    """``GPU-memory`` (MiB) a worker offers: its first ``count`` granted devices'
-    capacity (fewer while one is withdrawn: which one the offer does not say)."""
-    return sum(mebibytes(capacity(int(d["memory"]))) for d in records[:count])
 
 
 class DeviceReports:
@@ -191,10 +185,9 @@ class DeviceReports:
         self, comm: Any, worker: str, process: str = "", request: str = "", count: Any = 0
     ) -> OfferReply:
         """A guard offers ``count`` of its granted GPUs (fewer while one is withdrawn)."""
-        scheduler = self.scheduler
         if not self._active():
             return {"status": "no-plugin", "count": 0}
-        ws = scheduler.workers.get(worker)
+        ws = self.scheduler.workers.get(worker)
         if ws is None:
             return {"status": "unknown-worker", "count": 0}
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -228,7 +221,10 @@ class DeviceReports:
         internals.set_worker_gpus(scheduler, ws, after)
         # declared-memory tasks take GPU-memory: the granted devices' capacity
         records = self._grants.granted_devices().get(ws.address, [])
-        internals.set_worker_gpus(scheduler, ws, memory_capacity(records, after), GPU_MEMORY)
+        # its first ``after`` devices' capacity (fewer while one is withdrawn: which one
+        # the offer does not say)
+        memory = sum(mebibytes(capacity(int(d["memory"]))) for d in records[:after])
+        internals.set_worker_gpus(scheduler, ws, memory, GPU_MEMORY)
         if after > before:  # waiting tasks, and its share of its peers' queues
             self._gained(ws.address)  # tasks with requirements it meets
             internals.offer_unrunnable(scheduler, ws)

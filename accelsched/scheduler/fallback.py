@@ -285,7 +285,14 @@ class Fallback:
             return None
         if need.memory is not None and count != 1:
             return f"{need.label()}: a task that declares memory takes one device, not {count}"
-        internals.annotate(ts, REQUIREMENT_ANNOTATION, _normalised(need))
+        # the requirement as the worker reads it back (plain, msgpack-safe values)
+        normalised = {
+            "memory": need.memory,
+            "model": need.model,
+            "capability": None if need.capability is None else list(need.capability),
+            "mig": need.mig,
+        }
+        internals.annotate(ts, REQUIREMENT_ANNOTATION, normalised)
         if need.memory is not None:  # shares a device: memory, not a whole GPU
             restrictions = {k: v for k, v in ts.resource_restrictions.items() if k != GPU}
             restrictions[GPU_MEMORY] = mebibytes(need.memory)
@@ -330,9 +337,7 @@ class Fallback:
         if finish == "forgotten":
             del self.tasks[key]  # the one place a task is forgotten
             return
-        ts = self.scheduler.tasks.get(key)
-        if ts is None:
-            return
+        ts = self.scheduler.tasks[key]  # not forgotten: still the scheduler's
         if finish == "no-worker":
             self._enter(ts, task, monotonic())
             self._schedule()
@@ -365,9 +370,8 @@ class Fallback:
         amount = restrictions.get(GPU) or (1 if restrictions.get(GPU_MEMORY) else 0)
         if not amount or task.timeout is None:
             return None
-        tasks = self.tasks
         chain = any(
-            (d := tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
+            (d := self.tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
         )
         return Waiting(ts.key, task.since, amount, task.timeout, chain)
 
@@ -508,21 +512,10 @@ class Fallback:
             return
         waiting = self.waiting()
         for reason in self.notices.update(waiting):
-            keys = waiting[reason]
             self._emit(
                 events.GPU_WAITING,
                 None,
                 reason=reason,
-                waiting=len(keys),
-                keys=[str(k) for k in keys[:EXAMPLES]],
+                waiting=len(waiting[reason]),
+                keys=[str(k) for k in waiting[reason][:EXAMPLES]],
             )
-
-
-def _normalised(need: Requirement) -> dict[str, Any]:
-    """The requirement as the worker reads it back (plain, msgpack-safe values)."""
-    return {
-        "memory": need.memory,
-        "model": need.model,
-        "capability": None if need.capability is None else list(need.capability),
-        "mig": need.mig,
-    }
