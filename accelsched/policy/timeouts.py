@@ -72,16 +72,14 @@ def parse_task_timeout(value: Any) -> float | None:
         return _parse(value)
 
 
-@functools.lru_cache(maxsize=256, typed=True)
-def _parse_cached(value: Any) -> float | None:
-    return _parse(value)
-
-
 def _parse(value: Any) -> float | None:
     try:
         return parse_optional_duration("fallback_timeout annotation", value)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+
+
+_parse_cached = functools.lru_cache(maxsize=256, typed=True)(_parse)
 
 
 def invalid_amount(amount: Any) -> str | None:

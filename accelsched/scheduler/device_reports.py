@@ -4,12 +4,20 @@ A worker's guard reports the devices it verified and the count it asks for; this
 grants what nobody else owns (:class:`~accelsched.scheduler.grants.Grants`), logs the
 verdict (``gpu-verified``, ``gpu-rejected``, ``gpu-corrected``) and answers with the UUIDs
 granted. Later the guard offers how many of them it can serve now (fewer while one is
-withdrawn), and placement follows (:class:`~accelsched.scheduler.gpu_counts.GpuCounts`).
+withdrawn), and placement follows (below).
 
 A report from a process since replaced at that address, or one seen before, is refused
 (:mod:`accelsched.scheduler.authority`). When a worker
 leaves, the workers refused one of its GPUs are asked to report again, so a GPU whose
 owner left does not sit unused.
+
+Each worker's ``GPU`` count in distributed's placement is what :class:`Grants` allows. A
+declared ``GPU`` resource is live in distributed before anything has checked it, and
+anyone can call ``set_resources`` naming any worker. So the count is stripped at
+registration, set within the grant whenever the worker's guard offers (or anyone calls
+``set_resources``), zero while the worker is quarantined, and back to the declaration when
+the plugin is unregistered. A worker whose count grows is offered the ``no-worker`` tasks
+(distributed does not); one whose count shrinks sends back what no longer fits.
 """
 
 from __future__ import annotations
@@ -19,7 +27,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
+from accelsched.observe import metrics
+from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.protocol import (
+    GPU,
+    GPU_MEMORY,
     GUARD_PLUGIN,
     INVENTORY_HANDLER,
     OFFER_HANDLER,
@@ -30,11 +42,11 @@ from accelsched.protocol import (
     report_problem,
 )
 from accelsched.scheduler.authority import Authority
-from accelsched.scheduler.gpu_counts import GpuCounts
 from accelsched.scheduler.grants import Grants
 
 if TYPE_CHECKING:
     from distributed import Scheduler
+    from distributed.scheduler import WorkerState
 
 __all__ = ["DeviceReports"]
 
@@ -42,24 +54,33 @@ logger = logging.getLogger(__name__)
 
 
 class DeviceReports:
-    """Serves the inventory and offer handlers; asks guards to report."""
+    """Serves the inventory and offer handlers; asks guards to report; sets the GPU count
+    of every worker from its grant; serves the GPU gauge."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         *,
         grants: Grants,
-        counts: GpuCounts,
         authority: Authority,
         emit: Callable[..., None],
         active: Callable[[], bool],
+        gained: Callable[[str], None],
     ) -> None:
+        """Gate ``set_resources``, serve the gauge, strip every worker's declared GPUs.
+
+        ``gained(worker)``: the worker's devices were granted (tasks with requirements
+        it meets gain it)."""
         self.scheduler = scheduler
         self._grants = grants
-        self._counts = counts
         self._authority = authority
         self._emit = emit
         self._active = active
+        self._gained = gained
+        internals.wrap_set_resources(scheduler, self.set_resources)
+        metrics.gpus_from(self._grants.gauge)
+        for ws in list(scheduler.workers.values()):
+            self.add_worker(ws)
 
     def start(self) -> None:
         """Serve the handlers. Guards already running report again now that someone
@@ -72,8 +93,20 @@ class DeviceReports:
                 internals.spawn(scheduler, self._ask_report, addr)
 
     def stop(self) -> None:
+        """Unregistered: distributed's handlers and ``set_resources``, and every worker's
+        GPU count as it was declared."""
         internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
+        internals.restore_set_resources(self.scheduler)
+        self.close()
+        for addr, count in self._grants.take_declarations().items():
+            ws = self.scheduler.workers.get(addr)
+            if ws is not None:
+                internals.set_worker_gpus(self.scheduler, ws, count)
+
+    def close(self) -> None:
+        """The gauge no longer reads these grants."""
+        metrics.stop_gpus(self._grants.gauge)
 
     def remove_worker(self, worker: str) -> None:
         """Free the worker's GPUs; workers refused one of them are asked to report again."""
@@ -152,10 +185,9 @@ class DeviceReports:
         self, comm: Any, worker: str, process: str = "", request: str = "", count: Any = 0
     ) -> OfferReply:
         """A guard offers ``count`` of its granted GPUs (fewer while one is withdrawn)."""
-        scheduler = self.scheduler
         if not self._active():
             return {"status": "no-plugin", "count": 0}
-        ws = scheduler.workers.get(worker)
+        ws = self.scheduler.workers.get(worker)
         if ws is None:
             return {"status": "unknown-worker", "count": 0}
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -163,5 +195,69 @@ class DeviceReports:
         if not self._authority.admits(worker, process, request, OFFER_HANDLER):
             return {"status": "refused", "count": 0}
         self._grants.offer(worker, count)
-        self._counts.place(ws)
+        self.place(ws)
         return {"status": "OK", "count": self._grants.placed(worker)}
+
+    # --- the GPU count placement uses ----------------------------------------------------
+
+    def add_worker(self, ws: WorkerState) -> None:
+        """The declared count does not count: nothing reaches the worker on its word.
+
+        A worker that declared no GPU stays out of the ``GPU`` resource altogether (a
+        ``GPU: 0`` entry would make it valid for ``resources={"GPU": 0}`` tasks, which its
+        own state machine cannot run).
+        """
+        if GPU not in ws.resources:
+            return
+        self._grants.declare(ws.address, ws.resources[GPU])
+        internals.set_worker_gpus(self.scheduler, ws, self._grants.allowed(ws.address))
+
+    def place(self, ws: WorkerState) -> None:
+        """Set the worker's GPU count to what its grant places; offer or send back tasks."""
+        scheduler = self.scheduler
+        if not (after := self._grants.placed(ws.address)) and GPU not in ws.resources:
+            return  # never declared, nothing granted: stays out of the GPU resource
+        before = ws.resources.get(GPU, 0)
+        internals.set_worker_gpus(scheduler, ws, after)
+        # declared-memory tasks take GPU-memory: the granted devices' capacity
+        records = self._grants.granted_devices().get(ws.address, [])
+        # its first ``after`` devices' capacity (fewer while one is withdrawn: which one
+        # the offer does not say)
+        memory = sum(mebibytes(capacity(int(d["memory"]))) for d in records[:after])
+        internals.set_worker_gpus(scheduler, ws, memory, GPU_MEMORY)
+        if after > before:  # waiting tasks, and its share of its peers' queues
+            self._gained(ws.address)  # tasks with requirements it meets
+            internals.offer_unrunnable(scheduler, ws)
+            internals.take_share(scheduler, ws)
+        elif after < before:  # a device withdrawn: what no longer fits goes elsewhere
+            internals.release_unfit(scheduler, ws, after)
+
+    def zero(self, ws: WorkerState) -> None:
+        """No GPU task is placed on ``ws`` any more (quarantine); what it was sent already
+        is its guard's to send back, as it reaches execution."""
+        if GPU in ws.resources:
+            internals.set_worker_gpus(self.scheduler, ws, 0)
+        if GPU_MEMORY in ws.resources:
+            internals.set_worker_gpus(self.scheduler, ws, 0, GPU_MEMORY)
+
+    def set_resources(
+        self, original: Callable[..., Any], worker: str, resources: dict | None
+    ) -> Any:
+        """distributed's ``set_resources`` handler; the GPU figure is the grant's.
+
+        Anyone can call ``set_resources`` naming any worker, so a ``GPU`` value in it
+        counts for nothing: placement uses what the worker's guard offered (confirmed)
+        within its grant. Other resources pass through.
+        """
+        scheduler = self.scheduler
+        ws = scheduler.workers.get(worker)
+        if ws is None or not self._active():  # unregistered: distributed's own behaviour
+            return original(worker=worker, resources=resources)
+        resources = dict(resources or {})
+        for name in (GPU, GPU_MEMORY):
+            resources.pop(name, None)
+            if name in ws.resources:
+                resources[name] = ws.resources[name]  # kept as this part set it
+        result = internals.apply_resources(original, scheduler, worker, resources)
+        self.place(ws)
+        return result

@@ -2,7 +2,7 @@
 
 New GPU tasks are prepared in ``update_graph`` (their restriction made hard, their
 timeout read: :meth:`FallbackPolicy.timeout <accelsched.policy.timeouts.FallbackPolicy.timeout>`,
-their requirement: :mod:`accelsched.scheduler.eligibility`). Each gets one
+their requirement: see below). Each gets one
 :class:`GpuTask` record, kept in one dict and forgotten in one place (the task is
 forgotten). A GPU task with a timeout that becomes unrunnable enters
 :class:`~accelsched.policy.timeouts.Deadlines` at its
@@ -21,6 +21,22 @@ one-second tick counts the GPU tasks unplaced for
 :data:`~accelsched.policy.waiting.NOTICE_AFTER` by reason
 (:mod:`accelsched.policy.waiting` decides) and says each new reason once
 (``gpu-waiting``); ``accelsched status`` shows the counts.
+
+A task whose step or annotation says what its device must be (memory, model, compute
+capability, MIG; :mod:`accelsched.policy.requirements`) is restricted to the workers
+whose granted devices, as NVML verified them, can hold it: as many devices as it takes
+that meet it, and for a task that declares memory one whose declarable capacity (less the
+reserve) is that large. A ``workers=`` restriction of its own stays: the two meet. A
+task that declares memory takes ``GPU-memory`` (MiB) instead of a whole ``GPU``, so tasks
+share a device while their needs fit; the worker's lease table packs them per device.
+The requirement travels to the worker normalised in the task's ``gpu`` annotation; an
+annotated requirement and those of the marked steps the task calls combine.
+
+When a worker's devices are granted, every waiting task it can serve gains it; a
+requirement no verified device in the cluster meets is said once (``unmet-requirement``)
+and its tasks wait, or run their CPU form after their timeout, as any unplaced GPU task.
+A worker that sends such a task back (its device withdrawn: which one, the offer does not
+say) loses it until its devices are granted or offered again, so nothing bounces.
 """
 
 from __future__ import annotations
@@ -35,8 +51,16 @@ from typing import TYPE_CHECKING, Any
 import dask.config
 
 from accelsched import events, internals
+from accelsched.policy.leases import devices_needed
 from accelsched.policy.marks import find_mark, mark_problem
 from accelsched.policy.proposals import Proposal
+from accelsched.policy.requirements import (
+    DeviceFacts,
+    Requirement,
+    combine,
+    mebibytes,
+    parse_requirement,
+)
 from accelsched.policy.timeouts import (
     MAX_GPUS,
     Deadlines,
@@ -57,17 +81,17 @@ from accelsched.protocol import (
     INVALID_RESOURCE,
     REQUIREMENT_ANNOTATION,
     TIMEOUT_ANNOTATION,
+    DeviceRecord,
 )
-from accelsched.scheduler.eligibility import UNPLACED, Eligibility
 
 if TYPE_CHECKING:
     from distributed import Scheduler
 
+    from accelsched.policy.marks import Mark
     from accelsched.policy.proposals import Act
-    from accelsched.policy.requirements import Requirement
     from accelsched.scheduler.grants import Grants
 
-__all__ = ["Fallback", "GpuTask"]
+__all__ = ["Fallback", "GpuTask", "facts_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +106,33 @@ UNSATISFIABLE_TEXT = f"no worker can ever offer more than {MAX_GPUS} GPUs"
 
 #: A check that falls back more tasks than this logs one summary event, not one each.
 FALLBACK_DETAIL = 10
+
+#: Task states in which the scheduler has not yet chosen a worker: restrictions count.
+UNPLACED = frozenset({"released", "waiting", "no-worker", "queued"})
+#: A worker address no worker has: the restriction of a task no worker can serve yet.
+NOWHERE = "accelsched://no-verified-device-meets-the-requirement"
+#: How distributed names the stimulus of a task its worker sent back (``Reschedule``).
+_SENT_BACK = "reschedule"
+
+
+def facts_of(record: DeviceRecord) -> DeviceFacts:
+    """A granted device as requirements see it (a guard's report, checked types)."""
+    cc = record.get("capability")
+    capability = (
+        (int(cc[0]), int(cc[1]))
+        if isinstance(cc, (list, tuple))
+        and len(cc) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1000 for v in cc)
+        else None
+    )
+    return DeviceFacts(
+        str(record["name"]), int(record["memory"]), capability, record.get("mig") is True
+    )
+
+
+def holds(need: Requirement, n: int, facts: list[DeviceFacts]) -> bool:
+    """Whether devices ``facts`` can ever hold a task needing ``n`` devices meeting ``need``."""
+    return sum(need.fits(f) for f in facts) >= n
 
 
 @dataclass(slots=True, eq=False)
@@ -116,7 +167,8 @@ class Fallback:
         self.scheduler = scheduler
         self.tasks: dict[Any, GpuTask] = {}  # task key -> its record: the only per-task state
         self.policy = FallbackPolicy(timeout)
-        self.eligibility = Eligibility(scheduler, grants, emit=emit)
+        self._grants = grants
+        self._unmet: set[str] = set()  # requirements said unmet, until a device meets them
         self.deadlines = Deadlines(self._live)
         self.notices = Notices()
         self._emit = emit
@@ -136,7 +188,7 @@ class Fallback:
                 if ts.state in UNPLACED and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
                     internals.restrict_to_workers(ts, None)  # its own: unknown now
                     count = restrictions.get(GPU, 1)
-                    self.eligibility.prepare(ts, adopted, None, count, say=False)
+                    self._require(ts, adopted, None, count, say=False)
         for ts, since in list(internals.unrunnable(scheduler).items()):
             if (task := self.tasks.get(ts.key)) is not None:
                 self._enter(ts, task, since)
@@ -144,7 +196,16 @@ class Fallback:
 
     def gained(self, worker: str) -> None:
         """``worker``'s devices were granted: the unplaced tasks it can serve gain it."""
-        self.eligibility.refresh(worker, self.tasks)
+        facts = [facts_of(r) for r in self._grants.granted_devices().get(worker, [])]
+        for key, task in self.tasks.items():
+            if task.need is None or not holds(task.need, task.devices, facts):
+                continue
+            self._unmet.discard(task.need.label())
+            ts = self.scheduler.tasks.get(key)
+            if ts is None or ts.state not in UNPLACED or (task.own and worker not in task.own):
+                continue
+            current = internals.restricted_to(ts) - {NOWHERE}
+            internals.restrict_to_workers(ts, current | {worker})
 
     def close(self) -> None:
         internals.stop_periodic(self.scheduler, _PERIODIC)
@@ -197,12 +258,59 @@ class Fallback:
         except ValueError as exc:
             return str(exc)
         task = self.tasks[ts.key] = GpuTask(timeout)
-        if problem := self.eligibility.prepare(ts, task, mark, amount):  # its device
+        if problem := self._require(ts, task, mark, amount):  # its device
             return problem
         if not satisfiable(amount) and timeout is None:
             # strict, and no worker can ever take it: it errs alone, never sent anywhere
             return f"resources={{'GPU': {amount!r}}}: {UNSATISFIABLE_TEXT}"
         self._warn_no_workers(timeout)
+        return None
+
+    def _require(
+        self, ts: Any, task: GpuTask, mark: Mark | None, count: float, *, say: bool = True
+    ) -> str | None:
+        """Restrict a new GPU task by its requirement (its annotated one, and that of the
+        marked step it calls) to the workers that can serve it; a problem to err it with,
+        or None."""
+        given = (ts.annotations or {}).get(REQUIREMENT_ANNOTATION)
+        step = mark.requirement if mark is not None else None
+        if given is None and step is None:
+            return None
+        try:
+            need = parse_requirement(given)
+            need = parse_requirement(combine([r for r in (need, step) if r]) or need)
+        except ValueError as exc:
+            return str(exc)
+        if not need:
+            return None
+        if need.memory is not None and count != 1:
+            return f"{need.label()}: a task that declares memory takes one device, not {count}"
+        # the requirement as the worker reads it back (plain, msgpack-safe values)
+        normalised = {
+            "memory": need.memory,
+            "model": need.model,
+            "capability": None if need.capability is None else list(need.capability),
+            "mig": need.mig,
+        }
+        internals.annotate(ts, REQUIREMENT_ANNOTATION, normalised)
+        if need.memory is not None:  # shares a device: memory, not a whole GPU
+            restrictions = {k: v for k, v in ts.resource_restrictions.items() if k != GPU}
+            restrictions[GPU_MEMORY] = mebibytes(need.memory)
+            internals.set_resource_restrictions(ts, restrictions)
+            internals.drop_annotated_resource(ts, GPU)
+        task.need, task.devices = need, devices_needed(count)
+        task.own = internals.restricted_to(ts) or None
+        workers = {  # those with granted (verified) devices that can hold it
+            worker
+            for worker, records in self._grants.granted_devices().items()
+            if holds(need, task.devices, [facts_of(r) for r in records])
+        }
+        mine = workers & task.own if task.own else workers
+        internals.restrict_to_workers(ts, mine or {NOWHERE})
+        if not workers and (label := need.label()) not in self._unmet:
+            self._unmet.add(label)
+            if say:
+                self._emit(events.UNMET_REQUIREMENT, None, requirement=label, key=str(ts.key))
         return None
 
     def _park(self, ts: Any, problem: str) -> None:
@@ -229,16 +337,23 @@ class Fallback:
         if finish == "forgotten":
             del self.tasks[key]  # the one place a task is forgotten
             return
-        ts = self.scheduler.tasks.get(key)
-        if ts is None:
-            return
+        ts = self.scheduler.tasks[key]  # not forgotten: still the scheduler's
         if finish == "no-worker":
             self._enter(ts, task, monotonic())
             self._schedule()
         elif start == "no-worker":
             task.due = None
-        if task.need is not None:  # a task with a requirement
-            self.eligibility.moved(ts, task, start, finish, stimulus_id)
+        if task.need is None:  # no requirement
+            return
+        # note where it was sent; one its worker sent back (no device there can hold it
+        # now) goes elsewhere, or waits
+        if finish == "processing":
+            task.sent = internals.processing_on(ts) or task.sent
+        elif start == "processing" and stimulus_id.startswith(_SENT_BACK):
+            worker, task.sent = task.sent, None
+            if worker is not None and internals.in_service(self.scheduler, worker):  # no drain
+                left = internals.restricted_to(ts) - {worker}
+                internals.restrict_to_workers(ts, left or {NOWHERE})
 
     def _enter(self, ts: Any, task: GpuTask, since: float) -> None:
         """``ts`` is unrunnable since ``since``: note when a check looks at it."""
@@ -255,9 +370,8 @@ class Fallback:
         amount = restrictions.get(GPU) or (1 if restrictions.get(GPU_MEMORY) else 0)
         if not amount or task.timeout is None:
             return None
-        tasks = self.tasks
         chain = any(
-            (d := tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
+            (d := self.tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
         )
         return Waiting(ts.key, task.since, amount, task.timeout, chain)
 
@@ -327,7 +441,9 @@ class Fallback:
                 ts,
                 {k: v for k, v in ts.resource_restrictions.items() if k not in (GPU, GPU_MEMORY)},
             )
-            self.eligibility.fell_back(ts, task)
+            if task.need is not None:  # runs wherever its own restriction allows
+                internals.restrict_to_workers(ts, task.own)
+                task.need = task.own = task.sent = None
             # the worker gets the annotations too: the GPU amount it no longer needs goes,
             # so none can break the message (an int past 2**64 cost every worker its stream)
             internals.drop_annotated_resource(ts, GPU)
@@ -396,11 +512,10 @@ class Fallback:
             return
         waiting = self.waiting()
         for reason in self.notices.update(waiting):
-            keys = waiting[reason]
             self._emit(
                 events.GPU_WAITING,
                 None,
                 reason=reason,
-                waiting=len(keys),
-                keys=[str(k) for k in keys[:EXAMPLES]],
+                waiting=len(waiting[reason]),
+                keys=[str(k) for k in waiting[reason][:EXAMPLES]],
             )

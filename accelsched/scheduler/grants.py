@@ -9,7 +9,7 @@ the count its guard offers now, and its quarantine. From these follow the counts
 placement may use (:meth:`Grants.allowed`, :meth:`Grants.placed`).
 
 Nothing here talks to distributed: the parts that act on the scheduler
-(:mod:`accelsched.scheduler.gpu_counts`, :mod:`accelsched.scheduler.device_reports`,
+(:mod:`accelsched.scheduler.device_reports`,
 :mod:`accelsched.scheduler.scheduler_actor`) change it through the methods below, and readers
 (the status snapshot) get a :class:`WorkerGrant`, never the dicts.
 """

@@ -7,10 +7,8 @@ makes the label mean something, through its parts (``accelsched/scheduler/``):
   once, and only from the process it names; drain orders reach the process meant.
 - :class:`~accelsched.scheduler.grants.Grants`: what each worker was granted (one owner
   per GPU UUID), declared, offers, and whether it is quarantined.
-- :class:`~accelsched.scheduler.gpu_counts.GpuCounts`: the GPU count placement uses,
-  from the grant; re-offer of ``no-worker`` tasks.
 - :class:`~accelsched.scheduler.device_reports.DeviceReports`: the guards' inventory and
-  offers.
+  offers; the GPU count placement uses, from the grant; re-offer of ``no-worker`` tasks.
 - :class:`~accelsched.scheduler.fallback.Fallback`: a GPU task unrunnable past its
   ``fallback_timeout`` runs its CPU form.
 - :class:`~accelsched.scheduler.restarts.Restarts`: a leaking worker is restarted
@@ -42,7 +40,6 @@ from accelsched.protocol import GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
 from accelsched.scheduler.authority import Authority
 from accelsched.scheduler.device_reports import DeviceReports
 from accelsched.scheduler.fallback import Fallback
-from accelsched.scheduler.gpu_counts import GpuCounts
 from accelsched.scheduler.grants import Grants
 from accelsched.scheduler.restarts import Restarts
 from accelsched.scheduler.scheduler_actor import SchedulerActor
@@ -72,7 +69,6 @@ class PlacementPlugin(SchedulerPlugin):
     authority: Authority
     grants: Grants
     fallback: Fallback
-    counts: GpuCounts
     reports: DeviceReports
     restarts: Restarts
     actor: SchedulerActor
@@ -117,14 +113,13 @@ class PlacementPlugin(SchedulerPlugin):
             act=self._act,
         )
         # every worker's declared GPUs stripped, then the guards asked to report
-        self.counts = GpuCounts(scheduler, grants, active=active, gained=self.fallback.gained)
         self.reports = DeviceReports(
             scheduler,
             grants=grants,
-            counts=self.counts,
             authority=self.authority,
             emit=emit,
             active=active,
+            gained=self.fallback.gained,
         )
         self.reports.start()
         budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
@@ -142,7 +137,7 @@ class PlacementPlugin(SchedulerPlugin):
             fallback=self.fallback,
             restarts=self.restarts,
             grants=grants,
-            counts=self.counts,
+            counts=self.reports,
             authority=self.authority,
             emit=emit,
         )
@@ -165,7 +160,6 @@ class PlacementPlugin(SchedulerPlugin):
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
         self.reports.stop()
-        self.counts.stop()
         self.observer.stop()
 
     async def close(self) -> None:
@@ -174,7 +168,7 @@ class PlacementPlugin(SchedulerPlugin):
             return  # never started
         self.fallback.close()
         self.observer.stop()
-        self.counts.close()
+        self.reports.close()
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """Strip the declared GPU count: it counts only once the worker's guard reports.
@@ -182,7 +176,7 @@ class PlacementPlugin(SchedulerPlugin):
         Runs before distributed offers ``no-worker`` tasks to the new worker, so nothing
         reaches it on the strength of a declaration.
         """
-        self.counts.add_worker(scheduler.workers[worker])
+        self.reports.add_worker(scheduler.workers[worker])
         if self.observer is not None:
             self.observer.add_worker(scheduler.workers[worker])
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from accelsched import events, internals
 from accelsched.policy.proposals import Proposal
 from accelsched.scheduler.authority import Authority
-from accelsched.scheduler.gpu_counts import GpuCounts
+from accelsched.scheduler.device_reports import DeviceReports
 from accelsched.scheduler.grants import Grants
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class SchedulerActor:
         fallback: Fallback,
         restarts: Restarts,
         grants: Grants,
-        counts: GpuCounts,
+        counts: DeviceReports,
         authority: Authority,
         emit: Callable[..., None],
     ) -> None:

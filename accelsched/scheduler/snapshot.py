@@ -36,7 +36,7 @@ from accelsched.protocol import (
     StatusReply,
     WorkerStatus,
 )
-from accelsched.scheduler.eligibility import facts_of
+from accelsched.scheduler.fallback import facts_of
 from accelsched.scheduler.grants import Grants
 
 if TYPE_CHECKING:

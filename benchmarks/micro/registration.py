@@ -71,9 +71,9 @@ async def _register_workers(n: int, uuids: list[str]) -> dict[str, Any]:
 
         for obj, attr in (
             (plugin.grants, "claim"),
-            (plugin.counts, "place"),
+            (plugin.reports, "place"),
             (plugin.reports, "_emit"),
-            (plugin.counts, "add_worker"),
+            (plugin.reports, "add_worker"),
             (plugin.observer, "add_worker"),
         ):
             if hasattr(obj, attr):
