@@ -32,7 +32,7 @@ from distributed.utils_test import captured_logger, gen_cluster
 import accelsched
 from accelsched.demo.chart import report_path
 from accelsched.devices.backend import BACKEND_ENV
-from accelsched.observe.status_table import render
+from accelsched.display.status_table import render
 from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
 from accelsched.testing import state
 from tests import processes
@@ -120,7 +120,7 @@ async def test_a_forged_heartbeat_metric_breaks_no_status(c, s, a):
 
     await wait_for(figures_arrived)
     honest = a.metrics[GUARD_METRIC]
-    observer = s.plugins[PLACEMENT_PLUGIN].observer
+    observer = s.plugins[PLACEMENT_PLUGIN].status_history
     for forged in FORGED_METRICS:
         a.metrics[GUARD_METRIC] = lambda worker, forged=forged: forged
         await heartbeat_until(a, s, lambda metric, forged=forged: metric == as_sent(forged))
@@ -145,7 +145,7 @@ async def test_odd_events_break_nothing_and_grow_nothing(c, s, a):
 
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.address) == 1)
-    observer = s.plugins[PLACEMENT_PLUGIN].observer
+    observer = s.plugins[PLACEMENT_PLUGIN].status_history
     forged: list[dict[str, Any]] = [
         {"action": "restart"},  # no figures at all
         {"action": "restart", "worker": ["x"]},  # unhashable worker

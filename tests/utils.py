@@ -182,7 +182,7 @@ def computed_once(s: Scheduler, key: str) -> bool:
 
 def status_snapshot(s: Scheduler) -> Any:
     """What ``accelsched status`` and the dashboard show, read on the scheduler."""
-    return s.plugins[PLACEMENT_PLUGIN].observer.snapshot()
+    return s.plugins[PLACEMENT_PLUGIN].status_history.snapshot()
 
 
 async def wait_for(

@@ -1,12 +1,17 @@
 """``accelsched status`` and ``accelsched events``: ask a running scheduler, in bounded time.
 
+The scheduler is given by its address or by ``--scheduler-file PATH``: ``dask scheduler
+--scheduler-file PATH`` writes its identity there once it listens, and ``dask worker
+--scheduler-file`` reads it; these commands read it the same way
+(:func:`address_from_file`).
+
 distributed bounds how long a client tries to connect, not the handshake after it: a
 peer that accepts and never answers (a dashboard port given by mistake, a stopped or
 swamped scheduler) would hold a synchronous ``Client`` forever, and so would a call to
 it. So the commands run an asynchronous client, and every wait on the network (the
 connection, each snapshot, the event log) is bounded by ``--timeout`` with
 ``asyncio.wait_for``. Whatever goes wrong on the way is one line on stderr and an exit
-code of :mod:`accelsched.observe.status_table`: an address that is no address before anything is
+code of :mod:`accelsched.display.status_table`: an address that is no address before anything is
 sent, anything after it (refused, silent, a peer speaking another protocol, a scheme
 that needs configuration, such as ``tls://``) as unreachable.
 """
@@ -17,12 +22,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
+import stat
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TextIO, TypeVar
 
-from accelsched.observe.status_table import (
+from accelsched.display.status_table import (
     NO_ACCELSCHED,
     OK,
     UNREACHABLE,
@@ -36,12 +43,25 @@ from accelsched.protocol import STATUS_HANDLER, StatusReply
 if TYPE_CHECKING:
     from distributed import Client
 
-__all__ = ["print_status", "print_events", "address_problem", "ReaderGone"]
+__all__ = [
+    "print_status",
+    "print_events",
+    "address_problem",
+    "address_from_file",
+    "ReaderGone",
+    "MAX_SCHEDULER_FILE",
+]
 
 T = TypeVar("T")
 
 #: Seconds between two looks at the event log under ``events --follow``.
 FOLLOW_EVERY = 0.5
+
+
+def _fail(command: str, problem: str, code: int) -> int:
+    """Say what went wrong on one line of stderr; the exit code."""
+    print(f"accelsched {command}: {problem}", file=sys.stderr)
+    return code
 
 
 class _Unreachable(Exception):
@@ -132,29 +152,19 @@ def _run(
     its own."""
     problem = address_problem(address)
     if problem is not None:
-        print(
-            f"accelsched {command}: invalid scheduler address {address!r}: {shown(problem)}",
-            file=sys.stderr,
-        )
-        return USAGE
+        return _fail(command, f"invalid scheduler address {address!r}: {shown(problem)}", USAGE)
 
     async def session() -> int:
         try:
             client = await _connect(address, seconds)
         except _Unreachable as exc:
-            print(
-                f"accelsched {command}: cannot reach a scheduler at {shown(address)}: {exc}",
-                file=sys.stderr,
+            return _fail(
+                command, f"cannot reach a scheduler at {shown(address)}: {exc}", UNREACHABLE
             )
-            return UNREACHABLE
         try:
             return await main(client)
         except _Unreachable as exc:
-            print(
-                f"accelsched {command}: lost the scheduler at {shown(address)}: {exc}",
-                file=sys.stderr,
-            )
-            return UNREACHABLE
+            return _fail(command, f"lost the scheduler at {shown(address)}: {exc}", UNREACHABLE)
         finally:
             await _close(client)
 
@@ -178,13 +188,12 @@ def timeout_seconds(timeout: float | str) -> float:
 
 
 def _no_accelsched(command: str, address: str) -> int:
-    print(
-        f"accelsched {command}: the scheduler at {shown(address)} runs no accelsched "
-        "(no PlacementPlugin registered: accelsched.register(client) or "
-        "dask scheduler --preload accelsched)",
-        file=sys.stderr,
+    return _fail(
+        command,
+        f"the scheduler at {shown(address)} runs no accelsched (no PlacementPlugin "
+        "registered: accelsched.register(client) or dask scheduler --preload accelsched)",
+        NO_ACCELSCHED,
     )
-    return NO_ACCELSCHED
 
 
 def print_status(
@@ -250,11 +259,9 @@ def print_events(
 
     unknown = sorted(set(actions or ()) - events.ACTIONS)
     if unknown:
-        print(
-            f"accelsched events: unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}",
-            file=sys.stderr,
+        return _fail(
+            "events", f"unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}", USAGE
         )
-        return USAGE
     seconds = timeout_seconds(timeout)
 
     def line(stamp: float, msg: Any, names: dict[str, str]) -> str:
@@ -293,3 +300,70 @@ def print_events(
             await asyncio.sleep(FOLLOW_EVERY)
 
     return _run("events", address, seconds if connect is None else connect, print_log)
+
+
+#: A scheduler file is a few hundred bytes; anything this large is not one.
+MAX_SCHEDULER_FILE: Final = 2**20
+
+
+def address_from_file(path: str, deadline: float, command: str) -> str | int:
+    """The address in a scheduler file (``dask scheduler --scheduler-file PATH``), or the
+    exit code.
+
+    The scheduler writes the file in place once it listens, so a reader can find it
+    missing, empty or half written: it is waited for, then read with distributed's own
+    reader, which tries again until it parses, until ``deadline`` (``time.monotonic``).
+    A file that never appeared or is still empty then is :data:`UNREACHABLE` (the
+    scheduler is not up yet); one that holds something else is :data:`USAGE`. Only a
+    regular file of a sane size is opened: a FIFO would block and ``/dev/zero`` would
+    never end."""
+    while True:
+        try:
+            st = os.stat(path)
+            break
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                return _fail(
+                    command,
+                    f"no scheduler file at {shown(path)} "
+                    "(is the scheduler started with --scheduler-file?)",
+                    UNREACHABLE,
+                )
+            time.sleep(0.05)
+        except (OSError, ValueError) as exc:  # a symlink loop, a NUL in the path
+            return _no_scheduler_file(command, path, one_line(exc))
+    if not stat.S_ISREG(st.st_mode):
+        return _no_scheduler_file(command, path, "not a regular file")
+    if st.st_size > MAX_SCHEDULER_FILE:
+        return _no_scheduler_file(command, path, f"{st.st_size} bytes")
+    from accelsched.internals.client_side import read_json_file
+
+    try:
+        # distributed's reader takes a falsy document for one not written yet: wrapped
+        # in a tuple, "{}" or "null" is judged at once, not waited on
+        (cfg,) = read_json_file(
+            path,
+            load=lambda f: (json.load(f),),
+            timeout=max(deadline - time.monotonic(), 0.01),  # at least one read
+        )
+    except TimeoutError:
+        with contextlib.suppress(OSError):  # gone meanwhile: not "still empty"
+            if os.path.getsize(path) == 0:
+                return _fail(
+                    command,
+                    f"the scheduler file {shown(path)} is still empty (is the scheduler starting?)",
+                    UNREACHABLE,
+                )
+        return _no_scheduler_file(command, path, "it holds no JSON")
+    except RecursionError:  # nested too deep to parse
+        return _no_scheduler_file(command, path, "it holds no JSON")
+    except OSError as exc:  # no permission
+        return _no_scheduler_file(command, path, one_line(exc))
+    address = cfg.get("address") if isinstance(cfg, dict) else None
+    if isinstance(address, str) and address:
+        return address
+    return _no_scheduler_file(command, path, f"it names no address: {address!r}")
+
+
+def _no_scheduler_file(command: str, path: str, problem: str) -> int:
+    return _fail(command, f"{shown(path)} is no scheduler file ({problem})", USAGE)

@@ -3,9 +3,8 @@
 The same group is ``accelsched`` (also ``python -m accelsched``) and ``dask accelsched``:
 dask's command finds it through the ``dask_cli`` entry point group, as it finds
 distributed's ``dask scheduler`` and ``dask worker``. ``status`` and ``events`` run in
-:mod:`accelsched.cli.commands` (a ``--scheduler-file`` is read by
-:mod:`accelsched.cli.scheduler_file`); their exit codes are in
-:mod:`accelsched.observe.status_table`. ``simulate`` runs in :mod:`accelsched.testing.simulate`.
+:mod:`accelsched.cli.commands` (a ``--scheduler-file`` too); their exit codes are in
+:mod:`accelsched.display.status_table`. ``simulate`` runs in :mod:`accelsched.testing.simulate`.
 """
 
 from __future__ import annotations
@@ -23,10 +22,15 @@ import click
 import dask
 
 from accelsched import __version__
-from accelsched.cli.commands import ReaderGone, print_events, print_status, timeout_seconds
-from accelsched.cli.scheduler_file import address_from_file
+from accelsched.cli.commands import (
+    ReaderGone,
+    address_from_file,
+    print_events,
+    print_status,
+    timeout_seconds,
+)
+from accelsched.display.status_table import EXIT_CODES_HELP
 from accelsched.events import ACTIONS
-from accelsched.observe.status_table import EXIT_CODES_HELP
 
 __all__ = ["cli", "main", "print_events", "print_status"]
 

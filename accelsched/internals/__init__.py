@@ -15,7 +15,8 @@ changed and the versions known to work. ``docs/architecture.md`` lists each use 
 
 The door is this package: one function per need, grouped by what it touches
 (:mod:`.contract`, :mod:`.servers`, :mod:`.scheduler`, :mod:`.restarting`, :mod:`.worker`,
-:mod:`.diagnostics`, :mod:`.observe`; the nanny's :mod:`.forkserver` is imported where used),
+:mod:`.diagnostics`, :mod:`.metrics_and_pages`; the nanny's :mod:`.forkserver` is imported
+where used),
 all re-exported here so callers write ``internals.spawn(...)``.
 """
 
@@ -31,7 +32,7 @@ from accelsched.internals.diagnostics import (
     reset_distributed_nvml,
     restore_distributed_nvml,
 )
-from accelsched.internals.observing import (
+from accelsched.internals.metrics_and_pages import (
     add_dashboard_page,
     add_metric,
     dress_page,

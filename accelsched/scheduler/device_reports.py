@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
-from accelsched.observe import metrics
+from accelsched.display import metrics
 from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.protocol import (
     GPU,

@@ -16,7 +16,7 @@ makes the label mean something, through its parts (``accelsched/scheduler/``):
 - :class:`~accelsched.scheduler.scheduler_actor.SchedulerActor`: carries out what the decisions
   propose (fallbacks, restarts, deferrals, quarantine: a worker's GPUs out of
   placement), in one place.
-- :class:`~accelsched.scheduler.snapshot.Observer`: the status snapshot and its history.
+- :class:`~accelsched.scheduler.snapshot.StatusHistory`: the status snapshot and its history.
 
 The plugin itself only wires distributed's hooks to those parts, checks at start that
 the distributed internals they rely on are there (:mod:`accelsched.internals`), and
@@ -33,7 +33,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from accelsched import events, internals
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
-from accelsched.observe import dashboard_page, metrics
+from accelsched.display import dashboard_page, metrics
 from accelsched.policy.budget import RestartBudget
 from accelsched.policy.proposals import Proposal
 from accelsched.protocol import GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
@@ -43,7 +43,7 @@ from accelsched.scheduler.fallback import Fallback
 from accelsched.scheduler.grants import Grants
 from accelsched.scheduler.restarts import Restarts
 from accelsched.scheduler.scheduler_actor import SchedulerActor
-from accelsched.scheduler.snapshot import Observer
+from accelsched.scheduler.snapshot import StatusHistory
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -65,7 +65,9 @@ class PlacementPlugin(SchedulerPlugin):
     name = PLACEMENT_PLUGIN
 
     scheduler: Scheduler | None = None  # until start
-    observer: Observer | None = None  # until start: events logged before are replayed then
+    status_history: StatusHistory | None = (
+        None  # until start: events logged before are replayed then
+    )
     authority: Authority
     grants: Grants
     fallback: Fallback
@@ -141,11 +143,11 @@ class PlacementPlugin(SchedulerPlugin):
             authority=self.authority,
             emit=emit,
         )
-        observer = Observer(
+        history = StatusHistory(
             scheduler, grants, waiting=self.fallback.waiting_counts, options=self.options
         )
-        observer.start()
-        self.observer = observer
+        history.start()
+        self.status_history = history
         dashboard_page.install(scheduler)
 
     def unregistered(self) -> None:
@@ -155,19 +157,19 @@ class PlacementPlugin(SchedulerPlugin):
         periodic check stops, and every worker's GPU count is its declaration again.
         """
         scheduler = self.scheduler
-        if scheduler is None or self.observer is None:
+        if scheduler is None or self.status_history is None:
             return  # never started
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
         self.reports.stop()
-        self.observer.stop()
+        self.status_history.stop()
 
     async def close(self) -> None:
         """The scheduler closes: stop the periodic checks and the gauge's reading."""
-        if self.observer is None:
+        if self.status_history is None:
             return  # never started
         self.fallback.close()
-        self.observer.stop()
+        self.status_history.stop()
         self.reports.close()
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
@@ -177,8 +179,8 @@ class PlacementPlugin(SchedulerPlugin):
         reaches it on the strength of a declaration.
         """
         self.reports.add_worker(scheduler.workers[worker])
-        if self.observer is not None:
-            self.observer.add_worker(scheduler.workers[worker])
+        if self.status_history is not None:
+            self.status_history.add_worker(scheduler.workers[worker])
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         """Free the worker's GPUs for the next claimant and forget everything about it."""
@@ -202,9 +204,9 @@ class PlacementPlugin(SchedulerPlugin):
         Worker-side events (``leak``, ``unrequested-gpu-use``, ...) arrive here too.
         """
         if topic == events.TOPIC and isinstance(msg, dict):
-            metrics.observe(msg)
-            if self.observer is not None:
-                self.observer.observe(msg)
+            metrics.count_event(msg)
+            if self.status_history is not None:
+                self.status_history.record_event(msg)
 
     # --- for the parts ------------------------------------------------------------------
 

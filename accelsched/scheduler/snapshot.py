@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+from distributed.metrics import time as _now  # the event log's clock
 
 from accelsched import events, internals
 from accelsched.protocol import (
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import WorkerState
 
-__all__ = ["Observer", "Marker", "Sample", "STATUS_VERSION"]
+__all__ = ["StatusHistory", "Marker", "Sample", "STATUS_VERSION"]
 
 #: ``StatusReply.version``: raised only when a field changes meaning or goes away.
 STATUS_VERSION = 1
@@ -60,7 +62,7 @@ _COUNTED = {
     events.LEAK_RECLAIMED: "reclaims",
     events.FALLBACK: "fallbacks",
 }
-_PERIODIC = "accelsched-observe"
+_PERIODIC = "accelsched-status-history"
 
 
 class Sample(NamedTuple):
@@ -77,8 +79,9 @@ class Marker(NamedTuple):
     nbytes: int | None  # a leak's estimate
 
 
-class Observer:
-    """Names, event counts, the snapshot and its bounded history."""
+class StatusHistory:
+    """What `accelsched status` and the dashboard show: worker names, event counts, the
+    snapshot, and its bounded history."""
 
     def __init__(
         self,
@@ -107,13 +110,13 @@ class Observer:
             self.add_worker(ws)
         for stamp, msg in scheduler.get_events(events.TOPIC):
             if isinstance(msg, dict):
-                self.observe(msg, stamp)
-        internals.install_handler(scheduler, STATUS_HANDLER, self.handle_status)
+                self.record_event(msg, stamp)
+        internals.install_handler(scheduler, STATUS_HANDLER, self.snapshot)
         internals.start_periodic(scheduler, _PERIODIC, self.sample, SAMPLE_SECONDS)
 
     def stop(self) -> None:
         """Unregistered or closing: no handler, no sampling (the history stays readable)."""
-        internals.remove_handler(self.scheduler, STATUS_HANDLER, self.handle_status)
+        internals.remove_handler(self.scheduler, STATUS_HANDLER, self.snapshot)
         internals.stop_periodic(self.scheduler, _PERIODIC)
 
     def add_worker(self, ws: WorkerState) -> None:
@@ -122,12 +125,12 @@ class Observer:
         while len(self.names) > MAX_NAMES:
             self.names.popitem(last=False)
 
-    def observe(self, msg: dict[str, Any], stamp: float | None = None) -> None:
+    def record_event(self, msg: dict[str, Any], stamp: float | None = None) -> None:
         """One accelsched event (from ``log_event``, or replayed with its time)."""
         action = msg.get("action")
         if action not in events.ACTIONS:
             return
-        when = stamp if stamp is not None else self._now()
+        when = stamp if stamp is not None else _now()
         # any client may log to the topic: only a worker we know has a row to count in
         # (an unknown or unhashable "worker" would grow ``counts`` or raise here)
         worker = msg.get("worker")
@@ -158,18 +161,16 @@ class Observer:
 
     # --- the snapshot --------------------------------------------------------------------
 
-    def handle_status(self) -> StatusReply:
-        """``accelsched_status``: read-only; nothing ``scheduler_info`` does not reveal."""
-        return self.snapshot()
-
     def snapshot(self) -> StatusReply:
+        """The ``accelsched_status`` reply: read-only; nothing ``scheduler_info`` does not
+        reveal."""
         workers = [self._worker(ws) for ws in list(self.scheduler.workers.values())]
         workers.sort(key=lambda w: _natural(w["name"]))
         names = dict(self.names)
         names.update({w["address"]: w["name"] for w in workers})
         return {
             "version": STATUS_VERSION,
-            "time": self._now(),
+            "time": _now(),
             "scheduler": self.scheduler.address,
             "guard": internals.worker_plugin_registered(self.scheduler, GUARD_PLUGIN),
             "workers": workers,
@@ -183,26 +184,28 @@ class Observer:
         }
 
     def _worker(self, ws: WorkerState) -> WorkerStatus:
-        addr = ws.address
         metric = internals.worker_metric(ws, GUARD_METRIC)
-        figures = _figures(metric)
-        grant = self._grants.of(addr)
+        figures, whole = _figures(metric)
+        # a granted device without figures waits for them while no metric has come since
+        # the guard started, or the metric is whole and predates the grant; one whose
+        # entry was left out of the metric is unreadable
+        missing: Literal["waiting", "unreadable"] = (
+            "waiting" if metric is None or whole else "unreadable"
+        )
+        grant = self._grants.of(ws.address)
         devices: list[DeviceStatus] = []
         for rec in grant.devices:
             f = figures.get(rec["index"])
+            capability = facts_of(rec).capability
             devices.append(
                 {
                     "index": rec["index"],
                     "uuid": rec["uuid"],
                     "name": rec["name"],
                     "memory": rec["memory"],
-                    "capability": _capability(rec),
+                    "capability": None if capability is None else "{}.{}".format(*capability),
                     "declared": None if f is None else f.get("declared"),
-                    "figures": "reported"
-                    if f is not None
-                    else "waiting"
-                    if _not_yet(metric, figures)
-                    else "unreadable",
+                    "figures": missing if f is None else "reported",
                     "leases": None if f is None else f["leases"],
                     "withdrawn": False if f is None else f["withdrawn"],
                     "leak_estimate": None if f is None else f["leak_estimate"],
@@ -213,7 +216,7 @@ class Observer:
         counts = self.counts.get(name, Counter())
         return {
             "name": name,
-            "address": addr,
+            "address": ws.address,
             "gpus": ws.resources.get(GPU, 0),
             "declared": grant.declared,
             "quarantined": grant.quarantined,
@@ -228,27 +231,21 @@ class Observer:
 
     def sample(self) -> None:
         """Record every device's leak estimate and threshold now (periodic)."""
-        now = self._now()
+        now = _now()
         for w in self.snapshot()["workers"]:
             for d in w["devices"]:
-                series = self.series.get((w["name"], d["index"]))
-                if series is None:
-                    series = deque(maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
-                    self.series[(w["name"], d["index"])] = series
+                series = self.series.setdefault(
+                    (w["name"], d["index"]), deque(maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
+                )
                 series.append(Sample(now, d["leak_estimate"], d["leak_threshold"]))
         for key, series in list(self.series.items()):
             if not series or series[-1].time < now - HISTORY_SECONDS:
                 del self.series[key]
 
-    @staticmethod
-    def _now() -> float:  # the event log's clock
-        from distributed.metrics import time
 
-        return time()
-
-
-def _figures(metric: Any) -> dict[int, DeviceFigures]:
-    """The devices of a worker's heartbeat metric that are well formed, by index.
+def _figures(metric: Any) -> tuple[dict[int, DeviceFigures], bool]:
+    """The devices of a worker's heartbeat metric that are well formed, by index, and
+    whether the metric is whole (every entry well formed).
 
     The metric is whatever the worker sent: a device entry of the wrong shape or with
     a figure of the wrong type is left out (shown as unknown), so one odd worker cannot
@@ -256,15 +253,15 @@ def _figures(metric: Any) -> dict[int, DeviceFigures]:
     """
     devices = metric.get("devices") if isinstance(metric, dict) else None
     if not isinstance(devices, (list, tuple)):
-        return {}
+        return {}, False
     out: dict[int, DeviceFigures] = {}
     for d in devices:
-        if not isinstance(d, dict) or not _count(d.get("index")):
+        if not isinstance(d, dict) or not isinstance(d.get("withdrawn"), bool):
             continue
-        if not _count(d.get("leases")) or not isinstance(d.get("withdrawn"), bool):
-            continue
-        estimate, threshold = d.get("leak_estimate"), d.get("leak_threshold")
-        if not (estimate is None or _integer(estimate)) or not _count(threshold):
+        estimate = d.get("leak_estimate")
+        if not all(_integer(d.get(k)) for k in ("index", "leases", "leak_threshold")) or not (
+            estimate is None or _integer(estimate, least=1 - 2**63)
+        ):
             continue
         out[d["index"]] = {
             "index": d["index"],
@@ -273,35 +270,15 @@ def _figures(metric: Any) -> dict[int, DeviceFigures]:
             "leak_estimate": estimate,
             "leak_threshold": d["leak_threshold"],
         }
-        if _count(d.get("declared")):
+        if _integer(d.get("declared")):
             out[d["index"]]["declared"] = d["declared"]
-    return out
+    return out, len(out) == len(devices)
 
 
-def _capability(record: Any) -> str | None:
-    """A device's compute capability as ``"9.0"`` (None: not reported, or odd)."""
-    facts = facts_of(record)
-    return None if facts.capability is None else "{}.{}".format(*facts.capability)
-
-
-def _not_yet(metric: Any, figures: dict[int, DeviceFigures]) -> bool:
-    """Whether a granted device without figures is waiting for them: the worker's
-    heartbeat metric has not arrived since the guard started, or it is whole (every
-    entry well formed) and predates the grant. A metric with an entry left out by
-    :func:`_figures` is not "not yet": that device's figures are unreadable."""
-    if metric is None:
-        return True
-    devices = metric.get("devices") if isinstance(metric, dict) else None
-    return isinstance(devices, (list, tuple)) and len(devices) == len(figures)
-
-
-def _integer(value: Any) -> bool:
-    """An int a reader can turn into a float (a byte count, a lease count)."""
-    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
-
-
-def _count(value: Any) -> bool:
-    return _integer(value) and value >= 0
+def _integer(value: Any, least: int = 0) -> bool:
+    """An int from ``least`` on that a reader can turn into a float (a byte count, a lease
+    count; a leak estimate may be negative)."""
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value < 2**63
 
 
 def _natural(name: str) -> tuple[int, int, str]:

@@ -74,7 +74,7 @@ async def _register_workers(n: int, uuids: list[str]) -> dict[str, Any]:
             (plugin.reports, "place"),
             (plugin.reports, "_emit"),
             (plugin.reports, "add_worker"),
-            (plugin.observer, "add_worker"),
+            (plugin.status_history, "add_worker"),
         ):
             if hasattr(obj, attr):
                 sync_timing(obj, attr)

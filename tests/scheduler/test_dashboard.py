@@ -27,7 +27,7 @@ from distributed import Scheduler
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.observe import dashboard_page
+from accelsched.display import dashboard_page
 from accelsched.testing import device_alloc
 from tests.utils import (
     NAMES,
@@ -161,7 +161,7 @@ async def test_page_renders_live_cluster_in_chromium(c, s):
 
 
 def snapshot_series(s: Scheduler) -> dict:
-    return s.plugins["accelsched-placement"].observer.series
+    return s.plugins["accelsched-placement"].status_history.series
 
 
 @gen_cluster(
@@ -183,7 +183,7 @@ async def test_page_installed_at_scheduler_start_once(c, s):
         await c.register_plugin(accelsched.PlacementPlugin())
     assert dashboard_page.install(s) is True
     assert len(s.http_application.applications) == apps
-    assert dashboard_page.observer_of(s) is s.plugins["accelsched-placement"].observer
+    assert dashboard_page.status_history_of(s) is s.plugins["accelsched-placement"].status_history
     status = await asyncio.to_thread(
         urllib.request.urlopen, page_url(s).replace("accelsched", "status")
     )

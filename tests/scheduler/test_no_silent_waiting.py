@@ -21,8 +21,8 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 import accelsched
+from accelsched.display.status_table import summary
 from accelsched.events import describe
-from accelsched.observe.status_table import summary
 from accelsched.policy.timeouts import DUAL_TIMEOUT
 from accelsched.policy.waiting import (
     NO_ELIGIBLE_WORKER,
@@ -113,12 +113,12 @@ async def test_a_dual_step_with_no_gpu_is_said_and_falls_back(c, s, a):
     (said,) = events(s, "gpu-waiting")
     assert said["reason"] == NO_GPU and said["waiting"] == 5, said
     assert set(said["keys"]) <= {"dual-0", "dual-1", "dual-2", "s-0", "only-0"}
-    snap = plugin.observer.snapshot()
+    snap = plugin.status_history.snapshot()
     assert snap["waiting"] == {NO_GPU: 5}, snap
     assert describe(said).startswith("5 GPU task(s) wait unplaced: no worker has a verified GPU")
     assert "5 GPU tasks waiting (5 no-verified-gpu)" in summary(snap)  # status, dashboard
     await c.cancel([strict, only, *waiting])
-    await wait_for(lambda: not plugin.observer.snapshot()["waiting"])
+    await wait_for(lambda: not plugin.status_history.snapshot()["waiting"])
     assert len(events(s, "gpu-waiting")) == 1  # said once per reason, not per task
 
 

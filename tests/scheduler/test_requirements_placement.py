@@ -157,12 +157,12 @@ def holds(event_name: str) -> int:
 async def test_status_shows_each_devices_model_capability_and_declared_memory(c, s, a, b):
     from distributed import Event
 
-    from accelsched.observe.status_table import render
+    from accelsched.display.status_table import render
 
     await _verified(c, s)
     done = Event("let-go")
     held = c.submit(holds, "let-go", pure=False)
-    observer = s.plugins["accelsched-placement"].observer
+    observer = s.plugins["accelsched-placement"].status_history
 
     def declared() -> dict[str, int | None]:
         snap = observer.snapshot()

@@ -193,7 +193,7 @@ async def test_re_registering_keeps_requirement_tasks_placeable(c, s, b):
 async def test_an_odd_device_report_is_refused_and_harms_nobody(c, s, a, b):
     """A worker sends a report of its own with a device whose memory is no number:
     the report is refused, and placement, status and other workers' tasks go on."""
-    from accelsched.observe.status_table import render
+    from accelsched.display.status_table import render
 
     await _verified(c, s)
     plugin = s.plugins["accelsched-placement"]
@@ -210,7 +210,7 @@ async def test_an_odd_device_report_is_refused_and_harms_nobody(c, s, a, b):
     assert reply["status"] == "refused"
     with dask.annotate(resources={"GPU": 1}, gpu={"model": "*A100*"}):
         assert await c.submit(_device_name, pure=False) == A100
-    render(plugin.observer.snapshot())
+    render(plugin.status_history.snapshot())
 
 
 def test_a_requirement_the_worker_cannot_read_errs_its_task_and_binds_nothing() -> None:

@@ -25,7 +25,7 @@ from distributed import Client
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.observe.status_table import snapshot
+from accelsched.display.status_table import snapshot
 from accelsched.protocol import PLACEMENT_PLUGIN
 from tests import processes
 from tests.processes import DASK, running
@@ -130,7 +130,7 @@ def test_a_scheduler_file_is_waited_for_while_written(tmp_path, monkeypatch):
     then whole: the reader waits for the address instead of failing on the way. Each
     phase lasts until the reader has demonstrably looked at it twice (its polls and its
     parse attempts, counted), whatever the machine's speed."""
-    import accelsched.cli.scheduler_file as scheduler_file
+    import accelsched.cli.commands as scheduler_file
 
     seen = {"polls": 0, "parses": 0}
 
@@ -338,7 +338,7 @@ async def test_before_the_first_heartbeat_the_table_says_it_waits(c, s):
 
 
 def test_a_quarantine_says_what_it_waits_for() -> None:
-    from accelsched.observe.status_table import quarantine_text, waits_for
+    from accelsched.display.status_table import quarantine_text, waits_for
 
     assert waits_for("restart-deferred: no-peer") == "a peer to take its data"
     assert waits_for("restart-deferred: restart-failed: 'timed out'") == "its nanny to restart it"

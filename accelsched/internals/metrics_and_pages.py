@@ -1,4 +1,5 @@
-"""Observing a cluster: heartbeat metrics and a page on the scheduler's dashboard."""
+"""Custom heartbeat metrics and a page on the scheduler's dashboard: how accelsched's state
+reaches the scheduler and is shown there."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from typing import Any
 from accelsched import events
 from accelsched.policy import timeouts
 
-__all__ = ["observe", "gpus_from", "stop_gpus"]
+__all__ = ["count_event", "gpus_from", "stop_gpus"]
 
 
 @lru_cache(maxsize=1)
@@ -47,7 +47,7 @@ def _collectors() -> dict[str, Any] | None:
     }
 
 
-def observe(msg: Mapping[str, Any]) -> None:
+def count_event(msg: Mapping[str, Any]) -> None:
     """Count one accelsched event.
 
     Any client may log to the ``accelsched`` topic: only known actions and reasons

@@ -49,12 +49,6 @@ EXIT_CODES_HELP: Final = (
     "130 Ctrl-C before an answer"
 )
 
-#: ``devices[].figures`` of a device granted since the worker's last heartbeat: its
-#: leases and leak figures are not known yet (see :class:`~accelsched.protocol.DeviceStatus`).
-WAITING: Final = "waiting"
-#: What the table says for such a device instead of figures it does not have.
-WAITING_TEXT: Final = "waiting for the first heartbeat"
-
 #: The table's columns (field, heading), shared with the dashboard page.
 COLUMNS: Final = [
     ("worker", "WORKER"),
@@ -134,11 +128,12 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
     for w in snap["workers"]:
         devices: list[DeviceStatus | None] = list(w["devices"]) or [None]
         for d in devices:
-            waiting = d is not None and d.get("figures") == WAITING
             row = {
                 "worker": w["name"],
                 "device": "-" if d is None else str(d["index"]),
-                "gpu": "no verified GPU" if d is None else d["name"],
+                "gpu": "no verified GPU"
+                if d is None
+                else d["name"] + (" (withdrawn)" if d["withdrawn"] else ""),
                 "memory": _bytes(None if d is None else d["memory"]),
                 "capability": "-" if d is None else d.get("capability") or "?",
                 "declared": _bytes(None if d is None else d.get("declared")),
@@ -146,24 +141,20 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
                 "leases": "-" if d is None or d["leases"] is None else str(d["leases"]),
                 "leak": "-"
                 if d is None
-                else WAITING_TEXT
-                if waiting
-                else _leak(d["leak_estimate"], d["leak_threshold"]),
+                # granted since the worker's last heartbeat: no figures yet (DeviceStatus)
+                else "waiting for the first heartbeat"
+                if d.get("figures") == "waiting"
+                else f"{_bytes(None if d['leak_estimate'] is None else max(d['leak_estimate'], 0))}"
+                f"/{_bytes(d['leak_threshold'])}",
                 "restarts": str(w["restarts"]),
                 "leaks": str(w["leaks"]),
                 "reclaims": str(w["reclaims"]),
                 "fallbacks": str(w["fallbacks"]),
                 "quarantine": quarantine_text(w["quarantined"]),
             }
-            if d is not None and d["withdrawn"]:
-                row["gpu"] += " (withdrawn)"
             for c, _ in COLUMNS:
                 rows[c].append(row[c])
     return rows
-
-
-def _leak(estimate: int | None, threshold: int | None) -> str:
-    return f"{_bytes(None if estimate is None else max(estimate, 0))}/{_bytes(threshold)}"
 
 
 def summary(snap: StatusReply) -> str:
@@ -184,23 +175,22 @@ def summary(snap: StatusReply) -> str:
     return line
 
 
-def options_line(snap: StatusReply) -> str:
-    """The PlacementPlugin's options in effect (``register``'s keywords, in seconds)."""
-    options = snap.get("options")  # a scheduler of an earlier accelsched has none
-    if options is None:
-        return "options: not reported (an earlier accelsched)"
-    return "options: " + ", ".join(f"{k}={shown(v)}" for k, v in options.items())
-
-
 def render(snap: StatusReply) -> str:
     """The text ``accelsched status`` prints: a summary line, the options and the table, every cell
     :func:`shown` (names come from the cluster) before the widths are taken."""
     rows = {c: [shown(v) for v in cells] for c, cells in table_rows(snap).items()}
-    n = len(rows["worker"])
     widths = {c: max([len(h)] + [len(v) for v in rows[c]]) for c, h in COLUMNS}
-    lines = [f"scheduler {shown(snap['scheduler'])}: {summary(snap)}", options_line(snap)]
+    # the PlacementPlugin's options in effect (``register``'s keywords, in seconds); a
+    # scheduler of an earlier accelsched has none
+    options = snap.get("options")
+    lines = [
+        f"scheduler {shown(snap['scheduler'])}: {summary(snap)}",
+        "options: not reported (an earlier accelsched)"
+        if options is None
+        else "options: " + ", ".join(f"{k}={shown(v)}" for k, v in options.items()),
+    ]
     lines.append("  ".join(h.ljust(widths[c]) for c, h in COLUMNS).rstrip())
-    for i in range(n):
+    for i in range(len(rows["worker"])):
         lines.append("  ".join(rows[c][i].ljust(widths[c]) for c, _ in COLUMNS).rstrip())
     return "\n".join(lines)
 

@@ -3,7 +3,7 @@
 Built with Bokeh the way distributed builds its own pages (a component with ``root`` and
 ``update``, refreshed by a periodic callback, rendered in distributed's page template and
 theme), from the same snapshot as ``accelsched status``
-(:class:`~accelsched.scheduler.snapshot.Observer`):
+(:class:`~accelsched.scheduler.snapshot.StatusHistory`):
 
 - a table, one row per worker and verified GPU: name, memory, UUID, leases in use, leak
   estimate against its threshold, restarts, leaks, reclaimed leaks, fallbacks, quarantine;
@@ -24,19 +24,19 @@ import html
 from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
-from accelsched.observe.status_table import COLUMNS, summary, table_rows
+from accelsched.display.status_table import COLUMNS, summary, table_rows
 from accelsched.protocol import PLACEMENT_PLUGIN
 
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from accelsched.scheduler.snapshot import Observer
+    from accelsched.scheduler.snapshot import StatusHistory
 
 __all__ = ["install", "PAGE"]
 
 #: The page's path under the dashboard's prefix, and its tab's label.
 PAGE = "accelsched"
-#: How often an open page redraws (ms); the observer samples once a second.
+#: How often an open page redraws (ms); the status history samples once a second.
 REFRESH_MS = 1000
 MiB = 2**20
 #: Table headings and widths where the CLI's capitals do not read well.
@@ -53,11 +53,11 @@ def install(scheduler: Scheduler) -> bool:
     return internals.add_dashboard_page(scheduler, PAGE, _doc)
 
 
-def observer_of(scheduler: Scheduler) -> Observer | None:
-    """The registered PlacementPlugin's observer (None when accelsched is unregistered)."""
+def status_history_of(scheduler: Scheduler) -> StatusHistory | None:
+    """The registered PlacementPlugin's history (None when accelsched is unregistered)."""
     plugin = scheduler.plugins.get(PLACEMENT_PLUGIN)
-    observer = getattr(plugin, "observer", None)
-    return observer if getattr(observer, "scheduler", None) is scheduler else None
+    history = getattr(plugin, "status_history", None)
+    return history if getattr(history, "scheduler", None) is scheduler else None
 
 
 def _doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
@@ -148,50 +148,55 @@ class Page:
         )
 
     def update(self) -> None:
-        observer = observer_of(self.scheduler)
-        if observer is None:
+        history = status_history_of(self.scheduler)
+        if history is None:
             self.summary.text = "<b>accelsched is not registered on this scheduler.</b>"
             return
-        snap = observer.snapshot()
+        snap = history.snapshot()
         self.summary.text = f"<b>accelsched</b>: {html.escape(summary(snap))}"
         self.rows.data = table_rows(snap)
         self.table.height = _table_height(len(self.rows.data["worker"]))
-        self._draw_history(observer, snap["time"])
+        self._draw_history(history, snap["time"])
 
-    def _draw_history(self, observer: Observer, now: float) -> None:
-        est: dict[str, list[Any]] = {"xs": [], "ys": [], "label": [], "color": []}
-        thr: dict[str, list[Any]] = {"xs": [], "ys": [], "label": [], "color": []}
-        top = max([1.0] + [m.nbytes / MiB for m in observer.markers if m.nbytes is not None])
-        for i, ((name, device), series) in enumerate(sorted(observer.series.items())):
-            label = f"{name} GPU {device}"
-            points = [
-                (s.time * 1000, max(s.estimate, 0) / MiB) for s in series if s.estimate is not None
-            ]
-            limits = [(s.time * 1000, s.threshold / MiB) for s in series if s.threshold is not None]
-            for target, pts in ((est, points), (thr, limits)):
-                target["xs"].append([x for x, _ in pts])
-                target["ys"].append([y for _, y in pts])
-                target["label"].append(label)
-                target["color"].append(self.palette[i % len(self.palette)])
-            top = max([top] + [y for _, y in points + limits])
-        self.estimates.data = est
-        self.thresholds.data = thr
-        marks: dict[str, list[Any]] = {"x": [], "y": [], "label": []}
-        lines: dict[str, list[Any]] = {"x": [], "top": [], "label": [], "color": []}
-        for m in observer.markers:
-            label = f"{m.action} {m.worker or ''}".strip()
-            if m.action == "leak" and m.nbytes is not None:
-                marks["x"].append(m.time * 1000)
-                marks["y"].append(m.nbytes / MiB)
-                marks["label"].append(f"{label} GPU {m.device}")
-            else:
-                lines["x"].append(m.time * 1000)
-                lines["top"].append(top)
-                lines["label"].append(label)
-                lines["color"].append("black" if m.action == "restart" else "orange")
-        self.leak_marks.data = marks
-        self.events.data = lines
-        steps = [(t * 1000, n) for t, n in observer.fallbacks]
+    def _draw_history(self, history: StatusHistory, now: float) -> None:
+        series = sorted(history.series.items())
+        lines = [
+            [
+                [(s.time * 1000, max(s.estimate, 0) / MiB) for s in ss if s.estimate is not None]
+                for _, ss in series
+            ],
+            [
+                [(s.time * 1000, s.threshold / MiB) for s in ss if s.threshold is not None]
+                for _, ss in series
+            ],
+        ]
+        for source, points in zip((self.estimates, self.thresholds), lines, strict=True):
+            source.data = {
+                "xs": [[x for x, _ in pts] for pts in points],
+                "ys": [[y for _, y in pts] for pts in points],
+                "label": [f"{name} GPU {device}" for (name, device), _ in series],
+                "color": [self.palette[i % len(self.palette)] for i in range(len(series))],
+            }
+        # a leak is marked where its estimate was; every other event is a line to the top
+        leaks = [m for m in history.markers if m.action == "leak" and m.nbytes is not None]
+        others = [m for m in history.markers if m.action != "leak" or m.nbytes is None]
+        top = max(
+            [1.0]
+            + [m.nbytes / MiB for m in history.markers if m.nbytes is not None]
+            + [y for points in lines for pts in points for _, y in pts]
+        )
+        self.leak_marks.data = {
+            "x": [m.time * 1000 for m in leaks],
+            "y": [m.nbytes / MiB for m in leaks if m.nbytes is not None],
+            "label": [f"{m.action} {m.worker or ''}".strip() + f" GPU {m.device}" for m in leaks],
+        }
+        self.events.data = {
+            "x": [m.time * 1000 for m in others],
+            "top": [top] * len(others),
+            "label": [f"{m.action} {m.worker or ''}".strip() for m in others],
+            "color": ["black" if m.action == "restart" else "orange" for m in others],
+        }
+        steps = [(t * 1000, n) for t, n in history.fallbacks]
         steps = [(steps[0][0], 0), *steps] if steps else [(now * 1000, 0)]
         steps.append((now * 1000, steps[-1][1]))
         self.fallback_steps.data = {"x": [x for x, _ in steps], "y": [y for _, y in steps]}

@@ -1,0 +1,1 @@
+"""Showing what accelsched does: the dashboard page, the Prometheus metrics, the status table."""

@@ -1,1 +1,0 @@
-"""Seeing what accelsched does: the dashboard page and the Prometheus metrics."""
