@@ -133,11 +133,7 @@ def event(action: str, worker: str | None = None, **figures: Any) -> dict[str, A
     """Build an event dict; the action must be one documented above."""
     if action not in ACTIONS:
         raise ValueError(f"unknown accelsched event action {action!r}")
-    msg: dict[str, Any] = {"action": action}
-    if worker is not None:
-        msg["worker"] = worker
-    msg.update(figures)
-    return msg
+    return {"action": action, **({} if worker is None else {"worker": worker}), **figures}
 
 
 def describe(msg: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:
@@ -145,9 +141,8 @@ def describe(msg: Mapping[str, Any], names: Mapping[str, str] | None = None) -> 
 
     ``names`` maps worker addresses to worker names.
     """
-    names = names or {}
     worker = msg.get("worker", "")
-    w = names.get(worker, worker) if isinstance(worker, str) else repr(worker)
+    w = (names or {}).get(worker, worker) if isinstance(worker, str) else repr(worker)
     try:
         return _describe(msg, w)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError):

@@ -27,7 +27,7 @@ import stat
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TextIO, TypeVar, cast
 
 from accelsched.display.status_table import (
     NO_ACCELSCHED,
@@ -128,8 +128,8 @@ async def _snapshot(client: Client, seconds: float) -> StatusReply | None:
     if client.status != "running" or client.scheduler is None:
         # lost for longer than it tries to reconnect (a --watch pause): it closed itself
         raise _Unreachable("the client gave up reconnecting")
-    reply: StatusReply | None = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
-    return reply
+    reply = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
+    return cast("StatusReply | None", reply)
 
 
 class ReaderGone(Exception):
@@ -221,11 +221,12 @@ def print_status(
                 # ASCII only: a name's control characters arrive as \u001b, never raw,
                 # and so do C1 and bidi controls, which JSON would let through as they are
                 text = json.dumps(snap, sort_keys=True, ensure_ascii=True) + "\n"
-            elif watch is None:
+            else:  # under --watch, redrawn in place on a terminal
                 text = render(snap) + "\n"
-            else:  # redraw in place on a terminal
-                text = "\x1b[H\x1b[2J" if out.isatty() else time.strftime("-- %H:%M:%S\n")
-                text += render(snap) + "\n"
+                if watch is not None:
+                    text = (
+                        "\x1b[H\x1b[2J" if out.isatty() else time.strftime("-- %H:%M:%S\n")
+                    ) + text
             _write(out, text)
             drawn = True
             if watch is None:
@@ -266,10 +267,12 @@ def print_events(
 
     def line(stamp: float, msg: Any, names: dict[str, str]) -> str:
         """The event as a line ('' for one that is not ours or not asked for)."""
-        if not isinstance(msg, dict) or msg.get("action") not in events.ACTIONS:
-            return ""  # not one of ours (logged before accelsched held the topic)
-        if actions and msg["action"] not in actions:
-            return ""
+        if (
+            not isinstance(msg, dict)
+            or msg.get("action") not in events.ACTIONS  # logged before accelsched held the topic
+            or (actions and msg["action"] not in actions)
+        ):
+            return ""  # not one of ours, or not asked for
         if as_json:  # as logged, ASCII (see status --json); odd figures as their repr
             text = json.dumps(
                 {"time": stamp, **msg}, ensure_ascii=True, default=repr, skipkeys=True
@@ -280,9 +283,9 @@ def print_events(
             msg = {**msg, "owner": names.get(owner, owner)}
         elif isinstance(owner, list):
             msg = {**msg, "owner": [names.get(o, o) if isinstance(o, str) else o for o in owner]}
-        when = time.strftime("%H:%M:%S", time.localtime(stamp))
         # every figure of an event may come from a worker (its name, its devices'): the
         # line is shown, so none of it acts on the terminal or starts a line
+        when = time.strftime("%H:%M:%S", time.localtime(stamp))
         return f"{when} [{msg['action']}] {shown(events.describe(msg, names))}\n"
 
     async def print_log(client: Client) -> int:
@@ -346,7 +349,7 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
             load=lambda f: (json.load(f),),
             timeout=max(deadline - time.monotonic(), 0.01),  # at least one read
         )
-    except TimeoutError:
+    except (TimeoutError, RecursionError):  # RecursionError: nested too deep to parse
         with contextlib.suppress(OSError):  # gone meanwhile: not "still empty"
             if os.path.getsize(path) == 0:
                 return _fail(
@@ -354,8 +357,6 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
                     f"the scheduler file {shown(path)} is still empty (is the scheduler starting?)",
                     UNREACHABLE,
                 )
-        return _no_scheduler_file(command, path, "it holds no JSON")
-    except RecursionError:  # nested too deep to parse
         return _no_scheduler_file(command, path, "it holds no JSON")
     except OSError as exc:  # no permission
         return _no_scheduler_file(command, path, one_line(exc))

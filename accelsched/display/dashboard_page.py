@@ -21,7 +21,7 @@ PlacementPlugin is registered when it is drawn, so a re-registered plugin is sho
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from accelsched import internals
 from accelsched.display.status_table import COLUMNS, summary, table_rows
@@ -50,27 +50,18 @@ def _table_height(rows: int) -> int:
 
 def install(scheduler: Scheduler) -> bool:
     """Add the page to the scheduler's dashboard; False when it runs without one."""
-    return internals.add_dashboard_page(scheduler, PAGE, _doc)
+    return internals.add_dashboard_page(scheduler, PAGE, Page, refresh_ms=REFRESH_MS)
 
 
 def status_history_of(scheduler: Scheduler) -> StatusHistory | None:
     """The registered PlacementPlugin's history (None when accelsched is unregistered)."""
-    plugin = scheduler.plugins.get(PLACEMENT_PLUGIN)
-    history = getattr(plugin, "status_history", None)
+    history = getattr(scheduler.plugins.get(PLACEMENT_PLUGIN), "status_history", None)
     return history if getattr(history, "scheduler", None) is scheduler else None
 
 
-def _doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
-    """One browser session's document (distributed's ``BokehApplication`` calls this)."""
-    page = Page(scheduler)
-    page.update()
-    doc.title = "Dask: accelsched"
-    doc.add_root(page.root)
-    internals.dress_page(doc, page, extra, refresh_ms=REFRESH_MS)
-
-
 class Page:
-    """distributed's ``DashboardComponent`` shape: ``root`` and ``update()``."""
+    """One browser session's page, in distributed's ``DashboardComponent`` shape: ``root``
+    and ``update()``."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         from bokeh.layouts import column
@@ -110,6 +101,7 @@ class Page:
         self.leak_figure = figure(
             title="Leak estimate per worker and GPU (MiB), threshold dashed",
             x_axis_type="datetime",
+            y_axis_label="MiB",
             height=300,
             sizing_mode="stretch_width",
             tools="pan,wheel_zoom,box_zoom,reset",
@@ -127,8 +119,6 @@ class Page:
             "x", "y", marker="x", size=14, color="red", line_width=3, source=self.leak_marks
         )
         self.leak_figure.add_tools(HoverTool(renderers=[est], tooltips=[("", "@label")]))
-        self.leak_figure.yaxis.axis_label = "MiB"
-        self.leak_figure.legend.location = "top_right"
 
         self.fallback_figure = figure(
             title="Fallbacks to CPU (cumulative)",

@@ -10,7 +10,7 @@ module does nothing.
 
 from __future__ import annotations
 
-import math
+import sys
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
@@ -85,14 +85,10 @@ _REASONS = frozenset(
 
 
 def _number(value: Any) -> float | None:
-    """A finite, non-negative number from an event, or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) and number >= 0 else None
+    """A finite, non-negative number from an event, or None (an int too large for a
+    float, NaN and infinity compare outside the range)."""
+    plain = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if plain and 0 <= value <= sys.float_info.max else None
 
 
 #: What the GPU gauge reads now (the registry is the process's: one source at a time).

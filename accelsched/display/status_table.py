@@ -13,7 +13,7 @@ an answer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, cast
 
 from dask.utils import format_bytes
 
@@ -159,10 +159,10 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
 
 def summary(snap: StatusReply) -> str:
     """One line: the cluster at a glance."""
-    gpus = sum(len(w["devices"]) for w in snap["workers"])
-    quarantined = sum(1 for w in snap["workers"] if w["quarantined"])
+    workers = snap["workers"]
     line = (
-        f"{len(snap['workers'])} workers, {gpus} verified GPUs, {quarantined} quarantined; "
+        f"{len(workers)} workers, {sum(len(w['devices']) for w in workers)} verified GPUs, "
+        f"{sum(1 for w in workers if w['quarantined'])} quarantined; "
         f"{snap['restarts']} restarts, {snap['leaks']} leaks, {snap['reclaims']} reclaimed, "
         f"{snap['fallbacks']} fallbacks"
     )
@@ -188,10 +188,12 @@ def render(snap: StatusReply) -> str:
         "options: not reported (an earlier accelsched)"
         if options is None
         else "options: " + ", ".join(f"{k}={shown(v)}" for k, v in options.items()),
+        "  ".join(h.ljust(widths[c]) for c, h in COLUMNS).rstrip(),
+        *(
+            "  ".join(rows[c][i].ljust(widths[c]) for c, _ in COLUMNS).rstrip()
+            for i in range(len(rows["worker"]))
+        ),
     ]
-    lines.append("  ".join(h.ljust(widths[c]) for c, h in COLUMNS).rstrip())
-    for i in range(len(rows["worker"])):
-        lines.append("  ".join(rows[c][i].ljust(widths[c]) for c, _ in COLUMNS).rstrip())
     return "\n".join(lines)
 
 
@@ -199,5 +201,4 @@ def snapshot(client: Client) -> StatusReply | None:
     """The scheduler's snapshot (what ``accelsched status --json`` prints), through a
     synchronous ``client``; None when the scheduler runs no accelsched (it has no such
     handler: it answers None, and logs a warning of its own)."""
-    reply: StatusReply | None = client.sync(getattr(client.scheduler, STATUS_HANDLER))
-    return reply
+    return cast("StatusReply | None", client.sync(getattr(client.scheduler, STATUS_HANDLER)))

@@ -35,7 +35,6 @@ from accelsched.internals.diagnostics import (
 from accelsched.internals.metrics_and_pages import (
     add_dashboard_page,
     add_metric,
-    dress_page,
     remove_metric,
     worker_metric,
 )
@@ -93,7 +92,6 @@ __all__ = [
     "Bound",
     "IncompatibleDistributed",
     "add_dashboard_page",
-    "dress_page",
     "add_metric",
     "add_spec_worker",
     "advertises_gpus",

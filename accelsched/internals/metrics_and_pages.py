@@ -35,9 +35,13 @@ def worker_metric(ws: WorkerState, name: str) -> Any:
 
 
 def add_dashboard_page(
-    scheduler: Scheduler, page: str, make_doc: Callable[[Scheduler, dict, Any], None]
+    scheduler: Scheduler, page: str, component: Callable[[Scheduler], Any], *, refresh_ms: int
 ) -> bool:
-    """Serve ``/<page>`` on the scheduler's running dashboard, with a tab on every page.
+    """Serve ``/<page>`` on the scheduler's running dashboard, with a tab on every page:
+    each browser session gets a new ``component(scheduler)`` (distributed's
+    ``DashboardComponent`` shape: ``root`` and ``update()``), updated every ``refresh_ms``,
+    in distributed's own template (the tabs) and theme, as its own pages are (no public API
+    has them).
 
     distributed builds its Bokeh pages once, in ``Scheduler.__init__``, from a fixed
     table; a plugin starts later. So this adds a second Bokeh server application to the
@@ -63,6 +67,20 @@ def add_dashboard_page(
     variables = template_variables(scheduler)  # memoized: the dict every page renders
     if page not in variables["pages"]:
         variables["pages"].append(page)
+
+    def make_doc(scheduler: Scheduler, extra: dict, doc: Any) -> None:
+        from distributed.dashboard.components import add_periodic_callback
+        from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+        shown = component(scheduler)
+        shown.update()
+        doc.title = f"Dask: {page}"
+        doc.add_root(shown.root)
+        add_periodic_callback(doc, shown, refresh_ms)
+        doc.template = env.get_template("simple.html")
+        doc.template_variables.update(extra)
+        doc.theme = BOKEH_THEME
+
     app = BokehApplication(
         {path: make_doc}, scheduler, prefix=apps[0].prefix, template_variables=variables
     )
@@ -70,15 +88,3 @@ def add_dashboard_page(
     app.initialize(IOLoop.current())
     app.start()
     return True
-
-
-def dress_page(doc: Any, page: Any, extra: dict, *, refresh_ms: int) -> None:
-    """Give a page distributed's own look and refresh: its template (the tabs), its
-    theme, and its periodic update, as its own pages get them (no public API has them)."""
-    from distributed.dashboard.components import add_periodic_callback
-    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
-
-    add_periodic_callback(doc, page, refresh_ms)
-    doc.template = env.get_template("simple.html")
-    doc.template_variables.update(extra)
-    doc.theme = BOKEH_THEME

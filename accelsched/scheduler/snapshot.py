@@ -90,8 +90,8 @@ class StatusHistory:
         waiting: Callable[[], dict[str, int]],
         options: dict[str, Any],
     ) -> None:
-        self._grants, self._options = grants, dict(options)  # the PlacementPlugin's options
-        self._waiting = waiting  # GPU tasks unplaced, by reason (scheduler/fallback.py)
+        # the PlacementPlugin's options; GPU tasks unplaced, by reason (scheduler/fallback.py)
+        self._grants, self._options, self._waiting = grants, dict(options), waiting
         self.scheduler = scheduler
         self.names: OrderedDict[str, str] = OrderedDict()  # address -> worker name
         self.counts: dict[str, Counter[str]] = {}  # worker name -> counted events
@@ -105,14 +105,13 @@ class StatusHistory:
     def start(self) -> None:
         """Learn the workers' names, replay the event log, serve the status handler and
         start sampling."""
-        scheduler = self.scheduler
-        for ws in list(scheduler.workers.values()):
+        for ws in list(self.scheduler.workers.values()):
             self.add_worker(ws)
-        for stamp, msg in scheduler.get_events(events.TOPIC):
+        for stamp, msg in self.scheduler.get_events(events.TOPIC):
             if isinstance(msg, dict):
                 self.record_event(msg, stamp)
-        internals.install_handler(scheduler, STATUS_HANDLER, self.snapshot)
-        internals.start_periodic(scheduler, _PERIODIC, self.sample, SAMPLE_SECONDS)
+        internals.install_handler(self.scheduler, STATUS_HANDLER, self.snapshot)
+        internals.start_periodic(self.scheduler, _PERIODIC, self.sample, SAMPLE_SECONDS)
 
     def stop(self) -> None:
         """Unregistered or closing: no handler, no sampling (the history stays readable)."""
@@ -164,10 +163,10 @@ class StatusHistory:
     def snapshot(self) -> StatusReply:
         """The ``accelsched_status`` reply: read-only; nothing ``scheduler_info`` does not
         reveal."""
-        workers = [self._worker(ws) for ws in list(self.scheduler.workers.values())]
-        workers.sort(key=lambda w: _natural(w["name"]))
-        names = dict(self.names)
-        names.update({w["address"]: w["name"] for w in workers})
+        workers = sorted(
+            (self._worker(ws) for ws in list(self.scheduler.workers.values())),
+            key=lambda w: _natural(w["name"]),
+        )
         return {
             "version": STATUS_VERSION,
             "time": _now(),
@@ -179,7 +178,7 @@ class StatusHistory:
             "reclaims": self.totals["reclaims"],
             "fallbacks": self.totals["fallbacks"],
             "waiting": self._waiting(),
-            "names": names,
+            "names": {**self.names, **{w["address"]: w["name"] for w in workers}},
             "options": dict(self._options),
         }
 
@@ -234,10 +233,9 @@ class StatusHistory:
         now = _now()
         for w in self.snapshot()["workers"]:
             for d in w["devices"]:
-                series = self.series.setdefault(
+                self.series.setdefault(
                     (w["name"], d["index"]), deque(maxlen=int(HISTORY_SECONDS / SAMPLE_SECONDS))
-                )
-                series.append(Sample(now, d["leak_estimate"], d["leak_threshold"]))
+                ).append(Sample(now, d["leak_estimate"], d["leak_threshold"]))
         for key, series in list(self.series.items()):
             if not series or series[-1].time < now - HISTORY_SECONDS:
                 del self.series[key]
