@@ -154,6 +154,7 @@ async def test_odd_events_break_nothing_and_grow_nothing(c, s, a):
         {"action": "gpu-rejected", "owner": 5, "uuids": 3},
         {"action": "fallback", "count": -3, "waited": "x", "reason": "forged-reason"},
         {"action": "fallback", "waited": float("nan")},
+        {"action": ["restart"]},  # unhashable action
     ]
     forged += [{"action": "restart", "worker": f"tcp://10.0.0.{i}:1"} for i in range(50)]
     forged += [{"action": f"bogus-{i}"} for i in range(50)]

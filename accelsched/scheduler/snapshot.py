@@ -127,7 +127,7 @@ class StatusHistory:
     def record_event(self, msg: dict[str, Any], stamp: float | None = None) -> None:
         """One accelsched event (from ``log_event``, or replayed with its time)."""
         action = msg.get("action")
-        if action not in events.ACTIONS:
+        if not isinstance(action, str) or action not in events.ACTIONS:
             return
         when = stamp if stamp is not None else _now()
         # any client may log to the topic: only a worker we know has a row to count in
