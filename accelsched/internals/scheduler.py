@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from time import time
 from typing import TYPE_CHECKING, Any
 
@@ -97,9 +97,17 @@ def set_worker_gpus(scheduler: Scheduler, ws: WorkerState, count: float, name: s
     scheduler.resources.setdefault(name, {})[ws.address] = count
 
 
-def restrict_to_workers(ts: TaskState, workers: set[str] | None) -> None:
+def restrict_to_workers(ts: TaskState, workers: Collection[str] | None) -> None:
     """Place ``ts`` only on these workers (None: anywhere); a hard restriction."""
     ts.worker_restrictions = set(workers) if workers is not None else None
+    ts.loose_restrictions = False
+
+
+def share_worker_restriction(ts: TaskState, workers: set[str]) -> None:
+    """Place ``ts`` only on ``workers``, the very set, not a copy: whoever holds it
+    changes the restriction of every task sharing it. distributed reads a task's
+    ``worker_restrictions`` and replaces it, never edits it in place."""
+    ts.worker_restrictions = workers
     ts.loose_restrictions = False
 
 

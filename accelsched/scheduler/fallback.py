@@ -32,11 +32,20 @@ share a device while their needs fit; the worker's lease table packs them per de
 The requirement travels to the worker normalised in the task's ``gpu`` annotation; an
 annotated requirement and those of the marked steps the task calls combine.
 
-When a worker's devices are granted, every waiting task it can serve gains it; a
-requirement no verified device in the cluster meets is said once (``unmet-requirement``)
-and its tasks wait, or run their CPU form after their timeout, as any unplaced GPU task.
-A worker that sends such a task back (its device withdrawn: which one, the offer does not
-say) loses it until its devices are granted or offered again, so nothing bounces.
+Tasks with the same requirement, device count and own restriction form one
+:class:`Eligible` class, and every task of a class holds the class's one set of workers
+as its ``worker_restrictions`` (distributed only ever replaces that set, never edits
+it). So a worker whose devices are granted joins the class, and one that leaves goes,
+for every task of the class at once, whatever its state: nothing is stranded on a
+departed worker, a late-verified worker gets its share, and a task costs one dict lookup
+and no copy, whatever the cluster's size. The set always holds a placeholder address no
+worker has, so it is never empty (an empty restriction would mean "anywhere").
+
+A requirement no verified device in the cluster meets is said once
+(``unmet-requirement``) and its tasks wait, or run their CPU form after their timeout,
+as any unplaced GPU task. A worker that sends such a task back (its device withdrawn:
+which one, the offer does not say) leaves the task's class until its devices are
+granted or offered again, so nothing bounces.
 """
 
 from __future__ import annotations
@@ -91,7 +100,7 @@ if TYPE_CHECKING:
     from accelsched.policy.proposals import Act
     from accelsched.scheduler.grants import Grants
 
-__all__ = ["Fallback", "GpuTask", "facts_of"]
+__all__ = ["Eligible", "Fallback", "GpuTask", "facts_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +139,17 @@ def facts_of(record: DeviceRecord) -> DeviceFacts:
     )
 
 
-def holds(need: Requirement, n: int, facts: list[DeviceFacts]) -> bool:
-    """Whether devices ``facts`` can ever hold a task needing ``n`` devices meeting ``need``."""
-    return sum(need.fits(f) for f in facts) >= n
+#: What makes tasks one class: requirement, devices it takes, own ``workers=``.
+ClassKey = tuple[Requirement, int, frozenset[str] | None]
+
+
+@dataclass(slots=True, eq=False)
+class Eligible:
+    """The workers one class of requirement tasks may run on, shared by its tasks."""
+
+    key: ClassKey
+    workers: set[str]  # every task's ``worker_restrictions``; NOWHERE always in it
+    tasks: int = 0  # tasks holding it: the class goes with the last
 
 
 @dataclass(slots=True, eq=False)
@@ -141,9 +158,7 @@ class GpuTask:
 
     timeout: float | None  # seconds unplaced before its CPU form runs; None: strict
     problem: str | None = None  # why it errs at the next check (an invalid annotation)
-    need: Requirement | None = None  # what each of its devices must be (eligibility)
-    devices: int = 1  # how many devices meeting ``need`` it takes
-    own: set[str] | None = None  # its own ``workers=`` restriction
+    eligible: Eligible | None = None  # its requirement's class; None: no requirement
     sent: str | None = None  # the worker it was last sent to
     fell_back: bool = False  # its CPU form runs
     since: float = 0.0  # when it last became unrunnable (monotonic)
@@ -169,6 +184,8 @@ class Fallback:
         self.policy = FallbackPolicy(timeout)
         self._grants = grants
         self._unmet: set[str] = set()  # requirements said unmet, until a device meets them
+        self._classes: dict[ClassKey, Eligible] = {}
+        self._facts: dict[str, list[DeviceFacts]] = {}  # worker -> its granted devices
         self.deadlines = Deadlines(self._live)
         self.notices = Notices()
         self._emit = emit
@@ -194,18 +211,29 @@ class Fallback:
                 self._enter(ts, task, since)
         self._schedule()
 
-    def gained(self, worker: str) -> None:
-        """``worker``'s devices were granted: the unplaced tasks it can serve gain it."""
-        facts = [facts_of(r) for r in self._grants.granted_devices().get(worker, [])]
-        for key, task in self.tasks.items():
-            if task.need is None or not holds(task.need, task.devices, facts):
-                continue
-            self._unmet.discard(task.need.label())
-            ts = self.scheduler.tasks.get(key)
-            if ts is None or ts.state not in UNPLACED or (task.own and worker not in task.own):
-                continue
-            current = internals.restricted_to(ts) - {NOWHERE}
-            internals.restrict_to_workers(ts, current | {worker})
+    def follow(self, worker: str) -> None:
+        """``worker``'s grant changed (granted, offered again, or gone): every class it
+        can serve now holds it, and no other."""
+        records = self._grants.granted_devices().get(worker)
+        if records is None:
+            self._facts.pop(worker, None)
+        else:
+            self._facts[worker] = [facts_of(r) for r in records]
+        for eligible in self._classes.values():
+            if self._serves(worker, eligible.key):
+                eligible.workers.add(worker)
+                self._unmet.discard(eligible.key[0].label())
+            else:
+                eligible.workers.discard(worker)
+
+    def _serves(self, worker: str, key: ClassKey, *, own: bool = True) -> bool:
+        need, devices, restriction = key
+        facts = self._facts.get(worker)
+        return (
+            facts is not None
+            and (not own or restriction is None or worker in restriction)
+            and sum(need.fits(f) for f in facts) >= devices
+        )
 
     def close(self) -> None:
         internals.stop_periodic(self.scheduler, _PERIODIC)
@@ -298,20 +326,28 @@ class Fallback:
             restrictions[GPU_MEMORY] = mebibytes(need.memory)
             internals.set_resource_restrictions(ts, restrictions)
             internals.drop_annotated_resource(ts, GPU)
-        task.need, task.devices = need, devices_needed(count)
-        task.own = internals.restricted_to(ts) or None
-        workers = {  # those with granted (verified) devices that can hold it
-            worker
-            for worker, records in self._grants.granted_devices().items()
-            if holds(need, task.devices, [facts_of(r) for r in records])
-        }
-        mine = workers & task.own if task.own else workers
-        internals.restrict_to_workers(ts, mine or {NOWHERE})
-        if not workers and (label := need.label()) not in self._unmet:
-            self._unmet.add(label)
-            if say:
-                self._emit(events.UNMET_REQUIREMENT, None, requirement=label, key=str(ts.key))
+        own = internals.restricted_to(ts)
+        key = (need, devices_needed(count), frozenset(own) if own else None)
+        if (eligible := self._classes.get(key)) is None:
+            workers = {w for w in self._facts if self._serves(w, key)}
+            eligible = self._classes[key] = Eligible(key, {NOWHERE, *workers})
+            met = any(self._serves(w, key, own=False) for w in self._facts)
+            if not met and (label := need.label()) not in self._unmet:
+                self._unmet.add(label)
+                if say:
+                    self._emit(events.UNMET_REQUIREMENT, None, requirement=label, key=str(ts.key))
+        eligible.tasks += 1
+        task.eligible = eligible
+        internals.share_worker_restriction(ts, eligible.workers)
         return None
+
+    def _leave_class(self, task: GpuTask) -> None:
+        """``task`` no longer holds its class's restriction; the class goes with its last."""
+        eligible, task.eligible = task.eligible, None
+        if eligible is not None:
+            eligible.tasks -= 1
+            if not eligible.tasks:
+                del self._classes[eligible.key]
 
     def _park(self, ts: Any, problem: str) -> None:
         """An invalid task waits on an unsatisfiable resource and errs alone at the next
@@ -335,7 +371,7 @@ class Fallback:
         if task is None:
             return  # no GPU task
         if finish == "forgotten":
-            del self.tasks[key]  # the one place a task is forgotten
+            self._leave_class(self.tasks.pop(key))  # the one place a task is forgotten
             return
         ts = self.scheduler.tasks[key]  # not forgotten: still the scheduler's
         if finish == "no-worker":
@@ -343,7 +379,7 @@ class Fallback:
             self._schedule()
         elif start == "no-worker":
             task.due = None
-        if task.need is None:  # no requirement
+        if task.eligible is None:  # no requirement
             return
         # note where it was sent; one its worker sent back (no device there can hold it
         # now) goes elsewhere, or waits
@@ -352,8 +388,7 @@ class Fallback:
         elif start == "processing" and stimulus_id.startswith(_SENT_BACK):
             worker, task.sent = task.sent, None
             if worker is not None and internals.in_service(self.scheduler, worker):  # no drain
-                left = internals.restricted_to(ts) - {worker}
-                internals.restrict_to_workers(ts, left or {NOWHERE})
+                task.eligible.workers.discard(worker)
 
     def _enter(self, ts: Any, task: GpuTask, since: float) -> None:
         """``ts`` is unrunnable since ``since``: note when a check looks at it."""
@@ -441,9 +476,10 @@ class Fallback:
                 ts,
                 {k: v for k, v in ts.resource_restrictions.items() if k not in (GPU, GPU_MEMORY)},
             )
-            if task.need is not None:  # runs wherever its own restriction allows
-                internals.restrict_to_workers(ts, task.own)
-                task.need = task.own = task.sent = None
+            if task.eligible is not None:  # runs wherever its own restriction allows
+                internals.restrict_to_workers(ts, task.eligible.key[2])
+                self._leave_class(task)
+                task.sent = None
             # the worker gets the annotations too: the GPU amount it no longer needs goes,
             # so none can break the message (an int past 2**64 cost every worker its stream)
             internals.drop_annotated_resource(ts, GPU)

@@ -121,7 +121,7 @@ class PlacementPlugin(SchedulerPlugin):
             authority=self.authority,
             emit=emit,
             active=active,
-            gained=self.fallback.gained,
+            gained=self.fallback.follow,
         )
         self.reports.start()
         budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
@@ -186,6 +186,7 @@ class PlacementPlugin(SchedulerPlugin):
         """Free the worker's GPUs for the next claimant and forget everything about it."""
         self.actor.remove_worker(worker)
         self.reports.remove_worker(worker)
+        self.fallback.follow(worker)  # its classes lose it
         self.authority.forget(worker)
 
     def update_graph(
