@@ -1,0 +1,214 @@
+"""Where a requirement task may run, whatever the order of joins, leaves and restarts.
+
+The invariant: a GPU task that says what its device must be is placeable on every live
+worker with granted devices that meet it (within its own ``workers=`` restriction), and
+on no other, in every state, placed tasks included.
+
+The model-based test drives the scheduler's own parts (:class:`Grants`, :class:`Fallback`)
+on a real distributed ``Scheduler`` with tasks made by its own ``new_task``; workers
+joining and leaving are the calls the plugin makes for them (the grant of a guard's
+report, ``remove_worker``). No worker process exists: hypothesis runs hundreds of
+orders in seconds, which real workers could not. The reproductions below it run the
+same stories on real nanny workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from distributed import Nanny, Scheduler
+from distributed.utils_test import gen_cluster
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import accelsched
+from accelsched.policy.requirements import DeviceFacts, parse_requirement
+from accelsched.protocol import GPU, REQUIREMENT_ANNOTATION, DeviceRecord
+from accelsched.scheduler.fallback import NOWHERE, Fallback
+from accelsched.scheduler.grants import Grants
+from accelsched.testing import fake_gpus
+from tests.utils import A100, H100, cvd, events, wait_for
+
+GiB = 2**30
+
+#: The devices a joining worker may have.
+DEVICES: dict[str, DeviceFacts] = {
+    "h100": DeviceFacts(H100, 80 * GiB, (9, 0)),
+    "a100": DeviceFacts(A100, 40 * GiB, (8, 0)),
+    "small": DeviceFacts("NVIDIA T4", 16 * GiB, (7, 5)),
+}
+#: What tasks may ask of their device.
+NEEDS: list[dict[str, Any]] = [
+    {"memory": 30 * GiB},
+    {"memory": 2 * GiB},
+    {"model": "*A100*"},
+    {"capability": [8, 0]},
+    {"memory": 60 * GiB, "capability": [9, 0]},
+]
+ADDRESSES = [f"tcp://10.0.0.{i}:1234" for i in range(6)]
+
+
+def _record(kind: str, uuid: str) -> DeviceRecord:
+    f = DEVICES[kind]
+    capability = None if f.capability is None else list(f.capability)
+    return {"index": 0, "uuid": uuid, "name": f.name, "memory": f.memory, "capability": capability}
+
+
+class Eligibility(RuleBasedStateMachine):
+    """Joins, leaves, restarts (the same address, maybe other devices) and tasks, in any
+    order, against a model of who holds what."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.scheduler = self.loop.run_until_complete(self._scheduler())
+        self.grants = Grants(share_gpus=False)
+        self.fallback = Fallback(
+            self.scheduler,
+            timeout=None,
+            interval=3600,
+            grants=self.grants,
+            emit=lambda *a, **kw: None,
+            active=lambda: True,
+            act=lambda proposals, **kw: None,
+        )
+        self.live: dict[str, list[str]] = {}  # the model: worker -> its device kinds
+        self.tasks: dict[str, tuple[dict[str, Any], frozenset[str] | None]] = {}
+        self.uuids = itertools.count()
+        self.keys = itertools.count()
+
+    async def _scheduler(self) -> Scheduler:
+        return Scheduler(validate=True, dashboard_address=":0")
+
+    def teardown(self) -> None:
+        self.fallback.close()
+        self.loop.run_until_complete(self.scheduler.close())
+        self.loop.close()
+
+    @rule(
+        worker=st.sampled_from(ADDRESSES),
+        kinds=st.lists(st.sampled_from(sorted(DEVICES)), min_size=1, max_size=2),
+    )
+    def join(self, worker: str, kinds: list[str]) -> None:
+        """A worker's guard reports its devices and they are granted (a restart at the
+        same address reports again: its grant is replaced)."""
+        records = [_record(k, f"GPU-{next(self.uuids)}") for k in kinds]
+        self.grants.claim(worker, records)
+        self.fallback.follow(worker)
+        self.live[worker] = kinds
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def leave(self, data: st.DataObject) -> None:
+        worker = data.draw(st.sampled_from(sorted(self.live)))
+        self.grants.remove(worker)
+        self.fallback.follow(worker)
+        del self.live[worker]
+
+    @rule(
+        need=st.sampled_from(range(len(NEEDS))),
+        own=st.none() | st.frozensets(st.sampled_from(ADDRESSES), min_size=1, max_size=3),
+        state=st.sampled_from(["released", "no-worker", "processing", "memory"]),
+    )
+    def submit(self, need: int, own: frozenset[str] | None, state: str) -> None:
+        """A new requirement task, then wherever distributed took it since."""
+        key = f"task-{next(self.keys)}"
+        ts = self.scheduler.new_task(key, None, "released")
+        ts.resource_restrictions = {GPU: 1}
+        ts.annotations = {REQUIREMENT_ANNOTATION: NEEDS[need]}
+        ts.worker_restrictions = set(own) if own else None
+        self.fallback.prepare([key])
+        ts.state = state  # eligibility must not depend on it
+        self.tasks[key] = (NEEDS[need], own)
+
+    @precondition(lambda self: self.tasks)
+    @rule(data=st.data())
+    def forget(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.tasks)))
+        self.fallback.transition(key, "memory", "forgotten", "")
+        del self.scheduler.tasks[key]
+        del self.tasks[key]
+
+    @invariant()
+    def placeable_exactly_where_its_devices_are(self) -> None:
+        for key, (need, own) in self.tasks.items():
+            requirement = parse_requirement(need)
+            meet = {
+                w
+                for w, kinds in self.live.items()
+                if any(requirement.fits(DEVICES[k]) for k in kinds) and (own is None or w in own)
+            }
+            restriction = self.scheduler.tasks[key].worker_restrictions
+            assert restriction, f"{key}: an empty restriction means anywhere"
+            assert set(restriction) - {NOWHERE} == meet, (key, need, own, self.live)
+
+    @invariant()
+    def a_class_goes_with_its_last_task(self) -> None:
+        assert len(self.fallback._classes) <= len(self.tasks)
+
+
+Eligibility.TestCase.settings = settings(
+    max_examples=50,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_eligibility_follows_joins_leaves_and_restarts = Eligibility.TestCase
+
+
+# --- the reproductions, on real nanny workers ---------------------------------------------
+
+
+@accelsched.gpu(memory="1GiB")
+def strict_step(i: int) -> int:
+    time.sleep(0.5)
+    return i
+
+
+@accelsched.gpu(memory="1GiB")
+def short_step(i: int) -> int:
+    time.sleep(0.05)
+    return i
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=90)
+async def test_a_placed_requirement_task_follows_to_a_worker_verified_after_it(c, s, a):
+    """Placed on a, b verified later, a gone: the tasks run on b (they stayed
+    ``no-worker`` restricted to a's dead address)."""
+    await accelsched.register(c, fast_restart=False)
+    await wait_for(lambda: len(events(s, "gpu-verified")) == 1)
+    futures = c.map(strict_step, range(4), pure=False)
+    await wait_for(lambda: any(ts.state == "processing" for ts in s.tasks.values()))
+    async with Nanny(s.address, nthreads=1, **cvd("1")) as b:
+        await wait_for(lambda: len(events(s, "gpu-verified")) == 2)
+        await a.close()
+        assert sorted(await asyncio.wait_for(c.gather(futures), 30)) == [0, 1, 2, 3]
+        ran_on = {ts.who_has and next(iter(ts.who_has)).address for ts in s.tasks.values()}
+        assert ran_on == {b.worker_address}
+
+
+@gen_cluster(client=True, nthreads=[], timeout=120)
+async def test_requirement_tasks_submitted_before_the_workers_spread_over_them(c, s):
+    """Submitted before any worker joins (start-up, scale-up): they spread over the
+    workers verified later (they all ran on the first, which alone had been added to
+    their restrictions)."""
+    await accelsched.register(c, fast_restart=False)
+    futures = c.map(short_step, range(200), pure=False)
+    await wait_for(lambda: len(s.tasks) == 200)
+    with fake_gpus(count=4, memory="16GiB"):
+        nannies = [Nanny(s.address, nthreads=1, **cvd(str(i))) for i in range(4)]
+        await asyncio.gather(*nannies)
+        try:
+            await asyncio.wait_for(c.gather(futures), 60)
+            ran = Counter(next(iter(s.tasks[f.key].who_has)).address for f in futures)
+        finally:
+            await asyncio.gather(*(n.close() for n in nannies))
+    assert len(ran) >= 2, ran
+    assert max(ran.values()) <= 0.4 * 200, ran
