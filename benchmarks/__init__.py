@@ -80,6 +80,7 @@ REGISTRY: dict[str, Benchmark] = {
         _micro("overhead"),
         _micro("hotpath"),
         _micro("scale"),
+        _micro("placement_cost"),
         Benchmark("gpu", "gpu", "benchmarks.gpu.costs"),
     )
 }

@@ -1,0 +1,274 @@
+"""What a GPU task costs the scheduler as the cluster grows: count, requirement, plain.
+
+A scheduler process (``dask scheduler``) and one process hosting every worker in-process
+(each owning one simulated MIG device, as :mod:`benchmarks.micro.registration` does), so
+the scheduler's CPU time (``time.process_time`` in its own process) is its alone. Per
+cluster size, in paired rounds of alternating order on one accelsched cluster:
+
+- **count**: ``resources={"GPU": 1}`` tasks;
+- **requirement**: tasks of a step marked ``gpu(model="*")``: one eligible class
+  (:class:`accelsched.scheduler.fallback.Eligible`), met by every worker;
+
+and on a second cluster without accelsched (the workers declare ``GPU=1``), **plain**
+distributed's ``resources={"GPU": 1}`` tasks. Each round submits N trivial tasks and
+times the scheduler's CPU until they are all done: CPU µs per task, and per round the
+requirement/count ratio (the median of those ratios is the figure). Memory per waiting
+task: N tasks of each kind held ``waiting`` behind one unfinished input, the scheduler's
+RSS before and after, over N.
+
+``--quick``: 4 workers, 300 tasks, 2 rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from distributed import Client, Event
+
+import accelsched
+
+NAME = "placement_cost"
+SIZES = (8, 32, 48, 64, 256)
+QUICK_SIZES = (4,)
+
+
+def inc(i: int) -> int:
+    return i + 1
+
+
+@accelsched.gpu(model="*")
+def met_by_all(i: int) -> int:
+    return i + 1
+
+
+def held(i: int, gate: int) -> int:
+    return i
+
+
+@accelsched.gpu(model="*")
+def held_met_by_all(i: int, gate: int) -> int:
+    return i
+
+
+def _gate(name: str) -> int:
+    Event(name).wait()
+    return 0
+
+
+def _scheduler_cpu(dask_scheduler: Any = None) -> float:
+    return time.process_time()
+
+
+def _scheduler_rss(dask_scheduler: Any = None) -> int:
+    import psutil
+
+    gc.collect()
+    return int(psutil.Process().memory_info().rss)
+
+
+def _task_count(dask_scheduler: Any = None) -> int:
+    return len(dask_scheduler.tasks)
+
+
+def _gpu_counts(dask_scheduler: Any = None) -> list[float]:
+    return [ws.resources.get("GPU", 0) for ws in dask_scheduler.workers.values()]
+
+
+# --- the worker host process -----------------------------------------------------------
+
+
+async def _host(address: str, n: int, uuids: list[str]) -> None:
+    """``n`` in-process workers, each seeing one device, until the scheduler closes."""
+    from distributed import Worker
+
+    workers = []
+    for i in range(n):
+        os.environ["CUDA_VISIBLE_DEVICES"] = uuids[i]  # read by the guard's probe
+        workers.append(
+            await Worker(address, nthreads=1, resources={"GPU": 1}, name=f"w{i}", validate=False)
+        )
+    await asyncio.gather(*(w.finished() for w in workers))
+
+
+def _start(
+    n: int, uuids: list[str], tmp: Path
+) -> tuple[subprocess.Popen, subprocess.Popen, Client]:
+    """A scheduler and a host of ``n`` workers; a client with accelsched registered
+    (unless ``plain``) and every worker's GPU placed."""
+    plain = not uuids
+    file = tmp / f"scheduler-{n}-{plain}.json"
+    devices = tmp / "uuids.json"
+    devices.write_text(json.dumps(uuids or ["none"] * n))
+    root = str(Path(__file__).resolve().parents[2])  # both unpickle this module's functions
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    quiet = {
+        "stdout": subprocess.DEVNULL,
+        "stderr": subprocess.DEVNULL,
+        "env": {**os.environ, "PYTHONPATH": path},
+    }
+    dask = str(Path(sys.executable).with_name("dask"))
+    sched = subprocess.Popen(
+        [dask, "scheduler", "--port", "0", "--no-dashboard", "--scheduler-file", str(file)],
+        **quiet,  # type: ignore[call-overload]
+    )
+    deadline = time.monotonic() + 60
+    while not file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client = Client(scheduler_file=str(file))
+    if not plain:
+        accelsched.register(client, check_interval="1h", fast_restart=False)
+    host = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.micro.placement_cost", client.scheduler.address]
+        + [str(n), str(devices)],
+        **quiet,  # type: ignore[call-overload]
+    )
+    deadline = time.monotonic() + 30 + 2 * n
+    while True:
+        counts = client.run_on_scheduler(_gpu_counts)
+        if len(counts) == n and all(c == 1 for c in counts):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n} workers with a verified GPU: {counts}")
+        time.sleep(0.2)
+    return sched, host, client
+
+
+def _stop(sched: subprocess.Popen, host: subprocess.Popen, client: Client) -> None:
+    client.shutdown()
+    client.close()
+    for p in (host, sched):
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+# --- the measurements --------------------------------------------------------------------
+
+
+def _cpu_per_task(client: Client, kind: str, n: int) -> float:
+    """Scheduler CPU µs per task for ``n`` trivial tasks of ``kind``, submit to done."""
+    before = client.run_on_scheduler(_scheduler_cpu)
+    if kind == "requirement":
+        futures = client.map(met_by_all, range(n), pure=False)
+    else:
+        futures = client.map(inc, range(n), resources={"GPU": 1}, pure=False)
+    client.gather(futures)
+    del futures
+    return (client.run_on_scheduler(_scheduler_cpu) - before) / n * 1e6
+
+
+def _bytes_per_waiting_task(client: Client, kind: str, n: int) -> float:
+    """Scheduler RSS growth per task held ``waiting`` behind an unfinished input."""
+    name = f"gate-{kind}-{time.monotonic()}"
+    gate = client.submit(_gate, name, pure=False)
+    before = client.run_on_scheduler(_scheduler_rss)
+    if kind == "requirement":
+        futures = client.map(held_met_by_all, range(n), [gate] * n, pure=False)
+    else:
+        futures = client.map(held, range(n), [gate] * n, resources={"GPU": 1}, pure=False)
+    while client.run_on_scheduler(_task_count) <= n:  # until the graph has arrived
+        time.sleep(0.05)
+    after = client.run_on_scheduler(_scheduler_rss)
+    Event(name, client=client).set()
+    client.gather(futures)
+    del futures, gate
+    return (after - before) / n
+
+
+def _cluster_rounds(n: int, uuids: list[str], tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
+    """Paired rounds on one cluster: accelsched's (devices ``uuids``) or plain (none)."""
+    kinds = ["count", "requirement"] if uuids else ["plain"]
+    sched, host, client = _start(n, uuids, tmp)
+    try:
+        _cpu_per_task(client, kinds[0], min(tasks, 200))  # warm up
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(rounds):
+            for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                cpu[kind].append(_cpu_per_task(client, kind, tasks))
+        memory = {k: _bytes_per_waiting_task(client, k, tasks) for k in kinds}
+    finally:
+        _stop(sched, host, client)
+    return {"cpu_us": cpu, "bytes_per_waiting_task": memory}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 2),
+        "min": round(min(values), 2),
+        "max": round(max(values), 2),
+    }
+
+
+def measure(n: int, tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
+    from accelsched.testing import fake_gpus
+
+    gpus = -(-n // 7)
+    with fake_gpus(count=gpus, memory="80GiB", mig=["1g.10gb"] * 7) as fake:
+        uuids = [u for d in range(gpus) for u in fake.mig_uuids(d)]
+        ours = _cluster_rounds(n, uuids, tasks, rounds, tmp)
+    plain = _cluster_rounds(n, [], tasks, rounds, tmp)
+    cpu = {**ours["cpu_us"], **plain["cpu_us"]}
+    ratios = [r / c for r, c in zip(cpu["requirement"], cpu["count"], strict=True)]
+    return {
+        "workers": n,
+        "tasks": tasks,
+        "rounds": rounds,
+        "scheduler_cpu_us_per_task": {k: _spread(v) for k, v in cpu.items()},
+        "requirement_over_count": _spread(ratios),
+        "count_over_plain": round(
+            statistics.median(cpu["count"]) / statistics.median(cpu["plain"]), 3
+        ),
+        "bytes_per_waiting_task": {
+            k: round(v) for part in (ours, plain) for k, v in part["bytes_per_waiting_task"].items()
+        },
+    }
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    from benchmarks.harness.plots import plt, save
+
+    fig, (cpu, mem) = plt.subplots(1, 2, figsize=(10, 3.8))
+    workers = [r["workers"] for r in rows]
+    for kind in ("plain", "count", "requirement"):
+        cpu.plot(
+            workers,
+            [r["scheduler_cpu_us_per_task"][kind]["median"] for r in rows],
+            marker="o",
+            label=kind,
+        )
+        mem.plot(workers, [r["bytes_per_waiting_task"][kind] for r in rows], marker="o", label=kind)
+    cpu.set_xscale("log", base=2)
+    mem.set_xscale("log", base=2)
+    cpu.set_xlabel("workers")
+    mem.set_xlabel("workers")
+    cpu.set_ylabel("scheduler CPU per task, µs (median of rounds)")
+    mem.set_ylabel("scheduler RSS per waiting task, bytes")
+    cpu.legend(fontsize=8)
+    mem.legend(fontsize=8)
+    return [save(fig, out / f"{NAME}.png", dpi=110)]
+
+
+def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = QUICK_SIZES if quick else SIZES
+    tasks = 300 if quick else 10_000
+    rounds = rounds or (2 if quick else 5)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [measure(n, tasks, rounds, Path(tmp)) for n in sizes]
+    return {"sizes": rows, "plots": [p.name for p in plot(rows, out)]}
+
+
+if __name__ == "__main__":  # the worker host: ADDRESS N UUIDS-FILE
+    address, count, devices = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    asyncio.run(_host(address, count, json.loads(devices.read_text())))
