@@ -34,6 +34,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from accelsched import events, internals, precedence
 from accelsched.config import GUARD_OPTIONS, resolve_options
+from accelsched.devices.records import DeviceInfo
 from accelsched.policy.health import DeviceHealth
 from accelsched.policy.leak import Attribution, Verdict
 from accelsched.protocol import (
@@ -72,6 +73,14 @@ class GuardPlugin(WorkerPlugin):
     """
 
     name = GUARD_PLUGIN
+    # the worker and the parts, set at setup once the devices are known
+    worker: Worker
+    inventory: Inventory
+    binder: Binder
+    ledger: Ledger  # what each GPU task and result holds, measured
+    leaks: LeakCheck
+    live: LiveResults  # what results in memory hold, for the check
+    rejoin: Rejoin | None  # devices left out at setup, asked again
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(GUARD_OPTIONS, options, type(self).__name__)
@@ -79,14 +88,9 @@ class GuardPlugin(WorkerPlugin):
         self._init_parts()
 
     def _init_parts(self) -> None:
-        self.worker: Worker | None = None
-        self.inventory = Inventory(advertise_undeclared=self.options["advertise_undeclared"])
-        # built at setup, once the devices are known
-        self.binder: Binder | None = None
-        self.ledger: Ledger | None = None  # what each GPU task and result holds, measured
-        self.leaks: LeakCheck | None = None
-        self.live: LiveResults | None = None  # what results in memory hold, for the check
-        self.rejoin: Rejoin | None = None  # devices left out at setup, asked again
+        # the inventory's visible devices once set up (kept up to date in place): with
+        # none, transitions are not routed
+        self._visible: list[DeviceInfo] = []
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options, "explicit": self.explicit}
@@ -111,9 +115,7 @@ class GuardPlugin(WorkerPlugin):
         # this worker's own settings, where no explicit option says otherwise (logged)
         o = self.options = precedence.guard_options_here(self.options, self.explicit, worker)
         preimport(o["preimport"])  # before this worker reads its first task
-        inv = self.inventory = Inventory(advertise_undeclared=o["advertise_undeclared"])
-        inv.probe(worker)
-        assert inv.monitor is not None
+        inv = self.inventory = Inventory(worker, advertise_undeclared=o["advertise_undeclared"])
         attribution = Attribution()
         ledger = self.ledger = Ledger(
             inv.monitor,
@@ -163,6 +165,7 @@ class GuardPlugin(WorkerPlugin):
             ),
             executing=self.binder.leases.gpu_keys,
         )
+        self._visible, self.rejoin = inv.visible, None
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
                 inventory=inv,
@@ -195,12 +198,12 @@ class GuardPlugin(WorkerPlugin):
     async def teardown(self, worker: Worker) -> None:
         """Unregistered: remove the report handler and stop the leak check."""
         internals.remove_handler(worker, REPORT_HANDLER, self.report)
-        internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
         internals.stop_periodic(worker, _PERIODIC)
-        if self.binder is not None:  # what it counted no longer runs under this guard
-            TABLES.discard(self.binder.leases)
-        if self.leaks is not None:
-            internals.remove_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
+        if not hasattr(self, "leaks"):
+            return  # set up no further than the check of distributed's internals
+        internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
+        TABLES.discard(self.binder.leases)  # what it counted no longer runs under this guard
+        internals.remove_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """Track live results; route a task starting to execute (worker event loop).
@@ -209,12 +212,9 @@ class GuardPlugin(WorkerPlugin):
         other tasks are watched for GPU use. The wrapping itself is O(1); the work
         happens in the task's thread. Every transition of every task passes here.
         """
-        leaks, live = self.leaks, self.live
-        if leaks is None or live is None or not self.inventory.visible:
+        if not self._visible:
             return
-        worker = self.worker
-        assert worker is not None and self.binder is not None
-        running = self.binder.leases
+        worker, leaks, live, running = self.worker, self.leaks, self.live, self.binder.leases
         if finish in _RUNNING:  # a function starts running in a thread (every task counts)
             running.started(key)
             if finish == "executing":
@@ -224,7 +224,7 @@ class GuardPlugin(WorkerPlugin):
                 internals.wrap_execution(
                     worker,
                     key,
-                    lambda k, res, ann: self.binder.route(  # type: ignore[union-attr]
+                    lambda k, res, ann: self.binder.route(
                         k, res, ann, prefix, granted=bool(inv.granted), draining=inv.draining
                     ),
                 )
@@ -248,25 +248,21 @@ class GuardPlugin(WorkerPlugin):
     def _ended(self, key: Any) -> None:
         """A task's function returned: if a check skipped its busy devices, judge them now,
         before the next task takes them (back-to-back GPU tasks hold them nearly always)."""
-        assert self.binder is not None and self.leaks is not None
         if self.binder.leases.ended(key) and self.leaks.owed:
             self.leaks.check()
 
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""
-        assert self.binder is not None
         return await self.inventory.report(self._use_devices)
 
     def _use_devices(self, usable: list[int]) -> None:
         """Lease these devices, described as NVML verified them (for requirements)."""
-        assert self.binder is not None
         self.binder.set_devices(usable, self.inventory.granted)
 
     def check(self) -> list[Verdict]:
         """One leak check now (the periodic callback, every ``check_interval``). The
         next GPU task on each device reads NVML again: what the ledger knew of a device
         without a context (no reading to measure by) is forgotten at each check."""
-        assert self.leaks is not None and self.ledger is not None
         if self.rejoin is not None:
             self.rejoin.check()
         self.ledger.recheck()
@@ -274,8 +270,6 @@ class GuardPlugin(WorkerPlugin):
 
     def _emit(self, action: str, **figures: Any) -> None:
         """Send an event to the scheduler's log (from any thread)."""
-        worker = self.worker
-        assert worker is not None
-        msg = events.event(action, worker.contact_address, **figures)
+        msg = events.event(action, self.worker.contact_address, **figures)
         logger.info("accelsched %s", msg)
-        worker.log_event(events.TOPIC, msg)
+        self.worker.log_event(events.TOPIC, msg)

@@ -56,16 +56,18 @@ RESTART_TAKEN_HOLD = 5.0
 class Inventory:
     """Devices visible, owned and granted; what this worker says to the scheduler."""
 
-    def __init__(self, *, advertise_undeclared: bool) -> None:
+    def __init__(self, worker: Worker, *, advertise_undeclared: bool) -> None:
+        """Read the devices through NVML and decide what to claim (no scheduler yet)."""
         self.advertise_undeclared = advertise_undeclared
-        self.worker: Worker | None = None
-        self.monitor: NVMLMonitor | None = None
+        self.worker = worker
+        self.declared: object = internals.declared_gpus(worker)  # maybe no number at all
+        self.monitor = NVMLMonitor()
         self.visible: list[DeviceInfo] = []
         self.owned: list[DeviceInfo] = []
+        self.claim = Claim(0, None)  # what this worker asks for
+        self._take(self.monitor.devices())
         self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
         self.withdrawn: set[int] = set()  # granted, but failing NVML: not offered
-        self.claim = Claim(0, None)  # what this worker asks for
-        self.declared: object = None  # as the worker was started: maybe no number at all
         self._ids = itertools.count()  # request ids: this process uses each once
         self.restart_pending = False
         #: Until when (monotonic) not to ask again for the same reason: the scheduler
@@ -76,28 +78,20 @@ class Inventory:
         self.draining = False  # the scheduler restarts this worker: GPU tasks go back
         self._offering = asyncio.Lock()
 
-    def probe(self, worker: Worker) -> None:
-        """Read the devices through NVML and decide what to claim (no scheduler yet)."""
-        self.worker = worker
-        self.declared = internals.declared_gpus(worker)
-        self.monitor = NVMLMonitor()
-        self.visible = self.monitor.devices()
-        self.owned = owned(self.visible, under_dask_cuda=under_dask_cuda(worker))
+    def _take(self, visible: list[DeviceInfo]) -> None:
+        """List ``visible``, own and claim as the policy says (in place: the guard's
+        parts hold these lists)."""
+        self.visible[:] = visible
+        self.owned[:] = owned(self.visible, under_dask_cuda=under_dask_cuda(self.worker))
         self.claim = decide_claim(
             self.declared, len(self.owned), advertise_undeclared=self.advertise_undeclared
         )
 
     def rejoin(self, device: DeviceInfo) -> None:
-        """A device left out at :meth:`probe` answers steadily again: list it, and own
-        and claim it as if it had answered then (the next :meth:`report` says so)."""
-        assert self.monitor is not None and self.worker is not None
+        """A device left out at setup answers steadily again: list it, and own and claim
+        it as if it had answered then (the next :meth:`report` says so)."""
         self.monitor.adopt(device)
-        # in place: the guard's parts hold these lists
-        self.visible[:] = list(self.monitor.devices())
-        self.owned[:] = owned(self.visible, under_dask_cuda=under_dask_cuda(self.worker))
-        self.claim = decide_claim(
-            self.declared, len(self.owned), advertise_undeclared=self.advertise_undeclared
-        )
+        self._take(list(self.monitor.devices()))
 
     async def report(self, on_granted: Callable[[list[int]], None]) -> ReportReply:
         """Report the owned devices and advertise what the scheduler granted.
@@ -106,7 +100,6 @@ class Inventory:
         them, so no GPU task can start before its devices are known.
         """
         worker = self.worker
-        assert worker is not None
         request: InventoryRequest = {
             **self._addressed(),
             "devices": [d.as_dict() for d in self.owned],
@@ -153,23 +146,21 @@ class Inventory:
         ``on_usable`` receives them first, so no GPU task starts before its devices are
         known, and none is leased a withdrawn device.
         """
-        async with self._offering:  # one at a time: the latest state is the last said
-            return await self._offer(on_usable)
-
-    async def _offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
         worker = self.worker
-        assert worker is not None
-        usable = self.usable
-        on_usable(usable)
-        request: OfferRequest = {**self._addressed(), "count": len(usable)}
-        try:
-            await getattr(worker.scheduler, OFFER_HANDLER)(**request)
-        except Exception as exc:  # no PlacementPlugin: the worker's own count only
-            logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
-        if usable or self.granted or internals.advertises_gpus(worker):
-            memory = sum(mebibytes(capacity(d.memory)) for d in self.granted if d.index in usable)
-            await internals.set_own_gpus(worker, len(usable), memory)
-        return usable
+        async with self._offering:  # one at a time: the latest state is the last said
+            usable = self.usable
+            on_usable(usable)
+            request: OfferRequest = {**self._addressed(), "count": len(usable)}
+            try:
+                await getattr(worker.scheduler, OFFER_HANDLER)(**request)
+            except Exception as exc:  # no PlacementPlugin: the worker's own count only
+                logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
+            if usable or self.granted or internals.advertises_gpus(worker):
+                memory = sum(
+                    mebibytes(capacity(d.memory)) for d in self.granted if d.index in usable
+                )
+                await internals.set_own_gpus(worker, len(usable), memory)
+            return usable
 
     def ask_restart(self, reason: str, nbytes: int) -> None:
         """Ask the scheduler, once at a time, to restart this worker without loss."""
@@ -177,7 +168,6 @@ class Inventory:
             reason == self.restart_taken_for and monotonic() < self.restart_taken_until
         ):
             return
-        assert self.worker is not None
         try:
             internals.spawn(self.worker, self._request_restart, reason, nbytes)
         except Exception as exc:  # the worker is closing: nothing to restart
@@ -187,7 +177,6 @@ class Inventory:
 
     async def _request_restart(self, reason: str, nbytes: int) -> None:
         worker = self.worker
-        assert worker is not None
         request: RestartRequest = {**self._addressed(), "reason": reason, "nbytes": nbytes}
         try:
             reply: RestartReply = await getattr(worker.scheduler, RESTART_HANDLER)(**request)
@@ -206,7 +195,6 @@ class Inventory:
 
     def _addressed(self) -> Addressed:
         """Whom a request speaks for: this worker's address, this process, a new id."""
-        assert self.worker is not None
         return {
             "worker": str(self.worker.contact_address),
             "process": str(self.worker.id),
@@ -219,7 +207,6 @@ class Inventory:
 
         An order meant for another process (one this address had before) is refused:
         a fresh worker must not bounce its GPU tasks for its predecessor's restart."""
-        assert self.worker is not None
         if not isinstance(on, bool):
             return {"status": "invalid"}
         if process != self.worker.id:

@@ -158,7 +158,23 @@ class LeakCheck:
         """
         busy = self._leases.busy()
         pools = active_pools()
-        readings = self._read(busy)
+        # each owned device not busy, read; what the answers call for (withdraw, recover,
+        # ask for a restart) is done before anything is judged
+        readings: dict[int, MemoryReading] = {}
+        answers: list[Answer] = []
+        for dev in self._owned:
+            if dev.index in busy:
+                continue
+            try:
+                readings[dev.index] = self._monitor.process_memory(dev.index)
+                self._monitor.used(dev.index)
+            except Exception as exc:  # NVMLError: the device stopped answering
+                readings.pop(dev.index, None)
+                granted = dev in self._granted()  # not ours to offer: nothing to withdraw
+                answers.append(Answer(dev.index, dev.uuid, error=repr(exc), granted=granted))
+                continue
+            answers.append(Answer(dev.index, dev.uuid))
+        self._actor.apply(judge_answers(self._health, answers, recover=self._recover))
         busy |= self._leases.busy()
         used = self._used
         # a device skipped while busy is judged as soon as a task ends (the guard calls
@@ -186,26 +202,6 @@ class LeakCheck:
             self._actor.apply(self._decisions.reclaimed(self._remeasure(start, limits)))
         self.checks += 1
         return verdicts
-
-    def _read(self, busy: set[int]) -> dict[int, MemoryReading]:
-        """This process's reading of each owned device not in ``busy``; what their answers
-        call for (withdraw, recover, ask for a restart) is done before anything is judged."""
-        readings: dict[int, MemoryReading] = {}
-        answers: list[Answer] = []
-        for dev in self._owned:
-            if dev.index in busy:
-                continue
-            try:
-                readings[dev.index] = self._monitor.process_memory(dev.index)
-                self._monitor.used(dev.index)
-            except Exception as exc:  # NVMLError: the device stopped answering
-                readings.pop(dev.index, None)
-                granted = dev in self._granted()  # not ours to offer: nothing to withdraw
-                answers.append(Answer(dev.index, dev.uuid, error=repr(exc), granted=granted))
-                continue
-            answers.append(Answer(dev.index, dev.uuid))
-        self._actor.apply(judge_answers(self._health, answers, recover=self._recover))
-        return readings
 
     def _estimate(self, device: int, process: int, pools: list, limit: int) -> int:
         """The leak estimate of ``device`` from this process's reading. One at or under

@@ -253,13 +253,10 @@ class Ledger:
                     out[device] = now - then
         return out or device_nbytes(value)
 
-    def settle(self, device: int, noncache: int | None) -> None:
+    def settle(self, device: int, noncache: int) -> None:
         """Everything on ``device`` is explained now (a check found no leak there)."""
         with self._lock:
-            if noncache is None:
-                self._settled.pop(device, None)
-            else:
-                self._settled[device] = noncache
+            self._settled[device] = noncache
 
     def forget(self, device: int) -> None:
         """Memory on ``device`` changed unmeasured (a key released): no base to compare."""

@@ -25,12 +25,13 @@ import gc
 import itertools
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from accelsched.context import using_device
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.devices.pool import DevicePool, active_pools
 
-__all__ = ["PoolFreer", "reclaim", "freeze_startup_objects"]
+__all__ = ["PoolFreer", "reclaim"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,18 @@ class PoolFreer:
         pools = active_pools()
         if not pools:
             return
-        if self.minimum > 0 and not self._caches_enough(pools, devices):
-            return
+        if self.minimum > 0:
+            try:
+                per_device = [[pool.stats(device) for pool in pools] for device in devices]
+            except Exception:  # a pool that cannot say: free, as before
+                per_device = []
+            # what the pools cache: RMM owning the device pool (a fixed reserve that never
+            # shrinks) has no figure to wait for (CuPy's pinned host pool can be freed)
+            if per_device and not any(
+                any(s.fixed for s in stats) or sum(s.cached for s in stats) >= self.minimum
+                for stats in per_device
+            ):
+                return
         if self.above > 0:
             try:
                 fractions = [self.monitor.used(d) / self.monitor.device(d).memory for d in devices]
@@ -77,32 +88,8 @@ class PoolFreer:
         for device in devices:
             _free(pools, device)
 
-    def _caches_enough(self, pools: list, devices: tuple[int, ...]) -> bool:
-        """Whether the pools cache at least ``minimum`` bytes on one of ``devices``."""
-        try:
-            per_device = [[pool.stats(device) for pool in pools] for device in devices]
-        except Exception:  # a pool that cannot say: free, as before
-            return True
-        # RMM owning the device pool (a fixed reserve that never shrinks): what can be freed
-        # (CuPy's pinned host pool) has no figure to wait for
-        return any(
-            any(s.fixed for s in stats) or sum(s.cached for s in stats) >= self.minimum
-            for stats in per_device
-        )
 
-
-def freeze_startup_objects() -> None:
-    """Move every object alive now (modules, distributed's worker, the guard) out of the
-    collector's reach (``gc.freeze()``), once, when the guard is set up: a reclaim's full
-    collection then scans only what was made since, and takes a fraction of the time it
-    took (it holds the event loop and the GIL). Frozen objects are still freed by
-    reference counting; only a reference cycle that is garbage already now stays (no
-    collection first: it would hold up the worker's start by as long)."""
-    if not gc.get_freeze_count():
-        gc.freeze()
-
-
-def reclaim(devices: Iterable[int]) -> int:
+def reclaim(devices: Iterable[Any]) -> int:
     """Collect garbage, then free every active pool on each of ``devices``; the bytes the
     pools said they released. Never creates a pool or a CUDA context: pools act only
     where their library is already in use (:func:`~accelsched.devices.pool.active_pools`).

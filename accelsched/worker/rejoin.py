@@ -43,24 +43,20 @@ class Rejoin:
         emit: Callable[..., None],
         clock: Callable[[], float] = monotonic,
     ) -> None:
-        assert inventory.monitor is not None
         self.inventory = inventory
-        self.monitor = inventory.monitor
         # asked at the check's pace while it answers; at most every 30 s while it does not
         self.probation = Probation(health, first=interval, longest=max(interval, 30.0))
         self._report = report
         self._spawn = spawn  # runs a coroutine function in the background
         self._emit = emit
         self._clock = clock
-        self._first = interval
-        self._longest = max(interval, 30.0)
         #: Back in the inventory, not granted yet: reported again when due.
         self._ungranted: dict[int, DeviceInfo] = {}
         self._report_at = 0.0
         self._report_wait = interval
         self._reporting = False
         now = clock()
-        for index in self.monitor.left_out:
+        for index in inventory.monitor.left_out:
             self.probation.left_out(index, now)
 
     @property
@@ -74,7 +70,7 @@ class Rejoin:
         back: list[DeviceInfo] = []
         for index in self.probation.due(now):
             try:
-                info = self.monitor.query(index)
+                info = self.inventory.monitor.query(index)
             except Exception:  # NVMLError: still out
                 self.probation.failed(index, now)
                 continue
@@ -84,7 +80,7 @@ class Rejoin:
             self.inventory.rejoin(info)
             self._ungranted[info.index] = info
         if back:
-            self._report_at, self._report_wait = now, self._first
+            self._report_at, self._report_wait = now, self.probation.first
         if self._ungranted and not self._reporting and now >= self._report_at:
             self._reporting = True
             self._spawn(self._offer)
@@ -101,7 +97,7 @@ class Rejoin:
             if info.uuid in granted:
                 del self._ungranted[index]
                 self._emit(events.GPU_RECOVERED, device=info.index, uuid=info.uuid)
-            elif self._report_wait == self._first:  # said once per device back
+            elif self._report_wait == self.probation.first:  # said once per device back
                 logger.info(
                     "accelsched: GPU %d answers NVML again but is not granted yet (%s); "
                     "reporting it again",
@@ -109,4 +105,4 @@ class Rejoin:
                     reply.get("status"),
                 )
         self._report_at = self._clock() + self._report_wait
-        self._report_wait = min(self._longest, 2 * self._report_wait)
+        self._report_wait = min(self.probation.longest, 2 * self._report_wait)

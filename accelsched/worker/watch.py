@@ -98,8 +98,24 @@ class Watch:
             changes, running = _changes()
             before = self._readings() if running <= 1 else None
             result = spec(values)
-            if before is not None and _changes()[0] == changes:  # no other task meanwhile
-                self._judge(key, before, self._readings())
+            if before is None or _changes()[0] != changes:  # another task ran meanwhile
+                return result
+            for use in classify(before, self._readings()):
+                self._emit(
+                    events.UNREQUESTED_GPU_USE,
+                    key=key,
+                    device=use.device,
+                    nbytes=use.nbytes,
+                    context_created=use.context_created,
+                    failed=self.fail,
+                )
+                if self.fail:
+                    raise UnrequestedGPUUse(
+                        f"task {key!r} did not ask for a GPU but used device {use.device} "
+                        f"({'created a CUDA context, ' if use.context_created else ''}"
+                        f"device memory grew by {use.nbytes} bytes); annotate it with "
+                        f"dask.annotate(resources={{'GPU': 1}})"
+                    )
             return result
 
         return run
@@ -114,23 +130,3 @@ class Watch:
             except Exception:
                 continue
         return out
-
-    def _judge(
-        self, key: Any, before: dict[int, MemoryReading], after: dict[int, MemoryReading]
-    ) -> None:
-        for use in classify(before, after):
-            self._emit(
-                events.UNREQUESTED_GPU_USE,
-                key=key,
-                device=use.device,
-                nbytes=use.nbytes,
-                context_created=use.context_created,
-                failed=self.fail,
-            )
-            if self.fail:
-                raise UnrequestedGPUUse(
-                    f"task {key!r} did not ask for a GPU but used device {use.device} "
-                    f"({'created a CUDA context, ' if use.context_created else ''}"
-                    f"device memory grew by {use.nbytes} bytes); annotate it with "
-                    f"dask.annotate(resources={{'GPU': 1}})"
-                )

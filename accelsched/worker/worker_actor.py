@@ -12,22 +12,17 @@ by its proposals and the actor by the proposals it is given.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from accelsched import events
 from accelsched.policy.proposals import Proposal
 from accelsched.worker.inventory import Inventory
-from accelsched.worker.pool_freer import freeze_startup_objects, reclaim
+from accelsched.worker.pool_freer import reclaim
 
 __all__ = ["WorkerActor"]
-
-
-def _device(p: Proposal) -> int:
-    """The device a worker's proposal is about (its subject: a CUDA index)."""
-    if not isinstance(p.subject, int):
-        raise TypeError(f"{p.action!r} is about a device, not {p.subject!r}")
-    return p.subject
 
 
 class WorkerActor:
@@ -45,52 +40,48 @@ class WorkerActor:
         self._set_devices = set_devices  # the devices leases may land on
         self._emit = emit  # one event to the scheduler's log
         self._spawn = spawn  # runs a coroutine function in the background
-        freeze_startup_objects()  # a reclaim's collection scans only what came since
-        self._acts: dict[str, Callable[[Proposal], None]] = {
-            "withdraw": self._withdraw,
-            "recover": self._recover,
-            "report-leak": self._report_leak,
-            "report-reclaimed": self._report_reclaimed,
-            "ask-restart": self._ask_restart,
-        }
+        # Move every object alive now (modules, the worker, the guard) out of the
+        # collector's reach, once: a reclaim's full collection then scans only what was
+        # made since (it holds the event loop). Reference counting still frees them.
+        if not gc.get_freeze_count():
+            gc.freeze()
 
     def apply(self, proposals: Iterable[Proposal]) -> None:
         """Carry out ``proposals`` in order; consecutive reclaims share one collection."""
         for action, group in itertools.groupby(proposals, key=lambda p: p.action):
             if action == "reclaim":
-                devices = [_device(p) for p in group]
-                reclaim(devices)
+                reclaim([p.subject for p in group])
                 continue
-            act = self._acts.get(action)
+            # each action by the method of its name (``report-leak``: report_leak)
+            act = getattr(self, action.replace("-", "_"), None)
             if act is None:
                 raise ValueError(f"not a worker's action: {action!r}")
             for p in group:
                 act(p)
 
-    def _withdraw(self, p: Proposal) -> None:
+    def withdraw(self, p: Proposal) -> None:
         """No new lease lands on the device and the worker advertises one GPU fewer
         (tasks assigned against the old count that no longer fit go back)."""
-        device = _device(p)
+        detail = p.detail
         self._emit(
-            events.GPU_UNHEALTHY, device=device, uuid=p.detail["uuid"], error=p.detail["error"]
+            events.GPU_UNHEALTHY, device=p.subject, uuid=detail["uuid"], error=detail["error"]
         )
-        self._offer(device, out=True)
+        self._offer(p.subject, out=True)
 
-    def _recover(self, p: Proposal) -> None:
-        device = _device(p)
-        self._emit(events.GPU_RECOVERED, device=device, uuid=p.detail["uuid"])
-        self._offer(device, out=False)
+    def recover(self, p: Proposal) -> None:
+        self._emit(events.GPU_RECOVERED, device=p.subject, uuid=p.detail["uuid"])
+        self._offer(p.subject, out=False)
 
-    def _offer(self, device: int, *, out: bool) -> None:
+    def _offer(self, device: Any, *, out: bool) -> None:
         """Stop (or resume) offering a device: leases at once, the count right after."""
         self._set_devices(self.inventory.withdraw(device, out))
         self._spawn(self.inventory.offer, self._set_devices)
 
-    def _report_leak(self, p: Proposal) -> None:
+    def report_leak(self, p: Proposal) -> None:
         f = p.figures
         self._emit(
             events.LEAK,
-            device=_device(p),
+            device=p.subject,
             nbytes=int(f["nbytes"]),
             threshold=int(f["threshold"]),
             checks=int(f["checks"]),
@@ -100,11 +91,11 @@ class WorkerActor:
             reclaimed=int(f["reclaimed"]),
         )
 
-    def _report_reclaimed(self, p: Proposal) -> None:
+    def report_reclaimed(self, p: Proposal) -> None:
         f = p.figures
         self._emit(
             events.LEAK_RECLAIMED,
-            device=_device(p),
+            device=p.subject,
             nbytes=int(f["nbytes"]),
             reclaimed=int(f["reclaimed"]),
             remaining=int(f["remaining"]),
@@ -113,5 +104,5 @@ class WorkerActor:
             seconds=f["seconds"],
         )
 
-    def _ask_restart(self, p: Proposal) -> None:
+    def ask_restart(self, p: Proposal) -> None:
         self.inventory.ask_restart(p.reason or "", int(p.figures.get("nbytes", 0)))

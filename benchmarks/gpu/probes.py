@@ -108,7 +108,6 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.config import Threshold
     from accelsched.policy.health import DeviceHealth
     from accelsched.worker.binder import Binder
-    from accelsched.worker.inventory import Inventory
     from accelsched.worker.leak_check import LeakCheck, LiveResults
     from accelsched.worker.ledger import Ledger
     from accelsched.worker.pool_freer import PoolFreer
@@ -136,7 +135,7 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
         confirmations=2,
         restart_on_leak=False,
         actor=WorkerActor(
-            inventory=Inventory(advertise_undeclared=False),
+            inventory=None,  # no proposal here reaches the inventory
             set_devices=binder.set_devices,
             emit=no_event,
             spawn=lambda fn, *args: None,
