@@ -19,8 +19,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from accelsched.policy.requirements import Requirement, combine, requirement_problem
-from accelsched.policy.timeouts import invalid_amount
+from accelsched.policy.requirements import (
+    Requirement,
+    combine,
+    invalid_amount,
+    requirement_problem,
+)
 
 __all__ = ["MARK_ATTRIBUTE", "Mark", "mark_of", "mark_problem", "find_mark", "MAX_VISITS"]
 
