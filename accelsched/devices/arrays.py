@@ -33,11 +33,8 @@ def _host_sequence(obj: Any) -> Any:
     items = [to_host(item) for item in obj]
     if all(new is old for new, old in zip(items, obj, strict=True)):
         return obj  # nothing on a device: the very same object
-    if isinstance(obj, list):
-        return items if type(obj) is list else type(obj)(items)
-    if hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*items)
-    return type(obj)(items)
+    # a namedtuple takes its fields one by one
+    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
 
 
 @to_host.register(dict)

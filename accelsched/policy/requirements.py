@@ -144,11 +144,6 @@ def _memory(value: Any) -> int | None:
     return int(value) if ok and 0 < int(value) <= MAX_MEMORY else None
 
 
-def _model(value: Any) -> str | None:
-    ok = isinstance(value, str) and value.strip() and len(value) <= MAX_PATTERN
-    return value if ok and value.isprintable() else None
-
-
 def _capability(value: Any) -> tuple[int, int] | None:
     if isinstance(value, str) and (m := _CAPABILITY.match(value)):
         return int(m.group(1)), int(m.group(2))
@@ -165,7 +160,11 @@ def _capability(value: Any) -> tuple[int, int] | None:
 _FIELDS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "memory": (_memory, "expected whole bytes, 1 to 1 EiB, or a size such as '24GiB'"),
     "model": (
-        _model,
+        lambda v: (
+            v
+            if isinstance(v, str) and v.strip() and len(v) <= MAX_PATTERN and v.isprintable()
+            else None
+        ),
         f"expected a name pattern such as '*H100*' (at most {MAX_PATTERN} characters, "
         "none unprintable)",
     ),
