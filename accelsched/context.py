@@ -51,10 +51,6 @@ class Lease:
         """Run one marked step of the task, measured when the guard can."""
         return call() if self.meter is None else self.meter(name, call)
 
-    @property
-    def device(self) -> int:
-        return self.devices[0]
-
 
 _local = threading.local()
 
@@ -66,7 +62,7 @@ def current_lease() -> Lease | None:
 def current_device() -> int | None:
     """The device index the running task holds; None outside a task holding a GPU."""
     lease = current_lease()
-    return None if lease is None else lease.device
+    return None if lease is None else lease.devices[0]
 
 
 def array_module() -> ModuleType:
@@ -100,7 +96,7 @@ def bind(lease: Lease) -> tuple[Lease | None, Callable[[], Any] | None]:
     previous = getattr(_local, "lease", None)
     _local.lease = lease
     try:
-        return previous, cuda().use(lease.device)
+        return previous, cuda().use(lease.devices[0])
     except BaseException:
         _local.lease = previous
         raise

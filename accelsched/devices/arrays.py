@@ -10,6 +10,7 @@ through this dispatch: CuPy arrays are known, the simulated buffers of
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from dask.utils import Dispatch
@@ -32,11 +33,8 @@ def _host_sequence(obj: Any) -> Any:
     items = [to_host(item) for item in obj]
     if all(new is old for new, old in zip(items, obj, strict=True)):
         return obj  # nothing on a device: the very same object
-    if isinstance(obj, list):
-        return items if type(obj) is list else type(obj)(items)
-    if hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*items)
-    return type(obj)(items)
+    # a namedtuple takes its fields one by one
+    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
 
 
 @to_host.register(dict)
@@ -109,10 +107,7 @@ def _device_of(obj: Any) -> int | None:
 
 def _interface_nbytes(interface: dict) -> int | None:
     try:
-        count = 1
-        for n in interface["shape"]:
-            count *= int(n)
-        return count * int(interface["typestr"][2:])
+        return math.prod(int(n) for n in interface["shape"]) * int(interface["typestr"][2:])
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -148,9 +143,13 @@ def knows(value: Any) -> bool:
 SCAN_LIMIT = 32
 
 
-@device_nbytes.register((list, tuple, set, frozenset))
+@device_nbytes.register((list, tuple, set, frozenset, dict))
 def _sequence(obj: Any) -> dict[int, int]:
-    items = obj if isinstance(obj, (list, tuple)) else list(obj)
+    items = (
+        obj
+        if isinstance(obj, (list, tuple))
+        else list(obj.values() if isinstance(obj, dict) else obj)
+    )
     if len(items) > SCAN_LIMIT and (not items or not device_nbytes(items[0])):
         return {}
     out: dict[int, int] = {}
@@ -158,11 +157,6 @@ def _sequence(obj: Any) -> dict[int, int]:
         for dev, n in device_nbytes(item).items():
             out[dev] = out.get(dev, 0) + n
     return out
-
-
-@device_nbytes.register(dict)
-def _mapping(obj: dict) -> dict[int, int]:
-    return _sequence(list(obj.values()))
 
 
 @device_nbytes.register_lazy("cupy")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,11 +39,7 @@ class NVMLMonitor:
     ``env`` defaults to ``os.environ`` (``CUDA_VISIBLE_DEVICES`` decides what is visible).
     """
 
-    def __init__(
-        self,
-        env: Mapping[str, str] | None = None,
-        pid: int | None = None,
-    ) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None, pid: int | None = None) -> None:
         self.pid = os.getpid() if pid is None else pid
         self._env = env
         self._nvml: Any = None
@@ -78,7 +74,6 @@ class NVMLMonitor:
         if reason not in _logged:
             _logged.add(reason)
             logger.info("accelsched: no GPUs in this process: %s", reason)
-        return None
 
     @property
     def available(self) -> bool:
@@ -88,76 +83,54 @@ class NVMLMonitor:
 
     def devices(self) -> list[DeviceInfo]:
         """The devices this process may use (``CUDA_VISIBLE_DEVICES`` applied)."""
-        if self._devices is not None:
-            return self._devices
-        nvml = self._init()
-        if nvml is None:
-            self._devices = []
-            return self._devices
-        try:
-            count = nvml.nvmlDeviceGetCount()
-            # a lost GPU fails even its handle lookup: it alone is left out
-            handles = [_handle(nvml, i) for i in range(count)]
-            uuids = ["" if h is None else self._uuid(nvml, h) for h in handles]
-            migs = {
-                i: self._migs(nvml, h)
-                for i, h in enumerate(handles)
-                if h is not None and _mig_mode(nvml, h)
-            }
-            under = {i: list(found) for i, found in migs.items()}
-            order = resolve_devices(visible_from_env(self._env), uuids, under)
-            devices = []
-            for cuda_index, visible in enumerate(order):
-                nvml_index, mig = visible.nvml_index, visible.mig_uuid
-                h = handles[nvml_index] if mig is None else migs[nvml_index][mig]
-                # CUDA's numbering, failing devices included
-                found = _Found(cuda_index, nvml_index, h, mig, uuids[nvml_index])
-                try:
-                    info = found.describe(nvml)
-                except Exception as exc:  # this device does not answer: not ours to use
-                    logger.warning(
-                        "accelsched: GPU %d (NVML %d) does not answer NVML and is left out: %s",
-                        cuda_index,
-                        nvml_index,
-                        _describe(exc),
-                    )
-                    self._left_out[cuda_index] = found
-                    continue
-                devices.append(info)
-                self._handles[cuda_index] = h
-        except Exception as exc:
-            self._unavailable(f"NVML failed while listing devices ({_describe(exc)})")
-            self._devices = []
-            return self._devices
-        self._devices = devices
-        return devices
-
-    @staticmethod
-    def _uuid(nvml: Any, handle: Any) -> str:
-        """The device's UUID, or "" when it does not answer (it can still be named by
-        index in ``CUDA_VISIBLE_DEVICES``)."""
-        try:
-            return _text(nvml.nvmlDeviceGetUUID(handle))
-        except Exception:
-            return ""
-
-    @staticmethod
-    def _migs(nvml: Any, handle: Any) -> dict[str, Any]:
-        """The MIG devices of a GPU in MIG mode: UUID -> handle, in NVML's order. An index
-        with no MIG device behind it (NOT_FOUND) or one that does not answer is skipped."""
-        out: dict[str, Any] = {}
-        try:
-            count = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
-        except Exception as exc:
-            logger.warning("accelsched: MIG devices cannot be listed: %s", _describe(exc))
-            return out
-        for i in range(count):
+        if self._devices is None:
+            nvml = self._init()
             try:
-                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
-                out[_text(nvml.nvmlDeviceGetUUID(mig))] = mig
-            except Exception:  # NVMLError_NotFound: no MIG device at this index
-                continue
-        return out
+                self._devices = [] if nvml is None else self._list(nvml)
+            except Exception as exc:
+                self._unavailable(f"NVML failed while listing devices ({_describe(exc)})")
+                self._devices = []
+        return self._devices
+
+    def _list(self, nvml: Any) -> list[DeviceInfo]:
+        devices = []
+        # a lost GPU fails even its handle lookup: it alone is left out
+        handles = [
+            _ask(None, nvml.nvmlDeviceGetHandleByIndex, i, warn=f"NVML device {i} gives no handle")
+            for i in range(nvml.nvmlDeviceGetCount())
+        ]
+        # a UUID that does not answer is "": the GPU can still be named by index
+        uuids = [
+            "" if h is None else _ask("", lambda h=h: _text(nvml.nvmlDeviceGetUUID(h)))
+            for h in handles
+        ]
+        # a GPU (or library) without MIG answers NOT_SUPPORTED, or lacks the function
+        enabled = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
+        migs = {
+            i: _migs(nvml, h)
+            for i, h in enumerate(handles)
+            if h is not None and _ask(None, lambda h=h: nvml.nvmlDeviceGetMigMode(h)[0]) == enabled
+        }
+        order = resolve_devices(
+            visible_from_env(self._env), uuids, {i: list(m) for i, m in migs.items()}
+        )
+        for cuda_index, visible in enumerate(order):  # CUDA's numbering, failing devices included
+            i, mig = visible.nvml_index, visible.mig_uuid
+            found = _Found(
+                cuda_index, i, handles[i] if mig is None else migs[i][mig], mig, uuids[i]
+            )
+            try:
+                devices.append(found.describe(nvml))
+                self._handles[cuda_index] = found.handle
+            except Exception as exc:  # this device does not answer: not ours to use
+                logger.warning(
+                    "accelsched: GPU %d (NVML %d) does not answer NVML and is left out: %s",
+                    cuda_index,
+                    i,
+                    _describe(exc),
+                )
+                self._left_out[cuda_index] = found
+        return devices
 
     @property
     def left_out(self) -> list[int]:
@@ -174,11 +147,10 @@ class NVMLMonitor:
 
     def adopt(self, info: DeviceInfo) -> None:
         """A left-out device answers again (see :meth:`query`): list it from now on."""
-        found = self._left_out.pop(info.index)
-        self._handles[info.index] = found.handle
-        assert self._devices is not None
-        self._devices.append(info)
-        self._devices.sort(key=lambda d: d.index)
+        self._handles[info.index] = self._left_out.pop(info.index).handle
+        devices = self.devices()
+        devices.append(info)
+        devices.sort(key=lambda d: d.index)
 
     def device(self, index: int) -> DeviceInfo:
         for d in self.devices():
@@ -196,9 +168,7 @@ class NVMLMonitor:
     def process_memory(self, index: int) -> MemoryReading:
         """This process's device memory on the device with CUDA index ``index``."""
         self.devices()
-        nvml = self._nvml
-        handle = self._handles[index]
-        procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handles[index])
         if not procs:
             return MemoryReading(0, True, False)  # nobody, so not this process, holds it
         mine = [p for p in procs if p.pid == self.pid]
@@ -234,29 +204,48 @@ class _Found:
             name=_text(nvml.nvmlDeviceGetName(h)),
             memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
             parent=None if self.mig is None else self.gpu_uuid,
-            capability=_capability(nvml, self.nvml_index),
+            # a MIG device has its GPU's; None where NVML does not say (an old driver,
+            # a binding without the call): a requirement on it is then not met
+            capability=_ask(
+                None,
+                lambda: tuple(
+                    map(
+                        int,
+                        nvml.nvmlDeviceGetCudaComputeCapability(
+                            nvml.nvmlDeviceGetHandleByIndex(self.nvml_index)
+                        ),
+                    )
+                ),
+            ),
         )
         nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
         return info
 
 
-def _handle(nvml: Any, index: int) -> Any:
-    """The device's NVML handle, or None when even that fails (a GPU off the bus)."""
+def _ask(default: Any, call: Callable[..., Any], *args: Any, warn: str | None = None) -> Any:
+    """``call(*args)``, or ``default`` where NVML raises (logged when ``warn`` says how)."""
     try:
-        return nvml.nvmlDeviceGetHandleByIndex(index)
+        return call(*args)
     except Exception as exc:
-        logger.warning("accelsched: NVML device %d gives no handle: %s", index, _describe(exc))
-        return None
+        if warn:
+            logger.warning("accelsched: %s: %s", warn, _describe(exc))
+        return default
 
 
-def _mig_mode(nvml: Any, handle: Any) -> bool:
-    """Whether a GPU is in MIG mode now; a GPU (or library) without MIG answers
-    NOT_SUPPORTED (or lacks the function): not in MIG mode."""
-    try:
-        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
-    except Exception:
-        return False
-    return bool(current == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1))
+def _migs(nvml: Any, handle: Any) -> dict[str, Any]:
+    """The MIG devices of a GPU in MIG mode: UUID -> handle, in NVML's order. An index
+    with no MIG device behind it (NOT_FOUND) or one that does not answer is skipped."""
+    out: dict[str, Any] = {}
+    count = _ask(
+        0, nvml.nvmlDeviceGetMaxMigDeviceCount, handle, warn="MIG devices cannot be listed"
+    )
+    for i in range(int(count)):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            out[_text(nvml.nvmlDeviceGetUUID(mig))] = mig
+        except Exception:  # NVMLError_NotFound: no MIG device at this index
+            continue
+    return out
 
 
 def _text(value: Any) -> str:
@@ -266,15 +255,3 @@ def _text(value: Any) -> str:
 def _describe(exc: BaseException) -> str:
     name = type(exc).__name__
     return f"{name}: {exc}" if str(exc) else name
-
-
-def _capability(nvml: Any, nvml_index: int) -> tuple[int, int] | None:
-    """The GPU's CUDA compute capability (a MIG device has its GPU's); None when NVML
-    does not say (an old driver): a requirement on it is then not met."""
-    try:
-        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(
-            nvml.nvmlDeviceGetHandleByIndex(nvml_index)
-        )
-        return int(major), int(minor)
-    except Exception:  # NVMLError_NotSupported, a binding without the call
-        return None

@@ -43,10 +43,7 @@ class PoolStats:
             else self.fixed_free + other.fixed_free
         )
         return PoolStats(
-            self.held + other.held,
-            self.cached + other.cached,
-            self.fixed + other.fixed,
-            free,
+            self.held + other.held, self.cached + other.cached, self.fixed + other.fixed, free
         )
 
 
@@ -82,11 +79,8 @@ class CupyPool:
         return self._cupy() is not None
 
     def uses_rmm(self) -> bool:
-        """True when CuPy allocates through RMM (``rmm_cupy_allocator``)."""
-        cp = self._cupy()
-        if cp is None:
-            return False
-        allocator = cp.cuda.get_allocator()
+        """True when CuPy (imported) allocates through RMM (``rmm_cupy_allocator``)."""
+        allocator = self._cupy().cuda.get_allocator()
         owner = getattr(allocator, "__module__", "") or ""
         qual = getattr(allocator, "__qualname__", "") or repr(allocator)
         return owner.startswith("rmm") or "rmm" in qual

@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Visible", "parse_visible", "resolve_devices", "resolve_visible", "visible_from_env"]
+__all__ = ["Visible", "resolve_devices", "visible_from_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,27 +35,11 @@ class Visible:
     mig_uuid: str | None = None
 
 
-def parse_visible(value: str | None) -> list[str] | None:
-    """Split a ``CUDA_VISIBLE_DEVICES`` value into entries.
-
-    ``None`` (unset) means every device; the empty string means none.
-    """
-    if value is None:
-        return None
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
 def visible_from_env(env: Mapping[str, str] | None = None) -> list[str] | None:
-    return parse_visible((os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES"))
-
-
-def resolve_visible(entries: Sequence[str] | None, uuids: Sequence[str]) -> list[int]:
-    """Map visible-device entries to NVML indices, in CUDA order, on a machine without MIG.
-
-    Entries are indices, ``GPU-`` UUIDs or unique UUID prefixes (as CUDA accepts).
-    Like CUDA, the list ends at the first entry that names no device, or names one twice.
-    """
-    return [v.nvml_index for v in resolve_devices(entries, uuids)]
+    """The entries of ``CUDA_VISIBLE_DEVICES``: None (unset) means every device, the
+    empty string none."""
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [part.strip() for part in value.split(",") if part.strip()]
 
 
 def resolve_devices(

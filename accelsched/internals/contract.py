@@ -54,32 +54,53 @@ def _missing_params(fn: Any, names: tuple[str, ...], owner: str) -> list[str]:
     return [f"{owner}() no longer takes {n}=" for n in names if n not in params]
 
 
+def _attribute(obj: Any, dotted: str) -> Any:
+    for name in dotted.split("."):
+        obj = getattr(obj, name, None)
+    return obj
+
+
+def _not_dicts(obj: Any, owner: str, *names: str) -> list[str]:
+    """What of ``names`` (dotted paths) on ``obj`` is no longer a dict."""
+    return [f"{owner}.{n} is not a dict" for n in names if not isinstance(_attribute(obj, n), dict)]
+
+
+def _gone(obj: Any, owner: str, *callables: str) -> list[str]:
+    """What of ``callables`` (dotted paths) on ``obj`` is no longer callable."""
+    return [f"{owner}.{n} is gone" for n in callables if not callable(_attribute(obj, n))]
+
+
 def check_scheduler(scheduler: Scheduler) -> None:
     """Verify what the scheduler side relies on; raise IncompatibleDistributed if not."""
     from distributed.scheduler import TaskState, WorkerState
 
-    problems: list[str] = []
     handlers = getattr(scheduler, "handlers", None)
-    for name in ("set_resources", "unregister_scheduler_plugin"):
-        if not isinstance(handlers, dict) or name not in handlers:
-            problems.append(f"Scheduler.handlers has no {name!r} handler")
-    if not isinstance(getattr(scheduler, "unrunnable", None), dict):
-        problems.append("Scheduler.unrunnable is not a dict of task -> time it became unrunnable")
-    for name in ("resources", "periodic_callbacks", "stream_comms", "worker_plugins", "plugins"):
-        if not isinstance(getattr(scheduler, name, None), dict):
-            problems.append(f"Scheduler.{name} is not a dict")
+    problems = [
+        f"Scheduler.handlers has no {name!r} handler"
+        for name in ("set_resources", "unregister_scheduler_plugin")
+        if not isinstance(handlers, dict) or name not in handlers
+    ]
+    problems += _not_dicts(
+        scheduler,
+        "Scheduler",
+        "unrunnable",  # task -> time it became unrunnable
+        "resources",
+        "periodic_callbacks",
+        "stream_comms",
+        "worker_plugins",
+        "plugins",
+    )
     if not isinstance(getattr(scheduler, "running", None), set):
         problems.append("Scheduler.running is not a set of WorkerState")
-    if not callable(getattr(getattr(scheduler, "_ongoing_background_tasks", None), "call_soon", 0)):
-        problems.append("Scheduler._ongoing_background_tasks.call_soon is gone")
-    for name in (
+    problems += _gone(
+        scheduler,
+        "Scheduler",
+        "_ongoing_background_tasks.call_soon",
         "bulk_schedule_unrunnable_after_adding_worker",
         "transition",
         "transitions",
         "handle_worker_status_change",
-    ):
-        if not callable(getattr(scheduler, name, None)):
-            problems.append(f"Scheduler.{name} is gone")
+    )
     problems += _missing_params(
         type(scheduler).retire_workers,
         ("workers", "close_workers", "remove", "stimulus_id"),
@@ -120,22 +141,27 @@ def check_worker(worker: Worker) -> None:
     """Verify what the worker side relies on; raise IncompatibleDistributed if not."""
     from distributed.worker_state_machine import TaskState
 
-    problems: list[str] = []
-    for name in ("handlers", "periodic_callbacks", "executors", "plugins", "metrics"):
-        if not isinstance(getattr(worker, name, None), dict):
-            problems.append(f"Worker.{name} is not a dict")
-    if not callable(getattr(worker, "batched_send", None)) or not hasattr(worker, "thread_id"):
-        problems.append("Worker.batched_send or Worker.thread_id (the worker's stream) is gone")
-    state = getattr(worker, "state", None)
-    for name in ("tasks", "total_resources"):
-        if not isinstance(getattr(state, name, None), dict):
-            problems.append(f"Worker.state.{name} is not a dict")
-    if not callable(getattr(getattr(worker, "_ongoing_background_tasks", None), "call_soon", 0)):
-        problems.append("Worker._ongoing_background_tasks.call_soon is gone")
-    if not callable(getattr(getattr(worker, "_startup_lock", None), "locked", None)):
-        problems.append("Worker._startup_lock (held while the worker starts) is gone")
-    if not hasattr(getattr(worker, "data", None), "get"):
-        problems.append("Worker.data is not a mapping")
+    problems = _not_dicts(
+        worker,
+        "Worker",
+        "handlers",
+        "periodic_callbacks",
+        "executors",
+        "plugins",
+        "metrics",
+        "state.tasks",
+        "state.total_resources",
+    )
+    if not hasattr(worker, "thread_id"):
+        problems.append("Worker.thread_id (the worker's stream) is gone")
+    problems += _gone(
+        worker,
+        "Worker",
+        "batched_send",
+        "_ongoing_background_tasks.call_soon",
+        "_startup_lock.locked",  # held while the worker starts
+        "data.get",  # a mapping
+    )
     try:
         fields = {f.name for f in dataclasses.fields(TaskState)}
     except TypeError:

@@ -29,6 +29,7 @@ it relies on.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +69,7 @@ def start_despite_failing_gpu() -> bool:
     if getattr(original, "accelsched_wrapped", False):
         return True
 
+    @functools.wraps(original)
     def init_once() -> None:
         fresh = not nvml.is_initialized()
         original()
@@ -75,8 +77,6 @@ def start_despite_failing_gpu() -> bool:
             _disable_if_unanswered(nvml)
 
     init_once.accelsched_wrapped = True  # type: ignore[attr-defined]
-    init_once.__wrapped__ = original  # type: ignore[attr-defined]
-    init_once.__doc__ = original.__doc__
     nvml.init_once = init_once
     return True
 

@@ -19,8 +19,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from accelsched.policy.requirements import Requirement, combine, requirement_problem
-from accelsched.policy.timeouts import invalid_amount
+from accelsched.policy.requirements import (
+    Requirement,
+    combine,
+    invalid_amount,
+    requirement_problem,
+)
 
 __all__ = ["MARK_ATTRIBUTE", "Mark", "mark_of", "mark_problem", "find_mark", "MAX_VISITS"]
 
@@ -72,9 +76,8 @@ def mark_problem(mark: Mark) -> str | None:
     """
     if invalid_amount(mark.count) is not None:
         return f"invalid GPU step mark count={mark.count!r}: expected a positive number of GPUs"
-    requirement = getattr(mark, "requirement", None)  # a mark pickled before it existed
-    problem = None if requirement is None else requirement_problem(requirement)
-    if problem is not None:
+    # getattr: a mark pickled before it had a requirement
+    if (problem := requirement_problem(getattr(mark, "requirement", None))) is not None:
         return f"invalid GPU step mark: {problem}"
     if not isinstance(mark.timeout_given, bool):
         return f"invalid GPU step mark timeout_given={mark.timeout_given!r}"

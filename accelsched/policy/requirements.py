@@ -1,11 +1,11 @@
-"""What a GPU task needs of its device, beyond a count: memory, model, capability, MIG.
+"""What a GPU task needs: a count of GPUs, and of each device memory, model, capability, MIG.
 
-A count says how many devices; a :class:`Requirement` says which devices will do and
-how much of one a task takes. Written on a step (``@gpu(memory="24GiB", model="H100*")``)
-or as an annotation (``dask.annotate(gpu={"memory": "24GiB"})``), checked where it is
-written and again where it is unpickled (the scheduler trusts no pickle), and compared
-against what NVML verified of each device (:class:`DeviceFacts`). Decisions only: no
-distributed import.
+A count says how many devices (:func:`invalid_amount` refuses what is none); a
+:class:`Requirement` says which devices will do and how much of one a task takes.
+Written on a step (``@gpu(memory="24GiB", model="H100*")``) or as an annotation
+(``dask.annotate(gpu={"memory": "24GiB"})``), checked where it is written and again
+where it is unpickled (the scheduler trusts no pickle), and compared against what NVML
+verified of each device (:class:`DeviceFacts`). Decisions only: no distributed import.
 
 - ``memory``: device memory the task needs (bytes; ``"24GiB"``). Tasks that declare it
   share a device while their declared needs fit in it (:func:`pack`); a device whose
@@ -31,6 +31,7 @@ from dask.utils import parse_bytes
 
 __all__ = [
     "KEYS",
+    "invalid_amount",
     "Conflict",
     "DeviceFacts",
     "Requirement",
@@ -50,6 +51,23 @@ MAX_MEMORY = 1 << 60
 MAX_PATTERN = 200
 
 _CAPABILITY = re.compile(r"^\s*(\d{1,3})\.(\d{1,3})\s*$")
+
+
+def invalid_amount(amount: Any) -> str | None:
+    """Why ``resources={"GPU": amount}`` (or a step's count) cannot be placed, or None.
+
+    Zero, negative, NaN and infinite amounts would match GPU-less or every worker in
+    plain distributed, or none at all; they err instead, naming the value.
+    """
+    if (type(amount) is int or type(amount) is float) and 0 < amount < math.inf:
+        return None  # the common case, without ABCs
+    try:
+        real = isinstance(amount, numbers.Real) and not isinstance(amount, bool)
+        if real and 0 < float(amount) < math.inf:
+            return None
+    except (OverflowError, ValueError):
+        pass
+    return f"invalid resources={{'GPU': {amount!r}}}: expected a positive, finite number of GPUs"
 
 
 @dataclass(frozen=True)
@@ -126,11 +144,6 @@ def _memory(value: Any) -> int | None:
     return int(value) if ok and 0 < int(value) <= MAX_MEMORY else None
 
 
-def _model(value: Any) -> str | None:
-    ok = isinstance(value, str) and value.strip() and len(value) <= MAX_PATTERN
-    return value if ok and value.isprintable() else None
-
-
 def _capability(value: Any) -> tuple[int, int] | None:
     if isinstance(value, str) and (m := _CAPABILITY.match(value)):
         return int(m.group(1)), int(m.group(2))
@@ -147,7 +160,11 @@ def _capability(value: Any) -> tuple[int, int] | None:
 _FIELDS: dict[str, tuple[Callable[[Any], Any], str]] = {
     "memory": (_memory, "expected whole bytes, 1 to 1 EiB, or a size such as '24GiB'"),
     "model": (
-        _model,
+        lambda v: (
+            v
+            if isinstance(v, str) and v.strip() and len(v) <= MAX_PATTERN and v.isprintable()
+            else None
+        ),
         f"expected a name pattern such as '*H100*' (at most {MAX_PATTERN} characters, "
         "none unprintable)",
     ),

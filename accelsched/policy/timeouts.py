@@ -13,19 +13,16 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-import numbers
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dask.utils import parse_timedelta
 
 from accelsched.config import parse_optional_duration
+from accelsched.policy.marks import Mark
 from accelsched.policy.proposals import Proposal
-
-if TYPE_CHECKING:  # marks.py reads invalid_amount from here
-    from accelsched.policy.marks import Mark
 
 __all__ = [
     "FallbackPolicy",
@@ -40,7 +37,6 @@ __all__ = [
     "CHAIN",
     "OOM",
     "parse_task_timeout",
-    "invalid_amount",
     "no_workers_conflict",
     "Deadlines",
     "summarise",
@@ -80,26 +76,6 @@ def _parse(value: Any) -> float | None:
 
 
 _parse_cached = functools.lru_cache(maxsize=256, typed=True)(_parse)
-
-
-def invalid_amount(amount: Any) -> str | None:
-    """Why ``resources={"GPU": amount}`` cannot be placed, or None when it can.
-
-    Zero, negative, NaN and infinite amounts would match GPU-less or every worker in
-    plain distributed, or none at all; they err instead, naming the value.
-    """
-    if type(amount) is int or type(amount) is float:  # the common case, without ABCs
-        if 0 < amount < float("inf"):
-            return None
-        ok = True
-    else:
-        ok = isinstance(amount, numbers.Real) and not isinstance(amount, bool)
-    try:
-        if ok and 0 < float(amount) < float("inf"):
-            return None
-    except (OverflowError, ValueError):
-        pass
-    return f"invalid resources={{'GPU': {amount!r}}}: expected a positive, finite number of GPUs"
 
 
 #: The most GPUs one worker can offer: far above any host NVML can show (8 GPUs of 7 MIG

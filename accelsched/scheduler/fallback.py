@@ -67,6 +67,7 @@ from accelsched.policy.requirements import (
     DeviceFacts,
     Requirement,
     combine,
+    invalid_amount,
     mebibytes,
     parse_requirement,
 )
@@ -76,7 +77,6 @@ from accelsched.policy.timeouts import (
     FallbackPolicy,
     Waiting,
     deadline,
-    invalid_amount,
     no_workers_conflict,
     satisfiable,
     summarise,

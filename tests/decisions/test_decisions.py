@@ -431,14 +431,14 @@ def test_declarations_that_are_no_count_claim_nothing(declared: object, reason: 
 
 @pytest.mark.parametrize("amount", [0, -1, float("nan"), float("inf"), "1", True, None])
 def test_odd_gpu_amounts_are_invalid(amount: object) -> None:
-    from accelsched.policy.timeouts import invalid_amount
+    from accelsched.policy.requirements import invalid_amount
 
     assert "expected a positive, finite number of GPUs" in (invalid_amount(amount) or "")
 
 
 @pytest.mark.parametrize("amount", [1, 2, 0.5, 0.25])
 def test_gpu_amounts(amount: float) -> None:
-    from accelsched.policy.timeouts import invalid_amount
+    from accelsched.policy.requirements import invalid_amount
 
     assert invalid_amount(amount) is None
 

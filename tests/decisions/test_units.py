@@ -9,7 +9,7 @@ import pytest
 
 import accelsched
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
-from accelsched.devices.visible import parse_visible, resolve_visible
+from accelsched.devices.visible import resolve_devices, visible_from_env
 from accelsched.policy.leases import LeaseTable, NoFreeDevice
 from accelsched.policy.marks import Mark
 from accelsched.policy.ownership import Claim, decide_claim, grant, owned
@@ -45,7 +45,8 @@ UUIDS = [
     ],
 )
 def test_visible_devices(value: str | None, expected: list[int]) -> None:
-    assert resolve_visible(parse_visible(value), UUIDS) == expected
+    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+    assert [v.nvml_index for v in resolve_devices(visible_from_env(env), UUIDS)] == expected
 
 
 def test_ownership_plain_and_dask_cuda() -> None:
