@@ -10,13 +10,11 @@
 
 from __future__ import annotations
 
-import functools
-import logging
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from accelsched import config as _config  # noqa: F401  (loads the config defaults)
+from accelsched import config as _config  # (loads the config defaults)
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
 from accelsched.context import array_module, current_device
 
@@ -25,12 +23,10 @@ from accelsched.context import array_module, current_device
 from accelsched.dual import dual, gpu
 
 if TYPE_CHECKING:
-    from accelsched.deploy.forked_workers import FastRestart
     from accelsched.deploy.install import dask_setup, dask_teardown
+    from accelsched.internals.forkserver import FastRestart
     from accelsched.scheduler.placement_plugin import PlacementPlugin
     from accelsched.worker.guard_plugin import GuardPlugin
-
-_logger = logging.getLogger(__name__)
 
 try:
     __version__ = version("accelsched")
@@ -57,7 +53,7 @@ __all__ = [
 _LAZY = {
     "PlacementPlugin": "accelsched.scheduler.placement_plugin",
     "GuardPlugin": "accelsched.worker.guard_plugin",
-    "FastRestart": "accelsched.deploy.forked_workers",
+    "FastRestart": "accelsched.internals.forkserver",
     "dask_setup": "accelsched.deploy.install",
     "dask_teardown": "accelsched.deploy.install",
 }
@@ -83,74 +79,35 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     already registered (by an earlier call or the scheduler's ``--preload accelsched``)
     they are kept, and an option given here that differs from what they run with raises
     ``ValueError`` naming both values (unregister them first to change options); this
-    client's own config that differs is only logged (:mod:`accelsched.precedence`).
+    client's own config that differs is only logged (:mod:`accelsched.config`).
     With an asynchronous client, await the result.
     The scheduler plugin goes first so the guards' reports find it listening. With
-    ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.deploy.forked_workers.
-    FastRestart`) makes the nannies start new worker processes from a fork server.
+    ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.FastRestart`)
+    makes the nannies start new worker processes from a fork server.
     """
-    from accelsched.deploy.forked_workers import FastRestart
+    from accelsched.internals.forkserver import FastRestart
     from accelsched.internals.preloading import running_options
     from accelsched.scheduler.placement_plugin import PlacementPlugin
     from accelsched.worker.guard_plugin import GuardPlugin
 
-    placement_names = {o.name for o in PLACEMENT_OPTIONS}
-    guard_names = {o.name for o in GUARD_OPTIONS}
-    unknown = sorted(set(options) - placement_names - guard_names)
-    if unknown:
-        raise TypeError(
-            f"register() got unknown option(s) {', '.join(map(repr, unknown))}; valid "
-            f"options: {', '.join(sorted(placement_names | guard_names))}"
-        )
-    placement = PlacementPlugin(**{k: v for k, v in options.items() if k in placement_names})
-    guard = GuardPlugin(**{k: v for k, v in options.items() if k in guard_names})
-    placement.idempotent = True  # type: ignore[attr-defined]
-    guard.idempotent = True  # type: ignore[attr-defined]
+    _config.refuse_unknown(options, PLACEMENT_OPTIONS + GUARD_OPTIONS, "register()")
+    placement = PlacementPlugin(**_config.only(PLACEMENT_OPTIONS, options))
+    guard = GuardPlugin(**_config.only(GUARD_OPTIONS, options))
+    placement.idempotent = guard.idempotent = True  # type: ignore[attr-defined]
     plugins: list[Any] = [placement, guard]
     if guard.options["fast_restart"]:  # nannies fork new worker processes from a server
         plugins.append(FastRestart())
-    check = functools.partial(_check_running, options, placement, guard)
+    built = {"placement": placement.options, "guard": guard.options}
     if getattr(client, "asynchronous", False):
 
         async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:
-            check(await client.run_on_scheduler(running_options))
+            _config.check_running(options, built, await client.run_on_scheduler(running_options))
             for plugin in plugins:
                 await client.register_plugin(plugin)
             return placement, guard
 
         return register_all()  # type: ignore[return-value]
-    check(client.run_on_scheduler(running_options))
+    _config.check_running(options, built, client.run_on_scheduler(running_options))
     for plugin in plugins:
         client.register_plugin(plugin)
     return placement, guard
-
-
-def _check_running(
-    given: dict[str, Any],
-    placement: PlacementPlugin,
-    guard: GuardPlugin,
-    running: dict[str, dict[str, Any] | None],
-) -> None:
-    """Raise if a plugin already running is kept while an option given here differs
-    from what it runs with; log this client's config that differs."""
-    from accelsched.precedence import conflicts
-
-    errors, notes = [], []
-    for owner, options, built in (
-        ("PlacementPlugin", PLACEMENT_OPTIONS, placement.options),
-        ("GuardPlugin", GUARD_OPTIONS, guard.options),
-    ):
-        now = running["placement" if options is PLACEMENT_OPTIONS else "guard"]
-        if now is not None:
-            e, n = conflicts(owner, options, given, built, now)
-            errors += e
-            notes += n
-    if errors:
-        raise ValueError(
-            f"register() was given {'; '.join(errors)}: accelsched's plugins already run "
-            "on this scheduler (its --preload accelsched or an earlier register()) and are "
-            "kept. Unregister them first to change options (docs/placement.md), or set the "
-            "option where the scheduler is started"
-        )
-    for note in notes:
-        _logger.warning("accelsched: this client's dask config %s: not used", note)

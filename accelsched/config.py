@@ -1,19 +1,39 @@
-"""Options: dask config defaults, environment overrides, validated constructor arguments.
+"""Options: dask config defaults, environment overrides, validated constructor arguments,
+and which value wins when an option is set in two places.
 
 Every option of :class:`~accelsched.PlacementPlugin` and :class:`~accelsched.GuardPlugin`
 has a dask config key under ``accelsched.`` (so ``DASK_ACCELSCHED__...`` environment
 variables work); a constructor argument wins over config. Values are validated when a
 plugin is constructed, on the client, so a typo fails there with the option and the value
 named, not later inside a scheduler or a worker.
+
+An option's value comes, first found wins, from:
+
+1. an explicit option: an argument of :func:`accelsched.register`, of a plugin's
+   constructor, or of the scheduler's ``--preload accelsched``;
+2. on one worker, for the guard: that worker's own ``--preload accelsched`` arguments,
+   then that worker's own dask config (YAML or ``DASK_ACCELSCHED__GUARD__...`` on its
+   host), where it sets a value other than the built-in default;
+3. the dask config of the process that built the plugin (the client that called
+   ``register``, or the scheduler with ``--preload accelsched``);
+4. the built-in default.
+
+A guard is built once (on the client or the scheduler) and handed to every worker; each
+worker applies (2) as the guard is set up there (:func:`guard_options_here`) and logs
+the values in effect. A ``register()`` call against plugins already running does not
+replace them: an explicit option that differs from what they run with is an error
+(:func:`check_running`), and the client's own config that differs is only logged.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import dask.config
@@ -24,38 +44,32 @@ __all__ = [
     "Option",
     "resolve_options",
     "config_value",
-    "BUILTIN",
     "Threshold",
     "PLACEMENT_OPTIONS",
     "GUARD_OPTIONS",
+    "InEffect",
+    "on_this_worker",
+    "guard_options_here",
+    "check_running",
+    "worker_preload_options",
 ]
 
-_DEFAULTS = os.path.join(os.path.dirname(__file__), "accelsched.yaml")
-with open(_DEFAULTS) as _f:
-    _BUILTIN_TREE = yaml.safe_load(_f)
-dask.config.update_defaults(_BUILTIN_TREE)
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
+logger = logging.getLogger(__name__)
 
 #: The built-in default of every key, kept apart from dask's config: a harness that
 #: restores a config snapshot taken before accelsched was imported (distributed's own test
 #: clusters do) removes the keys, and a key that is absent means its built-in default.
-BUILTIN: dict[str, Any] = _flatten(_BUILTIN_TREE)
+with open(os.path.join(os.path.dirname(__file__), "accelsched.yaml")) as _f:
+    BUILTIN: dict[str, Any] = yaml.safe_load(_f)
+dask.config.update_defaults(BUILTIN)
 
 
-def config_value(key: str) -> Any:
+def config_value(key: str, builtin: bool = False) -> Any:
     """``key``'s value in dask config, or its built-in default where the key is absent
-    (only a present, bad value is an error, raised by the option's parser)."""
-    return dask.config.get(key, BUILTIN[key])
+    (only a present, bad value is an error, raised by the option's parser); ``builtin``:
+    the built-in default itself."""
+    default = dask.config.get(key, config=BUILTIN)
+    return default if builtin else dask.config.get(key, default)
 
 
 @dataclass(frozen=True)
@@ -66,11 +80,20 @@ class Option:
     key: str
     parse: Callable[[str, Any], Any]
 
+    @property
+    def flag(self) -> str:
+        """Its command-line spelling (``--fallback-timeout``)."""
+        return "--" + self.name.replace("_", "-")
 
-def resolve_options(
-    options: tuple[Option, ...], given: Mapping[str, Any], owner: str
-) -> dict[str, Any]:
-    """Validated values for ``options``: arguments win over dask config."""
+    def set_here(self) -> tuple[bool, Any]:
+        """(whether this process's dask config sets it to a value other than its
+        built-in default, that value parsed). A bad value raises, naming the option."""
+        value = self.parse(self.name, config_value(self.key))
+        return value != self.parse(self.name, config_value(self.key, builtin=True)), value
+
+
+def refuse_unknown(given: Collection[str], options: tuple[Option, ...], owner: str) -> None:
+    """``TypeError`` naming the options in ``given`` that are none of ``options``."""
     known = {o.name for o in options}
     unknown = sorted(set(given) - known)
     if unknown:
@@ -78,11 +101,22 @@ def resolve_options(
             f"{owner} got unknown option(s) {', '.join(map(repr, unknown))}; "
             f"valid options: {', '.join(sorted(known))}"
         )
-    out: dict[str, Any] = {}
-    for opt in options:
-        value = given[opt.name] if opt.name in given else config_value(opt.key)
-        out[opt.name] = opt.parse(opt.name, value)
-    return out
+
+
+def only(options: tuple[Option, ...], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The items of ``given`` that are ``options``."""
+    return {o.name: given[o.name] for o in options if o.name in given}
+
+
+def resolve_options(
+    options: tuple[Option, ...], given: Mapping[str, Any], owner: str
+) -> dict[str, Any]:
+    """Validated values for ``options``: arguments win over dask config."""
+    refuse_unknown(given, options, owner)
+    return {
+        o.name: o.parse(o.name, given[o.name] if o.name in given else config_value(o.key))
+        for o in options
+    }
 
 
 # --- parsers: each takes (option name, raw value) and raises naming both ----------------
@@ -154,17 +188,25 @@ def parse_bool(name: str, value: Any) -> bool:
     raise _bad(name, value, "True or False", TypeError)
 
 
+def _number(
+    name: str, value: Any, expected: str, kinds: tuple[type, ...], ok: Callable[[Any], bool]
+) -> Any:
+    """``value`` as ``kinds[0]`` (a bool is no number; a string is read as one), where
+    ``ok``; else the error naming ``expected``."""
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise _bad(name, value, expected, TypeError)
+    try:
+        n = kinds[0](value)
+    except ValueError:
+        raise _bad(name, value, expected) from None
+    if not ok(n):
+        raise _bad(name, value, expected)
+    return n
+
+
 def parse_count(name: str, value: Any) -> int:
     """A non-negative integer."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _bad(name, value, "a non-negative integer", TypeError)
-    try:
-        n = int(value)
-    except ValueError:
-        raise _bad(name, value, "a non-negative integer") from None
-    if n < 0:
-        raise _bad(name, value, "a non-negative integer")
-    return n
+    return int(_number(name, value, "a non-negative integer", (int, str), lambda n: n >= 0))
 
 
 def parse_positive_count(name: str, value: Any) -> int:
@@ -175,15 +217,8 @@ def parse_positive_count(name: str, value: Any) -> int:
 
 
 def parse_fraction(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise _bad(name, value, "a fraction between 0 and 1", TypeError)
-    try:
-        f = float(value)
-    except ValueError:
-        raise _bad(name, value, "a fraction between 0 and 1") from None
-    if not 0 <= f <= 1:
-        raise _bad(name, value, "a fraction between 0 and 1")
-    return f
+    expected = "a fraction between 0 and 1"
+    return float(_number(name, value, expected, (float, int, str), lambda f: 0 <= f <= 1))
 
 
 def choice(*allowed: str) -> Callable[[str, Any], str]:
@@ -229,30 +264,26 @@ def parse_threshold(name: str, value: Any) -> Threshold:
     expected = "bytes like '1GiB' or a fraction of device memory like 0.1"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _bad(name, value, expected, TypeError)
-    if isinstance(value, float) or (isinstance(value, str) and _is_float(value)):
-        f = float(value)
-        if 0 < f < 1:
-            return Threshold(fraction=f)
-        if math.isfinite(f) and f >= 1 and f == int(f):
-            return Threshold(nbytes=int(f))
-        raise _bad(name, value, expected)
-    n = _nbytes(name, value, expected)
-    if n == 0:
-        raise _bad(name, value, expected)
-    return Threshold(nbytes=n)
+    try:  # a float, or a string of one with a point ("1.5GiB" is bytes)
+        f = float(value) if isinstance(value, float) or "." in str(value) else None
+    except ValueError:
+        f = None
+    if f is None:
+        n = parse_size(name, value, expected)
+        if n == 0:
+            raise _bad(name, value, expected)
+        return Threshold(nbytes=n)
+    if 0 < f < 1:
+        return Threshold(fraction=f)
+    if math.isfinite(f) and f >= 1 and f == int(f):
+        return Threshold(nbytes=int(f))
+    raise _bad(name, value, expected)
 
 
-def parse_size(name: str, value: Any) -> int:
-    """Bytes, zero or more (``"64MiB"``, ``0``)."""
-    expected = "bytes like '64MiB', or 0"
+def parse_size(name: str, value: Any, expected: str = "bytes like '64MiB', or 0") -> int:
+    """Bytes, zero or more (``"64MiB"``, ``0``), under 2**63."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise _bad(name, value, expected, TypeError)
-    return _nbytes(name, value, expected)
-
-
-def _nbytes(name: str, value: int | str, expected: str) -> int:
-    """Bytes from an int or a string like ``"64MiB"``, 0 up to 2**63; ValueError naming
-    the value otherwise."""
     if isinstance(value, str) and not any(c.isdigit() for c in value):
         raise _bad(name, value, expected)  # dask reads "" or "GiB" as 1 of the unit
     try:
@@ -262,14 +293,6 @@ def _nbytes(name: str, value: int | str, expected: str) -> int:
     if n < 0 or n >= 2**63:
         raise _bad(name, value, expected)
     return int(n)
-
-
-def _is_float(s: str) -> bool:
-    try:
-        float(s)
-    except ValueError:
-        return False
-    return "." in s
 
 
 PLACEMENT_OPTIONS: tuple[Option, ...] = (
@@ -302,3 +325,110 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     Option("fast_restart", "accelsched.guard.fast-restart", parse_bool),
     Option("preimport", "accelsched.guard.preimport", dotted_names("dask.dataframe")),
 )
+
+
+# --- which value wins: a worker's own settings, a register() against running plugins -----
+
+#: worker -> the guard options its own ``--preload accelsched`` was given (parsed).
+worker_preload_options: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class InEffect:
+    """A guard's options on one worker and where those not handed to it came from."""
+
+    options: dict[str, Any]
+    sources: dict[str, str] = field(default_factory=dict)  # name -> where it came from
+    overruled: dict[str, tuple[Any, str]] = field(default_factory=dict)  # name -> (value, where)
+
+
+def on_this_worker(
+    handed: Mapping[str, Any], explicit: Collection[str], preload: Mapping[str, Any]
+) -> InEffect:
+    """The guard options in effect on this worker: ``handed`` (as built, ``explicit``
+    the names given explicitly there), with this worker's ``preload`` arguments and own
+    dask config applied where no explicit option says otherwise."""
+    out = InEffect(dict(handed))
+    for opt in GUARD_OPTIONS:
+        name = opt.name
+        if name in preload:
+            value, source = preload[name], "this worker's --preload accelsched"
+        else:
+            own, value = opt.set_here()
+            if not own:
+                continue
+            source = f"this worker's dask config {opt.key}"
+        if value == handed[name]:
+            continue
+        if name in explicit:
+            out.overruled[name] = (value, source)
+        else:
+            out.options[name] = value
+            out.sources[name] = source
+    return out
+
+
+def guard_options_here(
+    handed: Mapping[str, Any], explicit: Collection[str], worker: Any
+) -> dict[str, Any]:
+    """:func:`on_this_worker` for ``worker`` (in its process), logged: a warning naming
+    the worker's own settings taken and each one an explicit option overrules (shown by
+    default), and every value in effect (at INFO, ``DASK_LOGGING__ACCELSCHED=info``)."""
+    here = on_this_worker(handed, explicit, worker_preload_options.get(worker, {}))
+    for name, (value, source) in here.overruled.items():
+        logger.warning(
+            "accelsched: %s=%s from %s is not used: the GuardPlugin was given %s=%s "
+            "explicitly (register() or the scheduler's --preload accelsched), which wins",
+            name,
+            value,
+            source,
+            name,
+            handed[name],
+        )
+    if here.sources:  # said by default: this worker's guard differs from the cluster's
+        logger.warning(
+            "accelsched: this worker's own settings apply to its guard: %s",
+            ", ".join(f"{k}={here.options[k]} ({src})" for k, src in here.sources.items()),
+        )
+    logger.info(
+        "accelsched: guard options in effect on this worker: %s",
+        ", ".join(
+            f"{k}={v}" + (f" ({here.sources[k]})" if k in here.sources else "")
+            for k, v in here.options.items()
+        ),
+    )
+    return here.options
+
+
+def check_running(
+    given: Mapping[str, Any],
+    built: Mapping[str, Mapping[str, Any]],
+    running: Mapping[str, Mapping[str, Any] | None],
+) -> None:
+    """``register()`` keeps the plugins already ``running`` (``"placement"``, ``"guard"``:
+    their options, None where none runs): an option ``given`` explicitly that differs from
+    what they run with is a ``ValueError``; one this client's config sets that differs is
+    logged, as not used."""
+    errors, notes = [], []
+    for side, owner, options in (
+        ("placement", "PlacementPlugin", PLACEMENT_OPTIONS),
+        ("guard", "GuardPlugin", GUARD_OPTIONS),
+    ):
+        now = running[side] or {}  # none running: nothing differs
+        for opt in options:
+            name, value = opt.name, built[side][opt.name]
+            if name not in now or value == now[name]:
+                continue
+            if name in given:
+                errors.append(f"{name}={given[name]!r} (the running {owner} has {now[name]})")
+            elif opt.set_here()[0]:
+                notes.append(f"{name}={value} (the running {owner} keeps {now[name]})")
+    if errors:
+        raise ValueError(
+            f"register() was given {'; '.join(errors)}: accelsched's plugins already run "
+            "on this scheduler (its --preload accelsched or an earlier register()) and are "
+            "kept. Unregister them first to change options (docs/placement.md), or set the "
+            "option where the scheduler is started"
+        )
+    for note in notes:
+        logger.warning("accelsched: this client's dask config %s: not used", note)

@@ -83,7 +83,7 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from accelsched.policy.waiting import REASONS
@@ -143,59 +143,61 @@ def describe(msg: Mapping[str, Any], names: Mapping[str, str] | None = None) -> 
     """
     worker = msg.get("worker", "")
     w = (names or {}).get(worker, worker) if isinstance(worker, str) else repr(worker)
+    details = {k: v for k, v in msg.items() if k not in ("action", "worker")}
     try:
-        return _describe(msg, w)
+        action = msg["action"]
+        line = _LINES.get(action) if isinstance(action, str) else None
+        return f"{w}: {details}" if line is None else line(msg, w)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError):
         # any client may log to the topic: an event of ours without its usual figures
-        details = {k: v for k, v in msg.items() if k not in ("action", "worker")}
         return f"{w}: {msg.get('action')} {details}"
 
 
-def _describe(msg: Mapping[str, Any], w: str) -> str:
-    a = msg["action"]
-    mib = 2**20
-    if a == GPU_VERIFIED:
-        devices = "; ".join(
-            f"{d['name']}, UUID {d['uuid']}, CUDA index {d['index']}" for d in msg["devices"]
-        )
-        return f"{w}: verified {msg['granted']} GPU(s): {devices}"
-    if a == GPU_CORRECTED:
-        return f"{w}: declared GPU={msg['declared']}, granted {msg['granted']} ({msg['reason']})"
-    if a == GPU_REJECTED:
-        return f"{w}: refused {list(msg['uuids'])} ({msg['reason']}, owner {msg.get('owner')})"
-    if a == LEAK:
-        return (
-            f"{w}: device {msg['device']} leaks {msg['nbytes'] / mib:.0f} MiB "
-            f"(threshold {msg['threshold'] / mib:.0f} MiB, prefixes {list(msg['prefixes'])})"
-        )
-    if a == LEAK_RECLAIMED:
-        return (
-            f"{w}: device {msg['device']} got {msg['reclaimed'] / mib:.0f} MiB back by "
-            f"collecting garbage and freeing pools ({msg['remaining'] / mib:.0f} MiB left, "
-            f"threshold {msg['threshold'] / mib:.0f} MiB, prefixes {list(msg['prefixes'])}): "
-            "no restart"
-        )
-    if a == RESTART:
-        return (
-            f"{w}: retired ({msg['moved']} keys moved to peers) and restarted in {msg['seconds']}s"
-        )
-    if a == FALLBACK:
-        where = f" on {w}" if w else ""
-        if "key" not in msg:  # a burst, summarised
-            return (
-                f"{msg['count']} tasks fell back{where} (reasons {msg['reasons']}, waited "
-                f"{msg['waited']}s median, {msg['waited_max']}s max; e.g. {list(msg['keys'])[:3]})"
-            )
-        return f"task {msg['key']!r}{where}: fell back after {msg['waited']}s ({msg['reason']})"
-    if a == UNMET_REQUIREMENT:
-        return f"no verified device meets {msg['requirement']} (task {msg['key']!r} waits)"
-    if a == GPU_WAITING:
-        why = REASONS.get(msg["reason"], msg["reason"])
-        return f"{msg['waiting']} GPU task(s) wait unplaced: {why} (e.g. {list(msg['keys'])})"
-    if a == OVER_DECLARED:
-        return (
-            f"{w}: task {msg['key']!r} declared {int(msg['declared']) / mib:.0f} MiB, added "
-            f"{int(msg['measured']) / mib:.0f} MiB on device {msg['device']}"
-        )
-    details = {k: v for k, v in msg.items() if k not in ("action", "worker")}
-    return f"{w}: {details}"
+def _mib(nbytes: Any) -> str:
+    return f"{nbytes / 2**20:.0f} MiB"
+
+
+#: The line of each action that reads better in words than its figures: (event, worker).
+_LINES: dict[str, Callable[[Mapping[str, Any], str], str]] = {
+    GPU_VERIFIED: lambda m, w: (
+        f"{w}: verified {m['granted']} GPU(s): "
+        + "; ".join(f"{d['name']}, UUID {d['uuid']}, CUDA index {d['index']}" for d in m["devices"])
+    ),
+    GPU_CORRECTED: lambda m, w: (
+        f"{w}: declared GPU={m['declared']}, granted {m['granted']} ({m['reason']})"
+    ),
+    GPU_REJECTED: lambda m, w: (
+        f"{w}: refused {list(m['uuids'])} ({m['reason']}, owner {m.get('owner')})"
+    ),
+    LEAK: lambda m, w: (
+        f"{w}: device {m['device']} leaks {_mib(m['nbytes'])} "
+        f"(threshold {_mib(m['threshold'])}, prefixes {list(m['prefixes'])})"
+    ),
+    LEAK_RECLAIMED: lambda m, w: (
+        f"{w}: device {m['device']} got {_mib(m['reclaimed'])} back by collecting garbage "
+        f"and freeing pools ({_mib(m['remaining'])} left, threshold {_mib(m['threshold'])}, "
+        f"prefixes {list(m['prefixes'])}): no restart"
+    ),
+    RESTART: lambda m, w: (
+        f"{w}: retired ({m['moved']} keys moved to peers) and restarted in {m['seconds']}s"
+    ),
+    # a burst of fallbacks comes summarised, without a key
+    FALLBACK: lambda m, w: (
+        f"task {m['key']!r}{' on ' + w if w else ''}: fell back after {m['waited']}s "
+        f"({m['reason']})"
+        if "key" in m
+        else f"{m['count']} tasks fell back{' on ' + w if w else ''} (reasons {m['reasons']}, "
+        f"waited {m['waited']}s median, {m['waited_max']}s max; e.g. {list(m['keys'])[:3]})"
+    ),
+    UNMET_REQUIREMENT: lambda m, w: (
+        f"no verified device meets {m['requirement']} (task {m['key']!r} waits)"
+    ),
+    GPU_WAITING: lambda m, w: (
+        f"{m['waiting']} GPU task(s) wait unplaced: {REASONS.get(m['reason'], m['reason'])} "
+        f"(e.g. {list(m['keys'])})"
+    ),
+    OVER_DECLARED: lambda m, w: (
+        f"{w}: task {m['key']!r} declared {_mib(int(m['declared']))}, added "
+        f"{_mib(int(m['measured']))} on device {m['device']}"
+    ),
+}

@@ -2,37 +2,388 @@
 
 The same group is ``accelsched`` (also ``python -m accelsched``) and ``dask accelsched``:
 dask's command finds it through the ``dask_cli`` entry point group, as it finds
-distributed's ``dask scheduler`` and ``dask worker``. ``status`` and ``events`` run in
-:mod:`accelsched.cli.commands` (a ``--scheduler-file`` too); their exit codes are in
-:mod:`accelsched.display.status_table`. ``simulate`` runs in :mod:`accelsched.testing.simulate`.
+distributed's ``dask scheduler`` and ``dask worker``. ``simulate`` runs in
+:mod:`accelsched.testing.simulate`.
+
+``status`` and ``events`` ask a running scheduler, in bounded time. The scheduler is
+given by its address or by ``--scheduler-file PATH``: ``dask scheduler --scheduler-file
+PATH`` writes its identity there once it listens, and ``dask worker --scheduler-file``
+reads it; these commands read it the same way (:func:`address_from_file`).
+
+distributed bounds how long a client tries to connect, not the handshake after it: a
+peer that accepts and never answers (a dashboard port given by mistake, a stopped or
+swamped scheduler) would hold a synchronous ``Client`` forever, and so would a call to
+it. So the commands run an asynchronous client, and every wait on the network (the
+connection, each snapshot, the event log) is bounded by ``--timeout`` with
+``asyncio.wait_for``. Whatever goes wrong on the way is one line on stderr and an exit
+code of :mod:`accelsched.display.status_table`: an address that is no address before
+anything is sent, anything after it (refused, silent, a peer speaking another protocol,
+a scheme that needs configuration, such as ``tls://``) as unreachable.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import contextlib
+import json
 import logging
 import os
+import stat
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO, TypeVar, cast
 
 import click
 import dask
 
 from accelsched import __version__
-from accelsched.cli.commands import (
-    ReaderGone,
-    address_from_file,
-    print_events,
-    print_status,
-    timeout_seconds,
+from accelsched.display.status_table import (
+    EXIT_CODES_HELP,
+    NO_ACCELSCHED,
+    OK,
+    UNREACHABLE,
+    USAGE,
+    one_line,
+    render,
+    shown,
 )
-from accelsched.display.status_table import EXIT_CODES_HELP
 from accelsched.events import ACTIONS
+from accelsched.protocol import STATUS_HANDLER, StatusReply
 
-__all__ = ["cli", "main", "print_events", "print_status"]
+if TYPE_CHECKING:
+    from distributed import Client
+
+__all__ = [
+    "cli",
+    "main",
+    "print_status",
+    "print_events",
+    "address_problem",
+    "address_from_file",
+    "ReaderGone",
+    "MAX_SCHEDULER_FILE",
+]
+
+T = TypeVar("T")
+
+#: Seconds between two looks at the event log under ``events --follow``.
+FOLLOW_EVERY = 0.5
+
+
+def _fail(command: str, problem: str, code: int) -> int:
+    """Say what went wrong on one line of stderr; the exit code."""
+    print(f"accelsched {command}: {problem}", file=sys.stderr)
+    return code
+
+
+class _Unreachable(Exception):
+    """The scheduler did not answer within the time given, or not as a scheduler."""
+
+
+def address_problem(address: str) -> str | None:
+    """Why ``address`` is no scheduler address (a scheme distributed does not know, no
+    port, a port out of range), or None: checked before anything is sent, so that what
+    goes wrong later is the scheduler's doing, not the address's."""
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    from accelsched.internals.client_side import check_scheme
+
+    try:
+        scheme, location = parse_address(address)
+        check_scheme(scheme)
+        if scheme == "inproc":
+            return "an inproc address is reachable from its own process only"
+        if scheme in ("tcp", "tls", "ws", "wss"):
+            if ":" in location and not location.endswith("]"):
+                given = location.rpartition(":")[2]
+                if not (given.isascii() and given.isdigit()):
+                    return f"port {given!r} is no number"
+            _, port = parse_host_port(location)  # none: "missing port number"
+            if not 0 < int(port) < 65536:
+                return f"port {port} is out of range"
+    except (ValueError, TypeError) as exc:
+        return " ".join(str(exc).split())
+    return None
+
+
+async def _within(seconds: float, call: Awaitable[T]) -> T:
+    """``call``'s result, or :class:`_Unreachable` after ``seconds`` or on any error
+    (what a peer that is no scheduler sends makes distributed raise anything)."""
+    try:
+        return await asyncio.wait_for(call, seconds)
+    except asyncio.TimeoutError:
+        raise _Unreachable(f"no answer within {seconds:.3g}s") from None
+    except Exception as exc:
+        raise _Unreachable(one_line(exc)) from exc
+
+
+async def _connect(address: str, seconds: float) -> Client:
+    from distributed import Client
+
+    # distributed's own limit a little later: ours, on the handshake too, says it first
+    client = Client(address, asynchronous=True, timeout=f"{seconds + 1!r}s", set_as_default=False)
+    try:
+        await _within(seconds, client)
+    except BaseException:  # Ctrl-C too: a half-started client closed now, not at exit
+        await _close(client)
+        raise
+    return client
+
+
+async def _close(client: Client) -> None:
+    with contextlib.suppress(Exception):  # one that never connected, or lost its scheduler
+        await asyncio.wait_for(client.close(timeout=1), 2)
+
+
+async def _snapshot(client: Client, seconds: float) -> StatusReply | None:
+    """None when the scheduler runs no accelsched (it has no such handler)."""
+    if client.status != "running" or client.scheduler is None:
+        # lost for longer than it tries to reconnect (a --watch pause): it closed itself
+        raise _Unreachable("the client gave up reconnecting")
+    reply = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
+    return cast("StatusReply | None", reply)
+
+
+class ReaderGone(Exception):
+    """The reader of the output went away (``accelsched status --watch | head``)."""
+
+
+def _write(out: TextIO, text: str) -> None:
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        raise ReaderGone() from None
+
+
+def _run(
+    command: str, address: str, seconds: float, main: Callable[[Client], Awaitable[int]]
+) -> int:
+    """Run ``main(client)`` on a client of ``address`` (connected within ``seconds``);
+    the exit code. From inside a running event loop (a notebook) it runs on a thread of
+    its own."""
+    problem = address_problem(address)
+    if problem is not None:
+        return _fail(command, f"invalid scheduler address {address!r}: {shown(problem)}", USAGE)
+
+    async def session() -> int:
+        try:
+            client = await _connect(address, seconds)
+        except _Unreachable as exc:
+            return _fail(
+                command, f"cannot reach a scheduler at {shown(address)}: {exc}", UNREACHABLE
+            )
+        try:
+            return await main(client)
+        except _Unreachable as exc:
+            return _fail(command, f"lost the scheduler at {shown(address)}: {exc}", UNREACHABLE)
+        finally:
+            await _close(client)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # none: the command line, a plain thread
+        return asyncio.run(session())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(session())).result()
+
+
+def timeout_seconds(timeout: float | str) -> float:
+    """``--timeout``: a duration (``10s``, ``500ms``, seconds), finite and > 0 (nothing can
+    be reached in no time), read as accelsched reads durations (``.5s``: half a second)."""
+    from accelsched.config import parse_optional_duration
+
+    seconds = parse_optional_duration("--timeout", timeout)
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise ValueError(f"invalid --timeout={timeout!r}: expected a duration > 0")
+    return seconds
+
+
+def _no_accelsched(command: str, address: str) -> int:
+    return _fail(
+        command,
+        f"the scheduler at {shown(address)} runs no accelsched (no PlacementPlugin "
+        "registered: accelsched.register(client) or dask scheduler --preload accelsched)",
+        NO_ACCELSCHED,
+    )
+
+
+def print_status(
+    address: str,
+    out: TextIO,
+    *,
+    as_json: bool = False,
+    watch: float | None = None,
+    timeout: float | str = 10.0,
+    connect: float | None = None,
+) -> int:
+    """``accelsched status``: the table (or ``--json``), once or every ``watch`` seconds
+    until Ctrl-C (exit 0 then); ``timeout`` seconds for each wait on the scheduler,
+    ``connect`` (default ``timeout``) for the connection."""
+    seconds = timeout_seconds(timeout)
+    drawn = False  # once drawn, Ctrl-C under --watch is the way to stop: exit 0
+
+    async def status(client: Client) -> int:
+        nonlocal drawn
+        while True:
+            snap = await _snapshot(client, seconds)
+            if snap is None:
+                return _no_accelsched("status", address)
+            if as_json:
+                # ASCII only: a name's control characters arrive as \u001b, never raw,
+                # and so do C1 and bidi controls, which JSON would let through as they are
+                text = json.dumps(snap, sort_keys=True, ensure_ascii=True) + "\n"
+            else:  # under --watch, redrawn in place on a terminal
+                text = render(snap) + "\n"
+                if watch is not None:
+                    text = (
+                        "\x1b[H\x1b[2J" if out.isatty() else time.strftime("-- %H:%M:%S\n")
+                    ) + text
+            _write(out, text)
+            drawn = True
+            if watch is None:
+                return OK
+            await asyncio.sleep(watch)
+
+    try:
+        return _run("status", address, seconds if connect is None else connect, status)
+    except KeyboardInterrupt:
+        if watch is None or not drawn:
+            raise
+        return OK
+
+
+def print_events(
+    address: str,
+    actions: list[str] | None,
+    out: TextIO,
+    timeout: float | str = 10.0,
+    connect: float | None = None,
+    *,
+    as_json: bool = False,
+    follow: bool = False,
+) -> int:
+    """``accelsched events``: the scheduler's accelsched events, oldest first, workers by
+    name (a restarted worker's old address too), or ``as_json`` one object a line as
+    logged; ``follow``: then the new ones as they come, every :data:`FOLLOW_EVERY`
+    seconds, until Ctrl-C (``KeyboardInterrupt``). ``timeout`` seconds for each wait,
+    ``connect`` (default ``timeout``) for the connection."""
+    from accelsched import events
+
+    unknown = sorted(set(actions or ()) - events.ACTIONS)
+    if unknown:
+        return _fail(
+            "events", f"unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}", USAGE
+        )
+    seconds = timeout_seconds(timeout)
+
+    def line(stamp: float, msg: Any, names: dict[str, str]) -> str:
+        """The event as a line ('' for one that is not ours or not asked for)."""
+        if (
+            not isinstance(msg, dict)
+            or msg.get("action") not in events.ACTIONS  # logged before accelsched held the topic
+            or (actions and msg["action"] not in actions)
+        ):
+            return ""  # not one of ours, or not asked for
+        if as_json:  # as logged, ASCII (see status --json); odd figures as their repr
+            text = json.dumps(
+                {"time": stamp, **msg}, ensure_ascii=True, default=repr, skipkeys=True
+            )
+            return text + "\n"
+        owner = msg.get("owner")
+        if isinstance(owner, str):  # gpu-rejected: the owner's address(es), by name too
+            msg = {**msg, "owner": names.get(owner, owner)}
+        elif isinstance(owner, list):
+            msg = {**msg, "owner": [names.get(o, o) if isinstance(o, str) else o for o in owner]}
+        # every figure of an event may come from a worker (its name, its devices'): the
+        # line is shown, so none of it acts on the terminal or starts a line
+        when = time.strftime("%H:%M:%S", time.localtime(stamp))
+        return f"{when} [{msg['action']}] {shown(events.describe(msg, names))}\n"
+
+    async def print_log(client: Client) -> int:
+        shown_until = float("-inf")  # the scheduler's time of the last event printed
+        while True:
+            snap = await _snapshot(client, seconds)
+            if snap is None:
+                return _no_accelsched("events", address)
+            log = await _within(seconds, client.get_events(events.TOPIC))
+            new = [(stamp, msg) for stamp, msg in log if stamp > shown_until]
+            _write(out, "".join(line(stamp, msg, snap["names"]) for stamp, msg in new))
+            shown_until = max([shown_until, *(stamp for stamp, _ in new)])
+            if not follow:
+                return OK
+            await asyncio.sleep(FOLLOW_EVERY)
+
+    return _run("events", address, seconds if connect is None else connect, print_log)
+
+
+#: A scheduler file is a few hundred bytes; anything this large is not one.
+MAX_SCHEDULER_FILE: Final = 2**20
+
+
+def address_from_file(path: str, deadline: float, command: str) -> str | int:
+    """The address in a scheduler file (``dask scheduler --scheduler-file PATH``), or the
+    exit code.
+
+    The scheduler writes the file in place once it listens, so a reader can find it
+    missing, empty or half written: it is waited for, then read with distributed's own
+    reader, which tries again until it parses, until ``deadline`` (``time.monotonic``).
+    A file that never appeared or is still empty then is :data:`UNREACHABLE` (the
+    scheduler is not up yet); one that holds something else is :data:`USAGE`. Only a
+    regular file of a sane size is opened: a FIFO would block and ``/dev/zero`` would
+    never end."""
+    while True:
+        try:
+            st = os.stat(path)
+            break
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                return _fail(
+                    command,
+                    f"no scheduler file at {shown(path)} "
+                    "(is the scheduler started with --scheduler-file?)",
+                    UNREACHABLE,
+                )
+            time.sleep(0.05)
+        except (OSError, ValueError) as exc:  # a symlink loop, a NUL in the path
+            return _no_scheduler_file(command, path, one_line(exc))
+    if not stat.S_ISREG(st.st_mode):
+        return _no_scheduler_file(command, path, "not a regular file")
+    if st.st_size > MAX_SCHEDULER_FILE:
+        return _no_scheduler_file(command, path, f"{st.st_size} bytes")
+    from accelsched.internals.client_side import read_json_file
+
+    try:
+        # distributed's reader takes a falsy document for one not written yet: wrapped
+        # in a tuple, "{}" or "null" is judged at once, not waited on
+        (cfg,) = read_json_file(
+            path,
+            load=lambda f: (json.load(f),),
+            timeout=max(deadline - time.monotonic(), 0.01),  # at least one read
+        )
+    except (TimeoutError, RecursionError):  # RecursionError: nested too deep to parse
+        with contextlib.suppress(OSError):  # gone meanwhile: not "still empty"
+            if os.path.getsize(path) == 0:
+                return _fail(
+                    command,
+                    f"the scheduler file {shown(path)} is still empty (is the scheduler starting?)",
+                    UNREACHABLE,
+                )
+        return _no_scheduler_file(command, path, "it holds no JSON")
+    except OSError as exc:  # no permission
+        return _no_scheduler_file(command, path, one_line(exc))
+    address = cfg.get("address") if isinstance(cfg, dict) else None
+    if isinstance(address, str) and address:
+        return address
+    return _no_scheduler_file(command, path, f"it names no address: {address!r}")
+
+
+def _no_scheduler_file(command: str, path: str, problem: str) -> int:
+    return _fail(command, f"{shown(path)} is no scheduler file ({problem})", USAGE)
+
 
 #: Seconds a connection gets at least after ``--scheduler-file`` waited for its file
 #: (one ``--timeout`` covers both).

@@ -17,6 +17,12 @@ of :func:`accelsched.register` can follow on the command line
 
 Plugin names are those :func:`accelsched.register` uses, so a later ``register(client)``
 changes nothing. ``docs/deploy.md`` shows each deployment.
+
+A failure shows as one line and a non-zero exit. distributed logs a failing preload and
+runs the server on, and its commands exit with 0 once their servers close. So a bad
+argument parsed on the command line is one click error line (exit 2) without the usage
+text, and a failure once a server runs stops it and makes the command in that process
+exit with 1, as supervisors (systemd, Kubernetes, Slurm) expect of a failure.
 """
 
 from __future__ import annotations
@@ -27,19 +33,11 @@ from typing import Any
 
 import click
 
-from accelsched import internals, precedence
+from accelsched import config, internals
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option, config_value
-from accelsched.deploy.failing import (
-    BadPreloadValue,
-    PreloadError,
-    exit_nonzero_after_the_command,
-    flag,
-    parsing_for_a_worker_command,
-    refuse_placement_options,
-)
-from accelsched.deploy.forked_workers import FastRestart
 from accelsched.internals import preloading
-from accelsched.protocol import FAST_RESTART_PLUGIN, GUARD_PLUGIN, PLACEMENT_PLUGIN
+from accelsched.internals.forkserver import FastRestart
+from accelsched.protocol import GUARD_PLUGIN
 from accelsched.scheduler.placement_plugin import PlacementPlugin
 from accelsched.worker.guard_plugin import GuardPlugin
 from accelsched.worker.preimport import preimport
@@ -47,6 +45,65 @@ from accelsched.worker.preimport import preimport
 __all__ = ["dask_setup", "dask_teardown", "setup_server", "split_options"]
 
 logger = logging.getLogger(__name__)
+
+
+class PreloadError(click.UsageError):
+    """A bad preload argument or config value: click prints ``Error: <message>``, one
+    line without the usage text (which would be the preload's, that nobody typed), and
+    the command exits with 2, click's code for a usage error."""
+
+    def show(self, file: Any = None) -> None:
+        click.ClickException.show(self, file)
+
+
+class BadPreloadValue(PreloadError, click.BadParameter):
+    """A bad value (:class:`click.BadParameter`), shown as :class:`PreloadError`."""
+
+
+def exit_nonzero_after_the_command() -> None:
+    """Make the command running in this process (``dask scheduler``, ``dask worker``
+    with ``--no-nanny``, or, run there, a worker's nanny) exit with 1 once it has closed
+    its servers, through click's own ``Exit``.
+
+    distributed's commands run the server inside their click callback, so the command's
+    context is current here; it closes when the callback returns, after the server has
+    closed cleanly. In a process no such command runs (a ``LocalCluster``, a test) nothing
+    changes: the server stops, the process goes on.
+    """
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or _dask_command() is None:
+        return
+
+    def fail() -> None:
+        raise click.exceptions.Exit(1)
+
+    ctx.find_root().call_on_close(fail)
+
+
+def _dask_command() -> str | None:
+    """The module of the distributed/dask-cuda command running in this process's
+    current click context (``distributed.cli.dask_worker``, ...), or None."""
+    ctx = click.get_current_context(silent=True)
+    callback = getattr(getattr(ctx, "command", None), "callback", None)
+    module = getattr(callback, "__module__", None) or ""
+    return module if module.startswith(("distributed.cli.", "dask_cuda.cli")) else None
+
+
+def refuse_placement_options(placement_options: dict[str, Any]) -> None:
+    """A worker given the scheduler's options: an error naming each with its value."""
+    if not placement_options:
+        return
+    given = [
+        f"{o.flag} {placement_options[o.name]!r}"
+        for o in config.PLACEMENT_OPTIONS
+        if o.name in placement_options
+    ]
+    verb = "applies" if len(given) == 1 else "apply"
+    raise PreloadError(
+        f"{', '.join(given)} {verb} to the scheduler (placement), not to a worker: give "
+        f"{'it' if len(given) == 1 else 'them'} to `dask scheduler --preload accelsched`"
+    )
+
 
 #: Command-line spellings of "no value" for options that take one (``fallback_timeout``).
 _NONE = ("none", "null", "never")
@@ -95,7 +152,7 @@ def _params() -> list[click.Parameter]:
             multiple = opt.name in ("oom_exceptions", "preimport")
             params.append(
                 click.Option(
-                    [flag(opt)],
+                    [opt.flag],
                     default=None,
                     multiple=multiple,
                     callback=_validator(opt),
@@ -109,9 +166,7 @@ def _params() -> list[click.Parameter]:
 def split_options(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Placement and guard options out of the parsed command line (given ones only)."""
     chosen = {k: None if v is NOTHING else v for k, v in given.items() if v is not None}
-    placement = {o.name: chosen[o.name] for o in PLACEMENT_OPTIONS if o.name in chosen}
-    guard = {o.name: chosen[o.name] for o in GUARD_OPTIONS if o.name in chosen}
-    return placement, guard
+    return config.only(PLACEMENT_OPTIONS, chosen), config.only(GUARD_OPTIONS, chosen)
 
 
 async def setup_server(server: Any, invalid: str | None = None, **given: Any) -> None:
@@ -160,10 +215,8 @@ async def _setup_scheduler(
 ) -> None:
     placement = PlacementPlugin(**placement_options)  # validated: a bad config value stops here
     guard = GuardPlugin(**guard_options)
-    preloading.add_scheduler_plugin(scheduler, placement, PLACEMENT_PLUGIN)
-    await preloading.hand_to_workers(scheduler, guard, GUARD_PLUGIN)
-    if guard.options["fast_restart"]:
-        await preloading.hand_to_nannies(scheduler, FastRestart(), FAST_RESTART_PLUGIN)
+    fast = FastRestart() if guard.options["fast_restart"] else None
+    await preloading.install_on_scheduler(scheduler, placement, guard, fast)
     logger.info(
         "accelsched: PlacementPlugin installed, GuardPlugin handed to every worker "
         "(placement %s, guard %s)",
@@ -175,8 +228,8 @@ async def _setup_scheduler(
 def _setup_worker(worker: Any, guard_options: dict[str, Any]) -> None:
     guard = GuardPlugin(**guard_options)  # validated now: a bad value stops the start
     # this worker's own options: a guard its scheduler hands it applies them as well,
-    # unless given the same option explicitly (see accelsched.precedence; logged there)
-    precedence.worker_preload_options[worker] = {k: guard.options[k] for k in guard_options}
+    # unless given the same option explicitly (see accelsched.config; logged there)
+    config.worker_preload_options[worker] = {k: guard.options[k] for k in guard_options}
     preimport(guard.options["preimport"])  # before the worker starts, so before any task
     internals.spawn(worker, _install_guard, worker, guard)
 
@@ -185,8 +238,8 @@ async def _install_guard(worker: Any, guard: GuardPlugin) -> None:
     """After the start: the worker is registered, so the guard's report finds it known
     (a report sent from inside the start would reach the scheduler before the worker).
     A guard its scheduler handed it is set up by then, with this worker's options."""
-    await preloading.started(worker)
-    if preloading.worker_plugin(worker, GUARD_PLUGIN) is not None:
+    await worker.start()  # at once if it has started; raises if its start failed
+    if GUARD_PLUGIN in worker.plugins:
         return
     await worker.plugin_add(guard, name=GUARD_PLUGIN, catch_errors=False)
     logger.info("accelsched: GuardPlugin installed by preload")
@@ -207,7 +260,10 @@ class _PreloadCommand(click.Command):
         and a worker's command refuses the scheduler's options before anything starts."""
         try:
             rest = super().parse_args(ctx, args)
-            if parsing_for_a_worker_command():
+            # a worker's command (``dask worker``, ``dask cuda worker``) checks a preload's
+            # arguments as it parses its command line, before any worker starts
+            module = _dask_command() or ""
+            if module.endswith("dask_worker") or "dask_cuda" in module:
                 refuse_placement_options(split_options(ctx.params)[0])
         except click.BadParameter as exc:
             raise BadPreloadValue(exc.message, param=exc.param, param_hint=exc.param_hint) from None

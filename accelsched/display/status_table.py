@@ -4,7 +4,7 @@ The snapshot comes from the scheduler's read-only ``accelsched_status`` handler
 (:data:`~accelsched.protocol.STATUS_HANDLER`): a scheduler without accelsched answers
 ``None``, which is how a cluster without the PlacementPlugin is told apart from an
 empty one. The dashboard page draws the same rows. The commands themselves, bounded in
-time, are in :mod:`accelsched.cli.commands`.
+time, are in :mod:`accelsched.cli.main`.
 
 Exit codes (also in ``accelsched --help`` and docs/observe.md): :data:`OK`,
 :data:`UNREACHABLE`, :data:`USAGE`, :data:`NO_ACCELSCHED`, and 130 after Ctrl-C before

@@ -1,5 +1,14 @@
 """Worker processes forked from a warm server: a nanny's restart in a fraction of a second.
 
+:class:`FastRestart` is a nanny plugin (``distributed.diagnostics.plugin.NannyPlugin``)
+that switches its nanny's process to ``multiprocessing``'s ``forkserver``.
+:func:`accelsched.register` and ``dask scheduler --preload accelsched`` register it with
+the GuardPlugin unless ``fast_restart`` is off. It acts on the nanny's *process*: every
+nanny of that process (all of a ``LocalCluster``'s, which live in the client's process)
+starts its workers this way while one of them has the plugin; the method is restored
+once the last one closes. A worker process a nanny started before the plugin arrived is
+replaced, at its next restart, by a forked one.
+
 A nanny starts its worker process with ``multiprocessing``'s start method named by
 ``distributed.worker.multiprocessing-method`` (``spawn`` by default): a new interpreter
 that imports distributed, dask and accelsched again, and whose predecessor ends with a
@@ -28,8 +37,11 @@ from multiprocessing import forkserver
 from typing import Any
 
 import dask.config
+from distributed.diagnostics.plugin import NannyPlugin
 
-__all__ = ["use_forkserver", "release_forkserver", "PRELOAD", "METHOD_KEY"]
+from accelsched.protocol import FAST_RESTART_PLUGIN
+
+__all__ = ["FastRestart", "PRELOAD", "METHOD_KEY"]
 
 logger = logging.getLogger("accelsched.internals")
 
@@ -65,27 +77,32 @@ def available() -> bool:
     return callable(getattr(utils, "get_mp_context", None))
 
 
-def use_forkserver(nanny: Any) -> bool:
-    """From now on, ``nanny`` (and every nanny of this process) starts its worker
-    processes from the fork server; start the server now, so that it has imported
-    everything before the first restart. False where the platform has no forkserver."""
-    if not available():
-        return False
-    with _lock:
-        if not _users:
-            _saved.append(dask.config.set({METHOD_KEY: "forkserver"}))
-        _users.add(id(nanny))
-        _ensure_server()
-    return True
+class FastRestart(NannyPlugin):
+    """Start this nanny's next worker processes from a warm fork server."""
 
+    name = FAST_RESTART_PLUGIN
+    idempotent = True
 
-def release_forkserver(nanny: Any) -> None:
-    """``nanny`` closed: once no nanny of this process uses it, the method is what it was
-    (the server lives on, idle, until this process exits)."""
-    with _lock:
-        _users.discard(id(nanny))
-        if not _users and _saved:
-            _saved.pop().__exit__(None, None, None)
+    def setup(self, nanny: Any) -> None:
+        """From now on, ``nanny`` (and every nanny of this process) starts its worker
+        processes from the fork server; start the server now, so that it has imported
+        everything before the first restart."""
+        if not available():
+            logger.info("accelsched: no forkserver start method here; restarts spawn")
+            return
+        with _lock:
+            if not _users:
+                _saved.append(dask.config.set({METHOD_KEY: "forkserver"}))
+            _users.add(id(nanny))
+            _ensure_server()
+
+    def teardown(self, nanny: Any) -> None:
+        """``nanny`` closed: once no nanny of this process uses it, the method is what it
+        was (the server lives on, idle, until this process exits)."""
+        with _lock:
+            _users.discard(id(nanny))
+            if not _users and _saved:
+                _saved.pop().__exit__(None, None, None)
 
 
 def _ensure_server() -> None:

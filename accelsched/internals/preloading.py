@@ -8,66 +8,42 @@ with no client: these functions do the same from there.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from distributed.protocol.pickle import dumps, loads
 
-from accelsched.internals.contract import _raise_if
+from accelsched.protocol import FAST_RESTART_PLUGIN, GUARD_PLUGIN, PLACEMENT_PLUGIN
 
 if TYPE_CHECKING:
     from distributed import Scheduler, Worker
-    from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+    from distributed.diagnostics.plugin import NannyPlugin, SchedulerPlugin, WorkerPlugin
 
 
-def add_scheduler_plugin(scheduler: Scheduler, plugin: SchedulerPlugin, name: str) -> None:
-    """Add ``plugin`` unless one of that name is there; the scheduler starts it.
-
-    A preload runs before the scheduler calls every plugin's ``start``, so adding is
-    enough (``register_scheduler_plugin`` would start it twice).
-    """
-    scheduler.add_plugin(plugin, name=name, idempotent=True)
-
-
-async def hand_to_workers(scheduler: Scheduler, plugin: WorkerPlugin, name: str) -> None:
-    """What ``client.register_plugin(worker_plugin)`` does on the scheduler: every worker,
-    present and future, sets the plugin up (unless one of that name is registered)."""
-    method = getattr(scheduler, "register_worker_plugin", None)
-    try:
-        params = inspect.signature(method).parameters if callable(method) else {}
-    except (TypeError, ValueError):
-        params = {}
-    if not {"plugin", "name", "idempotent"} <= set(params):
-        _raise_if(
-            ["Scheduler.register_worker_plugin(comm, plugin, name, idempotent) is gone"],
-            "scheduler",
-        )
-    assert method is not None
-    await method(None, plugin=dumps(plugin), name=name, idempotent=True)
-
-
-async def hand_to_nannies(scheduler: Scheduler, plugin: Any, name: str) -> None:
-    """What ``client.register_plugin(nanny_plugin)`` does on the scheduler: every nanny,
-    present and future, sets the plugin up (unless one of that name is registered)."""
-    await scheduler.register_nanny_plugin(None, plugin=dumps(plugin), name=name, idempotent=True)
-
-
-async def started(server: Scheduler | Worker) -> None:
-    """Return once ``server`` has started (at once if it has): a worker is registered
-    with its scheduler by then. Raises if its start failed."""
-    await server.start()
-
-
-def worker_plugin(worker: Worker, name: str) -> Any:
-    """The worker plugin of that name set up on ``worker``, or None."""
-    return worker.plugins.get(name)
-
-
-def stop(
-    server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None] | None = None
+async def install_on_scheduler(
+    scheduler: Scheduler,
+    placement: SchedulerPlugin,
+    guard: WorkerPlugin,
+    nanny_plugin: NannyPlugin | None,
 ) -> None:
+    """What ``register`` does, from the scheduler's own preload: add ``placement`` (a
+    preload runs before the scheduler calls every plugin's ``start``, so adding is enough:
+    ``register_scheduler_plugin`` would start it twice), and hand ``guard`` to every
+    worker and ``nanny_plugin`` to every nanny, present and future, as
+    ``client.register_plugin`` does on the scheduler; each unless one of its name is
+    registered already."""
+    scheduler.add_plugin(placement, name=PLACEMENT_PLUGIN, idempotent=True)
+    await scheduler.register_worker_plugin(
+        None, plugin=dumps(guard), name=GUARD_PLUGIN, idempotent=True
+    )
+    if nanny_plugin is not None:
+        await scheduler.register_nanny_plugin(
+            None, plugin=dumps(nanny_plugin), name=FAST_RESTART_PLUGIN, idempotent=True
+        )
+
+
+def stop(server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None]) -> None:
     """Close ``server`` once its start has returned (closing a server that is still
     starting does nothing). A worker takes its nanny with it, which would otherwise
     start it again and again; ``in_nanny`` (an importable function) runs in the nanny's
@@ -76,7 +52,7 @@ def stop(
 
 
 async def _close_after_start(
-    server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None] | None
+    server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None]
 ) -> None:
     from distributed import Worker
 
@@ -86,7 +62,7 @@ async def _close_after_start(
         return
     if isinstance(server, Worker):
         nanny: Any = server.nanny  # its address (typed as a Nanny in distributed)
-        if in_nanny is not None and nanny is not None:
+        if nanny is not None:
             # the nanny's out-of-band "run" handler, as client.run(nanny=True); a nanny
             # gone already has nothing to tell
             with suppress(Exception):
@@ -100,8 +76,6 @@ def running_options(dask_scheduler: Scheduler) -> dict[str, dict[str, Any] | Non
     """Run on the scheduler (``client.run_on_scheduler``): the options of accelsched's
     plugins registered there, if any (the guard as stored for the workers, before each
     worker's own settings)."""
-    from accelsched.protocol import GUARD_PLUGIN, PLACEMENT_PLUGIN
-
     placement = dask_scheduler.plugins.get(PLACEMENT_PLUGIN)
     guard = dask_scheduler.worker_plugins.get(GUARD_PLUGIN)
     return {

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 from dask.utils import key_split
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from accelsched import events, internals, precedence
-from accelsched.config import GUARD_OPTIONS, resolve_options
+from accelsched import events, internals
+from accelsched.config import GUARD_OPTIONS, guard_options_here, resolve_options
 from accelsched.devices.records import DeviceInfo
 from accelsched.policy.health import DeviceHealth
 from accelsched.policy.leak import Attribution, Verdict
@@ -113,7 +113,7 @@ class GuardPlugin(WorkerPlugin):
         internals.check_worker(worker)
         self.worker = worker
         # this worker's own settings, where no explicit option says otherwise (logged)
-        o = self.options = precedence.guard_options_here(self.options, self.explicit, worker)
+        o = self.options = guard_options_here(self.options, self.explicit, worker)
         preimport(o["preimport"])  # before this worker reads its first task
         inv = self.inventory = Inventory(worker, advertise_undeclared=o["advertise_undeclared"])
         attribution = Attribution()

@@ -279,7 +279,7 @@ def test_a_workers_own_config_reaches_its_guard(gpus: FakeGPUs, tmp_path: Path) 
 
 def test_precedence_on_one_worker_in_numbers() -> None:
     """Explicit > the worker's preload > the worker's own config > as handed."""
-    from accelsched.precedence import on_this_worker
+    from accelsched.config import on_this_worker
 
     handed = accelsched.GuardPlugin(leak_confirmations=3).options  # explicit: 3
     config = {

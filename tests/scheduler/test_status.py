@@ -130,7 +130,10 @@ def test_a_scheduler_file_is_waited_for_while_written(tmp_path, monkeypatch):
     then whole: the reader waits for the address instead of failing on the way. Each
     phase lasts until the reader has demonstrably looked at it twice (its polls and its
     parse attempts, counted), whatever the machine's speed."""
-    import accelsched.cli.commands as scheduler_file
+    import importlib
+
+    # the module, not the function ``accelsched.cli`` exports under the same name
+    scheduler_file = importlib.import_module("accelsched.cli.main")
 
     seen = {"polls": 0, "parses": 0}
 
