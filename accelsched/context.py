@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from accelsched.devices import arrays
 from accelsched.devices.backend import cuda
 
 __all__ = [
@@ -63,6 +64,9 @@ def current_device() -> int | None:
     """The device index the running task holds; None outside a task holding a GPU."""
     lease = current_lease()
     return None if lease is None else lease.devices[0]
+
+
+arrays.task_device = current_device  # objects on an unknown device count on the task's
 
 
 def array_module() -> ModuleType:

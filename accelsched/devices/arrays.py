@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 from dask.utils import Dispatch
@@ -83,6 +84,15 @@ def _by_protocol(obj: Any) -> dict[int, int]:
     return {device: nbytes} if nbytes > 0 else {}
 
 
+def _no_task_device() -> int | None:
+    return None
+
+
+#: The device an object whose device is not known is counted on: the running task's.
+#: :mod:`accelsched.context`, which keeps it (a layer above this one), sets this.
+task_device: Callable[[], int | None] = _no_task_device
+
+
 def _device_of(obj: Any) -> int | None:
     """The CUDA device ``obj`` lives on, or None when it is not known to be on one."""
     dlpack = getattr(obj, "__dlpack_device__", None)
@@ -100,9 +110,7 @@ def _device_of(obj: Any) -> int | None:
     device = getattr(getattr(obj, "device", None), "id", None)
     if isinstance(device, int):
         return device
-    from accelsched.context import current_device
-
-    return current_device() or 0
+    return task_device() or 0
 
 
 def _interface_nbytes(interface: dict) -> int | None:

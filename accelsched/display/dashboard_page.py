@@ -21,7 +21,7 @@ PlacementPlugin is registered when it is drawn, so a re-registered plugin is sho
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
 from accelsched.display.status_table import COLUMNS, summary, table_rows
@@ -29,8 +29,6 @@ from accelsched.protocol import PLACEMENT_PLUGIN
 
 if TYPE_CHECKING:
     from distributed import Scheduler
-
-    from accelsched.scheduler.snapshot import StatusHistory
 
 __all__ = ["install", "PAGE"]
 
@@ -53,8 +51,9 @@ def install(scheduler: Scheduler) -> bool:
     return internals.add_dashboard_page(scheduler, PAGE, Page, refresh_ms=REFRESH_MS)
 
 
-def status_history_of(scheduler: Scheduler) -> StatusHistory | None:
-    """The registered PlacementPlugin's history (None when accelsched is unregistered)."""
+def status_history_of(scheduler: Scheduler) -> Any:
+    """The registered PlacementPlugin's :class:`~accelsched.scheduler.snapshot.StatusHistory`
+    (None when accelsched is unregistered); read, not imported: the page sits below it."""
     history = getattr(scheduler.plugins.get(PLACEMENT_PLUGIN), "status_history", None)
     return history if getattr(history, "scheduler", None) is scheduler else None
 
@@ -148,7 +147,7 @@ class Page:
         self.table.height = _table_height(len(self.rows.data["worker"]))
         self._draw_history(history, snap["time"])
 
-    def _draw_history(self, history: StatusHistory, now: float) -> None:
+    def _draw_history(self, history: Any, now: float) -> None:
         series = sorted(history.series.items())
         lines = [
             [
