@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.core import Status
 from distributed.protocol import pickle
 
-from accelsched.protocol import GPU
+from accelsched.protocol import GPU, GPU_MEMORY
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -188,14 +188,21 @@ def fail_task(scheduler: Scheduler, key: Any, exc: BaseException, stimulus_id: s
     scheduler.transitions(recs, stimulus_id=stimulus_id)
 
 
-def release_unfit(scheduler: Scheduler, ws: WorkerState, count: float) -> int:
-    """Send back the tasks assigned to ``ws`` that need more than ``count`` GPUs.
+def release_unfit(scheduler: Scheduler, ws: WorkerState) -> int:
+    """Send back the tasks assigned to ``ws`` that need more GPUs, or more declared
+    device memory (MiB), than it offers now.
 
     The worker's state machine would hold them forever (and block its other GPU tasks
     behind them); released, the scheduler places them again against the new counts.
     Returns how many went back.
     """
-    unfit = [ts.key for ts in ws.processing if (ts.resource_restrictions or {}).get(GPU, 0) > count]
+    offered = (ws.resources.get(GPU, 0), ws.resources.get(GPU_MEMORY, 0))
+    unfit = [
+        ts.key
+        for ts in ws.processing
+        if (need := ts.resource_restrictions or {})
+        and (need.get(GPU, 0) > offered[0] or need.get(GPU_MEMORY, 0) > offered[1])
+    ]
     if unfit:
         scheduler.transitions(
             dict.fromkeys(unfit, "released"), stimulus_id=f"accelsched-gpu-withdrawn-{time()}"

@@ -230,7 +230,7 @@ class DeviceReports:
             internals.offer_unrunnable(scheduler, ws)
             internals.take_share(scheduler, ws)
         elif after < before:  # a device withdrawn: what no longer fits goes elsewhere
-            internals.release_unfit(scheduler, ws, after)
+            internals.release_unfit(scheduler, ws)
 
     def zero(self, ws: WorkerState) -> None:
         """No GPU task is placed on ``ws`` any more (quarantine); what it was sent already

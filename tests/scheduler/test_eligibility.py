@@ -25,7 +25,13 @@ from distributed import Nanny, Scheduler
 from distributed.utils_test import gen_cluster
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import accelsched
 from accelsched.policy.requirements import DeviceFacts, parse_requirement
@@ -33,7 +39,7 @@ from accelsched.protocol import GPU, REQUIREMENT_ANNOTATION, DeviceRecord
 from accelsched.scheduler.fallback import NOWHERE, Fallback
 from accelsched.scheduler.grants import Grants
 from accelsched.testing import fake_gpus
-from tests.utils import A100, H100, cvd, events, wait_for
+from tests.utils import A100, H100, cvd, events, gpus, wait_for
 
 GiB = 2**30
 
@@ -153,13 +159,16 @@ class Eligibility(RuleBasedStateMachine):
         assert len(self.fallback._classes) <= len(self.tasks)
 
 
-Eligibility.TestCase.settings = settings(
-    max_examples=50,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-test_eligibility_follows_joins_leaves_and_restarts = Eligibility.TestCase
+def test_eligibility_follows_joins_leaves_and_restarts() -> None:
+    run_state_machine_as_test(
+        Eligibility,
+        settings=settings(
+            max_examples=50,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
 
 
 # --- the reproductions, on real nanny workers ---------------------------------------------
@@ -212,3 +221,38 @@ async def test_requirement_tasks_submitted_before_the_workers_spread_over_them(c
             await asyncio.gather(*(n.close() for n in nannies))
     assert len(ran) >= 2, ran
     assert max(ran.values()) <= 0.4 * 200, ran
+
+
+@accelsched.gpu(memory="1GiB")
+def declared_step(i: int) -> int:
+    time.sleep(0.3)
+    return i
+
+
+def test_declared_tasks_queued_behind_a_withdrawn_device_run_elsewhere() -> None:
+    """Declared-memory tasks queued on a worker whose only device fails (no restart
+    allowed, a healthy peer): they run on the peer (one stayed ``processing`` on the
+    worker for good: its ``GPU-memory`` went to 0, nothing sent them back), and once the
+    device answers again the worker takes declared tasks again."""
+
+    two_threads_each = [("127.0.0.1", 2, cvd("0")), ("127.0.0.1", 2, cvd("1"))]
+
+    @gen_cluster(client=True, Worker=Nanny, nthreads=two_threads_each, timeout=120)
+    async def run(c, s, a, b):  # type: ignore[no-untyped-def]
+        await accelsched.register(c, check_interval="100ms", max_restarts=0, fast_restart=False)
+        await wait_for(lambda: gpus(s, a.worker_address) == gpus(s, b.worker_address) == 1)
+        futures = c.map(declared_step, range(40), pure=False)
+        on_a = s.workers[a.worker_address].processing
+        await wait_for(lambda: len(on_a) >= 6)
+        fails.fail(0)
+        await wait_for(lambda: s.workers[a.worker_address].resources.get("GPU-memory") == 0)
+        assert sorted(await asyncio.wait_for(c.gather(futures), 60)) == list(range(40))
+        fails.recover()
+        await wait_for(lambda: events(s, "gpu-recovered"))
+        await wait_for(lambda: gpus(s, a.worker_address) == 1)
+        again = c.map(declared_step, range(12), pure=False)
+        assert sorted(await asyncio.wait_for(c.gather(again), 60)) == list(range(12))
+        assert any(a.worker_address in {w.address for w in s.tasks[f.key].who_has} for f in again)
+
+    with fake_gpus(2) as fails:
+        run()
