@@ -35,7 +35,6 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from accelsched import events, internals, precedence
 from accelsched.config import GUARD_OPTIONS, resolve_options
 from accelsched.devices.records import DeviceInfo
-from accelsched.policy.health import DeviceHealth
 from accelsched.policy.leak import Attribution, Verdict
 from accelsched.protocol import (
     DRAIN_HANDLER,
@@ -140,14 +139,12 @@ class GuardPlugin(WorkerPlugin):
                 fail=o["unrequested_gpu"] == "fail",
                 emit=self._emit,
             )
-        health = DeviceHealth()
         live = self.live = LiveResults(ledger=ledger, owned=inv.owned, leases=self.binder.leases)
         self.leaks = LeakCheck(
             monitor=inv.monitor,
             owned=inv.owned,
             granted=lambda: inv.granted,
-            withdrawn=lambda: inv.withdrawn,
-            health=health,
+            health=inv.health,
             live=live,
             ledger=ledger,
             leases=self.binder.leases,
@@ -169,7 +166,7 @@ class GuardPlugin(WorkerPlugin):
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
                 inventory=inv,
-                health=health,
+                health=inv.health,
                 interval=o["check_interval"],
                 report=self.report,
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),

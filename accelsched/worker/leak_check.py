@@ -110,7 +110,6 @@ class LeakCheck:
         monitor: NVMLMonitor,
         owned: list[DeviceInfo],
         granted: Callable[[], list[DeviceInfo]],
-        withdrawn: Callable[[], set[int]],
         health: DeviceHealth,
         live: LiveResults,
         ledger: Ledger,
@@ -127,7 +126,6 @@ class LeakCheck:
         self._monitor = monitor
         self._owned = owned  # the inventory's list, kept up to date in place
         self._granted = granted
-        self._withdrawn = withdrawn
         self._health = health
         self._recover = recover  # ``recover_gpus``: a withdrawn device answering comes back
         self._live = live
@@ -245,7 +243,7 @@ class LeakCheck:
         for devices in self._leases.holders().values():
             for d in devices:
                 held[d] = held.get(d, 0) + 1
-        withdrawn = self._withdrawn()
+        withdrawn = self._health.withdrawn
         declared = self._leases.declared()
         return {
             "devices": [
