@@ -2,7 +2,7 @@
 
 Each check reads, through NVML, every owned device no GPU task holds: this process's
 memory there, and the device's memory info (what pools and users read). It takes off
-the baseline, live results (:class:`LiveResults`) and pool caches
+the baseline, live results (:meth:`~accelsched.worker.ledger.Ledger.live`) and pool caches
 (:func:`accelsched.policy.leak.estimate`), and lets
 :class:`~accelsched.policy.leak.LeakDecisions` judge the estimates. Every decision comes
 back as proposals, which one actor carries out
@@ -28,9 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from accelsched import internals
 from accelsched.config import Threshold
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
@@ -42,62 +41,7 @@ from accelsched.protocol import GuardMetric
 from accelsched.worker.ledger import Ledger, net_of_pools
 from accelsched.worker.worker_actor import WorkerActor
 
-if TYPE_CHECKING:
-    from distributed import Worker
-
-__all__ = ["LeakCheck", "LiveResults"]
-
-
-class LiveResults:
-    """The device bytes each result in the worker's memory holds, and their sum per
-    device (``owned``: the inventory's list, kept up to date in place): legitimate, so the
-    leak estimate takes them off.
-
-    Every task's result passes here (worker event loop), so the common cases cost a few
-    comparisons: a result its GPU task measured is held at its measurement without a look
-    at its value, and an unmeasured number or string (what most tiny tasks return) holds
-    nothing on a device.
-    """
-
-    def __init__(self, *, ledger: Ledger, owned: list[DeviceInfo], leases: LeaseTable) -> None:
-        self._ledger = ledger
-        self._owned = owned
-        self._leases = leases
-        self._held: dict[Any, dict[int, int]] = {}  # key -> device bytes it holds
-        self._total: dict[int, int] = {}  # device -> bytes of live results
-
-    def entered(self, worker: Worker, key: Any, *, computed: bool) -> None:
-        """``key`` entered ``worker``'s memory: ``computed`` here (measured by its task,
-        else known by type), or data from elsewhere (a peer's transfer, a replica, a
-        scatter: known by type, else measured on its idle devices)."""
-        ledger = self._ledger
-        if computed and ledger.measured(key):  # what it holds is known without its value
-            held = ledger.held(key, None)
-        else:
-            value = internals.stored_value(worker, key)
-            if computed and ledger.holds_nothing(value):
-                return
-            if computed:
-                held = ledger.held(key, value)
-            else:  # measured on the devices no task holds
-                held = ledger.arrived(value, {d.index for d in self._owned} - self._leases.busy())
-        if held:
-            self._held[key] = held
-            for d, n in held.items():
-                self._total[d] = self._total.get(d, 0) + n
-
-    def released(self, key: Any) -> None:
-        for d, n in self._held.pop(key, {}).items():
-            self._total[d] = self._total.get(d, 0) - n
-            self._ledger.forget(d)  # its memory went back unmeasured
-
-    def forgotten(self, key: Any) -> None:
-        """``key`` left the worker: what its task was measured to hold goes too."""
-        self._ledger.drop(key)
-
-    def on(self, device: int) -> int:
-        """Bytes live results hold on ``device``."""
-        return self._total.get(device, 0)
+__all__ = ["LeakCheck"]
 
 
 class LeakCheck:
@@ -111,7 +55,6 @@ class LeakCheck:
         owned: list[DeviceInfo],
         granted: Callable[[], list[DeviceInfo]],
         health: DeviceHealth,
-        live: LiveResults,
         ledger: Ledger,
         leases: LeaseTable,
         used: set[int],
@@ -128,7 +71,6 @@ class LeakCheck:
         self._granted = granted
         self._health = health
         self._recover = recover  # ``recover_gpus``: a withdrawn device answering comes back
-        self._live = live
         self._ledger = ledger
         self._leases = leases
         self._used = used  # devices GPU tasks of this worker held
@@ -206,7 +148,7 @@ class LeakCheck:
         its threshold (``limit``) is settled: its reading net of pools is a base for
         measuring what arrives from peers."""
         pool = sum((p.stats(device) for p in pools), PoolStats())
-        live = self._live.on(device)
+        live = self._ledger.live(device)
         baseline = self._decisions.device(device).observe_baseline(process, live, pool.held)
         leaked = estimate(process, baseline, live, pool)
         if leaked <= limit:

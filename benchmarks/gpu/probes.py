@@ -108,7 +108,7 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.config import Threshold
     from accelsched.policy.health import DeviceHealth
     from accelsched.worker.binder import Binder
-    from accelsched.worker.leak_check import LeakCheck, LiveResults
+    from accelsched.worker.leak_check import LeakCheck
     from accelsched.worker.ledger import Ledger
     from accelsched.worker.pool_freer import PoolFreer
     from accelsched.worker.worker_actor import WorkerActor
@@ -125,9 +125,7 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
         monitor=dev.monitor,
         owned=owned,
         granted=lambda: owned,
-        withdrawn=set,
         health=DeviceHealth(),
-        live=LiveResults(ledger=ledger, owned=owned, leases=binder.leases),
         ledger=ledger,
         leases=binder.leases,
         used=binder.used,
