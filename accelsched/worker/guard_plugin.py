@@ -36,7 +36,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from accelsched import events, internals, precedence
 from accelsched.config import GUARD_OPTIONS, resolve_options
 from accelsched.devices.records import DeviceInfo
-from accelsched.policy.leak import Attribution, Verdict
+from accelsched.policy.leak import Attribution, LeakDecisions, Verdict
 from accelsched.protocol import (
     DRAIN_HANDLER,
     GUARD_METRIC,
@@ -142,31 +142,28 @@ class GuardPlugin(WorkerPlugin):
                 emit=self._emit,
             )
         self.leaks = LeakCheck(
-            monitor=inv.monitor,
-            owned=inv.owned,
-            granted=lambda: inv.granted,
-            health=inv.health,
+            inventory=inv,
+            binder=self.binder,
             ledger=ledger,
-            leases=self.binder.leases,
-            used=self.binder.used,
-            threshold=o["leak_threshold"],
-            confirmations=o["leak_confirmations"],
-            restart_on_leak=o["restart_on_leak"],
-            recover=o["recover_gpus"],
-            attribution=attribution,
             actor=WorkerActor(
                 inventory=inv,
                 set_devices=self._use_devices,
                 emit=self._emit,
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
             ),
-            executing=self.binder.leases.gpu_keys,
+            decisions=LeakDecisions(
+                o["leak_confirmations"],
+                o["restart_on_leak"],
+                attribution,
+                devices=inv.health.devices,  # one record per device
+            ),
+            threshold=o["leak_threshold"],
+            recover=o["recover_gpus"],
         )
         self._visible, self.rejoin = inv.visible, None
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
                 inventory=inv,
-                health=inv.health,
                 interval=o["check_interval"],
                 report=self.report,
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
