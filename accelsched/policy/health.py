@@ -13,9 +13,11 @@ on :class:`Probation`: asked again with backoff, and back under the same rule.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from accelsched.policy.leak import DeviceRecord
 from accelsched.policy.proposals import Proposal
 
 __all__ = ["Answer", "DeviceHealth", "Probation", "judge_answers"]
@@ -23,43 +25,48 @@ __all__ = ["Answer", "DeviceHealth", "Probation", "judge_answers"]
 
 @dataclass
 class DeviceHealth:
-    """Per device: withdrawn or not, how often it failed, its current good streak."""
+    """Per device (its :class:`~accelsched.policy.leak.DeviceRecord`): withdrawn or not,
+    how often it failed, its current good streak."""
 
     streak: int = 3  # good answers needed after a first failure
     ceiling: int = 96  # most ever needed
-    _failures: dict[int, int] = field(default_factory=dict)
-    _good: dict[int, int] = field(default_factory=dict)  # device -> answers in a row
-    withdrawn: set[int] = field(default_factory=set)
-    restart_asked: set[int] = field(default_factory=set)  # back, kept out: restart asked
+    #: device -> its record (the leak decisions share it: one record per device)
+    devices: defaultdict[int, DeviceRecord] = field(
+        default_factory=lambda: defaultdict(DeviceRecord)
+    )
 
     def __post_init__(self) -> None:
         if self.streak < 1 or self.ceiling < self.streak:
             raise ValueError(f"invalid streak={self.streak!r}, ceiling={self.ceiling!r}")
 
+    @property
+    def withdrawn(self) -> set[int]:
+        """The devices out of service (not offered)."""
+        return {d for d, r in self.devices.items() if r.withdrawn}
+
     def failed(self, device: int) -> bool:
         """The device did not answer; True when this withdraws it (news, said once)."""
-        self._good.pop(device, None)
-        self.restart_asked.discard(device)  # a new failure: once back, ask again
-        if device in self.withdrawn:
+        r = self.devices[device]
+        r.good, r.restart_asked = 0, False  # a new failure: once back, ask again
+        if r.withdrawn:
             return False
-        self.withdrawn.add(device)
-        self._failures[device] = self._failures.get(device, 0) + 1
+        r.withdrawn, r.failures = True, r.failures + 1
         return True
 
     def needed(self, device: int) -> int:
         """Good answers in a row the withdrawn ``device`` needs before it is back."""
-        failures = max(1, self._failures.get(device, 1))
+        failures = max(1, self.devices[device].failures)
         return min(self.ceiling, self.streak * 2 ** (failures - 1))
 
     def answered(self, device: int) -> bool:
         """The device answered; True when this brings a withdrawn device back."""
-        if device not in self.withdrawn:
+        r = self.devices[device]
+        if not r.withdrawn:
             return False
-        self._good[device] = self._good.get(device, 0) + 1
-        if self._good[device] < self.needed(device):
+        r.good += 1
+        if r.good < self.needed(device):
             return False
-        self.withdrawn.discard(device)
-        self._good.pop(device, None)
+        r.withdrawn, r.good = False, 0
         return True
 
 
@@ -99,9 +106,10 @@ def judge_answers(
             if recover:
                 out.append(Proposal("recover", a.device, detail={"uuid": a.uuid}))
             else:  # out of this process; a restart takes it back, now that it answers
-                health.withdrawn.add(a.device)
-                if a.device not in health.restart_asked:  # once: the restart is the cure
-                    health.restart_asked.add(a.device)
+                r = health.devices[a.device]
+                r.withdrawn = True
+                if not r.restart_asked:  # once: the restart is the cure
+                    r.restart_asked = True
                     proposal = Proposal("ask-restart", (a.device,), "gpu-unhealthy", {"nbytes": 0})
                     out.append(proposal)
     return out
@@ -122,11 +130,9 @@ class Probation:
     stays out.
     """
 
-    health: DeviceHealth
+    health: DeviceHealth  # its records say when each device is probed next
     first: float = 1.0  # seconds to the first probe; the pace while a device answers
     longest: float = 30.0  # the most seconds between two probes
-    _next: dict[int, float] = field(default_factory=dict)  # device -> when to probe it
-    _wait: dict[int, float] = field(default_factory=dict)  # device -> wait after a failure
 
     def __post_init__(self) -> None:
         if not 0 < self.first <= self.longest:
@@ -135,33 +141,32 @@ class Probation:
     def left_out(self, device: int, now: float) -> None:
         """``device`` did not answer when the inventory was taken at ``now``."""
         self.health.failed(device)
-        self._wait[device] = min(self.longest, 2 * self.first)
-        self._next[device] = now + self.first
+        r = self.health.devices[device]
+        r.probe_at, r.probe_wait = now + self.first, min(self.longest, 2 * self.first)
 
     @property
     def waiting(self) -> list[int]:
         """The devices still out, in order."""
-        return sorted(self._next)
+        return self.due(float("inf"))
 
     def due(self, now: float) -> list[int]:
         """The devices to probe at ``now``, in order."""
-        return sorted(d for d, at in self._next.items() if at <= now)
+        devices = self.health.devices.items()
+        return sorted(d for d, r in devices if r.probe_at is not None and r.probe_at <= now)
 
     def answered(self, device: int, now: float) -> bool:
         """A probe of ``device`` answered; True when this brings it back (offer it)."""
-        if device not in self._next:
+        r = self.health.devices[device]
+        if r.probe_at is None:
             return False
-        if self.health.answered(device):
-            del self._next[device], self._wait[device]
-            return True
-        self._next[device] = now + self.first
-        return False
+        back = self.health.answered(device)
+        r.probe_at = None if back else now + self.first
+        return back
 
     def failed(self, device: int, now: float) -> None:
         """A probe of ``device`` failed: its streak starts over, the wait doubles."""
-        if device not in self._next:
+        r = self.health.devices[device]
+        if r.probe_at is None:
             return
         self.health.failed(device)
-        wait = self._wait[device]
-        self._next[device] = now + wait
-        self._wait[device] = min(self.longest, 2 * wait)
+        r.probe_at, r.probe_wait = now + r.probe_wait, min(self.longest, 2 * r.probe_wait)

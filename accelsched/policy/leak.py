@@ -11,8 +11,8 @@ A confirmed leak is first *reclaimed* (garbage collected, pools freed) where tha
 worth a try; only the devices measured again after the try decide between
 ``report-reclaimed`` and a ``report-leak`` with a restart request. :class:`LeakDecisions`
 answers each check with :class:`~accelsched.policy.proposals.Proposal` objects that the
-worker's one actor carries out; what it remembers of a device between checks is one
-:class:`DeviceLeak` record.
+worker's one actor carries out. What the worker's decisions remember of a device
+between checks (its health, its probation, its leak) is one :class:`DeviceRecord`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from accelsched.policy.proposals import Proposal
 __all__ = [
     "estimate",
     "Attribution",
-    "DeviceLeak",
+    "DeviceRecord",
     "LeakDecisions",
     "Remeasured",
     "Suspects",
@@ -56,8 +56,13 @@ def _grown(since: int | None, estimate: int, threshold: int) -> bool:
 
 
 @dataclass
-class DeviceLeak:
-    """Everything the leak decisions remember about one device between checks.
+class DeviceRecord:
+    """Everything the worker's decisions remember about one device between checks.
+
+    *Health* (:class:`~accelsched.policy.health.DeviceHealth`): withdrawn or not, how
+    often it failed, its good answers in a row since; *probation*
+    (:class:`~accelsched.policy.health.Probation`): when to ask again about a device left
+    out of the inventory. The rest is its leak's.
 
     *Reported*: while a restart is deferred the same leak is confirmed at every check; it
     is reported once, and again only when it grew by another threshold's worth.
@@ -75,6 +80,12 @@ class DeviceLeak:
     grown by another threshold since that try.
     """
 
+    failures: int = 0  # times withdrawn
+    good: int = 0  # answers in a row while withdrawn
+    withdrawn: bool = False  # failing NVML (or not steady yet): not offered
+    restart_asked: bool = False  # back, kept out: restart asked
+    probe_at: float | None = None  # when to ask NVML again (None: not on probation)
+    probe_wait: float = 0.0  # the wait after its next failed probe
     baseline: int | None = None  # context and handles: the smallest footprint seen
     estimate: int | None = None  # the last one judged (a busy device is not)
     above: int = 0  # consecutive checks above the threshold
@@ -246,8 +257,9 @@ class LeakDecisions:
     restart_on_leak: bool = True
     attribution: Attribution = field(default_factory=Attribution)
     max_wait: int = 20
-    _devices: defaultdict[int, DeviceLeak] = field(
-        default_factory=lambda: defaultdict(DeviceLeak), init=False
+    #: device -> its record, shared with the health decisions (one record per device)
+    devices: defaultdict[int, DeviceRecord] = field(
+        default_factory=lambda: defaultdict(DeviceRecord)
     )
     _runs: dict[str, int] = field(default_factory=dict, init=False)  # prefix -> runs started
     _round: _Round | None = field(default=None, init=False)
@@ -256,9 +268,9 @@ class LeakDecisions:
         if self.confirmations < 1:
             raise ValueError(f"invalid confirmations={self.confirmations!r}: expected >= 1")
 
-    def device(self, index: int) -> DeviceLeak:
+    def device(self, index: int) -> DeviceRecord:
         """What is remembered about device ``index`` (a new record the first time)."""
-        return self._devices[index]
+        return self.devices[index]
 
     def ran(self, prefix: str) -> None:
         """A task of ``prefix`` started: a suspect until the next clean check (O(1), on
@@ -387,7 +399,7 @@ class LeakDecisions:
             }
             detail = {"prefixes": s.prefixes, "attributed": s.ranked}
             out.append(Proposal("report-leak", v.device, figures=figures, detail=detail))
-        for record in self._devices.values():
+        for record in self.devices.values():
             record.above = 0
         if self.restart_on_leak:
             devices = tuple(v.device for v in held)

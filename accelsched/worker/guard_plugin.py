@@ -11,7 +11,7 @@ The parts (``accelsched/worker/``):
   created a CUDA context or grew this process's device memory.
 - :class:`~accelsched.worker.leak_check.LeakCheck`: every ``check_interval``, read the
   devices through NVML and estimate device memory nothing legitimate holds
-  (:class:`~accelsched.worker.leak_check.LiveResults` is what results hold); on a
+  (:class:`~accelsched.worker.ledger.Ledger` says what results hold); on a
   confirmed leak, ask for a lossless restart. Its heartbeat metric carries what only the
   worker knows to ``accelsched status``.
 - :class:`~accelsched.worker.worker_actor.WorkerActor`: carries out what those decisions propose
@@ -26,6 +26,7 @@ says to the scheduler is in :mod:`accelsched.protocol`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +36,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from accelsched import events, internals
 from accelsched.config import GUARD_OPTIONS, guard_options_here, resolve_options
 from accelsched.devices.records import DeviceInfo
-from accelsched.policy.health import DeviceHealth
-from accelsched.policy.leak import Attribution, Verdict
+from accelsched.policy.leak import Attribution, LeakDecisions, Verdict
 from accelsched.protocol import (
     DRAIN_HANDLER,
     GUARD_METRIC,
@@ -46,7 +46,7 @@ from accelsched.protocol import (
 )
 from accelsched.worker.binder import Binder
 from accelsched.worker.inventory import Inventory
-from accelsched.worker.leak_check import LeakCheck, LiveResults
+from accelsched.worker.leak_check import LeakCheck
 from accelsched.worker.ledger import Ledger
 from accelsched.worker.pool_freer import PoolFreer
 from accelsched.worker.preimport import preimport
@@ -79,7 +79,6 @@ class GuardPlugin(WorkerPlugin):
     binder: Binder
     ledger: Ledger  # what each GPU task and result holds, measured
     leaks: LeakCheck
-    live: LiveResults  # what results in memory hold, for the check
     rejoin: Rejoin | None  # devices left out at setup, asked again
 
     def __init__(self, **options: Any) -> None:
@@ -121,6 +120,8 @@ class GuardPlugin(WorkerPlugin):
             inv.monitor,
             residue=attribution.record,  # what each run left behind, by step
             left_nothing=attribution.left_nothing,
+            stored=functools.partial(internals.stored_value, worker),
+            idle=lambda: {d.index for d in inv.owned} - self.binder.leases.busy(),
         )
         self.binder = Binder(
             oom_exceptions=o["oom_exceptions"],
@@ -140,36 +141,29 @@ class GuardPlugin(WorkerPlugin):
                 fail=o["unrequested_gpu"] == "fail",
                 emit=self._emit,
             )
-        health = DeviceHealth()
-        live = self.live = LiveResults(ledger=ledger, owned=inv.owned, leases=self.binder.leases)
         self.leaks = LeakCheck(
-            monitor=inv.monitor,
-            owned=inv.owned,
-            granted=lambda: inv.granted,
-            withdrawn=lambda: inv.withdrawn,
-            health=health,
-            live=live,
+            inventory=inv,
+            binder=self.binder,
             ledger=ledger,
-            leases=self.binder.leases,
-            used=self.binder.used,
-            threshold=o["leak_threshold"],
-            confirmations=o["leak_confirmations"],
-            restart_on_leak=o["restart_on_leak"],
-            recover=o["recover_gpus"],
-            attribution=attribution,
             actor=WorkerActor(
                 inventory=inv,
                 set_devices=self._use_devices,
                 emit=self._emit,
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
             ),
-            executing=self.binder.leases.gpu_keys,
+            decisions=LeakDecisions(
+                o["leak_confirmations"],
+                o["restart_on_leak"],
+                attribution,
+                devices=inv.health.devices,  # one record per device
+            ),
+            threshold=o["leak_threshold"],
+            recover=o["recover_gpus"],
         )
         self._visible, self.rejoin = inv.visible, None
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
                 inventory=inv,
-                health=health,
                 interval=o["check_interval"],
                 report=self.report,
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
@@ -214,7 +208,7 @@ class GuardPlugin(WorkerPlugin):
         """
         if not self._visible:
             return
-        worker, leaks, live, running = self.worker, self.leaks, self.live, self.binder.leases
+        worker, leaks, ledger, running = self.worker, self.leaks, self.ledger, self.binder.leases
         if finish in _RUNNING:  # a function starts running in a thread (every task counts)
             running.started(key)
             if finish == "executing":
@@ -231,14 +225,14 @@ class GuardPlugin(WorkerPlugin):
             return
         if finish == "memory":
             computed = start in _RUNNING  # here: its function has returned
-            live.entered(worker, key, computed=computed)
+            ledger.entered(key, computed=computed)
             if computed:
                 self._ended(key)
                 return
         elif start == "memory":
-            live.released(key)
+            ledger.released(key)
         if finish == "forgotten":
-            live.forgotten(key)
+            ledger.drop(key)
         if key in running:  # started or ended, as its thread says (cancelled runs on)
             if internals.runs_in_thread(worker, key):
                 running.started(key)

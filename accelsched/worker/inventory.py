@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
+from accelsched.policy.health import DeviceHealth
 from accelsched.policy.ownership import Claim, decide_claim, declared_count, owned
 from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.protocol import (
@@ -67,7 +68,9 @@ class Inventory:
         self.claim = Claim(0, None)  # what this worker asks for
         self._take(self.monitor.devices())
         self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
-        self.withdrawn: set[int] = set()  # granted, but failing NVML: not offered
+        #: Which devices fail NVML (withdrawn: not offered), shared with the parts that
+        #: judge their answers.
+        self.health = DeviceHealth()
         self._ids = itertools.count()  # request ids: this process uses each once
         self.restart_pending = False
         #: Until when (monotonic) not to ask again for the same reason: the scheduler
@@ -131,14 +134,11 @@ class Inventory:
         self.granted = [d for d in self.owned if d.uuid in granted]
         return {"status": "OK", "devices": await self.offer(on_granted)}
 
-    def withdraw(self, device: int, out: bool = True) -> list[int]:
-        """Stop (``out``) or resume offering ``device``: returns the devices usable now."""
-        (self.withdrawn.add if out else self.withdrawn.discard)(device)
-        return self.usable
-
     @property
     def usable(self) -> list[int]:
-        return [d.index for d in self.granted if d.index not in self.withdrawn]
+        """The granted devices not withdrawn (as the health record says)."""
+        withdrawn = self.health.withdrawn
+        return [d.index for d in self.granted if d.index not in withdrawn]
 
     async def offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
         """Advertise the granted devices that are not withdrawn; returns their indices.

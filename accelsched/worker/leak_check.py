@@ -2,7 +2,7 @@
 
 Each check reads, through NVML, every owned device no GPU task holds: this process's
 memory there, and the device's memory info (what pools and users read). It takes off
-the baseline, live results (:class:`LiveResults`) and pool caches
+the baseline, live results (:meth:`~accelsched.worker.ledger.Ledger.live`) and pool caches
 (:func:`accelsched.policy.leak.estimate`), and lets
 :class:`~accelsched.policy.leak.LeakDecisions` judge the estimates. Every decision comes
 back as proposals, which one actor carries out
@@ -26,78 +26,24 @@ it in the worker's ``WorkerState``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
-from accelsched import internals
 from accelsched.config import Threshold
-from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
 from accelsched.devices.records import MemoryReading
-from accelsched.policy.health import Answer, DeviceHealth, judge_answers
-from accelsched.policy.leak import Attribution, LeakDecisions, Remeasured, Verdict, estimate
-from accelsched.policy.leases import LeaseTable
+from accelsched.policy.health import Answer, judge_answers
+from accelsched.policy.leak import LeakDecisions, Remeasured, Verdict, estimate
 from accelsched.protocol import GuardMetric
 from accelsched.worker.ledger import Ledger, net_of_pools
-from accelsched.worker.worker_actor import WorkerActor
 
 if TYPE_CHECKING:
-    from distributed import Worker
+    from accelsched.worker.binder import Binder
+    from accelsched.worker.inventory import Inventory
+    from accelsched.worker.worker_actor import WorkerActor
 
-__all__ = ["LeakCheck", "LiveResults"]
-
-
-class LiveResults:
-    """The device bytes each result in the worker's memory holds, and their sum per
-    device (``owned``: the inventory's list, kept up to date in place): legitimate, so the
-    leak estimate takes them off.
-
-    Every task's result passes here (worker event loop), so the common cases cost a few
-    comparisons: a result its GPU task measured is held at its measurement without a look
-    at its value, and an unmeasured number or string (what most tiny tasks return) holds
-    nothing on a device.
-    """
-
-    def __init__(self, *, ledger: Ledger, owned: list[DeviceInfo], leases: LeaseTable) -> None:
-        self._ledger = ledger
-        self._owned = owned
-        self._leases = leases
-        self._held: dict[Any, dict[int, int]] = {}  # key -> device bytes it holds
-        self._total: dict[int, int] = {}  # device -> bytes of live results
-
-    def entered(self, worker: Worker, key: Any, *, computed: bool) -> None:
-        """``key`` entered ``worker``'s memory: ``computed`` here (measured by its task,
-        else known by type), or data from elsewhere (a peer's transfer, a replica, a
-        scatter: known by type, else measured on its idle devices)."""
-        ledger = self._ledger
-        if computed and ledger.measured(key):  # what it holds is known without its value
-            held = ledger.held(key, None)
-        else:
-            value = internals.stored_value(worker, key)
-            if computed and ledger.holds_nothing(value):
-                return
-            if computed:
-                held = ledger.held(key, value)
-            else:  # measured on the devices no task holds
-                held = ledger.arrived(value, {d.index for d in self._owned} - self._leases.busy())
-        if held:
-            self._held[key] = held
-            for d, n in held.items():
-                self._total[d] = self._total.get(d, 0) + n
-
-    def released(self, key: Any) -> None:
-        for d, n in self._held.pop(key, {}).items():
-            self._total[d] = self._total.get(d, 0) - n
-            self._ledger.forget(d)  # its memory went back unmeasured
-
-    def forgotten(self, key: Any) -> None:
-        """``key`` left the worker: what its task was measured to hold goes too."""
-        self._ledger.drop(key)
-
-    def on(self, device: int) -> int:
-        """Bytes live results hold on ``device``."""
-        return self._total.get(device, 0)
+__all__ = ["LeakCheck"]
 
 
 class LeakCheck:
@@ -107,41 +53,25 @@ class LeakCheck:
     def __init__(
         self,
         *,
-        monitor: NVMLMonitor,
-        owned: list[DeviceInfo],
-        granted: Callable[[], list[DeviceInfo]],
-        withdrawn: Callable[[], set[int]],
-        health: DeviceHealth,
-        live: LiveResults,
+        inventory: Inventory,
+        binder: Binder,
         ledger: Ledger,
-        leases: LeaseTable,
-        used: set[int],
         actor: WorkerActor,
+        decisions: LeakDecisions,
         threshold: Threshold,
-        confirmations: int = 2,
-        restart_on_leak: bool = True,
         recover: bool = True,
-        executing: Callable[[], set[Hashable]] = set,
-        attribution: Attribution | None = None,
     ) -> None:
-        self._monitor = monitor
-        self._owned = owned  # the inventory's list, kept up to date in place
-        self._granted = granted
-        self._withdrawn = withdrawn
-        self._health = health
-        self._recover = recover  # ``recover_gpus``: a withdrawn device answering comes back
-        self._live = live
+        # the inventory's devices (its lists, kept up to date in place) and their health
+        # records, which ``decisions`` share; the binder's leases and used devices
+        self._inventory = inventory
+        self._binder = binder
         self._ledger = ledger
-        self._leases = leases
-        self._used = used  # devices GPU tasks of this worker held
         self._actor = actor
+        self._decisions = decisions
         self._threshold = threshold
-        self._executing = executing  # keys of GPU tasks in threads now
-        self._decisions = LeakDecisions(
-            confirmations, restart_on_leak, attribution=attribution or Attribution()
-        )
+        self._recover = recover  # ``recover_gpus``: a withdrawn device answering comes back
         #: A task of this prefix started (hot path: the decisions' own method, no call more).
-        self.ran: Callable[[str], None] = self._decisions.ran
+        self.ran: Callable[[str], None] = decisions.ran
         self.last_verdicts: list[Verdict] = []
         self.owed = False  # the last check skipped a busy device
         #: Checks completed since setup: tells a reader (a status page, a test waiting
@@ -156,31 +86,33 @@ class LeakCheck:
         results nor leaks, and the estimate means nothing until it ends. Which devices are
         busy is read before and after NVML, so a task starting in between is not judged.
         """
-        busy = self._leases.busy()
+        inv, leases = self._inventory, self._binder.leases
+        monitor, owned = inv.monitor, inv.owned
+        busy = leases.busy()
         pools = active_pools()
         # each owned device not busy, read; what the answers call for (withdraw, recover,
         # ask for a restart) is done before anything is judged
         readings: dict[int, MemoryReading] = {}
         answers: list[Answer] = []
-        for dev in self._owned:
+        for dev in owned:
             if dev.index in busy:
                 continue
             try:
-                readings[dev.index] = self._monitor.process_memory(dev.index)
-                self._monitor.used(dev.index)
+                readings[dev.index] = monitor.process_memory(dev.index)
+                monitor.used(dev.index)
             except Exception as exc:  # NVMLError: the device stopped answering
                 readings.pop(dev.index, None)
-                granted = dev in self._granted()  # not ours to offer: nothing to withdraw
+                granted = dev in inv.granted  # not ours to offer: nothing to withdraw
                 answers.append(Answer(dev.index, dev.uuid, error=repr(exc), granted=granted))
                 continue
             answers.append(Answer(dev.index, dev.uuid))
-        self._actor.apply(judge_answers(self._health, answers, recover=self._recover))
-        busy |= self._leases.busy()
-        used = self._used
+        self._actor.apply(judge_answers(inv.health, answers, recover=self._recover))
+        busy |= leases.busy()
+        used = self._binder.used
         # a device skipped while busy is judged as soon as a task ends (the guard calls
         # check again then): a queue of back-to-back GPU tasks holds it nearly always
-        self.owed = any(dev.index in busy and dev.index in used for dev in self._owned)
-        limits = {dev.index: self._threshold.resolve(dev.memory) for dev in self._owned}
+        self.owed = any(dev.index in busy and dev.index in used for dev in owned)
+        limits = {dev.index: self._threshold.resolve(dev.memory) for dev in owned}
         estimates: dict[int, tuple[int, int]] = {}
         for device, reading in readings.items():
             if device in busy or device not in used:
@@ -194,8 +126,8 @@ class LeakCheck:
         # recorded) but not yet taken its lease leaves its device unjudged or unused, and
         # a check then would wrongly clear its prefix as clean (under load, a leak was
         # reported with no suspects).
-        complete = not busy and not self._executing()
-        proposals = self._decisions.propose(verdicts, complete=complete, executing=self._executing)
+        complete = not busy and not leases.gpu_keys()
+        proposals = self._decisions.propose(verdicts, complete=complete, executing=leases.gpu_keys)
         start = monotonic()
         self._actor.apply(proposals)
         if self._decisions.trying:  # collected and freed: measure again, act on the outcome
@@ -208,7 +140,7 @@ class LeakCheck:
         its threshold (``limit``) is settled: its reading net of pools is a base for
         measuring what arrives from peers."""
         pool = sum((p.stats(device) for p in pools), PoolStats())
-        live = self._live.on(device)
+        live = self._ledger.live(device)
         baseline = self._decisions.device(device).observe_baseline(process, live, pool.held)
         leaked = estimate(process, baseline, live, pool)
         if leaked <= limit:
@@ -225,11 +157,11 @@ class LeakCheck:
         after: dict[int, Remeasured] = {}
         for device in self._decisions.trying:
             try:
-                reading = self._monitor.process_memory(device)
+                reading = self._inventory.monitor.process_memory(device)
             except Exception:  # NVMLError
                 after[device] = Remeasured(None)
                 continue
-            if device in self._leases.busy():
+            if device in self._binder.leases.busy():
                 self.owed = True
                 continue
             leaked = self._estimate(device, reading.nbytes, pools, limits[device])
@@ -242,11 +174,12 @@ class LeakCheck:
         heartbeat; O(devices + running GPU tasks)). A device a GPU task holds is not
         judged (its temporaries are no leak): its estimate is the last one made."""
         held: dict[int, int] = {}
-        for devices in self._leases.holders().values():
+        leases, inv = self._binder.leases, self._inventory
+        for devices in leases.holders().values():
             for d in devices:
                 held[d] = held.get(d, 0) + 1
-        withdrawn = self._withdrawn()
-        declared = self._leases.declared()
+        withdrawn = inv.health.withdrawn
+        declared = leases.declared()
         return {
             "devices": [
                 {
@@ -257,6 +190,6 @@ class LeakCheck:
                     "leak_threshold": self._threshold.resolve(dev.memory),
                     "declared": declared.get(dev.index, 0),
                 }
-                for dev in self._granted()
+                for dev in inv.granted
             ]
         }

@@ -7,6 +7,13 @@ of pool caches; the growth is held against the key the task produced until that 
 released (and the type's own figure, when known, is a second source). What the run added
 beyond its known result is its *residue*, the memory it left behind: attributed to its
 prefix. Data arriving from a peer is measured the same way when its device is idle.
+
+The ledger is also the one record of what each result in the worker's memory holds, and
+of their sum per device (:meth:`Ledger.live`): legitimate, so the leak estimate takes it
+off. Every task's result passes through :meth:`Ledger.entered` (worker event loop), so
+the common cases cost a few comparisons: a result its GPU task measured is held at its
+measurement without a look at its value, and an unmeasured number or string (what most
+tiny tasks return) holds nothing on a device.
 """
 
 from __future__ import annotations
@@ -54,12 +61,19 @@ class Ledger:
         *,
         residue: Callable[[str, dict[int, int]], None] | None = None,
         left_nothing: Callable[[str], None] | None = None,
+        stored: Callable[[Any], Any] = lambda key: None,
+        idle: Callable[[], set[int]] = set,
     ) -> None:
         self.monitor = monitor
         self.residue = residue  # (step or task prefix, bytes it left behind): attribution
         self.left_nothing = left_nothing or _ignore  # (task prefix): a run left nothing
+        self._stored = stored  # key -> its value in the worker's memory (or None)
+        self._idle = idle  # the owned devices no task holds now
         self._lock = threading.Lock()
-        self._measured: dict[Any, dict[int, int]] = {}  # key -> {device: bytes}
+        # key -> {device: bytes}: measured as its task returned, then what it holds while
+        # in memory (results from elsewhere too)
+        self._held: dict[Any, dict[int, int]] = {}
+        self._live: dict[int, int] = {}  # device -> bytes results in memory hold
         self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
         # device -> the reading that ended the last measured task there: the next task's
         # base, unless memory changed meanwhile (a key released, data arrived)
@@ -203,35 +217,61 @@ class Ledger:
                         self._settled[device] = self._fresh[device] = now
         if key is not None:
             with self._lock:
-                self._measured[key] = held
+                self._held[key] = held
         return residue, sum(held.values()) + sum(residue.values())
 
     # --- on the event loop ----------------------------------------------------------------
 
-    def held(self, key: Any, value: Any) -> dict[int, int]:
-        """What ``key`` holds: measured at production, else known from its type."""
+    def entered(self, key: Any, *, computed: bool) -> dict[int, int]:
+        """``key`` entered the worker's memory: ``computed`` here (measured by its task,
+        else known by type), or data from elsewhere (a peer's transfer, a replica, a
+        scatter: known by type, else measured on the idle devices). Held until
+        :meth:`released`; returns what it holds."""
+        measured = self._held.get(key) if computed else None
+        if measured is not None:  # the measurement wins: known without its value
+            held = {d: n for d, n in measured.items() if n}
+        else:
+            value = self._stored(key)
+            if computed:
+                held = {} if self.holds_nothing(value) else device_nbytes(value)
+            else:
+                held = self.arrived(value, self._idle())
         with self._lock:
-            measured = self._measured.pop(key, None)
-        if measured is not None:
-            # the measurement wins: type knowledge only where none exists
-            return {d: n for d, n in measured.items() if n}
-        return {} if self.holds_nothing(value) else device_nbytes(value)
+            if not held:
+                self._held.pop(key, None)
+                return held
+            self._held[key] = held
+        for d, n in held.items():
+            self._live[d] = self._live.get(d, 0) + n
+        return held
+
+    def released(self, key: Any) -> None:
+        """``key`` left the worker's memory: its memory went back unmeasured."""
+        with self._lock:
+            held = self._held.pop(key, {})
+        for d, n in held.items():
+            self._live[d] -= n
+            self.forget(d)
+
+    def live(self, device: int) -> int:
+        """Bytes results in the worker's memory hold on ``device``."""
+        return self._live.get(device, 0)
 
     @staticmethod
     def holds_nothing(value: Any) -> bool:
         """Whether ``value``, unmeasured, holds nothing on a device by its type alone (a
-        number, a string: :meth:`held` would say ``{}`` without asking anything)."""
+        number, a string: nothing to ask)."""
         return value is None or type(value) in _PLAIN
 
     def measured(self, key: Any) -> bool:
         """Whether ``key``'s task was measured (what it holds needs no look at its value)."""
-        return key in self._measured
+        return key in self._held
 
     def drop(self, key: Any) -> None:
         """``key`` will not enter memory (cancelled, forgotten): forget its measurement."""
-        if key in self._measured:
+        if key in self._held:
             with self._lock:
-                self._measured.pop(key, None)
+                self._held.pop(key, None)
 
     def arrived(self, value: Any, idle: set[int]) -> dict[int, int]:
         """What data from a peer holds: its type's figure, else the growth on idle

@@ -20,7 +20,7 @@ from time import monotonic
 
 from accelsched import events
 from accelsched.devices.nvml import DeviceInfo
-from accelsched.policy.health import DeviceHealth, Probation
+from accelsched.policy.health import Probation
 from accelsched.protocol import ReportReply
 from accelsched.worker.inventory import Inventory
 
@@ -36,7 +36,6 @@ class Rejoin:
         self,
         *,
         inventory: Inventory,
-        health: DeviceHealth,
         interval: float,
         report: Callable[[], Awaitable[ReportReply]],
         spawn: Callable[..., None],
@@ -45,7 +44,7 @@ class Rejoin:
     ) -> None:
         self.inventory = inventory
         # asked at the check's pace while it answers; at most every 30 s while it does not
-        self.probation = Probation(health, first=interval, longest=max(interval, 30.0))
+        self.probation = Probation(inventory.health, first=interval, longest=max(interval, 30.0))
         self._report = report
         self._spawn = spawn  # runs a coroutine function in the background
         self._emit = emit

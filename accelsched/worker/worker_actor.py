@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import itertools
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from accelsched import events
 from accelsched.policy.proposals import Proposal
@@ -66,15 +65,16 @@ class WorkerActor:
         self._emit(
             events.GPU_UNHEALTHY, device=p.subject, uuid=detail["uuid"], error=detail["error"]
         )
-        self._offer(p.subject, out=True)
+        self._offer()
 
     def recover(self, p: Proposal) -> None:
         self._emit(events.GPU_RECOVERED, device=p.subject, uuid=p.detail["uuid"])
-        self._offer(p.subject, out=False)
+        self._offer()
 
-    def _offer(self, device: Any, *, out: bool) -> None:
-        """Stop (or resume) offering a device: leases at once, the count right after."""
-        self._set_devices(self.inventory.withdraw(device, out))
+    def _offer(self) -> None:
+        """Offer what is usable now (the health record says which devices are out):
+        leases at once, the count right after."""
+        self._set_devices(self.inventory.usable)
         self._spawn(self.inventory.offer, self._set_devices)
 
     def report_leak(self, p: Proposal) -> None:

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from benchmarks.gpu.device import Device, GiB, MiB, no_event, per_call_us, stamp
@@ -107,8 +108,9 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.config import Threshold
     from accelsched.policy.health import DeviceHealth
+    from accelsched.policy.leak import LeakDecisions
     from accelsched.worker.binder import Binder
-    from accelsched.worker.leak_check import LeakCheck, LiveResults
+    from accelsched.worker.leak_check import LeakCheck
     from accelsched.worker.ledger import Ledger
     from accelsched.worker.pool_freer import PoolFreer
     from accelsched.worker.worker_actor import WorkerActor
@@ -121,25 +123,22 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     binder.set_devices([d.index for d in owned])
     binder.used.update(d.index for d in owned)
     ledger = Ledger(dev.monitor)
+    # what the check reads of the worker's inventory
+    inventory = SimpleNamespace(
+        monitor=dev.monitor, owned=owned, granted=owned, health=DeviceHealth()
+    )
     check = LeakCheck(
-        monitor=dev.monitor,
-        owned=owned,
-        granted=lambda: owned,
-        withdrawn=set,
-        health=DeviceHealth(),
-        live=LiveResults(ledger=ledger, owned=owned, leases=binder.leases),
+        inventory=inventory,  # type: ignore[arg-type]
+        binder=binder,
         ledger=ledger,
-        leases=binder.leases,
-        used=binder.used,
-        threshold=Threshold(nbytes=64 * 2**30),
-        confirmations=2,
-        restart_on_leak=False,
         actor=WorkerActor(
             inventory=None,  # no proposal here reaches the inventory
             set_devices=binder.set_devices,
             emit=no_event,
             spawn=lambda fn, *args: None,
         ),
+        decisions=LeakDecisions(2, restart_on_leak=False),
+        threshold=Threshold(nbytes=64 * 2**30),
     )
     assert check.check(), "the check looked at no device"
     return {"check_one_device": per_call_us(check.check, 200 if quick else 1000)}

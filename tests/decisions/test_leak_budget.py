@@ -6,7 +6,7 @@ import pytest
 
 from accelsched.devices.pool import PoolStats
 from accelsched.policy.budget import RestartBudget
-from accelsched.policy.leak import Attribution, DeviceLeak, LeakDecisions, Verdict, estimate
+from accelsched.policy.leak import Attribution, DeviceRecord, LeakDecisions, Verdict, estimate
 from tests.utils import GiB, MiB
 
 
@@ -32,18 +32,18 @@ def test_estimate_fixed_pool_is_retained_not_leaked() -> None:
 
 
 def test_baseline_takes_the_smallest_footprint() -> None:
-    b = DeviceLeak()
+    b = DeviceRecord()
     assert b.observe_baseline(process=500 * MiB, live=0, pool_held=200 * MiB) == 300 * MiB
     # results allocated from the pool are inside pool_held: not subtracted twice
     assert b.observe_baseline(process=1300 * MiB, live=1000 * MiB, pool_held=1000 * MiB) == (
         300 * MiB
     )
     # results from an allocator no pool reports
-    assert DeviceLeak().observe_baseline(process=1300 * MiB, live=1000 * MiB, pool_held=0) == (
+    assert DeviceRecord().observe_baseline(process=1300 * MiB, live=1000 * MiB, pool_held=0) == (
         300 * MiB
     )
     assert b.observe_baseline(process=450 * MiB, live=0, pool_held=200 * MiB) == 250 * MiB
-    assert DeviceLeak().observe_baseline(process=10, live=50, pool_held=0) == 0
+    assert DeviceRecord().observe_baseline(process=10, live=50, pool_held=0) == 0
 
 
 def judged(d: LeakDecisions, device: int, estimate: int, threshold: int) -> Verdict:

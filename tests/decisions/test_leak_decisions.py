@@ -251,12 +251,12 @@ class FakeInventory:
     """What the actor reaches of the inventory."""
 
     granted: list[Device] = field(default_factory=lambda: [Device(0), Device(1)])
-    withdrawn: set[int] = field(default_factory=set)
+    health: DeviceHealth = field(default_factory=lambda: DeviceHealth(streak=1))
     restarts: list[tuple[str, int]] = field(default_factory=list)
 
-    def withdraw(self, device: int, out: bool = True) -> list[int]:
-        (self.withdrawn.add if out else self.withdrawn.discard)(device)
-        return [d.index for d in self.granted if d.index not in self.withdrawn]
+    @property
+    def usable(self) -> list[int]:
+        return [d.index for d in self.granted if d.index not in self.health.withdrawn]
 
     async def offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
         return []
@@ -280,21 +280,23 @@ def test_the_actor_withdraws_and_offers_again_saying_so() -> None:
     inv = FakeInventory()
     actor, done = actor_for(inv)
     error = "NVMLError_GpuIsLost(15)"
-    actor.apply(judge_answers(DeviceHealth(streak=1), [Answer(1, "GPU-b", error)], recover=True))
+    actor.apply(judge_answers(inv.health, [Answer(1, "GPU-b", error)], recover=True))
     assert done == [
         ("gpu-unhealthy", {"device": 1, "uuid": "GPU-b", "error": error}),
         ("devices", [0]),
         ("spawn", "offer"),
     ]
-    assert inv.withdrawn == {1} and inv.restarts == []  # no restart into the fault
+    assert inv.health.withdrawn == {1} and inv.restarts == []  # no restart into the fault
     done.clear()
-    actor.apply([Proposal("recover", 1, detail={"uuid": "GPU-b"})])
+    proposals = judge_answers(inv.health, [Answer(1, "GPU-b")], recover=True)
+    assert proposals == [Proposal("recover", 1, detail={"uuid": "GPU-b"})]
+    actor.apply(proposals)
     assert done == [
         ("gpu-recovered", {"device": 1, "uuid": "GPU-b"}),
         ("devices", [0, 1]),
         ("spawn", "offer"),
     ]
-    assert inv.withdrawn == set()
+    assert inv.health.withdrawn == set()
 
 
 def test_the_actor_reports_leaks_with_the_events_fields_in_order(monkeypatch: Any) -> None:

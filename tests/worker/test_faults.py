@@ -307,6 +307,7 @@ def test_a_device_back_but_not_granted_is_reported_again_until_it_is() -> None:
             def __init__(self) -> None:
                 self.monitor = monitor
                 self.granted: list = []
+                self.health = DeviceHealth(streak=1)
 
             def rejoin(self, info) -> None:  # type: ignore[no-untyped-def]
                 monitor.adopt(info)
@@ -323,7 +324,6 @@ def test_a_device_back_but_not_granted_is_reported_again_until_it_is() -> None:
         pending: list = []
         rejoin = Rejoin(
             inventory=inventory,  # type: ignore[arg-type]
-            health=DeviceHealth(streak=1),
             interval=1.0,
             report=report,
             spawn=lambda fn, *args: pending.append(fn(*args)),

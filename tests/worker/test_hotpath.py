@@ -57,10 +57,12 @@ class Tasks:
         self.monitor = Counting()
         self.residues: list[tuple[str, dict[int, int]]] = []
         self.attribution = Attribution()  # runs seen to leave nothing, by prefix
+        self.results: dict[str, Any] = {}  # the worker's memory
         self.ledger = Ledger(
             self.monitor,
             residue=lambda name, left: self.residues.append((name, left)),
             left_nothing=self.attribution.left_nothing,
+            stored=self.results.get,
         )
         self.binder = Binder(
             oom_exceptions=(),
@@ -80,7 +82,8 @@ class Tasks:
         prefix = func.__name__
         key = f"{prefix}-{self.n}"
         runner = self.binder.gpu_runner(key, 1, prefix)
-        return key, runner(Task(key, func, *args), {})
+        result = self.results[key] = runner(Task(key, func, *args), {})
+        return key, result
 
 
 def test_no_context_no_reads_after_the_first_runs_of_a_prefix() -> None:
@@ -128,7 +131,7 @@ def test_the_task_after_a_context_is_made_is_measured(first: Any) -> None:
     tasks.run(inc, 1)  # no context: nothing measured, "no context" known
     tasks.run(first)  # makes the context (in a marked step, or in the task itself)
     key, frame = tasks.run(make_frame, 256 * MiB)
-    assert tasks.ledger.held(key, frame) == {0: 256 * MiB}
+    assert tasks.ledger.entered(key, computed=True) == {0: 256 * MiB}
 
 
 def test_a_known_prefix_that_makes_a_context_is_caught_by_its_pool() -> None:
@@ -144,7 +147,7 @@ def test_a_known_prefix_that_makes_a_context_is_caught_by_its_pool() -> None:
     inc_on_gpu.__name__ = "inc"
     tasks.run(inc_on_gpu, 1)  # not read around; its pool now holds memory
     key, frame = tasks.run(make_frame, 128 * MiB)
-    assert tasks.ledger.held(key, frame) == {0: 128 * MiB}
+    assert tasks.ledger.entered(key, computed=True) == {0: 128 * MiB}
 
 
 def test_a_context_no_pool_tells_of_waits_for_the_next_check() -> None:
@@ -166,7 +169,7 @@ def test_a_context_no_pool_tells_of_waits_for_the_next_check() -> None:
     tasks.ledger.recheck()
     tasks.run(inc, 1)
     key, frame = tasks.run(make_frame, 64 * MiB)
-    assert tasks.ledger.held(key, frame) == {0: 64 * MiB}
+    assert tasks.ledger.entered(key, computed=True) == {0: 64 * MiB}
 
 
 def test_a_result_holding_nothing_leaves_no_live_entry() -> None:
@@ -174,7 +177,8 @@ def test_a_result_holding_nothing_leaves_no_live_entry() -> None:
     tasks.run(warm_up)
     key, value = tasks.run(inc, 1)  # measured (a context exists): grew by nothing
     assert tasks.ledger.measured(key)
-    assert tasks.ledger.held(key, value) == {}
+    assert tasks.ledger.entered(key, computed=True) == {}
+    assert not tasks.ledger.measured(key) and tasks.ledger.live(0) == 0
     assert Ledger.holds_nothing(3) and Ledger.holds_nothing("x")
     assert not Ledger.holds_nothing(Frame.__new__(Frame))
 
