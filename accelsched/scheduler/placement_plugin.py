@@ -78,9 +78,7 @@ class PlacementPlugin(SchedulerPlugin):
     def _active(self) -> bool:
         """Whether this instance is the registered one (``unregister_scheduler_plugin``
         neither closes a plugin nor removes what its ``start`` installed)."""
-        return self.scheduler is not None and internals.is_registered(
-            self.scheduler, self.name, self
-        )
+        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
 
     # --- SchedulerPlugin hooks ----------------------------------------------------------
 
