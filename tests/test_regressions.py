@@ -15,7 +15,7 @@ from distributed.core import Status
 from distributed.utils_test import gen_cluster
 
 import accelsched
-import accelsched.scheduler.restarts as restarts_module
+import accelsched.scheduler.scheduler_actor as actor_module
 from accelsched import GuardPlugin
 from accelsched.devices.arrays import to_host
 from accelsched.protocol import GUARD_PLUGIN
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2, {"resources": {"GPU": 2}})], timeout=30)
 async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
     """GPU tasks that piled up during a drain must not land on the worker given up on."""
-    old = restarts_module.DRAIN_TIMEOUT
-    restarts_module.DRAIN_TIMEOUT = 1.0
+    old = actor_module.DRAIN_TIMEOUT
+    actor_module.DRAIN_TIMEOUT = 1.0
     try:
         await accelsched.register(c)
         await wait_for(lambda: gpus(s, a.address) == 2)
@@ -37,9 +37,7 @@ async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
         with dask.annotate(resources={"GPU": 1}):
             busy = c.submit(hold, "x", returns=1, key="busy")
         await wait_for(lambda: "busy" in s.tasks and s.tasks["busy"].state == "processing")
-        restart = asyncio.ensure_future(
-            plugin.restarts.restart(s.workers[a.address], "nanny", "leak")
-        )
+        restart = asyncio.ensure_future(plugin.actor.restart(s.workers[a.address], "nanny", "leak"))
         await wait_for(lambda: s.workers[a.address].status == Status.closing_gracefully)
         with dask.annotate(resources={"GPU": 1}):
             late = c.submit(accelsched.current_device, key="late")
@@ -51,7 +49,7 @@ async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
         assert await busy == 1
         del late
     finally:
-        restarts_module.DRAIN_TIMEOUT = old
+        actor_module.DRAIN_TIMEOUT = old
 
 
 def innocent_after(go: str, started: str | None = None) -> str:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+
+from distributed.diagnostics import nvml
 
 __all__ = ["start_despite_failing_gpu", "NEEDED"]
 
@@ -42,15 +43,8 @@ logger = logging.getLogger("accelsched.internals")
 NEEDED = ("init_once", "is_initialized", "device_get_count", "one_time", "real_time")
 
 
-def _module() -> Any:
-    from distributed.diagnostics import nvml
-
-    return nvml
-
-
 def missing() -> list[str]:
     """What of :data:`NEEDED` (and the state it sets) distributed no longer has."""
-    nvml = _module()
     gone = [f"distributed.diagnostics.nvml.{n} is gone" for n in NEEDED if not hasattr(nvml, n)]
     state = getattr(nvml, "NVMLState", None)
     if not hasattr(nvml, "NVML_STATE") or not hasattr(state, "DISABLED_LIBRARY_NOT_FOUND"):
@@ -61,7 +55,6 @@ def missing() -> list[str]:
 def start_despite_failing_gpu() -> bool:
     """Wrap distributed's ``init_once`` in this process (idempotent); False, and nothing
     changed, where distributed no longer has what the wrapper relies on."""
-    nvml = _module()
     if missing():
         logger.warning("accelsched: distributed's NVML diagnostics changed; not wrapped")
         return False
@@ -74,14 +67,14 @@ def start_despite_failing_gpu() -> bool:
         fresh = not nvml.is_initialized()
         original()
         if fresh and nvml.is_initialized():
-            _disable_if_unanswered(nvml)
+            _disable_if_unanswered()
 
     init_once.accelsched_wrapped = True  # type: ignore[attr-defined]
     nvml.init_once = init_once
     return True
 
 
-def _disable_if_unanswered(nvml: Any) -> None:
+def _disable_if_unanswered() -> None:
     """Ask the first visible device what ``SystemMonitor`` will; if NVML raises, run this
     process without distributed's GPU diagnostics, as after a failed ``nvmlInit``."""
     import pynvml

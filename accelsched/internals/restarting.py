@@ -41,11 +41,6 @@ def _holds_sole_copy(ws: WorkerState) -> bool:
     return any(len(ts.who_has or ()) < 2 for ts in ws.has_what)
 
 
-def _copied(scheduler: Scheduler, ws: WorkerState) -> bool:
-    """Every key ``ws`` holds has another copy, and ``ws`` is still the registered one."""
-    return scheduler.workers.get(ws.address) is ws and not _holds_sole_copy(ws)
-
-
 async def replace_worker(
     scheduler: Scheduler,
     ws: WorkerState,
@@ -112,7 +107,9 @@ async def _retire(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> bo
     scheduler._ongoing_background_tasks.call_soon(retirement)
     await asyncio.sleep(0)  # retire_workers marked it retiring and kicked the memory manager
     while not outcome:
-        if WATCH_RETIREMENT and _copied(scheduler, ws):
+        # every key it holds has another copy, and it is still the registered one
+        registered = scheduler.workers.get(ws.address) is ws
+        if WATCH_RETIREMENT and registered and not _holds_sole_copy(ws):
             return True
         await asyncio.sleep(RETIRE_POLL)
     if isinstance(outcome[0], Exception):

@@ -6,7 +6,6 @@ from collections.abc import Callable, Collection, Mapping
 from time import time
 from typing import TYPE_CHECKING, Any
 
-from distributed.core import Status
 from distributed.protocol import pickle
 
 from accelsched.protocol import GPU, GPU_MEMORY
@@ -18,12 +17,6 @@ if TYPE_CHECKING:
 ORIGINAL = "__accelsched_original__"
 
 # --- scheduler: plugins -----------------------------------------------------------------
-
-
-def is_registered(scheduler: Scheduler, name: str, plugin: Any) -> bool:
-    """Whether ``plugin`` is the one registered under ``name`` (distributed neither closes
-    an unregistered plugin nor removes what its ``start`` installed)."""
-    return scheduler.plugins.get(name) is plugin
 
 
 def notify_unregistered(scheduler: Scheduler) -> None:
@@ -114,18 +107,6 @@ def share_worker_restriction(ts: TaskState, workers: set[str]) -> None:
 def restricted_to(ts: TaskState) -> set[str]:
     """The workers ``ts`` is restricted to (empty: none named)."""
     return set(ts.worker_restrictions or ())
-
-
-def processing_on(ts: TaskState) -> str | None:
-    """The address of the worker ``ts`` was sent to (None: not processing)."""
-    ws = ts.processing_on
-    return None if ws is None else ws.address
-
-
-def in_service(scheduler: Scheduler, address: str) -> bool:
-    """Whether ``address`` is a worker in service: not draining, closing or gone."""
-    ws = scheduler.workers.get(address)
-    return ws is not None and ws.status in (Status.running, Status.paused)
 
 
 def largest_gpu_count(scheduler: Scheduler) -> float:

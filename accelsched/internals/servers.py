@@ -47,12 +47,3 @@ def spawn(server: Any, fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` (a coroutine function) in the background; the server's close
     cancels it, and its exceptions are logged by distributed."""
     server._ongoing_background_tasks.call_soon(fn, *args)
-
-
-def call_later(server: Any, delay: float, fn: Callable[[], None]) -> Any:
-    """Call ``fn`` on the server's event loop after ``delay`` seconds; returns a handle."""
-    return server.loop.call_later(delay, fn)
-
-
-def cancel_call(server: Any, handle: Any) -> None:
-    server.loop.remove_timeout(handle)

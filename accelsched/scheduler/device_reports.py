@@ -6,8 +6,12 @@ verdict (``gpu-verified``, ``gpu-rejected``, ``gpu-corrected``) and answers with
 granted. Later the guard offers how many of them it can serve now (fewer while one is
 withdrawn), and placement follows (below).
 
-A report from a process since replaced at that address, or one seen before, is refused
-(:mod:`accelsched.scheduler.authority`). When a worker
+Every request from a worker (these two, and ``accelsched_restart``) is acted on only if
+the process it comes from is the one the scheduler holds at the address it names, and
+only once per id (:class:`~accelsched.policy.requests.Requests`; :meth:`DeviceReports.admits`):
+a late request from a process since replaced, or one replayed, is refused and logged as a
+``request-refused`` event. The threat model is distributed's (docs/architecture.md):
+anyone connected is trusted; what is guarded against are accidents. When a worker
 leaves, the workers refused one of its GPUs are asked to report again, so a GPU whose
 owner left does not sit unused.
 
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
 from accelsched.display import metrics
+from accelsched.policy.requests import Requests
 from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.protocol import (
     GPU,
@@ -41,7 +46,6 @@ from accelsched.protocol import (
     OfferReply,
     report_problem,
 )
-from accelsched.scheduler.authority import Authority
 from accelsched.scheduler.grants import Grants
 
 if TYPE_CHECKING:
@@ -62,7 +66,6 @@ class DeviceReports:
         scheduler: Scheduler,
         *,
         grants: Grants,
-        authority: Authority,
         emit: Callable[..., None],
         active: Callable[[], bool],
         gained: Callable[[str], None],
@@ -73,7 +76,7 @@ class DeviceReports:
         it meets gain it)."""
         self.scheduler = scheduler
         self._grants = grants
-        self._authority = authority
+        self._requests = Requests()
         self._emit = emit
         self._active = active
         self._gained = gained
@@ -109,10 +112,23 @@ class DeviceReports:
         metrics.stop_gpus(self._grants.gauge)
 
     def remove_worker(self, worker: str) -> None:
-        """Free the worker's GPUs; workers refused one of them are asked to report again."""
+        """Free the worker's GPUs (workers refused one of them are asked to report
+        again); the request ids of its process go with it."""
+        self._requests.forget(worker)
         for other in self._grants.remove(worker):
             if other in self.scheduler.workers:
                 internals.spawn(self.scheduler, self._ask_report, other)
+
+    def admits(self, worker: str, process: Any, request: Any, handler: str) -> bool:
+        """Whether to act on ``request`` to ``handler``, naming ``worker``, from
+        ``process`` (a worker unknown here: no, and no event; its handler says so)."""
+        ws = self.scheduler.workers.get(worker)
+        registered = None if ws is None else ws.server_id
+        refusal = self._requests.refusal(worker, process, registered, request)
+        if refusal is not None and ws is not None:
+            logger.warning("accelsched: refused %s naming %s: %s", handler, worker, refusal)
+            self._emit(events.REQUEST_REFUSED, worker, handler=handler, reason=refusal)
+        return refusal is None
 
     async def _ask_report(self, addr: str) -> None:
         try:
@@ -142,7 +158,7 @@ class DeviceReports:
             return {"status": "no-plugin"}
         if worker not in self.scheduler.workers:
             return {"status": "unknown-worker"}
-        if not self._authority.admits(worker, process, request, INVENTORY_HANDLER):
+        if not self.admits(worker, process, request, INVENTORY_HANDLER):
             return {"status": "refused"}
         if (problem := report_problem(devices, requested)) is not None:  # nothing granted
             logger.warning("accelsched: refused the GPU report of %s: %s", worker, problem)
@@ -192,7 +208,7 @@ class DeviceReports:
             return {"status": "unknown-worker", "count": 0}
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             return {"status": "invalid", "count": 0}
-        if not self._authority.admits(worker, process, request, OFFER_HANDLER):
+        if not self.admits(worker, process, request, OFFER_HANDLER):
             return {"status": "refused", "count": 0}
         self._grants.offer(worker, count)
         self.place(ws)

@@ -58,6 +58,7 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 import dask.config
+from distributed.core import Status
 
 from accelsched import events, internals
 from accelsched.policy.leases import devices_needed
@@ -384,10 +385,11 @@ class Fallback:
         # note where it was sent; one its worker sent back (no device there can hold it
         # now) goes elsewhere, or waits
         if finish == "processing":
-            task.sent = internals.processing_on(ts) or task.sent
+            task.sent = ts.processing_on.address if ts.processing_on else task.sent
         elif start == "processing" and stimulus_id.startswith(_SENT_BACK):
             worker, task.sent = task.sent, None
-            if worker is not None and internals.in_service(self.scheduler, worker):  # no drain
+            ws = self.scheduler.workers.get(worker) if worker is not None else None
+            if ws is not None and ws.status in (Status.running, Status.paused):  # no drain
                 task.eligible.workers.discard(worker)
 
     def _enter(self, ts: Any, task: GpuTask, since: float) -> None:
@@ -499,14 +501,14 @@ class Fallback:
         if at is None or (self._timer is not None and self._timer[0] <= at):
             return
         if self._timer is not None:
-            internals.cancel_call(self.scheduler, self._timer[1])
+            self.scheduler.loop.remove_timeout(self._timer[1])
 
         def fire() -> None:
             self._timer = None
             self.check()
 
         delay = max(0.0, at - monotonic()) + 0.001
-        self._timer = (at, internals.call_later(self.scheduler, delay, fire))
+        self._timer = (at, self.scheduler.loop.call_later(delay, fire))
 
     def _warn_no_workers(self, timeout: float | None) -> None:
         """Warn once when distributed's ``no-workers-timeout`` would fail unplaced tasks

@@ -3,19 +3,16 @@
 distributed treats ``resources={"GPU": n}`` as a label a worker declares. This plugin
 makes the label mean something, through its parts (``accelsched/scheduler/``):
 
-- :class:`~accelsched.scheduler.authority.Authority`: a worker's request is acted on
-  once, and only from the process it names; drain orders reach the process meant.
 - :class:`~accelsched.scheduler.grants.Grants`: what each worker was granted (one owner
   per GPU UUID), declared, offers, and whether it is quarantined.
 - :class:`~accelsched.scheduler.device_reports.DeviceReports`: the guards' inventory and
-  offers; the GPU count placement uses, from the grant; re-offer of ``no-worker`` tasks.
+  offers; the GPU count placement uses, from the grant; re-offer of ``no-worker`` tasks;
+  a worker's request is acted on once, and only from the process it names.
 - :class:`~accelsched.scheduler.fallback.Fallback`: a GPU task unrunnable past its
   ``fallback_timeout`` runs its CPU form.
-- :class:`~accelsched.scheduler.restarts.Restarts`: a leaking worker is restarted
-  without losing data, or quarantined.
 - :class:`~accelsched.scheduler.scheduler_actor.SchedulerActor`: carries out what the decisions
-  propose (fallbacks, restarts, deferrals, quarantine: a worker's GPUs out of
-  placement), in one place.
+  propose (fallbacks, restarts without losing data, deferrals, quarantine: a worker's
+  GPUs out of placement), in one place; drain orders reach the process meant.
 - :class:`~accelsched.scheduler.snapshot.StatusHistory`: the status snapshot and its history.
 
 The plugin itself only wires distributed's hooks to those parts, checks at start that
@@ -37,11 +34,9 @@ from accelsched.display import dashboard_page, metrics
 from accelsched.policy.budget import RestartBudget
 from accelsched.policy.proposals import Proposal
 from accelsched.protocol import GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
-from accelsched.scheduler.authority import Authority
 from accelsched.scheduler.device_reports import DeviceReports
 from accelsched.scheduler.fallback import Fallback
 from accelsched.scheduler.grants import Grants
-from accelsched.scheduler.restarts import Restarts
 from accelsched.scheduler.scheduler_actor import SchedulerActor
 from accelsched.scheduler.snapshot import StatusHistory
 
@@ -68,11 +63,9 @@ class PlacementPlugin(SchedulerPlugin):
     status_history: StatusHistory | None = (
         None  # until start: events logged before are replayed then
     )
-    authority: Authority
     grants: Grants
     fallback: Fallback
     reports: DeviceReports
-    restarts: Restarts
     actor: SchedulerActor
 
     def __init__(self, **options: Any) -> None:
@@ -85,9 +78,7 @@ class PlacementPlugin(SchedulerPlugin):
     def _active(self) -> bool:
         """Whether this instance is the registered one (``unregister_scheduler_plugin``
         neither closes a plugin nor removes what its ``start`` installed)."""
-        return self.scheduler is not None and internals.is_registered(
-            self.scheduler, self.name, self
-        )
+        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
 
     # --- SchedulerPlugin hooks ----------------------------------------------------------
 
@@ -103,7 +94,6 @@ class PlacementPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         o, emit, active = self.options, self._emit, self._active
         internals.notify_unregistered(scheduler)
-        self.authority = Authority(scheduler, emit=emit)
         self.grants = grants = Grants(share_gpus=o["share_gpus"])
         self.fallback = Fallback(
             scheduler,
@@ -118,31 +108,22 @@ class PlacementPlugin(SchedulerPlugin):
         self.reports = DeviceReports(
             scheduler,
             grants=grants,
-            authority=self.authority,
             emit=emit,
             active=active,
             gained=self.fallback.follow,
         )
         self.reports.start()
         budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
-        self.restarts = Restarts(
-            scheduler,
-            budget=budget,
-            authority=self.authority,
-            emit=emit,
-            active=active,
-            act=self._act,
-        )
-        internals.install_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
         self.actor = SchedulerActor(
             scheduler,
             fallback=self.fallback,
-            restarts=self.restarts,
             grants=grants,
-            counts=self.reports,
-            authority=self.authority,
+            reports=self.reports,
+            budget=budget,
             emit=emit,
+            active=active,
         )
+        internals.install_handler(scheduler, RESTART_HANDLER, self.actor.handle_restart)
         history = StatusHistory(
             scheduler, grants, waiting=self.fallback.waiting_counts, options=self.options
         )
@@ -160,7 +141,7 @@ class PlacementPlugin(SchedulerPlugin):
         if scheduler is None or self.status_history is None:
             return  # never started
         self.fallback.close()
-        internals.remove_handler(scheduler, RESTART_HANDLER, self.restarts.handle_restart)
+        internals.remove_handler(scheduler, RESTART_HANDLER, self.actor.handle_restart)
         self.reports.stop()
         self.status_history.stop()
 
@@ -187,7 +168,6 @@ class PlacementPlugin(SchedulerPlugin):
         self.actor.remove_worker(worker)
         self.reports.remove_worker(worker)
         self.fallback.follow(worker)  # its classes lose it
-        self.authority.forget(worker)
 
     def update_graph(
         self, scheduler: Scheduler, *, tasks: list | None = None, **kwargs: Any

@@ -1,4 +1,4 @@
-"""The one place the scheduler acts on a decision.
+"""The one place the scheduler acts on a decision, restarts included.
 
 distributed's Active Memory Manager has its policies suggest and acts in one place;
 accelsched does the same. The decisions (:mod:`accelsched.policy`) answer with
@@ -12,17 +12,29 @@ fall-back  :meth:`Fallback.fall_back <accelsched.scheduler.fallback.Fallback.fal
            per check (one per task up to a few)
 err        :meth:`Fallback.err <accelsched.scheduler.fallback.Fallback.err>`: the task
            errs, naming why it can never be placed
-restart    :meth:`Restarts.begin <accelsched.scheduler.restarts.Restarts.begin>`:
-           drain, retire, check, restart, in the background
+restart    :meth:`SchedulerActor.restart`: drain, retire, check, restart, in the
+           background
 defer      ``restart-deferred`` (when its reason is news), and quarantine
 quarantine :meth:`SchedulerActor.quarantine`, reason ``restart-<reason>``
            (``restart-budget``)
 ========== ============================================================================
 
+A restart: a worker's guard asks (``accelsched_restart``, admitted once and only from
+the process it names: :meth:`DeviceReports.admits
+<accelsched.scheduler.device_reports.DeviceReports.admits>`);
+:func:`accelsched.policy.budget.admit_restart` proposes what to do and
+:func:`accelsched.policy.budget.restart_reply` is the answer. An admitted restart drains
+the worker (its guard sends queued GPU tasks back to the scheduler, its executing tasks
+finish), retires it (its keys move to peers), checks that worked, then restarts it
+through its nanny (:func:`accelsched.internals.replace_worker`). When that cannot happen
+without loss, the restart is deferred.
+
 Quarantine: a worker whose restart cannot happen now, or that restarted too often lately,
 keeps leaking. Its GPUs leave placement (its GPU count is 0) until it leaves, and the GPU
 tasks already sent to it go elsewhere or fall back: its guard sends them back as they
-reach execution, once told to drain. A restarted worker registers anew, unquarantined.
+reach execution, once told to drain (:meth:`SchedulerActor.tell_draining`; the order
+names the process it is meant for: a new process that took the address since ignores
+it). A restarted worker registers anew, unquarantined.
 
 A worker that asked for its restart because a device failed keeps the devices that
 answer (``keep_devices``, :func:`accelsched.policy.budget.keeps_devices`): its deferral is
@@ -31,45 +43,58 @@ said but quarantines nothing, and over its budget nothing happens.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from functools import partial
+from time import monotonic, time
+from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
+from accelsched.policy.budget import RestartBudget, admit_restart, keeps_devices, restart_reply
 from accelsched.policy.proposals import Proposal
-from accelsched.scheduler.authority import Authority
+from accelsched.protocol import DRAIN_HANDLER, RESTART_HANDLER, RestartReply
 from accelsched.scheduler.device_reports import DeviceReports
 from accelsched.scheduler.grants import Grants
 
 if TYPE_CHECKING:
     from distributed import Scheduler
+    from distributed.scheduler import WorkerState
 
     from accelsched.scheduler.fallback import Fallback
-    from accelsched.scheduler.restarts import Restarts
 
-__all__ = ["SchedulerActor"]
+__all__ = ["SchedulerActor", "DRAIN_TIMEOUT"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a restart waits for the worker's executing tasks before giving up.
+DRAIN_TIMEOUT = 300.0
+#: How long a restart waits for the old process to leave the scheduler.
+GONE_TIMEOUT = 30.0
 
 
 class SchedulerActor:
-    """Carries out every scheduler-side proposal."""
+    """Carries out every scheduler-side proposal; serves the restart handler."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         *,
         fallback: Fallback,
-        restarts: Restarts,
         grants: Grants,
-        counts: DeviceReports,
-        authority: Authority,
+        reports: DeviceReports,
+        budget: RestartBudget,
         emit: Callable[..., None],
+        active: Callable[[], bool],
     ) -> None:
         self.scheduler = scheduler
         self._fallback = fallback
-        self._restarts = restarts
         self._grants = grants
-        self._counts = counts
-        self._authority = authority
+        self._reports = reports
+        self.budget = budget
         self._emit = emit
+        self._active = active
+        self._retire_lock = asyncio.Lock()  # see internals.replace_worker
         self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
 
     def remove_worker(self, worker: str) -> None:
@@ -85,7 +110,7 @@ class SchedulerActor:
             elif p.action == "err":
                 self._fallback.err(p)
             elif p.action == "restart":
-                self._restarts.begin(str(p.subject), p.reason or "leak")
+                self.begin(str(p.subject), p.reason or "leak")
             elif p.action == "defer":
                 self.defer(str(p.subject), p.reason or "", quarantine=not keep_devices)
             elif p.action == "quarantine":
@@ -112,7 +137,101 @@ class SchedulerActor:
         ws = self.scheduler.workers.get(worker)
         if ws is None or not self._grants.quarantine(worker, reason):
             return
-        self._counts.zero(ws)
+        self._reports.zero(ws)
         # GPU tasks already sent to it go elsewhere too
-        internals.spawn(self.scheduler, self._authority.tell_draining, worker, True)
+        internals.spawn(self.scheduler, self.tell_draining, worker, True)
         self._emit(events.QUARANTINE, worker, reason=reason)
+
+    async def tell_draining(self, worker: str, on: bool) -> None:
+        """Order the worker's guard to send GPU tasks back as they reach execution (or to
+        run them again).
+
+        distributed sends every GPU task to a valid worker at once; a worker restarting
+        or quarantined would otherwise work through its queue. Only the worker knows which
+        tasks it runs, so it turns the rest away itself (distributed's ``Reschedule``):
+        nothing that finished is released, nothing runs twice. The order names the
+        process it is meant for; a worker without a guard works through its queue.
+        """
+        ws = self.scheduler.workers.get(worker)
+        if ws is None:
+            return  # gone: nothing to drain
+        try:
+            await getattr(self.scheduler.rpc(worker), DRAIN_HANDLER)(on=on, process=ws.server_id)
+        except Exception as exc:  # gone, or no guard
+            logger.debug("accelsched: %s was not told to drain (%s): %r", worker, on, exc)
+
+    # --- restarts ------------------------------------------------------------------------
+
+    async def handle_restart(
+        self,
+        comm: Any,
+        worker: str,
+        process: str = "",
+        request: str = "",
+        reason: str = "leak",
+        **figures: Any,
+    ) -> RestartReply:
+        """A worker asks to be restarted, from the process registered at that address,
+        once per request id: a late request from a process since replaced does not
+        restart the new one. The restart runs in the background; the reply says whether
+        it was accepted."""
+        if not self._active():
+            return {"status": "no-plugin"}
+        ws = self.scheduler.workers.get(worker)
+        if ws is None or not self._reports.admits(worker, process, request, RESTART_HANDLER):
+            return restart_reply(None, authentic=False)
+        proposal = admit_restart(
+            self.budget,
+            ws.nanny or worker,
+            monotonic(),
+            worker=worker,
+            why=reason,
+            authentic=True,
+            has_nanny=ws.nanny is not None,
+            has_peer=internals.has_running_peer(self.scheduler, ws),
+        )
+        if proposal is not None:
+            self.act([proposal], keep_devices=keeps_devices(reason))
+        return restart_reply(proposal)
+
+    def begin(self, worker: str, why: str) -> None:
+        """Start the admitted restart of ``worker`` in the background; its budget is
+        spent until it ends."""
+        ws = self.scheduler.workers[worker]  # admitted just now, with no wait since
+        assert ws.nanny is not None
+        internals.spawn(self.scheduler, self.restart, ws, ws.nanny, why)
+
+    async def restart(self, ws: WorkerState, budget_key: str, why: str) -> None:
+        """Drain, retire, check, restart: the only order that loses nothing. Given up,
+        the restart is deferred first (a leaking worker is quarantined), then the worker
+        taken back into service: in this order the GPU tasks that piled up during the
+        drain are not offered to the worker that leaks, they wait for (or fall back
+        from) other GPUs."""
+        scheduler = self.scheduler
+        start, previous = monotonic(), ws.status
+        stimulus_id = f"accelsched-restart-{time()}"
+        outcome: dict[str, int] | str | None = None
+        try:
+            outcome = await internals.replace_worker(
+                scheduler,
+                ws,
+                stimulus_id,
+                tell_draining=partial(self.tell_draining, ws.address),
+                lock=self._retire_lock,
+                drain_timeout=DRAIN_TIMEOUT,
+                gone_timeout=GONE_TIMEOUT,
+            )
+        except Exception as exc:
+            logger.exception("accelsched: restart of %s failed", ws.address)
+            outcome = f"restart-failed: {exc!r}"
+        finally:
+            self.budget.done(budget_key, counted=isinstance(outcome, dict))
+        if isinstance(outcome, dict):
+            seconds = round(monotonic() - start, 3)
+            self._emit(events.RESTART, ws.address, reason=why, **outcome, seconds=seconds)
+        elif outcome is not None:
+            keep = keeps_devices(why)
+            self.act([Proposal("defer", ws.address, outcome)], keep_devices=keep)
+            internals.resume(scheduler, ws, previous, stimulus_id)
+            if keep:  # back in service with its devices that answer: run GPU tasks
+                internals.spawn(scheduler, self.tell_draining, ws.address, False)

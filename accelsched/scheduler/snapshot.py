@@ -165,7 +165,8 @@ class StatusHistory:
         reveal."""
         workers = sorted(
             (self._worker(ws) for ws in list(self.scheduler.workers.values())),
-            key=lambda w: _natural(w["name"]),
+            # in a person's order: 2 before 10, numbers before words
+            key=lambda w: (0, int(n), "") if (n := w["name"]).isdigit() else (1, 0, n),
         )
         return {
             "version": STATUS_VERSION,
@@ -277,8 +278,3 @@ def _integer(value: Any, least: int = 0) -> bool:
     """An int from ``least`` on that a reader can turn into a float (a byte count, a lease
     count; a leak estimate may be negative)."""
     return isinstance(value, int) and not isinstance(value, bool) and least <= value < 2**63
-
-
-def _natural(name: str) -> tuple[int, int, str]:
-    """Worker names in a person's order: 2 before 10, numbers before words."""
-    return (0, int(name), "") if name.isdigit() else (1, 0, name)

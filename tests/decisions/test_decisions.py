@@ -252,14 +252,15 @@ def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
     actor = SchedulerActor(
         parts,  # type: ignore[arg-type]
         fallback=parts,  # type: ignore[arg-type]
-        restarts=parts,  # type: ignore[arg-type]
         grants=parts,  # type: ignore[arg-type]
-        counts=parts,  # type: ignore[arg-type]
-        authority=parts,  # type: ignore[arg-type]
+        reports=parts,  # type: ignore[arg-type]
+        budget=parts,  # type: ignore[arg-type]
         emit=parts.calls.append,
+        active=lambda: True,
     )
     # its own steps, recorded: what each proposal leads to, in order
-    actor.defer, actor.quarantine = parts.defer, parts.quarantine  # type: ignore[method-assign]
+    actor.begin, actor.defer = parts.begin, parts.defer  # type: ignore[method-assign]
+    actor.quarantine = parts.quarantine  # type: ignore[method-assign]
     actor.act(
         [
             fall_back("x", TIMEOUT, 5.0),

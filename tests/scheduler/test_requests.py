@@ -67,10 +67,10 @@ async def test_a_drain_order_meant_for_another_process_is_refused(c, s, a):
 async def test_the_schedulers_own_drain_order_is_obeyed(c, s, a):
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.address) == 1)
-    authority = s.plugins["accelsched-placement"].authority
-    await authority.tell_draining(a.address, True)
+    actor = s.plugins["accelsched-placement"].actor
+    await actor.tell_draining(a.address, True)
     assert guard(a).inventory.draining is True
-    await authority.tell_draining(a.address, False)
+    await actor.tell_draining(a.address, False)
     assert guard(a).inventory.draining is False
     assert not events(s, "request-refused")
 
