@@ -43,6 +43,20 @@ def _free(pools: list[DevicePool], device: int) -> int:
         return sum(pool.free_all() for pool in pools)
 
 
+def caches_enough(pools: list[DevicePool], devices: tuple[int, ...], minimum: int) -> bool:
+    """Whether the pools cache at least ``minimum`` bytes on one of ``devices``: freeing
+    less is not worth a task's time. RMM owning the device pool (a fixed reserve that
+    never shrinks) has no figure to wait for (CuPy's pinned host pool can be freed)."""
+    try:
+        per_device = [[pool.stats(device) for pool in pools] for device in devices]
+    except Exception:  # a pool that cannot say: free, as before
+        return True
+    return any(
+        any(s.fixed for s in stats) or sum(s.cached for s in stats) >= minimum
+        for stats in per_device
+    )
+
+
 class PoolFreer:
     """Called in a GPU task's thread as it ends, with the devices it held."""
 
@@ -66,18 +80,8 @@ class PoolFreer:
         pools = active_pools()
         if not pools:
             return
-        if self.minimum > 0:
-            try:
-                per_device = [[pool.stats(device) for pool in pools] for device in devices]
-            except Exception:  # a pool that cannot say: free, as before
-                per_device = []
-            # what the pools cache: RMM owning the device pool (a fixed reserve that never
-            # shrinks) has no figure to wait for (CuPy's pinned host pool can be freed)
-            if per_device and not any(
-                any(s.fixed for s in stats) or sum(s.cached for s in stats) >= self.minimum
-                for stats in per_device
-            ):
-                return
+        if self.minimum > 0 and not caches_enough(pools, devices, self.minimum):
+            return
         if self.above > 0:
             try:
                 fractions = [self.monitor.used(d) / self.monitor.device(d).memory for d in devices]

@@ -145,11 +145,13 @@ class _Pool:
 
 def test_freeing_waits_for_a_cache_worth_it_except_under_rmm() -> None:
     from accelsched.devices.pool import PoolStats
-    from accelsched.worker.pool_freer import PoolFreer
+    from accelsched.worker.pool_freer import caches_enough
 
-    freer = PoolFreer(every=1, above=0, monitor=None, minimum=64 * MiB)  # type: ignore[arg-type]
-    assert not freer._caches_enough([_Pool(PoolStats(cached=MiB))], (0,))
-    assert freer._caches_enough([_Pool(PoolStats(cached=64 * MiB))], (0,))
+    def enough(stats: PoolStats) -> bool:
+        return caches_enough([_Pool(stats)], (0,), 64 * MiB)  # type: ignore[list-item]
+
+    assert not enough(PoolStats(cached=MiB))
+    assert enough(PoolStats(cached=64 * MiB))
     # RMM owns the device pool (a fixed reserve, nothing cached): the pinned pool is
     # still freed, as before the threshold existed
-    assert freer._caches_enough([_Pool(PoolStats(held=GiB, fixed=GiB))], (0,))
+    assert enough(PoolStats(held=GiB, fixed=GiB))
