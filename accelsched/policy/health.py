@@ -118,7 +118,7 @@ def judge_answers(
 @dataclass
 class Probation:
     """Devices a process left out of its inventory (they did not answer NVML then): when
-    to ask each again, and when one is back.
+    to ask each again, when one is back, and when to report it again until granted.
 
     A device left out at a start (often right after a restart its failure caused) is
     asked again after ``first`` seconds, and the wait doubles with each failed probe up to
@@ -127,7 +127,9 @@ class Probation:
     answered as steadily as :class:`DeviceHealth` requires of any withdrawn device (the
     same ``health``, so a device failing again later needs a longer streak); a failure
     meanwhile starts the streak over and the wait goes on doubling, so a flapping device
-    stays out.
+    stays out. A device back is due at once, to be reported to the scheduler; a report
+    that does not get it granted is one more failed try, on the same doubling wait from
+    ``first``, until :meth:`granted`.
     """
 
     health: DeviceHealth  # its records say when each device is probed next
@@ -146,27 +148,36 @@ class Probation:
 
     @property
     def waiting(self) -> list[int]:
-        """The devices still out, in order."""
+        """The devices still out, or back but not granted yet, in order."""
         return self.due(float("inf"))
 
     def due(self, now: float) -> list[int]:
-        """The devices to probe at ``now``, in order."""
+        """The devices to probe, or to report again, at ``now``, in order."""
         devices = self.health.devices.items()
         return sorted(d for d, r in devices if r.probe_at is not None and r.probe_at <= now)
 
     def answered(self, device: int, now: float) -> bool:
-        """A probe of ``device`` answered; True when this brings it back (offer it)."""
+        """A probe of ``device`` answered; True when this brings it back (report it now)."""
         r = self.health.devices[device]
-        if r.probe_at is None:
+        if r.probe_at is None or not r.withdrawn:
             return False
         back = self.health.answered(device)
-        r.probe_at = None if back else now + self.first
+        r.probe_at, r.probe_wait = (now, self.first) if back else (now + self.first, r.probe_wait)
         return back
 
-    def failed(self, device: int, now: float) -> None:
-        """A probe of ``device`` failed: its streak starts over, the wait doubles."""
+    def failed(self, device: int, now: float) -> float:
+        """A try at ``device`` failed at ``now``: a probe (its streak starts over) or a
+        report not granted. Returns the wait before the next try (0: not on probation);
+        the wait after doubles."""
         r = self.health.devices[device]
         if r.probe_at is None:
-            return
-        self.health.failed(device)
-        r.probe_at, r.probe_wait = now + r.probe_wait, min(self.longest, 2 * r.probe_wait)
+            return 0.0
+        if r.withdrawn:
+            self.health.failed(device)
+        wait = r.probe_wait
+        r.probe_at, r.probe_wait = now + wait, min(self.longest, 2 * wait)
+        return wait
+
+    def granted(self, device: int) -> None:
+        """The scheduler granted ``device`` back: off probation."""
+        self.health.devices[device].probe_at = None

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from time import monotonic
 
 from accelsched import events
-from accelsched.devices.nvml import DeviceInfo
 from accelsched.policy.health import Probation
 from accelsched.protocol import ReportReply
 from accelsched.worker.inventory import Inventory
@@ -49,10 +48,6 @@ class Rejoin:
         self._spawn = spawn  # runs a coroutine function in the background
         self._emit = emit
         self._clock = clock
-        #: Back in the inventory, not granted yet: reported again when due.
-        self._ungranted: dict[int, DeviceInfo] = {}
-        self._report_at = 0.0
-        self._report_wait = interval
         self._reporting = False
         now = clock()
         for index in inventory.monitor.left_out:
@@ -61,26 +56,26 @@ class Rejoin:
     @property
     def waiting(self) -> list[int]:
         """Devices still out of this process, or back but not granted yet."""
-        return sorted({*self.probation.waiting, *self._ungranted})
+        return self.probation.waiting
 
     def check(self) -> None:
-        """Probe the devices due now (event loop, at each check)."""
-        now = self._clock()
-        back: list[DeviceInfo] = []
+        """Probe the devices due now, and report those back when due (event loop, at each
+        check)."""
+        now, monitor = self._clock(), self.inventory.monitor
+        out, report = monitor.left_out, False
         for index in self.probation.due(now):
+            if index not in out:  # back, not granted yet: due to be reported again
+                report = True
+                continue
             try:
-                info = self.inventory.monitor.query(index)
+                info = monitor.query(index)
             except Exception:  # NVMLError: still out
                 self.probation.failed(index, now)
                 continue
             if self.probation.answered(index, now):
-                back.append(info)
-        for info in back:
-            self.inventory.rejoin(info)
-            self._ungranted[info.index] = info
-        if back:
-            self._report_at, self._report_wait = now, self.probation.first
-        if self._ungranted and not self._reporting and now >= self._report_at:
+                self.inventory.rejoin(info)
+                report = True
+        if report and not self._reporting:
             self._reporting = True
             self._spawn(self._offer)
 
@@ -91,17 +86,19 @@ class Rejoin:
             reply = await self._report()
         finally:
             self._reporting = False
-        granted = {d.uuid for d in self.inventory.granted}
-        for index, info in list(self._ungranted.items()):
+        granted, monitor = {d.uuid for d in self.inventory.granted}, self.inventory.monitor
+        now, out = self._clock(), monitor.left_out
+        for index in self.probation.waiting:
+            if index in out:
+                continue
+            info = monitor.device(index)
             if info.uuid in granted:
-                del self._ungranted[index]
-                self._emit(events.GPU_RECOVERED, device=info.index, uuid=info.uuid)
-            elif self._report_wait == self.probation.first:  # said once per device back
+                self.probation.granted(index)
+                self._emit(events.GPU_RECOVERED, device=index, uuid=info.uuid)
+            elif self.probation.failed(index, now) == self.probation.first:  # once per device back
                 logger.info(
                     "accelsched: GPU %d answers NVML again but is not granted yet (%s); "
                     "reporting it again",
-                    info.index,
+                    index,
                     reply.get("status"),
                 )
-        self._report_at = self._clock() + self._report_wait
-        self._report_wait = min(self.probation.longest, 2 * self._report_wait)
