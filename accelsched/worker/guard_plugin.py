@@ -114,7 +114,9 @@ class GuardPlugin(WorkerPlugin):
         # this worker's own settings, where no explicit option says otherwise (logged)
         o = self.options = guard_options_here(self.options, self.explicit, worker)
         preimport(o["preimport"])  # before this worker reads its first task
-        inv = self.inventory = Inventory(worker, advertise_undeclared=o["advertise_undeclared"])
+        inv = self.inventory = Inventory(
+            worker, advertise_undeclared=o["advertise_undeclared"], interval=o["check_interval"]
+        )
         attribution = Attribution()
         ledger = self.ledger = Ledger(
             inv.monitor,
@@ -164,7 +166,6 @@ class GuardPlugin(WorkerPlugin):
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
                 inventory=inv,
-                interval=o["check_interval"],
                 report=self.report,
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
                 emit=self._emit,

@@ -57,7 +57,7 @@ RESTART_TAKEN_HOLD = 5.0
 class Inventory:
     """Devices visible, owned and granted; what this worker says to the scheduler."""
 
-    def __init__(self, worker: Worker, *, advertise_undeclared: bool) -> None:
+    def __init__(self, worker: Worker, *, advertise_undeclared: bool, interval: float) -> None:
         """Read the devices through NVML and decide what to claim (no scheduler yet)."""
         self.advertise_undeclared = advertise_undeclared
         self.worker = worker
@@ -68,9 +68,10 @@ class Inventory:
         self.claim = Claim(0, None)  # what this worker asks for
         self._take(self.monitor.devices())
         self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
-        #: Which devices fail NVML (withdrawn: not offered), shared with the parts that
-        #: judge their answers.
-        self.health = DeviceHealth()
+        #: Which devices fail NVML (withdrawn: not offered) or were left out, shared with
+        #: the parts that judge their answers. Left-out devices are probed at the check's
+        #: pace while they answer, at most every 30 s while they do not.
+        self.health = DeviceHealth(first=interval, longest=max(interval, 30.0))
         self._ids = itertools.count()  # request ids: this process uses each once
         self.restart_pending = False
         #: Until when (monotonic) not to ask again for the same reason: the scheduler
