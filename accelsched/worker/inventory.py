@@ -103,7 +103,6 @@ class Inventory:
         ``on_granted`` receives the CUDA indices granted, before the worker advertises
         them, so no GPU task can start before its devices are known.
         """
-        worker = self.worker
         request: InventoryRequest = {
             **self._addressed(),
             "devices": [d.as_dict() for d in self.owned],
@@ -113,7 +112,7 @@ class Inventory:
         }
         reply: InventoryReply | None
         try:
-            reply = await getattr(worker.scheduler, INVENTORY_HANDLER)(**request)
+            reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
         except Exception as exc:
             logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
             reply = None
@@ -156,7 +155,7 @@ class Inventory:
                 await getattr(worker.scheduler, OFFER_HANDLER)(**request)
             except Exception as exc:  # no PlacementPlugin: the worker's own count only
                 logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
-            if usable or self.granted or internals.advertises_gpus(worker):
+            if self.granted or internals.advertises_gpus(worker):  # usable: granted ones
                 memory = sum(
                     mebibytes(capacity(d.memory)) for d in self.granted if d.index in usable
                 )
