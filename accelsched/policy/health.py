@@ -6,8 +6,9 @@ re-offer itself, with an event and a restart request each time, at every check. 
 device must answer for a streak of checks first, and each new failure doubles the
 streak it needs (up to a ceiling): one glitch costs a few checks, a flapping device
 stays out. Nothing here restarts a worker into a fault it can see (:func:`judge_answers`).
-A device a process left out of its inventory (it did not answer then) is
-on :class:`Probation`: asked again with backoff, and back under the same rule.
+A device a process left out of its inventory (it did not answer then) is on
+probation: asked again with backoff, back under the same rule, and reported until the
+scheduler grants it.
 :func:`judge_answers` turns a check's NVML answers into proposals.
 """
 
@@ -20,24 +21,40 @@ from dataclasses import dataclass, field
 from accelsched.policy.leak import DeviceRecord
 from accelsched.policy.proposals import Proposal
 
-__all__ = ["Answer", "DeviceHealth", "Probation", "judge_answers"]
+__all__ = ["Answer", "DeviceHealth", "judge_answers"]
 
 
 @dataclass
 class DeviceHealth:
     """Per device (its :class:`~accelsched.policy.leak.DeviceRecord`): withdrawn or not,
-    how often it failed, its current good streak."""
+    how often it failed, its current good streak; and, for a device left out of the
+    inventory, when to try it again.
+
+    Probation: a device left out at a start (often right after a restart its failure
+    caused) is probed after ``first`` seconds, and the wait doubles with each failed
+    probe up to ``longest``: a dead GPU costs one NVML query now and then, a glitch a few
+    seconds. While it answers it is probed at the ``first`` pace, and it is back after
+    the same streak as any withdrawn device (a failure meanwhile starts it over, and the
+    wait goes on doubling: a flapping device stays out). A device back is due at once, to
+    be reported to the scheduler; a report that does not get it granted is one more failed
+    try, on the same doubling wait from ``first``, until :meth:`granted`.
+    """
 
     streak: int = 3  # good answers needed after a first failure
     ceiling: int = 96  # most ever needed
+    first: float = 1.0  # seconds to the first probe; the pace while a device answers
+    longest: float = 30.0  # the most seconds between two probes
     #: device -> its record (the leak decisions share it: one record per device)
     devices: defaultdict[int, DeviceRecord] = field(
         default_factory=lambda: defaultdict(DeviceRecord)
     )
 
     def __post_init__(self) -> None:
-        if self.streak < 1 or self.ceiling < self.streak:
-            raise ValueError(f"invalid streak={self.streak!r}, ceiling={self.ceiling!r}")
+        if self.streak < 1 or self.ceiling < self.streak or not 0 < self.first <= self.longest:
+            raise ValueError(
+                f"invalid streak={self.streak!r}, ceiling={self.ceiling!r}, "
+                f"first={self.first!r}, longest={self.longest!r}"
+            )
 
     @property
     def withdrawn(self) -> set[int]:
@@ -68,6 +85,50 @@ class DeviceHealth:
             return False
         r.withdrawn, r.good = False, 0
         return True
+
+    # --- probation: devices left out of the inventory -------------------------------
+
+    def left_out(self, device: int, now: float) -> None:
+        """``device`` did not answer when the inventory was taken at ``now``."""
+        self.failed(device)
+        r = self.devices[device]
+        r.probe_at, r.probe_wait = now + self.first, min(self.longest, 2 * self.first)
+
+    @property
+    def waiting(self) -> list[int]:
+        """The devices left out and still out, or back but not granted yet, in order."""
+        return self.due(float("inf"))
+
+    def due(self, now: float) -> list[int]:
+        """The devices to probe, or to report again, at ``now``, in order."""
+        devices = self.devices.items()
+        return sorted(d for d, r in devices if r.probe_at is not None and r.probe_at <= now)
+
+    def probe_answered(self, device: int, now: float) -> bool:
+        """A probe of ``device`` answered; True when this brings it back (report it now)."""
+        r = self.devices[device]
+        if r.probe_at is None or not r.withdrawn:
+            return False
+        back = self.answered(device)
+        r.probe_at, r.probe_wait = (now, self.first) if back else (now + self.first, r.probe_wait)
+        return back
+
+    def retry(self, device: int, now: float) -> float:
+        """A try at ``device`` failed at ``now``: a probe (its streak starts over) or a
+        report not granted. Returns the wait before the next try (0: not on probation);
+        the wait after doubles."""
+        r = self.devices[device]
+        if r.probe_at is None:
+            return 0.0
+        if r.withdrawn:
+            self.failed(device)
+        wait = r.probe_wait
+        r.probe_at, r.probe_wait = now + wait, min(self.longest, 2 * wait)
+        return wait
+
+    def granted(self, device: int) -> None:
+        """The scheduler granted ``device`` back: off probation."""
+        self.devices[device].probe_at = None
 
 
 @dataclass(frozen=True)
@@ -113,60 +174,3 @@ def judge_answers(
                     proposal = Proposal("ask-restart", (a.device,), "gpu-unhealthy", {"nbytes": 0})
                     out.append(proposal)
     return out
-
-
-@dataclass
-class Probation:
-    """Devices a process left out of its inventory (they did not answer NVML then): when
-    to ask each again, and when one is back.
-
-    A device left out at a start (often right after a restart its failure caused) is
-    asked again after ``first`` seconds, and the wait doubles with each failed probe up to
-    ``longest``: a dead GPU costs one NVML query now and then, a glitch a few seconds.
-    Once it answers, it is asked at the ``first`` pace, and it is back when it has
-    answered as steadily as :class:`DeviceHealth` requires of any withdrawn device (the
-    same ``health``, so a device failing again later needs a longer streak); a failure
-    meanwhile starts the streak over and the wait goes on doubling, so a flapping device
-    stays out.
-    """
-
-    health: DeviceHealth  # its records say when each device is probed next
-    first: float = 1.0  # seconds to the first probe; the pace while a device answers
-    longest: float = 30.0  # the most seconds between two probes
-
-    def __post_init__(self) -> None:
-        if not 0 < self.first <= self.longest:
-            raise ValueError(f"invalid first={self.first!r}, longest={self.longest!r}")
-
-    def left_out(self, device: int, now: float) -> None:
-        """``device`` did not answer when the inventory was taken at ``now``."""
-        self.health.failed(device)
-        r = self.health.devices[device]
-        r.probe_at, r.probe_wait = now + self.first, min(self.longest, 2 * self.first)
-
-    @property
-    def waiting(self) -> list[int]:
-        """The devices still out, in order."""
-        return self.due(float("inf"))
-
-    def due(self, now: float) -> list[int]:
-        """The devices to probe at ``now``, in order."""
-        devices = self.health.devices.items()
-        return sorted(d for d, r in devices if r.probe_at is not None and r.probe_at <= now)
-
-    def answered(self, device: int, now: float) -> bool:
-        """A probe of ``device`` answered; True when this brings it back (offer it)."""
-        r = self.health.devices[device]
-        if r.probe_at is None:
-            return False
-        back = self.health.answered(device)
-        r.probe_at = None if back else now + self.first
-        return back
-
-    def failed(self, device: int, now: float) -> None:
-        """A probe of ``device`` failed: its streak starts over, the wait doubles."""
-        r = self.health.devices[device]
-        if r.probe_at is None:
-            return
-        self.health.failed(device)
-        r.probe_at, r.probe_wait = now + r.probe_wait, min(self.longest, 2 * r.probe_wait)

@@ -60,9 +60,8 @@ class DeviceRecord:
     """Everything the worker's decisions remember about one device between checks.
 
     *Health* (:class:`~accelsched.policy.health.DeviceHealth`): withdrawn or not, how
-    often it failed, its good answers in a row since; *probation*
-    (:class:`~accelsched.policy.health.Probation`): when to ask again about a device left
-    out of the inventory. The rest is its leak's.
+    often it failed, its good answers in a row since, and for a device left out of the
+    inventory (on probation) when to probe or report it again. The rest is its leak's.
 
     *Reported*: while a restart is deferred the same leak is confirmed at every check; it
     is reported once, and again only when it grew by another threshold's worth.

@@ -130,11 +130,6 @@ class LeaseTable:
         """Lease devices to ``key`` now and name them; None when it must wait for a lease
         to end. Raises :class:`NoFreeDevice` when no device here can ever hold it."""
         with self._lock:
-            if amount == 1 and requirement is None:  # the common case: the lowest idle device
-                held = {d for t in self._tasks.values() for d in t.devices}
-                idle = [d for d in self._devices if d not in held]
-                if idle:
-                    return self._hold(key, (min(idle),), 1.0, 0)
             load, declared = self._sums()
             n = devices_needed(amount)
             share, nbytes = (amount / n if n else 0.0), 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
@@ -80,16 +81,13 @@ class GuardPlugin(WorkerPlugin):
     ledger: Ledger  # what each GPU task and result holds, measured
     leaks: LeakCheck
     rejoin: Rejoin | None  # devices left out at setup, asked again
+    #: the inventory's visible devices once set up (kept up to date in place): with none,
+    #: transitions are not routed
+    _visible: Sequence[DeviceInfo] = ()
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(GUARD_OPTIONS, options, type(self).__name__)
         self.explicit = frozenset(options)  # given, not from config: a worker's own yields
-        self._init_parts()
-
-    def _init_parts(self) -> None:
-        # the inventory's visible devices once set up (kept up to date in place): with
-        # none, transitions are not routed
-        self._visible: list[DeviceInfo] = []
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options, "explicit": self.explicit}
@@ -97,7 +95,6 @@ class GuardPlugin(WorkerPlugin):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.options = state["options"]
         self.explicit = state.get("explicit", frozenset())
-        self._init_parts()
 
     # --- WorkerPlugin hooks -------------------------------------------------------------
 
@@ -114,7 +111,9 @@ class GuardPlugin(WorkerPlugin):
         # this worker's own settings, where no explicit option says otherwise (logged)
         o = self.options = guard_options_here(self.options, self.explicit, worker)
         preimport(o["preimport"])  # before this worker reads its first task
-        inv = self.inventory = Inventory(worker, advertise_undeclared=o["advertise_undeclared"])
+        inv = self.inventory = Inventory(
+            worker, advertise_undeclared=o["advertise_undeclared"], interval=o["check_interval"]
+        )
         attribution = Attribution()
         ledger = self.ledger = Ledger(
             inv.monitor,
@@ -164,7 +163,6 @@ class GuardPlugin(WorkerPlugin):
         if o["recover_gpus"] and inv.monitor.left_out:
             self.rejoin = Rejoin(
                 inventory=inv,
-                interval=o["check_interval"],
                 report=self.report,
                 spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
                 emit=self._emit,

@@ -57,7 +57,7 @@ RESTART_TAKEN_HOLD = 5.0
 class Inventory:
     """Devices visible, owned and granted; what this worker says to the scheduler."""
 
-    def __init__(self, worker: Worker, *, advertise_undeclared: bool) -> None:
+    def __init__(self, worker: Worker, *, advertise_undeclared: bool, interval: float) -> None:
         """Read the devices through NVML and decide what to claim (no scheduler yet)."""
         self.advertise_undeclared = advertise_undeclared
         self.worker = worker
@@ -68,9 +68,10 @@ class Inventory:
         self.claim = Claim(0, None)  # what this worker asks for
         self._take(self.monitor.devices())
         self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
-        #: Which devices fail NVML (withdrawn: not offered), shared with the parts that
-        #: judge their answers.
-        self.health = DeviceHealth()
+        #: Which devices fail NVML (withdrawn: not offered) or were left out, shared with
+        #: the parts that judge their answers. Left-out devices are probed at the check's
+        #: pace while they answer, at most every 30 s while they do not.
+        self.health = DeviceHealth(first=interval, longest=max(interval, 30.0))
         self._ids = itertools.count()  # request ids: this process uses each once
         self.restart_pending = False
         #: Until when (monotonic) not to ask again for the same reason: the scheduler
@@ -102,7 +103,6 @@ class Inventory:
         ``on_granted`` receives the CUDA indices granted, before the worker advertises
         them, so no GPU task can start before its devices are known.
         """
-        worker = self.worker
         request: InventoryRequest = {
             **self._addressed(),
             "devices": [d.as_dict() for d in self.owned],
@@ -112,7 +112,7 @@ class Inventory:
         }
         reply: InventoryReply | None
         try:
-            reply = await getattr(worker.scheduler, INVENTORY_HANDLER)(**request)
+            reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
         except Exception as exc:
             logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
             reply = None
@@ -155,7 +155,7 @@ class Inventory:
                 await getattr(worker.scheduler, OFFER_HANDLER)(**request)
             except Exception as exc:  # no PlacementPlugin: the worker's own count only
                 logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
-            if usable or self.granted or internals.advertises_gpus(worker):
+            if self.granted or internals.advertises_gpus(worker):  # usable: granted ones
                 memory = sum(
                     mebibytes(capacity(d.memory)) for d in self.granted if d.index in usable
                 )

@@ -269,9 +269,8 @@ class Ledger:
 
     def drop(self, key: Any) -> None:
         """``key`` will not enter memory (cancelled, forgotten): forget its measurement."""
-        if key in self._held:
-            with self._lock:
-                self._held.pop(key, None)
+        with self._lock:
+            self._held.pop(key, None)
 
     def arrived(self, value: Any, idle: set[int]) -> dict[int, int]:
         """What data from a peer holds: its type's figure, else the growth on idle

@@ -61,14 +61,11 @@ class WorkerActor:
     def withdraw(self, p: Proposal) -> None:
         """No new lease lands on the device and the worker advertises one GPU fewer
         (tasks assigned against the old count that no longer fit go back)."""
-        detail = p.detail
-        self._emit(
-            events.GPU_UNHEALTHY, device=p.subject, uuid=detail["uuid"], error=detail["error"]
-        )
+        self._emit(events.GPU_UNHEALTHY, device=p.subject, **p.detail)  # uuid, error
         self._offer()
 
     def recover(self, p: Proposal) -> None:
-        self._emit(events.GPU_RECOVERED, device=p.subject, uuid=p.detail["uuid"])
+        self._emit(events.GPU_RECOVERED, device=p.subject, **p.detail)  # uuid
         self._offer()
 
     def _offer(self) -> None:

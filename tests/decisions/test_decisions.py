@@ -466,32 +466,39 @@ def test_a_device_comes_back_after_a_streak_that_doubles_with_each_failure() -> 
 
 
 def test_a_device_left_out_is_probed_with_backoff_and_back_when_steady() -> None:
-    from accelsched.policy.health import DeviceHealth, Probation
+    from accelsched.policy.health import DeviceHealth
 
-    p = Probation(DeviceHealth(streak=3), first=1.0, longest=8.0)
+    p = DeviceHealth(streak=3, first=1.0, longest=8.0)
     p.left_out(0, now=0.0)
     p.left_out(2, now=0.0)
     assert p.waiting == [0, 2] and p.due(0.5) == [] and p.due(1.0) == [0, 2]
     # device 0 stays dead: asked 1 s after, then waits of 2, 4, 8 and 8 s (the ceiling)
-    assert p.answered(2, 1.0) is False  # device 2 answers: its streak begins
+    assert p.probe_answered(2, 1.0) is False  # device 2 answers: its streak begins
     for at, then in [(1.0, 3.0), (3.0, 7.0), (7.0, 15.0), (15.0, 23.0)]:
         assert 0 in p.due(at)
-        p.failed(0, at)
+        p.retry(0, at)
         assert 0 not in p.due(then - 0.01) and 0 in p.due(then)
     # device 2 answers: back after the streak, probed at the first pace meanwhile
     assert p.due(1.5) == [] and p.due(2.0) == [2]  # at the first pace while it answers
-    assert [p.answered(2, t) for t in (2.0, 3.0)] == [False, True]
+    assert [p.probe_answered(2, t) for t in (2.0, 3.0)] == [False, True]
+    # back: reported at once, again 1 s and 2 s after each report not granted
+    assert p.waiting == [0, 2] and p.due(3.0) == [2] and 2 not in p.withdrawn
+    assert not p.probe_answered(2, 4.0)  # back already: nothing more to say
+    assert p.retry(2, 3.0) == 1.0 and p.due(3.9) == [] and p.due(4.0) == [2]
+    assert p.retry(2, 4.0) == 2.0 and p.due(6.0) == [2] and 2 not in p.withdrawn
+    p.granted(2)
     assert p.waiting == [0]
-    assert not p.answered(2, 4.0)  # back already: nothing more to say
     # device 0 flaps: a failure mid-streak starts it over, and the wait keeps doubling
-    assert not p.answered(0, 31.0) and not p.answered(0, 32.0)
-    p.failed(0, 33.0)
+    assert not p.probe_answered(0, 31.0) and not p.probe_answered(0, 32.0)
+    p.retry(0, 33.0)
     assert p.due(40.9) == [] and p.due(41.0) == [0]  # 8 s: the ceiling
-    assert [p.answered(0, 41.0 + t) for t in range(3)] == [False, False, True]
+    assert [p.probe_answered(0, 41.0 + t) for t in range(3)] == [False, False, True]
+    assert p.due(43.0) == [0]  # back: to be reported
+    p.granted(0)
     assert p.waiting == [] and p.due(1e9) == []
-    p.failed(0, 50.0)  # not on probation: nothing to schedule
+    assert p.retry(0, 50.0) == 0.0  # not on probation: nothing to schedule
     assert p.waiting == []
     with pytest.raises(ValueError):
-        Probation(DeviceHealth(), first=0.0)
+        DeviceHealth(first=0.0)
     with pytest.raises(ValueError):
-        Probation(DeviceHealth(), first=2.0, longest=1.0)
+        DeviceHealth(first=2.0, longest=1.0)

@@ -307,7 +307,7 @@ def test_a_device_back_but_not_granted_is_reported_again_until_it_is() -> None:
             def __init__(self) -> None:
                 self.monitor = monitor
                 self.granted: list = []
-                self.health = DeviceHealth(streak=1)
+                self.health = DeviceHealth(streak=1, first=1.0)  # probed every 1 s
 
             def rejoin(self, info) -> None:  # type: ignore[no-untyped-def]
                 monitor.adopt(info)
@@ -324,7 +324,6 @@ def test_a_device_back_but_not_granted_is_reported_again_until_it_is() -> None:
         pending: list = []
         rejoin = Rejoin(
             inventory=inventory,  # type: ignore[arg-type]
-            interval=1.0,
             report=report,
             spawn=lambda fn, *args: pending.append(fn(*args)),
             emit=lambda action, **fields: emitted.append((action, fields)),
