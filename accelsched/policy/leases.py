@@ -54,6 +54,7 @@ class _Task:
     devices: tuple[int, ...] = ()
     share: float = 0.0
     nbytes: int = 0
+    claimed: tuple[int, ...] = ()  # whole devices it waits for: nobody packs onto them
 
 
 class LeaseTable:
@@ -130,6 +131,8 @@ class LeaseTable:
         """Lease devices to ``key`` now and name them; None when it must wait for a lease
         to end. Raises :class:`NoFreeDevice` when no device here can ever hold it."""
         with self._lock:
+            if (waiting := self._tasks.get(key)) is not None:
+                waiting.claimed = ()  # claimed again below if it still waits
             load, declared = self._sums()
             n = devices_needed(amount)
             share, nbytes = (amount / n if n else 0.0), 0
@@ -139,6 +142,7 @@ class LeaseTable:
             eligible = self._eligible(requirement)
             need = None if requirement is None else requirement.memory  # bytes declared
             n = n if need is None else 1  # a declared need takes one device
+            claimed = {d for k, t in self._tasks.items() if k != key for d in t.claimed}
             if len(eligible) < n:
                 what = "a device" if n == 1 else f"{n} devices"
                 meeting = "" if requirement is None else f" with {requirement.label()}"
@@ -149,20 +153,33 @@ class LeaseTable:
             if need is not None:
                 share, nbytes = 0.0, need
                 rooms = [(d, capacity(self._facts[d].memory), declared[d]) for d in eligible]
-                one = pack(nbytes, rooms, whole=[d for d in eligible if load[d]])
+                whole = [d for d in eligible if load[d] or d in claimed]
+                one = pack(nbytes, rooms, whole=whole)
                 chosen: tuple[int, ...] | None = None if one is None else (one,)
-            else:  # whole devices no task holds
-                idle = [d for d in eligible if not load[d] and not declared[d]]
-                chosen = tuple(sorted(idle)[:n]) if len(idle) >= n else None
+            else:  # whole devices no task holds, nor another waiting task claimed
+                free = sorted(d for d in eligible if d not in claimed)
+                idle = [d for d in free if not load[d] and not declared[d]]
+                chosen = tuple(idle[:n]) if len(idle) >= n else None
+                if chosen is None and len(free) >= n:
+                    # it waits: it claims the devices it waits for (the least declared
+                    # on), so no new declared task packs onto them and it starts once
+                    # the tasks holding them end, not when a stream of them dries up
+                    by_room = sorted(free, key=lambda d: (declared[d], load[d], d))
+                    self._task(key).claimed = tuple(by_room[:n])
             return None if chosen is None else self._hold(key, chosen, share, nbytes)
+
+    def _task(self, key: Any) -> _Task:
+        """``key``'s record, made for a task whose start the hook has not seen (lock held)."""
+        task = self._tasks.get(key)
+        if task is None:
+            task = self._tasks[key] = _Task(False, True)
+        return task
 
     def _hold(
         self, key: Any, chosen: tuple[int, ...], share: float, nbytes: int
     ) -> tuple[int, ...]:
-        task = self._tasks.get(key)
-        if task is None:
-            task = self._tasks[key] = _Task(False, True)
-        task.devices, task.share, task.nbytes = chosen, share, nbytes
+        task = self._task(key)
+        task.devices, task.share, task.nbytes, task.claimed = chosen, share, nbytes, ()
         for d in chosen:
             self._gen[d] = self._gen.get(d, 0) + 1
         return chosen
@@ -207,7 +224,7 @@ class LeaseTable:
                 return
             for d in task.devices:
                 self._gen[d] = self._gen.get(d, 0) + 1
-            task.devices = ()
+            task.devices = task.claimed = ()
             if not task.counted:
                 del self._tasks[key]
 

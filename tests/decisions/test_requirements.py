@@ -230,6 +230,39 @@ def test_a_whole_device_task_and_declared_tasks_never_share() -> None:
         table.grant("big", 0, Requirement(memory=60 * GiB, model="*A100*"))  # 40 GiB
 
 
+def test_a_waiting_whole_device_task_claims_its_device_from_new_declared_tasks() -> None:
+    """A stream of small declared tasks would keep a device busy for as long as it
+    flows; a whole-device task waiting for it claims it, so it starts once the tasks
+    already there end."""
+    table = _table()
+    small = Requirement(memory=GiB, model="*A100*")
+    assert table.grant("s1", 0, small) == (1,)
+    assert table.grant("s2", 0, small) == (1,)
+    whole = Requirement(model="*A100*")
+    assert table.grant("whole", 1, whole) is None  # waits for s1 and s2
+    assert table.grant("s3", 0, small) is None  # packed there before: waits now
+    assert table.grant("other", 0, Requirement(memory=GiB)) == (0,)  # unclaimed: packs
+    table.release("s1")
+    assert table.grant("s3", 0, small) is None  # the claim holds while it waits
+    table.release("s2")
+    assert table.grant("whole", 1, whole) == (1,)
+    assert table.grant("s3", 0, small) is None  # held whole now
+    table.release("whole")
+    assert table.grant("s3", 0, small) == (1,)  # the claim went with its lease
+
+
+def test_a_claim_goes_with_a_task_no_device_can_hold_any_more() -> None:
+    table = _table()
+    small = Requirement(memory=GiB, model="*A100*")
+    assert table.grant("s1", 0, small) == (1,)
+    assert table.grant("whole", 1, Requirement(model="*A100*")) is None
+    table.set_devices([0], {0: H100})  # the A100 withdrawn
+    with pytest.raises(NoFreeDevice):
+        table.grant("whole", 1, Requirement(model="*A100*"))
+    table.set_devices([0, 1], {0: H100, 1: A100})  # back
+    assert table.grant("s2", 0, small) == (1,)  # nobody claims it now
+
+
 def test_a_task_no_device_here_fits_is_sent_back_at_once() -> None:
     table = _table()
     with pytest.raises(NoFreeDevice, match="model=\\*T4\\*"):

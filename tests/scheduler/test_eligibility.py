@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from typing import Any
 
+import dask
 import pytest
 from distributed import Nanny, Scheduler
 from distributed.utils_test import gen_cluster
@@ -256,3 +257,46 @@ def test_declared_tasks_queued_behind_a_withdrawn_device_run_elsewhere() -> None
 
     with fake_gpus(2) as fails:
         run()
+
+
+@accelsched.gpu(memory="1GiB")
+def small_step(i: int) -> tuple[float, float]:
+    """Of staggered lengths: some always holds the device while the stream flows."""
+    start = time.time()
+    time.sleep(0.2 + (i % 5) * 0.07)
+    return start, time.time()
+
+
+def whole_step() -> tuple[float, float]:
+    start = time.time()
+    time.sleep(0.1)
+    return start, time.time()
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 6, {"resources": {"GPU": 1}})], timeout=90)
+async def test_a_whole_device_task_starts_once_the_declared_tasks_before_it_end(c, s, a):
+    """A whole-device task submitted into a steady stream of small declared tasks on
+    the same device starts once the tasks holding the device end: only tasks already
+    handed a thread start in between (it waited until the stream ended, every new one
+    packing onto the device it waited for)."""
+    await accelsched.register(c, fast_restart=False)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    stream: list[Any] = []
+
+    async def flow() -> None:  # a steady stream: two new tasks every tenth of a second
+        for i in range(0, 120, 2):
+            stream.extend(c.map(small_step, [i, i + 1], pure=False))
+            await asyncio.sleep(0.1)
+
+    flowing = asyncio.create_task(flow())
+    await asyncio.sleep(1.5)
+    submitted = time.time()
+    with dask.annotate(resources={"GPU": 1}):
+        whole = c.submit(whole_step, pure=False)
+    start, end = await whole
+    await flowing
+    spans = await c.gather(stream)
+    between = [s0 for s0, _ in spans if submitted < s0 < start]
+    assert len(between) <= 6, (len(between), start - submitted)
+    assert not [1 for s0, e0 in spans if s0 < end and e0 > start], "it held the device alone"
