@@ -18,35 +18,19 @@ from dataclasses import dataclass, field
 from accelsched.policy.proposals import Proposal
 from accelsched.protocol import RestartReply
 
-__all__ = [
-    "RestartBudget",
-    "Decision",
-    "admit_restart",
-    "restart_reply",
-    "keeps_devices",
-]
-
-
-@dataclass(frozen=True)
-class Decision:
-    allowed: bool
-    reason: str | None = None  # "budget" or "concurrency" when refused
+__all__ = ["RestartBudget", "admit_restart", "restart_reply", "keeps_devices"]
 
 
 @dataclass
 class RestartBudget:
+    """The restarts allowed (the options, validated where they are read:
+    :data:`accelsched.config.PLACEMENT_OPTIONS`) and those taken."""
+
     max_restarts: int
     window: float
     max_concurrent: int = 1
     _history: dict[str, deque[float]] = field(default_factory=dict)
     _in_flight: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.window <= 0 or self.max_concurrent < 1:
-            raise ValueError(
-                f"invalid restart budget: max_restarts={self.max_restarts!r}, "
-                f"window={self.window!r}, max_concurrent={self.max_concurrent!r}"
-            )
 
     def recent(self, key: str, now: float) -> int:
         """Restarts of ``key`` within the window ending at ``now``."""
@@ -57,19 +41,20 @@ class RestartBudget:
             self._history.pop(key, None)
         return len(history)
 
-    def request(self, key: str, now: float) -> Decision:
-        """May ``key`` restart now? Grants start a restart that :meth:`done` ends."""
+    def request(self, key: str, now: float) -> str | None:
+        """Why ``key`` may not restart now (``in-flight``, ``budget``, ``concurrency``);
+        None: it may, and a restart that :meth:`done` ends starts."""
         for other in list(self._history):
             self.recent(other, now)  # forget keys whose restarts left the window
         if key in self._in_flight:
-            return Decision(False, "in-flight")
+            return "in-flight"
         if len(self._history.get(key, ())) >= self.max_restarts:
-            return Decision(False, "budget")
+            return "budget"
         if len(self._in_flight) >= self.max_concurrent:
-            return Decision(False, "concurrency")
+            return "concurrency"
         self._in_flight.add(key)
         self._history.setdefault(key, deque()).append(now)
-        return Decision(True)
+        return None
 
     def done(self, key: str, *, counted: bool = True) -> None:
         """The restart of ``key`` ended; ``counted=False`` when it never happened."""
@@ -89,36 +74,33 @@ def admit_restart(
     *,
     worker: str,
     why: str,
-    authentic: bool,
     has_nanny: bool,
     has_peer: bool,
 ) -> Proposal | None:
     """What to do about ``worker``'s request to be restarted because of ``why``.
 
-    ``authentic``: the request comes from the worker itself. ``has_nanny``: something can
+    The request was admitted as the worker's own (a stranger's is refused before it
+    gets here: :class:`~accelsched.policy.requests.Requests`). ``has_nanny``: something can
     start it again. ``has_peer``: another running worker can take its data. ``key``
     identifies the worker across restarts (its nanny), for the budget.
 
     ``restart`` (reason: ``why``, what its event says) starts it; ``defer`` (reason:
     ``no-nanny``, ``no-peer``, ``concurrency``) means it cannot happen without loss now;
     ``quarantine`` (reason ``budget``) means it restarted too often lately. None: nothing
-    to do (a stranger asked, or its restart is already under way). Only an admitted
-    restart takes budget.
+    to do (its restart is already under way). Only an admitted restart takes budget.
     """
-    if not authentic:
-        return None
     if not has_nanny:
         return Proposal("defer", worker, "no-nanny")
     if not has_peer:
         return Proposal("defer", worker, "no-peer")
-    decision = budget.request(key, now)
-    if decision.allowed:
+    refusal = budget.request(key, now)
+    if refusal is None:
         return Proposal("restart", worker, why)
-    if decision.reason == "in-flight":
+    if refusal == "in-flight":
         return None
-    if decision.reason == "budget":
+    if refusal == "budget":
         return Proposal("quarantine", worker, "budget")
-    return Proposal("defer", worker, decision.reason or "concurrency")
+    return Proposal("defer", worker, refusal)
 
 
 def restart_reply(proposal: Proposal | None, *, authentic: bool = True) -> RestartReply:

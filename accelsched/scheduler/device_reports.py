@@ -165,16 +165,9 @@ class DeviceReports:
             return {"status": "refused"}
         if isinstance(declared, (int, float)):
             self._grants.correct_declaration(worker, declared)
-        wanted = devices[:requested]
-        if not self._grants.unchanged(worker, wanted):
-            self._grant(worker, wanted, declared, reason)
-        return {"status": "OK", "uuids": self._grants.uuids(worker)}
-
-    def _grant(
-        self, worker: str, wanted: list[DeviceRecord], declared: float | None, reason: str | None
-    ) -> None:
-        """Grant what nobody else owns, and say so."""
-        granted, refused = self._grants.claim(worker, wanted)
+        if (claimed := self._grants.claim(worker, devices[:requested])) is None:
+            return {"status": "OK", "uuids": self._grants.uuids(worker)}  # a repeat
+        granted, refused = claimed
         if granted:
             self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
         if refused:
@@ -194,6 +187,7 @@ class DeviceReports:
                 granted=len(granted),
                 reason="owned" if refused else reason,
             )
+        return {"status": "OK", "uuids": self._grants.uuids(worker)}
 
     # --- the offer handler -----------------------------------------------------------------
 
@@ -226,7 +220,7 @@ class DeviceReports:
         if GPU not in ws.resources:
             return
         self._grants.declare(ws.address, ws.resources[GPU])
-        internals.set_worker_gpus(self.scheduler, ws, self._grants.allowed(ws.address))
+        internals.set_worker_gpus(self.scheduler, ws, self._grants.placed(ws.address))
 
     def place(self, ws: WorkerState) -> None:
         """Set the worker's GPU count to what its grant places; offer or send back tasks."""

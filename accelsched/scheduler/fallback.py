@@ -258,8 +258,17 @@ class Fallback:
             except Exception as exc:  # one odd task must not cost its neighbours theirs
                 logger.exception("accelsched: could not prepare task %r", key)
                 problem = f"accelsched could not read its annotations: {exc!r}"
-            if problem is not None:
-                self._park(ts, problem)
+            if problem is None:
+                continue
+            # it waits on an unsatisfiable resource and errs alone at the next check,
+            # naming the value; only what distributed can compare stays beside it
+            self.tasks.setdefault(ts.key, GpuTask(None)).problem = problem
+            kept = {
+                name: amount
+                for name, amount in (ts.resource_restrictions or {}).items()
+                if invalid_amount(amount) is None
+            }
+            internals.set_resource_restrictions(ts, {**kept, INVALID_RESOURCE: 1})
 
     def _prepare(self, ts: Any) -> str | None:
         """Make ``ts`` a GPU task if it is one; why it cannot be placed, or None."""
@@ -350,18 +359,6 @@ class Fallback:
             if not eligible.tasks:
                 del self._classes[eligible.key]
 
-    def _park(self, ts: Any, problem: str) -> None:
-        """An invalid task waits on an unsatisfiable resource and errs alone at the next
-        check, naming the value; its neighbours keep their own annotations."""
-        self.tasks.setdefault(ts.key, GpuTask(None)).problem = problem
-        # only what distributed can compare stays beside the unsatisfiable resource
-        kept = {
-            name: amount
-            for name, amount in (ts.resource_restrictions or {}).items()
-            if invalid_amount(amount) is None
-        }
-        internals.set_resource_restrictions(ts, {**kept, INVALID_RESOURCE: 1})
-
     def transition(self, key: Any, start: str, finish: str, stimulus_id: str) -> None:
         """Forget a forgotten task; time a task that becomes unrunnable.
 
@@ -427,22 +424,16 @@ class Fallback:
     def check(self) -> None:
         """Run the CPU form of GPU tasks unrunnable past their timeout; err invalid ones.
 
-        Pops only the tasks whose deadline passed (:class:`~accelsched.policy.timeouts.Deadlines`).
+        Pops only the tasks whose deadline passed (:class:`~accelsched.policy.timeouts.Deadlines`),
+        asks the policy about them and hands what it answers to the actor.
         """
         if not self._active():
             return  # unregistered or replaced; its timers may still fire
         now = monotonic()
-        if due := self.deadlines.pop_due(now):
-            self._decide(due, now)
-        self._schedule()
-        self.checks += 1
-
-    def _decide(self, due: list[Hashable], now: float) -> None:
-        """Ask the policy about the due tasks; hand what it answers to the actor."""
         errs: list[Proposal] = []
         waiting: list[Waiting] = []
         tasks: dict[Any, Any] = self.scheduler.tasks  # keys as the heap carries them
-        for key in due:
+        for key in self.deadlines.pop_due(now):
             task = self.tasks[key]
             task.due = None
             ts = tasks.get(key)
@@ -452,11 +443,14 @@ class Fallback:
                 errs.append(Proposal("err", key, task.problem))
             elif (w := self._waiting(ts, task)) is not None:
                 waiting.append(w)
-        largest = internals.largest_gpu_count(self.scheduler)
-        proposals, later = sweep(self.policy, waiting, now=now, largest=largest)
-        for key, at in later.items():  # due but kept waiting (a chain with GPUs now)
-            self._due(key, self.tasks[key], at)
-        self._act(errs + proposals)
+        if errs or waiting:
+            largest = internals.largest_gpu_count(self.scheduler)
+            proposals, later = sweep(self.policy, waiting, now=now, largest=largest)
+            for key, at in later.items():  # due but kept waiting (a chain with GPUs now)
+                self._due(key, self.tasks[key], at)
+            self._act(errs + proposals)
+        self._schedule()
+        self.checks += 1
 
     def err(self, p: Proposal) -> None:
         """Err the task, naming why it cannot be placed (the actor's ``err``)."""
@@ -480,8 +474,7 @@ class Fallback:
             )
             if task.eligible is not None:  # runs wherever its own restriction allows
                 internals.restrict_to_workers(ts, task.eligible.key[2])
-                self._leave_class(task)
-                task.sent = None
+                self._leave_class(task)  # where it was sent counts no more
             # the worker gets the annotations too: the GPU amount it no longer needs goes,
             # so none can break the message (an int past 2**64 cost every worker its stream)
             internals.drop_annotated_resource(ts, GPU)

@@ -6,7 +6,7 @@ granted (one owner per GPU UUID, :func:`~accelsched.policy.ownership.grant`: the
 are these grants, kept nowhere else),
 the UUIDs it was refused, the ``GPU`` count it registered with (put back on unregister),
 the count its guard offers now, and its quarantine. From these follow the counts
-placement may use (:meth:`Grants.allowed`, :meth:`Grants.placed`).
+placement may use (:meth:`Grants.placed`).
 
 Nothing here talks to distributed: the parts that act on the scheduler
 (:mod:`accelsched.scheduler.device_reports`,
@@ -73,15 +73,12 @@ class Grants:
         """The UUIDs granted to ``worker``, in its guard's order (the inventory reply)."""
         return [d["uuid"] for d in self._granted.get(worker, ())]
 
-    def allowed(self, worker: str) -> int:
-        """The most GPUs ``worker`` may advertise now (0 while quarantined)."""
+    def placed(self, worker: str) -> int:
+        """The GPU count placement uses: what the guard offers, within the grant (0 while
+        quarantined)."""
         if worker in self._quarantined:
             return 0
-        return len(self._granted.get(worker, ()))
-
-    def placed(self, worker: str) -> int:
-        """The GPU count placement uses: what the guard offers, within the grant."""
-        return min(self._offered.get(worker, 0), self.allowed(worker))
+        return min(self._offered.get(worker, 0), len(self._granted.get(worker, ())))
 
     def gauge(self) -> tuple[int, int]:
         """(GPUs placement may use, GPUs of quarantined workers): the metrics gauge."""
@@ -108,21 +105,19 @@ class Grants:
 
     # --- grants ----------------------------------------------------------------------------
 
-    def unchanged(self, worker: str, wanted: list[DeviceRecord]) -> bool:
-        """Whether granting ``wanted`` would change nothing (a repeated report)."""
-        previous = self._granted.get(worker)
-        return (
-            previous is not None
-            and [d["uuid"] for d in previous] == [d["uuid"] for d in wanted]
-            and not self._refused.get(worker)
-        )
-
     def claim(
         self, worker: str, wanted: list[DeviceRecord]
-    ) -> tuple[list[DeviceRecord], dict[str, str]]:
+    ) -> tuple[list[DeviceRecord], dict[str, str]] | None:
         """Grant ``worker`` the devices of ``wanted`` nobody else owns; returns them and
-        the refused UUIDs with their owners."""
-        self._granted.pop(worker, None)  # its own earlier grant stands in nobody's way
+        the refused UUIDs with their owners (None: a repeated report, nothing changed)."""
+        previous = self._granted.pop(worker, None)  # stands in nobody's way
+        if (
+            previous is not None
+            and not self._refused.get(worker)
+            and [d["uuid"] for d in previous] == [d["uuid"] for d in wanted]
+        ):
+            self._granted[worker] = previous
+            return None
         uuids, refused = grant([d["uuid"] for d in wanted], self.owners(), share=self.share_gpus)
         granted = [d for d in wanted if d["uuid"] in uuids]
         self._granted[worker] = granted
@@ -143,9 +138,8 @@ class Grants:
     def remove(self, worker: str) -> list[str]:
         """Forget ``worker`` (it left) and free its GPUs; returns the other workers that
         were refused one of them, which may claim it now."""
-        freed = set(self.uuids(worker))
+        freed = {d["uuid"] for d in self._granted.pop(worker, ())}
         self._refused.pop(worker, None)
-        self._granted.pop(worker, None)
         self._declared.pop(worker, None)
         self._offered.pop(worker, None)
         self._quarantined.pop(worker, None)

@@ -186,7 +186,6 @@ class SchedulerActor:
             monotonic(),
             worker=worker,
             why=reason,
-            authentic=True,
             has_nanny=ws.nanny is not None,
             has_peer=internals.has_running_peer(self.scheduler, ws),
         )

@@ -163,15 +163,14 @@ def admit(budget: RestartBudget, now: float = 0.0, **facts: bool) -> Proposal | 
         now,
         worker="tcp://a",
         why="leak",
-        **{"authentic": True, "has_nanny": True, "has_peer": True, **facts},
+        **{"has_nanny": True, "has_peer": True, **facts},
     )
 
 
 def test_admission_refuses_strangers_and_defers_what_would_lose_data() -> None:
     budget = RestartBudget(max_restarts=3, window=60.0)
-    stranger = admit(budget, authentic=False)
-    assert stranger is None
-    assert restart_reply(stranger, authentic=False) == {"status": "refused"}
+    # a stranger's request is refused before admission (Requests), and told so
+    assert restart_reply(None, authentic=False) == {"status": "refused"}
     a = admit(budget, has_nanny=False)
     assert a == Proposal("defer", "tcp://a", "no-nanny")
     assert restart_reply(a) == {"status": "deferred", "reason": "no-nanny"}
@@ -202,7 +201,7 @@ def test_admission_counts_the_budget() -> None:
 
 def test_admission_defers_on_concurrency() -> None:
     budget = RestartBudget(max_restarts=5, window=60.0, max_concurrent=1)
-    assert budget.request("nanny-b", 0.0).allowed
+    assert budget.request("nanny-b", 0.0) is None
     a = admit(budget)
     assert a == Proposal("defer", "tcp://a", "concurrency")
     assert restart_reply(a) == {"status": "deferred", "reason": "concurrency"}
@@ -216,7 +215,6 @@ def test_a_restart_for_a_failed_device_carries_its_reason_and_keeps_the_others()
         0.0,
         worker="tcp://a",
         why="gpu-unhealthy",
-        authentic=True,
         has_nanny=True,
         has_peer=True,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from accelsched.config import PLACEMENT_OPTIONS, resolve_options
 from accelsched.devices.pool import PoolStats
 from accelsched.policy.budget import RestartBudget
 from accelsched.policy.leak import Attribution, DeviceRecord, LeakDecisions, Verdict, estimate
@@ -125,36 +126,37 @@ def test_decisions_reject_zero_confirmations() -> None:
 
 def test_budget_per_worker_window() -> None:
     b = RestartBudget(max_restarts=2, window=60.0, max_concurrent=5)
-    assert b.request("w", 0.0).allowed
+    assert b.request("w", 0.0) is None
     b.done("w")
-    assert b.request("w", 10.0).allowed
+    assert b.request("w", 10.0) is None
     b.done("w")
     refused = b.request("w", 20.0)
-    assert not refused.allowed and refused.reason == "budget"
-    assert b.request("w", 60.5).allowed  # the first restart left the window
-    assert b.request("other", 61.0).allowed
+    assert refused == "budget"
+    assert b.request("w", 60.5) is None  # the first restart left the window
+    assert b.request("other", 61.0) is None
 
 
 def test_budget_concurrency_and_uncounted() -> None:
     b = RestartBudget(max_restarts=3, window=60.0, max_concurrent=1)
-    assert b.request("a", 0.0).allowed
-    assert b.request("a", 0.1).reason == "in-flight"
-    assert b.request("b", 0.1).reason == "concurrency"
+    assert b.request("a", 0.0) is None
+    assert b.request("a", 0.1) == "in-flight"
+    assert b.request("b", 0.1) == "concurrency"
     b.done("a", counted=False)  # the restart did not happen: it does not count
     assert b.recent("a", 0.2) == 0
-    assert b.request("b", 0.2).allowed
+    assert b.request("b", 0.2) is None
     assert b.in_flight == {"b"}
 
 
 def test_budget_validates() -> None:
-    with pytest.raises(ValueError, match="max_concurrent=0"):
-        RestartBudget(max_restarts=1, window=1.0, max_concurrent=0)
+    # the budget's figures are the plugin's options, validated where they are read
+    with pytest.raises(ValueError, match="max_concurrent_restarts=0"):
+        resolve_options(PLACEMENT_OPTIONS, {"max_concurrent_restarts": 0}, "PlacementPlugin")
 
 
 def test_budget_forgets_workers_outside_the_window() -> None:
     b = RestartBudget(max_restarts=1, window=10.0, max_concurrent=5)
     for i in range(50):
-        assert b.request(f"w{i}", float(i)).allowed
+        assert b.request(f"w{i}", float(i)) is None
         b.done(f"w{i}")
-    assert b.request("last", 100.0).allowed
+    assert b.request("last", 100.0) is None
     assert set(b._history) == {"last"}
