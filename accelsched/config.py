@@ -144,21 +144,19 @@ def parse_optional_duration(name: str, value: Any) -> float | None:
         return None
     if value is True or not isinstance(value, (int, float, str)):
         raise _bad(name, value, expected, TypeError)
-    value_: Any
-    if isinstance(value, str):
-        text = value.strip().removeprefix("+")
-        if not _DURATION.match(text):  # "", "s", ".": no number at all
-            raise _bad(name, value, expected)
-        if text.startswith("-"):
-            raise _bad(name, value, "a finite, non-negative duration")
-        if text.startswith("."):  # dask reads ".5s" as "1.5s"
-            text = "0" + text
-        # dask knows "m" and "minutes" but not the common "min"/"mins"
-        value_ = re.sub(r"(?<=[\d\s.])mins?$", "minutes", text)
-    else:
-        value_ = value
+    text = value.strip().removeprefix("+") if isinstance(value, str) else None
+    if text is not None and not _DURATION.match(text):  # "", "s", ".": no number at all
+        raise _bad(name, value, expected)
     try:
-        seconds = float(parse_timedelta(value_, default="seconds"))
+        # dask reads ".5s" as "1.5s", and knows "m" and "minutes" but not "min"/"mins"
+        seconds = float(
+            parse_timedelta(
+                value
+                if text is None
+                else re.sub(r"(?<=[\d\s.])mins?$", "minutes", re.sub(r"^(-?)\.", r"\g<1>0.", text)),
+                default="seconds",
+            )
+        )
     except (ValueError, KeyError, TypeError, IndexError, OverflowError):
         raise _bad(name, value, expected) from None
     if not math.isfinite(seconds) or seconds < 0:

@@ -108,15 +108,12 @@ def refuse_placement_options(placement_options: dict[str, Any]) -> None:
 _NONE = ("none", "null", "never")
 
 
-class _Nothing:
-    """An option given as ``none`` on the command line: None, which wins over config
-    (a value click leaves None is one not given, which config fills)."""
+#: Options given as a list: repeated on the command line.
+_SEVERAL = ("oom_exceptions", "preimport")
 
-    def __repr__(self) -> str:
-        return "none"
-
-
-NOTHING = _Nothing()
+#: An option given as ``none`` on the command line: None, which wins over config (a
+#: value click leaves None is one not given, which config fills).
+NOTHING: Any = object()
 
 
 def _validator(opt: Option) -> Any:
@@ -144,24 +141,6 @@ def _validator(opt: Option) -> Any:
     return validate
 
 
-def _params() -> list[click.Parameter]:
-    params: list[click.Parameter] = []
-    for side, options in (("scheduler", PLACEMENT_OPTIONS), ("worker", GUARD_OPTIONS)):
-        for opt in options:
-            multiple = opt.name in ("oom_exceptions", "preimport")
-            params.append(
-                click.Option(
-                    [opt.flag],
-                    default=None,
-                    multiple=multiple,
-                    callback=_validator(opt),
-                    help=f"({side}) dask config {opt.key}"
-                    + ("; repeat for several" if multiple else ""),
-                )
-            )
-    return params
-
-
 def split_options(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Placement and guard options out of the parsed command line (given ones only)."""
     chosen = {k: None if v is NOTHING else v for k, v in given.items() if v is not None}
@@ -184,7 +163,8 @@ async def setup_server(server: Any, invalid: str | None = None, **given: Any) ->
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
         logger.error("accelsched: %s; stopping this %s", message, type(server).__name__.lower())
         exit_nonzero_after_the_command()
-        preloading.stop(
+        server.loop.add_callback(
+            preloading.stop,
             server,
             reason=f"accelsched-preload-failed: {message}",
             in_nanny=exit_nonzero_after_the_command,
@@ -311,7 +291,18 @@ def _without_dask_cuda_flags(args: list[str]) -> list[str]:
 
 dask_setup = _PreloadCommand(
     "dask_setup",
-    params=_params(),
+    params=[
+        click.Option(
+            [opt.flag],
+            default=None,
+            multiple=opt.name in _SEVERAL,
+            callback=_validator(opt),
+            help=f"({side}) dask config {opt.key}"
+            + ("; repeat for several" if opt.name in _SEVERAL else ""),
+        )
+        for side, options in (("scheduler", PLACEMENT_OPTIONS), ("worker", GUARD_OPTIONS))
+        for opt in options
+    ],
     callback=setup_server,
     help="accelsched preload: options of accelsched.register() (default: dask config).",
 )

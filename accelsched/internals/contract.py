@@ -6,7 +6,7 @@ fails ``client.register_plugin`` instead, naming what changed.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import inspect
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -51,12 +51,6 @@ def _missing_params(*checks: tuple[str, Any, tuple[str, ...]]) -> list[str]:
     return problems
 
 
-def _attribute(obj: Any, dotted: str) -> Any:
-    for name in dotted.split("."):
-        obj = getattr(obj, name, None)
-    return obj
-
-
 def _changed(
     obj: Any,
     owner: str,
@@ -67,9 +61,13 @@ def _changed(
     """What on ``obj`` changed: of ``dicts`` and ``callables`` (dotted paths), what is no
     longer a dict or callable; of ``attributes``, what is gone (slots and properties are
     attributes of the class itself)."""
+    at = {
+        n: functools.reduce(lambda o, k: getattr(o, k, None), n.split("."), obj)
+        for n in dicts + callables
+    }
     return (
-        [f"{owner}.{n} is not a dict" for n in dicts if not isinstance(_attribute(obj, n), dict)]
-        + [f"{owner}.{n} is gone" for n in callables if not callable(_attribute(obj, n))]
+        [f"{owner}.{n} is not a dict" for n in dicts if not isinstance(at[n], dict)]
+        + [f"{owner}.{n} is gone" for n in callables if not callable(at[n])]
         + [f"{owner}.{n} is gone" for n in attributes if not hasattr(obj, n)]
     )
 
@@ -180,10 +178,7 @@ def check_worker(worker: Worker) -> None:
     )
     if not hasattr(worker, "thread_id"):
         problems.append("Worker.thread_id (the worker's stream) is gone")
-    try:
-        fields = {f.name for f in dataclasses.fields(TaskState)}
-    except TypeError:
-        fields = set()
+    fields = getattr(TaskState, "__dataclass_fields__", {})  # none: no longer a dataclass
     problems += [
         f"worker TaskState.{n} is gone"
         for n in ("run_spec", "annotations", "resource_restrictions", "previous", "done")
