@@ -98,16 +98,12 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     if guard.options["fast_restart"]:  # nannies fork new worker processes from a server
         plugins.append(FastRestart())
     built = {"placement": placement.options, "guard": guard.options}
-    if getattr(client, "asynchronous", False):
 
-        async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:
-            _config.check_running(options, built, await client.run_on_scheduler(running_options))
-            for plugin in plugins:
-                await client.register_plugin(plugin)
-            return placement, guard
+    async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:
+        _config.check_running(options, built, await client.run_on_scheduler(running_options))
+        for plugin in plugins:
+            await client.register_plugin(plugin)
+        return placement, guard
 
-        return register_all()  # type: ignore[return-value]
-    _config.check_running(options, built, client.run_on_scheduler(running_options))
-    for plugin in plugins:
-        client.register_plugin(plugin)
-    return placement, guard
+    # an asynchronous client hands back the coroutine; a synchronous one runs it
+    return client.sync(register_all)  # type: ignore[no-any-return]

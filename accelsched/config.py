@@ -27,6 +27,7 @@ replace them: an explicit option that differs from what they run with is an erro
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -143,21 +144,19 @@ def parse_optional_duration(name: str, value: Any) -> float | None:
         return None
     if value is True or not isinstance(value, (int, float, str)):
         raise _bad(name, value, expected, TypeError)
-    value_: Any
-    if isinstance(value, str):
-        text = value.strip().removeprefix("+")
-        if not _DURATION.match(text):  # "", "s", ".": no number at all
-            raise _bad(name, value, expected)
-        if text.startswith("-"):
-            raise _bad(name, value, "a finite, non-negative duration")
-        if text.startswith("."):  # dask reads ".5s" as "1.5s"
-            text = "0" + text
-        # dask knows "m" and "minutes" but not the common "min"/"mins"
-        value_ = re.sub(r"(?<=[\d\s.])mins?$", "minutes", text)
-    else:
-        value_ = value
+    text = value.strip().removeprefix("+") if isinstance(value, str) else None
+    if text is not None and not _DURATION.match(text):  # "", "s", ".": no number at all
+        raise _bad(name, value, expected)
     try:
-        seconds = float(parse_timedelta(value_, default="seconds"))
+        # dask reads ".5s" as "1.5s", and knows "m" and "minutes" but not "min"/"mins"
+        seconds = float(
+            parse_timedelta(
+                value
+                if text is None
+                else re.sub(r"(?<=[\d\s.])mins?$", "minutes", re.sub(r"^(-?)\.", r"\g<1>0.", text)),
+                default="seconds",
+            )
+        )
     except (ValueError, KeyError, TypeError, IndexError, OverflowError):
         raise _bad(name, value, expected) from None
     if not math.isfinite(seconds) or seconds < 0:
@@ -165,18 +164,13 @@ def parse_optional_duration(name: str, value: Any) -> float | None:
     return seconds
 
 
-def parse_positive_duration(name: str, value: Any) -> float:
+def parse_interval(name: str, value: Any, least: float = MIN_INTERVAL) -> float:
+    """A positive duration; a periodic check's interval: at least ``least``."""
     seconds = parse_optional_duration(name, value)
     if seconds is None or seconds <= 0:
         raise _bad(name, value, "a positive duration like '250ms' or '1s'")
-    return seconds
-
-
-def parse_interval(name: str, value: Any) -> float:
-    """A periodic check's interval: at least :data:`MIN_INTERVAL`."""
-    seconds = parse_positive_duration(name, value)
-    if seconds < MIN_INTERVAL:
-        raise _bad(name, value, f"an interval of at least {MIN_INTERVAL * 1000:g}ms")
+    if seconds < least:
+        raise _bad(name, value, f"an interval of at least {least * 1000:g}ms")
     return seconds
 
 
@@ -188,37 +182,22 @@ def parse_bool(name: str, value: Any) -> bool:
     raise _bad(name, value, "True or False", TypeError)
 
 
-def _number(
-    name: str, value: Any, expected: str, kinds: tuple[type, ...], ok: Callable[[Any], bool]
-) -> Any:
-    """``value`` as ``kinds[0]`` (a bool is no number; a string is read as one), where
-    ``ok``; else the error naming ``expected``."""
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise _bad(name, value, expected, TypeError)
-    try:
-        n = kinds[0](value)
-    except ValueError:
-        raise _bad(name, value, expected) from None
-    if not ok(n):
+def number(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[str, Any], Any]:
+    """A parser of a ``kind`` number where ``ok`` (a bool is no number; a string is
+    read as one)."""
+
+    def parse(name: str, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (kind, int, str)):
+            raise _bad(name, value, expected, TypeError)
+        try:
+            n = kind(value)
+            if ok(n):
+                return n
+        except ValueError:
+            pass
         raise _bad(name, value, expected)
-    return n
 
-
-def parse_count(name: str, value: Any) -> int:
-    """A non-negative integer."""
-    return int(_number(name, value, "a non-negative integer", (int, str), lambda n: n >= 0))
-
-
-def parse_positive_count(name: str, value: Any) -> int:
-    n = parse_count(name, value)
-    if n < 1:
-        raise _bad(name, value, "an integer >= 1")
-    return n
-
-
-def parse_fraction(name: str, value: Any) -> float:
-    expected = "a fraction between 0 and 1"
-    return float(_number(name, value, expected, (float, int, str), lambda f: 0 <= f <= 1))
+    return parse
 
 
 def choice(*allowed: str) -> Callable[[str, Any], str]:
@@ -250,10 +229,7 @@ class Threshold:
     fraction: float | None = None
 
     def resolve(self, device_total: int) -> int:
-        if self.nbytes is not None:
-            return self.nbytes
-        assert self.fraction is not None
-        return int(self.fraction * device_total)
+        return self.nbytes if self.nbytes is not None else int((self.fraction or 0) * device_total)
 
     def __str__(self) -> str:
         return f"{self.nbytes} bytes" if self.nbytes is not None else f"{self.fraction:.0%}"
@@ -295,16 +271,24 @@ def parse_size(name: str, value: Any, expected: str = "bytes like '64MiB', or 0"
     return int(n)
 
 
+COUNT = number(int, "a non-negative integer", lambda n: n >= 0)
+POSITIVE_COUNT = number(int, "an integer >= 1", lambda n: n >= 1)
+FRACTION = number(float, "a fraction between 0 and 1", lambda f: 0 <= f <= 1)
+
 PLACEMENT_OPTIONS: tuple[Option, ...] = (
     Option("fallback_timeout", "accelsched.placement.fallback-timeout", parse_optional_duration),
     Option("fallback_interval", "accelsched.placement.fallback-interval", parse_interval),
     Option("share_gpus", "accelsched.placement.share-gpus", parse_bool),
-    Option("max_restarts", "accelsched.placement.max-restarts", parse_count),
-    Option("restart_window", "accelsched.placement.restart-window", parse_positive_duration),
+    Option("max_restarts", "accelsched.placement.max-restarts", COUNT),
+    Option(
+        "restart_window",
+        "accelsched.placement.restart-window",
+        functools.partial(parse_interval, least=0),
+    ),
     Option(
         "max_concurrent_restarts",
         "accelsched.placement.max-concurrent-restarts",
-        parse_positive_count,
+        POSITIVE_COUNT,
     ),
 )
 
@@ -313,12 +297,12 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     Option(
         "unrequested_gpu", "accelsched.guard.unrequested-gpu", choice("report", "fail", "ignore")
     ),
-    Option("free_pools_every", "accelsched.guard.free-pools-every", parse_count),
-    Option("free_pools_above", "accelsched.guard.free-pools-above", parse_fraction),
+    Option("free_pools_every", "accelsched.guard.free-pools-every", COUNT),
+    Option("free_pools_above", "accelsched.guard.free-pools-above", FRACTION),
     Option("free_pools_min", "accelsched.guard.free-pools-min", parse_size),
     Option("check_interval", "accelsched.guard.check-interval", parse_interval),
     Option("leak_threshold", "accelsched.guard.leak-threshold", parse_threshold),
-    Option("leak_confirmations", "accelsched.guard.leak-confirmations", parse_positive_count),
+    Option("leak_confirmations", "accelsched.guard.leak-confirmations", POSITIVE_COUNT),
     Option("restart_on_leak", "accelsched.guard.restart-on-leak", parse_bool),
     Option("recover_gpus", "accelsched.guard.recover-gpus", parse_bool),
     Option("oom_exceptions", "accelsched.guard.oom-exceptions", dotted_names("mylib.OutOfMemory")),

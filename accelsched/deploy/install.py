@@ -70,14 +70,13 @@ def exit_nonzero_after_the_command() -> None:
     closed cleanly. In a process no such command runs (a ``LocalCluster``, a test) nothing
     changes: the server stops, the process goes on.
     """
-    ctx = click.get_current_context(silent=True)
-    if ctx is None or _dask_command() is None:
+    if _dask_command() is None:  # (a command's context is current where one runs)
         return
 
     def fail() -> None:
         raise click.exceptions.Exit(1)
 
-    ctx.find_root().call_on_close(fail)
+    click.get_current_context().find_root().call_on_close(fail)
 
 
 def _dask_command() -> str | None:
@@ -98,9 +97,9 @@ def refuse_placement_options(placement_options: dict[str, Any]) -> None:
         for o in config.PLACEMENT_OPTIONS
         if o.name in placement_options
     ]
-    verb = "applies" if len(given) == 1 else "apply"
     raise PreloadError(
-        f"{', '.join(given)} {verb} to the scheduler (placement), not to a worker: give "
+        f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the scheduler "
+        "(placement), not to a worker: give "
         f"{'it' if len(given) == 1 else 'them'} to `dask scheduler --preload accelsched`"
     )
 
@@ -109,15 +108,12 @@ def refuse_placement_options(placement_options: dict[str, Any]) -> None:
 _NONE = ("none", "null", "never")
 
 
-class _Nothing:
-    """An option given as ``none`` on the command line: None, which wins over config
-    (a value click leaves None is one not given, which config fills)."""
+#: Options given as a list: repeated on the command line.
+_SEVERAL = ("oom_exceptions", "preimport")
 
-    def __repr__(self) -> str:
-        return "none"
-
-
-NOTHING = _Nothing()
+#: An option given as ``none`` on the command line: None, which wins over config (a
+#: value click leaves None is one not given, which config fills).
+NOTHING: Any = object()
 
 
 def _validator(opt: Option) -> Any:
@@ -145,24 +141,6 @@ def _validator(opt: Option) -> Any:
     return validate
 
 
-def _params() -> list[click.Parameter]:
-    params: list[click.Parameter] = []
-    for side, options in (("scheduler", PLACEMENT_OPTIONS), ("worker", GUARD_OPTIONS)):
-        for opt in options:
-            multiple = opt.name in ("oom_exceptions", "preimport")
-            params.append(
-                click.Option(
-                    [opt.flag],
-                    default=None,
-                    multiple=multiple,
-                    callback=_validator(opt),
-                    help=f"({side}) dask config {opt.key}"
-                    + ("; repeat for several" if multiple else ""),
-                )
-            )
-    return params
-
-
 def split_options(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Placement and guard options out of the parsed command line (given ones only)."""
     chosen = {k: None if v is NOTHING else v for k, v in given.items() if v is not None}
@@ -185,7 +163,8 @@ async def setup_server(server: Any, invalid: str | None = None, **given: Any) ->
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
         logger.error("accelsched: %s; stopping this %s", message, type(server).__name__.lower())
         exit_nonzero_after_the_command()
-        preloading.stop(
+        server.loop.add_callback(
+            preloading.stop,
             server,
             reason=f"accelsched-preload-failed: {message}",
             in_nanny=exit_nonzero_after_the_command,
@@ -197,10 +176,24 @@ async def _install(server: Any, given: dict[str, Any]) -> None:
 
     placement_options, guard_options = split_options(given)
     if isinstance(server, Scheduler):
-        await _setup_scheduler(server, placement_options, guard_options)
+        placement = PlacementPlugin(**placement_options)  # validated: a bad value stops here
+        guard = GuardPlugin(**guard_options)
+        fast = FastRestart() if guard.options["fast_restart"] else None
+        await preloading.install_on_scheduler(server, placement, guard, fast)
+        logger.info(
+            "accelsched: PlacementPlugin installed, GuardPlugin handed to every worker "
+            "(placement %s, guard %s)",
+            placement.options,
+            guard.options,
+        )
     elif isinstance(server, Worker):
         refuse_placement_options(placement_options)
-        _setup_worker(server, guard_options)
+        guard = GuardPlugin(**guard_options)  # validated now: a bad value stops the start
+        # this worker's own options: a guard its scheduler hands it applies them as well,
+        # unless given the same option explicitly (see accelsched.config; logged there)
+        config.worker_preload_options[server] = {k: guard.options[k] for k in guard_options}
+        preimport(guard.options["preimport"])  # before the worker starts, so before any task
+        internals.spawn(server, _install_guard, server, guard)
     elif isinstance(server, Nanny):
         raise PreloadError(
             "accelsched guards the worker process: use `--preload accelsched`, "
@@ -208,30 +201,6 @@ async def _install(server: Any, given: dict[str, Any]) -> None:
         )
     else:
         raise PreloadError(f"accelsched cannot be preloaded into {type(server).__name__}")
-
-
-async def _setup_scheduler(
-    scheduler: Any, placement_options: dict[str, Any], guard_options: dict[str, Any]
-) -> None:
-    placement = PlacementPlugin(**placement_options)  # validated: a bad config value stops here
-    guard = GuardPlugin(**guard_options)
-    fast = FastRestart() if guard.options["fast_restart"] else None
-    await preloading.install_on_scheduler(scheduler, placement, guard, fast)
-    logger.info(
-        "accelsched: PlacementPlugin installed, GuardPlugin handed to every worker "
-        "(placement %s, guard %s)",
-        placement.options,
-        guard.options,
-    )
-
-
-def _setup_worker(worker: Any, guard_options: dict[str, Any]) -> None:
-    guard = GuardPlugin(**guard_options)  # validated now: a bad value stops the start
-    # this worker's own options: a guard its scheduler hands it applies them as well,
-    # unless given the same option explicitly (see accelsched.config; logged there)
-    config.worker_preload_options[worker] = {k: guard.options[k] for k in guard_options}
-    preimport(guard.options["preimport"])  # before the worker starts, so before any task
-    internals.spawn(worker, _install_guard, worker, guard)
 
 
 async def _install_guard(worker: Any, guard: GuardPlugin) -> None:
@@ -322,7 +291,18 @@ def _without_dask_cuda_flags(args: list[str]) -> list[str]:
 
 dask_setup = _PreloadCommand(
     "dask_setup",
-    params=_params(),
+    params=[
+        click.Option(
+            [opt.flag],
+            default=None,
+            multiple=opt.name in _SEVERAL,
+            callback=_validator(opt),
+            help=f"({side}) dask config {opt.key}"
+            + ("; repeat for several" if opt.name in _SEVERAL else ""),
+        )
+        for side, options in (("scheduler", PLACEMENT_OPTIONS), ("worker", GUARD_OPTIONS))
+        for opt in options
+    ],
     callback=setup_server,
     help="accelsched preload: options of accelsched.register() (default: dask config).",
 )

@@ -6,7 +6,7 @@ fails ``client.register_plugin`` instead, naming what changed.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import inspect
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -23,51 +23,53 @@ class IncompatibleDistributed(RuntimeError):
     """distributed changed something accelsched relies on; registration fails loudly."""
 
 
-def _distributed_version() -> str:
-    try:
-        return version("distributed")
-    except PackageNotFoundError:  # pragma: no cover - a source checkout of distributed
-        return "unknown"
-
-
 def _raise_if(problems: list[str], side: str) -> None:
     if not problems:
         return
+    try:
+        running = version("distributed")
+    except PackageNotFoundError:  # pragma: no cover - a source checkout of distributed
+        running = "unknown"
     oldest, newest = TESTED_DISTRIBUTED
     raise IncompatibleDistributed(
-        f"accelsched cannot run on this {side}: distributed {_distributed_version()} "
+        f"accelsched cannot run on this {side}: distributed {running} "
         f"changed what it relies on: {'; '.join(problems)}. accelsched is known to work "
         f"with distributed {oldest} to {newest}; install a version in that range."
     )
 
 
-def _missing_attributes(cls: type, names: tuple[str, ...]) -> list[str]:
-    """Slots and properties are attributes of the class itself."""
-    return [f"{cls.__name__}.{n} is gone" for n in names if not hasattr(cls, n)]
+def _missing_params(*checks: tuple[str, Any, tuple[str, ...]]) -> list[str]:
+    """For each (owner, function, parameter names): what the function no longer takes."""
+    problems = []
+    for owner, fn, names in checks:
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            problems.append(f"{owner} is not inspectable")
+            continue
+        problems += [f"{owner}() no longer takes {n}=" for n in names if n not in params]
+    return problems
 
 
-def _missing_params(fn: Any, names: tuple[str, ...], owner: str) -> list[str]:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return [f"{owner} is not inspectable"]
-    return [f"{owner}() no longer takes {n}=" for n in names if n not in params]
-
-
-def _attribute(obj: Any, dotted: str) -> Any:
-    for name in dotted.split("."):
-        obj = getattr(obj, name, None)
-    return obj
-
-
-def _not_dicts(obj: Any, owner: str, *names: str) -> list[str]:
-    """What of ``names`` (dotted paths) on ``obj`` is no longer a dict."""
-    return [f"{owner}.{n} is not a dict" for n in names if not isinstance(_attribute(obj, n), dict)]
-
-
-def _gone(obj: Any, owner: str, *callables: str) -> list[str]:
-    """What of ``callables`` (dotted paths) on ``obj`` is no longer callable."""
-    return [f"{owner}.{n} is gone" for n in callables if not callable(_attribute(obj, n))]
+def _changed(
+    obj: Any,
+    owner: str,
+    dicts: tuple[str, ...] = (),
+    callables: tuple[str, ...] = (),
+    attributes: tuple[str, ...] = (),
+) -> list[str]:
+    """What on ``obj`` changed: of ``dicts`` and ``callables`` (dotted paths), what is no
+    longer a dict or callable; of ``attributes``, what is gone (slots and properties are
+    attributes of the class itself)."""
+    at = {
+        n: functools.reduce(lambda o, k: getattr(o, k, None), n.split("."), obj)
+        for n in dicts + callables
+    }
+    return (
+        [f"{owner}.{n} is not a dict" for n in dicts if not isinstance(at[n], dict)]
+        + [f"{owner}.{n} is gone" for n in callables if not callable(at[n])]
+        + [f"{owner}.{n} is gone" for n in attributes if not hasattr(obj, n)]
+    )
 
 
 def check_scheduler(scheduler: Scheduler) -> None:
@@ -80,50 +82,64 @@ def check_scheduler(scheduler: Scheduler) -> None:
         for name in ("set_resources", "unregister_scheduler_plugin")
         if not isinstance(handlers, dict) or name not in handlers
     ]
-    problems += _not_dicts(
-        scheduler,
-        "Scheduler",
-        "unrunnable",  # task -> time it became unrunnable
-        "resources",
-        "periodic_callbacks",
-        "stream_comms",
-        "worker_plugins",
-        "plugins",
-    )
     if not isinstance(getattr(scheduler, "running", None), set):
         problems.append("Scheduler.running is not a set of WorkerState")
-    problems += _gone(
-        scheduler,
-        "Scheduler",
-        "_ongoing_background_tasks.call_soon",
-        "bulk_schedule_unrunnable_after_adding_worker",
-        "transition",
-        "transitions",
-        "handle_worker_status_change",
-    )
-    problems += _missing_params(
-        type(scheduler).retire_workers,
-        ("workers", "close_workers", "remove", "stimulus_id"),
-        "Scheduler.retire_workers",
-    )
     from distributed.stealing import WorkStealing
 
+    problems += _changed(
+        scheduler,
+        "Scheduler",
+        dicts=(
+            "unrunnable",  # task -> time it became unrunnable
+            "resources",
+            "periodic_callbacks",
+            "stream_comms",
+            "worker_plugins",
+            "plugins",
+        ),
+        callables=(
+            "_ongoing_background_tasks.call_soon",
+            "bulk_schedule_unrunnable_after_adding_worker",
+            "transition",
+            "transitions",
+            "handle_worker_status_change",
+        ),
+    )
     problems += _missing_params(
-        WorkStealing.move_task_request, ("ts", "victim", "thief"), "WorkStealing.move_task_request"
-    )
-    problems += _missing_params(type(scheduler).valid_workers, ("ts",), "Scheduler.valid_workers")
-    problems += _missing_params(
-        type(scheduler).restart_workers,
-        ("workers", "wait_for_workers", "on_error", "stimulus_id"),
-        "Scheduler.restart_workers",
-    )
-    problems += _missing_attributes(
-        WorkerState,
-        ("resources", "used_resources", "processing", "has_what", "nanny", "status", "metrics"),
-    )
-    problems += _missing_attributes(
-        TaskState,
         (
+            "Scheduler.retire_workers",
+            type(scheduler).retire_workers,
+            ("workers", "close_workers", "remove", "stimulus_id"),
+        ),
+        (
+            "WorkStealing.move_task_request",
+            WorkStealing.move_task_request,
+            ("ts", "victim", "thief"),
+        ),
+        ("Scheduler.valid_workers", type(scheduler).valid_workers, ("ts",)),
+        (
+            "Scheduler.restart_workers",
+            type(scheduler).restart_workers,
+            ("workers", "wait_for_workers", "on_error", "stimulus_id"),
+        ),
+    )
+    problems += _changed(
+        WorkerState,
+        "WorkerState",
+        attributes=(
+            "resources",
+            "used_resources",
+            "processing",
+            "has_what",
+            "nanny",
+            "status",
+            "metrics",
+        ),
+    )
+    problems += _changed(
+        TaskState,
+        "TaskState",
+        attributes=(
             "resource_restrictions",
             "loose_restrictions",
             "worker_restrictions",
@@ -141,31 +157,28 @@ def check_worker(worker: Worker) -> None:
     """Verify what the worker side relies on; raise IncompatibleDistributed if not."""
     from distributed.worker_state_machine import TaskState
 
-    problems = _not_dicts(
+    problems = _changed(
         worker,
         "Worker",
-        "handlers",
-        "periodic_callbacks",
-        "executors",
-        "plugins",
-        "metrics",
-        "state.tasks",
-        "state.total_resources",
+        dicts=(
+            "handlers",
+            "periodic_callbacks",
+            "executors",
+            "plugins",
+            "metrics",
+            "state.tasks",
+            "state.total_resources",
+        ),
+        callables=(
+            "batched_send",
+            "_ongoing_background_tasks.call_soon",
+            "_startup_lock.locked",  # held while the worker starts
+            "data.get",  # a mapping
+        ),
     )
     if not hasattr(worker, "thread_id"):
         problems.append("Worker.thread_id (the worker's stream) is gone")
-    problems += _gone(
-        worker,
-        "Worker",
-        "batched_send",
-        "_ongoing_background_tasks.call_soon",
-        "_startup_lock.locked",  # held while the worker starts
-        "data.get",  # a mapping
-    )
-    try:
-        fields = {f.name for f in dataclasses.fields(TaskState)}
-    except TypeError:
-        fields = set()
+    fields = getattr(TaskState, "__dataclass_fields__", {})  # none: no longer a dataclass
     problems += [
         f"worker TaskState.{n} is gone"
         for n in ("run_spec", "annotations", "resource_restrictions", "previous", "done")

@@ -15,9 +15,12 @@ def distributed_nvml_state() -> tuple[Any, ...] | None:
     worker: Any = sys.modules.get("distributed.worker")
     if nvml is None:
         return None
-    metrics = getattr(worker, "DEFAULT_METRICS", {})
-    startup = getattr(worker, "DEFAULT_STARTUP_INFORMATION", {})
-    return (nvml.NVML_STATE, nvml.NVML_OWNER_PID, "gpu" in metrics, "gpu" in startup)
+    return (
+        nvml.NVML_STATE,
+        nvml.NVML_OWNER_PID,
+        "gpu" in getattr(worker, "DEFAULT_METRICS", {}),
+        "gpu" in getattr(worker, "DEFAULT_STARTUP_INFORMATION", {}),
+    )
 
 
 def reset_distributed_nvml() -> None:

@@ -67,30 +67,27 @@ def start_despite_failing_gpu() -> bool:
         fresh = not nvml.is_initialized()
         original()
         if fresh and nvml.is_initialized():
-            _disable_if_unanswered()
+            # ask the first visible device what ``SystemMonitor`` will; if NVML raises,
+            # run this process without distributed's GPU diagnostics, as after a failed
+            # ``nvmlInit``
+            import pynvml
+
+            try:
+                if nvml.device_get_count() > 0:  # initialised now: the wrapper returns at once
+                    nvml.one_time()
+                    nvml.real_time()
+            except pynvml.NVMLError as exc:
+                nvml.NVML_STATE = nvml.NVMLState.DISABLED_LIBRARY_NOT_FOUND
+                from distributed import worker
+
+                worker.DEFAULT_METRICS.pop("gpu", None)  # added by init_once a moment ago
+                worker.DEFAULT_STARTUP_INFORMATION.pop("gpu", None)
+                logger.warning(
+                    "accelsched: the first visible GPU does not answer NVML (%r); this process "
+                    "runs without distributed's GPU diagnostics so that it can start",
+                    exc,
+                )
 
     init_once.accelsched_wrapped = True  # type: ignore[attr-defined]
     nvml.init_once = init_once
     return True
-
-
-def _disable_if_unanswered() -> None:
-    """Ask the first visible device what ``SystemMonitor`` will; if NVML raises, run this
-    process without distributed's GPU diagnostics, as after a failed ``nvmlInit``."""
-    import pynvml
-
-    try:
-        if nvml.device_get_count() > 0:  # initialised now: the wrapper returns at once
-            nvml.one_time()
-            nvml.real_time()
-    except pynvml.NVMLError as exc:
-        nvml.NVML_STATE = nvml.NVMLState.DISABLED_LIBRARY_NOT_FOUND
-        from distributed import worker
-
-        worker.DEFAULT_METRICS.pop("gpu", None)  # added by init_once a moment ago
-        worker.DEFAULT_STARTUP_INFORMATION.pop("gpu", None)
-        logger.warning(
-            "accelsched: the first visible GPU does not answer NVML (%r); this process "
-            "runs without distributed's GPU diagnostics so that it can start",
-            exc,
-        )

@@ -43,17 +43,12 @@ async def install_on_scheduler(
         )
 
 
-def stop(server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None]) -> None:
+async def stop(server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None]) -> None:
     """Close ``server`` once its start has returned (closing a server that is still
-    starting does nothing). A worker takes its nanny with it, which would otherwise
-    start it again and again; ``in_nanny`` (an importable function) runs in the nanny's
-    process first, where ``dask worker`` runs (the worker is a child process)."""
-    server.loop.add_callback(_close_after_start, server, reason, in_nanny)
-
-
-async def _close_after_start(
-    server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None]
-) -> None:
+    starting does nothing; so run it as a callback of the server's loop). A worker takes
+    its nanny with it, which would otherwise start it again and again; ``in_nanny`` (an
+    importable function) runs in the nanny's process first, where ``dask worker`` runs
+    (the worker is a child process)."""
     from distributed import Worker
 
     try:
