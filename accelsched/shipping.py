@@ -60,16 +60,19 @@ def importable(obj: Any) -> tuple[str, str] | None:
     travel by value, and the name leads back to ``obj``. None: ship it by value."""
     module_name = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)
-    if not isinstance(module_name, str) or not isinstance(qualname, str):
-        return None
-    if module_name == "__main__" or "<" in qualname:  # <locals>, <lambda>
+    if (
+        not isinstance(module_name, str)
+        or not isinstance(qualname, str)
+        or module_name == "__main__"
+        or "<" in qualname  # <locals>, <lambda>
+    ):
         return None
     module = sys.modules.get(module_name)
     if module is None or getattr(module, "__spec__", None) is None:  # dynamic
         return None
+    # registered by value: the module or a package above it
     by_value = cloudpickle.list_registry_pickle_by_value()
-    parts = module_name.split(".")
-    if any(".".join(parts[:i]) in by_value for i in range(1, len(parts) + 1)):
+    if any(module_name == m or module_name.startswith(f"{m}.") for m in by_value):
         return None
     target: Any = module
     for part in qualname.split("."):

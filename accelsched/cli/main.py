@@ -63,7 +63,6 @@ __all__ = [
     "print_events",
     "address_problem",
     "address_from_file",
-    "ReaderGone",
     "MAX_SCHEDULER_FILE",
 ]
 
@@ -87,26 +86,25 @@ def address_problem(address: str) -> str | None:
     """Why ``address`` is no scheduler address (a scheme distributed does not know, no
     port, a port out of range), or None: checked before anything is sent, so that what
     goes wrong later is the scheduler's doing, not the address's."""
-    from distributed.comm.addressing import parse_address, parse_host_port
+    from distributed.comm.addressing import get_address_host_port, parse_address
 
     from accelsched.internals.client_side import check_scheme
 
     try:
         scheme, location = parse_address(address)
-        check_scheme(scheme)
         if scheme == "inproc":
             return "an inproc address is reachable from its own process only"
-        if scheme in ("tcp", "tls", "ws", "wss"):
-            if ":" in location and not location.endswith("]"):
-                given = location.rpartition(":")[2]
-                if not (given.isascii() and given.isdigit()):
-                    return f"port {given!r} is no number"
-            _, port = parse_host_port(location)  # none: "missing port number"
-            if not 0 < int(port) < 65536:
-                return f"port {port} is out of range"
+        if scheme not in ("tcp", "tls", "ws", "wss"):  # no port distributed reads (ucx)
+            check_scheme(scheme)
+            return None
+        given = location.rpartition(":")[2]  # int() would take " 1", "+1" and "١"
+        tail = ":" in location and not location.endswith("]")  # "[::1]": no port
+        if tail and not (given.isascii() and given.isdigit()):
+            return f"port {given!r} is no number"
+        port = get_address_host_port(address)[1]  # or "missing port number"
     except (ValueError, TypeError) as exc:
         return " ".join(str(exc).split())
-    return None
+    return None if 0 < port < 65536 else f"port {port} is out of range"
 
 
 async def _within(seconds: float, call: Awaitable[T]) -> T:
@@ -120,68 +118,58 @@ async def _within(seconds: float, call: Awaitable[T]) -> T:
         raise _Unreachable(one_line(exc)) from exc
 
 
-async def _connect(address: str, seconds: float) -> Client:
-    from distributed import Client
-
-    # distributed's own limit a little later: ours, on the handshake too, says it first
-    client = Client(address, asynchronous=True, timeout=f"{seconds + 1!r}s", set_as_default=False)
-    try:
-        await _within(seconds, client)
-    except BaseException:  # Ctrl-C too: a half-started client closed now, not at exit
-        await _close(client)
-        raise
-    return client
-
-
-async def _close(client: Client) -> None:
-    with contextlib.suppress(Exception):  # one that never connected, or lost its scheduler
-        await asyncio.wait_for(client.close(timeout=1), 2)
-
-
-async def _snapshot(client: Client, seconds: float) -> StatusReply | None:
-    """None when the scheduler runs no accelsched (it has no such handler)."""
-    if client.status != "running" or client.scheduler is None:
-        # lost for longer than it tries to reconnect (a --watch pause): it closed itself
-        raise _Unreachable("the client gave up reconnecting")
-    reply = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
-    return cast("StatusReply | None", reply)
-
-
-class ReaderGone(Exception):
-    """The reader of the output went away (``accelsched status --watch | head``)."""
-
-
-def _write(out: TextIO, text: str) -> None:
-    try:
-        out.write(text)
-        out.flush()
-    except BrokenPipeError:
-        raise ReaderGone() from None
-
-
 def _run(
-    command: str, address: str, seconds: float, main: Callable[[Client], Awaitable[int]]
+    command: str,
+    address: str,
+    seconds: float,
+    connect: float | None,
+    every: float | None,
+    out: TextIO,
+    text: Callable[[Client, StatusReply], Awaitable[str]],
 ) -> int:
-    """Run ``main(client)`` on a client of ``address`` (connected within ``seconds``);
-    the exit code. From inside a running event loop (a notebook) it runs on a thread of
-    its own."""
+    """Write ``text(client, snapshot)`` to ``out`` once, or every ``every`` seconds, from
+    a client of ``address`` (connected within ``connect``, default ``seconds``; each
+    snapshot within ``seconds``); the exit code. From inside a running event loop (a
+    notebook) it runs on a thread of its own."""
     problem = address_problem(address)
     if problem is not None:
         return _fail(command, f"invalid scheduler address {address!r}: {shown(problem)}", USAGE)
 
     async def session() -> int:
+        from distributed import Client
+
+        within = seconds if connect is None else connect
+        # distributed's own limit a little later: ours, on the handshake too, says it first
+        client = Client(
+            address, asynchronous=True, timeout=f"{within + 1!r}s", set_as_default=False
+        )
+        failed = "cannot reach a scheduler at"
         try:
-            client = await _connect(address, seconds)
+            await _within(within, client)
+            failed = "lost the scheduler at"
+            while True:
+                if client.status != "running" or client.scheduler is None:
+                    # lost for longer than it tries to reconnect (a --watch pause): closed
+                    raise _Unreachable("the client gave up reconnecting")
+                snap = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
+                if snap is None:  # it has no such handler
+                    return _fail(
+                        command,
+                        f"the scheduler at {shown(address)} runs no accelsched (no "
+                        "PlacementPlugin registered: accelsched.register(client) or dask "
+                        "scheduler --preload accelsched)",
+                        NO_ACCELSCHED,
+                    )
+                out.write(await text(client, cast(StatusReply, snap)))
+                out.flush()  # BrokenPipeError: the reader left (status --watch | head)
+                if every is None:
+                    return OK
+                await asyncio.sleep(every)
         except _Unreachable as exc:
-            return _fail(
-                command, f"cannot reach a scheduler at {shown(address)}: {exc}", UNREACHABLE
-            )
-        try:
-            return await main(client)
-        except _Unreachable as exc:
-            return _fail(command, f"lost the scheduler at {shown(address)}: {exc}", UNREACHABLE)
-        finally:
-            await _close(client)
+            return _fail(command, f"{failed} {shown(address)}: {exc}", UNREACHABLE)
+        finally:  # Ctrl-C too: a half-started client closed now, not at exit
+            with contextlib.suppress(Exception):  # one that never connected, or lost
+                await asyncio.wait_for(client.close(timeout=1), 2)
 
     try:
         asyncio.get_running_loop()
@@ -191,65 +179,33 @@ def _run(
         return pool.submit(lambda: asyncio.run(session())).result()
 
 
-def timeout_seconds(timeout: float | str) -> float:
-    """``--timeout``: a duration (``10s``, ``500ms``, seconds), finite and > 0 (nothing can
-    be reached in no time), read as accelsched reads durations (``.5s``: half a second)."""
-    from accelsched.config import parse_optional_duration
-
-    seconds = parse_optional_duration("--timeout", timeout)
-    if seconds is None or not 0 < seconds < float("inf"):
-        raise ValueError(f"invalid --timeout={timeout!r}: expected a duration > 0")
-    return seconds
-
-
-def _no_accelsched(command: str, address: str) -> int:
-    return _fail(
-        command,
-        f"the scheduler at {shown(address)} runs no accelsched (no PlacementPlugin "
-        "registered: accelsched.register(client) or dask scheduler --preload accelsched)",
-        NO_ACCELSCHED,
-    )
-
-
 def print_status(
     address: str,
     out: TextIO,
     *,
     as_json: bool = False,
     watch: float | None = None,
-    timeout: float | str = 10.0,
+    timeout: float = 10.0,
     connect: float | None = None,
 ) -> int:
     """``accelsched status``: the table (or ``--json``), once or every ``watch`` seconds
     until Ctrl-C (exit 0 then); ``timeout`` seconds for each wait on the scheduler,
     ``connect`` (default ``timeout``) for the connection."""
-    seconds = timeout_seconds(timeout)
     drawn = False  # once drawn, Ctrl-C under --watch is the way to stop: exit 0
 
-    async def status(client: Client) -> int:
+    async def status(client: Client, snap: StatusReply) -> str:
         nonlocal drawn
-        while True:
-            snap = await _snapshot(client, seconds)
-            if snap is None:
-                return _no_accelsched("status", address)
-            if as_json:
-                # ASCII only: a name's control characters arrive as \u001b, never raw,
-                # and so do C1 and bidi controls, which JSON would let through as they are
-                text = json.dumps(snap, sort_keys=True, ensure_ascii=True) + "\n"
-            else:  # under --watch, redrawn in place on a terminal
-                text = render(snap) + "\n"
-                if watch is not None:
-                    text = (
-                        "\x1b[H\x1b[2J" if out.isatty() else time.strftime("-- %H:%M:%S\n")
-                    ) + text
-            _write(out, text)
-            drawn = True
-            if watch is None:
-                return OK
-            await asyncio.sleep(watch)
+        drawn = True
+        if as_json:
+            # ASCII only: a name's control characters arrive as \u001b, never raw,
+            # and so do C1 and bidi controls, which JSON would let through as they are
+            return json.dumps(snap, sort_keys=True, ensure_ascii=True) + "\n"
+        # under --watch, redrawn in place on a terminal
+        clear = "\x1b[H\x1b[2J" if out.isatty() else time.strftime("-- %H:%M:%S\n")
+        return ("" if watch is None else clear) + render(snap) + "\n"
 
     try:
-        return _run("status", address, seconds if connect is None else connect, status)
+        return _run("status", address, timeout, connect, watch, out, status)
     except KeyboardInterrupt:
         if watch is None or not drawn:
             raise
@@ -260,7 +216,7 @@ def print_events(
     address: str,
     actions: list[str] | None,
     out: TextIO,
-    timeout: float | str = 10.0,
+    timeout: float = 10.0,
     connect: float | None = None,
     *,
     as_json: bool = False,
@@ -273,12 +229,11 @@ def print_events(
     ``connect`` (default ``timeout``) for the connection."""
     from accelsched import events
 
-    unknown = sorted(set(actions or ()) - events.ACTIONS)
-    if unknown:
+    if unknown := sorted(set(actions or ()) - events.ACTIONS):
         return _fail(
             "events", f"unknown action(s) {unknown}; known: {sorted(events.ACTIONS)}", USAGE
         )
-    seconds = timeout_seconds(timeout)
+    shown_until = float("-inf")  # the scheduler's time of the last event printed
 
     def line(stamp: float, msg: Any, names: dict[str, str]) -> str:
         """The event as a line ('' for one that is not ours or not asked for)."""
@@ -303,21 +258,15 @@ def print_events(
         when = time.strftime("%H:%M:%S", time.localtime(stamp))
         return f"{when} [{msg['action']}] {shown(events.describe(msg, names))}\n"
 
-    async def print_log(client: Client) -> int:
-        shown_until = float("-inf")  # the scheduler's time of the last event printed
-        while True:
-            snap = await _snapshot(client, seconds)
-            if snap is None:
-                return _no_accelsched("events", address)
-            log = await _within(seconds, client.get_events(events.TOPIC))
-            new = [(stamp, msg) for stamp, msg in log if stamp > shown_until]
-            _write(out, "".join(line(stamp, msg, snap["names"]) for stamp, msg in new))
-            shown_until = max([shown_until, *(stamp for stamp, _ in new)])
-            if not follow:
-                return OK
-            await asyncio.sleep(FOLLOW_EVERY)
+    async def new_lines(client: Client, snap: StatusReply) -> str:
+        nonlocal shown_until
+        log = await _within(timeout, client.get_events(events.TOPIC))
+        new = [(stamp, msg) for stamp, msg in log if stamp > shown_until]
+        shown_until = max([shown_until, *(stamp for stamp, _ in new)])
+        return "".join(line(stamp, msg, snap["names"]) for stamp, msg in new)
 
-    return _run("events", address, seconds if connect is None else connect, print_log)
+    every = FOLLOW_EVERY if follow else None
+    return _run("events", address, timeout, connect, every, out, new_lines)
 
 
 #: A scheduler file is a few hundred bytes; anything this large is not one.
@@ -417,17 +366,18 @@ def main(argv: list[str] | None = None) -> int:
     return code if isinstance(code, int) else 0
 
 
-def _path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value == "":
-        raise click.BadParameter("invalid PATH '': expected a file name")
-    return value
-
-
 def _timeout(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    """``--timeout``: a duration (``10s``, ``500ms``, seconds), finite and > 0 (nothing can
+    be reached in no time), read as accelsched reads durations (``.5s``: half a second)."""
+    from accelsched.config import parse_optional_duration
+
     try:
-        return timeout_seconds(value)
+        seconds = parse_optional_duration("--timeout", value)
     except (TypeError, ValueError) as exc:
         raise click.BadParameter(str(exc)) from None
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise click.BadParameter(f"invalid --timeout={value!r}: expected a duration > 0")
+    return seconds
 
 
 def _interval(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -454,7 +404,6 @@ def _scheduler_options(command: Callable[..., Any]) -> Callable[..., Any]:
     command = click.option(
         "--scheduler-file",
         metavar="PATH",
-        callback=_path,
         help="Read the address from the file dask scheduler --scheduler-file PATH writes "
         "(waiting for it within --timeout), instead of giving SCHEDULER.",
     )(command)
@@ -468,6 +417,10 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
 
     command, params = ctx.command.name, ctx.params
     address, timeout, path = params["scheduler"], params["timeout"], params["scheduler_file"]
+    if path == "":
+        raise click.BadParameter(
+            "invalid PATH '': expected a file name", ctx, param_hint="'--scheduler-file'"
+        )
     if address is not None and path is not None:
         raise click.UsageError("give a SCHEDULER address or --scheduler-file PATH, not both")
     if address is None and path is None:
@@ -486,7 +439,7 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
                 address = address_from_file(path, deadline, str(command))
                 connect = max(deadline - time.monotonic(), MIN_CONNECT)
             ctx.exit(address if isinstance(address, int) else run(address, connect))
-        except ReaderGone:  # `accelsched status --watch | head`: the reader left
+        except BrokenPipeError:  # `accelsched status --watch | head`: the reader left
             # nothing more can be written there, not even the flush at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             ctx.exit(0)

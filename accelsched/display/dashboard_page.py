@@ -42,10 +42,6 @@ TITLES = {"device": "GPU", "gpu": "Name", "uuid": "UUID", "leak": "Leak / thresh
 WIDTHS = {"worker": 120, "gpu": 180, "uuid": 330, "leak": 130, "quarantine": 160}
 
 
-def _table_height(rows: int) -> int:
-    return 32 + 26 * max(rows, 1)
-
-
 def install(scheduler: Scheduler) -> bool:
     """Add the page to the scheduler's dashboard; False when it runs without one."""
     return internals.add_dashboard_page(scheduler, PAGE, Page, refresh_ms=REFRESH_MS)
@@ -80,7 +76,7 @@ class Page:
                 for c, t in COLUMNS
             ],
             index_position=None,
-            height=_table_height(0),
+            height=32 + 26,  # a heading and a row, as update() sizes it
             sizing_mode="stretch_width",
         )
         self.estimates = ColumnDataSource(
@@ -144,7 +140,7 @@ class Page:
         snap = history.snapshot()
         self.summary.text = f"<b>accelsched</b>: {html.escape(summary(snap))}"
         self.rows.data = table_rows(snap)
-        self.table.height = _table_height(len(self.rows.data["worker"]))
+        self.table.height = 32 + 26 * max(len(self.rows.data["worker"]), 1)
         self._draw_history(history, snap["time"])
 
     def _draw_history(self, history: Any, now: float) -> None:

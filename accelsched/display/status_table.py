@@ -83,16 +83,14 @@ WAITS_FOR: Final = {
 
 def waits_for(reason: str) -> str | None:
     """What a worker quarantined for ``reason`` waits for (None: nothing known)."""
-    reason = reason.removeprefix("restart-deferred: ")
-    return WAITS_FOR.get(reason.split(":", 1)[0])
+    return WAITS_FOR.get(reason.removeprefix("restart-deferred: ").split(":", 1)[0])
 
 
 def quarantine_text(reason: str | None) -> str:
     """The QUARANTINE column: why, and what it waits for; ``-`` when not quarantined."""
     if not reason:
         return "-"
-    wanted = waits_for(reason)
-    return f"{reason}; waits for {wanted}" if wanted else reason
+    return f"{reason}; waits for {wanted}" if (wanted := waits_for(reason)) else reason
 
 
 def shown(text: object) -> str:
@@ -124,37 +122,35 @@ def _bytes(nbytes: int | None) -> str:
 
 def table_rows(snap: StatusReply) -> dict[str, list[str]]:
     """Columns of text: one row per worker and verified GPU, one for a worker without."""
-    rows: dict[str, list[str]] = {c: [] for c, _ in COLUMNS}
-    for w in snap["workers"]:
-        devices: list[DeviceStatus | None] = list(w["devices"]) or [None]
-        for d in devices:
-            row = {
-                "worker": w["name"],
-                "device": "-" if d is None else str(d["index"]),
-                "gpu": "no verified GPU"
-                if d is None
-                else d["name"] + (" (withdrawn)" if d["withdrawn"] else ""),
-                "memory": _bytes(None if d is None else d["memory"]),
-                "capability": "-" if d is None else d.get("capability") or "?",
-                "declared": _bytes(None if d is None else d.get("declared")),
-                "uuid": "-" if d is None else d["uuid"],
-                "leases": "-" if d is None or d["leases"] is None else str(d["leases"]),
-                "leak": "-"
-                if d is None
-                # granted since the worker's last heartbeat: no figures yet (DeviceStatus)
-                else "waiting for the first heartbeat"
-                if d.get("figures") == "waiting"
-                else f"{_bytes(None if d['leak_estimate'] is None else max(d['leak_estimate'], 0))}"
-                f"/{_bytes(d['leak_threshold'])}",
-                "restarts": str(w["restarts"]),
-                "leaks": str(w["leaks"]),
-                "reclaims": str(w["reclaims"]),
-                "fallbacks": str(w["fallbacks"]),
-                "quarantine": quarantine_text(w["quarantined"]),
-            }
-            for c, _ in COLUMNS:
-                rows[c].append(row[c])
-    return rows
+    rows = [
+        {
+            "worker": w["name"],
+            "device": "-" if d is None else str(d["index"]),
+            "gpu": "no verified GPU"
+            if d is None
+            else d["name"] + (" (withdrawn)" if d["withdrawn"] else ""),
+            "memory": _bytes(None if d is None else d["memory"]),
+            "capability": "-" if d is None else d.get("capability") or "?",
+            "declared": _bytes(None if d is None else d.get("declared")),
+            "uuid": "-" if d is None else d["uuid"],
+            "leases": "-" if d is None or d["leases"] is None else str(d["leases"]),
+            "leak": "-"
+            if d is None
+            # granted since the worker's last heartbeat: no figures yet (DeviceStatus)
+            else "waiting for the first heartbeat"
+            if d.get("figures") == "waiting"
+            else f"{_bytes(None if d['leak_estimate'] is None else max(d['leak_estimate'], 0))}"
+            f"/{_bytes(d['leak_threshold'])}",
+            "restarts": str(w["restarts"]),
+            "leaks": str(w["leaks"]),
+            "reclaims": str(w["reclaims"]),
+            "fallbacks": str(w["fallbacks"]),
+            "quarantine": quarantine_text(w["quarantined"]),
+        }
+        for w in snap["workers"]
+        for d in cast("list[DeviceStatus | None]", w["devices"] or [None])
+    ]
+    return {c: [row[c] for row in rows] for c, _ in COLUMNS}
 
 
 def summary(snap: StatusReply) -> str:
@@ -166,8 +162,7 @@ def summary(snap: StatusReply) -> str:
         f"{snap['restarts']} restarts, {snap['leaks']} leaks, {snap['reclaims']} reclaimed, "
         f"{snap['fallbacks']} fallbacks"
     )
-    waiting = snap.get("waiting") or {}  # a scheduler of an earlier accelsched has none
-    if waiting:
+    if waiting := snap.get("waiting"):  # a scheduler of an earlier accelsched has none
         why = ", ".join(f"{n} {reason}" for reason, n in waiting.items())
         line += f"; {sum(waiting.values())} GPU tasks waiting ({why})"
     if not snap["guard"]:

@@ -33,7 +33,6 @@ from accelsched.protocol import (
     GUARD_METRIC,
     GUARD_PLUGIN,
     STATUS_HANDLER,
-    DeviceFigures,
     DeviceStatus,
     StatusReply,
     WorkerStatus,
@@ -63,6 +62,14 @@ _COUNTED = {
     events.FALLBACK: "fallbacks",
 }
 _PERIODIC = "accelsched-status-history"
+#: A granted device's figures while its guard has not reported them (:func:`_figures`).
+_UNKNOWN: dict[str, Any] = {
+    "declared": None,
+    "leases": None,
+    "withdrawn": False,
+    "leak_estimate": None,
+    "leak_threshold": None,
+}
 
 
 class Sample(NamedTuple):
@@ -193,25 +200,21 @@ class StatusHistory:
             "waiting" if metric is None or whole else "unreadable"
         )
         grant = self._grants.of(ws.address)
-        devices: list[DeviceStatus] = []
-        for rec in grant.devices:
-            f = figures.get(rec["index"])
-            capability = facts_of(rec).capability
-            devices.append(
-                {
-                    "index": rec["index"],
-                    "uuid": rec["uuid"],
-                    "name": rec["name"],
-                    "memory": rec["memory"],
-                    "capability": None if capability is None else "{}.{}".format(*capability),
-                    "declared": None if f is None else f.get("declared"),
-                    "figures": missing if f is None else "reported",
-                    "leases": None if f is None else f["leases"],
-                    "withdrawn": False if f is None else f["withdrawn"],
-                    "leak_estimate": None if f is None else f["leak_estimate"],
-                    "leak_threshold": None if f is None else f["leak_threshold"],
-                }
-            )
+        # the grant's record, then the guard's figures over "unknown" (one shape)
+        devices: list[DeviceStatus] = [
+            {
+                "index": rec["index"],
+                "uuid": rec["uuid"],
+                "name": rec["name"],
+                "memory": rec["memory"],
+                "capability": None
+                if (cc := facts_of(rec).capability) is None
+                else "{}.{}".format(*cc),
+                **figures.get(rec["index"], _UNKNOWN),  # type: ignore[typeddict-item]
+                "figures": "reported" if rec["index"] in figures else missing,
+            }
+            for rec in grant.devices
+        ]
         name = str(ws.name)
         counts = self.counts.get(name, Counter())
         return {
@@ -242,35 +245,29 @@ class StatusHistory:
                 del self.series[key]
 
 
-def _figures(metric: Any) -> tuple[dict[int, DeviceFigures], bool]:
-    """The devices of a worker's heartbeat metric that are well formed, by index, and
-    whether the metric is whole (every entry well formed).
+def _figures(metric: Any) -> tuple[dict[int, dict[str, Any]], bool]:
+    """The figures of the devices of a worker's heartbeat metric that are well formed, by
+    index (the keys of :data:`_UNKNOWN`), and whether the metric is whole (every entry
+    well formed).
 
     The metric is whatever the worker sent: a device entry of the wrong shape or with
     a figure of the wrong type is left out (shown as unknown), so one odd worker cannot
-    break the status of the whole cluster nor pass odd values on to its readers.
+    break the status of the whole cluster nor pass odd values (or keys) on to its readers.
     """
     devices = metric.get("devices") if isinstance(metric, dict) else None
     if not isinstance(devices, (list, tuple)):
         return {}, False
-    out: dict[int, DeviceFigures] = {}
-    for d in devices:
-        if not isinstance(d, dict) or not isinstance(d.get("withdrawn"), bool):
-            continue
-        estimate = d.get("leak_estimate")
-        if not all(_integer(d.get(k)) for k in ("index", "leases", "leak_threshold")) or not (
-            estimate is None or _integer(estimate, least=1 - 2**63)
-        ):
-            continue
-        out[d["index"]] = {
-            "index": d["index"],
-            "leases": d["leases"],
-            "withdrawn": d["withdrawn"],
-            "leak_estimate": estimate,
-            "leak_threshold": d["leak_threshold"],
+    out = {
+        d["index"]: {
+            **{k: d.get(k) for k in ("leases", "withdrawn", "leak_estimate", "leak_threshold")},
+            "declared": d["declared"] if _integer(d.get("declared")) else None,
         }
-        if _integer(d.get("declared")):
-            out[d["index"]]["declared"] = d["declared"]
+        for d in devices
+        if isinstance(d, dict)
+        and isinstance(d.get("withdrawn"), bool)
+        and all(_integer(d.get(k)) for k in ("index", "leases", "leak_threshold"))
+        and (d.get("leak_estimate") is None or _integer(d["leak_estimate"], least=1 - 2**63))
+    }
     return out, len(out) == len(devices)
 
 
