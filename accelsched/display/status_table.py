@@ -131,7 +131,7 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
             else d["name"] + (" (withdrawn)" if d["withdrawn"] else ""),
             "memory": _bytes(None if d is None else d["memory"]),
             "capability": "-" if d is None else d.get("capability") or "?",
-            "declared": _bytes(None if d is None else d.get("declared")),
+            "declared": _bytes((d.get("declared") or None) if d is not None else None),
             "uuid": "-" if d is None else d["uuid"],
             "leases": "-" if d is None or d["leases"] is None else str(d["leases"]),
             "leak": "-"
