@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import types
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
@@ -79,8 +80,10 @@ class GPUStep(Generic[R]):
             return self.cpu_fn(*args, **kwargs)
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
-        """As a method: bound to its instance, and still marked."""
-        return self if obj is None else Bound(self, obj)
+        """As a method: bound to its instance, and still marked (a bound method reads
+        its function's attributes). The walk stops at the mark, so the instance is never
+        taken for a call (a model whose own ``__call__`` is another marked step)."""
+        return self if obj is None else types.MethodType(self, obj)
 
     def __reduce__(self) -> tuple[Any, ...]:
         mark = self.__accelsched_gpu__
@@ -105,35 +108,6 @@ class GPUStep(Generic[R]):
         if self.cpu_fn is not None:
             return f"dual({_name(self.fn)}, {_name(self.cpu_fn)})"
         return f"gpu({_name(self.fn)}, count={self.__accelsched_gpu__.count:g})"
-
-
-class Bound:
-    """A marked step bound to an instance (``model.predict``): marked as the step is, and
-    the instance is ``self``, not an argument the walk should take for a call (a model
-    whose own ``__call__`` is a marked step of another count would count otherwise)."""
-
-    __slots__ = ("step", "obj")
-
-    def __init__(self, step: Any, obj: Any) -> None:
-        self.step = step
-        self.obj = obj
-
-    @property
-    def __accelsched_gpu__(self) -> Mark:
-        return self.step.__accelsched_gpu__  # type: ignore[no-any-return]
-
-    @property
-    def __name__(self) -> str:  # dask derives task-name prefixes from this
-        return str(self.step.__name__)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.step(self.obj, *args, **kwargs)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Bound, (self.step, self.obj))
-
-    def __repr__(self) -> str:
-        return f"<bound {self.step!r} of {type(self.obj).__name__}>"
 
 
 def _name(fn: Callable[..., Any]) -> str:

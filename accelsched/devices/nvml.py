@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from accelsched.devices.backend import load_backend
-from accelsched.devices.records import DeviceInfo, MemoryReading
 from accelsched.devices.visible import resolve_devices, visible_from_env
+from accelsched.policy.requirements import DeviceFacts
+from accelsched.protocol import DeviceRecord
 
 __all__ = ["DeviceInfo", "MemoryReading", "NVMLMonitor"]
 
@@ -31,6 +32,50 @@ logger = logging.getLogger(__name__)
 
 _init_lock = threading.Lock()
 _logged: set[str] = set()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceInfo(DeviceFacts):
+    """One device this process can use, as NVML verified it: what requirements are
+    checked on, and where it is (``index``: its CUDA index here; ``nvml_index``: its
+    GPU's, a MIG device's parent's). A MIG device's ``uuid``, ``name`` and ``memory``
+    are its own; ``parent`` is its GPU's UUID (None for a whole GPU)."""
+
+    index: int
+    nvml_index: int
+    uuid: str
+    parent: str | None = None
+
+    def as_dict(self) -> DeviceRecord:
+        """The device as a guard reports it to the scheduler (``accelsched_inventory``)."""
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "name": self.name,
+            "memory": self.memory,
+            "capability": None if self.capability is None else list(self.capability),
+            "mig": self.mig,
+        }
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """This process's device memory on one device.
+
+    ``exact`` is False when NVML gave no per-process figure (``usedGpuMemory`` None,
+    common under MIG and some virtualised GPUs) or listed no entry with our pid (in a
+    container without the host PID namespace NVML reports host pids). Then ``nbytes`` is
+    the device-wide used memory: other processes on the device are counted in, and a
+    baseline taken at start absorbs them as long as they stay steady.
+    """
+
+    nbytes: int
+    exact: bool
+    has_context: bool | None
+    #: The figure is this process's alone: exact, or the only process NVML lists on the
+    #: device (a container's pid namespace, a MIG device without per-process figures).
+    #: The guard draws no conclusion from a reading that is not attributable.
+    attributable: bool = True
 
 
 class NVMLMonitor:
@@ -45,8 +90,11 @@ class NVMLMonitor:
         self._nvml: Any = None
         self.reason: str | None = None
         self._devices: list[DeviceInfo] | None = None
-        self._handles: dict[int, Any] = {}
-        self._left_out: dict[int, _Found] = {}  # CUDA index -> a device that did not answer
+        self._handles: dict[int, Any] = {}  # CUDA index -> NVML handle, once it answered
+        #: CUDA index -> (NVML index, handle or None, MIG UUID or None, its GPU's UUID or
+        #: "" when that did not answer): every device CUDA enumerates here
+        self._found: dict[int, tuple[int, Any, str | None, str]] = {}
+        self._left_out: set[int] = set()  # those that did not answer when listed
 
     # --- availability -----------------------------------------------------------------
 
@@ -116,12 +164,14 @@ class NVMLMonitor:
         )
         for cuda_index, visible in enumerate(order):  # CUDA's numbering, failing devices included
             i, mig = visible.nvml_index, visible.mig_uuid
-            found = _Found(
-                cuda_index, i, handles[i] if mig is None else migs[i][mig], mig, uuids[i]
+            self._found[cuda_index] = (
+                i,
+                handles[i] if mig is None else migs[i][mig],
+                mig,
+                uuids[i],
             )
             try:
-                devices.append(found.describe(nvml))
-                self._handles[cuda_index] = found.handle
+                devices.append(self._describe(cuda_index))
             except Exception as exc:  # this device does not answer: not ours to use
                 logger.warning(
                     "accelsched: GPU %d (NVML %d) does not answer NVML and is left out: %s",
@@ -129,7 +179,7 @@ class NVMLMonitor:
                     i,
                     _describe(exc),
                 )
-                self._left_out[cuda_index] = found
+                self._left_out.add(cuda_index)
         return devices
 
     @property
@@ -143,11 +193,11 @@ class NVMLMonitor:
         """Ask NVML again about the left-out device with CUDA index ``index``: its
         description when it answers every query the guard makes; raises otherwise."""
         self.devices()
-        return self._left_out[index].describe(self._nvml)
+        return self._describe(index)
 
     def adopt(self, info: DeviceInfo) -> None:
         """A left-out device answers again (see :meth:`query`): list it from now on."""
-        self._handles[info.index] = self._left_out.pop(info.index).handle
+        self._left_out.remove(info.index)
         devices = self.devices()
         devices.append(info)
         devices.sort(key=lambda d: d.index)
@@ -157,6 +207,39 @@ class NVMLMonitor:
             if d.index == index:
                 return d
         raise IndexError(f"no visible device with CUDA index {index}")
+
+    def _describe(self, index: int) -> DeviceInfo:
+        """Device ``index`` (CUDA's) of those found; raises when it does not answer every
+        query the guard makes. Its handle is kept once it answers."""
+        nvml = self._nvml
+        nvml_index, h, mig, gpu_uuid = self._found[index]
+        if h is None:  # lost when it was listed: look it up again
+            h = nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+        info = DeviceInfo(
+            index=index,
+            nvml_index=nvml_index,
+            uuid=mig or gpu_uuid or _text(nvml.nvmlDeviceGetUUID(h)),
+            name=_text(nvml.nvmlDeviceGetName(h)),
+            memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+            mig=mig is not None,
+            parent=None if mig is None else gpu_uuid,
+            # a MIG device has its GPU's; None where NVML does not say (an old driver,
+            # a binding without the call): a requirement on it is then not met
+            capability=_ask(
+                None,
+                lambda: tuple(
+                    map(
+                        int,
+                        nvml.nvmlDeviceGetCudaComputeCapability(
+                            nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+                        ),
+                    )
+                ),
+            ),
+        )
+        nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
+        self._handles[index] = h
+        return info
 
     # --- memory -----------------------------------------------------------------------
 
@@ -180,46 +263,6 @@ class NVMLMonitor:
             # is this worker seen from the host's pid namespace
             return MemoryReading(int(procs[0].usedGpuMemory), False, has_context, True)
         return MemoryReading(self.used(index), False, has_context, False)
-
-
-@dataclass
-class _Found:
-    """A device CUDA enumerates here, before NVML has answered about it."""
-
-    index: int  # CUDA's
-    nvml_index: int
-    handle: Any
-    mig: str | None
-    gpu_uuid: str  # its GPU's, or "" when it did not answer at listing
-
-    def describe(self, nvml: Any) -> DeviceInfo:
-        """Its description; raises when it does not answer every query the guard makes."""
-        if self.handle is None:  # lost when it was listed: look it up again
-            self.handle = nvml.nvmlDeviceGetHandleByIndex(self.nvml_index)
-        h = self.handle
-        info = DeviceInfo(
-            index=self.index,
-            nvml_index=self.nvml_index,
-            uuid=self.mig or self.gpu_uuid or _text(nvml.nvmlDeviceGetUUID(h)),
-            name=_text(nvml.nvmlDeviceGetName(h)),
-            memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
-            parent=None if self.mig is None else self.gpu_uuid,
-            # a MIG device has its GPU's; None where NVML does not say (an old driver,
-            # a binding without the call): a requirement on it is then not met
-            capability=_ask(
-                None,
-                lambda: tuple(
-                    map(
-                        int,
-                        nvml.nvmlDeviceGetCudaComputeCapability(
-                            nvml.nvmlDeviceGetHandleByIndex(self.nvml_index)
-                        ),
-                    )
-                ),
-            ),
-        )
-        nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
-        return info
 
 
 def _ask(default: Any, call: Callable[..., Any], *args: Any, warn: str | None = None) -> Any:
