@@ -54,8 +54,9 @@ class GPUStep(Generic[R]):
     def __init__(
         self, fn: Callable[..., R], mark: Mark, cpu_fn: Callable[..., R] | None = None
     ) -> None:
-        if not callable(fn):
-            raise TypeError(f"gpu() needs a callable, got {fn!r}")
+        for who, f in (("a GPU step", fn), ("a GPU step's cpu_fn", cpu_fn)):
+            if f is not None and not callable(f):
+                raise TypeError(f"{who} needs a callable, got {f!r}")
         self.fn = fn
         self.cpu_fn = cpu_fn
         self.__accelsched_gpu__ = mark
@@ -69,7 +70,8 @@ class GPUStep(Generic[R]):
         if lease is None:
             return (self.fn if self.cpu_fn is None else self.cpu_fn)(*args, **kwargs)
         try:
-            return lease.run_step(_name(self.fn), lambda: self.fn(*args, **kwargs))  # type: ignore[no-any-return]
+            call = functools.partial(self.fn, *args, **kwargs)  # measured when the guard can
+            return call() if lease.meter is None else lease.meter(_name(self.fn), call)
         except Exception as exc:
             if self.cpu_fn is None or not out_of_memory(exc, lease.oom_exceptions):
                 raise
@@ -150,9 +152,6 @@ def dual(
     """
     device = {"memory": memory, "model": model, "capability": capability, "mig": mig}
     mark = _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, device)
-    for name, fn in (("gpu_fn", gpu_fn), ("cpu_fn", cpu_fn)):
-        if not callable(fn):
-            raise TypeError(f"dual() {name} must be callable, got {fn!r}")
     return GPUStep(gpu_fn, mark, cpu_fn)
 
 
