@@ -48,10 +48,6 @@ class Lease:
     #: on the device (the guard's attribution); None where nothing measures.
     meter: Callable[[str, Callable[[], Any]], Any] | None = None
 
-    def run_step(self, name: str, call: Callable[[], Any]) -> Any:
-        """Run one marked step of the task, measured when the guard can."""
-        return call() if self.meter is None else self.meter(name, call)
-
 
 _local = threading.local()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import types
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
@@ -53,8 +54,9 @@ class GPUStep(Generic[R]):
     def __init__(
         self, fn: Callable[..., R], mark: Mark, cpu_fn: Callable[..., R] | None = None
     ) -> None:
-        if not callable(fn):
-            raise TypeError(f"gpu() needs a callable, got {fn!r}")
+        for who, f in (("a GPU step", fn), ("a GPU step's cpu_fn", cpu_fn)):
+            if f is not None and not callable(f):
+                raise TypeError(f"{who} needs a callable, got {f!r}")
         self.fn = fn
         self.cpu_fn = cpu_fn
         self.__accelsched_gpu__ = mark
@@ -68,7 +70,8 @@ class GPUStep(Generic[R]):
         if lease is None:
             return (self.fn if self.cpu_fn is None else self.cpu_fn)(*args, **kwargs)
         try:
-            return lease.run_step(_name(self.fn), lambda: self.fn(*args, **kwargs))  # type: ignore[no-any-return]
+            call = functools.partial(self.fn, *args, **kwargs)  # measured when the guard can
+            return call() if lease.meter is None else lease.meter(_name(self.fn), call)
         except Exception as exc:
             if self.cpu_fn is None or not out_of_memory(exc, lease.oom_exceptions):
                 raise
@@ -79,8 +82,10 @@ class GPUStep(Generic[R]):
             return self.cpu_fn(*args, **kwargs)
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
-        """As a method: bound to its instance, and still marked."""
-        return self if obj is None else Bound(self, obj)
+        """As a method: bound to its instance, and still marked (a bound method reads
+        its function's attributes). The walk stops at the mark, so the instance is never
+        taken for a call (a model whose own ``__call__`` is another marked step)."""
+        return self if obj is None else types.MethodType(self, obj)
 
     def __reduce__(self) -> tuple[Any, ...]:
         mark = self.__accelsched_gpu__
@@ -105,35 +110,6 @@ class GPUStep(Generic[R]):
         if self.cpu_fn is not None:
             return f"dual({_name(self.fn)}, {_name(self.cpu_fn)})"
         return f"gpu({_name(self.fn)}, count={self.__accelsched_gpu__.count:g})"
-
-
-class Bound:
-    """A marked step bound to an instance (``model.predict``): marked as the step is, and
-    the instance is ``self``, not an argument the walk should take for a call (a model
-    whose own ``__call__`` is a marked step of another count would count otherwise)."""
-
-    __slots__ = ("step", "obj")
-
-    def __init__(self, step: Any, obj: Any) -> None:
-        self.step = step
-        self.obj = obj
-
-    @property
-    def __accelsched_gpu__(self) -> Mark:
-        return self.step.__accelsched_gpu__  # type: ignore[no-any-return]
-
-    @property
-    def __name__(self) -> str:  # dask derives task-name prefixes from this
-        return str(self.step.__name__)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.step(self.obj, *args, **kwargs)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Bound, (self.step, self.obj))
-
-    def __repr__(self) -> str:
-        return f"<bound {self.step!r} of {type(self.obj).__name__}>"
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -176,9 +152,6 @@ def dual(
     """
     device = {"memory": memory, "model": model, "capability": capability, "mig": mig}
     mark = _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, device)
-    for name, fn in (("gpu_fn", gpu_fn), ("cpu_fn", cpu_fn)):
-        if not callable(fn):
-            raise TypeError(f"dual() {name} must be callable, got {fn!r}")
     return GPUStep(gpu_fn, mark, cpu_fn)
 
 

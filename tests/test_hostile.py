@@ -252,8 +252,7 @@ def test_visible_devices_with_digits_cuda_does_not_read_name_no_device(entry, ca
     """``str.isdigit`` holds for "²" (and ``int`` then raises) and for "٣" or "０" (and
     ``int`` reads them as 3 and 0); CUDA reads ASCII digits only, so such an entry names
     no device: the list ends there, without blaming NVML."""
-    from accelsched.devices.nvml import NVMLMonitor
-    from accelsched.devices.visible import Visible, resolve_devices
+    from accelsched.devices.nvml import NVMLMonitor, Visible, resolve_devices
 
     assert resolve_devices([entry], ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]) == []
     assert resolve_devices(["1", entry], ["GPU-a", "GPU-b"]) == [Visible(1)]

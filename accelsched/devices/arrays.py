@@ -75,8 +75,11 @@ def _by_protocol(obj: Any) -> dict[int, int]:
         return {}
     nbytes = getattr(obj, "nbytes", None)
     if not isinstance(nbytes, int):
-        interface = getattr(obj, "__cuda_array_interface__", None)
-        nbytes = _interface_nbytes(interface) if isinstance(interface, dict) else None
+        interface: Any = getattr(obj, "__cuda_array_interface__", None)
+        try:
+            nbytes = math.prod(int(n) for n in interface["shape"]) * int(interface["typestr"][2:])
+        except (KeyError, TypeError, ValueError):  # no interface, or not one
+            nbytes = None
     if not isinstance(nbytes, int):
         from dask.sizeof import sizeof
 
@@ -111,13 +114,6 @@ def _device_of(obj: Any) -> int | None:
     if isinstance(device, int):
         return device
     return task_device() or 0
-
-
-def _interface_nbytes(interface: dict) -> int | None:
-    try:
-        return math.prod(int(n) for n in interface["shape"]) * int(interface["typestr"][2:])
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 #: Types known to hold no device memory: a result of one of these is fully accounted.

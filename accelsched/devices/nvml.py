@@ -6,10 +6,23 @@ did not ask for a GPU. Nothing else imports ``pynvml``.
 
 No driver, no ``libnvidia-ml.so.1`` or no ``pynvml`` means zero GPUs: one log line, never
 an exception. MIG devices are found under their parent GPU (NVML does not count them)
-and stand for it as CUDA does (:func:`accelsched.devices.visible.resolve_devices`): a
+and stand for it as CUDA does (:func:`resolve_devices`): a
 worker's device is then the MIG device, with its own UUID, memory and processes.
 
 The NVML library is passed in by name (:mod:`accelsched.devices.backend`).
+
+``CUDA_VISIBLE_DEVICES``: NVML ignores it and numbers devices physically; CUDA numbers
+the visible ones from 0 in the order listed. Everything in accelsched that talks to CUDA
+(leases, ``current_device()``) uses CUDA indices; everything that talks to NVML uses
+NVML indices; :func:`resolve_devices` is the one place that maps between them.
+
+MIG: NVML lists a MIG device (``MIG-<uuid>``) under its parent GPU, not in the device
+count. CUDA runs work on MIG devices, never on a GPU in MIG mode as a whole, and a CUDA
+process enumerates **one MIG device at most** ("only enumeration of a single MIG
+instance is supported", NVIDIA's MIG user guide, for CUDA 11/R450 and CUDA 12/R525;
+``CUDA_VISIBLE_DEVICES=MIG-a,MIG-b`` gives ``cudaGetDeviceCount() == 1``). So
+:func:`resolve_devices` keeps the first MIG device it meets and leaves out later ones,
+with a warning; GPUs not in MIG mode listed around it stay visible.
 """
 
 from __future__ import annotations
@@ -17,20 +30,71 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from accelsched.devices.backend import load_backend
-from accelsched.devices.records import DeviceInfo, MemoryReading
-from accelsched.devices.visible import resolve_devices, visible_from_env
+from accelsched.policy.requirements import DeviceFacts
+from accelsched.protocol import DeviceRecord
 
-__all__ = ["DeviceInfo", "MemoryReading", "NVMLMonitor"]
+__all__ = [
+    "DeviceInfo",
+    "MemoryReading",
+    "NVMLMonitor",
+    "Visible",
+    "resolve_devices",
+    "visible_from_env",
+]
 
 logger = logging.getLogger(__name__)
 
 _init_lock = threading.Lock()
 _logged: set[str] = set()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceInfo(DeviceFacts):
+    """One device this process can use, as NVML verified it: what requirements are
+    checked on, and where it is (``index``: its CUDA index here; ``nvml_index``: its
+    GPU's, a MIG device's parent's). A MIG device's ``uuid``, ``name`` and ``memory``
+    are its own; ``parent`` is its GPU's UUID (None for a whole GPU)."""
+
+    index: int
+    nvml_index: int
+    uuid: str
+    parent: str | None = None
+
+    def as_dict(self) -> DeviceRecord:
+        """The device as a guard reports it to the scheduler (``accelsched_inventory``)."""
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "name": self.name,
+            "memory": self.memory,
+            "capability": None if self.capability is None else list(self.capability),
+            "mig": self.mig,
+        }
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """This process's device memory on one device.
+
+    ``exact`` is False when NVML gave no per-process figure (``usedGpuMemory`` None,
+    common under MIG and some virtualised GPUs) or listed no entry with our pid (in a
+    container without the host PID namespace NVML reports host pids). Then ``nbytes`` is
+    the device-wide used memory: other processes on the device are counted in, and a
+    baseline taken at start absorbs them as long as they stay steady.
+    """
+
+    nbytes: int
+    exact: bool
+    has_context: bool | None
+    #: The figure is this process's alone: exact, or the only process NVML lists on the
+    #: device (a container's pid namespace, a MIG device without per-process figures).
+    #: The guard draws no conclusion from a reading that is not attributable.
+    attributable: bool = True
 
 
 class NVMLMonitor:
@@ -45,8 +109,11 @@ class NVMLMonitor:
         self._nvml: Any = None
         self.reason: str | None = None
         self._devices: list[DeviceInfo] | None = None
-        self._handles: dict[int, Any] = {}
-        self._left_out: dict[int, _Found] = {}  # CUDA index -> a device that did not answer
+        self._handles: dict[int, Any] = {}  # CUDA index -> NVML handle, once it answered
+        #: CUDA index -> (NVML index, handle or None, MIG UUID or None, its GPU's UUID or
+        #: "" when that did not answer): every device CUDA enumerates here
+        self._found: dict[int, tuple[int, Any, str | None, str]] = {}
+        self._left_out: set[int] = set()  # those that did not answer when listed
 
     # --- availability -----------------------------------------------------------------
 
@@ -116,12 +183,14 @@ class NVMLMonitor:
         )
         for cuda_index, visible in enumerate(order):  # CUDA's numbering, failing devices included
             i, mig = visible.nvml_index, visible.mig_uuid
-            found = _Found(
-                cuda_index, i, handles[i] if mig is None else migs[i][mig], mig, uuids[i]
+            self._found[cuda_index] = (
+                i,
+                handles[i] if mig is None else migs[i][mig],
+                mig,
+                uuids[i],
             )
             try:
-                devices.append(found.describe(nvml))
-                self._handles[cuda_index] = found.handle
+                devices.append(self._describe(cuda_index))
             except Exception as exc:  # this device does not answer: not ours to use
                 logger.warning(
                     "accelsched: GPU %d (NVML %d) does not answer NVML and is left out: %s",
@@ -129,7 +198,7 @@ class NVMLMonitor:
                     i,
                     _describe(exc),
                 )
-                self._left_out[cuda_index] = found
+                self._left_out.add(cuda_index)
         return devices
 
     @property
@@ -143,11 +212,11 @@ class NVMLMonitor:
         """Ask NVML again about the left-out device with CUDA index ``index``: its
         description when it answers every query the guard makes; raises otherwise."""
         self.devices()
-        return self._left_out[index].describe(self._nvml)
+        return self._describe(index)
 
     def adopt(self, info: DeviceInfo) -> None:
         """A left-out device answers again (see :meth:`query`): list it from now on."""
-        self._handles[info.index] = self._left_out.pop(info.index).handle
+        self._left_out.remove(info.index)
         devices = self.devices()
         devices.append(info)
         devices.sort(key=lambda d: d.index)
@@ -157,6 +226,39 @@ class NVMLMonitor:
             if d.index == index:
                 return d
         raise IndexError(f"no visible device with CUDA index {index}")
+
+    def _describe(self, index: int) -> DeviceInfo:
+        """Device ``index`` (CUDA's) of those found; raises when it does not answer every
+        query the guard makes. Its handle is kept once it answers."""
+        nvml = self._nvml
+        nvml_index, h, mig, gpu_uuid = self._found[index]
+        if h is None:  # lost when it was listed: look it up again
+            h = nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+        info = DeviceInfo(
+            index=index,
+            nvml_index=nvml_index,
+            uuid=mig or gpu_uuid or _text(nvml.nvmlDeviceGetUUID(h)),
+            name=_text(nvml.nvmlDeviceGetName(h)),
+            memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+            mig=mig is not None,
+            parent=None if mig is None else gpu_uuid,
+            # a MIG device has its GPU's; None where NVML does not say (an old driver,
+            # a binding without the call): a requirement on it is then not met
+            capability=_ask(
+                None,
+                lambda: tuple(
+                    map(
+                        int,
+                        nvml.nvmlDeviceGetCudaComputeCapability(
+                            nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+                        ),
+                    )
+                ),
+            ),
+        )
+        nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
+        self._handles[index] = h
+        return info
 
     # --- memory -----------------------------------------------------------------------
 
@@ -180,46 +282,6 @@ class NVMLMonitor:
             # is this worker seen from the host's pid namespace
             return MemoryReading(int(procs[0].usedGpuMemory), False, has_context, True)
         return MemoryReading(self.used(index), False, has_context, False)
-
-
-@dataclass
-class _Found:
-    """A device CUDA enumerates here, before NVML has answered about it."""
-
-    index: int  # CUDA's
-    nvml_index: int
-    handle: Any
-    mig: str | None
-    gpu_uuid: str  # its GPU's, or "" when it did not answer at listing
-
-    def describe(self, nvml: Any) -> DeviceInfo:
-        """Its description; raises when it does not answer every query the guard makes."""
-        if self.handle is None:  # lost when it was listed: look it up again
-            self.handle = nvml.nvmlDeviceGetHandleByIndex(self.nvml_index)
-        h = self.handle
-        info = DeviceInfo(
-            index=self.index,
-            nvml_index=self.nvml_index,
-            uuid=self.mig or self.gpu_uuid or _text(nvml.nvmlDeviceGetUUID(h)),
-            name=_text(nvml.nvmlDeviceGetName(h)),
-            memory=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
-            parent=None if self.mig is None else self.gpu_uuid,
-            # a MIG device has its GPU's; None where NVML does not say (an old driver,
-            # a binding without the call): a requirement on it is then not met
-            capability=_ask(
-                None,
-                lambda: tuple(
-                    map(
-                        int,
-                        nvml.nvmlDeviceGetCudaComputeCapability(
-                            nvml.nvmlDeviceGetHandleByIndex(self.nvml_index)
-                        ),
-                    )
-                ),
-            ),
-        )
-        nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
-        return info
 
 
 def _ask(default: Any, call: Callable[..., Any], *args: Any, warn: str | None = None) -> Any:
@@ -255,3 +317,94 @@ def _text(value: Any) -> str:
 def _describe(exc: BaseException) -> str:
     name = type(exc).__name__
     return f"{name}: {exc}" if str(exc) else name
+
+
+# --- CUDA_VISIBLE_DEVICES (see the module docstring) ---------------------------------
+
+
+@dataclass(frozen=True)
+class Visible:
+    """One CUDA device: the GPU with NVML index ``nvml_index``, or its MIG device
+    ``mig_uuid``."""
+
+    nvml_index: int
+    mig_uuid: str | None = None
+
+
+def visible_from_env(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """The entries of ``CUDA_VISIBLE_DEVICES``: None (unset) means every device, the
+    empty string none."""
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [part.strip() for part in value.split(",") if part.strip()]
+
+
+def resolve_devices(
+    entries: Sequence[str] | None,
+    uuids: Sequence[str],
+    migs: Mapping[int, Sequence[str]] | None = None,
+) -> list[Visible]:
+    """The CUDA devices of a process, in CUDA order.
+
+    ``uuids``: the GPUs' UUIDs by NVML index; ``migs``: for each GPU in MIG mode (its
+    NVML index), the UUIDs of its MIG devices by their index under it (none: no MIG).
+    Entries are indices, ``GPU-`` UUIDs or unique prefixes, ``MIG-`` UUIDs or unique
+    prefixes. A GPU in MIG mode named as a whole (or every device, when ``entries`` is
+    None) stands for its first MIG device, as CUDA enumerates it. Only the first MIG
+    device met is kept (see the module docstring); a MIG-mode GPU with no MIG device
+    adds nothing. Like CUDA, the list ends at the first entry that names no device, or
+    names one twice.
+    """
+    migs = migs or {}
+    names: Sequence[str] = [str(i) for i in range(len(uuids))] if entries is None else entries
+    out: list[Visible] = []
+    seen: set[tuple[int, str | None]] = set()
+    mig_taken = False
+    for entry in names:
+        found = _match(entry, uuids, migs)
+        if found is None or (found.nvml_index, found.mig_uuid) in seen:
+            logger.warning(
+                "CUDA_VISIBLE_DEVICES entry %r names no device (or repeats one); "
+                "CUDA ignores it and every entry after it",
+                entry,
+            )
+            break
+        seen.add((found.nvml_index, found.mig_uuid))
+        if found.nvml_index in migs and found.mig_uuid is None:
+            continue  # a GPU in MIG mode without MIG devices: nothing CUDA can use
+        if found.mig_uuid is not None:
+            if mig_taken:
+                logger.warning(
+                    "CUDA_VISIBLE_DEVICES entry %r is a second MIG device; a CUDA process "
+                    "enumerates one MIG device only, so it is left out",
+                    entry,
+                )
+                continue
+            mig_taken = True
+        out.append(found)
+    return out
+
+
+def _match(entry: str, uuids: Sequence[str], migs: Mapping[int, Sequence[str]]) -> Visible | None:
+    if entry.isascii() and entry.isdigit():  # CUDA reads ASCII digits only ("²", "３": none)
+        i = int(entry)
+        return _whole(i, migs) if i < len(uuids) else None
+    if entry.startswith("MIG-"):
+        hits = [
+            Visible(parent, uuid)
+            for parent, under in migs.items()
+            for uuid in under
+            if uuid.startswith(entry)
+        ]
+        exact = [v for v in hits if v.mig_uuid == entry]
+        return exact[0] if exact else hits[0] if len(hits) == 1 else None
+    needle = entry if entry.startswith("GPU-") else "GPU-" + entry
+    gpus = [i for i, u in enumerate(uuids) if u.startswith(needle)]
+    return _whole(gpus[0], migs) if len(gpus) == 1 else None
+
+
+def _whole(index: int, migs: Mapping[int, Sequence[str]]) -> Visible:
+    """GPU ``index`` named as a whole: itself, or its first MIG device in MIG mode."""
+    under = migs.get(index)
+    if under:
+        return Visible(index, under[0])
+    return Visible(index)

@@ -107,28 +107,22 @@ class CupyPool:
         if cp is None:
             return PoolStats()
         try:
-            if self.uses_rmm():
-                return _rmm_stats(device)
+            if self.uses_rmm():  # reserved up front, it cannot shrink: all of it is fixed
+                mr = sys.modules.get("rmm.mr")
+                if mr is None:
+                    return PoolStats()
+                try:
+                    size = getattr(mr.get_per_device_resource(device), "pool_size", None)
+                    reserved = int(size() if callable(size) else (size or 0))
+                except Exception:
+                    reserved = 0
+                return PoolStats(held=reserved, cached=0, fixed=reserved, fixed_free=None)
             with cp.cuda.Device(device):
                 pool = cp.get_default_memory_pool()
                 total = int(pool.total_bytes())
                 return PoolStats(held=total, cached=int(pool.free_bytes()))
         except RuntimeError:
             return PoolStats()
-
-
-def _rmm_stats(device: int) -> PoolStats:
-    """RMM's pool is reserved up front and cannot shrink: all of it counts as fixed."""
-    mr = sys.modules.get("rmm.mr")
-    if mr is None:
-        return PoolStats()
-    try:
-        resource = mr.get_per_device_resource(device)
-        size = getattr(resource, "pool_size", None)
-        reserved = int(size() if callable(size) else (size or 0))
-    except Exception:
-        reserved = 0
-    return PoolStats(held=reserved, cached=0, fixed=reserved, fixed_free=None)
 
 
 POOLS: list[DevicePool] = [CupyPool()]

@@ -37,8 +37,6 @@ MAX_VISITS = 1000
 #: Of a long list or dict argument, only this many items are looked at: data, not calls.
 MAX_ITEMS = 64
 
-_NO_TIMEOUT: Any = None
-
 #: Whether this process ever built (or unpickled) a marked step: until then no task can
 #: call one, and the scheduler skips the walk altogether.
 _seen = False

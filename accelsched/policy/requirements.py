@@ -19,7 +19,6 @@ verified of each device (:class:`DeviceFacts`). Decisions only: no distributed i
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import math
 import numbers
 import re
@@ -119,10 +118,6 @@ class Requirement:
             "" if mig is None else "mig" if mig else "whole-gpu",
         )
         return ",".join(p for p in parts if p) or "any"
-
-    def digest(self) -> str:
-        """Eight hex digits naming this requirement, for names that must be short."""
-        return hashlib.blake2s(self.label().encode(), digest_size=4).hexdigest()
 
 
 def _bytes_text(n: int) -> str:

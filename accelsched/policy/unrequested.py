@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from accelsched.devices.records import MemoryReading
+from accelsched.devices.nvml import MemoryReading
 
 __all__ = ["Use", "classify"]
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelsched.context import register_oom_exception
+from accelsched.devices.nvml import visible_from_env
 from accelsched.devices.pool import PoolStats, register_pool
-from accelsched.devices.visible import visible_from_env
 from accelsched.testing import state
 
 __all__ = ["OutOfDeviceMemory", "SimulatedPool"]

@@ -21,9 +21,9 @@ from distributed import Reschedule
 from accelsched import events
 from accelsched.context import Lease, bind, unbind
 from accelsched.devices.arrays import to_host
-from accelsched.devices.records import DeviceInfo
+from accelsched.devices.nvml import DeviceInfo
 from accelsched.policy.leases import LeaseTable, NoFreeDevice
-from accelsched.policy.requirements import DeviceFacts, Requirement, parse_requirement
+from accelsched.policy.requirements import Requirement, parse_requirement
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, GPU_MEMORY, REQUIREMENT_ANNOTATION
 from accelsched.worker.ledger import Ledger, Meter
 from accelsched.worker.pool_freer import PoolFreer
@@ -60,11 +60,7 @@ class Binder:
 
     def set_devices(self, indices: list[int], devices: Sequence[DeviceInfo] = ()) -> None:
         """Lease ``indices``; ``devices`` describe them (what requirements are met by)."""
-        facts = {
-            d.index: DeviceFacts(d.name, d.memory, d.capability, d.mig)
-            for d in devices
-            if d.index in indices
-        }
+        facts = {d.index: d for d in devices if d.index in indices}
         self.leases.set_devices(indices, facts if devices else None)
         with self._freed:  # a waiting task may fit now
             self._freed.notify_all()

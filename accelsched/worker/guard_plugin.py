@@ -36,7 +36,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from accelsched import events, internals
 from accelsched.config import GUARD_OPTIONS, guard_options_here, resolve_options
-from accelsched.devices.records import DeviceInfo
+from accelsched.devices.nvml import DeviceInfo
 from accelsched.policy.leak import Attribution, LeakDecisions, Verdict
 from accelsched.protocol import (
     DRAIN_HANDLER,

@@ -1,7 +1,7 @@
 """The worker's verified inventory and what it says to the scheduler about itself.
 
 At setup the guard probes the devices through NVML (MIG devices included, as CUDA
-enumerates them: :mod:`accelsched.devices.visible`), decides which this worker owns
+enumerates them: :mod:`accelsched.devices.nvml`), decides which this worker owns
 (:func:`accelsched.policy.ownership.owned`) and how many it asks for
 (:func:`accelsched.policy.ownership.decide_claim`), reports them (``accelsched_inventory``) and
 advertises only what the scheduler granted. Later it may ask for its own restart

@@ -31,8 +31,8 @@ from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from accelsched.config import Threshold
+from accelsched.devices.nvml import MemoryReading
 from accelsched.devices.pool import PoolStats, active_pools
-from accelsched.devices.records import MemoryReading
 from accelsched.policy.health import Answer, judge_answers
 from accelsched.policy.leak import LeakDecisions, Remeasured, Verdict, estimate
 from accelsched.protocol import GuardMetric

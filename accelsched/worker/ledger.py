@@ -311,7 +311,7 @@ def _ignore(prefix: str) -> None:
 
 class Meter:
     """One GPU task's measurement, from its lease to its return; also its lease's
-    ``meter`` (:meth:`accelsched.context.Lease.run_step`), measuring each outermost marked
+    ``meter`` (:attr:`accelsched.context.Lease.meter`), measuring each outermost marked
     step the task calls, so the attribution names the step that left memory behind, even
     inside a fused task.
 

@@ -100,7 +100,6 @@ def test_labels_name_the_requirement() -> None:
     r = Requirement(memory=24 * GiB, model="*H100*", capability=(9, 0), mig=False)
     assert r.label() == "memory>=24GiB,model=*H100*,capability>=9.0,whole-gpu" and r
     assert Requirement(memory=1000).label() == "memory>=1000B"
-    assert len(r.digest()) == 8 and r.digest() != Requirement(memory=24 * GiB).digest()
 
 
 def test_pack_best_fit() -> None:

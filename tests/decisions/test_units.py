@@ -9,7 +9,7 @@ import pytest
 
 import accelsched
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
-from accelsched.devices.visible import resolve_devices, visible_from_env
+from accelsched.devices.nvml import resolve_devices, visible_from_env
 from accelsched.policy.leases import LeaseTable, NoFreeDevice
 from accelsched.policy.marks import Mark
 from accelsched.policy.ownership import Claim, decide_claim, grant, owned
