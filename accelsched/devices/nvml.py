@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from accelsched.devices.backend import load_backend
-from accelsched.policy.requirements import DeviceFacts
 from accelsched.protocol import DeviceRecord
 
 __all__ = [
@@ -51,6 +50,17 @@ logger = logging.getLogger(__name__)
 
 _init_lock = threading.Lock()
 _logged: set[str] = set()
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What NVML verified of one device: the attributes a requirement is checked on
+    (:mod:`accelsched.policy.requirements`)."""
+
+    name: str
+    memory: int  # total bytes
+    capability: tuple[int, int] | None = None  # None: NVML did not say
+    mig: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,6 +28,8 @@ from typing import Any
 
 from dask.utils import parse_bytes
 
+from accelsched.devices.nvml import DeviceFacts
+
 __all__ = [
     "KEYS",
     "invalid_amount",
@@ -67,16 +69,6 @@ def invalid_amount(amount: Any) -> str | None:
     except (OverflowError, ValueError):
         pass
     return f"invalid resources={{'GPU': {amount!r}}}: expected a positive, finite number of GPUs"
-
-
-@dataclass(frozen=True)
-class DeviceFacts:
-    """What NVML verified of one device: the attributes a requirement is checked on."""
-
-    name: str
-    memory: int  # total bytes
-    capability: tuple[int, int] | None = None  # None: NVML did not say
-    mig: bool = False
 
 
 @dataclass(frozen=True)
