@@ -227,10 +227,8 @@ class GuardPlugin(WorkerPlugin):
             if computed:
                 self._ended(key)
                 return
-        elif start == "memory":
+        elif start == "memory" or finish == "forgotten":
             ledger.released(key)
-        if finish == "forgotten":
-            ledger.drop(key)
         if key in running:  # started or ended, as its thread says (cancelled runs on)
             if internals.runs_in_thread(worker, key):
                 running.started(key)

@@ -60,18 +60,20 @@ class Ledger:
         monitor: NVMLMonitor,
         *,
         residue: Callable[[str, dict[int, int]], None] | None = None,
-        left_nothing: Callable[[str], None] | None = None,
+        left_nothing: Callable[[str], None] = lambda prefix: None,
         stored: Callable[[Any], Any] = lambda key: None,
         idle: Callable[[], set[int]] = set,
     ) -> None:
         self.monitor = monitor
         self.residue = residue  # (step or task prefix, bytes it left behind): attribution
-        self.left_nothing = left_nothing or _ignore  # (task prefix): a run left nothing
+        self.left_nothing = left_nothing  # (task prefix): a run left nothing
         self._stored = stored  # key -> its value in the worker's memory (or None)
         self._idle = idle  # the owned devices no task holds now
         self._lock = threading.Lock()
-        # key -> {device: bytes}: measured as its task returned, then what it holds while
-        # in memory (results from elsewhere too)
+        # key -> {device: bytes}: measured as its task returned, until it enters memory
+        # (or is released without)
+        self._measured: dict[Any, dict[int, int]] = {}
+        # key -> {device: bytes}: what it holds while in memory (results from elsewhere too)
         self._held: dict[Any, dict[int, int]] = {}
         self._live: dict[int, int] = {}  # device -> bytes results in memory hold
         self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
@@ -134,11 +136,8 @@ class Ledger:
         ``found_none``: a reading just taken found no context on any of ``devices``,
         whatever a leak check dropped meanwhile.
         """
-        if not found_none:
-            no_context = self._no_context
-            for d in devices:
-                if d not in no_context:
-                    return MEASURE
+        if not found_none and not self._no_context.issuperset(devices):
+            return MEASURE
         return SKIP if prefix in self._clean else LEARN
 
     def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> bool:
@@ -217,7 +216,7 @@ class Ledger:
                         self._settled[device] = self._fresh[device] = now
         if key is not None:
             with self._lock:
-                self._held[key] = held
+                self._measured[key] = held
         return residue, sum(held.values()) + sum(residue.values())
 
     # --- on the event loop ----------------------------------------------------------------
@@ -225,30 +224,30 @@ class Ledger:
     def entered(self, key: Any, *, computed: bool) -> dict[int, int]:
         """``key`` entered the worker's memory: ``computed`` here (measured by its task,
         else known by type), or data from elsewhere (a peer's transfer, a replica, a
-        scatter: known by type, else measured on the idle devices). Held until
-        :meth:`released`; returns what it holds."""
-        measured = self._held.get(key) if computed else None
-        if measured is not None:  # the measurement wins: known without its value
-            held = {d: n for d, n in measured.items() if n}
-        else:
-            value = self._stored(key)
-            if computed:
-                held = {} if self.holds_nothing(value) else device_nbytes(value)
-            else:
-                held = self.arrived(value, self._idle())
+        scatter: known by type, else measured on the idle devices since the last
+        explained reading). Held until :meth:`released`; returns what it holds."""
         with self._lock:
-            if not held:
-                self._held.pop(key, None)
-                return held
-            self._held[key] = held
+            measured = self._measured.pop(key, None)
+        if measured is not None and computed:  # the measurement wins: known without its value
+            held = {d: n for d, n in measured.items() if n}
+        elif computed:
+            value = self._stored(key)
+            held = {} if self.holds_nothing(value) else device_nbytes(value)
+        else:
+            held = self._arrived(self._stored(key))
+        if not held:
+            return held
+        self._held[key] = held
         for d, n in held.items():
             self._live[d] = self._live.get(d, 0) + n
         return held
 
     def released(self, key: Any) -> None:
-        """``key`` left the worker's memory: its memory went back unmeasured."""
+        """``key`` left the worker's memory, or will not enter it (cancelled, forgotten):
+        its memory went back unmeasured."""
         with self._lock:
-            held = self._held.pop(key, {})
+            self._measured.pop(key, None)
+        held = self._held.pop(key, {})
         for d, n in held.items():
             self._live[d] -= n
             self.forget(d)
@@ -263,16 +262,7 @@ class Ledger:
         number, a string: nothing to ask)."""
         return value is None or type(value) in _PLAIN
 
-    def measured(self, key: Any) -> bool:
-        """Whether ``key``'s task was measured (what it holds needs no look at its value)."""
-        return key in self._held
-
-    def drop(self, key: Any) -> None:
-        """``key`` will not enter memory (cancelled, forgotten): forget its measurement."""
-        with self._lock:
-            self._held.pop(key, None)
-
-    def arrived(self, value: Any, idle: set[int]) -> dict[int, int]:
+    def _arrived(self, value: Any) -> dict[int, int]:
         """What data from a peer holds: its type's figure, else the growth on idle
         devices since the last explained reading."""
         with self._lock:
@@ -281,7 +271,7 @@ class Ledger:
         if knows(value):
             return device_nbytes(value)
         out = {}
-        for device in idle:
+        for device in self._idle():
             with self._lock:
                 then = self._settled.get(device)
             # without an explained base to measure from: type knowledge only
@@ -303,10 +293,6 @@ class Ledger:
             self._settled.pop(device, None)
             self._fresh.pop(device, None)
             self._changes += 1
-
-
-def _ignore(prefix: str) -> None:
-    pass
 
 
 class Meter:
@@ -347,8 +333,7 @@ class Meter:
         """Run the task's code, measured as planned: with no context on its devices no
         reading can be a base (the context a task makes would count as its growth), so it
         is not read around, only checked after (:meth:`Ledger.unmeasured`)."""
-        ledger = self.ledger
-        token = base = None
+        ledger, token, base = self.ledger, None, None
         if self.plan == MEASURE:
             token, base, empty = self._open(record=True)
             if base is None:

@@ -77,8 +77,7 @@ class PoolFreer:
     def after_gpu_task(self, devices: tuple[int, ...]) -> None:
         if not self.every or next(self._count) % self.every:
             return
-        pools = active_pools()
-        if not pools:
+        if not (pools := active_pools()):
             return
         if self.minimum > 0 and not caches_enough(pools, devices, self.minimum):
             return

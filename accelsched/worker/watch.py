@@ -86,11 +86,10 @@ class Watch:
         """Whether this run of ``prefix`` is watched (event loop)."""
         if self.fail:
             return True
-        runs = self._runs
-        n = runs.get(prefix, 0) + 1
-        if n == 1 and len(runs) >= MAX_PREFIXES:
-            runs.clear()
-        runs[prefix] = n
+        n = self._runs.get(prefix, 0) + 1
+        if n == 1 and len(self._runs) >= MAX_PREFIXES:
+            self._runs.clear()
+        self._runs[prefix] = n
         return n <= FIRST_RUNS or n % EVERY == 0
 
     def runner(self, key: Any) -> Runner:
