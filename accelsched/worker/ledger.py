@@ -89,14 +89,11 @@ class Ledger:
         self._context_gen = 0  # bumped whenever that knowledge is dropped
         self._clean: set[str] = set()  # prefixes whose runs were seen to make no context
 
-    def noncache(self, device: int) -> int | None:
-        """This process's bytes on ``device`` minus what pools cache or reserve; None
-        when NVML cannot tell (no figure of its own, no context yet, or an error)."""
-        return self._read(device, False)[0]
-
-    def _read(self, device: int, record: bool) -> tuple[int | None, bool]:
-        """:meth:`noncache`, and whether this reading itself found no context there
-        (what the knowledge :meth:`plan` relies on may have been dropped meanwhile).
+    def read(self, device: int, record: bool = False) -> tuple[int | None, bool]:
+        """This process's bytes on ``device`` minus what pools cache or reserve (None
+        when NVML cannot tell: no figure of its own, no context yet, or an error), and
+        whether this reading itself found no context there (what the knowledge
+        :meth:`plan` relies on may have been dropped meanwhile).
 
         ``record``: a reading taken between GPU tasks (no task code runs on ``device``
         until the next one), whose "no context" :meth:`plan` may rely on; a reading inside
@@ -148,7 +145,7 @@ class Ledger:
         if plan == LEARN:
             gen = self._context_gen
             # records "no context" again, or finds one
-            if all([self._read(d, True)[1] for d in devices]):
+            if all([self.read(d, True)[1] for d in devices]):
                 with self._lock:
                     if gen == self._context_gen and self._no_context.issuperset(devices):
                         if len(self._clean) >= MAX_PREFIXES:
@@ -185,7 +182,7 @@ class Ledger:
         with self._lock:
             fresh = [self._fresh.pop(d, None) for d in devices]
         read = [
-            self._read(d, record) if then is None else (then, False)
+            self.read(d, record) if then is None else (then, False)
             for d, then in zip(devices, fresh, strict=True)
         ]
         base = {d: v for d, (v, _) in zip(devices, read, strict=True) if v is not None}
@@ -202,7 +199,7 @@ class Ledger:
         residue: dict[int, int] = {}
         changes = self._changes  # a key released or data arrived meanwhile: no base from it
         for device, then in before.items():
-            now = self.noncache(device)
+            now = self.read(device)[0]
             if now is None:
                 continue
             grew = max(0, now - then)
@@ -228,13 +225,27 @@ class Ledger:
         explained reading). Held until :meth:`released`; returns what it holds."""
         with self._lock:
             measured = self._measured.pop(key, None)
+            if not computed:  # memory may have grown: no reused base
+                self._fresh.clear()
+                self._changes += 1
         if measured is not None and computed:  # the measurement wins: known without its value
             held = {d: n for d, n in measured.items() if n}
-        elif computed:
-            value = self._stored(key)
-            held = {} if self.holds_nothing(value) else device_nbytes(value)
-        else:
-            held = self._arrived(self._stored(key))
+        elif self.holds_nothing(value := self._stored(key)):
+            held = {}
+        elif computed or knows(value):
+            held = device_nbytes(value)
+        else:  # from a peer, of a type nobody described: the growth on the idle devices
+            held = {}
+            for device in self._idle():
+                with self._lock:
+                    then = self._settled.get(device)
+                # without an explained base to measure from: type knowledge only
+                if then is not None and (now := self.read(device)[0]) is not None:
+                    with self._lock:
+                        self._settled[device] = now
+                    if now > then:
+                        held[device] = now - then
+            held = held or device_nbytes(value)
         if not held:
             return held
         self._held[key] = held
@@ -261,26 +272,6 @@ class Ledger:
         """Whether ``value``, unmeasured, holds nothing on a device by its type alone (a
         number, a string: nothing to ask)."""
         return value is None or type(value) in _PLAIN
-
-    def _arrived(self, value: Any) -> dict[int, int]:
-        """What data from a peer holds: its type's figure, else the growth on idle
-        devices since the last explained reading."""
-        with self._lock:
-            self._fresh.clear()  # memory may have grown: no reused base
-            self._changes += 1
-        if knows(value):
-            return device_nbytes(value)
-        out = {}
-        for device in self._idle():
-            with self._lock:
-                then = self._settled.get(device)
-            # without an explained base to measure from: type knowledge only
-            if then is not None and (now := self.noncache(device)) is not None:
-                with self._lock:
-                    self._settled[device] = now
-                if now > then:
-                    out[device] = now - then
-        return out or device_nbytes(value)
 
     def settle(self, device: int, noncache: int) -> None:
         """Everything on ``device`` is explained now (a check found no leak there)."""
