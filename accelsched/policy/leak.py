@@ -299,8 +299,7 @@ class LeakDecisions:
         device skipped for a running GPU task) with every device at or under its
         threshold is clean: the suspects are forgotten."""
         clean = complete and all(v.above == 0 for v in verdicts)
-        devices = [v.device for v in verdicts]
-        suspects = self.attribution.suspects(devices, self._runs, clear=clean)
+        suspects = self.attribution.suspects([v.device for v in verdicts], self._runs, clear=clean)
         if clean:
             self._runs.clear()
         return suspects
@@ -387,15 +386,20 @@ class LeakDecisions:
             if not self.device(v.device).is_news(v.estimate, v.threshold):
                 continue
             s = suspects[v.device]
-            figures = {
-                "nbytes": v.estimate,
-                "threshold": v.threshold,
-                "checks": v.above,
-                "unexplained": max(0, v.estimate - sum(n for _, n in s.ranked)),
-                "reclaimed": came_back.get(v.device, 0),
-            }
-            detail = {"prefixes": s.prefixes, "attributed": s.ranked}
-            out.append(Proposal("report-leak", v.device, figures=figures, detail=detail))
+            out.append(
+                Proposal(
+                    "report-leak",
+                    v.device,
+                    figures={
+                        "nbytes": v.estimate,
+                        "threshold": v.threshold,
+                        "checks": v.above,
+                        "unexplained": max(0, v.estimate - sum(n for _, n in s.ranked)),
+                        "reclaimed": came_back.get(v.device, 0),
+                    },
+                    detail={"prefixes": s.prefixes, "attributed": s.ranked},
+                )
+            )
         for record in self.devices.values():
             record.above = 0
         if self.restart_on_leak:

@@ -103,8 +103,10 @@ class LeakCheck:
                 monitor.used(dev.index)
             except Exception as exc:  # NVMLError: the device stopped answering
                 readings.pop(dev.index, None)
-                granted = dev in inv.granted  # not ours to offer: nothing to withdraw
-                answers.append(Answer(dev.index, dev.uuid, error=repr(exc), granted=granted))
+                # one not granted is not ours to offer: nothing to withdraw
+                answers.append(
+                    Answer(dev.index, dev.uuid, error=repr(exc), granted=dev in inv.granted)
+                )
                 continue
             answers.append(Answer(dev.index, dev.uuid))
         self._actor.apply(judge_answers(inv.health, answers, recover=self._recover))
@@ -116,9 +118,14 @@ class LeakCheck:
         limits = {dev.index: self._threshold.resolve(dev.memory) for dev in owned}
         estimates: dict[int, tuple[int, int]] = {}
         for device, reading in readings.items():
-            if device in busy or device not in used:
-                continue  # running, or no GPU task of this worker held it: nothing to judge
-            if reading.has_context is False or not reading.attributable:
+            # running, no GPU task of this worker held it, or no figure of this process's own
+            # there: nothing to judge
+            if (
+                device in busy
+                or device not in used
+                or reading.has_context is False
+                or not reading.attributable
+            ):
                 continue
             limit = limits[device]
             estimates[device] = (self._estimate(device, reading.nbytes, pools, limit), limit)

@@ -195,8 +195,7 @@ class Ledger:
         known = device_nbytes(result) if knows(result) else None
         if key is None and known is None:
             return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
-        held: dict[int, int] = {}
-        residue: dict[int, int] = {}
+        held, residue = {}, {}
         changes = self._changes  # a key released or data arrived meanwhile: no base from it
         for device, then in before.items():
             now = self.read(device)[0]
@@ -246,11 +245,10 @@ class Ledger:
                     if now > then:
                         held[device] = now - then
             held = held or device_nbytes(value)
-        if not held:
-            return held
-        self._held[key] = held
-        for d, n in held.items():
-            self._live[d] = self._live.get(d, 0) + n
+        if held:
+            self._held[key] = held
+            for d, n in held.items():
+                self._live[d] = self._live.get(d, 0) + n
         return held
 
     def released(self, key: Any) -> None:

@@ -58,11 +58,8 @@ def _changes() -> tuple[int, int]:
     """Tasks started or ended so far in this process, and tasks running now: a task ran
     alone when it was the only one running at its start and the first count is the same
     at its end."""
-    changes = running = 0
-    for table in list(TABLES):
-        changes += table.changes
-        running += table.running()
-    return changes, running
+    tables = list(TABLES)  # a copy: a table may be collected meanwhile
+    return sum(t.changes for t in tables), sum(t.running() for t in tables)
 
 
 class Watch:
