@@ -178,7 +178,7 @@ class Ledger:
         """The base to measure a task by: the last task's closing reading where nothing
         changed since (back-to-back GPU tasks cost one NVML read per device, not two);
         and whether every device was read now and found no context (``record``: see
-        :meth:`_read`)."""
+        :meth:`read`)."""
         with self._lock:
             fresh = [self._fresh.pop(d, None) for d in devices]
         read = [
