@@ -49,12 +49,6 @@ def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
     return process - baseline - live - retained
 
 
-def _grown(since: int | None, estimate: int, threshold: int) -> bool:
-    """A leak at ``estimate`` is new since one at ``since``: none then, or it grew by
-    another threshold's worth."""
-    return since is None or estimate - since >= threshold
-
-
 @dataclass
 class DeviceRecord:
     """Everything the worker's decisions remember about one device between checks.
@@ -108,14 +102,17 @@ class DeviceRecord:
         return self.baseline
 
     def is_news(self, estimate: int, threshold: int) -> bool:
-        """Whether a confirmed leak at ``estimate`` is to be reported; remembers it so."""
-        if not _grown(self.reported, estimate, threshold):
+        """Whether a confirmed leak at ``estimate`` is to be reported (none reported yet,
+        or it grew by another threshold's worth since); remembers it so."""
+        if self.reported is not None and estimate - self.reported < threshold:
             return False
         self.reported = estimate
         return True
 
     def worth_trying(self, estimate: int, threshold: int) -> bool:
-        return _grown(self.kept, estimate, threshold)
+        """Whether to try a reclaim: none left this leak held, or it grew by another
+        threshold's worth since."""
+        return self.kept is None or estimate - self.kept >= threshold
 
     def settled(self, executing: Collection[Hashable], max_wait: int) -> bool:
         """Whether to try a reclaim now, given the GPU tasks ``executing`` in threads
@@ -302,8 +299,7 @@ class LeakDecisions:
         device skipped for a running GPU task) with every device at or under its
         threshold is clean: the suspects are forgotten."""
         clean = complete and all(v.above == 0 for v in verdicts)
-        devices = [v.device for v in verdicts]
-        suspects = self.attribution.suspects(devices, self._runs, clear=clean)
+        suspects = self.attribution.suspects([v.device for v in verdicts], self._runs, clear=clean)
         if clean:
             self._runs.clear()
         return suspects
@@ -361,17 +357,18 @@ class LeakDecisions:
                 held.append(replace(v, estimate=again.estimate))
                 continue
             record.above = 0
-            figures = {
-                "nbytes": v.estimate,
-                "reclaimed": came_back[v.device],
-                "remaining": again.estimate,
-                "threshold": v.threshold,
-                "seconds": round(again.seconds, 4),
-            }
-            prefixes = pending.suspects[v.device].prefixes
             out.append(
                 Proposal(
-                    "report-reclaimed", v.device, figures=figures, detail={"prefixes": prefixes}
+                    "report-reclaimed",
+                    v.device,
+                    figures={
+                        "nbytes": v.estimate,
+                        "reclaimed": came_back[v.device],
+                        "remaining": again.estimate,
+                        "threshold": v.threshold,
+                        "seconds": round(again.seconds, 4),
+                    },
+                    detail={"prefixes": pending.suspects[v.device].prefixes},
                 )
             )
         return out + self._conclude(held, came_back, pending.suspects)
@@ -389,20 +386,25 @@ class LeakDecisions:
             if not self.device(v.device).is_news(v.estimate, v.threshold):
                 continue
             s = suspects[v.device]
-            figures = {
-                "nbytes": v.estimate,
-                "threshold": v.threshold,
-                "checks": v.above,
-                "unexplained": max(0, v.estimate - sum(n for _, n in s.ranked)),
-                "reclaimed": came_back.get(v.device, 0),
-            }
-            detail = {"prefixes": s.prefixes, "attributed": s.ranked}
-            out.append(Proposal("report-leak", v.device, figures=figures, detail=detail))
+            out.append(
+                Proposal(
+                    "report-leak",
+                    v.device,
+                    figures={
+                        "nbytes": v.estimate,
+                        "threshold": v.threshold,
+                        "checks": v.above,
+                        "unexplained": max(0, v.estimate - sum(n for _, n in s.ranked)),
+                        "reclaimed": came_back.get(v.device, 0),
+                    },
+                    detail={"prefixes": s.prefixes, "attributed": s.ranked},
+                )
+            )
         for record in self.devices.values():
             record.above = 0
         if self.restart_on_leak:
-            devices = tuple(v.device for v in held)
+            nbytes = sum(v.estimate for v in held)
             out.append(
-                Proposal("ask-restart", devices, "leak", {"nbytes": sum(v.estimate for v in held)})
+                Proposal("ask-restart", tuple(v.device for v in held), "leak", {"nbytes": nbytes})
             )
         return out

@@ -168,13 +168,12 @@ class GuardPlugin(WorkerPlugin):
                 emit=self._emit,
             )
         internals.add_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
-        running = self.binder.leases
-        TABLES.add(running)
+        TABLES.add(self.binder.leases)
         if inv.visible:  # as the transition hook, which alone uncounts them
             # registered again (a new GuardPlugin replaces the old one, whose teardown
             # stopped counting its tasks): what runs now still shares the process
             for key, gpu in internals.tasks_in_threads(worker).items():
-                running.started(key, gpu=gpu)
+                self.binder.leases.started(key, gpu=gpu)
         internals.install_handler(worker, REPORT_HANDLER, self.report)
         internals.install_handler(worker, DRAIN_HANDLER, inv.drain)
         if internals.serving(worker):
@@ -212,12 +211,16 @@ class GuardPlugin(WorkerPlugin):
             if finish == "executing":
                 prefix = key_split(key)
                 leaks.ran(prefix)
-                inv = self.inventory
                 internals.wrap_execution(
                     worker,
                     key,
                     lambda k, res, ann: self.binder.route(
-                        k, res, ann, prefix, granted=bool(inv.granted), draining=inv.draining
+                        k,
+                        res,
+                        ann,
+                        prefix,
+                        granted=bool(self.inventory.granted),
+                        draining=self.inventory.draining,
                     ),
                 )
             return
@@ -227,10 +230,8 @@ class GuardPlugin(WorkerPlugin):
             if computed:
                 self._ended(key)
                 return
-        elif start == "memory":
+        elif start == "memory" or finish == "forgotten":
             ledger.released(key)
-        if finish == "forgotten":
-            ledger.drop(key)
         if key in running:  # started or ended, as its thread says (cancelled runs on)
             if internals.runs_in_thread(worker, key):
                 running.started(key)

@@ -26,6 +26,7 @@ it in the worker's ``WorkerState``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from time import monotonic
 from typing import TYPE_CHECKING, Any
@@ -102,8 +103,10 @@ class LeakCheck:
                 monitor.used(dev.index)
             except Exception as exc:  # NVMLError: the device stopped answering
                 readings.pop(dev.index, None)
-                granted = dev in inv.granted  # not ours to offer: nothing to withdraw
-                answers.append(Answer(dev.index, dev.uuid, error=repr(exc), granted=granted))
+                # one not granted is not ours to offer: nothing to withdraw
+                answers.append(
+                    Answer(dev.index, dev.uuid, error=repr(exc), granted=dev in inv.granted)
+                )
                 continue
             answers.append(Answer(dev.index, dev.uuid))
         self._actor.apply(judge_answers(inv.health, answers, recover=self._recover))
@@ -115,9 +118,14 @@ class LeakCheck:
         limits = {dev.index: self._threshold.resolve(dev.memory) for dev in owned}
         estimates: dict[int, tuple[int, int]] = {}
         for device, reading in readings.items():
-            if device in busy or device not in used:
-                continue  # running, or no GPU task of this worker held it: nothing to judge
-            if reading.has_context is False or not reading.attributable:
+            # running, no GPU task of this worker held it, or no figure of this process's own
+            # there: nothing to judge
+            if (
+                device in busy
+                or device not in used
+                or reading.has_context is False
+                or not reading.attributable
+            ):
                 continue
             limit = limits[device]
             estimates[device] = (self._estimate(device, reading.nbytes, pools, limit), limit)
@@ -130,15 +138,29 @@ class LeakCheck:
         proposals = self._decisions.propose(verdicts, complete=complete, executing=leases.gpu_keys)
         start = monotonic()
         self._actor.apply(proposals)
-        if self._decisions.trying:  # collected and freed: measure again, act on the outcome
-            self._actor.apply(self._decisions.reclaimed(self._remeasure(start, limits)))
+        # collected and freed: the devices tried, measured again, and the outcome acted on.
+        # A device a task took meanwhile is not judged: its count stays, and the check runs
+        # again when the task ends. One NVML does not answer is withdrawn at the next check.
+        after: dict[int, Remeasured] = {}
+        for device in self._decisions.trying:  # (reclaiming never creates a pool)
+            try:
+                reading = monitor.process_memory(device)
+            except Exception:  # NVMLError
+                after[device] = Remeasured(None)
+                continue
+            if device in leases.busy():
+                self.owed = True
+                continue
+            leaked = self._estimate(device, reading.nbytes, pools, limits[device])
+            after[device] = Remeasured(leaked, monotonic() - start)
+        self._actor.apply(self._decisions.reclaimed(after))  # none proposed: nothing
         self.checks += 1
         return verdicts
 
     def _estimate(self, device: int, process: int, pools: list, limit: int) -> int:
         """The leak estimate of ``device`` from this process's reading. One at or under
-        its threshold (``limit``) is settled: its reading net of pools is a base for
-        measuring what arrives from peers."""
+        its threshold (``limit``) is settled: its reading net of pools is a base for measuring what
+        arrives from peers."""
         pool = sum((p.stats(device) for p in pools), PoolStats())
         live = self._ledger.live(device)
         baseline = self._decisions.device(device).observe_baseline(process, live, pool.held)
@@ -147,39 +169,14 @@ class LeakCheck:
             self._ledger.settle(device, net_of_pools(process, pool))
         return leaked
 
-    def _remeasure(self, start: float, limits: dict[int, int]) -> dict[int, Remeasured]:
-        """The devices a reclaim (begun at ``start``) was tried on, measured again.
-
-        A device a task took meanwhile is not judged: its count stays, and the check runs
-        again when the task ends. One NVML does not answer is withdrawn at the next check.
-        """
-        pools = active_pools()
-        after: dict[int, Remeasured] = {}
-        for device in self._decisions.trying:
-            try:
-                reading = self._inventory.monitor.process_memory(device)
-            except Exception:  # NVMLError
-                after[device] = Remeasured(None)
-                continue
-            if device in self._binder.leases.busy():
-                self.owed = True
-                continue
-            leaked = self._estimate(device, reading.nbytes, pools, limits[device])
-            after[device] = Remeasured(leaked, monotonic() - start)
-        return after
-
     def heartbeat_metric(self, worker: Any = None) -> GuardMetric:
         """Leases in use and leak estimates of the granted devices, for ``accelsched
         status`` and the dashboard page (distributed calls it with the worker at each
         heartbeat; O(devices + running GPU tasks)). A device a GPU task holds is not
         judged (its temporaries are no leak): its estimate is the last one made."""
-        held: dict[int, int] = {}
         leases, inv = self._binder.leases, self._inventory
-        for devices in leases.holders().values():
-            for d in devices:
-                held[d] = held.get(d, 0) + 1
-        withdrawn = inv.health.withdrawn
-        declared = leases.declared()
+        held = Counter(d for devices in leases.holders().values() for d in devices)
+        withdrawn, declared = inv.health.withdrawn, leases.declared()
         return {
             "devices": [
                 {

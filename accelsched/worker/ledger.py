@@ -60,18 +60,20 @@ class Ledger:
         monitor: NVMLMonitor,
         *,
         residue: Callable[[str, dict[int, int]], None] | None = None,
-        left_nothing: Callable[[str], None] | None = None,
+        left_nothing: Callable[[str], None] = lambda prefix: None,
         stored: Callable[[Any], Any] = lambda key: None,
         idle: Callable[[], set[int]] = set,
     ) -> None:
         self.monitor = monitor
         self.residue = residue  # (step or task prefix, bytes it left behind): attribution
-        self.left_nothing = left_nothing or _ignore  # (task prefix): a run left nothing
+        self.left_nothing = left_nothing  # (task prefix): a run left nothing
         self._stored = stored  # key -> its value in the worker's memory (or None)
         self._idle = idle  # the owned devices no task holds now
         self._lock = threading.Lock()
-        # key -> {device: bytes}: measured as its task returned, then what it holds while
-        # in memory (results from elsewhere too)
+        # key -> {device: bytes}: measured as its task returned, until it enters memory
+        # (or is released without)
+        self._measured: dict[Any, dict[int, int]] = {}
+        # key -> {device: bytes}: what it holds while in memory (results from elsewhere too)
         self._held: dict[Any, dict[int, int]] = {}
         self._live: dict[int, int] = {}  # device -> bytes results in memory hold
         self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
@@ -87,14 +89,11 @@ class Ledger:
         self._context_gen = 0  # bumped whenever that knowledge is dropped
         self._clean: set[str] = set()  # prefixes whose runs were seen to make no context
 
-    def noncache(self, device: int) -> int | None:
-        """This process's bytes on ``device`` minus what pools cache or reserve; None
-        when NVML cannot tell (no figure of its own, no context yet, or an error)."""
-        return self._read(device, False)[0]
-
-    def _read(self, device: int, record: bool) -> tuple[int | None, bool]:
-        """:meth:`noncache`, and whether this reading itself found no context there
-        (what the knowledge :meth:`plan` relies on may have been dropped meanwhile).
+    def read(self, device: int, record: bool = False) -> tuple[int | None, bool]:
+        """This process's bytes on ``device`` minus what pools cache or reserve (None
+        when NVML cannot tell: no figure of its own, no context yet, or an error), and
+        whether this reading itself found no context there (what the knowledge
+        :meth:`plan` relies on may have been dropped meanwhile).
 
         ``record``: a reading taken between GPU tasks (no task code runs on ``device``
         until the next one), whose "no context" :meth:`plan` may rely on; a reading inside
@@ -134,11 +133,8 @@ class Ledger:
         ``found_none``: a reading just taken found no context on any of ``devices``,
         whatever a leak check dropped meanwhile.
         """
-        if not found_none:
-            no_context = self._no_context
-            for d in devices:
-                if d not in no_context:
-                    return MEASURE
+        if not found_none and not self._no_context.issuperset(devices):
+            return MEASURE
         return SKIP if prefix in self._clean else LEARN
 
     def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> bool:
@@ -149,7 +145,7 @@ class Ledger:
         if plan == LEARN:
             gen = self._context_gen
             # records "no context" again, or finds one
-            if all([self._read(d, True)[1] for d in devices]):
+            if all([self.read(d, True)[1] for d in devices]):
                 with self._lock:
                     if gen == self._context_gen and self._no_context.issuperset(devices):
                         if len(self._clean) >= MAX_PREFIXES:
@@ -182,11 +178,11 @@ class Ledger:
         """The base to measure a task by: the last task's closing reading where nothing
         changed since (back-to-back GPU tasks cost one NVML read per device, not two);
         and whether every device was read now and found no context (``record``: see
-        :meth:`_read`)."""
+        :meth:`read`)."""
         with self._lock:
             fresh = [self._fresh.pop(d, None) for d in devices]
         read = [
-            self._read(d, record) if then is None else (then, False)
+            self.read(d, record) if then is None else (then, False)
             for d, then in zip(devices, fresh, strict=True)
         ]
         base = {d: v for d, (v, _) in zip(devices, read, strict=True) if v is not None}
@@ -199,11 +195,10 @@ class Ledger:
         known = device_nbytes(result) if knows(result) else None
         if key is None and known is None:
             return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
-        held: dict[int, int] = {}
-        residue: dict[int, int] = {}
+        held, residue = {}, {}
         changes = self._changes  # a key released or data arrived meanwhile: no base from it
         for device, then in before.items():
-            now = self.noncache(device)
+            now = self.read(device)[0]
             if now is None:
                 continue
             grew = max(0, now - then)
@@ -217,7 +212,7 @@ class Ledger:
                         self._settled[device] = self._fresh[device] = now
         if key is not None:
             with self._lock:
-                self._held[key] = held
+                self._measured[key] = held
         return residue, sum(held.values()) + sum(residue.values())
 
     # --- on the event loop ----------------------------------------------------------------
@@ -225,30 +220,43 @@ class Ledger:
     def entered(self, key: Any, *, computed: bool) -> dict[int, int]:
         """``key`` entered the worker's memory: ``computed`` here (measured by its task,
         else known by type), or data from elsewhere (a peer's transfer, a replica, a
-        scatter: known by type, else measured on the idle devices). Held until
-        :meth:`released`; returns what it holds."""
-        measured = self._held.get(key) if computed else None
-        if measured is not None:  # the measurement wins: known without its value
-            held = {d: n for d, n in measured.items() if n}
-        else:
-            value = self._stored(key)
-            if computed:
-                held = {} if self.holds_nothing(value) else device_nbytes(value)
-            else:
-                held = self.arrived(value, self._idle())
+        scatter: known by type, else measured on the idle devices since the last
+        explained reading). Held until :meth:`released`; returns what it holds."""
         with self._lock:
-            if not held:
-                self._held.pop(key, None)
-                return held
+            measured = self._measured.pop(key, None)
+            if not computed:  # memory may have grown: no reused base
+                self._fresh.clear()
+                self._changes += 1
+        if measured is not None and computed:  # the measurement wins: known without its value
+            held = {d: n for d, n in measured.items() if n}
+        elif self.holds_nothing(value := self._stored(key)):
+            held = {}
+        elif computed or knows(value):
+            held = device_nbytes(value)
+        else:  # from a peer, of a type nobody described: the growth on the idle devices
+            held = {}
+            for device in self._idle():
+                with self._lock:
+                    then = self._settled.get(device)
+                # without an explained base to measure from: type knowledge only
+                if then is not None and (now := self.read(device)[0]) is not None:
+                    with self._lock:
+                        self._settled[device] = now
+                    if now > then:
+                        held[device] = now - then
+            held = held or device_nbytes(value)
+        if held:
             self._held[key] = held
-        for d, n in held.items():
-            self._live[d] = self._live.get(d, 0) + n
+            for d, n in held.items():
+                self._live[d] = self._live.get(d, 0) + n
         return held
 
     def released(self, key: Any) -> None:
-        """``key`` left the worker's memory: its memory went back unmeasured."""
+        """``key`` left the worker's memory, or will not enter it (cancelled, forgotten):
+        its memory went back unmeasured."""
         with self._lock:
-            held = self._held.pop(key, {})
+            self._measured.pop(key, None)
+        held = self._held.pop(key, {})
         for d, n in held.items():
             self._live[d] -= n
             self.forget(d)
@@ -263,35 +271,6 @@ class Ledger:
         number, a string: nothing to ask)."""
         return value is None or type(value) in _PLAIN
 
-    def measured(self, key: Any) -> bool:
-        """Whether ``key``'s task was measured (what it holds needs no look at its value)."""
-        return key in self._held
-
-    def drop(self, key: Any) -> None:
-        """``key`` will not enter memory (cancelled, forgotten): forget its measurement."""
-        with self._lock:
-            self._held.pop(key, None)
-
-    def arrived(self, value: Any, idle: set[int]) -> dict[int, int]:
-        """What data from a peer holds: its type's figure, else the growth on idle
-        devices since the last explained reading."""
-        with self._lock:
-            self._fresh.clear()  # memory may have grown: no reused base
-            self._changes += 1
-        if knows(value):
-            return device_nbytes(value)
-        out = {}
-        for device in idle:
-            with self._lock:
-                then = self._settled.get(device)
-            # without an explained base to measure from: type knowledge only
-            if then is not None and (now := self.noncache(device)) is not None:
-                with self._lock:
-                    self._settled[device] = now
-                if now > then:
-                    out[device] = now - then
-        return out or device_nbytes(value)
-
     def settle(self, device: int, noncache: int) -> None:
         """Everything on ``device`` is explained now (a check found no leak there)."""
         with self._lock:
@@ -303,10 +282,6 @@ class Ledger:
             self._settled.pop(device, None)
             self._fresh.pop(device, None)
             self._changes += 1
-
-
-def _ignore(prefix: str) -> None:
-    pass
 
 
 class Meter:
@@ -347,8 +322,7 @@ class Meter:
         """Run the task's code, measured as planned: with no context on its devices no
         reading can be a base (the context a task makes would count as its growth), so it
         is not read around, only checked after (:meth:`Ledger.unmeasured`)."""
-        ledger = self.ledger
-        token = base = None
+        ledger, token, base = self.ledger, None, None
         if self.plan == MEASURE:
             token, base, empty = self._open(record=True)
             if base is None:

@@ -36,13 +36,6 @@ __all__ = ["PoolFreer", "reclaim"]
 logger = logging.getLogger(__name__)
 
 
-def _free(pools: list[DevicePool], device: int) -> int:
-    """Free every pool of ``pools`` on ``device`` (CuPy frees the current device's pool:
-    each device is visited); the bytes the pools said they released."""
-    with using_device(device):
-        return sum(pool.free_all() for pool in pools)
-
-
 def caches_enough(pools: list[DevicePool], devices: tuple[int, ...], minimum: int) -> bool:
     """Whether the pools cache at least ``minimum`` bytes on one of ``devices``: freeing
     less is not worth a task's time. RMM owning the device pool (a fixed reserve that
@@ -77,8 +70,7 @@ class PoolFreer:
     def after_gpu_task(self, devices: tuple[int, ...]) -> None:
         if not self.every or next(self._count) % self.every:
             return
-        pools = active_pools()
-        if not pools:
+        if not (pools := active_pools()):
             return
         if self.minimum > 0 and not caches_enough(pools, devices, self.minimum):
             return
@@ -89,8 +81,10 @@ class PoolFreer:
                 fractions = [1.0]
             if max(fractions, default=0) <= self.above:
                 return
-        for device in devices:
-            _free(pools, device)
+        for device in devices:  # CuPy frees the current device's pool: each is visited
+            with using_device(device):
+                for pool in pools:
+                    pool.free_all()
 
 
 def reclaim(devices: Iterable[Any]) -> int:
@@ -103,7 +97,8 @@ def reclaim(devices: Iterable[Any]) -> int:
     released = 0
     for device in devices if pools else ():
         try:
-            released += _free(pools, device)
+            with using_device(device):
+                released += sum(pool.free_all() for pool in pools)
         except Exception:  # a pool or device that does not answer: measure anyway
             logger.warning("accelsched: freeing pools on device %s failed", device, exc_info=True)
     return released

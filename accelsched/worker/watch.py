@@ -58,11 +58,8 @@ def _changes() -> tuple[int, int]:
     """Tasks started or ended so far in this process, and tasks running now: a task ran
     alone when it was the only one running at its start and the first count is the same
     at its end."""
-    changes = running = 0
-    for table in list(TABLES):
-        changes += table.changes
-        running += table.running()
-    return changes, running
+    tables = list(TABLES)  # a copy: a table may be collected meanwhile
+    return sum(t.changes for t in tables), sum(t.running() for t in tables)
 
 
 class Watch:
@@ -86,11 +83,10 @@ class Watch:
         """Whether this run of ``prefix`` is watched (event loop)."""
         if self.fail:
             return True
-        runs = self._runs
-        n = runs.get(prefix, 0) + 1
-        if n == 1 and len(runs) >= MAX_PREFIXES:
-            runs.clear()
-        runs[prefix] = n
+        n = self._runs.get(prefix, 0) + 1
+        if n == 1 and len(self._runs) >= MAX_PREFIXES:
+            self._runs.clear()
+        self._runs[prefix] = n
         return n <= FIRST_RUNS or n % EVERY == 0
 
     def runner(self, key: Any) -> Runner:

@@ -75,30 +75,28 @@ class WorkerActor:
         self._spawn(self.inventory.offer, self._set_devices)
 
     def report_leak(self, p: Proposal) -> None:
-        f = p.figures
         self._emit(
             events.LEAK,
             device=p.subject,
-            nbytes=int(f["nbytes"]),
-            threshold=int(f["threshold"]),
-            checks=int(f["checks"]),
+            nbytes=int(p.figures["nbytes"]),
+            threshold=int(p.figures["threshold"]),
+            checks=int(p.figures["checks"]),
             prefixes=list(p.detail["prefixes"]),
             attributed=dict(p.detail["attributed"]),
-            unexplained=int(f["unexplained"]),
-            reclaimed=int(f["reclaimed"]),
+            unexplained=int(p.figures["unexplained"]),
+            reclaimed=int(p.figures["reclaimed"]),
         )
 
     def report_reclaimed(self, p: Proposal) -> None:
-        f = p.figures
         self._emit(
             events.LEAK_RECLAIMED,
             device=p.subject,
-            nbytes=int(f["nbytes"]),
-            reclaimed=int(f["reclaimed"]),
-            remaining=int(f["remaining"]),
-            threshold=int(f["threshold"]),
+            nbytes=int(p.figures["nbytes"]),
+            reclaimed=int(p.figures["reclaimed"]),
+            remaining=int(p.figures["remaining"]),
+            threshold=int(p.figures["threshold"]),
             prefixes=list(p.detail["prefixes"]),
-            seconds=f["seconds"],
+            seconds=p.figures["seconds"],
         )
 
     def ask_restart(self, p: Proposal) -> None:

@@ -176,9 +176,10 @@ def test_a_result_holding_nothing_leaves_no_live_entry() -> None:
     tasks = Tasks()
     tasks.run(warm_up)
     key, value = tasks.run(inc, 1)  # measured (a context exists): grew by nothing
-    assert tasks.ledger.measured(key)
+    assert key in tasks.ledger._measured
     assert tasks.ledger.entered(key, computed=True) == {}
-    assert not tasks.ledger.measured(key) and tasks.ledger.live(0) == 0
+    assert key not in tasks.ledger._measured and key not in tasks.ledger._held
+    assert tasks.ledger.live(0) == 0
     assert Ledger.holds_nothing(3) and Ledger.holds_nothing("x")
     assert not Ledger.holds_nothing(Frame.__new__(Frame))
 
