@@ -117,8 +117,11 @@ UNSATISFIABLE_TEXT = f"no worker can ever offer more than {MAX_GPUS} GPUs"
 #: A check that falls back more tasks than this logs one summary event, not one each.
 FALLBACK_DETAIL = 10
 
-#: Task states in which the scheduler has not yet chosen a worker: restrictions count.
-UNPLACED = frozenset({"released", "waiting", "no-worker", "queued"})
+#: Task states past placement: their restrictions no longer count.
+DONE = frozenset({"memory", "erred", "forgotten"})
+#: Seconds a worker that sent a requirement task back stays out of the task's class, so
+#: the task does not bounce between it and the scheduler; then it is judged again.
+BENCH = 5.0
 #: A worker address no worker has: the restriction of a task no worker can serve yet.
 NOWHERE = "accelsched://no-verified-device-meets-the-requirement"
 #: How distributed names the stimulus of a task its worker sent back (``Reschedule``).
@@ -187,6 +190,7 @@ class Fallback:
         self._unmet: set[str] = set()  # requirements said unmet, until a device meets them
         self._classes: dict[ClassKey, Eligible] = {}
         self._facts: dict[str, list[DeviceFacts]] = {}  # worker -> its granted devices
+        self._benched: dict[str, float] = {}  # worker -> when it is judged again
         self.deadlines = Deadlines(self._live)
         self.notices = Notices()
         self._emit = emit
@@ -203,7 +207,7 @@ class Fallback:
             restrictions = ts.resource_restrictions or {}
             if GPU in restrictions or GPU_MEMORY in restrictions:
                 adopted = self.tasks[ts.key] = GpuTask(self.policy.default)
-                if ts.state in UNPLACED and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
+                if ts.state not in DONE and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
                     internals.restrict_to_workers(ts, None)  # its own: unknown now
                     count = restrictions.get(GPU, 1)
                     self._require(ts, adopted, None, count, say=False)
@@ -251,8 +255,8 @@ class Fallback:
         """
         for key in keys or ():
             ts = self.scheduler.tasks.get(key)
-            if ts is None or ts.state != "released":  # a resubmitted task already placed
-                continue
+            if ts is None or ts.state != "released" or key in self.tasks:
+                continue  # a resubmitted task: placed already, or prepared already
             try:
                 problem = self._prepare(ts)
             except Exception as exc:  # one odd task must not cost its neighbours theirs
@@ -387,7 +391,8 @@ class Fallback:
             worker, task.sent = task.sent, None
             ws = self.scheduler.workers.get(worker) if worker is not None else None
             if ws is not None and ws.status in (Status.running, Status.paused):  # no drain
-                task.eligible.workers.discard(worker)
+                task.eligible.workers.discard(ws.address)
+                self._benched[ws.address] = monotonic() + BENCH
 
     def _enter(self, ts: Any, task: GpuTask, since: float) -> None:
         """``ts`` is unrunnable since ``since``: note when a check looks at it."""
@@ -538,9 +543,16 @@ class Fallback:
         return {reason: len(keys) for reason, keys in sorted(self.waiting().items())}
 
     def tick(self) -> None:
-        """Say each reason tasks newly wait for, once (a ``gpu-waiting`` event)."""
+        """Judge benched workers again; say each reason tasks newly wait for, once (a
+        ``gpu-waiting`` event)."""
         if not self._active():
             return
+        now = monotonic()
+        for worker in [w for w, at in self._benched.items() if at <= now]:
+            del self._benched[worker]  # judged again, as if its devices were offered again
+            self.follow(worker)
+            if (ws := self.scheduler.workers.get(worker)) is not None:
+                internals.offer_unrunnable(self.scheduler, ws)
         waiting = self.waiting()
         for reason in self.notices.update(waiting):
             self._emit(

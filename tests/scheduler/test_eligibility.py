@@ -36,8 +36,8 @@ from hypothesis.stateful import (
 
 import accelsched
 from accelsched.policy.requirements import DeviceFacts, parse_requirement
-from accelsched.protocol import GPU, REQUIREMENT_ANNOTATION, DeviceRecord
-from accelsched.scheduler.fallback import NOWHERE, Fallback
+from accelsched.protocol import GPU, PLACEMENT_PLUGIN, REQUIREMENT_ANNOTATION, DeviceRecord
+from accelsched.scheduler.fallback import BENCH, NOWHERE, Fallback
 from accelsched.scheduler.grants import Grants
 from accelsched.testing import fake_gpus
 from tests.utils import A100, H100, cvd, events, gpus, wait_for
@@ -300,3 +300,49 @@ async def test_a_whole_device_task_starts_once_the_declared_tasks_before_it_end(
     between = [s0 for s0, _ in spans if submitted < s0 < start]
     assert len(between) <= 6, (len(between), start - submitted)
     assert not [1 for s0, e0 in spans if s0 < end and e0 > start], "it held the device alone"
+
+
+@accelsched.gpu(memory="1GiB")
+def sent_back_once(name: str) -> str:
+    """Sends itself back the first time, as a worker whose device was withdrawn would."""
+    from distributed import Reschedule, Variable
+
+    seen = Variable(name)
+    if seen.get(timeout=1) is None:
+        seen.set("once")
+        raise Reschedule()
+    return "ran"
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}})], timeout=60)
+async def test_a_worker_that_sent_a_task_back_is_judged_again(c, s, a):
+    """A worker that sends a requirement task back leaves the task's class for a while
+    (no bouncing), then is judged again: the task runs there (it stayed out for good,
+    the only worker, until its devices were offered again)."""
+    from distributed import Variable
+
+    await accelsched.register(c, fast_restart=False)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    await Variable("sent-back").set(None)
+    started = time.monotonic()
+    assert await asyncio.wait_for(c.submit(sent_back_once, "sent-back", pure=False), 30) == "ran"
+    assert time.monotonic() - started >= BENCH  # not bounced at once
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}})], timeout=60)
+async def test_a_released_requirement_task_submitted_again_keeps_its_class(c, s, a):
+    """An intermediate kept ``released`` (its dependent persisted) comes back with the next
+    graph: it is not prepared twice (it erred as an invalid task, its class never went)."""
+    await accelsched.register(c, fast_restart=False)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    first = dask.delayed(declared_step)(1, dask_key_name="declared-1")
+    later = dask.delayed(lambda x: x + 1)(first, dask_key_name="later")
+    persisted = c.persist(later)
+    assert await c.compute(persisted) == 2
+    assert await c.compute(first) == 1
+    plugin = s.plugins[PLACEMENT_PLUGIN]
+    del persisted
+    await wait_for(lambda: not plugin.fallback.tasks)
+    assert not plugin.fallback._classes
