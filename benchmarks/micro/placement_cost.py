@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -100,57 +102,65 @@ async def _host(address: str, n: int, uuids: list[str]) -> None:
     await asyncio.gather(*(w.finished() for w in workers))
 
 
-def _start(
-    n: int, uuids: list[str], tmp: Path
-) -> tuple[subprocess.Popen, subprocess.Popen, Client]:
-    """A scheduler and a host of ``n`` workers; a client with accelsched registered
-    (unless ``plain``) and every worker's GPU placed."""
+@contextmanager
+def _cluster(n: int, uuids: list[str], tmp: Path) -> Iterator[Client]:
+    """A scheduler and a host of ``n`` workers, stopped however the block ends; a client
+    with accelsched registered (unless no ``uuids``: plain) and every worker's GPU placed."""
     plain = not uuids
     file = tmp / f"scheduler-{n}-{plain}.json"
     devices = tmp / "uuids.json"
     devices.write_text(json.dumps(uuids or ["none"] * n))
     root = str(Path(__file__).resolve().parents[2])  # both unpickle this module's functions
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    quiet = {
+    quiet: dict[str, Any] = {
         "stdout": subprocess.DEVNULL,
         "stderr": subprocess.DEVNULL,
         "env": {**os.environ, "PYTHONPATH": path},
     }
     dask = str(Path(sys.executable).with_name("dask"))
-    sched = subprocess.Popen(
-        [dask, "scheduler", "--port", "0", "--no-dashboard", "--scheduler-file", str(file)],
-        **quiet,  # type: ignore[call-overload]
-    )
-    deadline = time.monotonic() + 60
-    while not file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    client = Client(scheduler_file=str(file))
-    if not plain:
-        accelsched.register(client, check_interval="1h", fast_restart=False)
-    host = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.micro.placement_cost", client.scheduler.address]
-        + [str(n), str(devices)],
-        **quiet,  # type: ignore[call-overload]
-    )
-    deadline = time.monotonic() + 60 + 2 * n
-    while True:
-        counts = client.run_on_scheduler(_gpu_counts)
-        if len(counts) == n and all(c == 1 for c in counts):
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{n} workers with a verified GPU: {counts}")
-        time.sleep(0.2)
-    return sched, host, client
-
-
-def _stop(sched: subprocess.Popen, host: subprocess.Popen, client: Client) -> None:
-    client.shutdown()
-    client.close()
-    for p in (host, sched):
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    started: list[subprocess.Popen] = []
+    client: Client | None = None
+    try:
+        started.append(
+            subprocess.Popen(
+                [dask, "scheduler", "--port", "0", "--no-dashboard", "--scheduler-file", str(file)],
+                **quiet,
+            )
+        )
+        deadline = time.monotonic() + 60
+        while not file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = Client(scheduler_file=str(file))
+        if not plain:
+            accelsched.register(client, check_interval="1h", fast_restart=False)
+        address = client.scheduler.address
+        started.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.micro.placement_cost", address]
+                + [str(n), str(devices)],
+                **quiet,
+            )
+        )
+        deadline = time.monotonic() + 60 + 2 * n
+        while True:
+            counts = client.run_on_scheduler(_gpu_counts)
+            if len(counts) == n and all(c == 1 for c in counts):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{n} workers with a verified GPU: {counts}")
+            time.sleep(0.2)
+        yield client
+    finally:
+        if client is not None:
+            try:
+                client.shutdown()
+            finally:
+                client.close()
+        for process in reversed(started):
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 # --- the measurements --------------------------------------------------------------------
@@ -189,16 +199,13 @@ def _bytes_per_waiting_task(client: Client, kind: str, n: int) -> float:
 def _cluster_rounds(n: int, uuids: list[str], tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
     """Paired rounds on one cluster: accelsched's (devices ``uuids``) or plain (none)."""
     kinds = ["count", "requirement"] if uuids else ["plain"]
-    sched, host, client = _start(n, uuids, tmp)
-    try:
+    with _cluster(n, uuids, tmp) as client:
         _cpu_per_task(client, kinds[0], min(tasks, 200))  # warm up
         cpu: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(rounds):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 cpu[kind].append(_cpu_per_task(client, kind, tasks))
         memory = {k: _bytes_per_waiting_task(client, k, tasks) for k in kinds}
-    finally:
-        _stop(sched, host, client)
     return {"cpu_us": cpu, "bytes_per_waiting_task": memory}
 
 
