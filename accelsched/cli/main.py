@@ -313,7 +313,9 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
             load=lambda f: (json.load(f),),
             timeout=max(deadline - time.monotonic(), 0.01),  # at least one read
         )
-    except (TimeoutError, RecursionError):  # RecursionError: nested too deep to parse
+    # asyncio's TimeoutError is distributed's, and not the builtin before Python 3.11;
+    # RecursionError: nested too deep to parse
+    except (TimeoutError, asyncio.TimeoutError, RecursionError):
         with contextlib.suppress(OSError):  # gone meanwhile: not "still empty"
             if os.path.getsize(path) == 0:
                 return _fail(

@@ -197,6 +197,11 @@ class AttrDict(dict):
 
     __getattr__ = dict.__getitem__
 
+    def __reduce__(self) -> tuple:
+        # pickle looks up ``__getstate__`` before Python 3.11: a KeyError there is no
+        # "not found", so the instance travels as the dict it is
+        return (AttrDict, (dict(self),))
+
 
 def test_methods_and_callable_instances_stay_marked() -> None:
     m = Model()
