@@ -62,8 +62,8 @@ PIECES: tuple[tuple[str, str, str], ...] = (
     ("NVML process read", "thread", "inventory.monitor.process_memory"),
     ("pool check", "thread", "binder.pools.after_gpu_task"),
     ("choose a runner", "loop", "binder.route"),
-    ("live results", "loop", "live.entered"),
-    ("released", "loop", "live.released"),
+    ("live results", "loop", "ledger.entered"),
+    ("released", "loop", "ledger.released"),
     ("running count, start", "loop", "binder.leases.started"),
     ("running count, end", "loop", "binder.leases.ended"),
 )

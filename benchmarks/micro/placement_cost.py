@@ -89,6 +89,15 @@ def _gpu_counts(dask_scheduler: Any = None) -> list[float]:
 # --- the worker host process -----------------------------------------------------------
 
 
+#: The worker host's command (``python -c HOST ADDRESS N UUIDS-FILE``).
+HOST = (
+    "import asyncio, json, sys, pathlib\n"
+    "from benchmarks.micro.placement_cost import _host\n"
+    "uuids = json.loads(pathlib.Path(sys.argv[3]).read_text())\n"
+    "asyncio.run(_host(sys.argv[1], int(sys.argv[2]), uuids))\n"
+)
+
+
 async def _host(address: str, n: int, uuids: list[str]) -> None:
     """``n`` in-process workers, each seeing one device, until the scheduler closes."""
     from distributed import Worker
@@ -137,11 +146,7 @@ def _cluster(n: int, uuids: list[str], tmp: Path) -> Iterator[Client]:
             accelsched.register(client, check_interval="1h", fast_restart=False)
         address = client.scheduler.address
         started.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.micro.placement_cost", address]
-                + [str(n), str(devices)],
-                **quiet,
-            )
+            subprocess.Popen([sys.executable, "-c", HOST, address, str(n), str(devices)], **quiet)
         )
         deadline = time.monotonic() + 60 + 2 * n
         while True:
@@ -282,8 +287,3 @@ def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
                 errors.append(f"{n} workers: {exc!r}")
     plots = [p.name for p in plot(rows, out)] if rows else []
     return {"sizes": rows, "plots": plots, **({"errors": errors} if errors else {})}
-
-
-if __name__ == "__main__":  # the worker host: ADDRESS N UUIDS-FILE
-    address, count, devices = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-    asyncio.run(_host(address, count, json.loads(devices.read_text())))
