@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import stat
 import sys
 import time
@@ -143,33 +144,38 @@ def _run(
         client = Client(
             address, asynchronous=True, timeout=f"{within + 1!r}s", set_as_default=False
         )
-        failed = "cannot reach a scheduler at"
-        try:
-            await _within(within, client)
-            failed = "lost the scheduler at"
-            while True:
-                if client.status != "running" or client.scheduler is None:
-                    # lost for longer than it tries to reconnect (a --watch pause): closed
-                    raise _Unreachable("the client gave up reconnecting")
-                snap = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
-                if snap is None:  # it has no such handler
-                    return _fail(
-                        command,
-                        f"the scheduler at {shown(address)} runs no accelsched (no "
-                        "PlacementPlugin registered: accelsched.register(client) or dask "
-                        "scheduler --preload accelsched)",
-                        NO_ACCELSCHED,
-                    )
-                out.write(await text(client, cast(StatusReply, snap)))
-                out.flush()  # BrokenPipeError: the reader left (status --watch | head)
-                if every is None:
-                    return OK
-                await asyncio.sleep(every)
-        except _Unreachable as exc:
-            return _fail(command, f"{failed} {shown(address)}: {exc}", UNREACHABLE)
-        finally:  # Ctrl-C too: a half-started client closed now, not at exit
+
+        async def body() -> int:
+            failed = "cannot reach a scheduler at"
+            try:
+                await _within(within, client)
+                failed = "lost the scheduler at"
+                while True:
+                    if client.status != "running" or client.scheduler is None:
+                        # lost for longer than it tries to reconnect (a --watch pause)
+                        raise _Unreachable("the client gave up reconnecting")
+                    snap = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
+                    if snap is None:  # it has no such handler
+                        return _fail(
+                            command,
+                            f"the scheduler at {shown(address)} runs no accelsched (no "
+                            "PlacementPlugin registered: accelsched.register(client) or dask "
+                            "scheduler --preload accelsched)",
+                            NO_ACCELSCHED,
+                        )
+                    out.write(await text(client, cast(StatusReply, snap)))
+                    out.flush()  # BrokenPipeError: the reader left (status --watch | head)
+                    if every is None:
+                        return OK
+                    await asyncio.sleep(every)
+            except _Unreachable as exc:
+                return _fail(command, f"{failed} {shown(address)}: {exc}", UNREACHABLE)
+
+        async def close() -> None:  # a half-started client too, now rather than at exit
             with contextlib.suppress(Exception):  # one that never connected, or lost
                 await asyncio.wait_for(client.close(timeout=1), 2)
+
+        return await _interruptible(body, close)
 
     try:
         asyncio.get_running_loop()
@@ -177,6 +183,52 @@ def _run(
         return asyncio.run(session())
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(lambda: asyncio.run(session())).result()
+
+
+#: Seconds between the cancellations that Ctrl-C sends until its work has stopped.
+RECANCEL_EVERY = 0.1
+
+
+async def _interruptible(
+    body: Callable[[], Awaitable[T]], cleanup: Callable[[], Awaitable[None]]
+) -> T:
+    """``body()``'s result, then ``cleanup()`` however it ended. On the main thread,
+    Ctrl-C cancels ``body`` and is raised as ``KeyboardInterrupt`` after the cleanup.
+
+    asyncio.run cancels its task on Ctrl-C only from Python 3.11; before, the
+    interrupt struck whichever task was running (a client's start), which asyncio
+    then reported as never retrieved. And until Python 3.12 ``asyncio.wait_for``
+    swallows a cancellation that meets its result (a connection made as Ctrl-C comes):
+    the start went on to wait a minute on the handshake. So the cancellation is sent
+    again until ``body`` has stopped, and the cleanup is outside its reach."""
+    loop = asyncio.get_running_loop()
+    work = asyncio.ensure_future(body())
+    interrupted = False
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        interrupted = True
+        if not work.done():
+            work.cancel()
+            loop.call_later(RECANCEL_EVERY, interrupt)
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+        ours = True
+    except (RuntimeError, ValueError):  # not the main thread (a notebook's): not ours
+        ours = False
+    try:
+        await asyncio.wait({work})  # which cancels nothing itself
+    finally:
+        if ours:
+            loop.remove_signal_handler(signal.SIGINT)
+        work.cancel()  # none when done: ours cancelled from outside
+        await cleanup()
+    if interrupted:
+        if not work.cancelled():
+            work.exception()  # retrieved: the interrupt is the news
+        raise KeyboardInterrupt
+    return work.result()
 
 
 def print_status(

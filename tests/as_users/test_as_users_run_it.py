@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,15 +359,21 @@ def test_notebook_against_a_preloaded_scheduler(
 
 
 def test_status_command_shows_the_verified_gpus(preloaded: Cluster) -> None:
-    done = subprocess.run(
-        [ACCELSCHED, "status", preloaded.address, "--timeout", "30s"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert "3 workers, 2 verified GPUs, 0 quarantined" in lines[0], done.stdout
+    deadline = time.monotonic() + 60  # the workers may still be joining (run alone)
+    while True:
+        done = subprocess.run(
+            [ACCELSCHED, "status", preloaded.address, "--timeout", "30s"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        joined = "3 workers, 2 verified GPUs, 0 quarantined" in lines[0]
+        if joined or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert joined, f"{done.stdout}\n{preloaded.logs()}"
     assert lines[1].startswith(f"options: fallback_timeout={float(FALLBACK_TIMEOUT[:-1])}")
     rows = {line.split()[0]: line for line in lines[3:]}
     for name in ("gpu-0", "gpu-1"):
