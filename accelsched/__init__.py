@@ -5,7 +5,8 @@
 - :class:`GuardPlugin` (workers): NVML inventory, per-task device binding, pool freeing,
   leak detection.
 - :func:`register` registers both; :func:`dual` and :func:`gpu` mark GPU steps in code,
-  :func:`array_module` and :func:`current_device` are for task code.
+  :func:`array_module` and :func:`current_device` are for task code;
+  :class:`DeclaredMemoryExceeded` is what a task held to its declared memory raises.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from accelsched import config as _config  # (loads the config defaults)
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
 from accelsched.context import array_module, current_device
+from accelsched.devices.memory_cap import DeclaredMemoryExceeded
 
 # ``dual`` shares its name with its module: imported here, the function wins over the
 # submodule attribute that importing ``accelsched.dual`` sets
@@ -41,6 +43,7 @@ __all__ = [
     "gpu",
     "array_module",
     "current_device",
+    "DeclaredMemoryExceeded",
     "dask_setup",
     "dask_teardown",
     "FastRestart",

@@ -306,6 +306,7 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     Option("restart_on_leak", "accelsched.guard.restart-on-leak", parse_bool),
     Option("recover_gpus", "accelsched.guard.recover-gpus", parse_bool),
     Option("oom_exceptions", "accelsched.guard.oom-exceptions", dotted_names("mylib.OutOfMemory")),
+    Option("enforce_memory", "accelsched.guard.enforce-memory", parse_bool),
     Option("fast_restart", "accelsched.guard.fast-restart", parse_bool),
     Option("preimport", "accelsched.guard.preimport", dotted_names("dask.dataframe")),
 )

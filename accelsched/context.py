@@ -16,6 +16,7 @@ from typing import Any
 
 from accelsched.devices import arrays
 from accelsched.devices.backend import cuda
+from accelsched.devices.memory_cap import MemoryCap
 
 __all__ = [
     "Lease",
@@ -47,6 +48,9 @@ class Lease:
     #: ``meter(step_name, call)``: runs ``call()`` measuring what that marked step leaves
     #: on the device (the guard's attribution); None where nothing measures.
     meter: Callable[[str, Callable[[], Any]], Any] | None = None
+    #: What the task's allocations hold against the memory it declared (None: it
+    #: declared none); see :mod:`accelsched.devices.memory_cap`.
+    cap: MemoryCap | None = None
 
 
 _local = threading.local()
@@ -90,23 +94,29 @@ def holding(lease: Lease) -> Iterator[Lease]:
         unbind(bound)
 
 
-def bind(lease: Lease) -> tuple[Lease | None, Callable[[], Any] | None]:
+def bind(lease: Lease) -> tuple[Lease | None, list[Callable[[], Any]]]:
     """:func:`holding` without a generator (the guard's per-task path): make ``lease``
     current; returns what :func:`unbind` needs to restore the thread's state."""
     previous = getattr(_local, "lease", None)
     _local.lease = lease
+    undo: list[Callable[[], Any]] = []
     try:
-        return previous, cuda().use(lease.devices[0])
+        backend = cuda()
+        if (restore := backend.use(lease.devices[0])) is not None:
+            undo.append(restore)
+        if lease.cap is not None and (uncount := backend.count(lease.cap)) is not None:
+            undo.append(uncount)
+        return previous, undo
     except BaseException:
-        _local.lease = previous
+        unbind((previous, undo))
         raise
 
 
-def unbind(bound: tuple[Lease | None, Callable[[], Any] | None]) -> None:
-    previous, restore = bound
+def unbind(bound: tuple[Lease | None, list[Callable[[], Any]]]) -> None:
+    previous, undo = bound
     _local.lease = previous
-    if restore is not None:
-        restore()
+    for step in reversed(undo):
+        step()
 
 
 @contextmanager

@@ -141,6 +141,7 @@ def dual(
     model: str | None = None,
     capability: Any = None,
     mig: bool | None = None,
+    enforce: bool | None = None,
 ) -> GPUStep[R]:
     """Return a callable that runs ``gpu_fn`` on a GPU and ``cpu_fn`` when it fell back.
 
@@ -148,9 +149,17 @@ def dual(
     ``gpu(fallback_timeout=...)`` takes it; None keeps them strict. Not given: the
     plugin's ``fallback_timeout``, else :data:`~accelsched.policy.timeouts.DUAL_TIMEOUT`
     (30 s). ``memory``, ``model``, ``capability``, ``mig``: what its device must be
-    (:mod:`accelsched.policy.requirements`; docs/placement.md). A bad value raises here.
+    (:mod:`accelsched.policy.requirements`; docs/placement.md); ``enforce``: whether an
+    allocation past ``memory`` fails (None: the guard's ``enforce_memory``). A bad value
+    raises here.
     """
-    device = {"memory": memory, "model": model, "capability": capability, "mig": mig}
+    device = {
+        "memory": memory,
+        "model": model,
+        "capability": capability,
+        "mig": mig,
+        "enforce": enforce,
+    }
     mark = _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, device)
     return GPUStep(gpu_fn, mark, cpu_fn)
 
@@ -198,6 +207,7 @@ def gpu(
     model: str | None = None,
     capability: Any = None,
     mig: bool | None = None,
+    enforce: bool | None = None,
 ) -> Callable[[Callable[..., R]], GPUStep[R]]: ...
 
 
@@ -211,15 +221,24 @@ def gpu(
     model: str | None = None,
     capability: Any = None,
     mig: bool | None = None,
+    enforce: bool | None = None,
 ) -> Any:
     """Mark a GPU step: ``@gpu`` or ``@gpu(count=1, fallback_timeout="5s")``.
 
     Any task that calls the step, wherever dask puts it, is placed on verified GPUs and
     bound to its own device(s), with no ``dask.annotate``. ``memory="24GiB"``,
     ``model="*H100*"``, ``capability="8.0"``, ``mig=True/False``: what each of its
-    devices must be (docs/placement.md). Bad arguments raise here, naming the value.
+    devices must be (docs/placement.md); ``enforce=True``: an allocation past ``memory``
+    fails (None: the guard's ``enforce_memory`` says). Bad arguments raise here, naming
+    the value.
     """
-    device = {"memory": memory, "model": model, "capability": capability, "mig": mig}
+    device = {
+        "memory": memory,
+        "model": model,
+        "capability": capability,
+        "mig": mig,
+        "enforce": enforce,
+    }
     mark = _mark("gpu", count, fallback_timeout, None, device)
     if fn is not None:
         return GPUStep(fn, mark)

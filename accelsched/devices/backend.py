@@ -21,7 +21,10 @@ import importlib
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from accelsched.devices.memory_cap import MemoryCap
 
 __all__ = ["BACKEND_ENV", "BACKEND_KEY", "Cuda", "backend_module", "cuda", "load_backend"]
 
@@ -66,6 +69,20 @@ class Cuda:
         before = runtime.getDevice()
         runtime.setDevice(device)
         return lambda: runtime.setDevice(before)
+
+    def count(self, cap: MemoryCap) -> Callable[[], Any] | None:
+        """Count this thread's allocations against ``cap`` (refusing those past it under
+        ``enforce``) until the callable returned is called; None: nothing to undo, as
+        where CuPy is not installed. CuPy's allocator is set for this thread alone."""
+        try:
+            import cupy
+        except ImportError:
+            return None
+        from accelsched.devices.memory_cap import counted_allocator
+
+        scope = cupy.cuda.using_allocator(counted_allocator(cap, cupy.cuda.get_allocator()))
+        scope.__enter__()
+        return lambda: scope.__exit__(None, None, None)
 
     def array_module(self) -> ModuleType:
         """The module a task holding one of these devices computes with."""

@@ -14,6 +14,9 @@ verified of each device (:class:`DeviceFacts`). Decisions only: no distributed i
   name (``"*H100*"``, ``"NVIDIA A100*"``).
 - ``capability``: the least CUDA compute capability, ``"8.0"`` or ``(8, 0)``.
 - ``mig``: ``True`` for a MIG device only, ``False`` for a whole GPU only.
+- ``enforce``: with ``memory``, whether an allocation past it fails
+  (:mod:`accelsched.devices.memory_cap`); None: the guard's ``enforce_memory`` says.
+  It says nothing of the device, so placement and :meth:`Requirement.label` ignore it.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ __all__ = [
 ]
 
 #: The keys a requirement may have; any other is refused, named.
-KEYS = ("memory", "model", "capability", "mig")
+KEYS = ("memory", "model", "capability", "mig", "enforce")
 #: Most bytes a requirement may ask (1 EiB): more is a typo, not a device.
 MAX_MEMORY = 1 << 60
 #: Longest model pattern taken.
@@ -79,6 +82,7 @@ class Requirement:
     model: str | None = None
     capability: tuple[int, int] | None = None
     mig: bool | None = None
+    enforce: bool | None = None
 
     def __bool__(self) -> bool:
         return any(v is not None for v in (self.memory, self.model, self.capability, self.mig))
@@ -160,6 +164,10 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], str]] = {
         lambda v: v if isinstance(v, bool) else None,
         "expected True (a MIG device) or False (a whole GPU)",
     ),
+    "enforce": (
+        lambda v: v if isinstance(v, bool) else None,
+        "expected True (an allocation past memory= fails) or False",
+    ),
 }
 
 
@@ -200,6 +208,11 @@ def parse_requirement(value: Any) -> Requirement:
             parsed[key] = read(given[key])
             if parsed[key] is None:
                 raise ValueError(f"invalid GPU requirement {key}={_shown(given[key])}: {expected}")
+    if "enforce" in parsed and "memory" not in parsed:
+        raise ValueError(
+            f"invalid GPU requirement enforce={parsed['enforce']!r} without memory: "
+            "it holds a task to the memory it declares (memory='2GiB')"
+        )
     return Requirement(**parsed)
 
 
@@ -231,7 +244,8 @@ class Conflict(Requirement):
 
 def combine(requirements: list[Requirement]) -> Requirement | None:
     """What one task calling several marked steps needs: the most memory, the highest
-    capability; models and MIG must agree (else a :class:`Conflict`)."""
+    capability, enforced if one step enforces; models and MIG must agree (else a
+    :class:`Conflict`)."""
     if not requirements:
         return None
     if len(requirements) == 1:
@@ -242,11 +256,13 @@ def combine(requirements: list[Requirement]) -> Requirement | None:
         return Conflict(text=" and ".join(sorted({r.label() for r in requirements})))
     memories = [r.memory for r in requirements if r.memory is not None]
     capabilities = [r.capability for r in requirements if r.capability is not None]
+    enforced = {r.enforce for r in requirements if r.enforce is not None}
     return Requirement(
         memory=max(memories) if memories else None,
         model=models.pop() if models else None,
         capability=max(capabilities) if capabilities else None,
         mig=migs.pop() if migs else None,
+        enforce=max(enforced) if enforced else None,  # one step that enforces: enforced
     )
 
 

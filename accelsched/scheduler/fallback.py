@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
@@ -333,6 +333,7 @@ class Fallback:
             "model": need.model,
             "capability": None if need.capability is None else list(need.capability),
             "mig": need.mig,
+            "enforce": need.enforce,
         }
         internals.annotate(ts, REQUIREMENT_ANNOTATION, normalised)
         if need.memory is not None:  # shares a device: memory, not a whole GPU
@@ -341,7 +342,8 @@ class Fallback:
             internals.set_resource_restrictions(ts, restrictions)
             internals.drop_annotated_resource(ts, GPU)
         own = internals.restricted_to(ts)
-        key = (need, devices_needed(count), frozenset(own) if own else None)
+        # enforce says nothing of the device: tasks that differ by it share a class
+        key = (replace(need, enforce=None), devices_needed(count), frozenset(own) if own else None)
         if (eligible := self._classes.get(key)) is None:
             workers = {w for w in self._facts if self._serves(w, key)}
             eligible = self._classes[key] = Eligible(key, {NOWHERE, *workers})

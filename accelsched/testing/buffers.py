@@ -15,7 +15,7 @@ from typing import Any
 
 from dask.sizeof import sizeof
 
-from accelsched.context import current_device
+from accelsched.context import current_device, current_lease
 from accelsched.devices import arrays
 from accelsched.devices.arrays import device_nbytes
 from accelsched.testing import state
@@ -137,13 +137,28 @@ def device_alloc(
     _check_nbytes(nbytes, "device_alloc")
     device = _device_or_current(device, "device_alloc")
     pool = _pool()
-    session, fixed = pool.allocate(nbytes, device)
+    lease = current_lease()
+    cap = None if lease is None else lease.cap  # counted as CuPy's allocator would be
+    if cap is not None:
+        cap.take(nbytes)  # under enforce, refused before anything is taken
+    try:
+        session, fixed = pool.allocate(nbytes, device)
+    except BaseException:
+        if cap is not None:
+            cap.give(nbytes)
+        raise
     buf = DeviceBuffer(nbytes, device, value)
-    buf._finalizer = weakref.finalize(buf, pool.release, session, device, nbytes, fixed)
+    buf._finalizer = weakref.finalize(buf, _release, pool, session, device, nbytes, fixed, cap)
     buf._finalizer.atexit = False  # the process's death frees its device memory
     if leak:
         _LEAKED.append(buf)
     return buf
+
+
+def _release(pool: Any, session: Any, device: int, nbytes: int, fixed: Any, cap: Any) -> None:
+    pool.release(session, device, nbytes, fixed)
+    if cap is not None:
+        cap.give(nbytes)
 
 
 def create_context(device: int | None = None) -> None:

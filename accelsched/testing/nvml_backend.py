@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from accelsched.devices.backend import Cuda
+from accelsched.devices.memory_cap import MemoryCap
 
 #: What ``fake_gpus`` sets ``accelsched.nvml-backend`` to.
 NAME = __name__
@@ -35,6 +36,10 @@ class SimulatedCuda(Cuda):
     computes with numpy (the devices account for memory, they run no kernels)."""
 
     def use(self, device: int) -> None:
+        return None
+
+    def count(self, cap: MemoryCap) -> None:
+        """``device_alloc`` counts against the task's cap itself."""
         return None
 
     def array_module(self) -> ModuleType:

@@ -21,6 +21,7 @@ from distributed import Reschedule
 from accelsched import events
 from accelsched.context import Lease, bind, unbind
 from accelsched.devices.arrays import to_host
+from accelsched.devices.memory_cap import MemoryCap
 from accelsched.devices.nvml import DeviceInfo
 from accelsched.policy.leases import LeaseTable, NoFreeDevice
 from accelsched.policy.requirements import Requirement, parse_requirement
@@ -44,6 +45,7 @@ class Binder:
         self,
         *,
         oom_exceptions: tuple[str, ...],
+        enforce_memory: bool = False,
         pools: PoolFreer,
         emit: Callable[..., None],
         ledger: Ledger | None = None,
@@ -53,6 +55,7 @@ class Binder:
         self._freed = threading.Condition()  # a lease ended, or the devices changed
         self._waiting = 0  # tasks waiting for room
         self.oom_exceptions = oom_exceptions
+        self.enforce_memory = enforce_memory  # a step's own enforce= wins
         self.pools = pools
         self.used: set[int] = set()  # devices GPU tasks of this worker held
         self._emit = emit
@@ -135,6 +138,13 @@ class Binder:
             self.used.update(devices)
             ledger = self.ledger
             meter = None if ledger is None else Meter(ledger, leases, key, devices, prefix)
+            declared = None if requirement is None else requirement.memory
+            cap = None
+            if requirement is not None and declared is not None:
+                enforce = requirement.enforce
+                cap = MemoryCap(
+                    str(key), declared, enforce=self.enforce_memory if enforce is None else enforce
+                )
             bound = bind(
                 Lease(
                     key,
@@ -142,22 +152,22 @@ class Binder:
                     report=self._emit,
                     oom_exceptions=self.oom_exceptions,
                     meter=meter,
+                    cap=cap,
                 )
             )
             try:
-                if meter is None:
-                    return spec(values)
-                result = meter.run(spec, values)
-                declared = None if requirement is None else requirement.memory
-                if declared is not None and (meter.grew or 0) > declared:
-                    # measured alone on its device, it added more than it declared: its
-                    # neighbours' room was not what the packing counted on
+                result = spec(values) if meter is None else meter.run(spec, values)
+                # what it held at its peak, packed or alone, or (measured alone on its
+                # device) added: more than it declared, its neighbours' room was not what
+                # the packing counted on
+                measured = max(0 if cap is None else cap.peak, (meter and meter.grew) or 0)
+                if declared is not None and measured > declared:
                     self._emit(
                         events.OVER_DECLARED,
                         key=str(key),
                         device=devices[0],
                         declared=declared,
-                        measured=meter.grew,
+                        measured=measured,
                     )
                 return result
             finally:

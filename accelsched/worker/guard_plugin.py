@@ -124,6 +124,7 @@ class GuardPlugin(WorkerPlugin):
         )
         self.binder = Binder(
             oom_exceptions=o["oom_exceptions"],
+            enforce_memory=o["enforce_memory"],
             pools=PoolFreer(
                 every=o["free_pools_every"],
                 above=o["free_pools_above"],

@@ -6,6 +6,7 @@ capability 9.0) and a 40 GiB A100 (8.0), as NVML reports them through the real p
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -136,12 +137,75 @@ async def test_a_task_adding_more_than_it_declared_is_reported(c, s, a, b):
     await first
     second = c.submit(greedy, 1, pure=False)  # measured: alone on its device
     await second
+    # the first too, by its allocations' peak, where the device-wide growth had no base
+    await wait_for(lambda: len(events(s, "over-declared")) == 2)
+    reported = events(s, "over-declared")
+    assert {e["key"] for e in reported} == {first.key, second.key}
+    for event in reported:
+        assert event["declared"] == GiB and event["measured"] >= 4 * GiB
+        assert event["worker"] == b.worker_address and event["device"] == 0
+
+
+# --- enforce_memory: a task held to the memory it declared, its neighbours untouched ----
+#
+# Three tasks declaring 12 GiB each are packed on the A100 (38 GiB they may declare). One
+# of them takes 30 GiB at once and holds it; the two honest ones allocate their 12 GiB a
+# moment later: 30 + 12 is past the device's 40 GiB.
+
+
+def _packed(declared_by: str, enforce: bool | None):  # type: ignore[no-untyped-def]
+    @accelsched.gpu(memory="12GiB", model="*A100*", enforce=enforce)
+    def step(nbytes: int) -> tuple[int, float]:
+        from accelsched.testing import device_alloc
+
+        if nbytes <= 12 * GiB:
+            time.sleep(0.3)  # the greedy one first
+        buf = device_alloc(nbytes)
+        time.sleep(1.0)  # held while the others run beside it
+        return buf.nbytes, time.time()
+
+    step.__name__ = step.__qualname__ = f"packed_{declared_by}"
+    return step
+
+
+@pytest.mark.parametrize("switched_on_by", ["guard", "step"])
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_enforce_memory_fails_the_greedy_task_and_spares_its_neighbours(
+    c, s, a, b, switched_on_by
+):
+    from accelsched import DeclaredMemoryExceeded
+
+    by_guard = switched_on_by == "guard"
+    await accelsched.register(c, check_interval="1h", fast_restart=False, enforce_memory=by_guard)
+    await wait_for(lambda: len(events(s, "gpu-verified")) == 2)
+    step = _packed(switched_on_by, None if by_guard else True)
+    greedy_task = c.submit(step, 30 * GiB, pure=False)
+    honest = c.map(step, [12 * GiB, 12 * GiB], pure=False)
+    with pytest.raises(DeclaredMemoryExceeded) as failed:
+        await greedy_task
+    assert "declared 12.00 GiB" in str(failed.value) and "30.00 GiB" in str(failed.value)
+    assert failed.value.declared == 12 * GiB and failed.value.attempted == 30 * GiB
+    assert [n for n, _ in await c.gather(honest)] == [12 * GiB, 12 * GiB]
+    assert events(s, "over-declared") == []  # refused: it never held more
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_without_enforce_memory_the_greedy_task_takes_its_neighbours_room(c, s, a, b):
+    """What enforcement prevents, and the report that remains without it: the packed
+    task's peak, though it never ran alone on its device."""
+    from accelsched.testing import OutOfDeviceMemory
+
+    await _verified(c, s)
+    step = _packed("unenforced", None)
+    greedy_task = c.submit(step, 30 * GiB, pure=False)
+    honest = c.map(step, [12 * GiB, 12 * GiB], pure=False)
+    assert (await greedy_task)[0] == 30 * GiB
+    outcomes = await asyncio.gather(*honest, return_exceptions=True)
+    assert all(isinstance(o, OutOfDeviceMemory) for o in outcomes), outcomes
     await wait_for(lambda: events(s, "over-declared"))
     (event,) = events(s, "over-declared")
-    assert event["declared"] == GiB and event["measured"] >= 4 * GiB
-    assert event["worker"] == b.worker_address and event["device"] == 0
-    assert event["key"] == second.key
-    del first
+    assert event["key"] == greedy_task.key
+    assert event["declared"] == 12 * GiB and event["measured"] == 30 * GiB
 
 
 @accelsched.gpu(memory="10GiB", model="*H100*")
