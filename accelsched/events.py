@@ -163,7 +163,9 @@ def log_line(msg: Mapping[str, Any]) -> tuple[int, str]:
     printable line): a newline in a key cannot forge a line of the log.
     """
     action = msg.get("action")
-    level = logging.WARNING if action in WARNING_ACTIONS else logging.INFO
+    level = (
+        logging.WARNING if isinstance(action, str) and action in WARNING_ACTIONS else logging.INFO
+    )
     return level, f"accelsched [{shown(action)}] {shown(describe(msg))}"
 
 

@@ -38,12 +38,16 @@ LOGGER = "accelsched"
 _FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
 
 
+#: The handler added here, once per process.
+_handler: logging.Handler | None = None
+
+
 class _WhileRootHasNoHandler(logging.Filter):
     """Pass records only while the root logger has no handler: once the application
     configured logging, its handlers print accelsched's records (they propagate)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not logging.getLogger().handlers
+        return not logging.getLogger().hasHandlers()  # the root's own (it has no parent)
 
 
 def _logging_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -71,10 +75,11 @@ def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
     logger = logging.getLogger(LOGGER)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-    if not any(isinstance(f, _WhileRootHasNoHandler) for h in logger.handlers for f in h.filters):
-        handler = logging.StreamHandler(sys.stderr)
+    global _handler
+    if _handler is None:
+        _handler = logging.StreamHandler(sys.stderr)
         fmt = dask.config.get("distributed.admin.log-format", _FORMAT)
-        handler.setFormatter(logging.Formatter(fmt))
-        handler.addFilter(_WhileRootHasNoHandler())
-        logger.addHandler(handler)
+        _handler.setFormatter(logging.Formatter(fmt))
+        _handler.addFilter(_WhileRootHasNoHandler())
+        logger.addHandler(_handler)
     return True

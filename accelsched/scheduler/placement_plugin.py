@@ -191,8 +191,8 @@ class PlacementPlugin(SchedulerPlugin):
                 self.status_history.record_event(msg)
             # the workers' events (a leak, a device withdrawn, ...) in the scheduler's log
             # too, once: this plugin's own were logged as they were emitted
-            mine = msg is self._emitting
-            if not mine and msg.get("action") in events.ACTIONS and self._active():
+            action, mine = msg.get("action"), msg is self._emitting
+            if not mine and isinstance(action, str) and action in events.ACTIONS and self._active():
                 logger.log(*events.log_line(msg))
 
     # --- for the parts ------------------------------------------------------------------
