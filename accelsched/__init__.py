@@ -23,12 +23,15 @@ from accelsched.devices.memory_cap import DeclaredMemoryExceeded
 # ``dual`` shares its name with its module: imported here, the function wins over the
 # submodule attribute that importing ``accelsched.dual`` sets
 from accelsched.dual import dual, gpu
+from accelsched.logs import initialize_logging as _initialize_logging
 
 if TYPE_CHECKING:
     from accelsched.deploy.install import dask_setup, dask_teardown
     from accelsched.internals.forkserver import FastRestart
     from accelsched.scheduler.placement_plugin import PlacementPlugin
     from accelsched.worker.guard_plugin import GuardPlugin
+
+_initialize_logging()  # accelsched's log lines beside distributed's (accelsched.logs)
 
 try:
     __version__ = version("accelsched")

@@ -83,9 +83,13 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+from dask.utils import format_bytes
+
+from accelsched.display.status_table import shown
 from accelsched.policy.waiting import REASONS
 
 TOPIC: Final = "accelsched"
@@ -136,6 +140,35 @@ def event(action: str, worker: str | None = None, **figures: Any) -> dict[str, A
     return {"action": action, **({} if worker is None else {"worker": worker}), **figures}
 
 
+#: Actions an operator should look at: logged at WARNING, the others at INFO.
+WARNING_ACTIONS: Final = frozenset(
+    {
+        GPU_REJECTED,
+        UNREQUESTED_GPU_USE,
+        LEAK,
+        RESTART_DEFERRED,
+        QUARANTINE,
+        GPU_UNHEALTHY,
+        REQUEST_REFUSED,
+        OVER_DECLARED,
+    }
+)
+
+
+def log_line(msg: Mapping[str, Any]) -> tuple[int, str]:
+    """The level and the line an event is logged with (``logger.log(*log_line(msg))``):
+    ``accelsched [leak] tcp://...: device 0 leaks 512.00 MiB ...``.
+
+    Any client may log to the topic, so what the event carries is :func:`shown` (one
+    printable line): a newline in a key cannot forge a line of the log.
+    """
+    action = msg.get("action")
+    level = (
+        logging.WARNING if isinstance(action, str) and action in WARNING_ACTIONS else logging.INFO
+    )
+    return level, f"accelsched [{shown(action)}] {shown(describe(msg))}"
+
+
 def describe(msg: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:
     """One line a person can read, for the demo and ``accelsched events``.
 
@@ -153,51 +186,94 @@ def describe(msg: Mapping[str, Any], names: Mapping[str, str] | None = None) -> 
         return f"{w}: {msg.get('action')} {details}"
 
 
-def _mib(nbytes: Any) -> str:
-    return f"{nbytes / 2**20:.0f} MiB"
+def _size(nbytes: Any) -> str:
+    """Bytes as dask writes them (``dask.utils.format_bytes``: ``512.00 MiB``)."""
+    return format_bytes(int(nbytes))
 
 
-#: The line of each action that reads better in words than its figures: (event, worker).
+def _listed(items: Any, quote: bool = False) -> str:
+    """A list in words: ``a, b, c`` (keys quoted as Python writes them), ``none`` if empty."""
+    out = [repr(i) if quote else str(i) for i in items]
+    return ", ".join(out) if out else "none"
+
+
+def _corrected(m: Mapping[str, Any], w: str) -> str:
+    declared, granted, reason = m["declared"], m["granted"], str(m["reason"])
+    if declared is None and reason == "advertised":  # not a mistake: advertise_undeclared
+        return f"{w}: declared no GPU; advertises the {granted} it has (advertise_undeclared)"
+    if declared is None:
+        return f"{w}: declared no usable GPU count; granted {granted} ({reason})"
+    return f"{w}: declared GPU={declared}, granted {granted} ({reason})"
+
+
+def _fallback(m: Mapping[str, Any], w: str) -> str:
+    where = f" on {w}" if w else ""
+    if "key" not in m:  # a burst of fallbacks comes summarised, without a key
+        reasons = ", ".join(f"{n} {r}" for r, n in dict(m["reasons"]).items())
+        return (
+            f"{m['count']} tasks fell back{where} ({reasons}; waited {m['waited']}s median, "
+            f"{m['waited_max']}s max; e.g. {_listed(list(m['keys'])[:3], quote=True)})"
+        )
+    why = f"{m['reason']}: {m['error']}" if "error" in m else m["reason"]
+    return f"task {m['key']!r}{where}: fell back to its CPU form after {m['waited']}s ({why})"
+
+
+def _unrequested(m: Mapping[str, Any], w: str) -> str:
+    how = ["a CUDA context created"] if m.get("context_created") else []
+    how += ["the task made to fail"] if m.get("failed") else []
+    return (
+        f"{w}: task {m['key']!r} used device {m['device']} without asking for a GPU "
+        f"(+{_size(m['nbytes'])}{''.join('; ' + h for h in how)})"
+    )
+
+
+#: A line in words for every action: (event, worker).
 _LINES: dict[str, Callable[[Mapping[str, Any], str], str]] = {
     GPU_VERIFIED: lambda m, w: (
         f"{w}: verified {m['granted']} GPU(s): "
         + "; ".join(f"{d['name']}, UUID {d['uuid']}, CUDA index {d['index']}" for d in m["devices"])
     ),
-    GPU_CORRECTED: lambda m, w: (
-        f"{w}: declared GPU={m['declared']}, granted {m['granted']} ({m['reason']})"
-    ),
+    GPU_CORRECTED: _corrected,
     GPU_REJECTED: lambda m, w: (
-        f"{w}: refused {list(m['uuids'])} ({m['reason']}, owner {m.get('owner')})"
+        f"{w}: refused {_listed(m['uuids'])}: "
+        + ("owned by" if m["reason"] == "owned" else f"{m['reason']}, owner")
+        + f" {_listed([m['owner']] if isinstance(m['owner'], str) else m['owner'])}"
     ),
+    UNREQUESTED_GPU_USE: _unrequested,
+    FALLBACK: _fallback,
     LEAK: lambda m, w: (
-        f"{w}: device {m['device']} leaks {_mib(m['nbytes'])} "
-        f"(threshold {_mib(m['threshold'])}, prefixes {list(m['prefixes'])})"
+        f"{w}: device {m['device']} leaks {_size(m['nbytes'])} "
+        f"(threshold {_size(m['threshold'])}, prefixes {_listed(m['prefixes'])})"
     ),
     LEAK_RECLAIMED: lambda m, w: (
-        f"{w}: device {m['device']} got {_mib(m['reclaimed'])} back by collecting garbage "
-        f"and freeing pools ({_mib(m['remaining'])} left, threshold {_mib(m['threshold'])}, "
-        f"prefixes {list(m['prefixes'])}): no restart"
+        f"{w}: device {m['device']} got {_size(m['reclaimed'])} back by collecting garbage "
+        f"and freeing pools ({_size(m['remaining'])} left, threshold {_size(m['threshold'])}, "
+        f"prefixes {_listed(m['prefixes'])}): no restart"
     ),
     RESTART: lambda m, w: (
-        f"{w}: retired ({m['moved']} keys moved to peers) and restarted in {m['seconds']}s"
-    ),
-    # a burst of fallbacks comes summarised, without a key
-    FALLBACK: lambda m, w: (
-        f"task {m['key']!r}{' on ' + w if w else ''}: fell back after {m['waited']}s "
+        f"{w}: retired ({m['moved']} keys moved to peers) and restarted in {m['seconds']}s "
         f"({m['reason']})"
-        if "key" in m
-        else f"{m['count']} tasks fell back{' on ' + w if w else ''} (reasons {m['reasons']}, "
-        f"waited {m['waited']}s median, {m['waited_max']}s max; e.g. {list(m['keys'])[:3]})"
     ),
+    RESTART_DEFERRED: lambda m, w: f"{w}: restart deferred ({m['reason']})",
+    QUARANTINE: lambda m, w: (
+        f"{w}: GPUs taken out of placement until it restarts or leaves ({m['reason']})"
+    ),
+    GPU_UNHEALTHY: lambda m, w: (
+        f"{w}: device {m['device']} ({m['uuid']}) stopped answering NVML: withdrawn ({m['error']})"
+    ),
+    GPU_RECOVERED: lambda m, w: (
+        f"{w}: device {m['device']} ({m['uuid']}) answers NVML again: offered again"
+    ),
+    REQUEST_REFUSED: lambda m, w: f"{w}: {m['handler']} request refused ({m['reason']})",
     UNMET_REQUIREMENT: lambda m, w: (
         f"no verified device meets {m['requirement']} (task {m['key']!r} waits)"
     ),
     GPU_WAITING: lambda m, w: (
         f"{m['waiting']} GPU task(s) wait unplaced: {REASONS.get(m['reason'], m['reason'])} "
-        f"(e.g. {list(m['keys'])})"
+        f"(e.g. {_listed(m['keys'], quote=True)})"
     ),
     OVER_DECLARED: lambda m, w: (
-        f"{w}: task {m['key']!r} declared {_mib(int(m['declared']))}, added "
-        f"{_mib(int(m['measured']))} on device {m['device']}"
+        f"{w}: task {m['key']!r} declared {_size(m['declared'])}, added "
+        f"{_size(m['measured'])} on device {m['device']}"
     ),
 }

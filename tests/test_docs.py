@@ -18,7 +18,7 @@ How a block runs is set by an HTML comment on the line before it (docs/testing.m
   registration is restored after it. ``pycon`` blocks run as doctests in the same
   names.
 - ``<!-- example: event -->``: one or more event dicts. Each must be a literal with a
-  known ``action`` that ``accelsched.events.describe`` can put into words.
+  known ``action`` that ``accelsched.events.describe`` puts into words (no raw dict).
 - ``<!-- example: file=NAME -->``: a file of a test suite (``conftest.py``), compiled here
   and written next to the page's ``pytest`` block.
 - ``<!-- example: pytest file=NAME -->``: a test module. It is written as NAME, with the
@@ -416,4 +416,5 @@ def _check_events(block: Block) -> None:
         assert isinstance(node, ast.Expr), f"{block.id}: an event block holds only dicts"
         msg = ast.literal_eval(node.value)
         assert isinstance(msg, dict) and msg.get("action") in events.ACTIONS, msg
-        assert events.describe(msg), msg
+        line = events.describe(msg)
+        assert msg["action"] in events._LINES and line and "{" not in line, (msg, line)

@@ -126,7 +126,6 @@ class DeviceReports:
         registered = None if ws is None else ws.server_id
         refusal = self._requests.refusal(worker, process, registered, request)
         if refusal is not None and ws is not None:
-            logger.warning("accelsched: refused %s naming %s: %s", handler, worker, refusal)
             self._emit(events.REQUEST_REFUSED, worker, handler=handler, reason=refusal)
         return refusal is None
 

@@ -51,7 +51,6 @@ granted or offered again, so nothing bounces.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from time import monotonic, time
@@ -520,8 +519,7 @@ class Fallback:
         limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
         if (msg := no_workers_conflict(limit, timeout)) is not None:
             self._no_workers_checked = None  # said: once is enough
-            logger.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            logger.warning(msg)  # one line in the scheduler's log, not also a warning
 
     # --- what waits ----------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ class PlacementPlugin(SchedulerPlugin):
     name = PLACEMENT_PLUGIN
 
     scheduler: Scheduler | None = None  # until start
+    _emitting: dict[str, Any] | None = None  # the event being logged by ``_emit``
     status_history: StatusHistory | None = (
         None  # until start: events logged before are replayed then
     )
@@ -188,6 +189,11 @@ class PlacementPlugin(SchedulerPlugin):
             metrics.count_event(msg)
             if self.status_history is not None:
                 self.status_history.record_event(msg)
+            # the workers' events (a leak, a device withdrawn, ...) in the scheduler's log
+            # too, once: this plugin's own were logged as they were emitted
+            action, mine = msg.get("action"), msg is self._emitting
+            if not mine and isinstance(action, str) and action in events.ACTIONS and self._active():
+                logger.log(*events.log_line(msg))
 
     # --- for the parts ------------------------------------------------------------------
 
@@ -198,5 +204,9 @@ class PlacementPlugin(SchedulerPlugin):
     def _emit(self, action: str, worker: str | None = None, **figures: Any) -> None:
         assert self.scheduler is not None  # parts exist only once started
         msg = events.event(action, worker, **figures)
-        logger.info("accelsched %s", msg)
-        self.scheduler.log_event(events.TOPIC, msg)
+        logger.log(*events.log_line(msg))  # here: the hook below runs only once registered
+        self._emitting = msg
+        try:
+            self.scheduler.log_event(events.TOPIC, msg)
+        finally:
+            self._emitting = None

@@ -51,6 +51,7 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
+from accelsched.display.status_table import shown
 from accelsched.policy.budget import RestartBudget, admit_restart, keeps_devices, restart_reply
 from accelsched.policy.proposals import Proposal
 from accelsched.protocol import DRAIN_HANDLER, RESTART_HANDLER, RestartReply
@@ -208,7 +209,17 @@ class SchedulerActor:
         from) other GPUs."""
         scheduler = self.scheduler
         start, previous = monotonic(), ws.status
-        stimulus_id = f"accelsched-restart-{time()}"
+        # the reason in distributed's own lines too ("Retire worker ... stimulus_id=...")
+        # (a worker's own word: a plain token only)
+        tag = why if why.replace("-", "").isalnum() else "other"
+        stimulus_id = f"accelsched-restart-{tag}-{time()}"
+        logger.info(
+            "accelsched: restarting %s (%s): drained, retired to its peers, then restarted "
+            "through its nanny (stimulus_id %s)",
+            ws.address,
+            shown(why),
+            stimulus_id,
+        )
         outcome: dict[str, int] | str | None = None
         try:
             outcome = await internals.replace_worker(

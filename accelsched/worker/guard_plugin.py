@@ -265,5 +265,5 @@ class GuardPlugin(WorkerPlugin):
     def _emit(self, action: str, **figures: Any) -> None:
         """Send an event to the scheduler's log (from any thread)."""
         msg = events.event(action, self.worker.contact_address, **figures)
-        logger.info("accelsched %s", msg)
+        logger.log(*events.log_line(msg))
         self.worker.log_event(events.TOPIC, msg)

@@ -40,7 +40,7 @@ def test_demo_shows_placement_leak_and_fallback_and_writes_its_report(tmp_path: 
     check_corrections_say_they_are_on_purpose(text)
     verified = check_verified_devices_are_labelled(text)
     check_two_workers_devices_are_told_apart(lines, verified)
-    leak = re.search(r"\[leak\] (gpu-\d): device 0 leaks 1536 MiB", text)
+    leak = re.search(r"\[leak\] (gpu-\d): device 0 leaks 1\.50 GiB", text)
     assert leak, text
     assert f"[restart] {leak.group(1)}: retired" in text
     assert f"only {leak.group(1)} restarted" in text

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 
 import dask
 import dask.array as da
 import numpy as np
 import pytest
 from distributed import Nanny
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
 from accelsched.testing import OutOfDeviceMemory, device_alloc
@@ -146,11 +148,18 @@ async def test_gpu_worker_killed_mid_run_falls_back(c, s, cpu):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_no_workers_timeout_shorter_than_fallback_warns(c, s, a):
+    """Said once, as one line of the scheduler's log (not also a Python warning, which a
+    scheduler process would print as a second copy)."""
     with (
         dask.config.set({"distributed.scheduler.no-workers-timeout": "1s"}),
-        pytest.warns(RuntimeWarning, match="no-workers-timeout"),
+        captured_logger("accelsched.scheduler.fallback", level=logging.WARNING) as log,
+        warnings.catch_warnings(record=True) as caught,
     ):
+        warnings.simplefilter("always")
         await c.register_plugin(accelsched.PlacementPlugin(fallback_timeout="5s"))
+    (line,) = log.getvalue().splitlines()
+    assert "no-workers-timeout" in line
+    assert not [w for w in caught if "no-workers-timeout" in str(w.message)]
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
