@@ -30,12 +30,16 @@ from typing import Any
 
 from accelsched.policy.requirements import DeviceFacts, Requirement, capacity, pack
 
-__all__ = ["LeaseTable", "NoFreeDevice", "devices_needed"]
+__all__ = ["Cancelled", "LeaseTable", "NoFreeDevice", "devices_needed"]
 
 
 class NoFreeDevice(RuntimeError):
     """More GPU tasks run at once than the worker owns devices (a resource mis-set), or no
     device of the worker can ever hold the task (its requirement)."""
+
+
+class Cancelled(RuntimeError):
+    """The task was cancelled while it waited for a lease: its thread stops waiting."""
 
 
 def devices_needed(amount: float) -> int:
@@ -55,6 +59,7 @@ class _Task:
     share: float = 0.0
     nbytes: int = 0
     claimed: tuple[int, ...] = ()  # whole devices it waits for: nobody packs onto them
+    cancelled: bool = False  # cancelled while it waited: it stops waiting, claims nothing
 
 
 class LeaseTable:
@@ -97,6 +102,23 @@ class LeaseTable:
         if task is not None:
             task.gpu = True
 
+    def cancel(self, key: Any) -> bool:
+        """``key`` was cancelled while its thread runs: if it waits for a lease, it claims
+        nothing more and its next :meth:`grant` raises :class:`Cancelled`; whether it
+        was waiting (one that holds its lease runs to its end)."""
+        with self._lock:
+            task = self._tasks.get(key)
+            if task is None or task.devices:
+                return False
+            task.cancelled, task.claimed = True, ()
+            return True
+
+    def resume(self, key: Any) -> None:
+        """``key``, cancelled while it ran, is wanted again: it waits for a lease again."""
+        with self._lock:
+            if (task := self._tasks.get(key)) is not None:
+                task.cancelled = False
+
     def ended(self, key: Any) -> bool:
         """``key``'s function returned; whether it was counted as running."""
         with self._lock:
@@ -132,6 +154,8 @@ class LeaseTable:
         to end. Raises :class:`NoFreeDevice` when no device here can ever hold it."""
         with self._lock:
             if (waiting := self._tasks.get(key)) is not None:
+                if waiting.cancelled:
+                    raise Cancelled(f"task {key!r} was cancelled while it waited for a device")
                 waiting.claimed = ()  # claimed again below if it still waits
             load, declared = self._sums()
             n = devices_needed(amount)

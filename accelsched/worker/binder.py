@@ -23,7 +23,7 @@ from accelsched.context import Lease, bind, unbind
 from accelsched.devices.arrays import to_host
 from accelsched.devices.memory_cap import MemoryCap
 from accelsched.devices.nvml import DeviceInfo
-from accelsched.policy.leases import LeaseTable, NoFreeDevice
+from accelsched.policy.leases import Cancelled, LeaseTable, NoFreeDevice
 from accelsched.policy.requirements import Requirement, parse_requirement
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, GPU_MEMORY, REQUIREMENT_ANNOTATION
 from accelsched.worker.ledger import Ledger, Meter
@@ -134,6 +134,11 @@ class Binder:
             # its devices were withdrawn (unhealthy) after it was assigned here, or none
             # here meets its requirement: the scheduler places it again
             raise Reschedule() from None
+        except Cancelled:
+            # nobody wants it now (its result would be dropped): it stops waiting, and
+            # its claim goes with it; wanted again, the scheduler places it again
+            leases.release(key)
+            raise Reschedule() from None
         try:
             self.used.update(devices)
             ledger = self.ledger
@@ -178,6 +183,13 @@ class Binder:
             if self._waiting:
                 with self._freed:
                     self._freed.notify_all()
+
+    def cancelled(self, key: Any) -> None:
+        """``key`` was cancelled while its function runs (event loop): if it waits for a
+        lease, its thread stops waiting now rather than run it once a device is free."""
+        if self.leases.cancel(key):
+            with self._freed:
+                self._freed.notify_all()
 
     @staticmethod
     def fallback_runner(inner: Runner | None) -> Runner:

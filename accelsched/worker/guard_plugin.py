@@ -209,6 +209,8 @@ class GuardPlugin(WorkerPlugin):
         worker, leaks, ledger, running = self.worker, self.leaks, self.ledger, self.binder.leases
         if finish in _RUNNING:  # a function starts running in a thread (every task counts)
             running.started(key)
+            if start == "cancelled":  # wanted again while its thread ran on
+                running.resume(key)
             if finish == "executing":
                 prefix = key_split(key)
                 leaks.ran(prefix)
@@ -234,6 +236,10 @@ class GuardPlugin(WorkerPlugin):
         elif start == "memory" or finish == "forgotten":
             ledger.released(key)
         if key in running:  # started or ended, as its thread says (cancelled runs on)
+            if start in _RUNNING and finish == "released":  # cancelled: its thread runs on
+                self.binder.cancelled(key)
+            elif start == "cancelled":  # wanted again, or its thread is done
+                running.resume(key)
             if internals.runs_in_thread(worker, key):
                 running.started(key)
             else:

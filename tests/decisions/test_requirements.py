@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from accelsched.policy.leases import LeaseTable, NoFreeDevice
+from accelsched.policy.leases import Cancelled, LeaseTable, NoFreeDevice
 from accelsched.policy.requirements import (
     MAX_MEMORY,
     DeviceFacts,
@@ -248,6 +248,26 @@ def test_a_waiting_whole_device_task_claims_its_device_from_new_declared_tasks()
     assert table.grant("s3", 0, small) is None  # held whole now
     table.release("whole")
     assert table.grant("s3", 0, small) == (1,)  # the claim went with its lease
+
+
+def test_a_task_cancelled_while_it_waits_gives_up_its_claim_and_stops_waiting() -> None:
+    """It waited on, claiming its device, and ran once the device was free, though its
+    result would be dropped."""
+    table = _table()
+    small = Requirement(memory=GiB, model="*A100*")
+    whole = Requirement(model="*A100*")
+    assert table.grant("s1", 0, small) == (1,)
+    table.started("whole", gpu=True)
+    assert table.grant("whole", 1, whole) is None  # waits, claiming the A100
+    assert table.grant("s2", 0, small) is None
+    assert table.cancel("whole") is True
+    assert table.grant("s2", 0, small) == (1,)  # the claim went with the cancel
+    with pytest.raises(Cancelled, match="'whole' was cancelled while it waited"):
+        table.grant("whole", 1, whole)
+    table.resume("whole")  # wanted again while its thread ran on: it waits again
+    assert table.grant("whole", 1, whole) is None
+    assert table.cancel("s1") is False  # holds its lease: runs to its end
+    assert table.grant("s3", 0, small) is None  # claimed again by the resumed one
 
 
 def test_a_claim_goes_with_a_task_no_device_can_hold_any_more() -> None:

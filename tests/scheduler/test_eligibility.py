@@ -303,6 +303,49 @@ async def test_a_whole_device_task_starts_once_the_declared_tasks_before_it_end(
 
 
 @accelsched.gpu(memory="1GiB")
+def holds_until(name: str) -> str:
+    from distributed import Event
+
+    assert Event(name).wait(30)
+    return "held"
+
+
+def whole_and_marked(name: str) -> str:
+    from distributed import Variable
+
+    Variable(name).set("ran")
+    return "ran"
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 3, {"resources": {"GPU": 1}})], timeout=60)
+async def test_a_whole_device_task_cancelled_while_it_waits_stops_and_frees_its_claim(c, s, a):
+    """It waited on in its thread, claiming the device from declared tasks, and ran
+    once the device was free, though nobody wanted its result."""
+    from distributed import Event, Variable
+
+    from accelsched.protocol import GUARD_PLUGIN
+
+    await accelsched.register(c, fast_restart=False)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    binder = a.plugins[GUARD_PLUGIN].binder
+    await Variable("whole-ran").set("no")
+    held = c.submit(holds_until, "let-go", pure=False)
+    await wait_for(lambda: len(binder.leases.holders()) == 1)
+    with dask.annotate(resources={"GPU": 1}):
+        whole = c.submit(whole_and_marked, "whole-ran", pure=False)
+    await wait_for(lambda: binder._waiting == 1)  # in its thread, claiming the device
+    await c.cancel([whole])
+    await wait_for(lambda: binder._waiting == 0)  # it stopped waiting
+    packed = c.submit(small_step, 0, pure=False)
+    await asyncio.wait_for(packed, 15)  # beside the held task: nothing claims the device
+    await Event("let-go").set()
+    assert await held == "held"
+    await asyncio.sleep(0.5)
+    assert await Variable("whole-ran").get() == "no"  # it never ran
+
+
+@accelsched.gpu(memory="1GiB")
 def sent_back_once(name: str) -> str:
     """Sends itself back the first time, as a worker whose device was withdrawn would."""
     from distributed import Reschedule, Variable
