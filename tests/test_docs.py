@@ -16,7 +16,9 @@ How a block runs is set by an HTML comment on the line before it (docs/testing.m
   ``cpu_worker``; accelsched registered). A block that calls ``accelsched.register``
   itself finds none registered, as on a cluster a user starts, and the session's own
   registration is restored after it. ``pycon`` blocks run as doctests in the same
-  names.
+  names. ``<!-- example: session only=NAME,... -->``: the block sees only those names
+  (as a reader who pastes it has only them: the README's first snippet, given a
+  scheduler address); a name it uses and does not define fails it.
 - ``<!-- example: event -->``: one or more event dicts. Each must be a literal with a
   known ``action`` that ``accelsched.events.describe`` puts into words (no raw dict).
 - ``<!-- example: file=NAME -->``: a file of a test suite (``conftest.py``), compiled here
@@ -122,7 +124,14 @@ class Session:
     def run(self, block: Block, keep: bool = False) -> None:
         """Run ``block`` there; ``keep``: its names stay (the setup, the preamble)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        request = {"code": block.code, "id": block.id, "lang": block.lang, "keep": keep}
+        only = block.options["only"].split(",") if "only" in block.options else None
+        request = {
+            "code": block.code,
+            "id": block.id,
+            "lang": block.lang,
+            "keep": keep,
+            "only": only,
+        }
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()  # pytest-timeout bounds a block that hangs
@@ -193,14 +202,19 @@ def register_defaults():
         time.sleep(0.05)
 
 
-def run_block(code, block_id, lang, keep):
+def run_block(code, block_id, lang, keep, only):
     names = globals()
     saved = dict(names)
+    client_type = Client  # (a block with ``only`` does not see the name)
     # a block that registers accelsched itself finds none registered, as on the cluster
     # a user starts (register() refuses options that differ from plugins running)
     own = "accelsched.register(" in code and not keep
     if own and "unregister_" not in code:  # (a block that unregisters first shows how)
         unregister()
+    if only is not None:  # the block sees only these names, as the reader who pastes it
+        for key in list(names):
+            if not key.startswith("__") and key not in only:
+                del names[key]
     try:
         if lang == "pycon":
             test = doctest.DocTestParser().get_doctest(code, dict(names), block_id, block_id, 0)
@@ -215,7 +229,7 @@ def run_block(code, block_id, lang, keep):
     finally:
         if not keep:
             for key, value in list(names.items()):
-                if isinstance(value, Client) and saved.get(key) is not value:
+                if isinstance(value, client_type) and saved.get(key) is not value:
                     value.close()
                 if key not in saved:
                     del names[key]
@@ -230,7 +244,9 @@ for line in sys.stdin:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            run_block(request["code"], request["id"], request["lang"], request["keep"])
+            run_block(
+                request["code"], request["id"], request["lang"], request["keep"], request["only"]
+            )
         ok = True
     except BaseException:
         ok = False

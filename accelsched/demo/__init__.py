@@ -102,9 +102,16 @@ def _gpus(out: TextIO) -> Iterator[int]:
     from accelsched.testing import fake_gpus
 
     with fake_gpus(count=2, memory="16GiB") as fake:
+        served = (
+            "served by accelsched's pure-Python stand-in for pynvml, as no C compiler "
+            "could build the fake libnvidia-ml.so.1: accelsched sees them, distributed's "
+            "own GPU diagnostics do not"
+            if fake.standin
+            else "a fake libnvidia-ml.so.1 served through the real pynvml"
+        )
         print(
             f"No GPU visible to NVML here: running on {fake.count} simulated 16 GiB GPUs "
-            "(accelsched.testing.fake_gpus, served through the real pynvml).",
+            f"(accelsched.testing.fake_gpus, {served}).",
             file=out,
         )
         yield 0
@@ -199,8 +206,10 @@ def run(out: TextIO = sys.stdout, report: str | Path | None = None) -> int:
                     f"Device memory each worker process holds, summed over its GPUs: NVML's "
                     f"per-process figure, read on every worker every {sampler.interval:g} s "
                     f"({'real GPUs' if real else 'simulated GPUs: the figures are the simulation'}"
-                    "'s). Markers: leak (x) and restart (inverted triangle) on the worker's "
-                    "line, fallback (triangle) at 0 for tasks the scheduler moved to a CPU. "
+                    "'s). A line breaks where its worker restarted: a new process. "
+                    "Markers: leak (x) and restart (inverted triangle) on the worker's "
+                    "line, fallback (triangle) at 0 for tasks the scheduler moved to a CPU, "
+                    "with their number beside it when several fell back together. "
                     "Hover a marker for the event."
                 ),
             )

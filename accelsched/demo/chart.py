@@ -1,10 +1,17 @@
 """The demo's report: one standalone HTML page (bokeh, resources inline: it opens
 offline) with the device memory of every worker over the run, and the leak, restart and
-fallback events marked where and when they happened."""
+fallback events marked where and when they happened.
+
+A worker's line breaks where its process changed (a restart): the old process's last
+figure is not drawn across the gap, as if the memory were held while no process ran.
+Fallbacks the scheduler decided together (one check moves every task whose timeout
+passed) are one mark with their count beside it: drawn one by one they would lie on top
+of each other. The chart takes the page's width."""
 
 from __future__ import annotations
 
 import html
+import math
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -13,7 +20,16 @@ from typing import Any
 from accelsched import events as ev
 from accelsched.demo.memory import Sample
 
-__all__ = ["DEFAULT_REPORT", "MARKED", "default_report", "report_path", "write_report"]
+__all__ = [
+    "DEFAULT_REPORT",
+    "MARKED",
+    "TOGETHER",
+    "default_report",
+    "lines",
+    "marks",
+    "report_path",
+    "write_report",
+]
 
 DEFAULT_REPORT = "accelsched-demo.html"
 MiB = 2**20
@@ -24,6 +40,10 @@ MARKED: dict[str, tuple[str, str]] = {
     ev.RESTART: ("inverted_triangle", "black"),
     ev.FALLBACK: ("triangle", "darkorange"),
 }
+
+#: Seconds within which fallbacks are one mark, with their count (one check's batch).
+TOGETHER = 0.5
+TOGETHER_SAYS = "; the first: "
 
 
 def default_report() -> Path:
@@ -58,30 +78,58 @@ def report_path(value: str | Path) -> Path:
     return path.resolve()
 
 
-def _marks(
+def lines(samples: Sequence[Sample]) -> dict[str, tuple[list[float], list[float]]]:
+    """Per worker name, its line: times and MiB in time order, with a NaN point (a
+    break, where bokeh lifts the pen) wherever the process changed."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    last: dict[str, int] = {}
+    for s in sorted(samples, key=lambda s: s.t):
+        ts, mib = out.setdefault(s.worker, ([], []))
+        if s.worker in last and last[s.worker] != s.process:
+            ts.append((ts[-1] + s.t) / 2)
+            mib.append(math.nan)
+        last[s.worker] = s.process
+        ts.append(s.t)
+        mib.append(s.nbytes / MiB)
+    return out
+
+
+def marks(
     samples: Sequence[Sample],
     events: Iterable[tuple[float, Mapping[str, Any]]],
     names: Mapping[str, str],
     start: float,
 ) -> dict[str, dict[str, list[Any]]]:
-    """Per marked action: when, which worker, at what height (the worker's memory in the
-    sample just before the event; 0 for scheduler-side fallbacks) and what happened."""
+    """Per marked action: when, which worker, at what height (the worker's memory in its
+    latest sample at or before the event, the figure the event saw; 0 for
+    scheduler-side fallbacks), how many events the mark stands for and what happened.
+    Fallbacks within :data:`TOGETHER` seconds of a group's first are one mark."""
     out: dict[str, dict[str, list[Any]]] = {
-        a: {"t": [], "mib": [], "worker": [], "what": []} for a in MARKED
+        a: {"t": [], "mib": [], "worker": [], "what": [], "count": [], "label": []} for a in MARKED
     }
-    for stamp, msg in events:
+    ordered = sorted(samples, key=lambda s: s.t)
+    for stamp, msg in sorted(events, key=lambda e: e[0]):
         action = msg.get("action")
         if action not in MARKED:
             continue
         t = stamp - start
+        col = out[action]
+        what = ev.describe(msg, names)
+        if action == ev.FALLBACK and col["t"] and t - col["t"][-1] <= TOGETHER:
+            n = col["count"][-1] = col["count"][-1] + 1
+            col["label"][-1] = f" {n}"
+            first = col["what"][-1].split(TOGETHER_SAYS, 1)[-1]
+            col["what"][-1] = f"{n} tasks fell back within {TOGETHER:g} s{TOGETHER_SAYS}{first}"
+            continue
         addr = msg.get("worker")
         worker = names.get(addr, addr) if addr else "scheduler"
-        before = [s.nbytes for s in samples if s.worker == worker and s.t <= t]
-        col = out[action]
+        before = [s.nbytes for s in ordered if s.worker == worker and s.t <= t]
         col["t"].append(t)
         col["mib"].append(before[-1] / MiB if before else 0.0)
         col["worker"].append(worker)
-        col["what"].append(ev.describe(msg, names))
+        col["what"].append(what)
+        col["count"].append(1)
+        col["label"].append("")
     return out
 
 
@@ -113,33 +161,36 @@ def write_report(
         title="Device memory held by each worker process (NVML, per process)",
         x_axis_label="seconds since the cluster was up",
         y_axis_label="device memory (MiB)",
-        width=900,
-        height=420,
+        sizing_mode="stretch_width",  # the page's width, whatever the window
+        height=460,
+        name="device-memory",
         tools="pan,wheel_zoom,box_zoom,reset,save",
         x_range=DataRange1d(start=0),  # from the cluster's being up, where ``start`` is
     )
-    for i, worker in enumerate(sorted({s.worker for s in samples})):
-        mine = [s for s in samples if s.worker == worker]
-        source = ColumnDataSource(
-            {
-                "t": [s.t for s in mine],
-                "mib": [s.nbytes / MiB for s in mine],
-                "worker": [worker] * len(mine),
-            }
-        )
+    for i, (worker, (ts, mib)) in enumerate(sorted(lines(samples).items())):
+        source = ColumnDataSource({"t": ts, "mib": mib, "worker": [worker] * len(ts)})
         colour = Category10_10[i % 10]
-        fig.step("t", "mib", source=source, mode="after", color=colour, legend_label=worker)
+        fig.step(
+            "t",
+            "mib",
+            source=source,
+            mode="after",
+            color=colour,
+            legend_label=worker,
+            name=f"memory {worker}",
+        )
         fig.scatter("t", "mib", source=source, size=3, color=colour, legend_label=worker)
     hover: list[DataRenderer] = []
-    for action, cols in _marks(samples, events, names, start).items():
+    for action, cols in marks(samples, events, names, start).items():
         if not cols["t"]:
             continue
         marker, colour = MARKED[action]
+        source = ColumnDataSource({**cols, "action": [action] * len(cols["t"])})
         hover.append(
             fig.scatter(
                 "t",
                 "mib",
-                source=ColumnDataSource({**cols, "action": [action] * len(cols["t"])}),
+                source=source,
                 marker=marker,
                 size=14,
                 line_width=2,
@@ -148,6 +199,18 @@ def write_report(
                 legend_label=action,
             )
         )
+        if any(cols["label"]):  # how many events the mark stands for
+            fig.text(
+                "t",
+                "mib",
+                text="label",
+                source=source,
+                x_offset=9,
+                y_offset=-4,
+                text_color=colour,
+                text_font_style="bold",
+                text_font_size="13px",
+            )
     fig.add_tools(
         HoverTool(renderers=hover, tooltips=[("", "@action: @what"), ("at", "@t{0.00} s")])
     )
@@ -163,6 +226,6 @@ def write_report(
     text = f"<h2>accelsched demo</h2><p>{html.escape(note)}</p>"
     if listed:
         text += f"<p>Stages (dotted lines, numbered at the bottom):</p><ol>{listed}</ol>"
-    page = column(Div(text=text), fig)
+    page = column(Div(text=text), fig, sizing_mode="stretch_width")
     path.write_text(file_html(page, INLINE, "accelsched demo"), encoding="utf-8")
     return path

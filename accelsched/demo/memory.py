@@ -5,12 +5,18 @@ per-process figure (``usedGpuMemory``, the number ``nvidia-smi`` lists per proce
 the guard's leak check reads), summed over the devices the worker sees. A worker
 without a GPU reads 0. The demo's process asks every worker for it a few times a second
 (``client.run``); a worker that is restarting misses the samples it cannot answer, and its
-successor under the same name continues the line. On simulated GPUs the figures are the
-simulation's (CUDA context, pool blocks, leaked buffers), through the same pynvml calls.
+successor under the same name is a new process: each sample names its process, so the
+chart breaks the line there instead of drawing the old figure across the gap. Each
+sample is timed on the worker as it is read (the demo's cluster is local: one clock with
+the scheduler's events), not when the reply arrives, which may be a second later while a
+worker is busy: a mark then sits on the figure the event saw. On simulated GPUs the
+figures are the simulation's (CUDA context, pool blocks, leaked buffers), through the
+same pynvml calls.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -28,21 +34,22 @@ _monitor: NVMLMonitor | None = None  # one per worker process: NVML handles are 
 @dataclass(frozen=True)
 class Sample:
     """``nbytes`` of device memory held by the worker named ``worker``, ``t`` seconds
-    after the demo started."""
+    after the demo started, read in its process ``process`` (a restart changes it)."""
 
     t: float
     worker: str
     nbytes: int
+    process: int = 0
 
 
-def worker_device_memory(dask_worker: Worker) -> tuple[str, int]:
-    """Run on a worker (``client.run`` passes it): its name and the device memory its
-    process holds (all its GPUs)."""
+def worker_device_memory(dask_worker: Worker) -> tuple[str, int, float, int]:
+    """Run on a worker (``client.run`` passes it): its name, its process id, when it read
+    (``time.time()``) and the device memory its process holds (all its GPUs)."""
     global _monitor
     if _monitor is None:
         _monitor = NVMLMonitor()
     total = sum(_monitor.process_memory(d.index).nbytes for d in _monitor.devices())
-    return str(dask_worker.name), total
+    return str(dask_worker.name), os.getpid(), time.time(), total
 
 
 class Sampler:
@@ -63,9 +70,8 @@ class Sampler:
     def sample(self) -> None:
         """One reading of every worker that answers (a closing one is left out)."""
         replies = self.client.run(worker_device_memory, on_error="ignore")
-        now = time.time() - self.start
-        for name, nbytes in replies.values():
-            self.samples.append(Sample(now, name, nbytes))
+        for name, pid, read, nbytes in replies.values():
+            self.samples.append(Sample(read - self.start, name, nbytes, pid))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

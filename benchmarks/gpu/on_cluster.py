@@ -144,21 +144,29 @@ async def cluster_bench(fake: bool, quick: bool, out: dict[str, Any]) -> None:
     after the plain cluster is gone, on the one with the plugins. Both schedulers share
     this process's event loop: the plugins' scheduler work also slows the plain rounds a
     little, so the difference, if anything, understates their cost."""
+    import logging
+
     from distributed import Client, Nanny, Scheduler
 
     import accelsched
 
     n, rounds = (100, 5) if quick else (300, 7)
     gpu_env = {"CUDA_VISIBLE_DEVICES": "0"}
+    # errors only, here and in the workers, as the other benchmarks' clusters: the
+    # figures are the output (the restart below is the benchmark's, not a warning)
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    quiet = logging.ERROR
     async with (
-        Scheduler(dashboard=False, port=0) as s,
-        Nanny(s.address, nthreads=1, env=gpu_env, resources={"GPU": 1}) as gpu,
-        Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": ""}) as _cpu,
+        Scheduler(dashboard=False, dashboard_address=":0", port=0) as s,
+        Nanny(s.address, nthreads=1, env=gpu_env, resources={"GPU": 1}, silence_logs=quiet) as gpu,
+        Nanny(s.address, nthreads=1, env={"CUDA_VISIBLE_DEVICES": ""}, silence_logs=quiet) as _cpu,
         Client(s.address, asynchronous=True) as c,
     ):
         async with (
-            Scheduler(dashboard=False, port=0) as plain_s,
-            Nanny(plain_s.address, nthreads=1, env=gpu_env, resources={"GPU": 1}),
+            Scheduler(dashboard=False, dashboard_address=":0", port=0) as plain_s,
+            Nanny(
+                plain_s.address, nthreads=1, env=gpu_env, resources={"GPU": 1}, silence_logs=quiet
+            ),
             Client(plain_s.address, asynchronous=True) as plain,
         ):
             await plain.wait_for_workers(1)

@@ -49,6 +49,23 @@ def gpu_cluster(n: int = 2, resources: bool = False, **worker_options: Any) -> S
     )
 
 
+def settled(client: Client, n: int, quiet: float = 1.0, timeout: float = 60) -> None:
+    """Return once ``n`` workers have run with their GPUs placed (:func:`gpus_ready`) for
+    ``quiet`` seconds on end: a restart the last leak asked for (confirmed a few checks
+    after its task) has finished. Closing the cluster over a worker still starting makes
+    its guard report to a closing scheduler (``refused accelsched_offer``) through a
+    closed connection pool (``Task exception was never retrieved``): noise, and a
+    shutdown no user's cluster goes through."""
+    deadline = time.monotonic() + timeout
+    since = time.monotonic()
+    while time.monotonic() - since < quiet:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {n} workers to settle")
+        if not gpus_ready(client, n):
+            since = time.monotonic()
+        time.sleep(0.05)
+
+
 def wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
     """Poll ``predicate`` until it returns something truthy; TimeoutError naming ``what``."""
     deadline = time.monotonic() + timeout

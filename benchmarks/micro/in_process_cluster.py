@@ -49,7 +49,7 @@ def in_process_cluster(label: str) -> Iterator[Client]:
         }
         for device in ("0", "1")
     }
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": None}}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
     with (
         _quiet_workers(),
         SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR) as cluster,

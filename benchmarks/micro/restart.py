@@ -123,6 +123,13 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
                 trials[name].append(arm(ARMS[name], held))
                 print(f"  round {r + 1} {name}: {trials[name][-1]}", flush=True)
             load.append(os.getloadavg()[0])
+    if quick:
+        print(
+            f"  quick run: not the README's figures ({QUICK_ROUNDS} round holding "
+            f"{QUICK_HELD} results, against {ROUNDS} rounds holding {HELD}): a restart "
+            "holding fewer results moves less, and one round has no spread",
+            flush=True,
+        )
     summary = {
         a: {
             kind: {

@@ -51,7 +51,7 @@ def gpu_step(i: int) -> int:
 
 def _cluster(workers: int = 0) -> tuple[LocalCluster, Client]:
     cluster = LocalCluster(
-        n_workers=workers, threads_per_worker=1, processes=False, dashboard_address=None
+        n_workers=workers, threads_per_worker=1, processes=False, dashboard_address=":0"
     )
     return cluster, Client(cluster)
 

@@ -162,7 +162,11 @@ def _cluster() -> Iterator[Client]:
     workers = {
         f"gpu-{i}": {
             "cls": Nanny,
-            "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": str(i)}},
+            "options": {
+                "nthreads": 1,
+                "env": {"CUDA_VISIBLE_DEVICES": str(i)},
+                "silence_logs": logging.ERROR,  # the worker processes' own logging
+            },
         }
         for i in range(2)
     }

@@ -30,7 +30,7 @@ from distributed import Client, Future, as_completed
 from distributed import wait as wait_futures
 
 import accelsched
-from benchmarks.harness.clusters import events, gpu_cluster, gpus_ready, wait
+from benchmarks.harness.clusters import events, gpu_cluster, gpus_ready, settled, wait
 from benchmarks.harness.sampling import MemorySampler
 from benchmarks.studies.workload import gpu_task
 
@@ -218,7 +218,9 @@ def guarded(setup: Setup, log: Path, window: int | None = None) -> PolicyRun:
             max_restarts=10_000,
         )
         wait(lambda: gpus_ready(client, 2), 60, "verified GPUs")
-        return _measured(run, MemorySampler(), lambda: _batch(client, setup, run, log, window))
+        _measured(run, MemorySampler(), lambda: _batch(client, setup, run, log, window))
+        settled(client, 2)  # after the measurement: the last leak's restart, if any, done
+        return run
 
 
 async def _restart_one(dask_scheduler: Any, name: str) -> str:

@@ -13,6 +13,7 @@ import pytest
 
 from accelsched.demo import STAGES, main
 from accelsched.demo.chart import report_path
+from tests.browser import CHROMIUM, chromium
 
 # A record from logging's or distributed's formatters, or a Python warning.
 LOG_LINE = re.compile(
@@ -57,6 +58,8 @@ def test_demo_shows_placement_leak_and_fallback_and_writes_its_report(tmp_path: 
     assert '"restart"' in page and '"leak"' in page and '"fallback"' in page
     assert "<script" in page and "cdn.bokeh.org" not in page  # bokeh inline: opens offline
     check_timeline_starts_when_the_cluster_is_up(page)
+    if CHROMIUM is not None:
+        check_the_restart_is_a_break_in_chromium(report, leak.group(1))
 
 
 def check_corrections_say_they_are_on_purpose(text: str) -> None:
@@ -116,6 +119,34 @@ def check_timeline_starts_when_the_cluster_is_up(page: str) -> None:
     assert "Time 0 is when the cluster was up" in page
     spans = [float(x) for x in re.findall(r'"name":"Span"[^}]*?"location":([-0-9.e]+)', page)]
     assert len(spans) == STAGES - 1 and min(spans) >= 0, spans
+
+
+#: Per worker line of the report as the browser holds it: its points, and how many are
+#: breaks (NaN: bokeh lifts the pen there).
+LINES_JS = """
+if (!window.Bokeh || !Bokeh.documents.length) return null;
+const out = {};
+for (const m of Bokeh.documents[0].all_models) {
+  if (m.name && m.name.startsWith("memory ")) {
+    const mib = Array.from(m.data_source.data.mib);
+    out[m.name.slice(7)] = {points: mib.length, breaks: mib.filter(v => Number.isNaN(v)).length};
+  }
+}
+return Object.keys(out).length ? out : null;
+"""
+
+
+def check_the_restart_is_a_break_in_chromium(report: Path, restarted: str) -> None:
+    """The page as a reader opens it: the restarted worker's line is broken once (its
+    old process, its new one), the others are whole."""
+    with chromium() as driver:
+        driver.get(report.as_uri())
+        deadline = time.monotonic() + 60
+        while not (drawn := driver.execute_script(LINES_JS)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert drawn, "the report's chart was not drawn"
+    assert drawn[restarted]["breaks"] == 1, drawn
+    assert all(v["breaks"] == 0 for k, v in drawn.items() if k != restarted), drawn
 
 
 def stage_table(lines: list[str], stage: int) -> list[dict[str, str]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import tempfile
 import time
 import urllib.request
@@ -29,6 +28,7 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.display import dashboard_page
 from accelsched.testing import device_alloc
+from tests.browser import chromium, needs_chromium
 from tests.utils import (
     NAMES,
     MiB,
@@ -42,11 +42,6 @@ from tests.utils import (
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
 DASHBOARD = {"dashboard": True, "dashboard_address": "127.0.0.1:0"}
-CHROMIUM = next(
-    (p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and os.path.exists(p)),
-    None,
-)
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
 #: Text of the page and of every shadow root under it (Bokeh 3 draws into shadow DOM),
 #: and how many canvases have a pixel drawn.
@@ -87,27 +82,7 @@ def page_url(s: Scheduler) -> str:
 def load_in_chromium(url: str, expected: list[str], screenshot: Path) -> dict[str, Any]:
     """Open ``url`` headless until every ``expected`` text shows and a canvas is drawn;
     save a screenshot. Blocking: run it in a thread while the scheduler serves."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM or ""
-    profile = tempfile.mkdtemp(prefix="accelsched-chromium-")
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1400,1100",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
+    with chromium() as driver:
         driver.get(url)
         deadline = time.monotonic() + 60
         state: dict[str, Any] = {}
@@ -121,12 +96,9 @@ def load_in_chromium(url: str, expected: list[str], screenshot: Path) -> dict[st
         state = driver.execute_script(PAGE_STATE_JS)
         state["title"] = driver.title
         return state
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium)")
+@needs_chromium
 @gen_cluster(client=True, nthreads=[], scheduler_kwargs=DASHBOARD, timeout=180)
 async def test_page_renders_live_cluster_in_chromium(c, s):
     async with AsyncExitStack() as stack:
