@@ -22,6 +22,7 @@ one matching device is busy: it waits until a lease ends.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -60,6 +61,7 @@ class _Task:
     nbytes: int = 0
     claimed: tuple[int, ...] = ()  # whole devices it waits for: nobody packs onto them
     cancelled: bool = False  # cancelled while it waited: it stops waiting, claims nothing
+    ticket: float = math.inf  # its place among the whole-device tasks waiting (lower: older)
 
 
 class LeaseTable:
@@ -72,6 +74,7 @@ class LeaseTable:
         self._facts: dict[int, DeviceFacts] = {}
         self._tasks: dict[Any, _Task] = {}
         self._gen: dict[int, int] = {}  # device -> leases taken and given back there
+        self._tickets = itertools.count()  # whole-device tasks that waited, in turn
         #: Tasks started or ended so far (whether one ran alone in the process).
         self.changes = 0
 
@@ -166,7 +169,12 @@ class LeaseTable:
             eligible = self._eligible(requirement)
             need = None if requirement is None else requirement.memory  # bytes declared
             n = n if need is None else 1  # a declared need takes one device
-            claimed = {d for k, t in self._tasks.items() if k != key for d in t.claimed}
+            # devices claimed by whole-device tasks waiting since before this one: a
+            # younger one's claim does not hold it back (no stream of them starves it)
+            mine = math.inf if waiting is None else waiting.ticket
+            claimed = {
+                d for k, t in self._tasks.items() if k != key and t.ticket < mine for d in t.claimed
+            }
             if len(eligible) < n:
                 what = "a device" if n == 1 else f"{n} devices"
                 meeting = "" if requirement is None else f" with {requirement.label()}"
@@ -184,12 +192,17 @@ class LeaseTable:
                 free = sorted(d for d in eligible if d not in claimed)
                 idle = [d for d in free if not load[d] and not declared[d]]
                 chosen = tuple(idle[:n]) if len(idle) >= n else None
-                if chosen is None and len(free) >= n:
+                if chosen is None:
                     # it waits: it claims the devices it waits for (the least declared
-                    # on), so no new declared task packs onto them and it starts once
-                    # the tasks holding them end, not when a stream of them dries up
+                    # on; what older claims leave, if fewer than it needs), so no new
+                    # declared task packs onto them, nor a younger whole-device task
+                    # claims them, and it starts once the tasks holding them end, not
+                    # when a stream of them dries up
                     by_room = sorted(free, key=lambda d: (declared[d], load[d], d))
-                    self._task(key).claimed = tuple(by_room[:n])
+                    task = self._task(key)
+                    task.claimed = tuple(by_room[:n])
+                    if task.ticket == math.inf:
+                        task.ticket = next(self._tickets)
             return None if chosen is None else self._hold(key, chosen, share, nbytes)
 
     def _task(self, key: Any) -> _Task:
@@ -204,6 +217,7 @@ class LeaseTable:
     ) -> tuple[int, ...]:
         task = self._task(key)
         task.devices, task.share, task.nbytes, task.claimed = chosen, share, nbytes, ()
+        task.ticket = math.inf
         for d in chosen:
             self._gen[d] = self._gen.get(d, 0) + 1
         return chosen
@@ -249,6 +263,7 @@ class LeaseTable:
             for d in task.devices:
                 self._gen[d] = self._gen.get(d, 0) + 1
             task.devices = task.claimed = ()
+            task.ticket = math.inf
             if not task.counted:
                 del self._tasks[key]
 

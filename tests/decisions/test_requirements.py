@@ -270,6 +270,30 @@ def test_a_task_cancelled_while_it_waits_gives_up_its_claim_and_stops_waiting() 
     assert table.grant("s3", 0, small) is None  # claimed again by the resumed one
 
 
+def test_a_waiting_task_claims_what_older_claims_leave_it() -> None:
+    """A task needing two A100s, finding one claimed by an older waiter, claimed nothing:
+    the stream of declared tasks went on packing onto the other while it waited. It
+    claims that one now; a younger claim never holds back an older waiter."""
+    table = LeaseTable()
+    table.set_devices([0, 1, 2], {0: H100, 1: A100, 2: A100})
+    assert table.grant("s0", 0, Requirement(memory=30 * GiB, model="*H100*")) == (0,)
+    assert table.grant("s1", 0, Requirement(memory=GiB, model="*A100*")) == (1,)
+    # past device 1's room (38 GiB less s1's one): device 2
+    assert table.grant("s2", 0, Requirement(memory=37 * GiB + GiB // 2, model="*A100*")) == (2,)
+    assert table.grant("one", 1) is None  # claims the least declared on: device 1
+    pair = Requirement(model="*A100*")
+    assert table.grant("pair", 2, pair) is None  # claims what is left of its A100s: 2
+    small = Requirement(memory=GiB // 4, model="*A100*")  # fits in either's room
+    assert table.grant("s3", 0, small) is None  # neither A100 takes it now
+    table.release("s1")
+    assert table.grant("one", 1) == (1,)
+    assert table.grant("pair", 2, pair) is None  # claims both A100s now
+    table.release("s2")
+    assert table.grant("s3", 0, small) is None  # device 2 is free, but claimed
+    table.release("one")
+    assert table.grant("pair", 2, pair) == (1, 2)
+
+
 def test_a_claim_goes_with_a_task_no_device_can_hold_any_more() -> None:
     table = _table()
     small = Requirement(memory=GiB, model="*A100*")
