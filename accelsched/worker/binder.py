@@ -142,8 +142,13 @@ class Binder:
         try:
             self.used.update(devices)
             ledger = self.ledger
-            meter = None if ledger is None else Meter(ledger, leases, key, devices, prefix)
             declared = None if requirement is None else requirement.memory
+            meter = (
+                None
+                if ledger is None
+                # what a task that declared its memory adds is held to it: measured always
+                else Meter(ledger, leases, key, devices, prefix, sample=declared is None)
+            )
             cap = None
             if requirement is not None and declared is not None:
                 enforce = requirement.enforce

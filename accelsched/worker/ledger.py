@@ -14,6 +14,14 @@ off. Every task's result passes through :meth:`Ledger.entered` (worker event loo
 the common cases cost a few comparisons: a result its GPU task measured is held at its
 measurement without a look at its value, and an unmeasured number or string (what most
 tiny tasks return) holds nothing on a device.
+
+On a device with a context, not every run is measured: a prefix whose measured runs keep
+leaving nothing is measured on a sample of its runs (:class:`~accelsched.policy.sampling.
+Backoff`). A run left unmeasured so takes no reading when its result's footprint is known
+by type (a number, an array a rule describes); the unmeasured runs of one prefix since the
+last reading on a device form a *stretch*, and the prefix's next measured run, or a run
+returning a result of unknown type, reads from before the stretch: whatever any run of it
+left is found then, attributed to the prefix.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from accelsched.devices.arrays import device_nbytes, knows
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.devices.pool import PoolStats, active_pools
 from accelsched.policy.leases import LeaseTable
+from accelsched.policy.sampling import Backoff
 
 __all__ = ["Ledger", "Meter", "net_of_pools", "MEASURE", "LEARN", "SKIP"]
 
@@ -88,6 +97,10 @@ class Ledger:
         self._no_context: set[int] = set()
         self._context_gen = 0  # bumped whenever that knowledge is dropped
         self._clean: set[str] = set()  # prefixes whose runs were seen to make no context
+        self.sampler = Backoff()  # which runs of a prefix are measured, on a context
+        # device -> [prefix, runs, known bytes]: unmeasured runs since its _fresh reading,
+        # all of one prefix, and what their results hold by type there
+        self._stretch: dict[int, list[Any]] = {}
 
     def read(self, device: int, record: bool = False) -> tuple[int | None, bool]:
         """This process's bytes on ``device`` minus what pools cache or reserve (None
@@ -173,20 +186,94 @@ class Ledger:
                 self._no_context.difference_update(devices)
 
     def before(
-        self, devices: tuple[int, ...], *, record: bool = False
+        self, devices: tuple[int, ...], *, record: bool = False, prefix: str | None = None
     ) -> tuple[dict[int, int] | None, bool]:
         """The base to measure a task by: the last task's closing reading where nothing
         changed since (back-to-back GPU tasks cost one NVML read per device, not two);
         and whether every device was read now and found no context (``record``: see
-        :meth:`read`)."""
+        :meth:`read`). ``prefix``: see :meth:`take_base`."""
+        base, empty, _ = self.take_base(devices, prefix, record=record)
+        return base, empty
+
+    def take_base(
+        self,
+        devices: tuple[int, ...],
+        prefix: str | None,
+        *,
+        record: bool = False,
+        reuse_only: bool = False,
+    ) -> tuple[dict[int, int] | None, bool, int]:
+        """:meth:`before`, and the unmeasured runs of ``prefix`` the base reaches back
+        over (the stretch, measured with this run). The last closing reading serves as
+        the base only where the unmeasured runs since were ``prefix``'s: another
+        prefix's stay unmeasured (their results known by type, what they left found by
+        the periodic check alone). A base reaching back is raised by what the stretch's
+        results hold by type, so that they are not counted as grown. ``reuse_only``: no
+        reading now (a task already ran): None where there is no reading to reuse."""
         with self._lock:
             fresh = [self._fresh.pop(d, None) for d in devices]
+            stretch = [self._stretch.pop(d, None) for d in devices]
+        runs = 0
+        for i, s in enumerate(stretch):
+            if s is None:
+                continue
+            if s[0] != prefix or fresh[i] is None:
+                fresh[i] = None
+            else:
+                fresh[i] += s[2]
+                runs = max(runs, s[1])
+        if reuse_only and None in fresh:
+            return None, False, 0
         read = [
             self.read(d, record) if then is None else (then, False)
             for d, then in zip(devices, fresh, strict=True)
         ]
         base = {d: v for d, (v, _) in zip(devices, read, strict=True) if v is not None}
-        return (base if len(base) == len(devices) else None), all(e for _, e in read)
+        return (base if len(base) == len(devices) else None), all(e for _, e in read), runs
+
+    def peek(self, devices: tuple[int, ...], prefix: str) -> dict[int, int] | None:
+        """The last closing reading on each of ``devices``, without reading NVML, where
+        the unmeasured runs since (if any) were all of ``prefix``; None where there is
+        none (a run then is not measured, unless it must be and can read a base)."""
+        with self._lock:
+            fresh, stretch = self._fresh, self._stretch
+            base = {}
+            for d in devices:
+                then = fresh.get(d)
+                s = stretch.get(d)
+                if then is None or (s is not None and s[0] != prefix):
+                    return None
+                base[d] = then
+            return base
+
+    def stretched(
+        self, devices: tuple[int, ...], prefix: str, base: dict[int, int], result: Any
+    ) -> bool:
+        """An unmeasured run of ``prefix`` ended, alone on ``devices`` since ``base``
+        (:meth:`peek`): added to the stretch when its result's footprint is known by type
+        and nothing broke the stretch meanwhile (else the stretch ends unmeasured). False:
+        its result is of a type nobody described, to be measured now from the base."""
+        if self.holds_nothing(result):
+            known: dict[int, int] = {}
+        elif knows(result):
+            known = device_nbytes(result)
+        else:
+            return False
+        with self._lock:
+            fresh, stretch = self._fresh, self._stretch
+            if all(fresh.get(d) == base[d] for d in devices) and all(
+                stretch.get(d, (prefix,))[0] == prefix for d in devices
+            ):
+                for d in devices:
+                    s = stretch.get(d)
+                    if s is None:
+                        s = stretch[d] = [prefix, 0, 0]
+                    s[1] += 1
+                    s[2] += known.get(d, 0)
+                return True
+        for d in devices:  # memory changed unmeasured: no base from before it
+            self.forget(d)
+        return True
 
     def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
         """Hold the task's growth against ``key`` (None: a marked step's, held by no key);
@@ -226,6 +313,7 @@ class Ledger:
             measured = self._measured.pop(key, None)
             if not computed:  # memory may have grown: no reused base
                 self._fresh.clear()
+                self._stretch.clear()
                 self._changes += 1
         if measured is not None and computed:  # the measurement wins: known without its value
             held = {d: n for d, n in measured.items() if n}
@@ -281,6 +369,7 @@ class Ledger:
         with self._lock:
             self._settled.pop(device, None)
             self._fresh.pop(device, None)
+            self._stretch.pop(device, None)
             self._changes += 1
 
 
@@ -292,13 +381,33 @@ class Meter:
 
     A reading counts only while the task holds its devices alone: the lease table's token,
     taken with the base, proves at the end that no other task took or gave back one
-    meanwhile. What :meth:`Ledger.plan` says decides whether any reading is taken.
+    meanwhile. What :meth:`Ledger.plan` says decides whether any reading is taken, and on
+    a device with a context the ledger's sampler whether this run is measured (``sample``:
+    whether it may be left unmeasured; a task that declared its memory is always measured,
+    its growth checked against the declaration).
     """
 
-    __slots__ = ("ledger", "leases", "key", "devices", "prefix", "plan", "depth", "steps", "grew")
+    __slots__ = (
+        "ledger",
+        "leases",
+        "key",
+        "devices",
+        "prefix",
+        "plan",
+        "depth",
+        "steps",
+        "grew",
+        "sample",
+    )
 
     def __init__(
-        self, ledger: Ledger, leases: LeaseTable, key: Any, devices: tuple[int, ...], prefix: str
+        self,
+        ledger: Ledger,
+        leases: LeaseTable,
+        key: Any,
+        devices: tuple[int, ...],
+        prefix: str,
+        sample: bool = True,
     ) -> None:
         self.ledger = ledger
         self.leases = leases
@@ -309,22 +418,28 @@ class Meter:
         self.depth = 0  # marked steps running now, nested
         self.steps = 0  # marked steps measured so far
         self.grew: int | None = None  # what the task added in all, when measured
+        self.sample = sample
 
-    def _open(self, record: bool) -> tuple[Any, dict[int, int] | None, bool]:
-        """(alone token, base reading, whether that reading found no context anywhere)."""
+    def _open(
+        self, record: bool, prefix: str | None = None
+    ) -> tuple[Any, dict[int, int] | None, bool, int]:
+        """(alone token, base reading, whether that reading found no context anywhere,
+        the unmeasured runs of ``prefix`` it reaches back over)."""
         token = self.leases.alone_token(self.key)
         if token is None:  # not alone: no base
-            return None, None, False
-        base, empty = self.ledger.before(self.devices, record=record)
-        return token, base, empty
+            return None, None, False, 0
+        base, empty, runs = self.ledger.take_base(self.devices, prefix, record=record)
+        return token, base, empty, runs
 
     def run(self, spec: Any, values: Any) -> Any:
         """Run the task's code, measured as planned: with no context on its devices no
         reading can be a base (the context a task makes would count as its growth), so it
         is not read around, only checked after (:meth:`Ledger.unmeasured`)."""
-        ledger, token, base = self.ledger, None, None
+        ledger, token, base, runs = self.ledger, None, None, 0
         if self.plan == MEASURE:
-            token, base, empty = self._open(record=True)
+            if self.sample and not ledger.sampler.measure(self.prefix):
+                return self._unmeasured(spec, values)
+            token, base, empty, runs = self._open(record=True, prefix=self.prefix)
             if base is None:
                 # a base reading that found no context plans the run itself, whatever a
                 # leak check dropped meanwhile (else it would be neither measured nor seen
@@ -341,18 +456,51 @@ class Meter:
             for d in self.devices:  # memory changed unmeasured: no base for arrivals there
                 ledger.forget(d)
             return result
+        return self._close(base, result, runs)
+
+    def _close(self, base: dict[int, int], result: Any, runs: int) -> Any:
+        """The closing reading of a run measured from ``base``, taken before ``runs``
+        unmeasured runs of its prefix: what they and it left, attributed to the prefix."""
+        ledger = self.ledger
         left, self.grew = ledger.after(self.key, base, result)
         if ledger.residue is not None and not self.steps:
             ledger.residue(key_split(self.key), left)
         if self.grew == 0:
-            ledger.left_nothing(self.prefix)
+            for _ in range(runs + 1):  # the stretch's runs too: it grew by nothing
+                ledger.left_nothing(self.prefix)
+        ledger.sampler.measured(self.prefix, any(n > 0 for n in left.values()))
         return result
+
+    def _unmeasured(self, spec: Any, values: Any) -> Any:
+        """A run the sampler leaves unmeasured: no reading when its result's footprint is
+        known by type (it joins its prefix's stretch); one closing reading, from the last
+        reading before the stretch, when it is not (held at its growth, as ever)."""
+        ledger, leases, key, devices = self.ledger, self.leases, self.key, self.devices
+        token = leases.alone_token(key)
+        base = None if token is None else ledger.peek(devices, self.prefix)
+        result = spec(values)
+        if base is None or self.steps or not leases.still_alone(key, token):
+            for d in devices:  # memory changed unmeasured: no base from before it
+                ledger.forget(d)
+            if not ledger.holds_nothing(result) and not knows(result):
+                ledger.sampler.reset(self.prefix)  # its results need measuring
+            return result
+        if ledger.stretched(devices, self.prefix, base, result):
+            return result
+        # of a type nobody described: measured from before the stretch
+        base, _, runs = ledger.take_base(devices, self.prefix, reuse_only=True)
+        if base is None:  # the stretch broke meanwhile: held by type, measured from now on
+            for d in devices:
+                ledger.forget(d)
+            ledger.sampler.reset(self.prefix)
+            return result
+        return self._close(base, result, runs)
 
     def __call__(self, name: str, call: Callable[[], Any]) -> Any:
         """Run one marked step of the task, measured when outermost (and attributed)."""
         residue = self.ledger.residue
-        token, base, _ = (
-            self._open(record=False) if self.depth == 0 and residue else (None, None, False)
+        token, base, _, _ = (
+            self._open(record=False) if self.depth == 0 and residue else (None, None, False, 0)
         )
         self.depth += 1
         try:

@@ -20,6 +20,12 @@ The guard's Python per GPU task is *thread* + *loop*, against :data:`BUDGET_US`.
 - *pieces*: the named parts of that work, each timed around its call (median per call
   and calls per task).
 
+*context*: then a CUDA context is made in the process (a GPU task on each cluster, as
+real GPU work makes one), after which the guard measures GPU tasks (NVML process-list
+reads, on a sample of a quiet prefix's runs); the same tiny tasks again in paired rounds:
+the executor thread's CPU per task on both sides, their paired difference and ratio, and
+NVML reads per task (counted in a round of their own).
+
 What a timer adds to what it times (measured on a no-op, ``timer_overhead_us``) is
 taken off every figure it makes.
 
@@ -96,6 +102,44 @@ def _cluster(acc: bool) -> Iterator[tuple[Client, Any]]:
                     raise RuntimeError("the worker's GPU was not verified")
                 time.sleep(0.05)
         yield client, worker
+
+
+def make_context() -> int:
+    """A (simulated) CUDA context of this process on its task's device."""
+    from accelsched.testing import create_context
+
+    create_context(accelsched.current_device() or 0)
+    return 0
+
+
+def _context_rounds(
+    clusters: dict[str, tuple[Client, Any]], tasks: int, rounds: int, timer: dict[str, float]
+) -> dict[str, Any]:
+    """Paired rounds of tiny GPU tasks after a context was made: thread CPU per task on
+    both sides and NVML reads per task with accelsched."""
+    for client, _ in clusters.values():
+        client.submit(make_context, resources={"GPU": 1}, pure=False).result()
+        _run(client, min(300, tasks))  # warm up: the sampler backs off as it would
+    rows: dict[str, list[float]] = {"plain": [], "accelsched": []}
+    reads: list[float] = []
+    for r in range(rounds):
+        order = ["plain", "accelsched"] if r % 2 == 0 else ["accelsched", "plain"]
+        for name in order:
+            client, worker = clusters[name]
+            got = _round(client, worker, tasks, name == "accelsched", timer, False)
+            rows[name].append(got["thread_cpu_us"])
+        client, worker = clusters["accelsched"]
+        got = _round(client, worker, tasks, True, timer, True)
+        read = got["pieces"].get("NVML process read")
+        reads.append(read["calls_per_task"] if read else float("nan"))
+    pairs = list(zip(rows["plain"], rows["accelsched"], strict=True))
+    return {
+        "thread_cpu_us": {k: _med(v) for k, v in rows.items()},
+        "thread_delta_us": _spread([a - p for p, a in pairs]),
+        "thread_ratio": _spread([a / p for p, a in pairs]),
+        "nvml_reads_per_task": _med(reads),
+        "rounds_detail": rows,
+    }
 
 
 def _verified(client: Client) -> bool:
@@ -209,6 +253,8 @@ def measure(tasks: int, rounds: int) -> dict[str, Any]:
             rows["pieces"].append(_round(client, worker, tasks, True, timer, True))
         guard = acc[1].plugins[accelsched.GuardPlugin.name]
         alone = _runner_alone(guard, tasks)
+        # last: a context in the process stays for good
+        context = _context_rounds(clusters, tasks, rounds, timer)
     acc_rows, plain_rows = rows["accelsched"], rows["plain"]
     pairs = zip(plain_rows, acc_rows, strict=True)
     guard_thread = [a["thread_cpu_us"] - p["thread_cpu_us"] for p, a in pairs]
@@ -254,6 +300,7 @@ def measure(tasks: int, rounds: int) -> dict[str, Any]:
             "accelsched": _med([a["gc_gen0_per_1000_tasks"] for a in acc_rows]),
         },
         "runner_alone": alone,
+        "context": context,
         "pieces": pieces,
         "timer_overhead_us": {k: round(v / 1e3, 3) for k, v in timer.items()},
         "rounds_detail": rows,
@@ -261,7 +308,11 @@ def measure(tasks: int, rounds: int) -> dict[str, Any]:
 
 
 def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": _med(values), "min": round(min(values), 2), "max": round(max(values), 2)}
+    return {
+        "median": _med(values),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
 
 
 def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:

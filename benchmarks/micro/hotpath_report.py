@@ -22,6 +22,12 @@ def report(result: dict[str, Any]) -> str:
             for k, v in result["loop_kinds"].items()
         ),
     ]
+    if ctx := result.get("context"):
+        lines.append(
+            f"with a CUDA context: executor thread CPU per task {ctx['thread_cpu_us']}, "
+            f"accelsched - plain {ctx['thread_delta_us']}, ratio {ctx['thread_ratio']}; "
+            f"NVML reads per task {ctx['nvml_reads_per_task']}"
+        )
     for label, p in result["pieces"].items():
         if p.get("absent"):
             lines.append(f"  {label:26s} ({p['side']}) absent")

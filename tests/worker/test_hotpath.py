@@ -12,6 +12,7 @@ from dask._task_spec import Task
 
 from accelsched.devices.nvml import MemoryReading, NVMLMonitor
 from accelsched.policy.leak import Attribution
+from accelsched.policy.sampling import MAX_GAP
 from accelsched.testing import create_context, device_alloc
 from accelsched.worker.binder import Binder
 from accelsched.worker.ledger import LEARN, MEASURE, SKIP, Ledger
@@ -214,3 +215,111 @@ def test_a_bound_task_keeps_its_key_and_dependencies_and_runs_through_the_runner
 
     assert _is_coro(Task("c-1", coro)) and _is_coro(Task("c-2", coro))  # known per function
     assert not _is_coro(Task("u-1", Unhashable())) and not _is_coro(spec)
+
+
+# --- on a device with a context: a sample of a quiet prefix's runs is measured ----------
+
+
+def quiet_inc(tasks: Tasks, runs: int) -> None:
+    """``runs`` tiny tasks of prefix ``inc`` after a context was made: backed off."""
+    tasks.run(warm_up)
+    for i in range(runs):
+        tasks.run(inc, i)
+
+
+def test_tiny_tasks_on_a_context_are_read_on_a_sample_and_left_nothing_counted() -> None:
+    tasks = Tasks()
+    quiet_inc(tasks, 200)
+    # was one closing reading a task (201): now the warm-up's two, inc's first 4 runs
+    # and one run in 2, 4, 8 and 16 from there on
+    assert tasks.monitor.reads <= 2 + 4 + 200 // MAX_GAP + 4
+    assert tasks.ledger.sampler.gap("inc") == MAX_GAP
+    assert not [r for r in tasks.residues if any(r[1].values())]
+    # every run a measured stretch closed is seen to leave nothing; the open stretch's
+    # runs, not yet: they stay suspects of a leak until their prefix is read again
+    nothing = tasks.attribution._nothing["inc"]
+    assert 200 - (MAX_GAP - 1) <= nothing <= 200
+    assert tasks.blamed({"inc": nothing}) == ()
+
+
+def test_a_leak_in_an_unmeasured_run_is_attributed_within_the_gap() -> None:
+    tasks = Tasks()
+    quiet_inc(tasks, 100)
+
+    def inc_leaky(i: int) -> int:  # the same prefix: its runs were seen to leave nothing
+        device_alloc(64 * MiB, leak=True)
+        return i + 1
+
+    inc_leaky.__name__ = "inc"
+    tasks.run(inc_leaky, 1)
+    runs = 0
+    while not [r for r in tasks.residues if r[1].get(0)]:
+        runs += 1
+        assert runs < MAX_GAP, "the leak was not attributed within the gap"
+        tasks.run(inc, runs)
+    assert [r for r in tasks.residues if r[1].get(0)] == [("inc", {0: 64 * MiB})]
+    assert tasks.ledger.sampler.gap("inc") == 1  # every run measured again
+    reads = tasks.monitor.reads
+    tasks.run(inc, 0)
+    assert tasks.monitor.reads == reads + 1
+
+
+def test_another_prefixs_run_ends_a_stretch_unmeasured_never_blaming_itself() -> None:
+    """A leak in an unmeasured run followed by another prefix's task: that task reads a
+    base of its own (the stretch is not its to measure); the leaking prefix's unmeasured
+    runs are not counted as leaving nothing, so a leak found by the check names it."""
+    tasks = Tasks()
+    quiet_inc(tasks, 100)
+    while 0 not in tasks.ledger._stretch:  # to the start of an unmeasured stretch
+        tasks.run(inc, 0)
+    unmeasured = tasks.ledger._stretch[0][1]
+
+    def inc_leaky(i: int) -> int:
+        device_alloc(64 * MiB, leak=True)
+        return i + 1
+
+    inc_leaky.__name__ = "inc"
+    tasks.run(inc_leaky, 1)
+    assert tasks.ledger._stretch[0][1] == unmeasured + 1  # unmeasured, in inc's stretch
+
+    def other(i: int) -> int:
+        return i
+
+    tasks.run(other, 1)  # measured (a new prefix), from a base read now
+    assert not [r for r in tasks.residues if r[1].get(0)]
+    assert tasks.blamed({"inc": tasks.n - 2, "other": 1}) == ("inc",)
+
+
+def test_a_result_of_unknown_type_in_an_unmeasured_run_is_measured() -> None:
+    tasks = Tasks()
+    quiet_inc(tasks, 100)
+
+    def inc_frame(i: int) -> Frame:  # the same prefix, a result nothing describes
+        return Frame(128 * MiB)
+
+    inc_frame.__name__ = "inc"
+    assert tasks.ledger.sampler.gap("inc") == MAX_GAP
+    for i in range(3):  # wherever in the stretch: held at its growth, not leaked
+        key, frame = tasks.run(inc_frame, i)
+        assert tasks.ledger.entered(key, computed=True) == {0: 128 * MiB}
+    assert tasks.ledger.live(0) == 3 * 128 * MiB
+    assert not [r for r in tasks.residues if r[1].get(0)]
+
+
+def test_known_device_results_of_a_stretch_are_not_taken_for_residue() -> None:
+    """Results of a known type holding device memory (arrays a rule describes), kept in
+    memory, in unmeasured runs: held by type, and the stretch's next reading takes them
+    off its growth, so no residue is found where none was left."""
+    tasks = Tasks()
+    tasks.run(warm_up)
+
+    def keep(i: int) -> Any:
+        return device_alloc(MiB)
+
+    for i in range(60):
+        key, _ = tasks.run(keep, i)
+        assert tasks.ledger.entered(key, computed=True) == {0: MiB}
+    assert tasks.ledger.sampler.gap("keep") == MAX_GAP
+    assert tasks.monitor.reads < 20
+    assert not [r for r in tasks.residues if any(r[1].values())]
+    assert tasks.ledger.live(0) == 60 * MiB
