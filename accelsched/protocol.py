@@ -14,8 +14,9 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
     scheduler granted.
 ``accelsched_offer`` (:data:`OFFER_HANDLER`)
     A guard says how many of its granted GPUs it offers now (fewer while one is
-    withdrawn as unhealthy) (:class:`OfferRequest`). The scheduler places against the
-    smaller of this and the grant; ``set_resources`` calls cannot change it.
+    withdrawn as unhealthy), and which (:class:`OfferRequest`). The scheduler places
+    against the smaller of this and the grant, and offers declared-memory tasks the
+    capacity of the devices named; ``set_resources`` calls cannot change it.
 ``accelsched_restart`` (:data:`RESTART_HANDLER`)
     A guard asks for its own worker to be restarted (:class:`RestartRequest`); the reply
     (:class:`RestartReply`) says whether the restart was accepted.
@@ -190,9 +191,10 @@ class InventoryReply(_InventoryReplyBase, total=False):
 
 
 class OfferRequest(Addressed):
-    """A guard offers ``count`` of its granted GPUs."""
+    """A guard offers ``count`` of its granted GPUs: those of ``uuids``."""
 
     count: int
+    uuids: list[str]
 
 
 class OfferReply(TypedDict):

@@ -170,12 +170,13 @@ def fail_task(scheduler: Scheduler, key: Any, exc: BaseException, stimulus_id: s
 
 
 def release_unfit(scheduler: Scheduler, ws: WorkerState) -> int:
-    """Send back the tasks assigned to ``ws`` that need more GPUs, or more declared
+    """Send back the tasks queued on ``ws`` that need more GPUs, or more declared
     device memory (MiB), than it offers now.
 
     The worker's state machine would hold them forever (and block its other GPU tasks
     behind them); released, the scheduler places them again against the new counts.
-    Returns how many went back.
+    The ones it runs now (``ws.executing``, as its last heartbeat said) run on: they
+    hold their lease already. Returns how many went back.
     """
     offered = (ws.resources.get(GPU, 0), ws.resources.get(GPU_MEMORY, 0))
     unfit = [
@@ -183,6 +184,7 @@ def release_unfit(scheduler: Scheduler, ws: WorkerState) -> int:
         for ts in ws.processing
         if (need := ts.resource_restrictions or {})
         and (need.get(GPU, 0) > offered[0] or need.get(GPU_MEMORY, 0) > offered[1])
+        and ts not in ws.executing
     ]
     if unfit:
         scheduler.transitions(

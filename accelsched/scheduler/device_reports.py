@@ -191,9 +191,16 @@ class DeviceReports:
     # --- the offer handler -----------------------------------------------------------------
 
     def handle_offer(
-        self, comm: Any, worker: str, process: str = "", request: str = "", count: Any = 0
+        self,
+        comm: Any,
+        worker: str,
+        process: str = "",
+        request: str = "",
+        count: Any = 0,
+        uuids: Any = None,
     ) -> OfferReply:
-        """A guard offers ``count`` of its granted GPUs (fewer while one is withdrawn)."""
+        """A guard offers ``count`` of its granted GPUs (fewer while one is withdrawn):
+        those of ``uuids``."""
         if not self._active():
             return {"status": "no-plugin", "count": 0}
         ws = self.scheduler.workers.get(worker)
@@ -201,9 +208,13 @@ class DeviceReports:
             return {"status": "unknown-worker", "count": 0}
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             return {"status": "invalid", "count": 0}
+        if uuids is not None and not (  # a list sent, a tuple as distributed's msgpack reads it
+            isinstance(uuids, (list, tuple)) and all(isinstance(u, str) for u in uuids)
+        ):
+            return {"status": "invalid", "count": 0}
         if not self.admits(worker, process, request, OFFER_HANDLER):
             return {"status": "refused", "count": 0}
-        self._grants.offer(worker, count)
+        self._grants.offer(worker, count, None if uuids is None else list(uuids))
         self.place(ws)
         return {"status": "OK", "count": self._grants.placed(worker)}
 
@@ -228,11 +239,9 @@ class DeviceReports:
             return  # never declared, nothing granted: stays out of the GPU resource
         before = ws.resources.get(GPU, 0)
         internals.set_worker_gpus(scheduler, ws, after)
-        # declared-memory tasks take GPU-memory: the granted devices' capacity
-        records = self._grants.granted_devices().get(ws.address, [])
-        # its first ``after`` devices' capacity (fewer while one is withdrawn: which one
-        # the offer does not say)
-        memory = sum(mebibytes(capacity(int(d["memory"]))) for d in records[:after])
+        # declared-memory tasks take GPU-memory: the offered devices' capacity
+        records = self._grants.offered_devices(ws.address)[:after]
+        memory = sum(mebibytes(capacity(int(d["memory"]))) for d in records)
         internals.set_worker_gpus(scheduler, ws, memory, GPU_MEMORY)
         if after > before:  # waiting tasks, and its share of its peers' queues
             self._gained(ws.address)  # tasks with requirements it meets

@@ -42,6 +42,7 @@ class Grants:
         self._refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
         self._declared: dict[str, float] = {}  # worker -> GPU count it registered with
         self._offered: dict[str, int] = {}  # worker -> granted GPUs its guard offers now
+        self._offered_uuids: dict[str, set[str]] = {}  # worker -> which, when it said
         self._quarantined: dict[str, str] = {}  # worker -> reason
 
     # --- reading -----------------------------------------------------------------------
@@ -124,9 +125,23 @@ class Grants:
         self._refused[worker] = set(refused)
         return granted, refused
 
-    def offer(self, worker: str, count: int) -> None:
-        """``worker``'s guard offers ``count`` of its granted GPUs now."""
+    def offer(self, worker: str, count: int, uuids: list[str] | None = None) -> None:
+        """``worker``'s guard offers ``count`` of its granted GPUs now: those of ``uuids``
+        (None: it did not say which)."""
         self._offered[worker] = count
+        if uuids is None:
+            self._offered_uuids.pop(worker, None)
+        else:
+            self._offered_uuids[worker] = set(uuids)
+
+    def offered_devices(self, worker: str) -> list[DeviceRecord]:
+        """The granted devices ``worker`` offers now, in its guard's order: those it named,
+        else the first ones (as many as it offers)."""
+        granted = self._granted.get(worker, [])
+        named = self._offered_uuids.get(worker)
+        if named is None:
+            return granted[: self._offered.get(worker, 0)]
+        return [d for d in granted if d["uuid"] in named]
 
     def quarantine(self, worker: str, reason: str) -> bool:
         """Note ``worker``'s quarantine; False when it was quarantined already."""
@@ -142,5 +157,6 @@ class Grants:
         self._refused.pop(worker, None)
         self._declared.pop(worker, None)
         self._offered.pop(worker, None)
+        self._offered_uuids.pop(worker, None)
         self._quarantined.pop(worker, None)
         return [other for other, uuids in self._refused.items() if uuids & freed]

@@ -150,7 +150,11 @@ class Inventory:
         async with self._offering:  # one at a time: the latest state is the last said
             usable = self.usable
             on_usable(usable)
-            request: OfferRequest = {**self._addressed(), "count": len(usable)}
+            request: OfferRequest = {
+                **self._addressed(),
+                "count": len(usable),
+                "uuids": [d.uuid for d in self.granted if d.index in usable],
+            }
             try:
                 await getattr(worker.scheduler, OFFER_HANDLER)(**request)
             except Exception as exc:  # no PlacementPlugin: the worker's own count only

@@ -259,6 +259,31 @@ def test_declared_tasks_queued_behind_a_withdrawn_device_run_elsewhere() -> None
         run()
 
 
+def test_declared_memory_offered_is_that_of_the_devices_still_offered() -> None:
+    """A worker of an 80 GiB and a 16 GiB device whose large one is withdrawn offers
+    declared tasks the small one's capacity (it offered the first device's: the 80 GiB
+    that was withdrawn, so tasks that only it could hold were sent there)."""
+    from accelsched.policy.requirements import capacity, mebibytes
+
+    both = [("127.0.0.1", 2, cvd("0,1", resources={"GPU": 2}))]
+
+    @gen_cluster(client=True, Worker=Nanny, nthreads=both, timeout=90)
+    async def run(c, s, a):  # type: ignore[no-untyped-def]
+        await accelsched.register(c, check_interval="100ms", max_restarts=0, fast_restart=False)
+        await wait_for(lambda: gpus(s, a.worker_address) == 2)
+        memory = s.workers[a.worker_address].resources
+        assert memory["GPU-memory"] == mebibytes(capacity(80 * 2**30) + capacity(16 * 2**30))
+        fails.fail(0)
+        await wait_for(lambda: gpus(s, a.worker_address) == 1)
+        assert memory["GPU-memory"] == mebibytes(capacity(16 * 2**30))
+        fails.recover()
+        await wait_for(lambda: gpus(s, a.worker_address) == 2)
+        assert memory["GPU-memory"] == mebibytes(capacity(80 * 2**30) + capacity(16 * 2**30))
+
+    with fake_gpus(2, memory=["80GiB", "16GiB"]) as fails:
+        run()
+
+
 @accelsched.gpu(memory="1GiB")
 def small_step(i: int) -> tuple[float, float]:
     """Of staggered lengths: some always holds the device while the stream flows."""

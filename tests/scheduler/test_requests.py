@@ -130,6 +130,22 @@ async def test_a_request_from_another_process_is_refused(c, s, a):
     ]
 
 
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_an_offer_naming_its_devices_oddly_is_invalid(c, s, a):
+    """The offered devices' UUIDs say which capacity declared tasks get: anything but a
+    list of names changes nothing."""
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    before = dict(s.workers[a.address].resources)
+    async with rpc(s.address) as r:
+        for n, odd in enumerate(["GPU-1", [1], {"GPU-1": 1}, [None]]):
+            said = {"worker": a.address, "process": a.id, "request": f"odd-{n}"}
+            reply = await getattr(r, OFFER_HANDLER)(**said, count=0, uuids=odd)
+            assert reply == {"status": "invalid", "count": 0}, odd
+    assert dict(s.workers[a.address].resources) == before
+
+
 #: A fixed worker port: the restarted process takes its predecessor's address.
 PORT = open_port()
 
