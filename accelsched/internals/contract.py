@@ -103,6 +103,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
             "transition",
             "transitions",
             "handle_worker_status_change",
+            "coerce_hostname",
         ),
     )
     problems += _missing_params(

@@ -6,6 +6,7 @@ from collections.abc import Callable, Collection, Mapping
 from time import time
 from typing import TYPE_CHECKING, Any
 
+from distributed.comm.addressing import get_address_host
 from distributed.protocol import pickle
 
 from accelsched.protocol import GPU, GPU_MEMORY
@@ -107,6 +108,21 @@ def share_worker_restriction(ts: TaskState, workers: set[str]) -> None:
 def restricted_to(ts: TaskState) -> set[str]:
     """The workers ``ts`` is restricted to (empty: none named)."""
     return set(ts.worker_restrictions or ())
+
+
+def take_host_restrictions(scheduler: Scheduler, ts: TaskState) -> set[str]:
+    """The hosts ``ts`` is restricted to (``workers=["hostname"]``), by the names the
+    scheduler knows them by; taken off the task. distributed places a task on the union
+    of its worker and host restrictions: left on, a host would widen the worker
+    restriction that says which workers meet the task's requirement."""
+    hosts = {scheduler.coerce_hostname(h) for h in ts.host_restrictions or ()}
+    ts.host_restrictions = None
+    return hosts
+
+
+def host_of(worker: str) -> str:
+    """A worker's host, as ``host_restrictions`` name it."""
+    return get_address_host(worker)
 
 
 def largest_gpu_count(scheduler: Scheduler) -> float:

@@ -235,7 +235,12 @@ class Fallback:
         facts = self._facts.get(worker)
         return (
             facts is not None
-            and (not own or restriction is None or worker in restriction)
+            and (
+                not own
+                or restriction is None
+                or worker in restriction
+                or internals.host_of(worker) in restriction  # its workers=["hostname"]
+            )
             and sum(need.fits(f) for f in facts) >= devices
         )
 
@@ -340,7 +345,7 @@ class Fallback:
             restrictions[GPU_MEMORY] = mebibytes(need.memory)
             internals.set_resource_restrictions(ts, restrictions)
             internals.drop_annotated_resource(ts, GPU)
-        own = internals.restricted_to(ts)
+        own = internals.restricted_to(ts) | internals.take_host_restrictions(self.scheduler, ts)
         # enforce says nothing of the device: tasks that differ by it share a class
         key = (replace(need, enforce=None), devices_needed(count), frozenset(own) if own else None)
         if (eligible := self._classes.get(key)) is None:

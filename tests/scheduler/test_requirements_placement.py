@@ -103,6 +103,22 @@ async def test_declared_tasks_share_a_device_while_they_fit(c, s, a, b):
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_a_hostname_restriction_narrows_a_requirement_and_never_widens_it(c, s, a, b):
+    """Both workers run on 127.0.0.1: a task asking for an A100 and that host runs on
+    the A100's worker alone (distributed placed it on the union of its host and worker
+    restrictions: the H100's worker too, which sent it back)."""
+    await _verified(c, s)
+    futures = c.map(on_a100, range(8), workers=["127.0.0.1"], pure=False)
+    assert {name for name, _, _ in await c.gather(futures)} == {A100}
+    for f in futures:
+        story = s.story(f.key)
+        assert not [m for m in story if "reschedule" in str(m)], story  # sent nowhere else
+    elsewhere = c.map(on_a100, range(2), workers=["10.255.255.1"], pure=False)  # no such host
+    await asyncio.sleep(1)
+    assert {s.tasks[f.key].state for f in elsewhere} == {"no-worker"}
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
 async def test_a_requirement_no_device_meets_is_said_and_follows_the_timeout(c, s, a, b):
     await _verified(c, s)
     assert await c.gather(c.map(too_large, range(3), pure=False)) == ["cpu"] * 3
