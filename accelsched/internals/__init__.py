@@ -50,7 +50,7 @@ from accelsched.internals.scheduler import (
     notify_unregistered,
     offer_unrunnable,
     release_unfit,
-    restore_set_resources,
+    restore_handler,
     restrict_to_workers,
     restricted_to,
     run_now,
@@ -61,7 +61,7 @@ from accelsched.internals.scheduler import (
     task_spec,
     unrunnable,
     worker_plugin_registered,
-    wrap_set_resources,
+    wrap_handler,
 )
 from accelsched.internals.servers import (
     install_handler,
@@ -113,7 +113,7 @@ __all__ = [
     "remove_metric",
     "replace_worker",
     "reset_distributed_nvml",
-    "restore_set_resources",
+    "restore_handler",
     "runs_in_thread",
     "restore_distributed_nvml",
     "resume",
@@ -139,6 +139,6 @@ __all__ = [
     "worker_metric",
     "worker_plugin_registered",
     "wrap_execution",
-    "wrap_set_resources",
+    "wrap_handler",
     "wrap_task",
 ]

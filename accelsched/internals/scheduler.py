@@ -37,10 +37,10 @@ def notify_unregistered(scheduler: Scheduler) -> None:
     scheduler.handlers["unregister_scheduler_plugin"] = unregister_scheduler_plugin
 
 
-def restore_set_resources(scheduler: Scheduler) -> None:
-    """Undo :func:`wrap_set_resources`: distributed's own handler again."""
-    handler = scheduler.handlers["set_resources"]
-    scheduler.handlers["set_resources"] = getattr(handler, ORIGINAL, handler)
+def restore_handler(scheduler: Scheduler, name: str) -> None:
+    """Undo :func:`wrap_handler`: distributed's own handler ``name`` again."""
+    handler = scheduler.handlers[name]
+    scheduler.handlers[name] = getattr(handler, ORIGINAL, handler)
 
 
 def worker_plugin_registered(scheduler: Scheduler, name: str) -> bool:
@@ -50,19 +50,18 @@ def worker_plugin_registered(scheduler: Scheduler, name: str) -> bool:
 # --- scheduler: GPU resources -----------------------------------------------------------
 
 
-def wrap_set_resources(
-    scheduler: Scheduler, handler: Callable[[Callable[..., Any], str, dict | None], Any]
-) -> None:
-    """Route distributed's ``set_resources`` handler through ``handler(original, worker,
-    resources)``. Wraps distributed's own handler, never a previous wrapper."""
-    original = scheduler.handlers["set_resources"]
+def wrap_handler(scheduler: Scheduler, name: str, handler: Callable[..., Any]) -> None:
+    """Route distributed's handler ``name`` (``set_resources``, ``set_restrictions``:
+    what any client may call) through ``handler(original, **message)``. Wraps
+    distributed's own handler, never a previous wrapper."""
+    original = scheduler.handlers[name]
     original = getattr(original, ORIGINAL, original)
 
-    def set_resources(worker: str, resources: dict | None = None) -> Any:
-        return handler(original, worker, resources)
+    def wrapped(**message: Any) -> Any:
+        return handler(original, **message)
 
-    setattr(set_resources, ORIGINAL, original)
-    scheduler.handlers["set_resources"] = set_resources
+    setattr(wrapped, ORIGINAL, original)
+    scheduler.handlers[name] = wrapped
 
 
 def apply_resources(

@@ -80,7 +80,7 @@ class DeviceReports:
         self._emit = emit
         self._active = active
         self._gained = gained
-        internals.wrap_set_resources(scheduler, self.set_resources)
+        internals.wrap_handler(scheduler, "set_resources", self.set_resources)
         metrics.gpus_from(self._grants.gauge)
         for ws in list(scheduler.workers.values()):
             self.add_worker(ws)
@@ -100,7 +100,7 @@ class DeviceReports:
         GPU count as it was declared."""
         internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
-        internals.restore_set_resources(self.scheduler)
+        internals.restore_handler(self.scheduler, "set_resources")
         self.close()
         for addr, count in self._grants.take_declarations().items():
             ws = self.scheduler.workers.get(addr)
@@ -259,7 +259,7 @@ class DeviceReports:
             internals.set_worker_gpus(self.scheduler, ws, 0, GPU_MEMORY)
 
     def set_resources(
-        self, original: Callable[..., Any], worker: str, resources: dict | None
+        self, original: Callable[..., Any], worker: str, resources: dict | None = None
     ) -> Any:
         """distributed's ``set_resources`` handler; the GPU figure is the grant's.
 

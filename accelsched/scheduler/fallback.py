@@ -200,6 +200,7 @@ class Fallback:
         self.checks = 0  # checks completed (ticks and timers): "one ran since then"
         internals.start_periodic(scheduler, _PERIODIC, self.check, interval)
         internals.start_periodic(scheduler, _WAITING, self.tick, TICK)
+        internals.wrap_handler(scheduler, "set_restrictions", self.set_restrictions)
         self._warn_no_workers(timeout)
         # GPU tasks already there (a plugin registered late, or again)
         for ts in list(scheduler.tasks.values()):
@@ -247,6 +248,24 @@ class Fallback:
     def close(self) -> None:
         internals.stop_periodic(self.scheduler, _PERIODIC)
         internals.stop_periodic(self.scheduler, _WAITING)
+        internals.restore_handler(self.scheduler, "set_restrictions")
+
+    def set_restrictions(self, original: Callable[..., Any], worker: dict) -> None:
+        """distributed's ``set_restrictions`` handler (``Client.set_restrictions``): a
+        requirement task's new ``workers`` become its own restriction, met with its
+        requirement's (distributed alone replaced the one by the other)."""
+        original(worker=worker)
+        waiting = []
+        for key in worker:
+            task, ts = self.tasks.get(key), self.scheduler.tasks.get(key)
+            if task is not None and task.eligible is not None and ts is not None:
+                devices = task.eligible.key[1]
+                self._leave_class(task)
+                self._require(ts, task, None, devices, say=False)
+                if ts.state == "no-worker":
+                    waiting.append(key)
+        # one may run now: distributed looks again only as workers come
+        internals.run_now(self.scheduler, waiting, f"accelsched-set-restrictions-{time()}")
 
     # --- hooks ---------------------------------------------------------------------------
 

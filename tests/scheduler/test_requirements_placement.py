@@ -119,6 +119,22 @@ async def test_a_hostname_restriction_narrows_a_requirement_and_never_widens_it(
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_set_restrictions_meets_a_requirement_and_never_replaces_it(c, s, a, b):
+    """A task asking for an A100 and the H100's worker waits (nowhere meets both); its
+    restrictions set to both workers (the scheduler's ``set_restrictions``), it runs on
+    the A100's. distributed alone replaced the requirement's restriction by the new one:
+    the task went to the H100's worker, which sent it back."""
+    await _verified(c, s)
+    task = c.submit(on_a100, 0, workers=[a.worker_address], pure=False)
+    await wait_for(lambda: task.key in s.tasks and s.tasks[task.key].state == "no-worker")
+    await c.scheduler.set_restrictions(worker={task.key: [a.worker_address, b.worker_address]})
+    name, _, _ = await asyncio.wait_for(task, 15)
+    assert name == A100
+    story = s.story(task.key)
+    assert not [m for m in story if "reschedule" in str(m)], story
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
 async def test_a_requirement_no_device_meets_is_said_and_follows_the_timeout(c, s, a, b):
     await _verified(c, s)
     assert await c.gather(c.map(too_large, range(3), pure=False)) == ["cpu"] * 3
