@@ -129,7 +129,14 @@ def test_scheduler_preload_installs_both_plugins_with_its_options(preloaded: Cli
         "free_pools_every=5 (this worker's dask config accelsched.guard.free-pools-every)"
         in logs["gpu0"]
     )
-    assert logs["gpu1"].count("check_interval=0.3 (this worker's --preload accelsched)") == 2
+    # each of its two workers says so once (and shows it among the options in effect)
+    assert (
+        logs["gpu1"].count(
+            "WARNING - accelsched: this worker's own settings apply to its guard: "
+            "check_interval=0.3 (this worker's --preload accelsched)"
+        )
+        == 2
+    )
     # and the nannies fork new worker processes from a warm server (fast_restart)
     names = preloaded.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.nanny_plugins))
     assert names == ["accelsched-fast-restart"]
@@ -341,8 +348,11 @@ def test_bad_preload_argv_from_config_stops_the_started_scheduler(
     out = proc.output()
     errors = [line for line in out.splitlines() if "accelsched:" in line or "ERROR" in line]
     assert len(errors) == 1, out
-    assert errors[0].startswith("accelsched: Invalid value for '--share-gpus'")
-    assert "'maybe'" in errors[0] and errors[0].endswith("stopping this scheduler")
+    # one line of accelsched's ERROR log, in distributed's format
+    assert " - accelsched.deploy.install - ERROR - " in errors[0], errors
+    said = errors[0].split(" - ERROR - ", 1)[1]
+    assert said.startswith("accelsched: Invalid value for '--share-gpus'")
+    assert "'maybe'" in said and said.endswith("stopping this scheduler")
 
 
 def test_placement_options_given_to_a_worker_stop_it(workers_only: Client, tmp_path: Path) -> None:
@@ -372,7 +382,9 @@ def test_placement_options_from_config_stop_the_started_worker(
     proc = processes.worker(tmp_path, "w", workers_only.scheduler.address, env=env)
     assert proc.wait(60) == 1
     out = proc.output()
-    (line,) = [line for line in out.splitlines() if line.startswith("accelsched:")]
+    (line,) = [
+        line.split(" - ERROR - ", 1)[-1] for line in out.splitlines() if "accelsched:" in line
+    ]
     assert line == (
         "accelsched: --share-gpus 'true', --max-restarts '2' apply to the scheduler "
         "(placement), not to a worker: give them to `dask scheduler --preload accelsched`; "
