@@ -2,8 +2,9 @@
 
 distributed's ``Adaptive`` sizes one pool by task durations and knows nothing of
 resources. :class:`ElasticPools` is an ``Adaptive`` (its periodic loop, its ``interval``,
-``wait_count`` and ``target_duration``, its lossless ``scale_down``: the scheduler's
-``retire_workers`` moves a worker's data to peers before it closes), sizing *named*
+``wait_count`` and ``target_duration``; it retires as ``Adaptive.scale_down`` does, through
+the scheduler's ``retire_workers``, which moves a worker's data to peers before it closes,
+and closes only the workers that retired), sizing *named*
 pools: each a worker spec, a minimum and a maximum, and what each of its workers' devices
 are. Every interval it asks the scheduler what waits (``accelsched_demand``), asks
 :func:`accelsched.policy.scaling.decide` what to do, adds workers to
@@ -21,6 +22,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from inspect import isawaitable
 from typing import Any, cast
 
 from dask.utils import parse_bytes
@@ -29,6 +31,7 @@ from distributed.metrics import time
 
 from accelsched import events
 from accelsched.config import ADAPT_OPTIONS, resolve_options
+from accelsched.internals.client_side import retire_named
 from accelsched.policy.requirements import DeviceFacts, parse_requirement
 from accelsched.policy.scaling import GpuDemand, Plan, Pool, PoolState, decide
 from accelsched.protocol import DEMAND_HANDLER, GPU, POOLS_HANDLER, DemandReply
@@ -273,8 +276,11 @@ class ElasticPools(Adaptive):
                 del counts[w]
         if not firm:
             return
-        by_pool = {p: [w for w in firm if w in self.members(p)] for p in self.pools}
-        for pool, workers in by_pool.items():
+        retired = await retire_named(self.scheduler, firm)  # data moved to peers first
+        if not retired:
+            return  # no peer could take their data: they stay, and it
+        for pool in self.pools:
+            workers = [w for w in firm if w in retired and w.startswith(pool + "-")]
             if workers:
                 await self._event(
                     events.SCALE_DOWN,
@@ -283,8 +289,10 @@ class ElasticPools(Adaptive):
                     reason="idle",
                     target=plan.targets[pool],
                 )
-        await self.scale_down(firm)  # Adaptive's: retire_workers (data moved), then close
-        for w in firm:
+        f = self.spec_cluster.scale_down(sorted(retired))  # their specs go; the cluster closes them
+        if isawaitable(f):
+            await f
+        for w in retired:
             self._idle_since.pop(w, None)
             self._started.pop(w, None)
 

@@ -1,0 +1,81 @@
+"""Elastic GPU pools (``accelsched.adapt``) on a process cluster that starts empty.
+
+The cluster is a ``LocalCluster`` with no worker (a ``SpecCluster``, as dask-jobqueue's
+and the cloud providers' are); pools start nanny processes inside ``fake_gpus``, so each
+GPU worker sees a simulated device through the real pynvml and its guard verifies it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, Nanny
+
+import accelsched
+from tests.utils import events, gpu_nap, until
+
+
+class PoolNanny(Nanny):
+    """A nanny for pool worker ``<pool>-<n>`` that sees simulated GPU ``n`` only, as each
+    host of a real GPU pool sees its own devices."""
+
+    def __init__(self, *args: Any, name: str, **kwargs: Any) -> None:
+        device = str(name).rsplit("-", 1)[1]
+        kwargs["env"] = {**kwargs.get("env", {}), "CUDA_VISIBLE_DEVICES": device}
+        super().__init__(*args, name=name, **kwargs)
+
+
+GPU_SPEC = {"cls": PoolNanny, "options": {"nthreads": 2, "resources": {"GPU": 1}}}
+CPU_SPEC = {"cls": Nanny, "options": {"nthreads": 2, "env": {"CUDA_VISIBLE_DEVICES": ""}}}
+
+
+def pool_workers(client: Client, pool: str) -> list[str]:
+    names = [str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+    return sorted(n for n in names if n.startswith(pool + "-"))
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_gpu_tasks_get_a_gpu_pool_worker_and_the_idle_pool_shrinks() -> None:
+    """12 GPU tasks (60 s fallback timeout) on an empty cluster: a verified GPU worker
+    within 20 s, all 12 on GPUs, no fallback; then the idle GPU pool shrinks to zero
+    within 90 s, and the CPU pool, with no CPU work, never started."""
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        accelsched.register(client)
+        pools = accelsched.adapt(
+            cluster,
+            pools={
+                "gpu": {"spec": GPU_SPEC, "maximum": 2},
+                "cpu": {"spec": CPU_SPEC, "maximum": 2},
+            },
+            idle_after="2s",
+        )
+        try:
+            start = time.monotonic()
+            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+                futures = client.map(gpu_nap, range(12), seconds=0.5, pure=False)
+            until(lambda: events(client, "gpu-verified"), timeout=20)
+            verified = time.monotonic() - start
+            assert verified < 20
+            results = client.gather(futures)
+            assert all(r is not None for r in results), results  # each ran on a GPU
+            assert not events(client, "fallback")
+            (first, *_) = ups = events(client, "scale-up")
+            assert first["pool"] == "gpu" and first["reason"] == "gpu-demand"
+            assert list(first["classes"]) == ["1x any"]
+            assert {e["pool"] for e in ups} == {"gpu"}  # no CPU work: no CPU worker
+            del futures
+            idle = time.monotonic()
+            until(lambda: not pool_workers(client, "gpu"), timeout=90)
+            assert time.monotonic() - idle < 90
+            assert not pools.members("gpu")
+            downs = events(client, "scale-down")
+            assert downs and {e["pool"] for e in downs} == {"gpu"}
+            assert all(e["reason"] == "idle" for e in downs)
+        finally:
+            pools.stop()
