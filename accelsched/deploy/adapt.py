@@ -138,6 +138,8 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
 class ElasticPools(Adaptive):
     """Named pools on a ``SpecCluster``, sized by accelsched's demand (see the module)."""
 
+    state = "inactive"  # until Adaptive starts it: refused options leave nothing to stop
+
     def __init__(self, cluster: SpecCluster, pools: Any, **options: Any) -> None:
         if not isinstance(cluster, SpecCluster):
             raise TypeError(

@@ -79,3 +79,81 @@ def test_gpu_tasks_get_a_gpu_pool_worker_and_the_idle_pool_shrinks() -> None:
             assert all(e["reason"] == "idle" for e in downs)
         finally:
             pools.stop()
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_a_requirement_no_pool_meets_falls_back_and_a_cpu_worker_runs_it() -> None:
+    """The GPU pool says nothing of its devices, so it serves no memory requirement: no
+    GPU worker starts for the task, it falls back after its timeout (not held by any
+    starting worker), and the CPU pool starts a worker for its CPU form."""
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        accelsched.register(client)
+        pools = accelsched.adapt(
+            cluster,
+            pools={
+                "gpu": {"spec": GPU_SPEC, "maximum": 2},
+                "cpu": {"spec": CPU_SPEC, "maximum": 2},
+            },
+            idle_after="2s",
+        )
+        try:
+            start = time.monotonic()
+            with dask.annotate(
+                resources={"GPU": 1}, gpu={"memory": "60GiB"}, fallback_timeout="1s"
+            ):
+                future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
+            assert future.result(timeout=60) is None  # its CPU form: no device
+            (fell,) = events(client, "fallback")
+            assert fell["reason"] == "timeout" and fell["waited"] < 5
+            assert time.monotonic() - start < 60
+            ups = events(client, "scale-up")
+            assert [(e["pool"], e["reason"]) for e in ups] == [("cpu", "cpu-demand")]
+            assert not pool_workers(client, "gpu")
+        finally:
+            pools.stop()
+
+
+def test_pools_are_checked_when_given() -> None:
+    """Every bad pool or option is refused at construction, naming the value."""
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
+        bad: list[tuple[Any, dict[str, Any], type[Exception], str]] = [
+            ({}, {}, TypeError, "non-empty mapping"),
+            ({"gpu-1": {"spec": GPU_SPEC}}, {}, ValueError, "'gpu-1'"),
+            (
+                {"gpu": {"spec": GPU_SPEC, "minimum": 3, "maximum": 2}},
+                {},
+                ValueError,
+                "minimum=3 > maximum=2",
+            ),
+            ({"gpu": {"spec": GPU_SPEC, "maximum": -1}}, {}, ValueError, "maximum=-1"),
+            ({"gpu": {"spec": GPU_SPEC, "size": 2}}, {}, ValueError, "unknown key(s) 'size'"),
+            ({"gpu": {"spec": {"options": {}}}}, {}, ValueError, "invalid spec"),
+            (
+                {"gpu": {"spec": GPU_SPEC, "devices": {"count": 2}}},
+                {},
+                ValueError,
+                "devices count=2 but its workers declare",
+            ),
+            (
+                {"gpu": {"spec": GPU_SPEC, "devices": {"memory": "lots"}}},
+                {},
+                ValueError,
+                "invalid devices",
+            ),
+            (
+                {"gpu": {"spec": GPU_SPEC, "devices": {"colour": "red"}}},
+                {},
+                ValueError,
+                "unknown devices key(s) 'colour'",
+            ),
+            ({"cpu": {"spec": CPU_SPEC}}, {"wait_count": 0}, ValueError, "wait_count=0"),
+            ({"cpu": {"spec": CPU_SPEC}}, {"interval": "soon"}, ValueError, "interval='soon'"),
+            ({"cpu": {"spec": CPU_SPEC}}, {"idle": "1s"}, TypeError, "'idle'"),
+        ]
+        for pools, options, exc, text in bad:
+            with pytest.raises(exc) as info:
+                accelsched.adapt(cluster, pools=pools, **options)
+            assert text in str(info.value), (pools, options, str(info.value))
