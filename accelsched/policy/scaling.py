@@ -183,9 +183,11 @@ def _retire(
     """Idle workers past ``idle_after`` of pools above their target, GPU pools' first."""
     out: list[str] = []
     for p in sorted(pools, key=lambda p: p.gpus == 0):  # stable: GPU pools first, in order
-        s = states.get(p.name, PoolState())
-        excess = s.running + s.starting - targets[p.name]
-        idle = sorted(((t, w) for w, t in s.idle.items() if t >= idle_after), key=lambda tw: -tw[0])
+        now = states.get(p.name, PoolState())
+        excess = now.running + now.starting - targets[p.name]
+        idle = sorted(
+            ((t, w) for w, t in now.idle.items() if t >= idle_after), key=lambda tw: -tw[0]
+        )
         out += [w for _, w in idle[: max(0, excess)]]
     return out
 
@@ -210,8 +212,8 @@ def _waiting(
             unserved.append(d.name)
             continue
         for p in able:
-            s = states.get(p.name, PoolState())
-            if s.starting > 0 or targets[p.name] > s.running + s.starting:
+            now = states.get(p.name, PoolState())
+            if now.starting > 0 or targets[p.name] > now.running + now.starting:
                 coming[d.name] = p.name
                 break
         else:

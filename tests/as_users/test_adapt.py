@@ -15,7 +15,7 @@ import pytest
 from distributed import Client, LocalCluster, Nanny
 
 import accelsched
-from tests.utils import events, gpu_nap, until
+from tests.utils import ROOT, events, gpu_nap, until
 
 
 class PoolNanny(Nanny):
@@ -157,3 +157,40 @@ def test_pools_are_checked_when_given() -> None:
             with pytest.raises(exc) as info:
                 accelsched.adapt(cluster, pools=pools, **options)
             assert text in str(info.value), (pools, options, str(info.value))
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_an_idle_worker_whose_data_no_peer_can_take_is_not_retired() -> None:
+    """The only worker holds a result the client still wants: idle or not, it stays (no
+    peer could take the data) and the result is intact; released, the pool shrinks."""
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        accelsched.register(client)
+        pools = accelsched.adapt(
+            cluster, pools={"gpu": {"spec": GPU_SPEC, "maximum": 1}}, idle_after="0.5s"
+        )
+        try:
+            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+                future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
+            assert future.result(timeout=60) == 0
+            time.sleep(6)  # idle well past idle_after, wait_count looks proposed it
+            assert pool_workers(client, "gpu") == ["gpu-0"]
+            assert not events(client, "scale-down")
+            assert future.result(timeout=10) == 0  # still there, not recomputed elsewhere
+            del future
+            until(lambda: not pool_workers(client, "gpu"), timeout=60)
+            (down,) = events(client, "scale-down")
+            assert list(down["workers"]) == ["gpu-0"]
+        finally:
+            pools.stop()
+
+
+def test_every_adapt_option_is_configured_and_documented() -> None:
+    from accelsched.config import ADAPT_OPTIONS, config_value
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for o in ADAPT_OPTIONS:
+        assert config_value(o.key, builtin=True) is not None, o.key
+        assert f"`{o.key}`" in page and f"### `{o.name}`" in page, o.name
