@@ -222,6 +222,8 @@ def _fallback(m: Mapping[str, Any], w: str) -> str:
     where = f" on {w}" if w else ""
     if "key" not in m:  # a burst of fallbacks comes summarised, without a key
         reasons = ", ".join(f"{n} {r}" for r, n in dict(m["reasons"]).items())
+        if m.get("pools_at_maximum"):
+            reasons += f"; pools at maximum: {_listed(m['pools_at_maximum'])}"
         return (
             f"{m['count']} tasks fell back{where} ({reasons}; waited {m['waited']}s median, "
             f"{m['waited_max']}s max; e.g. {_listed(list(m['keys'])[:3], quote=True)})"
