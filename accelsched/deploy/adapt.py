@@ -151,6 +151,7 @@ class ElasticPools(Adaptive):
         self._idle_since: dict[str, float] = {}  # worker -> since when it has had no task
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
+        self._said_no_plugin = False
         self.spec_cluster = cluster
         o = self.options
         super().__init__(
@@ -182,7 +183,17 @@ class ElasticPools(Adaptive):
             self._adapting = False
 
     async def _adapt(self) -> None:
-        reply = cast(DemandReply, await getattr(self.scheduler, DEMAND_HANDLER)())
+        reply = cast("DemandReply | None", await getattr(self.scheduler, DEMAND_HANDLER)())
+        if reply is None:  # distributed's answer to an operation it has no handler for
+            if not self._said_no_plugin:
+                self._said_no_plugin = True
+                logger.warning(
+                    "accelsched.adapt: the scheduler does not answer %s: it runs no "
+                    "accelsched PlacementPlugin; register it (accelsched.register(client)) "
+                    "or start the scheduler with --preload accelsched. The pools wait",
+                    DEMAND_HANDLER,
+                )
+            return
         now = time()
         states = self._states(reply, now)
         gpu = [

@@ -194,3 +194,22 @@ def test_every_adapt_option_is_configured_and_documented() -> None:
     for o in ADAPT_OPTIONS:
         assert config_value(o.key, builtin=True) is not None, o.key
         assert f"`{o.key}`" in page and f"### `{o.name}`" in page, o.name
+
+
+def test_without_the_placement_plugin_the_pools_wait_and_say_why_once() -> None:
+    from distributed.utils_test import captured_logger
+
+    with (
+        captured_logger("accelsched.deploy.adapt") as log,
+        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        pools = accelsched.adapt(cluster, pools={"cpu": {"spec": CPU_SPEC}}, interval="100ms")
+        try:
+            client.submit(sum, [1, 2])
+            until(lambda: "PlacementPlugin" in log.getvalue(), timeout=10)
+            time.sleep(0.5)  # more looks: said once
+            assert log.getvalue().count("PlacementPlugin") == 1
+            assert not pools.members("cpu") and not events(client, "scale-up")
+        finally:
+            pools.stop()
