@@ -152,6 +152,7 @@ class ElasticPools(Adaptive):
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
         self._said_no_plugin = False
+        self._starting: dict[str, list[str]] = {}  # pool -> its workers not arrived (last look)
         self.spec_cluster = cluster
         o = self.options
         super().__init__(
@@ -221,7 +222,8 @@ class ElasticPools(Adaptive):
         bound = self.options["start_timeout"]
         coming: dict[str, float] = {}
         for cls, pool in plan.coming.items():
-            starting = [self._started.get(w, now) for w in self.members(pool)]
+            starting = [self._started.get(w, now) for w in self._starting.get(pool, [])]
+            starting += [now] * (len(self.members(pool)) - states[pool].running - len(starting))
             if starting and (left := max(starting) + bound - now) > 0:
                 coming[cls] = left
         await getattr(self.scheduler, POOLS_HANDLER)(coming=coming, full=plan.full, bound=bound)
@@ -235,11 +237,13 @@ class ElasticPools(Adaptive):
         for name, ps in self.pools.items():
             running, idle = 0, {}
             members = self.members(name)
+            starting = self._starting[name] = []
             for w in members:
                 seen = arrived.get(w)
                 late = now - self._started.get(w, now) >= self.options["start_timeout"]
                 if seen is None or (ps.pool.gpus and not seen["gpus"] and not late):
-                    continue  # starting
+                    starting.append(w)
+                    continue
                 running += 1
                 if seen["busy"]:
                     self._idle_since.pop(w, None)
