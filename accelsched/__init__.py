@@ -26,6 +26,7 @@ from accelsched.dual import dual, gpu
 from accelsched.logs import initialize_logging as _initialize_logging
 
 if TYPE_CHECKING:
+    from accelsched.deploy.adapt import ElasticPools, adapt
     from accelsched.deploy.install import dask_setup, dask_teardown
     from accelsched.internals.forkserver import FastRestart
     from accelsched.scheduler.placement_plugin import PlacementPlugin
@@ -42,6 +43,8 @@ __all__ = [
     "PlacementPlugin",
     "GuardPlugin",
     "register",
+    "adapt",
+    "ElasticPools",
     "dual",
     "gpu",
     "array_module",
@@ -62,6 +65,8 @@ _LAZY = {
     "FastRestart": "accelsched.internals.forkserver",
     "dask_setup": "accelsched.deploy.install",
     "dask_teardown": "accelsched.deploy.install",
+    "adapt": "accelsched.deploy.adapt",
+    "ElasticPools": "accelsched.deploy.adapt",
 }
 
 

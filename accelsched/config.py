@@ -48,6 +48,7 @@ __all__ = [
     "Threshold",
     "PLACEMENT_OPTIONS",
     "GUARD_OPTIONS",
+    "ADAPT_OPTIONS",
     "InEffect",
     "on_this_worker",
     "guard_options_here",
@@ -309,6 +310,17 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     Option("enforce_memory", "accelsched.guard.enforce-memory", parse_bool),
     Option("fast_restart", "accelsched.guard.fast-restart", parse_bool),
     Option("preimport", "accelsched.guard.preimport", dotted_names("dask.dataframe")),
+)
+
+_ANY_INTERVAL = functools.partial(parse_interval, least=0)
+#: :func:`accelsched.adapt`'s options: distributed's ``Adaptive`` ones (``interval``,
+#: ``wait_count``, ``target_duration``, same meaning) and the pools' own.
+ADAPT_OPTIONS: tuple[Option, ...] = (
+    Option("interval", "accelsched.adapt.interval", functools.partial(parse_interval, least=0.05)),
+    Option("wait_count", "accelsched.adapt.wait-count", POSITIVE_COUNT),
+    Option("target_duration", "accelsched.adapt.target-duration", parse_interval),
+    Option("idle_after", "accelsched.adapt.idle-after", _ANY_INTERVAL),
+    Option("start_timeout", "accelsched.adapt.start-timeout", _ANY_INTERVAL),
 )
 
 

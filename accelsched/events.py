@@ -74,6 +74,14 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
     A task that declared device memory added more than it declared to its device
     (measured as the ledger measures every GPU task): a neighbour sharing the device may
     run out. ``key``, ``device``, ``declared``, ``measured`` (bytes).
+``scale-up`` (client: :func:`accelsched.adapt`)
+    Elastic pools start workers. ``pool``, ``workers`` (their names, ``<pool>-<n>``),
+    ``reason`` (``"gpu-demand"``: GPU tasks this pool's devices serve wait or run;
+    ``"cpu-demand"``; ``"minimum"``), ``target`` (the pool's workers wanted),
+    ``classes`` (the waiting GPU classes it serves, e.g. ``"1x any"``).
+``scale-down`` (client: :func:`accelsched.adapt`)
+    Elastic pools retire idle workers (their data moved to peers first). ``pool``,
+    ``workers``, ``reason`` (``"idle"``), ``target``.
 ``request-refused`` (scheduler)
     A request naming a worker was not acted on: it came from a process the scheduler no
     longer holds at that address (``"stale"``: a late request from a process since
@@ -110,6 +118,8 @@ REQUEST_REFUSED: Final = "request-refused"
 UNMET_REQUIREMENT: Final = "unmet-requirement"
 OVER_DECLARED: Final = "over-declared"
 GPU_WAITING: Final = "gpu-waiting"
+SCALE_UP: Final = "scale-up"
+SCALE_DOWN: Final = "scale-down"
 
 ACTIONS: Final = frozenset(
     {
@@ -129,6 +139,8 @@ ACTIONS: Final = frozenset(
         UNMET_REQUIREMENT,
         OVER_DECLARED,
         GPU_WAITING,
+        SCALE_UP,
+        SCALE_DOWN,
     }
 )
 
@@ -210,11 +222,15 @@ def _fallback(m: Mapping[str, Any], w: str) -> str:
     where = f" on {w}" if w else ""
     if "key" not in m:  # a burst of fallbacks comes summarised, without a key
         reasons = ", ".join(f"{n} {r}" for r, n in dict(m["reasons"]).items())
+        if m.get("pools_at_maximum"):
+            reasons += f"; pools at maximum: {_listed(m['pools_at_maximum'])}"
         return (
             f"{m['count']} tasks fell back{where} ({reasons}; waited {m['waited']}s median, "
             f"{m['waited_max']}s max; e.g. {_listed(list(m['keys'])[:3], quote=True)})"
         )
     why = f"{m['reason']}: {m['error']}" if "error" in m else m["reason"]
+    if m.get("pools_at_maximum"):
+        why += f"; pools at maximum: {_listed(m['pools_at_maximum'])}"
     return f"task {m['key']!r}{where}: fell back to its CPU form after {m['waited']}s ({why})"
 
 
@@ -267,6 +283,15 @@ _LINES: dict[str, Callable[[Mapping[str, Any], str], str]] = {
     REQUEST_REFUSED: lambda m, w: f"{w}: {m['handler']} request refused ({m['reason']})",
     UNMET_REQUIREMENT: lambda m, w: (
         f"no verified device meets {m['requirement']} (task {m['key']!r} waits)"
+    ),
+    SCALE_UP: lambda m, w: (
+        f"pool {m['pool']!r}: starting {_listed(m['workers'])} ({m['reason']}"
+        + (f": {_listed(m['classes'])}" if m.get("classes") else "")
+        + f"; target {m['target']})"
+    ),
+    SCALE_DOWN: lambda m, w: (
+        f"pool {m['pool']!r}: retiring {_listed(m['workers'])} ({m['reason']}; "
+        f"target {m['target']})"
     ),
     GPU_WAITING: lambda m, w: (
         f"{m['waiting']} GPU task(s) wait unplaced: {REASONS.get(m['reason'], m['reason'])} "

@@ -23,6 +23,13 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
 ``accelsched_status`` (:data:`STATUS_HANDLER`)
     Read-only, for anyone (``accelsched status``): the cluster's GPU state
     (:class:`StatusReply`). A scheduler without accelsched answers ``None``.
+``accelsched_demand`` (:data:`DEMAND_HANDLER`)
+    Read-only, for :func:`accelsched.adapt`: the GPU work by class, the CPU work and the
+    workers, busy or not (:class:`DemandReply`).
+``accelsched_pools`` (:data:`POOLS_HANDLER`)
+    :func:`accelsched.adapt` says which waiting classes a starting worker will serve, and
+    until when, and which wait on pools at their maximum (:class:`PoolsRequest`): a GPU
+    task's fallback timeout counts from when no worker that could serve it is coming.
 
 Worker heartbeat metric ``"accelsched"`` (:data:`GUARD_METRIC`): every heartbeat carries
 a guard's per-device figures only the worker knows (:class:`GuardMetric`), through
@@ -64,6 +71,12 @@ __all__ = [
     "REPORT_HANDLER",
     "DRAIN_HANDLER",
     "STATUS_HANDLER",
+    "DEMAND_HANDLER",
+    "POOLS_HANDLER",
+    "ClassDemand",
+    "WorkerDemand",
+    "DemandReply",
+    "PoolsRequest",
     "GUARD_METRIC",
     "TIMEOUT_ANNOTATION",
     "FALLBACK_ANNOTATION",
@@ -108,6 +121,8 @@ OFFER_HANDLER: Final = "accelsched_offer"
 REPORT_HANDLER: Final = "accelsched_report"
 DRAIN_HANDLER: Final = "accelsched_drain"
 STATUS_HANDLER: Final = "accelsched_status"
+DEMAND_HANDLER: Final = "accelsched_demand"
+POOLS_HANDLER: Final = "accelsched_pools"
 #: The guard's custom worker metric, sent with every heartbeat (``Worker.metrics``).
 GUARD_METRIC: Final = "accelsched"
 
@@ -233,6 +248,40 @@ class ReportReply(_ReportReplyBase, total=False):
     """``OK`` with the CUDA indices the worker now advertises; else the scheduler's status."""
 
     devices: list[int]
+
+
+class ClassDemand(TypedDict):
+    """GPU tasks of one class (requirement, devices each), as ``accelsched_demand`` says."""
+
+    name: str  # the class: "<devices>x <requirement label>", e.g. "1x any"
+    requirement: dict[str, Any]  # the normalised requirement (memory, model, capability, mig)
+    devices: int
+    waiting: int  # unrunnable: no worker can take them now
+    running: int  # processing on a worker
+    seconds: float  # their expected run time, summed
+
+
+class WorkerDemand(TypedDict):
+    name: str
+    address: str
+    busy: bool  # has tasks processing
+    gpus: int  # devices granted (verified through NVML)
+
+
+class DemandReply(TypedDict):
+    status: Literal["OK"]
+    gpu: list[ClassDemand]
+    cpu_tasks: int  # tasks without a GPU restriction, ready or running
+    cpu_seconds: float
+    workers: list[WorkerDemand]
+
+
+class PoolsRequest(TypedDict):
+    """What ``accelsched.adapt`` says of the waiting classes."""
+
+    coming: dict[str, float]  # class -> seconds a worker that serves it may still take
+    full: dict[str, list[str]]  # class -> pools at their maximum that could serve it
+    bound: float  # at most this long past becoming unrunnable does a coming worker count
 
 
 # what the status and the heartbeat metric carry: their own module, re-exported here

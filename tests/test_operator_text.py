@@ -155,6 +155,43 @@ CASES = [
         events.event(events.GPU_WAITING, reason="no-verified-gpu", waiting=2, keys=["a", ("b", 0)]),
         "2 GPU task(s) wait unplaced: no worker has a verified GPU (e.g. 'a', ('b', 0))",
     ),
+    (
+        events.event(
+            events.SCALE_UP,
+            pool="gpu",
+            workers=["gpu-0", "gpu-1"],
+            reason="gpu-demand",
+            target=2,
+            classes=["1x any"],
+        ),
+        "pool 'gpu': starting gpu-0, gpu-1 (gpu-demand: 1x any; target 2)",
+    ),
+    (
+        events.event(
+            events.SCALE_UP,
+            pool="cpu",
+            workers=["cpu-0"],
+            reason="cpu-demand",
+            target=1,
+            classes=[],
+        ),
+        "pool 'cpu': starting cpu-0 (cpu-demand; target 1)",
+    ),
+    (
+        events.event(events.SCALE_DOWN, pool="gpu", workers=["gpu-1"], reason="idle", target=0),
+        "pool 'gpu': retiring gpu-1 (idle; target 0)",
+    ),
+    (
+        events.event(
+            events.FALLBACK,
+            key="y",
+            waited=60.0,
+            reason="timeout",
+            count=1,
+            pools_at_maximum=["gpu"],
+        ),
+        "task 'y': fell back to its CPU form after 60.0s (timeout; pools at maximum: gpu)",
+    ),
 ]
 
 

@@ -114,6 +114,12 @@ def ran_on_gpu(path: str, i: int) -> int | None:
     return accelsched.current_device()
 
 
+def gpu_nap(i: int, seconds: float) -> int | None:
+    """A GPU task that takes ``seconds``: the device it ran on (None off a GPU)."""
+    time.sleep(seconds)
+    return accelsched.current_device()
+
+
 def left_out(dask_worker: Any) -> list[int] | None:
     """The devices this worker's guard left out of its inventory (they failed NVML when
     it was taken); None until its guard is set up. For ``Client.run``."""

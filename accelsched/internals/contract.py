@@ -100,6 +100,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
         callables=(
             "_ongoing_background_tasks.call_soon",
             "bulk_schedule_unrunnable_after_adding_worker",
+            "_get_prefix_duration",
             "transition",
             "transitions",
             "handle_worker_status_change",

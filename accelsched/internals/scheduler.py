@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from time import time
 from typing import TYPE_CHECKING, Any
 
@@ -206,6 +206,26 @@ def release_unfit(scheduler: Scheduler, ws: WorkerState) -> int:
             dict.fromkeys(unfit, "released"), stimulus_id=f"accelsched-gpu-withdrawn-{time()}"
         )
     return len(unfit)
+
+
+def ready_tasks(scheduler: Scheduler) -> Iterator[TaskState]:
+    """Every task ready to run or running: queued, unrunnable (``no-worker``), and
+    processing on a worker (what elastic pools size themselves by)."""
+    yield from getattr(scheduler, "queued", ())
+    yield from scheduler.unrunnable
+    for ws in scheduler.workers.values():
+        yield from ws.processing
+
+
+def expected_seconds(scheduler: Scheduler, ts: TaskState) -> float:
+    """How long ``ts`` is expected to run: its prefix's average, as distributed's own
+    occupancy and adaptive target reckon it."""
+    return float(scheduler._get_prefix_duration(ts.prefix))
+
+
+def busy(ws: WorkerState) -> bool:
+    """Whether ``ws`` has tasks processing (running or queued there)."""
+    return bool(ws.processing)
 
 
 def offer_unrunnable(scheduler: Scheduler, ws: WorkerState) -> None:

@@ -71,6 +71,7 @@ from accelsched.policy.requirements import (
     mebibytes,
     parse_requirement,
 )
+from accelsched.policy.scaling import counted_from
 from accelsched.policy.timeouts import (
     MAX_GPUS,
     Deadlines,
@@ -197,6 +198,11 @@ class Fallback:
         self._act = act
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
         self._no_workers_checked: set[float] | None = set()  # None: warned
+        # elastic pools (accelsched.adapt): class -> until when a worker serving it was
+        # said to be coming (monotonic), pools at their maximum, and the bound
+        self._coming: dict[str, float] = {}
+        self._full: dict[str, list[str]] = {}
+        self._bound = 0.0
         self.checks = 0  # checks completed (ticks and timers): "one ran since then"
         internals.start_periodic(scheduler, _PERIODIC, self.check, interval)
         internals.start_periodic(scheduler, _WAITING, self.tick, TICK)
@@ -437,7 +443,43 @@ class Fallback:
         chain = any(
             (d := self.tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
         )
-        return Waiting(ts.key, task.since, amount, task.timeout, chain)
+        since = task.since
+        if self._coming:  # a worker that serves it is starting: its timeout counts after
+            until = self._coming.get(self.class_of(ts, task)[0])
+            since = counted_from(since, until, self._bound)
+        return Waiting(ts.key, since, amount, task.timeout, chain)
+
+    def class_of(self, ts: Any, task: GpuTask) -> tuple[str, Requirement, int]:
+        """The class of a GPU task as elastic pools see it: its name
+        (``"<devices>x <requirement>"``), requirement and devices."""
+        if task.eligible is not None:
+            need, devices, _ = task.eligible.key
+        else:
+            need = Requirement()
+            devices = devices_needed((ts.resource_restrictions or {}).get(GPU, 1))
+        return f"{devices}x {need.label()}", need, devices
+
+    def expect(self, coming: dict[str, float], full: dict[str, list[str]], bound: float) -> None:
+        """Elastic pools say which classes a starting worker serves, for how many more
+        seconds (``coming``), and which wait on pools at their maximum (``full``).
+
+        A promise once made keeps counting for the tasks that waited then
+        (:func:`~accelsched.policy.scaling.counted_from`), at most ``bound`` seconds past
+        when each became unrunnable.
+        """
+        now = monotonic()
+        self._bound = bound
+        for name, seconds in coming.items():
+            self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
+        self._full = full
+
+    def at_maximum(self, key: Any) -> list[str]:
+        """The pools at their maximum that could serve the GPU task ``key`` (a
+        ``fallback`` event names them)."""
+        task, ts = self.tasks.get(key), self.scheduler.tasks.get(key)
+        if not self._full or task is None or ts is None:
+            return []
+        return self._full.get(self.class_of(ts, task)[0], [])
 
     def _due(self, key: Hashable, task: GpuTask, at: float | None) -> None:
         task.due = at
@@ -495,6 +537,7 @@ class Fallback:
         sent on together.
         """
         tasks: dict[Any, Any] = self.scheduler.tasks  # keys as the proposals carry them
+        full = sorted({pool for p in proposals for pool in self.at_maximum(p.subject)})
         for p in proposals:
             ts = tasks[p.subject]
             task = self.tasks[p.subject]
@@ -511,6 +554,8 @@ class Fallback:
             internals.annotate(ts, FALLBACK_ANNOTATION, p.reason)
             task.fell_back = True
         for figures in summarise(proposals, FALLBACK_DETAIL):
+            if full:  # elastic pools: those that could have served them are at maximum
+                figures["pools_at_maximum"] = full
             self._emit(events.FALLBACK, None, **figures)
         stimulus_id = f"accelsched-fallback-{time()}"
         internals.run_now(self.scheduler, [p.subject for p in proposals], stimulus_id)

@@ -14,6 +14,8 @@ makes the label mean something, through its parts (``accelsched/scheduler/``):
   propose (fallbacks, restarts without losing data, deferrals, quarantine: a worker's
   GPUs out of placement), in one place; drain orders reach the process meant.
 - :class:`~accelsched.scheduler.snapshot.StatusHistory`: the status snapshot and its history.
+- :class:`~accelsched.scheduler.demand.Demand`: what elastic pools (:func:`accelsched.adapt`)
+  ask: the work waiting and running, and which classes a starting worker serves.
 
 The plugin itself only wires distributed's hooks to those parts, checks at start that
 the distributed internals they rely on are there (:mod:`accelsched.internals`), and
@@ -34,6 +36,7 @@ from accelsched.display import dashboard_page, metrics
 from accelsched.policy.budget import RestartBudget
 from accelsched.policy.proposals import Proposal
 from accelsched.protocol import GPU, PLACEMENT_PLUGIN, RESTART_HANDLER
+from accelsched.scheduler.demand import Demand
 from accelsched.scheduler.device_reports import DeviceReports
 from accelsched.scheduler.fallback import Fallback
 from accelsched.scheduler.grants import Grants
@@ -68,6 +71,7 @@ class PlacementPlugin(SchedulerPlugin):
     fallback: Fallback
     reports: DeviceReports
     actor: SchedulerActor
+    demand: Demand
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(PLACEMENT_OPTIONS, options, type(self).__name__)
@@ -125,6 +129,8 @@ class PlacementPlugin(SchedulerPlugin):
             active=active,
         )
         internals.install_handler(scheduler, RESTART_HANDLER, self.actor.handle_restart)
+        self.demand = Demand(scheduler, fallback=self.fallback, grants=grants)
+        self.demand.start()
         history = StatusHistory(
             scheduler, grants, waiting=self.fallback.waiting_counts, options=self.options
         )
@@ -143,6 +149,7 @@ class PlacementPlugin(SchedulerPlugin):
             return  # never started
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.actor.handle_restart)
+        self.demand.stop()
         self.reports.stop()
         self.status_history.stop()
 

@@ -1,0 +1,333 @@
+"""``accelsched.adapt``: elastic GPU pools on any ``SpecCluster``.
+
+distributed's ``Adaptive`` sizes one pool by task durations and knows nothing of
+resources. :class:`ElasticPools` is an ``Adaptive`` (its periodic loop, its ``interval``,
+``wait_count`` and ``target_duration``; it retires as ``Adaptive.scale_down`` does, through
+the scheduler's ``retire_workers``, which moves a worker's data to peers before it closes,
+and closes only the workers that retired), sizing *named*
+pools: each a worker spec, a minimum and a maximum, and what each of its workers' devices
+are. Every interval it asks the scheduler what waits (``accelsched_demand``), asks
+:func:`accelsched.policy.scaling.decide` what to do, adds workers to
+``cluster.worker_spec`` (named ``<pool>-<n>``, the lowest free ``n``) and lets the
+cluster start them (``SpecCluster.scale`` at its own size), retires idle ones, and tells
+the scheduler which waiting classes a starting worker will serve (``accelsched_pools``),
+so their fallback timers wait for it, within ``start_timeout``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from inspect import isawaitable
+from typing import Any, cast
+
+from dask.utils import parse_bytes
+from distributed import Adaptive, SpecCluster
+from distributed.metrics import time
+
+from accelsched import events
+from accelsched.config import ADAPT_OPTIONS, resolve_options
+from accelsched.internals.client_side import retire_named
+from accelsched.policy.requirements import DeviceFacts, parse_requirement
+from accelsched.policy.scaling import GpuDemand, Plan, Pool, PoolState, decide
+from accelsched.protocol import DEMAND_HANDLER, GPU, POOLS_HANDLER, DemandReply
+
+__all__ = ["adapt", "ElasticPools", "parse_pools", "PoolSpec"]
+
+logger = logging.getLogger(__name__)
+
+POOL_KEYS = ("spec", "minimum", "maximum", "devices")
+DEVICE_KEYS = ("count", "name", "memory", "capability", "mig")
+#: A pool's name: its workers are ``<name>-<n>``.
+_NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A pool as given, checked: the decision's view and the worker spec to start."""
+
+    pool: Pool
+    spec: dict[str, Any]
+
+
+def _count(pool: str, key: str, value: Any, least: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"pool {pool!r}: invalid {key}={value!r}: expected an integer >= {least}")
+    return value
+
+
+def _devices(pool: str, given: Any, declared: Any) -> tuple[int, tuple[DeviceFacts, ...]]:
+    """(devices per worker, their facts) from a pool's ``devices`` and its spec's
+    declared ``resources={"GPU": n}``."""
+    if given is None:
+        return (_count(pool, "resources['GPU']", declared) if declared is not None else 0), ()
+    if not isinstance(given, Mapping):
+        raise TypeError(f"pool {pool!r}: invalid devices={given!r}: expected a mapping")
+    if unknown := sorted(map(repr, set(given) - set(DEVICE_KEYS))):
+        raise ValueError(
+            f"pool {pool!r}: unknown devices key(s) {', '.join(unknown)}: "
+            f"expected {', '.join(DEVICE_KEYS)}"
+        )
+    count = _count(pool, "devices count", given.get("count", 1), least=1)
+    if declared is not None and declared != count:
+        raise ValueError(
+            f"pool {pool!r}: devices count={count} but its workers declare "
+            f"resources={{'GPU': {declared!r}}}"
+        )
+    try:  # read as a requirement reads them: the same parsers, the same errors
+        need = parse_requirement(
+            {k: given.get(k) for k in ("memory", "capability", "mig")}
+            | {"memory": parse_bytes(given["memory"]) if "memory" in given else None}
+        )
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"pool {pool!r}: invalid devices: {exc}") from None
+    name = given.get("name", "")
+    if not isinstance(name, str):
+        raise TypeError(f"pool {pool!r}: invalid devices name={name!r}: expected a string")
+    facts = DeviceFacts(name, need.memory or 0, need.capability, bool(need.mig))
+    return count, (facts,) * count
+
+
+def parse_pools(pools: Any) -> dict[str, PoolSpec]:
+    """Check ``pools`` (``{name: {"spec": ..., "minimum": 0, "maximum": n, "devices":
+    {...}}}``); ``ValueError``/``TypeError`` name the pool and the bad key or value."""
+    if not isinstance(pools, Mapping) or not pools:
+        raise TypeError(f"invalid pools={pools!r:.80}: expected a non-empty mapping of pools")
+    out: dict[str, PoolSpec] = {}
+    for name, given in pools.items():
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(
+                f"invalid pool name {name!r}: expected letters, digits, '_' or '.' "
+                "(its workers are named '<pool>-<n>')"
+            )
+        if not isinstance(given, Mapping):
+            raise TypeError(f"pool {name!r}: expected a mapping of {', '.join(POOL_KEYS)}")
+        if unknown := sorted(map(repr, set(given) - set(POOL_KEYS))):
+            raise ValueError(
+                f"pool {name!r}: unknown key(s) {', '.join(unknown)}: "
+                f"expected {', '.join(POOL_KEYS)}"
+            )
+        spec = given.get("spec")
+        if not isinstance(spec, Mapping) or "cls" not in spec or set(spec) - {"cls", "options"}:
+            raise ValueError(
+                f"pool {name!r}: invalid spec={spec!r:.80}: expected "
+                "{'cls': a worker class, 'options': {...}} as SpecCluster takes"
+            )
+        options = spec.get("options") or {}
+        if not isinstance(options, Mapping):
+            raise TypeError(f"pool {name!r}: invalid spec options={options!r:.80}")
+        if "name" in options:
+            raise ValueError(f"pool {name!r}: its workers are named '{name}-<n>': no 'name'")
+        minimum = _count(name, "minimum", given.get("minimum", 0))
+        maximum = _count(name, "maximum", given.get("maximum", 1))
+        if minimum > maximum:
+            raise ValueError(f"pool {name!r}: minimum={minimum} > maximum={maximum}")
+        resources = options.get("resources") or {}
+        gpus, facts = _devices(name, given.get("devices"), resources.get(GPU))
+        threads = options.get("nthreads") or 1
+        threads = _count(name, "spec options nthreads", threads, least=1)
+        pool = Pool(name, minimum, maximum, gpus, facts, threads)
+        out[name] = PoolSpec(pool, {"cls": spec["cls"], "options": dict(options)})
+    return out
+
+
+class ElasticPools(Adaptive):
+    """Named pools on a ``SpecCluster``, sized by accelsched's demand (see the module)."""
+
+    state = "inactive"  # until Adaptive starts it: refused options leave nothing to stop
+
+    def __init__(self, cluster: SpecCluster, pools: Any, **options: Any) -> None:
+        if not isinstance(cluster, SpecCluster):
+            raise TypeError(
+                f"accelsched.adapt needs a SpecCluster (LocalCluster, dask-jobqueue, ...), "
+                f"got {type(cluster).__name__}"
+            )
+        self.options = resolve_options(ADAPT_OPTIONS, options, "accelsched.adapt")
+        self.pools = parse_pools(pools)
+        self._idle_since: dict[str, float] = {}  # worker -> since when it has had no task
+        self._started: dict[str, float] = {}  # worker -> when this asked for it
+        self.last_plan: Plan | None = None
+        self._said_no_plugin = False
+        self._starting: dict[str, list[str]] = {}  # pool -> its workers not arrived (last look)
+        self.spec_cluster = cluster
+        o = self.options
+        super().__init__(
+            cluster,
+            interval=o["interval"],
+            minimum=0,
+            maximum=math.inf,
+            wait_count=o["wait_count"],
+            target_duration=o["target_duration"],
+        )
+
+    def members(self, pool: str) -> list[str]:
+        """The workers of ``pool`` the cluster has now (starting or running)."""
+        prefix = pool + "-"
+        return [
+            n
+            for n in self.spec_cluster.worker_spec
+            if isinstance(n, str) and n.startswith(prefix) and n[len(prefix) :].isdigit()
+        ]
+
+    async def adapt(self) -> None:
+        """One look: demand, decision, scale up, say what is coming, retire."""
+        if self._adapting:  # as Adaptive: never two at once
+            return
+        self._adapting = True
+        try:
+            await self._adapt()
+        finally:
+            self._adapting = False
+
+    async def _adapt(self) -> None:
+        reply = cast("DemandReply | None", await getattr(self.scheduler, DEMAND_HANDLER)())
+        if reply is None:  # distributed's answer to an operation it has no handler for
+            if not self._said_no_plugin:
+                self._said_no_plugin = True
+                logger.warning(
+                    "accelsched.adapt: the scheduler does not answer %s: it runs no "
+                    "accelsched PlacementPlugin; register it (accelsched.register(client)) "
+                    "or start the scheduler with --preload accelsched. The pools wait",
+                    DEMAND_HANDLER,
+                )
+            return
+        now = time()
+        states = self._states(reply, now)
+        gpu = [
+            GpuDemand(
+                d["name"],
+                parse_requirement(d["requirement"]),
+                d["devices"],
+                d["waiting"],
+                d["running"],
+                d["seconds"],
+            )
+            for d in reply["gpu"]
+        ]
+        plan = decide(
+            [p.pool for p in self.pools.values()],
+            states,
+            gpu,
+            cpu_tasks=reply["cpu_tasks"],
+            cpu_seconds=reply["cpu_seconds"],
+            target_duration=self.target_duration,
+            idle_after=self.options["idle_after"],
+        )
+        self.last_plan = plan
+        await self._scale_up(plan, states, now)
+        bound = self.options["start_timeout"]
+        coming: dict[str, float] = {}
+        for cls, pool in plan.coming.items():
+            starting = [self._started.get(w, now) for w in self._starting.get(pool, [])]
+            starting += [now] * (len(self.members(pool)) - states[pool].running - len(starting))
+            if starting and (left := max(starting) + bound - now) > 0:
+                coming[cls] = left
+        await getattr(self.scheduler, POOLS_HANDLER)(coming=coming, full=plan.full, bound=bound)
+        await self._retire(plan)
+
+    def _states(self, reply: DemandReply, now: float) -> dict[str, PoolState]:
+        """Each pool's workers: running (arrived; a GPU pool's once its devices are
+        verified, or start_timeout passed), starting, and how long each idle one was."""
+        arrived = {w["name"]: w for w in reply["workers"]}
+        states = {}
+        for name, ps in self.pools.items():
+            running, idle = 0, {}
+            members = self.members(name)
+            starting = self._starting[name] = []
+            for w in members:
+                seen = arrived.get(w)
+                late = now - self._started.get(w, now) >= self.options["start_timeout"]
+                if seen is None or (ps.pool.gpus and not seen["gpus"] and not late):
+                    starting.append(w)
+                    continue
+                running += 1
+                if seen["busy"]:
+                    self._idle_since.pop(w, None)
+                else:
+                    idle[w] = now - self._idle_since.setdefault(w, now)
+            states[name] = PoolState(running, len(members) - running, idle)
+        return states
+
+    async def _scale_up(self, plan: Plan, states: Mapping[str, PoolState], now: float) -> None:
+        spec = self.spec_cluster.worker_spec
+        added = False
+        for name, ps in self.pools.items():
+            have = len(self.members(name))
+            new: list[str] = []
+            n = 0
+            while have + len(new) < plan.targets[name]:
+                while f"{name}-{n}" in spec:
+                    n += 1
+                worker = f"{name}-{n}"
+                spec[worker] = copy.deepcopy(ps.spec)
+                self._started[worker] = now
+                new.append(worker)
+            if new:
+                added = True
+                classes = sorted(c for c, p in plan.coming.items() if p == name)
+                await self._event(
+                    events.SCALE_UP,
+                    pool=name,
+                    workers=new,
+                    reason=plan.reasons.get(name, "minimum"),
+                    target=plan.targets[name],
+                    classes=classes,
+                )
+        if added:  # the cluster starts what its spec has and it has not (not awaited)
+            self.spec_cluster.scale(len(spec))
+
+    async def _retire(self, plan: Plan) -> None:
+        """Retire the workers the plan proposed ``wait_count`` looks in a row."""
+        counts = cast("dict[str, int]", self.close_counts)  # worker names, as Adaptive's
+        firm = []
+        for w in plan.retire:
+            counts[w] += 1
+            if counts[w] >= self.wait_count:
+                firm.append(w)
+        for w in list(counts):
+            if w in firm or w not in plan.retire:
+                del counts[w]
+        if not firm:
+            return
+        retired = await retire_named(self.scheduler, firm)  # data moved to peers first
+        if not retired:
+            return  # no peer could take their data: they stay, and it
+        for pool in self.pools:
+            workers = [w for w in firm if w in retired and w.startswith(pool + "-")]
+            if workers:
+                await self._event(
+                    events.SCALE_DOWN,
+                    pool=pool,
+                    workers=workers,
+                    reason="idle",
+                    target=plan.targets[pool],
+                )
+        f = self.spec_cluster.scale_down(sorted(retired))  # their specs go; the cluster closes them
+        if isawaitable(f):
+            await f
+        for w in retired:
+            self._idle_since.pop(w, None)
+            self._started.pop(w, None)
+
+    async def _event(self, action: str, **figures: Any) -> None:
+        msg = events.event(action, **figures)
+        logger.log(*events.log_line(msg))
+        await self.scheduler.log_event(topic=events.TOPIC, msg=msg)
+
+
+def adapt(cluster: SpecCluster, pools: Any, **options: Any) -> ElasticPools:
+    """Size ``cluster``'s named ``pools`` by the work accelsched sees waiting.
+
+    ``pools``: ``{name: {"spec": {"cls": ..., "options": {...}}, "minimum": 0,
+    "maximum": n, "devices": {"count": 1, "name": "NVIDIA H100 80GB HBM3",
+    "memory": "80GiB", "capability": "9.0"}}}``; a pool without ``devices`` whose
+    workers declare no ``GPU`` is a CPU pool. Options (dask config under
+    ``accelsched.adapt.``): ``interval``, ``wait_count``, ``target_duration`` (as
+    distributed's ``Adaptive``), ``idle_after``, ``start_timeout``. The scheduler must run
+    accelsched's PlacementPlugin. Returns the running :class:`ElasticPools` (``.stop()``).
+    """
+    return ElasticPools(cluster, pools, **options)

@@ -1,0 +1,234 @@
+"""Elastic GPU pools: how many workers each pool should have, and which ones go.
+
+Decisions only, no distributed import. :func:`accelsched.adapt` feeds :func:`decide`
+the pools (:class:`Pool`: each worker's devices, its minimum and maximum), what each has
+now (:class:`PoolState`: workers running, starting, and how long each idle one has been
+idle), the GPU work by class (:class:`GpuDemand`: a requirement and a device count, its
+tasks waiting for a worker and running) and the CPU work; it answers with a
+:class:`Plan`: a target per pool, the idle workers to retire (GPU pools' first: they are
+the expensive ones), and for each waiting class the pool whose starting worker will
+serve it or the pools at their maximum that could, which is what a GPU task's fallback
+timer goes by (:func:`counted_from`).
+
+Requirements are matched as the scheduler matches them (:meth:`Requirement.fits
+<accelsched.policy.requirements.Requirement.fits>` on each device of a pool's worker): a
+pool that says nothing of its devices serves only GPU tasks without a requirement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from accelsched.policy.requirements import DeviceFacts, Requirement
+
+__all__ = [
+    "Pool",
+    "PoolState",
+    "GpuDemand",
+    "Plan",
+    "decide",
+    "workers_for",
+    "counted_from",
+    "GPU_DEMAND",
+    "CPU_DEMAND",
+    "MINIMUM",
+    "IDLE",
+]
+
+GPU_DEMAND = "gpu-demand"  # GPU tasks of a class this pool's devices serve wait or run
+CPU_DEMAND = "cpu-demand"  # tasks without a GPU wait or run
+MINIMUM = "minimum"  # the pool's minimum
+IDLE = "idle"  # a worker had nothing to do for idle_after seconds
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool: what each of its workers has, and how many it may have."""
+
+    name: str
+    minimum: int = 0
+    maximum: int = 1
+    gpus: int = 0  # devices per worker; 0: a CPU pool
+    devices: tuple[DeviceFacts, ...] = ()  # what each worker's devices are (empty: unsaid)
+    threads: int = 1  # tasks a worker runs at once
+
+    def slots(self, need: Requirement, devices: int) -> int:
+        """How many tasks of a class one worker runs at once (0: it cannot serve it)."""
+        if self.gpus < devices or devices < 1:
+            return 0
+        # devices a pool says nothing of meet no requirement
+        usable = sum(need.fits(f) for f in self.devices) if need else self.gpus
+        return min(self.threads, usable // devices)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """A pool now: its workers that arrived, those starting, and the idle ones."""
+
+    running: int = 0
+    starting: int = 0
+    idle: Mapping[str, float] = field(default_factory=dict)  # worker name -> seconds idle
+
+
+@dataclass(frozen=True)
+class GpuDemand:
+    """GPU tasks of one class (requirement, devices each task takes)."""
+
+    name: str  # the class, as the scheduler names it
+    need: Requirement
+    devices: int
+    waiting: int  # no worker can take them now
+    running: int = 0  # sent to a worker (running or queued there)
+    seconds: float = 0.0  # their expected run time, summed
+
+
+@dataclass
+class Plan:
+    """What :func:`decide` answers."""
+
+    targets: dict[str, int]  # pool -> workers it should have
+    reasons: dict[str, str]  # pool -> why its target (GPU_DEMAND, CPU_DEMAND, MINIMUM)
+    retire: list[str]  # idle workers to retire, GPU pools' first
+    coming: dict[str, str]  # waiting class -> the pool whose starting worker serves it
+    full: dict[str, list[str]]  # waiting class -> pools at their maximum that could
+    unserved: list[str]  # waiting classes no pool's devices can ever serve
+
+
+def workers_for(tasks: int, seconds: float, slots: int, target_duration: float) -> int:
+    """Workers for ``tasks`` of ``seconds`` expected work, ``slots`` at a time each.
+
+    As distributed's adaptive target: enough to get through the work within
+    ``target_duration``, never more than one per ``slots`` tasks, and one at least while a
+    task is there.
+    """
+    if tasks <= 0 or slots <= 0:
+        return 0
+    by_count = math.ceil(tasks / slots)
+    if target_duration <= 0:
+        return by_count
+    by_time = math.ceil(seconds / (target_duration * slots))
+    return max(1, min(by_count, by_time))
+
+
+def decide(
+    pools: Sequence[Pool],
+    states: Mapping[str, PoolState],
+    gpu: Sequence[GpuDemand],
+    *,
+    cpu_tasks: int = 0,
+    cpu_seconds: float = 0.0,
+    target_duration: float = 5.0,
+    idle_after: float = 60.0,
+) -> Plan:
+    """Targets per pool and the idle workers to retire.
+
+    GPU work goes to the pools whose devices serve its class, in the order given, each up
+    to its maximum, the rest to the next; CPU work to the CPU pools (``gpus == 0``) the
+    same way. A pool above its target retires its workers idle for ``idle_after``
+    seconds at least, the longest idle first; a busy or starting worker is never
+    retired.
+    """
+    want = {p.name: 0 for p in pools}
+    reasons: dict[str, str] = {}
+    for d in sorted(gpu, key=lambda d: d.name):
+        tasks, seconds = d.waiting + d.running, d.seconds
+        for p in pools:
+            n = workers_for(tasks, seconds, p.slots(d.need, d.devices), target_duration)
+            if n == 0:
+                continue  # its devices cannot serve this class
+            take = min(n, p.maximum - want[p.name])
+            if take > 0:
+                want[p.name] += take
+                reasons[p.name] = GPU_DEMAND
+            if take >= n:
+                break
+            left = 1 - take / n  # what this pool cannot take goes to the next
+            tasks, seconds = math.ceil(tasks * left), seconds * left
+    cpu = [p for p in pools if p.gpus == 0]
+    tasks, seconds = cpu_tasks, cpu_seconds
+    for p in cpu:
+        n = workers_for(tasks, seconds, p.threads, target_duration)
+        take = min(n, p.maximum - want[p.name])
+        if take > 0:
+            want[p.name] += take
+            reasons.setdefault(p.name, CPU_DEMAND)
+        if take >= n:
+            break
+        left = 1 - take / n
+        tasks, seconds = math.ceil(tasks * left), seconds * left
+    targets: dict[str, int] = {}
+    for p in pools:
+        targets[p.name] = min(p.maximum, max(p.minimum, want[p.name]))
+        if want[p.name] < p.minimum:
+            reasons.setdefault(p.name, MINIMUM)
+    coming, full, unserved = _waiting(pools, states, targets, gpu)
+    return Plan(
+        targets=targets,
+        reasons={p: r for p, r in reasons.items() if targets[p] > 0},
+        retire=_retire(pools, states, targets, idle_after),
+        coming=coming,
+        full=full,
+        unserved=unserved,
+    )
+
+
+def _retire(
+    pools: Sequence[Pool],
+    states: Mapping[str, PoolState],
+    targets: Mapping[str, int],
+    idle_after: float,
+) -> list[str]:
+    """Idle workers past ``idle_after`` of pools above their target, GPU pools' first."""
+    out: list[str] = []
+    for p in sorted(pools, key=lambda p: p.gpus == 0):  # stable: GPU pools first, in order
+        now = states.get(p.name, PoolState())
+        excess = now.running + now.starting - targets[p.name]
+        idle = sorted(
+            ((t, w) for w, t in now.idle.items() if t >= idle_after), key=lambda tw: -tw[0]
+        )
+        out += [w for _, w in idle[: max(0, excess)]]
+    return out
+
+
+def _waiting(
+    pools: Sequence[Pool],
+    states: Mapping[str, PoolState],
+    targets: Mapping[str, int],
+    gpu: Sequence[GpuDemand],
+) -> tuple[dict[str, str], dict[str, list[str]], list[str]]:
+    """For each class with waiting tasks: the pool whose starting worker will serve it
+    (one starting now, or started by this plan), else the pools at their maximum that
+    could serve it, else (no pool's devices can) unserved."""
+    coming: dict[str, str] = {}
+    full: dict[str, list[str]] = {}
+    unserved: list[str] = []
+    for d in gpu:
+        if d.waiting <= 0:
+            continue
+        able = [p for p in pools if p.slots(d.need, d.devices) > 0]
+        if not able:
+            unserved.append(d.name)
+            continue
+        for p in able:
+            now = states.get(p.name, PoolState())
+            if now.starting > 0 or targets[p.name] > now.running + now.starting:
+                coming[d.name] = p.name
+                break
+        else:
+            full[d.name] = [p.name for p in able]
+    return coming, full, unserved
+
+
+def counted_from(since: float, coming_until: float | None, bound: float) -> float:
+    """When a waiting GPU task's fallback timeout starts to count.
+
+    ``since``: when it became unrunnable; ``coming_until``: until when a worker that can
+    serve it was said to be starting (None: none was). Its timeout counts from when no
+    such worker is coming, at most ``bound`` seconds after ``since``: a pool that keeps
+    starting workers that never arrive cannot hold a task back for ever.
+    """
+    if coming_until is None or coming_until <= since:
+        return since
+    return min(coming_until, since + bound)

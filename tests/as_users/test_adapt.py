@@ -1,0 +1,215 @@
+"""Elastic GPU pools (``accelsched.adapt``) on a process cluster that starts empty.
+
+The cluster is a ``LocalCluster`` with no worker (a ``SpecCluster``, as dask-jobqueue's
+and the cloud providers' are); pools start nanny processes inside ``fake_gpus``, so each
+GPU worker sees a simulated device through the real pynvml and its guard verifies it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, Nanny
+
+import accelsched
+from tests.utils import ROOT, events, gpu_nap, until
+
+
+class PoolNanny(Nanny):
+    """A nanny for pool worker ``<pool>-<n>`` that sees simulated GPU ``n`` only, as each
+    host of a real GPU pool sees its own devices."""
+
+    def __init__(self, *args: Any, name: str, **kwargs: Any) -> None:
+        device = str(name).rsplit("-", 1)[1]
+        kwargs["env"] = {**kwargs.get("env", {}), "CUDA_VISIBLE_DEVICES": device}
+        super().__init__(*args, name=name, **kwargs)
+
+
+GPU_SPEC = {"cls": PoolNanny, "options": {"nthreads": 2, "resources": {"GPU": 1}}}
+CPU_SPEC = {"cls": Nanny, "options": {"nthreads": 2, "env": {"CUDA_VISIBLE_DEVICES": ""}}}
+
+
+def pool_workers(client: Client, pool: str) -> list[str]:
+    names = [str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+    return sorted(n for n in names if n.startswith(pool + "-"))
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_gpu_tasks_get_a_gpu_pool_worker_and_the_idle_pool_shrinks() -> None:
+    """12 GPU tasks (60 s fallback timeout) on an empty cluster: a verified GPU worker
+    within 20 s, all 12 on GPUs, no fallback; then the idle GPU pool shrinks to zero
+    within 90 s, and the CPU pool, with no CPU work, never started."""
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        accelsched.register(client)
+        pools = accelsched.adapt(
+            cluster,
+            pools={
+                "gpu": {"spec": GPU_SPEC, "maximum": 2},
+                "cpu": {"spec": CPU_SPEC, "maximum": 2},
+            },
+            idle_after="2s",
+        )
+        try:
+            start = time.monotonic()
+            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+                futures = client.map(gpu_nap, range(12), seconds=0.5, pure=False)
+            until(lambda: events(client, "gpu-verified"), timeout=20)
+            verified = time.monotonic() - start
+            assert verified < 20
+            results = client.gather(futures)
+            assert all(r is not None for r in results), results  # each ran on a GPU
+            assert not events(client, "fallback")
+            (first, *_) = ups = events(client, "scale-up")
+            assert first["pool"] == "gpu" and first["reason"] == "gpu-demand"
+            assert list(first["classes"]) == ["1x any"]
+            assert {e["pool"] for e in ups} == {"gpu"}  # no CPU work: no CPU worker
+            del futures
+            idle = time.monotonic()
+            until(lambda: not pool_workers(client, "gpu"), timeout=90)
+            assert time.monotonic() - idle < 90
+            assert not pools.members("gpu")
+            downs = events(client, "scale-down")
+            assert downs and {e["pool"] for e in downs} == {"gpu"}
+            assert all(e["reason"] == "idle" for e in downs)
+        finally:
+            pools.stop()
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_a_requirement_no_pool_meets_falls_back_and_a_cpu_worker_runs_it() -> None:
+    """The GPU pool says nothing of its devices, so it serves no memory requirement: no
+    GPU worker starts for the task, it falls back after its timeout (not held by any
+    starting worker), and the CPU pool starts a worker for its CPU form."""
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        accelsched.register(client)
+        pools = accelsched.adapt(
+            cluster,
+            pools={
+                "gpu": {"spec": GPU_SPEC, "maximum": 2},
+                "cpu": {"spec": CPU_SPEC, "maximum": 2},
+            },
+            idle_after="2s",
+        )
+        try:
+            start = time.monotonic()
+            with dask.annotate(
+                resources={"GPU": 1}, gpu={"memory": "60GiB"}, fallback_timeout="1s"
+            ):
+                future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
+            assert future.result(timeout=60) is None  # its CPU form: no device
+            (fell,) = events(client, "fallback")
+            assert fell["reason"] == "timeout" and fell["waited"] < 5
+            assert time.monotonic() - start < 60
+            ups = events(client, "scale-up")
+            assert [(e["pool"], e["reason"]) for e in ups] == [("cpu", "cpu-demand")]
+            assert not pool_workers(client, "gpu")
+        finally:
+            pools.stop()
+
+
+def test_pools_are_checked_when_given() -> None:
+    """Every bad pool or option is refused at construction, naming the value."""
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
+        bad: list[tuple[Any, dict[str, Any], type[Exception], str]] = [
+            ({}, {}, TypeError, "non-empty mapping"),
+            ({"gpu-1": {"spec": GPU_SPEC}}, {}, ValueError, "'gpu-1'"),
+            (
+                {"gpu": {"spec": GPU_SPEC, "minimum": 3, "maximum": 2}},
+                {},
+                ValueError,
+                "minimum=3 > maximum=2",
+            ),
+            ({"gpu": {"spec": GPU_SPEC, "maximum": -1}}, {}, ValueError, "maximum=-1"),
+            ({"gpu": {"spec": GPU_SPEC, "size": 2}}, {}, ValueError, "unknown key(s) 'size'"),
+            ({"gpu": {"spec": {"options": {}}}}, {}, ValueError, "invalid spec"),
+            (
+                {"gpu": {"spec": GPU_SPEC, "devices": {"count": 2}}},
+                {},
+                ValueError,
+                "devices count=2 but its workers declare",
+            ),
+            (
+                {"gpu": {"spec": GPU_SPEC, "devices": {"memory": "lots"}}},
+                {},
+                ValueError,
+                "invalid devices",
+            ),
+            (
+                {"gpu": {"spec": GPU_SPEC, "devices": {"colour": "red"}}},
+                {},
+                ValueError,
+                "unknown devices key(s) 'colour'",
+            ),
+            ({"cpu": {"spec": CPU_SPEC}}, {"wait_count": 0}, ValueError, "wait_count=0"),
+            ({"cpu": {"spec": CPU_SPEC}}, {"interval": "soon"}, ValueError, "interval='soon'"),
+            ({"cpu": {"spec": CPU_SPEC}}, {"idle": "1s"}, TypeError, "'idle'"),
+        ]
+        for pools, options, exc, text in bad:
+            with pytest.raises(exc) as info:
+                accelsched.adapt(cluster, pools=pools, **options)
+            assert text in str(info.value), (pools, options, str(info.value))
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_an_idle_worker_whose_data_no_peer_can_take_is_not_retired() -> None:
+    """The only worker holds a result the client still wants: idle or not, it stays (no
+    peer could take the data) and the result is intact; released, the pool shrinks."""
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        accelsched.register(client)
+        pools = accelsched.adapt(
+            cluster, pools={"gpu": {"spec": GPU_SPEC, "maximum": 1}}, idle_after="0.5s"
+        )
+        try:
+            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+                future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
+            assert future.result(timeout=60) == 0
+            time.sleep(6)  # idle well past idle_after, wait_count looks proposed it
+            assert pool_workers(client, "gpu") == ["gpu-0"]
+            assert not events(client, "scale-down")
+            assert future.result(timeout=10) == 0  # still there, not recomputed elsewhere
+            del future
+            until(lambda: not pool_workers(client, "gpu"), timeout=60)
+            (down,) = events(client, "scale-down")
+            assert list(down["workers"]) == ["gpu-0"]
+        finally:
+            pools.stop()
+
+
+def test_every_adapt_option_is_configured_and_documented() -> None:
+    from accelsched.config import ADAPT_OPTIONS, config_value
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for o in ADAPT_OPTIONS:
+        assert config_value(o.key, builtin=True) is not None, o.key
+        assert f"`{o.key}`" in page and f"### `{o.name}`" in page, o.name
+
+
+def test_without_the_placement_plugin_the_pools_wait_and_say_why_once() -> None:
+    from distributed.utils_test import captured_logger
+
+    with (
+        captured_logger("accelsched.deploy.adapt") as log,
+        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        pools = accelsched.adapt(cluster, pools={"cpu": {"spec": CPU_SPEC}}, interval="100ms")
+        try:
+            client.submit(sum, [1, 2])
+            until(lambda: "PlacementPlugin" in log.getvalue(), timeout=10)
+            time.sleep(0.5)  # more looks: said once
+            assert log.getvalue().count("PlacementPlugin") == 1
+            assert not pools.members("cpu") and not events(client, "scale-up")
+        finally:
+            pools.stop()

@@ -1,0 +1,78 @@
+"""Fallback that knows the pools: a GPU task's timeout counts from when no worker that
+could serve it is coming (``accelsched_pools``, what ``accelsched.adapt`` says), and a
+task whose pools are at their maximum falls back as before, its event naming them."""
+
+from __future__ import annotations
+
+import time
+
+import dask
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.protocol import DEMAND_HANDLER, POOLS_HANDLER
+from tests.utils import events, inc, wait_for
+
+CPU_WORKER = [("127.0.0.1", 1)]
+
+
+@gen_cluster(client=True, nthreads=CPU_WORKER)
+async def test_a_starting_worker_holds_the_fallback_within_the_bound(c, s, a):
+    await accelsched.register(c)
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="500ms"):
+        fut = c.submit(inc, 1, key="x")
+    await wait_for(lambda: s.tasks.get("x") is not None and s.tasks["x"].state == "no-worker")
+    demand = await getattr(c.scheduler, DEMAND_HANDLER)()
+    (cls,) = demand["gpu"]
+    assert (cls["name"], cls["devices"], cls["waiting"], cls["running"]) == ("1x any", 1, 1, 0)
+    assert demand["cpu_tasks"] == 0 and len(demand["workers"]) == 1
+    t0 = time.monotonic()
+    # a worker for "1x any" is said to be starting, for 1.5 s more: the timeout counts after
+    reply = await getattr(c.scheduler, POOLS_HANDLER)(coming={"1x any": 1.5}, full={}, bound=10)
+    assert reply == {"status": "OK"}
+    assert await fut == 2  # it never came: the CPU form ran
+    waited = time.monotonic() - t0
+    (e,) = events(s, "fallback")
+    assert e["reason"] == "timeout" and "pools_at_maximum" not in e
+    assert 1.5 + 0.5 <= waited < 1.5 + 0.5 + 2, waited
+
+
+@gen_cluster(client=True, nthreads=CPU_WORKER)
+async def test_the_bound_caps_what_a_starting_worker_holds_back(c, s, a):
+    await accelsched.register(c)
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="300ms"):
+        fut = c.submit(inc, 1, key="x")
+    await wait_for(lambda: s.tasks.get("x") is not None and s.tasks["x"].state == "no-worker")
+    t0 = time.monotonic()
+    await getattr(c.scheduler, POOLS_HANDLER)(coming={"1x any": 600}, full={}, bound=0.5)
+    assert await fut == 2
+    assert time.monotonic() - t0 < 0.5 + 0.3 + 2  # not 600 s
+
+
+@gen_cluster(client=True, nthreads=CPU_WORKER)
+async def test_at_the_pools_maximum_the_task_falls_back_after_its_timeout(c, s, a):
+    await accelsched.register(c)
+    await getattr(c.scheduler, POOLS_HANDLER)(coming={}, full={"1x any": ["gpu"]}, bound=60)
+    t0 = time.monotonic()
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="300ms"):
+        assert await c.submit(inc, 1, key="x") == 2
+    assert time.monotonic() - t0 < 0.3 + 2
+    (e,) = events(s, "fallback")
+    assert e["reason"] == "timeout" and list(e["pools_at_maximum"]) == ["gpu"]
+
+
+@gen_cluster(client=True, nthreads=CPU_WORKER)
+async def test_a_bad_pools_request_changes_nothing(c, s, a):
+    await accelsched.register(c)
+    pools = getattr(c.scheduler, POOLS_HANDLER)
+    for bad in (
+        {"coming": {"1x any": "soon"}},
+        {"coming": {"1x any": float("nan")}},
+        {"bound": -1},
+        {"coming": {"1x any": True}},
+    ):
+        assert await pools(**bad) == {"status": "invalid"}, bad
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="300ms"):
+        assert await c.submit(inc, 1, key="x") == 2
+    (e,) = events(s, "fallback")
+    assert e["waited"] < 2
