@@ -109,7 +109,7 @@ def restricted_to(ts: TaskState) -> set[str]:
     return set(ts.worker_restrictions or ())
 
 
-def take_host_restrictions(scheduler: Scheduler, ts: TaskState) -> set[str]:
+def take_restricted_hosts(scheduler: Scheduler, ts: TaskState) -> set[str]:
     """The hosts ``ts`` is restricted to (``workers=["hostname"]``), by the names the
     scheduler knows them by; taken off the task. distributed places a task on the union
     of its worker and host restrictions: left on, a host would widen the worker

@@ -370,7 +370,7 @@ class Fallback:
             restrictions[GPU_MEMORY] = mebibytes(need.memory)
             internals.set_resource_restrictions(ts, restrictions)
             internals.drop_annotated_resource(ts, GPU)
-        own = internals.restricted_to(ts) | internals.take_host_restrictions(self.scheduler, ts)
+        own = internals.restricted_to(ts) | internals.take_restricted_hosts(self.scheduler, ts)
         # enforce says nothing of the device: tasks that differ by it share a class
         key = (replace(need, enforce=None), devices_needed(count), frozenset(own) if own else None)
         if (eligible := self._classes.get(key)) is None:
