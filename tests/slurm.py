@@ -181,5 +181,18 @@ def slurm(root: Path, timeout: float = 60) -> Iterator[Slurm]:
             )
         yield cluster
     finally:
+        _drain(cluster)
         for d in reversed(cluster.daemons):
             d.stop()
+
+
+def _drain(cluster: Slurm, timeout: float = 20) -> None:
+    """Cancel what is left and let it end while Slurm runs: a job's ``slurmstepd``
+    outlives a ``slurmd`` stopped under it."""
+    if any(d.popen.poll() is not None for d in cluster.daemons):
+        return
+    with suppress(AssertionError, subprocess.SubprocessError):
+        cluster.run("scancel", f"--partition={cluster.partition}")
+        deadline = time.monotonic() + timeout
+        while cluster.jobs() and time.monotonic() < deadline:
+            time.sleep(0.5)
