@@ -77,7 +77,11 @@ def pools_for(cluster: SLURMCluster, gpus: FakeGPUs) -> dict[str, Any]:
         *base.get("job_script_prologue", []),
         *exports({"PYTHONPATH": os.pathsep.join(PATHS + [os.environ.get("PYTHONPATH", "")])}),
     ]
+    # the CPU jobs see no GPU: without fake_gpus' variables (its library's folder taken
+    # off the library path it put in front)
     hidden = " ".join(sorted(gpus.env))
+    before = gpus.env.get("LD_LIBRARY_PATH", "").split(os.pathsep, 1)[1:]
+    restored = exports({"LD_LIBRARY_PATH": before[0]}) if before else []
     return {
         "gpu": {
             "spec": {
@@ -99,6 +103,7 @@ def pools_for(cluster: SLURMCluster, gpus: FakeGPUs) -> dict[str, Any]:
                     "job_script_prologue": [
                         *prologue,
                         f"unset {hidden}",
+                        *restored,
                         "export CUDA_VISIBLE_DEVICES=",
                     ],
                 },
