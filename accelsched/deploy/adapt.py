@@ -92,6 +92,39 @@ def _devices(pool: str, given: Any, declared: Any) -> tuple[int, tuple[DeviceFac
     return count, (facts,) * count
 
 
+def _declared_gpus(pool: str, options: Mapping[str, Any]) -> Any:
+    """The GPUs a pool's workers declare: a worker's ``resources={"GPU": n}``, or a
+    dask-jobqueue job's ``worker_extra_args=["--resources", "GPU=n"]`` (None: none said)."""
+    if "resources" in options:
+        return (options["resources"] or {}).get(GPU)
+    args = list(options.get("worker_extra_args") or ())
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag == "--resources":
+            for item in str(value).replace(",", " ").split():
+                key, _, amount = item.partition("=")
+                if key == GPU:
+                    try:
+                        return int(amount)
+                    except ValueError:
+                        raise ValueError(
+                            f"pool {pool!r}: invalid --resources {value!r}: expected GPU=<n>"
+                        ) from None
+    return None
+
+
+def _threads(pool: str, options: Mapping[str, Any]) -> Any:
+    """Tasks a pool's worker runs at once: its ``nthreads``, or a dask-jobqueue job's
+    ``cores`` (one worker per job: a job of several workers names them ``<name>-<i>``,
+    which are not the pool's ``<pool>-<n>``)."""
+    processes = options.get("processes")
+    if processes not in (None, 1):
+        raise ValueError(
+            f"pool {pool!r}: invalid spec options processes={processes!r}: a pool's job "
+            "runs one worker, named '<pool>-<n>'"
+        )
+    return options.get("nthreads") or options.get("cores") or 1
+
+
 def parse_pools(pools: Any) -> dict[str, PoolSpec]:
     """Check ``pools`` (``{name: {"spec": ..., "minimum": 0, "maximum": n, "devices":
     {...}}}``); ``ValueError``/``TypeError`` name the pool and the bad key or value."""
@@ -126,10 +159,8 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         maximum = _count(name, "maximum", given.get("maximum", 1))
         if minimum > maximum:
             raise ValueError(f"pool {name!r}: minimum={minimum} > maximum={maximum}")
-        resources = options.get("resources") or {}
-        gpus, facts = _devices(name, given.get("devices"), resources.get(GPU))
-        threads = options.get("nthreads") or 1
-        threads = _count(name, "spec options nthreads", threads, least=1)
+        gpus, facts = _devices(name, given.get("devices"), _declared_gpus(name, options))
+        threads = _count(name, "spec options nthreads", _threads(name, options), least=1)
         pool = Pool(name, minimum, maximum, gpus, facts, threads)
         out[name] = PoolSpec(pool, {"cls": spec["cls"], "options": dict(options)})
     return out

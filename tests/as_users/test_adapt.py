@@ -159,6 +159,28 @@ def test_pools_are_checked_when_given() -> None:
             assert text in str(info.value), (pools, options, str(info.value))
 
 
+def test_a_jobqueue_jobs_options_say_its_gpus_and_threads() -> None:
+    """dask-jobqueue's job options (its cluster's ``new_spec``) carry no ``resources`` nor
+    ``nthreads``: a pool reads the GPUs its job's ``dask worker`` declares
+    (``worker_extra_args``) and its ``cores``; a job of several workers, or a bad
+    ``--resources``, is refused naming the pool."""
+    from accelsched.deploy.adapt import parse_pools
+
+    def job(**options: Any) -> dict[str, Any]:
+        return {"spec": {"cls": Nanny, "options": {"cores": 4, "processes": 1, **options}}}
+
+    gpu = job(worker_extra_args=["--lifetime", "1h", "--resources", "GPU=2 fast=1"])
+    parsed = parse_pools({"gpu": gpu, "cpu": job(cores=3)})
+    assert (parsed["gpu"].pool.gpus, parsed["gpu"].pool.threads) == (2, 4)
+    assert (parsed["cpu"].pool.gpus, parsed["cpu"].pool.threads) == (0, 3)
+    with pytest.raises(ValueError, match="devices count=1 but its workers declare"):
+        parse_pools({"gpu": {**gpu, "devices": {"count": 1}}})
+    with pytest.raises(ValueError, match=r"'gpu': invalid --resources 'GPU=two'"):
+        parse_pools({"gpu": job(worker_extra_args=["--resources", "GPU=two"])})
+    with pytest.raises(ValueError, match=r"'gpu': invalid spec options processes=2"):
+        parse_pools({"gpu": job(processes=2)})
+
+
 @pytest.mark.usefixtures("fake_gpus_2")
 def test_an_idle_worker_whose_data_no_peer_can_take_is_not_retired() -> None:
     """The only worker holds a result the client still wants: idle or not, it stays (no
