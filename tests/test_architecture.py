@@ -354,6 +354,20 @@ async def test_changed_worker_internals_fail_registration(c, s, a) -> None:
         a.executors = saved
 
 
+def test_the_installed_package_carries_the_license() -> None:
+    """What pip installed (from the wheel it built, as the README's commands do) lists
+    the project's LICENSE among its files, word for word."""
+    from importlib.metadata import distribution
+
+    dist = distribution("accelsched")
+    licenses = [f for f in dist.files or () if f.name == "LICENSE"]
+    assert licenses, [str(f) for f in dist.files or ()]
+    assert licenses[0].read_text() == (ROOT / "LICENSE").read_text()
+    assert dist.metadata["License"] == "BSD-3-Clause" or "BSD-3-Clause" in str(
+        dist.metadata.get_all("License-Expression")
+    )
+
+
 def test_every_test_the_reliability_table_names_exists() -> None:
     """docs/reliability.md gives a test per row: each one it names must exist."""
     text = (ROOT / "docs" / "reliability.md").read_text()
