@@ -185,39 +185,44 @@ async def test_a_task_adding_more_than_it_declared_is_reported(c, s, a, b):
 # moment later: 30 + 12 is past the device's 40 GiB.
 
 
-def _packed(declared_by: str, enforce: bool | None):  # type: ignore[no-untyped-def]
-    @accelsched.gpu(memory="12GiB", model="*A100*", enforce=enforce)
+def _packed(declared_by: str, enforce: bool | None, declared: int = 12):  # type: ignore[no-untyped-def]
+    @accelsched.gpu(memory=f"{declared}GiB", model="*A100*", enforce=enforce)
     def step(nbytes: int) -> tuple[int, float]:
         from accelsched.testing import device_alloc
 
-        if nbytes <= 12 * GiB:
+        if nbytes <= declared * GiB:
             time.sleep(0.3)  # the greedy one first
         buf = device_alloc(nbytes)
         time.sleep(1.0)  # held while the others run beside it
         return buf.nbytes, time.time()
 
-    step.__name__ = step.__qualname__ = f"packed_{declared_by}"
+    step.__name__ = step.__qualname__ = f"packed_{declared_by}_{declared}"
     return step
 
 
-@pytest.mark.parametrize("switched_on_by", ["guard", "step"])
+@pytest.mark.parametrize(
+    "switched_on_by, declared, taken",
+    [("guard", 12, 30), ("step", 12, 30), ("guard", 2, 10)],
+    ids=["guard-tight", "step-tight", "guard-2GiB-takes-10GiB"],
+)
 @gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
 async def test_enforce_memory_fails_the_greedy_task_and_spares_its_neighbours(
-    c, s, a, b, switched_on_by
+    c, s, a, b, switched_on_by, declared, taken
 ):
     from accelsched import DeclaredMemoryExceeded
 
     by_guard = switched_on_by == "guard"
     await accelsched.register(c, check_interval="1h", fast_restart=False, enforce_memory=by_guard)
     await wait_for(lambda: len(events(s, "gpu-verified")) == 2)
-    step = _packed(switched_on_by, None if by_guard else True)
-    greedy_task = c.submit(step, 30 * GiB, pure=False)
-    honest = c.map(step, [12 * GiB, 12 * GiB], pure=False)
+    step = _packed(switched_on_by, None if by_guard else True, declared)
+    greedy_task = c.submit(step, taken * GiB, pure=False)
+    honest = c.map(step, [declared * GiB, declared * GiB], pure=False)
     with pytest.raises(DeclaredMemoryExceeded) as failed:
         await greedy_task
-    assert "declared 12.00 GiB" in str(failed.value) and "30.00 GiB" in str(failed.value)
-    assert failed.value.declared == 12 * GiB and failed.value.attempted == 30 * GiB
-    assert [n for n, _ in await c.gather(honest)] == [12 * GiB, 12 * GiB]
+    said = str(failed.value)
+    assert f"declared {declared}.00 GiB" in said and f"{taken}.00 GiB" in said, said
+    assert failed.value.declared == declared * GiB and failed.value.attempted == taken * GiB
+    assert [n for n, _ in await c.gather(honest)] == [declared * GiB, declared * GiB]
     assert events(s, "over-declared") == []  # refused: it never held more
 
 
