@@ -19,6 +19,7 @@ from typing import Any
 import dask
 import pytest
 from dask_jobqueue import SLURMCluster
+from dask_jobqueue.config import reconfigure
 from dask_jobqueue.slurm import SLURMJob
 from distributed import Client
 
@@ -124,6 +125,9 @@ def test_slurm_jobs_are_the_pools_workers(
     """12 GPU tasks on an empty SLURMCluster: a GPU pool worker starts as a Slurm job,
     is verified, and runs them all on GPUs (no fallback); a CPU task gets a CPU pool
     job; idle, the GPU pool shrinks to zero and its jobs leave ``squeue``."""
+    # dask-jobqueue adds its config defaults as it is imported; a test before this one
+    # in the process may have put back a config from before that import
+    reconfigure()
     with (
         SLURMCluster(
             cores=1,
