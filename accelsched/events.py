@@ -97,7 +97,6 @@ from typing import Any, Final
 
 from dask.utils import format_bytes
 
-from accelsched.display.status_table import shown
 from accelsched.policy.waiting import REASONS
 
 TOPIC: Final = "accelsched"
@@ -179,6 +178,21 @@ def log_line(msg: Mapping[str, Any]) -> tuple[int, str]:
         logging.WARNING if isinstance(action, str) and action in WARNING_ACTIONS else logging.INFO
     )
     return level, f"accelsched [{shown(action)}] {shown(describe(msg))}"
+
+
+def shown(text: object) -> str:
+    """``text`` as one printable line, for every value the commands print that they did
+    not write themselves (worker and device names, UUIDs, event details, addresses,
+    paths, errors).
+
+    Anyone can name a worker, and a worker reports its own device names: a name holding a
+    terminal escape (``"\\x1b[2J"``) would clear the reader's screen, a newline would
+    forge a row of the table, a bidi override would reorder what follows it. Such a
+    value is shown quoted, escaped (``'\\x1b[2J'``): it is seen and never acts, and the
+    quotes tell it from a name that merely looks like an escape. A printable value
+    (non-ASCII letters too) is shown as it is."""
+    text = str(text)
+    return text if text.isprintable() else ascii(text)
 
 
 def describe(msg: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:

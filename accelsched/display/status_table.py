@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Final, cast
 
 from dask.utils import format_bytes
 
+from accelsched.events import shown
 from accelsched.protocol import STATUS_HANDLER, DeviceStatus, StatusReply
 
 if TYPE_CHECKING:
@@ -91,21 +92,6 @@ def quarantine_text(reason: str | None) -> str:
     if not reason:
         return "-"
     return f"{reason}; waits for {wanted}" if (wanted := waits_for(reason)) else reason
-
-
-def shown(text: object) -> str:
-    """``text`` as one printable line, for every value the commands print that they did
-    not write themselves (worker and device names, UUIDs, event details, addresses,
-    paths, errors).
-
-    Anyone can name a worker, and a worker reports its own device names: a name holding a
-    terminal escape (``"\\x1b[2J"``) would clear the reader's screen, a newline would
-    forge a row of the table, a bidi override would reorder what follows it. Such a
-    value is shown quoted, escaped (``'\\x1b[2J'``): it is seen and never acts, and the
-    quotes tell it from a name that merely looks like an escape. A printable value
-    (non-ASCII letters too) is shown as it is."""
-    text = str(text)
-    return text if text.isprintable() else ascii(text)
 
 
 def one_line(exc: BaseException) -> str:

@@ -51,7 +51,7 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 from accelsched import events, internals
-from accelsched.display.status_table import shown
+from accelsched.events import shown
 from accelsched.policy.budget import RestartBudget, admit_restart, keeps_devices, restart_reply
 from accelsched.policy.proposals import Proposal
 from accelsched.protocol import DRAIN_HANDLER, RESTART_HANDLER, RestartReply

@@ -1,39 +1,26 @@
 """The guard's per-task work inside a worker, piece by piece.
 
 The overhead benchmark says how much accelsched costs a tiny GPU task end to end; this
-one says where it goes, so that the next change adding to the hot path shows up. One
-in-process worker (``LocalCluster(processes=False)``, one thread, one simulated GPU,
-``--resources GPU=1``) runs tiny tasks asking for ``resources={"GPU": 1}``, in rounds
-alternating between a cluster with ``accelsched.register`` and a plain one. Per task:
+one says where it goes. One in-process worker (one thread, one simulated GPU,
+``--resources GPU=1``) runs tiny ``resources={"GPU": 1}`` tasks in rounds alternating
+between a cluster with ``accelsched.register`` and a plain one. Per task:
 
-- *loop*: the guard's ``transition`` hook, every call the task's transitions make
-  (worker event loop), timed around the hook: per kind of transition, the median call
-  times the calls per task;
-- *thread in the rounds*: the CPU time (``thread_time``) of the executor thread running
-  the task (distributed's own wrapping included), with and without accelsched: the
-  difference is the guard's work in the task's thread as it runs there, cache misses
-  included, but two threads make it noisy (tens of µs from round to round);
-- *thread*: the guard's GPU runner called in a loop in one thread, the worker idle,
-  minus the bare task call: the thread-side cost without the noise of two threads.
+- *loop*: the guard's ``transition`` hook (worker event loop), per kind of transition
+  the median call times the calls per task;
+- *thread in the rounds*: the executor thread's CPU time (``thread_time``) with and
+  without accelsched: the guard's work in the task's thread, noisy (two threads);
+- *thread*: the guard's GPU runner called in a loop in one thread, minus the bare call;
+- *pieces*: the named parts of that work, each timed around its call.
 
 The guard's Python per GPU task is *thread* + *loop*, against :data:`BUDGET_US`.
-- *pieces*: the named parts of that work, each timed around its call (median per call
-  and calls per task).
-
-*context*: then a CUDA context is made in the process (a GPU task on each cluster, as
-real GPU work makes one), after which the guard measures GPU tasks (NVML process-list
-reads, on a sample of a quiet prefix's runs); the same tiny tasks again in paired rounds:
-the executor thread's CPU per task on both sides, their paired difference and ratio, and
-NVML reads per task (counted in a round of their own).
-
-What a timer adds to what it times (measured on a no-op, ``timer_overhead_us``) is
-taken off every figure it makes.
-
-No timing is asserted anywhere; the figures are read (``benchmarks/README.md``).
-
-Run with ``python -m benchmarks hotpath [--rounds 5]`` (``--quick``: 100 tasks, 2
-rounds). The timers are :mod:`benchmarks.micro.call_timers`; the printed report and the
-plot, :mod:`benchmarks.micro.hotpath_report`.
+*context*: then a CUDA context is made (as real GPU work makes one), after which the guard
+measures GPU tasks (NVML process-list reads, on a sample of a quiet prefix's runs): the
+same tasks in paired rounds, thread CPU per task on both sides, their paired difference
+and ratio, and NVML reads per task. A timer's own cost (``timer_overhead_us``, measured
+on a no-op) is taken off every figure it makes. No timing is asserted; the figures are
+read (``benchmarks/README.md``). Run with ``python -m benchmarks hotpath [--rounds 5]``
+(``--quick``: 100 tasks, 2 rounds); timers: :mod:`benchmarks.micro.call_timers`; report
+and plot: :mod:`benchmarks.micro.hotpath_report`.
 """
 
 from __future__ import annotations
@@ -50,9 +37,11 @@ from typing import Any
 from distributed import Client, LocalCluster
 
 import accelsched
-from accelsched.testing import fake_gpus
+from accelsched.testing import create_context, fake_gpus
 from benchmarks.micro import call_timers
+from benchmarks.micro.hotpath_report import med as _med
 from benchmarks.micro.hotpath_report import plot, report
+from benchmarks.micro.hotpath_report import spread as _spread
 
 NAME = "hotpath"
 
@@ -106,8 +95,6 @@ def _cluster(acc: bool) -> Iterator[tuple[Client, Any]]:
 
 def make_context() -> int:
     """A (simulated) CUDA context of this process on its task's device."""
-    from accelsched.testing import create_context
-
     create_context(accelsched.current_device() or 0)
     return 0
 
@@ -149,10 +136,6 @@ def _verified(client: Client) -> bool:
 
 def _run(client: Client, n: int) -> None:
     client.gather(client.map(tiny, range(n), pure=False, resources={"GPU": 1}))
-
-
-def _med(values: list[float]) -> float:
-    return round(statistics.median(values), 2) if values else float("nan")
 
 
 def _round(
@@ -307,14 +290,6 @@ def measure(tasks: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {
-        "median": _med(values),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
-
-
 def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
     """``rounds`` paired rounds (``--rounds``; default 5, 2 with ``--quick``) of 2000 tasks
     (100 with ``--quick``)."""
@@ -324,9 +299,8 @@ def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
     print(report(result))
     if quick:
         print(
-            f"quick run: not the README's figures ({tasks} tasks a round, against 2000): "
-            "what a round pays once (the first NVML reads, the worker warming up) weighs "
-            "20 times more per task, so the guard's figure per task comes out higher"
+            f"quick run: not the README's figures: {tasks} tasks a round, not 2000, so what a "
+            "round pays once (the first NVML reads, the warm-up) weighs 20 times more per task"
         )
     result["plots"] = [p.name for p in plot(result, out)]
     return result

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
+
+
+def med(values: list[float]) -> float:
+    return round(statistics.median(values), 2) if values else float("nan")
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": med(values), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
 def report(result: dict[str, Any]) -> str:
