@@ -44,6 +44,8 @@ GIB = 2**30
 #: Errors a task may end with here: out of device memory (a neighbour leaked before its
 #: restart), or killed with its worker too often (distributed's ``allowed-failures``).
 EXPECTED = ("OutOfDeviceMemory", "KilledWorker")
+#: Events kept whole in the figures (the first 20): the rarer decisions.
+NOTABLE = ("unmet-requirement", "quarantine", "gpu-unhealthy", "restart-deferred", "gpu-rejected")
 
 
 def work(nbytes: int, seconds: float) -> tuple[str, float, str]:
@@ -68,8 +70,10 @@ def on_held(held: Any, nbytes: int, seconds: float) -> tuple[str, float, str]:
 
 
 #: Each kind: the callable, the device memory it holds, whether it is annotated with
-#: ``resources={"GPU": 1}``, and how often it is drawn against the others.
+#: ``resources={"GPU": 1}``, and how often it is drawn against the others. "cpu" tasks
+#: ask for no GPU (they may run anywhere).
 KINDS: dict[str, tuple[Any, int, bool, int]] = {
+    "cpu": (work, 0, False, 2),
     "plain": (work, 1 * GIB, True, 4),
     "declared-2GiB": (accelsched.gpu(memory="2GiB")(work), 2 * GIB, False, 8),
     "declared-12GiB": (accelsched.gpu(memory="12GiB")(work), 12 * GIB, False, 3),
@@ -184,6 +188,7 @@ def _events(client: Client) -> dict[str, Any]:
             Counter(m.get("reason") for m in events if m["action"] == "fallback")
         ),
         "restarts": dict(Counter(m.get("reason") for m in events if m["action"] == "restart")),
+        "notable": [m for m in events if m["action"] in NOTABLE][:20],
     }
 
 
@@ -204,7 +209,7 @@ def run(
 ) -> dict[str, Any]:
     duration = duration or (50 if quick else 600)
     seed = 2026 if seed is None else seed
-    faults = plan(seed, duration, max(4, round(duration * 44 / 600)))
+    faults = plan(seed, duration, max(6, round(duration * 44 / 600)))
     in_flight, bound = (16, 90) if quick else (40, 180)
     print(f"soak: {duration} s, seed {seed}, {len(faults)} faults planned:", flush=True)
     for fault in faults:

@@ -97,8 +97,8 @@ def plan(seed: int, duration: float, count: int) -> list[Fault]:
     late = [s.name for s in WORKERS if s.late]
     faults = [Fault(rng.uniform(0.1, 0.4) * duration, "late-join", n, 0) for n in late]
     names = [s.name for s in WORKERS]
-    for _ in range(count - len(faults)):
-        kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+    more = max(0, count - len(faults) - len(KINDS))  # every kind at least once
+    for kind in [*KINDS, *rng.choices(list(KINDS), weights=list(KINDS.values()), k=more)]:
         at = rng.uniform(0.03, 0.92) * duration
         if kind == "nvml":
             device = str(rng.randrange(len(DEVICES)))
@@ -170,25 +170,39 @@ class Cluster:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever the nanny left
         proc.wait()
 
-    def kill_worker_process(self, name: str) -> bool:
-        """SIGKILL the worker process under ``name``'s nanny; False if there is none now."""
-        with self.lock:
-            proc = self.procs.get(name)
-        if proc is None or proc.poll() is not None:
-            return False
-        try:
-            for child in psutil.Process(proc.pid).children():
-                if "spawn_main" in " ".join(child.cmdline()):  # not the resource tracker
-                    child.send_signal(signal.SIGKILL)
+    def kill_worker_process(self, name: str, timeout: float = 15) -> bool:
+        """SIGKILL the worker process under ``name``'s nanny; False if there is none
+        within ``timeout`` (its nanny may be between two worker processes: a restart)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                proc = self.procs.get(name)
+            if proc is None or proc.poll() is not None:
+                return False
+            with suppress(psutil.Error):
+                for worker in _worker_processes(psutil.Process(proc.pid)):
+                    worker.send_signal(signal.SIGKILL)
                     return True
-        except psutil.Error:
-            pass
+            time.sleep(0.2)
         return False
 
     def close(self) -> None:
         """Workers first, then the scheduler: a worker outliving it waits out timeouts."""
         for name in [n for n in self.procs if n != "scheduler"] + ["scheduler"]:
             self.stop(name, timeout=15)
+
+
+def _worker_processes(nanny: psutil.Process) -> list[psutil.Process]:
+    """The nanny's worker process: a child it spawned, or one its fork server forked
+    (accelsched's fast restarts); not the resource tracker, not the fork server."""
+    found = []
+    for child in nanny.children():
+        command = " ".join(child.cmdline())
+        if "spawn_main" in command:
+            found.append(child)
+        elif "forkserver" in command:
+            found.extend(child.children())
+    return found
 
 
 class Faults(threading.Thread):
