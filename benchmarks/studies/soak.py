@@ -27,6 +27,7 @@ import random
 import tempfile
 import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,13 @@ from accelsched.testing import device_alloc, fake_gpus
 from benchmarks.harness.plots import bars
 from benchmarks.harness.results import spread
 from benchmarks.studies.soak_cluster import DEVICES, WORKERS, Cluster, Faults, plan
+from benchmarks.studies.soak_report import events, keep_logs, p99, stuck_tasks
 
 NAME = "soak"
 GIB = 2**30
 #: Errors a task may end with here: out of device memory (a neighbour leaked before its
 #: restart), or killed with its worker too often (distributed's ``allowed-failures``).
 EXPECTED = ("OutOfDeviceMemory", "KilledWorker")
-#: Events kept whole in the figures (the first 20): the rarer decisions.
-NOTABLE = ("unmet-requirement", "quarantine", "gpu-unhealthy", "restart-deferred", "gpu-rejected")
 
 
 def work(nbytes: int, seconds: float) -> tuple[str, float, str]:
@@ -95,31 +95,6 @@ KINDS: dict[str, tuple[Any, int, bool, int]] = {
 }
 
 
-def _scheduler_view(keys: list[str], dask_scheduler: Any = None) -> dict[str, Any]:
-    """What the scheduler knows of ``keys``: state, restrictions, worker, inputs."""
-    s, out = dask_scheduler, {}  # type: Any, dict[str, Any]
-    for key in keys:
-        ts = s.tasks.get(key)
-        if ts is None:
-            out[key] = {"state": "(not on the scheduler)"}
-            continue
-        out[key] = {
-            "state": ts.state,
-            "resource_restrictions": ts.resource_restrictions,
-            "worker_restrictions": sorted(ts.worker_restrictions or ()),
-            "processing_on": ts.processing_on.name if ts.processing_on else None,
-            "unrunnable": ts in s.unrunnable,
-            "waiting_on": sorted(str(d.key) for d in ts.waiting_on or ()),
-            "annotations": sorted(ts.annotations or ()),
-            "workers": {str(w.name): dict(w.resources) for w in s.workers.values()},
-        }
-    return out
-
-
-def _worker_view(keys: list[str], dask_worker: Any = None) -> dict[str, str]:
-    return {k: dask_worker.state.tasks[k].state for k in keys if k in dask_worker.state.tasks}
-
-
 class Load:
     """The client side: submits the mix, keeps some results a while, records outcomes."""
 
@@ -129,7 +104,8 @@ class Load:
         self.held: list[tuple[float, Future]] = []
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self.per_worker: Counter[str] = Counter()
-        self.waits: list[float] = []
+        self.waits: list[float] = []  # submitted -> its (last) start on a worker
+        self.latencies: list[float] = []  # submitted -> seen ended here (0.1 s steps)
         self.submitted = 0
         self.errors: Counter[str] = Counter()
 
@@ -144,7 +120,7 @@ class Load:
                 if not self.held:
                     continue
                 args = (self.rng.choice(self.held)[1], *args)
-            with dask.annotate(resources={"GPU": 1}) if annotate else _nothing():
+            with dask.annotate(resources={"GPU": 1}) if annotate else nullcontext():
                 future = self.client.submit(fn, *args, pure=False, key=f"{kind}-{self.submitted}")
             self.pending[str(future.key)] = (future, kind, time.time())
             self.submitted += 1
@@ -155,6 +131,7 @@ class Load:
             if not future.done():
                 continue
             del self.pending[key]
+            self.latencies.append(now - submitted)
             if future.status == "finished":
                 worker, start, where = future.result()
                 self.outcomes[(kind, f"finished-{where}")] += 1
@@ -168,40 +145,6 @@ class Load:
                 if error not in EXPECTED:
                     self.errors[f"{kind}: {error or future.status}"] += 1
         self.held = [(t, f) for t, f in self.held if t > now]  # the rest released
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _events(client: Client) -> dict[str, Any]:
-    events = [m for _, m in client.get_events("accelsched")]
-    actions = Counter(m["action"] for m in events)
-    return {
-        "actions": dict(actions),
-        "fallback_tasks": sum(m.get("count", 1) for m in events if m["action"] == "fallback"),
-        "fallback_reasons": dict(
-            Counter(m.get("reason") for m in events if m["action"] == "fallback")
-        ),
-        "restarts": dict(Counter(m.get("reason") for m in events if m["action"] == "restart")),
-        "notable": [m for m in events if m["action"] in NOTABLE][:20],
-    }
-
-
-def _stuck(client: Client, keys: list[str]) -> dict[str, Any]:
-    view = client.run_on_scheduler(_scheduler_view, keys)
-    on_workers = client.run(_worker_view, keys, on_error="return")
-    for key, entry in view.items():
-        entry["on_workers"] = {
-            w: states[key]
-            for w, states in on_workers.items()
-            if isinstance(states, dict) and key in states
-        }
-    return view
 
 
 def run(
@@ -233,7 +176,7 @@ def run(
         finally:
             cluster.close()
             if figures is None or figures.get("errors"):
-                _keep_logs(Path(tmp), out)
+                keep_logs(Path(tmp), out)
     _plot(out, figures)
     return figures
 
@@ -258,7 +201,7 @@ def _soak(
         load.collect(hold=False)
         time.sleep(0.2)
     drained = time.time() - stopped
-    stuck = _stuck(client, sorted(load.pending)) if load.pending else {}
+    stuck = stuck_tasks(client, sorted(load.pending)) if load.pending else {}
     for key, entry in stuck.items():
         print(f"soak: STUCK {key}: {entry}", flush=True)
     errors = [f"stuck after {bound} s: {key} ({e['state']})" for key, e in stuck.items()]
@@ -266,7 +209,7 @@ def _soak(
     outcomes: dict[str, dict[str, int]] = {}
     for (kind, outcome), n in sorted(load.outcomes.items()):
         outcomes.setdefault(kind, {})[outcome] = n
-    waits = {**spread(load.waits), "p99": _p99(load.waits)}
+    waits = {**spread(load.waits), "p99": p99(load.waits)}
     figures: dict[str, Any] = {
         "setup": {
             "duration_s": duration,
@@ -284,25 +227,14 @@ def _soak(
             "per_worker": dict(load.per_worker),
         },
         "wait_s": waits,
+        "latency_s": {**spread(load.latencies), "p99": p99(load.latencies)},
         "drained_s": drained,
-        "events": _events(client),
+        "events": events(client),
         "stuck": stuck,
     }
     print(f"soak: {load.submitted} tasks, {len(stuck)} stuck, max wait "
           f"{waits['max']:.1f} s, events {figures['events']}", flush=True)  # fmt: skip
     return {**figures, **({"errors": errors} if errors else {})}
-
-
-def _p99(values: list[float]) -> float:
-    return sorted(values)[int(0.99 * (len(values) - 1))] if values else float("nan")
-
-
-def _keep_logs(tmp: Path, out: Path) -> None:
-    """The processes' logs next to the figures, when something went wrong."""
-    logs = out / "soak-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    for log in tmp.glob("*.log"):
-        (logs / log.name).write_bytes(log.read_bytes())
 
 
 def _plot(out: Path, figures: dict[str, Any]) -> None:
