@@ -105,6 +105,8 @@ class Load:
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self.per_worker: Counter[str] = Counter()
         self.waits: list[float] = []  # submitted -> its (last) start on a worker
+        self.by_kind: dict[str, list[float]] = {}  # the same, per kind
+        self.slowest: list[tuple[float, str, str, float]] = []  # wait, key, worker, submitted
         self.latencies: list[float] = []  # submitted -> seen ended here (0.1 s steps)
         self.submitted = 0
         self.errors: Counter[str] = Counter()
@@ -137,6 +139,9 @@ class Load:
                 self.outcomes[(kind, f"finished-{where}")] += 1
                 self.per_worker[worker] += 1
                 self.waits.append(start - submitted)
+                self.by_kind.setdefault(kind, []).append(start - submitted)
+                self.slowest = sorted([*self.slowest, (start - submitted, key, worker, submitted)])
+                self.slowest = self.slowest[-15:]
                 if hold and self.rng.random() < 0.15:
                     self.held.append((now + self.rng.uniform(5, 30), future))
             else:
@@ -228,6 +233,13 @@ def _soak(
         },
         "wait_s": waits,
         "latency_s": {**spread(load.latencies), "p99": p99(load.latencies)},
+        "wait_by_kind_s": {
+            k: {**spread(w), "p99": p99(w)} for k, w in sorted(load.by_kind.items())
+        },
+        "slowest": [  # the longest waits: which task, where it ran, when it was submitted
+            {"key": k, "wait_s": w, "worker": wk, "submitted_at_s": t - start}
+            for w, k, wk, t in reversed(load.slowest)
+        ],
         "drained_s": drained,
         "events": events(client),
         "stuck": stuck,
