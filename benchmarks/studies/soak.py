@@ -194,10 +194,21 @@ def _soak(
     start = time.time()
     injector = Faults(cluster, gpus, client, faults, start)
     injector.start()
+    seen: dict[str, Any] = {}  # tasks waiting past a third of the bound, as seen then
     while time.time() - start < duration:
         load.submit()
         load.collect()
         time.sleep(0.1)
+        now = time.time()
+        late = [k for k, (_, _, t) in load.pending.items() if now - t > bound / 3]
+        if late and len(seen) < 10 and not set(late) <= set(seen):
+            new = sorted(set(late) - set(seen))[: 10 - len(seen)]
+            for key, entry in stuck_tasks(client, new).items():
+                seen[key] = {"at_s": now - start, **entry}
+                print(
+                    f"soak: waiting {bound / 3:.0f} s+ at {now - start:.0f} s: {key}: {entry}",
+                    flush=True,
+                )
     by_kind = injector.finish()
     print(f"soak: load stopped at {time.time() - start:.0f} s, {len(load.pending)} tasks "
           f"left, faults {dict(by_kind)}", flush=True)  # fmt: skip
@@ -210,6 +221,10 @@ def _soak(
     for key, entry in stuck.items():
         print(f"soak: STUCK {key}: {entry}", flush=True)
     errors = [f"stuck after {bound} s: {key} ({e['state']})" for key, e in stuck.items()]
+    # a task that waited longer than the bound while the load ran was stuck as well:
+    # only the load's end (or a fault) let it start
+    stranded = [(w, k, wk) for w, k, wk, _ in load.slowest if w > bound]
+    errors += [f"waited {w:.0f} s (> {bound} s) under load: {k} on {wk}" for w, k, wk in stranded]
     errors += [f"unexpected error x{n}: {what}" for what, n in load.errors.items()]
     outcomes: dict[str, dict[str, int]] = {}
     for (kind, outcome), n in sorted(load.outcomes.items()):
@@ -243,6 +258,8 @@ def _soak(
         "drained_s": drained,
         "events": events(client),
         "stuck": stuck,
+        "stranded": len([w for w in load.waits if w > bound]),
+        "seen_waiting": seen,
     }
     print(f"soak: {load.submitted} tasks, {len(stuck)} stuck, max wait "
           f"{waits['max']:.1f} s, events {figures['events']}", flush=True)  # fmt: skip
