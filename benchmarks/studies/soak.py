@@ -38,7 +38,8 @@ import accelsched
 from accelsched.testing import device_alloc, fake_gpus
 from benchmarks.harness.plots import bars
 from benchmarks.harness.results import spread
-from benchmarks.studies.soak_cluster import DEVICES, WORKERS, Cluster, Faults, plan
+from benchmarks.studies.soak_cluster import Cluster, Faults
+from benchmarks.studies.soak_plan import DEVICES, WORKERS, plan
 from benchmarks.studies.soak_report import events, keep_logs, p99, stuck_tasks
 
 NAME = "soak"
@@ -198,6 +199,7 @@ def _soak(
     while time.time() - start < duration:
         load.submit()
         load.collect()
+        injector.supervise()
         time.sleep(0.1)
         now = time.time()
         late = [k for k, (_, _, t) in load.pending.items() if now - t > bound / 3]
@@ -240,6 +242,7 @@ def _soak(
             "devices": [f"{n} {m // GIB} GiB" for n, m, _ in DEVICES],
         },
         "faults": {"planned": len(faults), "by_kind": dict(by_kind), "done": injector.done},
+        "worker_exits": injector.exits,  # started again at once, as a supervisor would
         "tasks": {
             "submitted": load.submitted,
             "ended": load.submitted - len(load.pending),

@@ -6,17 +6,17 @@ worker`` processes, each a nanny with its worker, on simulated GPUs of different
 ``CUDA_VISIBLE_DEVICES``, and a device can be made to fail NVML in every process at once),
 and one CPU-only worker. One worker joins late.
 
-The faults are drawn up front from a seed (:func:`plan`), so a run can be repeated and its
-plan printed, then carried out at their times by :class:`Faults` in a thread of its own
+The faults, drawn up front from a seed (:func:`benchmarks.studies.soak_plan.plan`), are
+carried out at their times by :class:`Faults` in a thread of its own
 while the workload goes on: a worker process SIGKILLed (its nanny starts it again), a
 worker SIGTERMed and a new one started on its devices a few seconds later (leave and
 join), a device failing NVML for a few seconds, ``client.restart_workers`` of one worker.
+A ``dask worker`` that exits on its own is started again, as a supervisor would.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -32,17 +32,7 @@ import psutil
 from distributed import Client
 
 from accelsched.testing import FakeGPUs
-
-GIB = 2**30
-#: The simulated devices, by NVML index: name, memory, compute capability.
-DEVICES = (
-    ("NVIDIA H100 80GB HBM3", 80 * GIB, "9.0"),
-    ("NVIDIA A100-SXM4-40GB", 40 * GIB, "8.0"),
-    ("NVIDIA A100-SXM4-40GB", 40 * GIB, "8.0"),
-    ("NVIDIA L4", 24 * GIB, "8.9"),
-    ("Tesla T4", 16 * GIB, "7.5"),
-    ("Tesla T4", 16 * GIB, "7.5"),
-)
+from benchmarks.studies.soak_plan import WORKERS, Fault, Spec
 
 #: The scheduler's ``--preload accelsched`` arguments: checks, fallbacks and restarts a
 #: few times faster than the defaults, and a restart budget the leaks never exhaust (a
@@ -53,60 +43,6 @@ SCHEDULER_OPTIONS = (
     "--max-restarts", "1000",
     "--restart-window", "1h",
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One ``dask worker`` command: its name, the devices it sees, its threads."""
-
-    name: str
-    devices: str
-    nthreads: int
-    late: bool = False
-
-
-WORKERS = (
-    Spec("h100", "0", 4),
-    Spec("a100x2", "1,2", 4),
-    Spec("l4", "3", 2),
-    Spec("t4x2", "4,5", 2, late=True),
-    Spec("cpu", "", 2),
-)
-#: Fault kinds drawn for the plan, and how often each is drawn against the others.
-KINDS = {"kill": 3, "leave-join": 2, "nvml": 3, "restart-workers": 1}
-
-
-@dataclass(frozen=True)
-class Fault:
-    at: float  # seconds after the load started
-    kind: str
-    target: str  # a worker's name, or a device index for "nvml"
-    seconds: float  # how long a device fails, or a left worker stays away
-    calls: str = "all"  # for "nvml": which NVML calls fail
-
-    def __str__(self) -> str:
-        extra = f" {self.calls} for {self.seconds:.1f} s" if self.kind == "nvml" else ""
-        if self.kind == "leave-join":
-            extra = f" away {self.seconds:.1f} s"
-        return f"{self.at:7.1f} s  {self.kind:<15} {self.target}{extra}"
-
-
-def plan(seed: int, duration: float, count: int) -> list[Fault]:
-    """``count`` faults at random times within the load (the late join among them)."""
-    rng = random.Random(seed)
-    late = [s.name for s in WORKERS if s.late]
-    faults = [Fault(rng.uniform(0.1, 0.4) * duration, "late-join", n, 0) for n in late]
-    names = [s.name for s in WORKERS]
-    more = max(0, count - len(faults) - len(KINDS))  # every kind at least once
-    for kind in [*KINDS, *rng.choices(list(KINDS), weights=list(KINDS.values()), k=more)]:
-        at = rng.uniform(0.03, 0.92) * duration
-        if kind == "nvml":
-            device = str(rng.randrange(len(DEVICES)))
-            calls = rng.choice(("all", "all", "lost", "memory"))
-            faults.append(Fault(at, kind, device, rng.uniform(2, 8), calls))
-        else:
-            faults.append(Fault(at, kind, rng.choice(names), rng.uniform(1, 5)))
-    return sorted(faults, key=lambda f: f.at)
 
 
 def _bin(name: str) -> str:
@@ -220,6 +156,8 @@ class Faults(threading.Thread):
         self.followups: list[threading.Thread] = []
         self.gpu_lock = threading.Lock()
         self.away: set[str] = set()
+        self.exits: list[dict[str, Any]] = []  # workers that exited on their own
+        self.restarted: dict[str, float] = {}
 
     def run(self) -> None:
         for fault in self.faults:
@@ -287,6 +225,30 @@ class Faults(threading.Thread):
         time.sleep(seconds)
         self.cluster.start_worker(spec)
         self.away.discard(spec.name)
+
+    def supervise(self) -> None:
+        """Start again a ``dask worker`` that exited on its own, as a process supervisor
+        (systemd, Kubernetes) would, at most every 2 s: distributed's nanny exits at
+        start when NVML fails on its first GPU (its system monitor reads the device's
+        memory). Each exit is recorded with the last line of its log."""
+        now = time.time()
+        for spec in WORKERS:
+            proc = self.cluster.procs.get(spec.name)
+            if proc is None or proc.poll() is None or spec.name in self.away:
+                continue
+            if now - self.restarted.get(spec.name, 0) < 2:
+                continue
+            lines = (self.cluster.tmp / f"{spec.name}.log").read_text(errors="replace")
+            last = lines.strip().splitlines()[-1:] or [""]
+            at = round(now - self.start_time, 1)
+            self.exits.append({"at": at, "worker": spec.name, "code": proc.returncode})
+            self.exits[-1]["last"] = last[0][-200:]
+            print(
+                f"  exit  {at:7.1f} s  {spec.name} ({proc.returncode}): {last[0][-120:]}",
+                flush=True,
+            )
+            self.restarted[spec.name] = now
+            self.cluster.start_worker(spec)
 
     def finish(self) -> Counter[str]:
         """Stop, let every follow-up end (devices recovered, workers back), start a late
