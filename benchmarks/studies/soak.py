@@ -217,6 +217,7 @@ def _soak(
     stopped = time.time()
     while load.pending and time.time() - stopped < bound:
         load.collect(hold=False)
+        injector.supervise()
         time.sleep(0.2)
     drained = time.time() - stopped
     stuck = stuck_tasks(client, sorted(load.pending)) if load.pending else {}
