@@ -81,6 +81,7 @@ REGISTRY: dict[str, Benchmark] = {
         _micro("hotpath"),
         _micro("scale"),
         _micro("placement_cost"),
+        _study("soak"),
         Benchmark("gpu", "gpu", "benchmarks.gpu.costs"),
     )
 }
