@@ -294,8 +294,10 @@ def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> Non
             assert len(rounds["plain"]) == len(rounds["accelsched"]) == overhead["rounds"] >= 5
             assert all(r["wall"] > 0 for r in rounds["plain"] + rounds["accelsched"])
             assert set(figures["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
-    read = overhead["cli"]["gpu"]["nvml_read"]  # the guard's measurement: one read a task
-    assert 0.5 <= read["reads_per_task"] <= 3 and read["wall_us"]["median"] > 0
+    # the guard's measurement: at most one read a task, on a sample of a quiet prefix's
+    # runs (accelsched.policy.sampling: its first four runs on each worker at least)
+    read = overhead["cli"]["gpu"]["nvml_read"]
+    assert read["reads"] >= 4 and read["reads_per_task"] <= 3 and read["wall_us"]["median"] > 0
     # without a context no reading can be a base: tasks are not read around
     assert overhead["cli"]["gpu"]["nvml_read_no_context"]["reads_per_task"] < 0.5
     assert {(r["unrunnable"], r["timeout"]) for r in scale["check"]} == {
