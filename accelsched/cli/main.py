@@ -220,10 +220,12 @@ async def _interruptible(
     try:
         await asyncio.wait({work})  # which cancels nothing itself
     finally:
-        if ours:
-            loop.remove_signal_handler(signal.SIGINT)
         work.cancel()  # none when done: ours cancelled from outside
-        await cleanup()
+        try:
+            await cleanup()  # a second Ctrl-C meanwhile is only noted
+        finally:
+            if ours:
+                loop.remove_signal_handler(signal.SIGINT)
     if interrupted:
         if not work.cancelled():
             work.exception()  # retrieved: the interrupt is the news

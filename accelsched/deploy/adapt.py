@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 POOL_KEYS = ("spec", "minimum", "maximum", "devices")
 DEVICE_KEYS = ("count", "name", "memory", "capability", "mig")
+#: Longest wait (seconds) before asking a scheduler that had no PlacementPlugin again.
+NO_PLUGIN_WAIT_MAX = 60.0
 #: A pool's name: its workers are ``<name>-<n>``.
 _NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
@@ -183,6 +185,10 @@ class ElasticPools(Adaptive):
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
         self._said_no_plugin = False
+        # without the plugin the scheduler logs each unknown request with a traceback:
+        # it is asked again after a wait that doubles, up to NO_PLUGIN_WAIT_MAX
+        self._no_plugin_wait = 0.0
+        self._ask_at = 0.0
         self._starting: dict[str, list[str]] = {}  # pool -> its workers not arrived (last look)
         self.spec_cluster = cluster
         o = self.options
@@ -215,8 +221,12 @@ class ElasticPools(Adaptive):
             self._adapting = False
 
     async def _adapt(self) -> None:
+        if time() < self._ask_at:
+            return
         reply = cast("DemandReply | None", await getattr(self.scheduler, DEMAND_HANDLER)())
         if reply is None:  # distributed's answer to an operation it has no handler for
+            self._no_plugin_wait = min(NO_PLUGIN_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
+            self._ask_at = time() + self._no_plugin_wait
             if not self._said_no_plugin:
                 self._said_no_plugin = True
                 logger.warning(
@@ -226,6 +236,7 @@ class ElasticPools(Adaptive):
                     DEMAND_HANDLER,
                 )
             return
+        self._no_plugin_wait = 0.0
         now = time()
         states = self._states(reply, now)
         gpu = [

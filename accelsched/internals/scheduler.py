@@ -119,6 +119,15 @@ def take_restricted_hosts(scheduler: Scheduler, ts: TaskState) -> set[str]:
     return hosts
 
 
+def restrict_to_own(ts: TaskState, own: Collection[str] | None) -> None:
+    """Give ``ts`` back its own restriction (None: anywhere): the worker addresses and
+    the hosts :func:`take_restricted_hosts` took, each where distributed keeps them."""
+    own = own or ()
+    ts.worker_restrictions = {o for o in own if "://" in o} or None
+    ts.host_restrictions = {o for o in own if "://" not in o} or None
+    ts.loose_restrictions = False
+
+
 def host_of(worker: str) -> str:
     """A worker's host, as ``host_restrictions`` name it."""
     return get_address_host(worker)

@@ -260,13 +260,21 @@ class Fallback:
         """distributed's ``set_restrictions`` handler (``Client.set_restrictions``): a
         requirement task's new ``workers`` become its own restriction, met with its
         requirement's (distributed alone replaced the one by the other)."""
+        if not self._active():
+            return original(worker=worker)
+        hosts = {}  # the hosts each requirement task named (taken off it): kept, as
+        for key in worker:  # distributed keeps a task's hosts when its workers are set
+            task = self.tasks.get(key)
+            if task is not None and task.eligible is not None:
+                hosts[key] = {o for o in task.eligible.key[2] or () if "://" not in o}
         original(worker=worker)
         waiting = []
-        for key in worker:
-            task, ts = self.tasks.get(key), self.scheduler.tasks.get(key)
-            if task is not None and task.eligible is not None and ts is not None:
+        for key, named in hosts.items():
+            task, ts = self.tasks[key], self.scheduler.tasks.get(key)
+            if task.eligible is not None and ts is not None:
                 devices = task.eligible.key[1]
                 self._leave_class(task)
+                internals.restrict_to_own(ts, [*internals.restricted_to(ts), *named])
                 self._require(ts, task, None, devices, say=False)
                 if ts.state == "no-worker":
                     waiting.append(key)
@@ -546,7 +554,7 @@ class Fallback:
                 {k: v for k, v in ts.resource_restrictions.items() if k not in (GPU, GPU_MEMORY)},
             )
             if task.eligible is not None:  # runs wherever its own restriction allows
-                internals.restrict_to_workers(ts, task.eligible.key[2])
+                internals.restrict_to_own(ts, task.eligible.key[2])
                 self._leave_class(task)  # where it was sent counts no more
             # the worker gets the annotations too: the GPU amount it no longer needs goes,
             # so none can break the message (an int past 2**64 cost every worker its stream)

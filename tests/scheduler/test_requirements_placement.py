@@ -116,6 +116,9 @@ async def test_a_hostname_restriction_narrows_a_requirement_and_never_widens_it(
     elsewhere = c.map(on_a100, range(2), workers=["10.255.255.1"], pure=False)  # no such host
     await asyncio.sleep(1)
     assert {s.tasks[f.key].state for f in elsewhere} == {"no-worker"}
+    # one no device meets falls back after its timeout, on that host still
+    fell = c.map(too_large, range(2), workers=["127.0.0.1"], pure=False)
+    assert await asyncio.wait_for(c.gather(fell), 15) == ["cpu", "cpu"]
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
