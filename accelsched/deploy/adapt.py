@@ -292,6 +292,11 @@ class ElasticPools(Adaptive):
                 else:
                     idle[w] = now - self._idle_since.setdefault(w, now)
             states[name] = PoolState(running, len(members) - running, idle)
+        # workers that left some other way (died, closed by hand): their times go
+        known = {w for name in self.pools for w in self.members(name)}
+        for times in (self._idle_since, self._started):
+            for w in set(times) - known:
+                del times[w]
         return states
 
     async def _scale_up(self, plan: Plan, states: Mapping[str, PoolState], now: float) -> None:
@@ -307,6 +312,7 @@ class ElasticPools(Adaptive):
                 worker = f"{name}-{n}"
                 spec[worker] = copy.deepcopy(ps.spec)
                 self._started[worker] = now
+                self._idle_since.pop(worker, None)  # a name used before starts afresh
                 new.append(worker)
             if new:
                 added = True

@@ -42,8 +42,8 @@ class DeclaredMemoryExceeded(MemoryError):
         super().__init__(
             f"task {key!r} declared {format_bytes(declared)} of device memory "
             f"({declared} bytes) and tried to allocate {format_bytes(attempted)} "
-            f"({attempted} bytes) while holding {format_bytes(held)}; declare what it "
-            "needs (gpu(memory=...)), or leave enforce_memory off"
+            f"({attempted} bytes) while holding {format_bytes(held)}: declare what it "
+            "needs (gpu(memory=...))"
         )
 
     def __reduce__(self) -> tuple[type, tuple[str, int, int, int]]:

@@ -107,12 +107,20 @@ class Demand:
         """``accelsched_pools``: checked here (anyone connected may call it)."""
         try:
             c = {str(k): _seconds(v) for k, v in dict(coming or {}).items()}
-            f = {str(k): [str(p) for p in v] for k, v in dict(full or {}).items()}
+            f = {str(k): [str(p) for p in _names(v)] for k, v in dict(full or {}).items()}
             b = _seconds(bound)
         except (TypeError, ValueError):
             return {"status": "invalid"}
         self._fallback.expect(c, f, b)
         return {"status": "OK"}
+
+
+def _names(value: Any) -> list[Any] | tuple[Any, ...]:
+    """A list of pool names (a tuple, as distributed's msgpack reads one); a string is
+    no list of them."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(value)
+    return value
 
 
 def _seconds(value: Any) -> float:

@@ -212,6 +212,10 @@ class DeviceReports:
             isinstance(uuids, (list, tuple)) and all(isinstance(u, str) for u in uuids)
         ):
             return {"status": "invalid", "count": 0}
+        if uuids is not None and (
+            len(set(uuids)) != count or not set(uuids) <= set(self._grants.uuids(worker))
+        ):  # the devices it names are granted ones, as many as it offers
+            return {"status": "invalid", "count": 0}
         if not self.admits(worker, process, request, OFFER_HANDLER):
             return {"status": "refused", "count": 0}
         self._grants.offer(worker, count, None if uuids is None else list(uuids))

@@ -70,6 +70,7 @@ async def test_a_bad_pools_request_changes_nothing(c, s, a):
         {"coming": {"1x any": float("nan")}},
         {"bound": -1},
         {"coming": {"1x any": True}},
+        {"full": {"1x any": "gpu"}},  # no list of pools (it read as the pools g, p, u)
     ):
         assert await pools(**bad) == {"status": "invalid"}, bad
     with dask.annotate(resources={"GPU": 1}, fallback_timeout="300ms"):

@@ -139,9 +139,19 @@ async def test_an_offer_naming_its_devices_oddly_is_invalid(c, s, a):
     await wait_for(lambda: gpus(s, a.address) == 1)
     before = dict(s.workers[a.address].resources)
     async with rpc(s.address) as r:
-        for n, odd in enumerate(["GPU-1", [1], {"GPU-1": 1}, [None]]):
+        granted = s.plugins["accelsched-placement"].grants.uuids(a.address)
+        odd_ones = [
+            ("GPU-1", 0),
+            ([1], 1),
+            ({"GPU-1": 1}, 1),
+            ([None], 1),
+            (["GPU-never-granted"], 1),  # no device of its grant
+            (granted, 0),  # names more than it offers
+            ([], 1),  # offers more than it names
+        ]
+        for n, (odd, count) in enumerate(odd_ones):
             said = {"worker": a.address, "process": a.id, "request": f"odd-{n}"}
-            reply = await getattr(r, OFFER_HANDLER)(**said, count=0, uuids=odd)
+            reply = await getattr(r, OFFER_HANDLER)(**said, count=count, uuids=odd)
             assert reply == {"status": "invalid", "count": 0}, odd
     assert dict(s.workers[a.address].resources) == before
 
