@@ -143,6 +143,9 @@ def facts_of(record: DeviceRecord) -> DeviceFacts:
     )
 
 
+#: Seconds what elastic pools last said of pools at their maximum holds (they say it
+#: every interval while they run; stopped, they say nothing more).
+FULL_SAID_FOR = 60.0
 #: What makes tasks one class: requirement, devices it takes, own ``workers=``.
 ClassKey = tuple[Requirement, int, frozenset[str] | None]
 
@@ -202,6 +205,7 @@ class Fallback:
         # said to be coming (monotonic), pools at their maximum, and the bound
         self._coming: dict[str, float] = {}
         self._full: dict[str, list[str]] = {}
+        self._full_at = 0.0  # when elastic pools last said which are at their maximum
         self._bound = 0.0
         self.checks = 0  # checks completed (ticks and timers): "one ran since then"
         internals.start_periodic(scheduler, _PERIODIC, self.check, interval)
@@ -477,14 +481,19 @@ class Fallback:
         """
         now = monotonic()
         self._bound = bound
+        for name, until in list(self._coming.items()):  # promises past: forgotten
+            if until + bound < now:
+                del self._coming[name]
         for name, seconds in coming.items():
             self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
-        self._full = full
+        self._full, self._full_at = full, now
 
     def at_maximum(self, key: Any) -> list[str]:
         """The pools at their maximum that could serve the GPU task ``key`` (a
         ``fallback`` event names them)."""
         task, ts = self.tasks.get(key), self.scheduler.tasks.get(key)
+        if monotonic() - self._full_at > FULL_SAID_FOR:  # the pools stopped saying so
+            self._full = {}
         if not self._full or task is None or ts is None:
             return []
         return self._full.get(self.class_of(ts, task)[0], [])
