@@ -153,13 +153,7 @@ def dual(
     allocation past ``memory`` fails (None: the guard's ``enforce_memory``). A bad value
     raises here.
     """
-    device = {
-        "memory": memory,
-        "model": model,
-        "capability": capability,
-        "mig": mig,
-        "enforce": enforce,
-    }
+    device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
     mark = _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, device)
     return GPUStep(gpu_fn, mark, cpu_fn)
 
@@ -232,13 +226,7 @@ def gpu(
     fails (None: the guard's ``enforce_memory`` says). Bad arguments raise here, naming
     the value.
     """
-    device = {
-        "memory": memory,
-        "model": model,
-        "capability": capability,
-        "mig": mig,
-        "enforce": enforce,
-    }
+    device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
     mark = _mark("gpu", count, fallback_timeout, None, device)
     if fn is not None:
         return GPUStep(fn, mark)
