@@ -55,6 +55,8 @@ MAX_MEMORY = 1 << 60
 MAX_PATTERN = 200
 
 _CAPABILITY = re.compile(r"^\s*(\d{1,3})\.(\d{1,3})\s*$")
+#: A size in bytes with a fraction ("1.5", "0.5B"), which no allocation can be.
+_FRACTION_OF_A_BYTE = re.compile(r"^\s*\d*\.\d*[1-9]\d*\s*[bB]?\s*$")
 
 
 def invalid_amount(amount: Any) -> str | None:
@@ -125,6 +127,8 @@ def _bytes_text(n: int) -> str:
 
 def _memory(value: Any) -> int | None:
     if isinstance(value, str):
+        if _FRACTION_OF_A_BYTE.match(value):  # "1.5": parse_bytes would take 1 byte
+            return None
         try:
             value = parse_bytes(value)
         except (ValueError, TypeError, OverflowError):  # "1e400": past any float

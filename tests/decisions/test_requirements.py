@@ -56,6 +56,8 @@ def test_parse(given_, expected) -> None:
         ({"memory": MAX_MEMORY + 1}, f"memory={MAX_MEMORY + 1}"),
         ({"memory": math.nan}, "memory=nan"),
         ({"memory": 1.5}, "memory=1.5"),
+        ({"memory": "1.5"}, "memory='1.5'"),  # parse_bytes took it for 1 byte
+        ({"memory": "0.5B"}, "memory='0.5B'"),
         ({"memory": True}, "memory=True"),
         ({"model": ""}, "model=''"),
         ({"model": 5}, "model=5"),
