@@ -62,6 +62,13 @@ def _count(pool: str, key: str, value: Any, least: int = 0) -> int:
     return value
 
 
+def _known(pool: str, what: str, given: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    if unknown := sorted(map(repr, set(given) - set(keys))):
+        raise ValueError(
+            f"pool {pool!r}: unknown {what} {', '.join(unknown)}: expected {', '.join(keys)}"
+        )
+
+
 def _devices(pool: str, given: Any, declared: Any) -> tuple[int, tuple[DeviceFacts, ...]]:
     """(devices per worker, their facts) from a pool's ``devices`` and its spec's
     declared ``resources={"GPU": n}``."""
@@ -69,11 +76,7 @@ def _devices(pool: str, given: Any, declared: Any) -> tuple[int, tuple[DeviceFac
         return (_count(pool, "resources['GPU']", declared) if declared is not None else 0), ()
     if not isinstance(given, Mapping):
         raise TypeError(f"pool {pool!r}: invalid devices={given!r}: expected a mapping")
-    if unknown := sorted(map(repr, set(given) - set(DEVICE_KEYS))):
-        raise ValueError(
-            f"pool {pool!r}: unknown devices key(s) {', '.join(unknown)}: "
-            f"expected {', '.join(DEVICE_KEYS)}"
-        )
+    _known(pool, "devices key(s)", given, DEVICE_KEYS)
     count = _count(pool, "devices count", given.get("count", 1), least=1)
     if declared is not None and declared != count:
         raise ValueError(
@@ -141,11 +144,7 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
             )
         if not isinstance(given, Mapping):
             raise TypeError(f"pool {name!r}: expected a mapping of {', '.join(POOL_KEYS)}")
-        if unknown := sorted(map(repr, set(given) - set(POOL_KEYS))):
-            raise ValueError(
-                f"pool {name!r}: unknown key(s) {', '.join(unknown)}: "
-                f"expected {', '.join(POOL_KEYS)}"
-            )
+        _known(name, "key(s)", given, POOL_KEYS)
         spec = given.get("spec")
         if not isinstance(spec, Mapping) or "cls" not in spec or set(spec) - {"cls", "options"}:
             raise ValueError(

@@ -7,7 +7,9 @@ GPU worker sees a simulated device through the real pynvml and its guard verifie
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import dask
@@ -37,48 +39,55 @@ def pool_workers(client: Client, pool: str) -> list[str]:
     return sorted(n for n in names if n.startswith(pool + "-"))
 
 
-@pytest.mark.usefixtures("fake_gpus_2")
-def test_gpu_tasks_get_a_gpu_pool_worker_and_the_idle_pool_shrinks() -> None:
-    """12 GPU tasks (60 s fallback timeout) on an empty cluster: a verified GPU worker
-    within 20 s, all 12 on GPUs, no fallback; then the idle GPU pool shrinks to zero
-    within 90 s, and the CPU pool, with no CPU work, never started."""
+@contextlib.contextmanager
+def two_pools_on_an_empty_cluster() -> Iterator[tuple[Client, Any]]:
+    """A process cluster with no worker, accelsched registered, a GPU and a CPU pool of
+    at most two workers each, idle workers retired after 2 s."""
     with (
         LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
         accelsched.register(client)
-        pools = accelsched.adapt(
-            cluster,
-            pools={
-                "gpu": {"spec": GPU_SPEC, "maximum": 2},
-                "cpu": {"spec": CPU_SPEC, "maximum": 2},
-            },
-            idle_after="2s",
+        yield (
+            client,
+            accelsched.adapt(
+                cluster,
+                pools={
+                    "gpu": {"spec": GPU_SPEC, "maximum": 2},
+                    "cpu": {"spec": CPU_SPEC, "maximum": 2},
+                },
+                idle_after="2s",
+            ),
         )
-        try:
-            start = time.monotonic()
-            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
-                futures = client.map(gpu_nap, range(12), seconds=0.5, pure=False)
-            until(lambda: events(client, "gpu-verified"), timeout=20)
-            verified = time.monotonic() - start
-            assert verified < 20
-            results = client.gather(futures)
-            assert all(r is not None for r in results), results  # each ran on a GPU
-            assert not events(client, "fallback")
-            (first, *_) = ups = events(client, "scale-up")
-            assert first["pool"] == "gpu" and first["reason"] == "gpu-demand"
-            assert list(first["classes"]) == ["1x any"]
-            assert {e["pool"] for e in ups} == {"gpu"}  # no CPU work: no CPU worker
-            del futures
-            idle = time.monotonic()
-            until(lambda: not pool_workers(client, "gpu"), timeout=90)
-            assert time.monotonic() - idle < 90
-            assert not pools.members("gpu")
-            downs = events(client, "scale-down")
-            assert downs and {e["pool"] for e in downs} == {"gpu"}
-            assert all(e["reason"] == "idle" for e in downs)
-        finally:
-            pools.stop()
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_gpu_tasks_get_a_gpu_pool_worker_and_the_idle_pool_shrinks() -> None:
+    """12 GPU tasks (60 s fallback timeout) on an empty cluster: a verified GPU worker
+    within 20 s, all 12 on GPUs, no fallback; then the idle GPU pool shrinks to zero
+    within 90 s, and the CPU pool, with no CPU work, never started."""
+    with two_pools_on_an_empty_cluster() as (client, pools):
+        start = time.monotonic()
+        with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+            futures = client.map(gpu_nap, range(12), seconds=0.5, pure=False)
+        until(lambda: events(client, "gpu-verified"), timeout=20)
+        verified = time.monotonic() - start
+        assert verified < 20
+        results = client.gather(futures)
+        assert all(r is not None for r in results), results  # each ran on a GPU
+        assert not events(client, "fallback")
+        (first, *_) = ups = events(client, "scale-up")
+        assert first["pool"] == "gpu" and first["reason"] == "gpu-demand"
+        assert list(first["classes"]) == ["1x any"]
+        assert {e["pool"] for e in ups} == {"gpu"}  # no CPU work: no CPU worker
+        del futures
+        idle = time.monotonic()
+        until(lambda: not pool_workers(client, "gpu"), timeout=90)
+        assert time.monotonic() - idle < 90
+        assert not pools.members("gpu")
+        downs = events(client, "scale-down")
+        assert downs and {e["pool"] for e in downs} == {"gpu"}
+        assert all(e["reason"] == "idle" for e in downs)
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
@@ -86,34 +95,17 @@ def test_a_requirement_no_pool_meets_falls_back_and_a_cpu_worker_runs_it() -> No
     """The GPU pool says nothing of its devices, so it serves no memory requirement: no
     GPU worker starts for the task, it falls back after its timeout (not held by any
     starting worker), and the CPU pool starts a worker for its CPU form."""
-    with (
-        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        accelsched.register(client)
-        pools = accelsched.adapt(
-            cluster,
-            pools={
-                "gpu": {"spec": GPU_SPEC, "maximum": 2},
-                "cpu": {"spec": CPU_SPEC, "maximum": 2},
-            },
-            idle_after="2s",
-        )
-        try:
-            start = time.monotonic()
-            with dask.annotate(
-                resources={"GPU": 1}, gpu={"memory": "60GiB"}, fallback_timeout="1s"
-            ):
-                future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
-            assert future.result(timeout=60) is None  # its CPU form: no device
-            (fell,) = events(client, "fallback")
-            assert fell["reason"] == "timeout" and fell["waited"] < 5
-            assert time.monotonic() - start < 60
-            ups = events(client, "scale-up")
-            assert [(e["pool"], e["reason"]) for e in ups] == [("cpu", "cpu-demand")]
-            assert not pool_workers(client, "gpu")
-        finally:
-            pools.stop()
+    with two_pools_on_an_empty_cluster() as (client, pools):
+        start = time.monotonic()
+        with dask.annotate(resources={"GPU": 1}, gpu={"memory": "60GiB"}, fallback_timeout="1s"):
+            future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
+        assert future.result(timeout=60) is None  # its CPU form: no device
+        (fell,) = events(client, "fallback")
+        assert fell["reason"] == "timeout" and fell["waited"] < 5
+        assert time.monotonic() - start < 60
+        ups = events(client, "scale-up")
+        assert [(e["pool"], e["reason"]) for e in ups] == [("cpu", "cpu-demand")]
+        assert not pool_workers(client, "gpu")
 
 
 def test_pools_are_checked_when_given() -> None:
