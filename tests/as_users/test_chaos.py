@@ -144,12 +144,17 @@ def test_chaos_pipeline_over_tls() -> None:
         assert not any(e["reason"] == "restart-budget" for e in events(s, "quarantine"))
         counts = {"tasks": n_tasks, **Counter(e["action"] for e in events(s))}
         print(f"\nchaos run: {counts}")
-        assert counts.get("leak", 0) >= 1 and counts.get("gpu-unhealthy", 0) >= 1
+        # the fault seen: withdrawn by a process that had the device (gpu-unhealthy), or
+        # left out by one started meanwhile (the SIGKILLed worker's, a leak's restart)
+        # and taken back as it answered (gpu-recovered); when every live worker had
+        # restarted before the fault, only the second shows: a race of the run
+        assert counts.get("leak", 0) >= 1
+        assert counts.get("gpu-unhealthy", 0) + counts.get("gpu-recovered", 0) >= 1, counts
         # one fault, said at most once per worker: a process that left its device out
         # says nothing, and one that withdrew it takes it back or is replaced
         names = status_snapshot(s)["names"]
         unhealthy = Counter(names[e["worker"]] for e in events(s, "gpu-unhealthy"))
-        assert max(unhealthy.values()) == 1, unhealthy
+        assert max(unhealthy.values(), default=0) <= 1, unhealthy
 
     with fake_gpus(count=4, memory="16GiB") as g:
         run()
