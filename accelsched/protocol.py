@@ -29,7 +29,8 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
 ``accelsched_pools`` (:data:`POOLS_HANDLER`)
     :func:`accelsched.adapt` says which waiting classes a starting worker will serve, and
     until when, and which wait on pools at their maximum (:class:`PoolsRequest`): a GPU
-    task's fallback timeout counts from when no worker that could serve it is coming.
+    task's fallback timeout counts from when no worker that could serve it is coming; and
+    the pools' names, so ``accelsched status`` shows each worker's pool.
 
 Worker heartbeat metric ``"accelsched"`` (:data:`GUARD_METRIC`): every heartbeat carries
 a guard's per-device figures only the worker knows (:class:`GuardMetric`), through
@@ -282,6 +283,7 @@ class PoolsRequest(TypedDict):
     coming: dict[str, float]  # class -> seconds a worker that serves it may still take
     full: dict[str, list[str]]  # class -> pools at their maximum that could serve it
     bound: float  # at most this long past becoming unrunnable does a coming worker count
+    pools: list[str]  # the pools' names: worker ``<pool>-<n>`` is shown in its pool
 
 
 # what the status and the heartbeat metric carry: their own module, re-exported here

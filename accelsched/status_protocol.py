@@ -61,7 +61,7 @@ class DeviceStatus(TypedDict):
     leak_threshold: int | None
 
 
-class WorkerStatus(TypedDict):
+class _WorkerStatusBase(TypedDict):
     """One worker, by name. ``gpus``: the count placement uses now; ``declared``: what it
     registered with (None: no GPU declared); ``quarantined``: the reason, or None.
     ``restarts``, ``leaks``, ``reclaims``, ``fallbacks``: events naming this worker (by
@@ -78,6 +78,14 @@ class WorkerStatus(TypedDict):
     leaks: int
     reclaims: int
     fallbacks: int
+
+
+class WorkerStatus(_WorkerStatusBase, total=False):
+    """One worker (see the base's fields); ``pool``: the elastic pool it belongs to
+    (``accelsched.adapt`` names its workers ``<pool>-<n>``), None outside any; absent from
+    an earlier accelsched."""
+
+    pool: str | None
 
 
 class _StatusReplyBase(TypedDict):

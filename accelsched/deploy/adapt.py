@@ -31,7 +31,7 @@ from distributed.metrics import time
 
 from accelsched import events
 from accelsched.config import ADAPT_OPTIONS, resolve_options
-from accelsched.internals.client_side import retire_named
+from accelsched.internals.client_side import retire_named, spec_class, take_adaptive
 from accelsched.policy.requirements import DeviceFacts, parse_requirement
 from accelsched.policy.scaling import GpuDemand, Plan, Pool, PoolState, decide
 from accelsched.protocol import DEMAND_HANDLER, GPU, POOLS_HANDLER, DemandReply
@@ -130,6 +130,20 @@ def _threads(pool: str, options: Mapping[str, Any]) -> Any:
     return options.get("nthreads") or options.get("cores") or 1
 
 
+def _worker_class(pool: str, cls: Any) -> None:
+    """Check a spec's ``cls`` now, as ``SpecCluster`` takes it (a class, or its import
+    path as a string), not when the first worker of the pool is wanted."""
+    try:
+        cls = spec_class(cls)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"pool {pool!r}: invalid spec cls={cls!r}: {exc}") from None
+    if not isinstance(cls, type):
+        raise TypeError(
+            f"pool {pool!r}: invalid spec cls={cls!r:.80}: expected a worker class "
+            "(Nanny, Worker, a dask-jobqueue job class) or its import path"
+        )
+
+
 def parse_pools(pools: Any) -> dict[str, PoolSpec]:
     """Check ``pools`` (``{name: {"spec": ..., "minimum": 0, "maximum": n, "devices":
     {...}}}``); ``ValueError``/``TypeError`` name the pool and the bad key or value."""
@@ -151,6 +165,7 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
                 f"pool {name!r}: invalid spec={spec!r:.80}: expected "
                 "{'cls': a worker class, 'options': {...}} as SpecCluster takes"
             )
+        _worker_class(name, spec["cls"])
         options = spec.get("options") or {}
         if not isinstance(options, Mapping):
             raise TypeError(f"pool {name!r}: invalid spec options={options!r:.80}")
@@ -199,6 +214,12 @@ class ElasticPools(Adaptive):
             wait_count=o["wait_count"],
             target_duration=o["target_duration"],
         )
+        if (previous := take_adaptive(cluster, self)) is not None:
+            logger.warning(
+                "accelsched.adapt: stopped the cluster's earlier adaptive controller (%s): "
+                "one sizes a cluster at a time",
+                type(previous).__name__,
+            )
 
     def members(self, pool: str) -> list[str]:
         """The workers of ``pool`` the cluster has now (starting or running)."""
@@ -267,7 +288,9 @@ class ElasticPools(Adaptive):
             starting += [now] * (len(self.members(pool)) - states[pool].running - len(starting))
             if starting and (left := max(starting) + bound - now) > 0:
                 coming[cls] = left
-        await getattr(self.scheduler, POOLS_HANDLER)(coming=coming, full=plan.full, bound=bound)
+        await getattr(self.scheduler, POOLS_HANDLER)(
+            coming=coming, full=plan.full, bound=bound, pools=list(self.pools)
+        )
         await self._retire(plan)
 
     def _states(self, reply: DemandReply, now: float) -> dict[str, PoolState]:

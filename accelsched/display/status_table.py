@@ -50,9 +50,11 @@ EXIT_CODES_HELP: Final = (
     "130 Ctrl-C before an answer"
 )
 
-#: The table's columns (field, heading), shared with the dashboard page.
+#: The table's columns (field, heading), shared with the dashboard page. ``accelsched
+#: status`` leaves POOL out while no worker is in an elastic pool (``accelsched.adapt``).
 COLUMNS: Final = [
     ("worker", "WORKER"),
+    ("pool", "POOL"),
     ("device", "GPU"),
     ("gpu", "NAME"),
     ("memory", "MEMORY"),
@@ -111,6 +113,7 @@ def table_rows(snap: StatusReply) -> dict[str, list[str]]:
     rows = [
         {
             "worker": w["name"],
+            "pool": w.get("pool") or "-",  # absent from an earlier accelsched
             "device": "-" if d is None else str(d["index"]),
             "gpu": "no verified GPU"
             if d is None
@@ -160,7 +163,8 @@ def render(snap: StatusReply) -> str:
     """The text ``accelsched status`` prints: a summary line, the options and the table, every cell
     :func:`shown` (names come from the cluster) before the widths are taken."""
     rows = {c: [shown(v) for v in cells] for c, cells in table_rows(snap).items()}
-    widths = {c: max([len(h)] + [len(v) for v in rows[c]]) for c, h in COLUMNS}
+    columns = [(c, h) for c, h in COLUMNS if c != "pool" or set(rows[c]) - {"-"}]
+    widths = {c: max([len(h)] + [len(v) for v in rows[c]]) for c, h in columns}
     # the PlacementPlugin's options in effect (``register``'s keywords, in seconds); a
     # scheduler of an earlier accelsched has none
     options = snap.get("options")
@@ -169,9 +173,9 @@ def render(snap: StatusReply) -> str:
         "options: not reported (an earlier accelsched)"
         if options is None
         else "options: " + ", ".join(f"{k}={shown(v)}" for k, v in options.items()),
-        "  ".join(h.ljust(widths[c]) for c, h in COLUMNS).rstrip(),
+        "  ".join(h.ljust(widths[c]) for c, h in columns).rstrip(),
         *(
-            "  ".join(rows[c][i].ljust(widths[c]) for c, _ in COLUMNS).rstrip()
+            "  ".join(rows[c][i].ljust(widths[c]) for c, _ in columns).rstrip()
             for i in range(len(rows["worker"]))
         ),
     ]

@@ -5,7 +5,8 @@ class (requirement and device count, as :meth:`Fallback.class_of
 <accelsched.scheduler.fallback.Fallback.class_of>` names them), the other tasks ready or
 running, and each worker (busy or not, its verified devices); it answers
 ``accelsched_pools`` with the classes a starting worker will serve, which the fallback
-timers go by (:meth:`Fallback.expect <accelsched.scheduler.fallback.Fallback.expect>`).
+timers go by (:meth:`Fallback.expect <accelsched.scheduler.fallback.Fallback.expect>`),
+and with its pools' names, by which ``accelsched status`` shows each worker's pool.
 One pass over the tasks ready or running per call: nothing is kept per task here.
 """
 
@@ -41,6 +42,8 @@ class Demand:
         self.scheduler = scheduler
         self._fallback = fallback
         self._grants = grants
+        #: The pools ``accelsched.adapt`` sizes (its last word): worker ``<pool>-<n>``.
+        self.pool_names: frozenset[str] = frozenset()
 
     def start(self) -> None:
         internals.install_handler(self.scheduler, DEMAND_HANDLER, self.demand)
@@ -103,16 +106,25 @@ class Demand:
         coming: Any = None,
         full: Any = None,
         bound: Any = 0.0,
+        pools: Any = None,
     ) -> dict[str, str]:
         """``accelsched_pools``: checked here (anyone connected may call it)."""
         try:
             c = {str(k): _seconds(v) for k, v in dict(coming or {}).items()}
             f = {str(k): [str(p) for p in _names(v)] for k, v in dict(full or {}).items()}
             b = _seconds(bound)
+            names = None if pools is None else frozenset(str(p) for p in _names(pools))
         except (TypeError, ValueError):
             return {"status": "invalid"}
         self._fallback.expect(c, f, b)
+        if names is not None:
+            self.pool_names = names
         return {"status": "OK"}
+
+    def pool_of(self, worker: str) -> str | None:
+        """The pool of the worker named ``worker`` (``<pool>-<n>``), None outside any."""
+        pool, _, n = worker.rpartition("-")
+        return pool if n.isdigit() and pool in self.pool_names else None
 
 
 def _names(value: Any) -> list[Any] | tuple[Any, ...]:

@@ -132,7 +132,11 @@ class PlacementPlugin(SchedulerPlugin):
         self.demand = Demand(scheduler, fallback=self.fallback, grants=grants)
         self.demand.start()
         history = StatusHistory(
-            scheduler, grants, waiting=self.fallback.waiting_counts, options=self.options
+            scheduler,
+            grants,
+            waiting=self.fallback.waiting_counts,
+            options=self.options,
+            pool_of=self.demand.pool_of,
         )
         history.start()
         self.status_history = history

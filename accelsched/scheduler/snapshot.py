@@ -96,9 +96,12 @@ class StatusHistory:
         grants: Grants,
         waiting: Callable[[], dict[str, int]],
         options: dict[str, Any],
+        pool_of: Callable[[str], str | None],
     ) -> None:
-        # the PlacementPlugin's options; GPU tasks unplaced, by reason (scheduler/fallback.py)
+        # the PlacementPlugin's options; GPU tasks unplaced, by reason (scheduler/fallback.py);
+        # a worker's elastic pool, by its name (scheduler/demand.py)
         self._grants, self._options, self._waiting = grants, dict(options), waiting
+        self._pool_of = pool_of
         self.scheduler = scheduler
         self.names: OrderedDict[str, str] = OrderedDict()  # address -> worker name
         self.counts: dict[str, Counter[str]] = {}  # worker name -> counted events
@@ -219,6 +222,7 @@ class StatusHistory:
         counts = self.counts.get(name, Counter())
         return {
             "name": name,
+            "pool": self._pool_of(name),
             "address": ws.address,
             "gpus": ws.resources.get(GPU, 0),
             "declared": grant.declared,

@@ -7,6 +7,7 @@ GPU worker sees a simulated device through the real pynvml and its guard verifie
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 from distributed import Client, LocalCluster, Nanny
 
 import accelsched
-from tests.utils import ROOT, events, gpu_nap, until
+from tests.utils import ROOT, cli, events, gpu_nap, until
 
 
 class PoolNanny(Nanny):
@@ -76,6 +77,13 @@ def test_gpu_tasks_get_a_gpu_pool_worker_and_the_idle_pool_shrinks() -> None:
         results = client.gather(futures)
         assert all(r is not None for r in results), results  # each ran on a GPU
         assert not events(client, "fallback")
+        # ``accelsched status``, as an operator runs it, shows each worker's pool
+        code, out, err = asyncio.run(cli("status", client.scheduler.address, "--timeout", "20s"))
+        assert code == 0, err
+        header, *rows = out.splitlines()[2:]
+        assert header.split()[:2] == ["WORKER", "POOL"], out
+        assert rows and all(r.split()[0].startswith("gpu-") for r in rows), out
+        assert all(r.split()[1] == "gpu" for r in rows), out
         (first, *_) = ups = events(client, "scale-up")
         assert first["pool"] == "gpu" and first["reason"] == "gpu-demand"
         assert list(first["classes"]) == ["1x any"]
@@ -144,6 +152,9 @@ def test_pools_are_checked_when_given() -> None:
             ({"cpu": {"spec": CPU_SPEC}}, {"wait_count": 0}, ValueError, "wait_count=0"),
             ({"cpu": {"spec": CPU_SPEC}}, {"interval": "soon"}, ValueError, "interval='soon'"),
             ({"cpu": {"spec": CPU_SPEC}}, {"idle": "1s"}, TypeError, "'idle'"),
+            ({"cpu": {"spec": {"cls": "nosuch.Worker"}}}, {}, ValueError, "'nosuch.Worker'"),
+            ({"cpu": {"spec": {"cls": "distributed.Nany"}}}, {}, ValueError, "'distributed.Nany'"),
+            ({"cpu": {"spec": {"cls": 42, "options": {}}}}, {}, TypeError, "invalid spec cls"),
         ]
         for pools, options, exc, text in bad:
             with pytest.raises(exc) as info:
@@ -233,3 +244,32 @@ def test_without_the_placement_plugin_the_pools_wait_and_say_why_once() -> None:
             )
         finally:
             pools.stop()
+
+
+def test_one_controller_sizes_a_cluster() -> None:
+    """As ``cluster.adapt`` does: ``accelsched.adapt`` stops the controller before it,
+    saying so, and a later ``cluster.adapt()`` or the cluster's close stops it; two
+    controllers would fight over the cluster's workers."""
+    from distributed.utils_test import captured_logger
+
+    with (
+        captured_logger("accelsched.deploy.adapt") as log,
+        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        accelsched.register(client)
+        plain = cluster.adapt(minimum=0, maximum=1)
+        pools = accelsched.adapt(cluster, pools={"cpu": {"spec": CPU_SPEC}})
+        assert plain.state == "stopped" and pools.state in ("starting", "running")
+        assert "stopped the cluster's earlier adaptive controller (Adaptive)" in log.getvalue()
+        again = accelsched.adapt(cluster, pools={"cpu": {"spec": CPU_SPEC}})
+        assert pools.state == "stopped"
+        assert "(ElasticPools)" in log.getvalue()
+        cluster.adapt(minimum=0, maximum=1).stop()
+        assert again.state == "stopped"
+        # a refused call leaves the running controller alone
+        last = accelsched.adapt(cluster, pools={"cpu": {"spec": CPU_SPEC}})
+        with pytest.raises(ValueError, match="minimum=2 > maximum=1"):
+            accelsched.adapt(cluster, pools={"cpu": {"spec": CPU_SPEC, "minimum": 2}})
+        assert last.state in ("starting", "running")
+    assert last.state == "stopped"  # the cluster's close stopped it

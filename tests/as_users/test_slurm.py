@@ -10,6 +10,7 @@ or root are absent; a Slurm that is there but does not start fails the test.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ import accelsched
 from accelsched.testing import FakeGPUs
 from tests.processes import PATHS
 from tests.slurm import Slurm, missing, slurm
-from tests.utils import events, gpu_nap, until
+from tests.utils import cli, events, gpu_nap, until
 
 pytestmark = pytest.mark.skipif(bool(missing()), reason=f"no Slurm here: {missing()}")
 
@@ -166,6 +167,13 @@ def test_slurm_jobs_are_the_pools_workers(
             }
             assert any(n.startswith("gpu-") for n in ran_on), ran_on
             assert any(j.startswith("gpu-") for j in slurm_cluster.jobs())
+            # ``accelsched status`` shows each job's worker in its pool
+            code, out, err = asyncio.run(cli("status", cluster.scheduler_address))
+            assert code == 0, err
+            header, *rows = out.splitlines()[2:]
+            assert header.split()[:2] == ["WORKER", "POOL"], out
+            assert any(r.startswith("gpu-") for r in rows), out
+            assert all(r.split()[1] == r.split("-")[0] for r in rows), out
             del futures, cpu  # nothing held: no worker keeps data only it has
             try:
                 until(lambda: not [j for j in slurm_cluster.jobs() if j.startswith("gpu-")], 90)

@@ -10,7 +10,7 @@ import dask
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.protocol import DEMAND_HANDLER, POOLS_HANDLER
+from accelsched.protocol import DEMAND_HANDLER, PLACEMENT_PLUGIN, POOLS_HANDLER
 from tests.utils import events, inc, wait_for
 
 CPU_WORKER = [("127.0.0.1", 1)]
@@ -71,9 +71,30 @@ async def test_a_bad_pools_request_changes_nothing(c, s, a):
         {"bound": -1},
         {"coming": {"1x any": True}},
         {"full": {"1x any": "gpu"}},  # no list of pools (it read as the pools g, p, u)
+        {"pools": "gpu"},  # the same for the pools' names
     ):
         assert await pools(**bad) == {"status": "invalid"}, bad
     with dask.annotate(resources={"GPU": 1}, fallback_timeout="300ms"):
         assert await c.submit(inc, 1, key="x") == 2
     (e,) = events(s, "fallback")
     assert e["waited"] < 2
+
+
+@gen_cluster(client=True, nthreads=CPU_WORKER)
+async def test_a_worker_is_in_the_pool_its_name_says(c, s, a):
+    """The pools' names come with ``accelsched_pools``: worker ``<pool>-<n>`` is in
+    ``pool``, any other name (another pool's, a suffix that is no number) in none."""
+    await accelsched.register(c)
+    demand = s.plugins[PLACEMENT_PLUGIN].demand
+    assert demand.pool_of("gpu-0") is None  # no pool said yet
+    pools = getattr(c.scheduler, POOLS_HANDLER)
+    assert await pools(coming={}, full={}, bound=1, pools=["gpu", "big.gpu"]) == {"status": "OK"}
+    assert [demand.pool_of(n) for n in ("gpu-0", "gpu-12", "big.gpu-3")] == [
+        "gpu",
+        "gpu",
+        "big.gpu",
+    ]
+    assert [demand.pool_of(n) for n in ("cpu-0", "gpu-x", "gpu", "gpu-", "0")] == [None] * 5
+    # a request without names (an earlier accelsched.adapt) leaves them as they were
+    assert await pools(coming={}, full={}, bound=1) == {"status": "OK"}
+    assert demand.pool_of("gpu-1") == "gpu"
