@@ -13,6 +13,14 @@ Exceptions are matched by name, so CuPy is never imported to check them; a libra
 whose allocator raises its own type registers it
 (:func:`accelsched.context.register_oom_exception`), as the simulated devices do.
 
+How a step travels: the scheduler unpickles every task with the graph to find the
+marks, and it is usually another process (``dask scheduler``, helm, jobqueue) that cannot
+import the client's ``__main__`` nor, often, its libraries. A step therefore travels as
+cloudpickle would ship its plain function (by value from ``__main__``, a notebook, a
+closure or a lambda; by reference where importable), and its functions are pickled into
+bytes of their own: a process that cannot load them still gets the mark, so the task is
+placed, and the task alone errs, naming the step, where it runs and still cannot load it.
+
 ``@gpu`` (or ``@gpu(count=2, fallback_timeout="5s")``) marks a GPU-only step. Both are a
 :class:`GPUStep` carrying a :class:`~accelsched.policy.marks.Mark`: any task that calls
 one, wherever it sits in the graph, is a GPU task, with no ``dask.annotate`` (see
@@ -23,17 +31,20 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
+
+import cloudpickle
 
 from accelsched.context import current_lease, out_of_memory, released
 from accelsched.policy.marks import Mark, note_marked
 from accelsched.policy.requirements import invalid_amount, parse_requirement
 from accelsched.policy.timeouts import DUAL_TIMEOUT, parse_task_timeout
-from accelsched.shipping import Unloadable, importable, ship, unpickle
 
-__all__ = ["dual", "gpu", "GPUStep"]
+__all__ = ["dual", "gpu", "GPUStep", "Unloadable"]
 
 R = TypeVar("R")
 
@@ -90,7 +101,8 @@ class GPUStep(Generic[R]):
     def __reduce__(self) -> tuple[Any, ...]:
         mark = self.__accelsched_gpu__
         if isinstance(self.fn, Unloadable):  # passing through: the next process tries again
-            return self.fn.reduce_with(mark)
+            loader, args = self.fn.reload
+            return (loader, (*args, mark))
         # ``@gpu`` on an importable module-level function puts this object where the
         # function was: by reference, as cloudpickle would ship the function itself
         where = importable(self)
@@ -158,15 +170,94 @@ def dual(
     return GPUStep(gpu_fn, mark, cpu_fn)
 
 
-# --- loaders: how a step comes back in another process (accelsched.shipping) -----------
+# --- how a step travels and comes back in another process (see the module docstring) ---
+
+
+class Unloadable:
+    """Stands for a step's function that this process could not load.
+
+    Calling it raises, naming the step and why; pickled again it carries what it was
+    loaded from (``reload``: its loader and arguments, the mark left out), so a worker
+    that has the step's module loads the real step.
+    """
+
+    def __init__(self, label: str, error: str, reload: tuple[Any, ...]) -> None:
+        self.label = label
+        self.error = error
+        self.reload = reload
+        self.__name__ = self.__qualname__ = label
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"accelsched step {self.label} could not be loaded in this process: "
+            f"{self.error}. Install the modules it needs where it runs (a scheduler needs "
+            "none of them: it only reads the step's mark)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.reload
+
+    def __repr__(self) -> str:
+        return f"<unloadable accelsched step {self.label}>"
+
+
+def importable(obj: Any) -> tuple[str, str] | None:
+    """``(module, qualname)`` where cloudpickle would ship a function of ``obj``'s name
+    by reference: its module is a real, imported one, not ``__main__``, not registered to
+    travel by value, and the name leads back to ``obj``. None: ship it by value."""
+    module_name = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if (
+        not isinstance(module_name, str)
+        or not isinstance(qualname, str)
+        or module_name == "__main__"
+        or "<" in qualname  # <locals>, <lambda>
+    ):
+        return None
+    module = sys.modules.get(module_name)
+    if module is None or getattr(module, "__spec__", None) is None:  # dynamic
+        return None
+    # registered by value: the module or a package above it
+    by_value = cloudpickle.list_registry_pickle_by_value()
+    if any(module_name == m or module_name.startswith(f"{m}.") for m in by_value):
+        return None
+    target: Any = module
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return (module_name, qualname) if target is obj else None
+
+
+_shipping = threading.local()
+
+
+def ship(step: GPUStep[Any], functions: Any) -> bytes | None:
+    """``functions`` pickled apart, or None while ``step`` is being shipped already: a
+    recursive step reaches itself through its own globals, and only the enclosing
+    pickler's memo can close that cycle.
+
+    A step loaded from bytes sends the same bytes on (the scheduler passes steps
+    through); one made here is pickled anew each time, as a plain function is, so a
+    notebook's changed globals travel with it.
+    """
+    if step.shipped is not None:
+        return step.shipped
+    busy: set[int] = _shipping.__dict__.setdefault("busy", set())
+    if id(step) in busy:
+        return None
+    busy.add(id(step))
+    try:
+        return cloudpickle.dumps(functions, protocol=5)
+    finally:
+        busy.discard(id(step))
 
 
 def _load_step(label: str, payload: bytes, mark: Mark) -> GPUStep[Any]:
     """A step shipped by value; unloadable here, still marked (calling it raises,
     naming it)."""
-    fns, error = unpickle(label, payload)
-    if error is not None:
-        missing = Unloadable(label, error, (_load_step, (label, payload)))
+    try:
+        fns = cloudpickle.loads(payload)
+    except Exception as exc:  # ModuleNotFoundError, AttributeError, anything it raised
+        missing = Unloadable(label, f"{type(exc).__name__}: {exc}", (_load_step, (label, payload)))
         fns = (missing, missing)
     step: GPUStep[Any] = GPUStep(fns[0], mark, fns[1])
     step.shipped = payload  # passing through the scheduler: the same bytes go on

@@ -50,20 +50,16 @@ class _WhileRootHasNoHandler(logging.Filter):
         return not logging.getLogger().hasHandlers()  # the root's own (it has no parent)
 
 
-def _logging_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Where distributed looks for the logging keys: under ``distributed`` first, else at
-    the top (as ``distributed.config._find_logging_config``)."""
-    nested = config.get("distributed", {})
-    if isinstance(nested, Mapping) and {"logging", "logging-file-config"} & nested.keys():
-        return nested
-    return config
-
-
 def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
     """Give the ``accelsched`` logger distributed's defaults (INFO, a stderr handler in
     its format) unless dask's ``logging`` config or the application set it up; True when
     it did. Safe to call again: nothing is added twice."""
-    base = _logging_config(dask.config.config if config is None else config)
+    config = dask.config.config if config is None else config
+    # where distributed looks for the logging keys: under ``distributed`` first, else at
+    # the top (as ``distributed.config._find_logging_config``)
+    nested = config.get("distributed", {})
+    keys = {"logging", "logging-file-config"}
+    base = nested if isinstance(nested, Mapping) and keys & nested.keys() else config
     short = base.get("logging", {})
     if (
         "logging-file-config" in base

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 from typing import Any
 
 from dask.utils import Dispatch
@@ -87,13 +86,10 @@ def _by_protocol(obj: Any) -> dict[int, int]:
     return {device: nbytes} if nbytes > 0 else {}
 
 
-def _no_task_device() -> int | None:
+def task_device() -> int | None:
+    """The device an object whose device is not known is counted on: the running task's.
+    :mod:`accelsched.context`, which keeps it (a layer above this one), replaces this."""
     return None
-
-
-#: The device an object whose device is not known is counted on: the running task's.
-#: :mod:`accelsched.context`, which keeps it (a layer above this one), sets this.
-task_device: Callable[[], int | None] = _no_task_device
 
 
 def _device_of(obj: Any) -> int | None:

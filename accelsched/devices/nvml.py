@@ -119,9 +119,9 @@ class NVMLMonitor:
         self._nvml: Any = None
         self.reason: str | None = None
         self._devices: list[DeviceInfo] | None = None
-        self._handles: dict[int, Any] = {}  # CUDA index -> NVML handle, once it answered
         #: CUDA index -> (NVML index, handle or None, MIG UUID or None, its GPU's UUID or
-        #: "" when that did not answer): every device CUDA enumerates here
+        #: "" when that did not answer): every device CUDA enumerates here; the handle is
+        #: looked up again while None (lost when listed)
         self._found: dict[int, tuple[int, Any, str | None, str]] = {}
         self._left_out: set[int] = set()  # those that did not answer when listed
 
@@ -242,8 +242,7 @@ class NVMLMonitor:
         query the guard makes. Its handle is kept once it answers."""
         nvml = self._nvml
         nvml_index, h, mig, gpu_uuid = self._found[index]
-        if h is None:  # lost when it was listed: look it up again
-            h = nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+        h = nvml.nvmlDeviceGetHandleByIndex(nvml_index) if h is None else h  # lost when listed
         info = DeviceInfo(
             index=index,
             nvml_index=nvml_index,
@@ -267,7 +266,7 @@ class NVMLMonitor:
             ),
         )
         nvml.nvmlDeviceGetComputeRunningProcesses(h)  # the guard's own query
-        self._handles[index] = h
+        self._found[index] = (nvml_index, h, mig, gpu_uuid)
         return info
 
     # --- memory -----------------------------------------------------------------------
@@ -275,12 +274,12 @@ class NVMLMonitor:
     def used(self, index: int) -> int:
         """Device-wide used memory (every process on the device)."""
         self.devices()
-        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handles[index]).used)
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._found[index][1]).used)
 
     def process_memory(self, index: int) -> MemoryReading:
         """This process's device memory on the device with CUDA index ``index``."""
         self.devices()
-        procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handles[index])
+        procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._found[index][1])
         if not procs:
             return MemoryReading(0, True, False)  # nobody, so not this process, holds it
         mine = [p for p in procs if p.pid == self.pid]

@@ -66,29 +66,25 @@ class DevicePool(Protocol):
 class CupyPool:
     """CuPy's default device pool and pinned pool, left alone when RMM owns allocation.
 
-    Only acts when ``cupy`` is already in ``sys.modules``: the guard must never import
-    CuPy (and create a CUDA context) just to free a pool nobody used.
+    Active only when ``cupy`` is already in ``sys.modules`` (:func:`active_pools` asks
+    nothing else of an inactive pool): the guard must never import CuPy (and create a
+    CUDA context) just to free a pool nobody used.
     """
 
     name = "cupy"
 
-    def _cupy(self):  # type: ignore[no-untyped-def]
-        return sys.modules.get("cupy")
-
     def active(self) -> bool:
-        return self._cupy() is not None
+        return "cupy" in sys.modules
 
     def uses_rmm(self) -> bool:
         """True when CuPy (imported) allocates through RMM (``rmm_cupy_allocator``)."""
-        allocator = self._cupy().cuda.get_allocator()
+        allocator = sys.modules["cupy"].cuda.get_allocator()
         owner = getattr(allocator, "__module__", "") or ""
         qual = getattr(allocator, "__qualname__", "") or repr(allocator)
         return owner.startswith("rmm") or "rmm" in qual
 
     def free_all(self) -> int:
-        cp = self._cupy()
-        if cp is None:
-            return 0
+        cp = sys.modules["cupy"]
         released = 0
         try:
             if not self.uses_rmm():
@@ -103,24 +99,19 @@ class CupyPool:
         return max(0, released)
 
     def stats(self, device: int) -> PoolStats:
-        cp = self._cupy()
-        if cp is None:
-            return PoolStats()
+        cp = sys.modules["cupy"]
         try:
             if self.uses_rmm():  # reserved up front, it cannot shrink: all of it is fixed
-                mr = sys.modules.get("rmm.mr")
-                if mr is None:
-                    return PoolStats()
                 try:
+                    mr = sys.modules["rmm.mr"]
                     size = getattr(mr.get_per_device_resource(device), "pool_size", None)
                     reserved = int(size() if callable(size) else (size or 0))
-                except Exception:
+                except Exception:  # no rmm.mr imported, or a resource that cannot say
                     reserved = 0
                 return PoolStats(held=reserved, cached=0, fixed=reserved, fixed_free=None)
             with cp.cuda.Device(device):
                 pool = cp.get_default_memory_pool()
-                total = int(pool.total_bytes())
-                return PoolStats(held=total, cached=int(pool.free_bytes()))
+                return PoolStats(held=int(pool.total_bytes()), cached=int(pool.free_bytes()))
         except RuntimeError:
             return PoolStats()
 
