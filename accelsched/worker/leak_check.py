@@ -12,8 +12,8 @@ restart, unless collecting garbage and freeing the pools gave the memory back fi
 then the devices are read again and the decisions say how it ended.
 
 A device whose query raises has stopped answering; one that answers after failing may
-come back. Whether either is news is :func:`~accelsched.policy.health.judge_answers`'s to
-say, with :class:`~accelsched.policy.health.DeviceHealth` (shared with
+come back. Whether either is news is :func:`~accelsched.policy.leak.judge_answers`'s to
+say, with :class:`~accelsched.policy.leak.DeviceHealth` (shared with
 :class:`~accelsched.worker.rejoin.Rejoin`, so a device failing again needs a longer
 streak, whichever part saw it fail): withdrawn once, offered again when it answers (with
 ``recover_gpus``); no restart is asked while it fails.
@@ -34,8 +34,14 @@ from typing import TYPE_CHECKING, Any
 from accelsched.config import Threshold
 from accelsched.devices.nvml import MemoryReading
 from accelsched.devices.pool import PoolStats, active_pools
-from accelsched.policy.health import Answer, judge_answers
-from accelsched.policy.leak import LeakDecisions, Remeasured, Verdict, estimate
+from accelsched.policy.leak import (
+    Answer,
+    LeakDecisions,
+    Remeasured,
+    Verdict,
+    estimate,
+    judge_answers,
+)
 from accelsched.protocol import GuardMetric
 from accelsched.worker.ledger import Ledger, net_of_pools
 

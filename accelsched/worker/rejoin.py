@@ -3,7 +3,7 @@
 A device that does not answer NVML when the guard takes its inventory is left out
 (:meth:`~accelsched.devices.nvml.NVMLMonitor.devices`), often in the very process a
 restart for that device's failure started. It is not given up on: with ``recover_gpus``,
-every check asks :class:`~accelsched.policy.health.DeviceHealth` which left-out devices are due,
+every check asks :class:`~accelsched.policy.leak.DeviceHealth` which left-out devices are due,
 asks NVML about them, and a device that answers steadily enters the inventory, which
 reports it to the scheduler like any device (``accelsched_inventory``: confirmed,
 verified, one owner per UUID). Once the scheduler grants it, the worker offers it and
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 class Rejoin:
     """Probes the left-out devices when the inventory's
-    :class:`~accelsched.policy.health.DeviceHealth` says; reports those back."""
+    :class:`~accelsched.policy.leak.DeviceHealth` says; reports those back."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """The one place on a worker where a decision's proposals are carried out.
 
 As in distributed's Active Memory Manager (policies suggest, one place acts), the
-worker's decisions (:func:`~accelsched.policy.health.judge_answers`,
+worker's decisions (:func:`~accelsched.policy.leak.judge_answers`,
 :class:`~accelsched.policy.leak.LeakDecisions`) only return
 :class:`~accelsched.policy.proposals.Proposal` objects. :class:`WorkerActor` turns them
 into what the rest of the cluster sees: events in the scheduler's log (their fields are

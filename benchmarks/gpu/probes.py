@@ -107,8 +107,7 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 
 def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.config import Threshold
-    from accelsched.policy.health import DeviceHealth
-    from accelsched.policy.leak import LeakDecisions
+    from accelsched.policy.leak import DeviceHealth, LeakDecisions
     from accelsched.worker.binder import Binder
     from accelsched.worker.leak_check import LeakCheck
     from accelsched.worker.ledger import Ledger

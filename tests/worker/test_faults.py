@@ -16,7 +16,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.devices.nvml import NVMLMonitor
-from accelsched.policy.health import DeviceHealth
+from accelsched.policy.leak import DeviceHealth
 from accelsched.testing import fake_gpus, standin
 from tests.utils import (
     FAST,
