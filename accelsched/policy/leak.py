@@ -1,4 +1,5 @@
-"""Is this worker leaking device memory? Decisions only, no distributed import.
+"""Is this worker leaking device memory, are its devices healthy, did a task use a GPU
+unasked? Decisions only, no distributed import.
 
 NVML sees a process's device memory as one number. Most of it is legitimate: the CUDA
 context and library handles (the *baseline*), results the worker still holds (*live*),
@@ -13,6 +14,20 @@ worth a try; only the devices measured again after the try decide between
 answers each check with :class:`~accelsched.policy.proposals.Proposal` objects that the
 worker's one actor carries out. What the worker's decisions remember of a device
 between checks (its health, its probation, its leak) is one :class:`DeviceRecord`.
+
+*Health* (:class:`DeviceHealth`): a device that stops answering NVML is withdrawn at
+once. Taking it back at its first answer would let a flapping device withdraw and re-offer
+itself, with an event and a restart request each time, at every check. So a device must
+answer for a streak of checks first, and each new failure doubles the streak it needs (up
+to a ceiling): one glitch costs a few checks, a flapping device stays out. A device a
+process left out of its inventory is on probation: asked again with backoff, back under
+the same rule, and reported until the scheduler grants it. :func:`judge_answers` turns a
+check's NVML answers into proposals; nothing here restarts a worker into a fault it can see.
+
+*Unrequested use* (:func:`classify`): the guard reads this process's device memory before
+and after a task that asked for no GPU (only when it ran alone, see
+:mod:`accelsched.worker.watch`). Only this process's own figures count: a device-wide
+figure grows with other processes too, and blaming a task for them would be wrong.
 """
 
 from __future__ import annotations
@@ -22,11 +37,17 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from accelsched.devices.nvml import MemoryReading
 from accelsched.devices.pool import PoolStats
 from accelsched.policy.proposals import Proposal
 
 __all__ = [
     "estimate",
+    "classify",
+    "Answer",
+    "DeviceHealth",
+    "judge_answers",
+    "Use",
     "Attribution",
     "DeviceRecord",
     "LeakDecisions",
@@ -53,7 +74,7 @@ def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
 class DeviceRecord:
     """Everything the worker's decisions remember about one device between checks.
 
-    *Health* (:class:`~accelsched.policy.health.DeviceHealth`): withdrawn or not, how
+    *Health* (:class:`~accelsched.policy.leak.DeviceHealth`): withdrawn or not, how
     often it failed, its good answers in a row since, and for a device left out of the
     inventory (on probation) when to probe or report it again. The rest is its leak's.
 
@@ -408,3 +429,178 @@ class LeakDecisions:
                 Proposal("ask-restart", tuple(v.device for v in held), "leak", {"nbytes": nbytes})
             )
         return out
+
+
+@dataclass
+class DeviceHealth:
+    """Per device (its :class:`~accelsched.policy.leak.DeviceRecord`): withdrawn or not,
+    how often it failed, its current good streak; and, for a device left out of the
+    inventory, when to try it again.
+
+    Probation: a device left out at a start (often right after a restart its failure
+    caused) is probed after ``first`` seconds, and the wait doubles with each failed
+    probe up to ``longest``: a dead GPU costs one NVML query now and then, a glitch a few
+    seconds. While it answers it is probed at the ``first`` pace, and it is back after
+    the same streak as any withdrawn device (a failure meanwhile starts it over, and the
+    wait goes on doubling: a flapping device stays out). A device back is due at once, to
+    be reported to the scheduler; a report that does not get it granted is one more failed
+    try, on the same doubling wait from ``first``, until :meth:`granted`.
+    """
+
+    streak: int = 3  # good answers needed after a first failure
+    ceiling: int = 96  # most ever needed
+    first: float = 1.0  # seconds to the first probe; the pace while a device answers
+    longest: float = 30.0  # the most seconds between two probes
+    #: device -> its record (the leak decisions share it: one record per device)
+    devices: defaultdict[int, DeviceRecord] = field(
+        default_factory=lambda: defaultdict(DeviceRecord)
+    )
+
+    def __post_init__(self) -> None:
+        if self.streak < 1 or self.ceiling < self.streak or not 0 < self.first <= self.longest:
+            raise ValueError(
+                f"invalid streak={self.streak!r}, ceiling={self.ceiling!r}, "
+                f"first={self.first!r}, longest={self.longest!r}"
+            )
+
+    @property
+    def withdrawn(self) -> set[int]:
+        """The devices out of service (not offered)."""
+        return {d for d, r in self.devices.items() if r.withdrawn}
+
+    def failed(self, device: int) -> bool:
+        """The device did not answer; True when this withdraws it (news, said once)."""
+        r = self.devices[device]
+        r.good, r.restart_asked = 0, False  # a new failure: once back, ask again
+        if r.withdrawn:
+            return False
+        r.withdrawn, r.failures = True, r.failures + 1
+        return True
+
+    def needed(self, device: int) -> int:
+        """Good answers in a row the withdrawn ``device`` needs before it is back."""
+        failures = max(1, self.devices[device].failures)
+        return min(self.ceiling, self.streak * 2 ** (failures - 1))
+
+    def answered(self, device: int) -> bool:
+        """The device answered; True when this brings a withdrawn device back."""
+        r = self.devices[device]
+        if not r.withdrawn:
+            return False
+        r.good += 1
+        if r.good < self.needed(device):
+            return False
+        r.withdrawn, r.good = False, 0
+        return True
+
+    # --- probation: devices left out of the inventory -------------------------------
+
+    def left_out(self, device: int, now: float) -> None:
+        """``device`` did not answer when the inventory was taken at ``now``."""
+        self.failed(device)
+        r = self.devices[device]
+        r.probe_at, r.probe_wait = now + self.first, min(self.longest, 2 * self.first)
+
+    @property
+    def waiting(self) -> list[int]:
+        """The devices left out and still out, or back but not granted yet, in order."""
+        return self.due(float("inf"))
+
+    def due(self, now: float) -> list[int]:
+        """The devices to probe, or to report again, at ``now``, in order."""
+        devices = self.devices.items()
+        return sorted(d for d, r in devices if r.probe_at is not None and r.probe_at <= now)
+
+    def probe_answered(self, device: int, now: float) -> bool:
+        """A probe of ``device`` answered; True when this brings it back (report it now)."""
+        r = self.devices[device]
+        if r.probe_at is None or not r.withdrawn:
+            return False
+        back = self.answered(device)
+        r.probe_at, r.probe_wait = (now, self.first) if back else (now + self.first, r.probe_wait)
+        return back
+
+    def retry(self, device: int, now: float) -> float:
+        """A try at ``device`` failed at ``now``: a probe (its streak starts over) or a
+        report not granted. Returns the wait before the next try (0: not on probation);
+        the wait after doubles."""
+        r = self.devices[device]
+        if r.probe_at is None:
+            return 0.0
+        if r.withdrawn:
+            self.failed(device)
+        wait = r.probe_wait
+        r.probe_at, r.probe_wait = now + wait, min(self.longest, 2 * wait)
+        return wait
+
+    def granted(self, device: int) -> None:
+        """The scheduler granted ``device`` back: off probation."""
+        self.devices[device].probe_at = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How one device answered a check's NVML query."""
+
+    device: int
+    uuid: str
+    error: str | None = None  # the repr of what NVML raised; None: it answered
+    granted: bool = True  # the scheduler granted it to this worker: only then withdrawn
+
+
+def judge_answers(
+    health: DeviceHealth, answers: Iterable[Answer], *, recover: bool
+) -> list[Proposal]:
+    """What a check's answers call for, device by device in the order asked.
+
+    A granted device that stops answering is withdrawn once (however many checks see it
+    fail): no new lease lands on it and the worker advertises one GPU fewer, but it keeps
+    serving its other devices and CPU work. It does NOT ask for a restart: a fault NVML
+    shows now is the device's or the driver's, which a new process does not cure (a GPU
+    off the bus stays lost), and a new process started during it may not start at all
+    (distributed's own GPU diagnostics query the first visible device as it starts). So
+    the worker waits for the device to answer. One that answered long enough (the streak
+    :class:`DeviceHealth` requires) comes back in this process when ``recover``
+    (``recover_gpus``); without it, only then does the worker ask for a restart (reason
+    ``gpu-unhealthy``), into a device that answers: the new process verifies it again.
+    """
+    out: list[Proposal] = []
+    for a in answers:
+        if a.error is not None:
+            if a.granted and health.failed(a.device):
+                detail = {"uuid": a.uuid, "error": a.error}
+                out.append(Proposal("withdraw", a.device, "gpu-unhealthy", detail=detail))
+        elif health.answered(a.device):
+            if recover:
+                out.append(Proposal("recover", a.device, detail={"uuid": a.uuid}))
+            else:  # out of this process; a restart takes it back, now that it answers
+                r = health.devices[a.device]
+                r.withdrawn = True
+                if not r.restart_asked:  # once: the restart is the cure
+                    r.restart_asked = True
+                    proposal = Proposal("ask-restart", (a.device,), "gpu-unhealthy", {"nbytes": 0})
+                    out.append(proposal)
+    return out
+
+
+@dataclass(frozen=True)
+class Use:
+    """GPU use found on one device: memory growth and/or a new CUDA context."""
+
+    device: int
+    nbytes: int  # growth of this process's device memory (0 when it only made a context)
+    context_created: bool
+
+
+def classify(before: Mapping[int, MemoryReading], after: Mapping[int, MemoryReading]) -> list[Use]:
+    """The devices an unannotated task used, from readings taken around it."""
+    found: list[Use] = []
+    for device, now in after.items():
+        then = before.get(device)
+        if then is None or not (now.exact and then.exact):
+            continue  # not this process's own figure: another process may have grown
+        grew = now.nbytes - then.nbytes
+        created = bool(now.has_context) and then.has_context is False
+        if grew > 0 or created:
+            found.append(Use(device, max(grew, 0), created))
+    return found

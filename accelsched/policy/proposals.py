@@ -4,8 +4,8 @@ distributed's Active Memory Manager has its policies yield ``Suggestion`` object
 acts on them in one place; accelsched does the same. Every decision in this folder that
 calls for an action answers with :class:`Proposal` objects; nothing here acts. On the
 scheduler, :mod:`accelsched.scheduler.scheduler_actor` carries them out; on a worker,
-:mod:`accelsched.worker.worker_actor`. A test can therefore check a decision by the proposals
-it returns, with numbers, and check an actor by the proposals it is given.
+:class:`accelsched.worker.leak_check.WorkerActor`. A test can therefore check a decision
+by the proposals it returns, with numbers, and check an actor by the proposals it is given.
 """
 
 from __future__ import annotations

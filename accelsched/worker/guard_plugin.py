@@ -14,10 +14,10 @@ The parts (``accelsched/worker/``):
   (:class:`~accelsched.worker.ledger.Ledger` says what results hold); on a
   confirmed leak, ask for a lossless restart. Its heartbeat metric carries what only the
   worker knows to ``accelsched status``.
-- :class:`~accelsched.worker.worker_actor.WorkerActor`: carries out what those decisions propose
-  (events, withdrawals, reclaims, restart requests), the one place that acts on them.
-- :class:`~accelsched.worker.rejoin.Rejoin`: ask NVML again, with backoff, about the
-  devices left out of the inventory; report each back once it answers steadily.
+- :class:`~accelsched.worker.leak_check.WorkerActor`: carries out what those decisions propose
+  (events, withdrawals, reclaims, restart requests), the one place that acts on them; asks
+  NVML again, with backoff, about the devices left out of the inventory and reports each
+  back once it answers steadily.
 
 The plugin itself checks at setup that the distributed internals the parts rely on are
 there (:mod:`accelsched.internals`) and routes each task as it starts executing. What it
@@ -47,13 +47,11 @@ from accelsched.protocol import (
 )
 from accelsched.worker.binder import Binder
 from accelsched.worker.inventory import Inventory
-from accelsched.worker.leak_check import LeakCheck
+from accelsched.worker.leak_check import LeakCheck, WorkerActor
 from accelsched.worker.ledger import Ledger
 from accelsched.worker.pool_freer import PoolFreer
 from accelsched.worker.preimport import preimport
-from accelsched.worker.rejoin import Rejoin
 from accelsched.worker.watch import TABLES, UnrequestedGPUUse, Watch
-from accelsched.worker.worker_actor import WorkerActor
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -80,7 +78,7 @@ class GuardPlugin(WorkerPlugin):
     binder: Binder
     ledger: Ledger  # what each GPU task and result holds, measured
     leaks: LeakCheck
-    rejoin: Rejoin | None  # devices left out at setup, asked again
+    rejoin: WorkerActor | None  # devices left out at setup, asked again
     #: the inventory's visible devices once set up (kept up to date in place): with none,
     #: transitions are not routed
     _visible: Sequence[DeviceInfo] = ()
@@ -141,16 +139,19 @@ class GuardPlugin(WorkerPlugin):
                 fail=o["unrequested_gpu"] == "fail",
                 emit=self._emit,
             )
+        left_out = o["recover_gpus"] and bool(inv.monitor.left_out)
+        actor = WorkerActor(
+            inventory=inv,
+            set_devices=self._use_devices,
+            emit=self._emit,
+            spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
+            report=self.report if left_out else None,
+        )
         self.leaks = LeakCheck(
             inventory=inv,
             binder=self.binder,
             ledger=ledger,
-            actor=WorkerActor(
-                inventory=inv,
-                set_devices=self._use_devices,
-                emit=self._emit,
-                spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
-            ),
+            actor=actor,
             decisions=LeakDecisions(
                 o["leak_confirmations"],
                 o["restart_on_leak"],
@@ -160,14 +161,7 @@ class GuardPlugin(WorkerPlugin):
             threshold=o["leak_threshold"],
             recover=o["recover_gpus"],
         )
-        self._visible, self.rejoin = inv.visible, None
-        if o["recover_gpus"] and inv.monitor.left_out:
-            self.rejoin = Rejoin(
-                inventory=inv,
-                report=self.report,
-                spawn=lambda fn, *args: internals.spawn(worker, fn, *args),
-                emit=self._emit,
-            )
+        self._visible, self.rejoin = inv.visible, actor if left_out else None
         internals.add_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
         TABLES.add(self.binder.leases)
         if inv.visible:  # as the transition hook, which alone uncounts them
@@ -264,7 +258,7 @@ class GuardPlugin(WorkerPlugin):
         next GPU task on each device reads NVML again: what the ledger knew of a device
         without a context (no reading to measure by) is forgotten at each check."""
         if self.rejoin is not None:
-            self.rejoin.check()
+            self.rejoin.rejoin()
         self.ledger.recheck()
         return self.leaks.check()
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import internals
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
-from accelsched.policy.health import DeviceHealth
+from accelsched.policy.leak import DeviceHealth
 from accelsched.policy.ownership import Claim, decide_claim, declared_count, owned
 from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.protocol import (

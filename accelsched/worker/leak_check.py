@@ -6,17 +6,25 @@ the baseline, live results (:meth:`~accelsched.worker.ledger.Ledger.live`) and p
 (:func:`accelsched.policy.leak.estimate`), and lets
 :class:`~accelsched.policy.leak.LeakDecisions` judge the estimates. Every decision comes
 back as proposals, which one actor carries out
-(:class:`~accelsched.worker.worker_actor.WorkerActor`): read, decide, act. A confirmed leak
+(:class:`WorkerActor`): read, decide, act. A confirmed leak
 is reported once and, with ``restart_on_leak``, the worker asks for its own lossless
 restart, unless collecting garbage and freeing the pools gave the memory back first:
 then the devices are read again and the decisions say how it ended.
 
 A device whose query raises has stopped answering; one that answers after failing may
-come back. Whether either is news is :func:`~accelsched.policy.health.judge_answers`'s to
-say, with :class:`~accelsched.policy.health.DeviceHealth` (shared with
-:class:`~accelsched.worker.rejoin.Rejoin`, so a device failing again needs a longer
-streak, whichever part saw it fail): withdrawn once, offered again when it answers (with
-``recover_gpus``); no restart is asked while it fails.
+come back. Whether either is news is :func:`~accelsched.policy.leak.judge_answers`'s to
+say, with :class:`~accelsched.policy.leak.DeviceHealth` (shared with
+the left-out devices' probation, so a device failing again needs a longer streak,
+whichever way it was seen to fail): withdrawn once, offered again when it answers (with
+``recover_gpus``); no restart is asked while it fails. A device this process left out
+of its inventory (it did not answer then) is asked again on the same terms, with backoff,
+and reported back to the scheduler until it is granted (:meth:`WorkerActor.rejoin`).
+
+As in distributed's Active Memory Manager (policies suggest, one place acts), the
+decisions only return :class:`~accelsched.policy.proposals.Proposal` objects;
+:class:`WorkerActor` turns them into what the rest of the cluster sees: events in the
+scheduler's log (their fields written in the order docs/events.md gives), devices
+withdrawn from or offered again to placement, a garbage collection, a restart request.
 
 What only the worker knows (leases in use, leak estimates) rides on distributed's own
 heartbeat, not a new RPC loop: :meth:`LeakCheck.heartbeat_metric` is registered as a
@@ -26,25 +34,38 @@ it in the worker's ``WorkerState``.
 
 from __future__ import annotations
 
+import gc
+import itertools
+import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
+from accelsched import events
 from accelsched.config import Threshold
 from accelsched.devices.nvml import MemoryReading
 from accelsched.devices.pool import PoolStats, active_pools
-from accelsched.policy.health import Answer, judge_answers
-from accelsched.policy.leak import LeakDecisions, Remeasured, Verdict, estimate
-from accelsched.protocol import GuardMetric
+from accelsched.policy.leak import (
+    Answer,
+    LeakDecisions,
+    Remeasured,
+    Verdict,
+    estimate,
+    judge_answers,
+)
+from accelsched.policy.proposals import Proposal
+from accelsched.protocol import GuardMetric, ReportReply
 from accelsched.worker.ledger import Ledger, net_of_pools
+from accelsched.worker.pool_freer import reclaim
 
 if TYPE_CHECKING:
     from accelsched.worker.binder import Binder
     from accelsched.worker.inventory import Inventory
-    from accelsched.worker.worker_actor import WorkerActor
 
-__all__ = ["LeakCheck"]
+__all__ = ["LeakCheck", "WorkerActor"]
+
+logger = logging.getLogger(__name__)
 
 
 class LeakCheck:
@@ -190,3 +211,137 @@ class LeakCheck:
                 for dev in inv.granted
             ]
         }
+
+
+class WorkerActor:
+    """Carries out the worker's proposals, in the order given; with ``report`` (the
+    guard's inventory report, given with ``recover_gpus``), probes the devices left out
+    of the inventory when their :class:`~accelsched.policy.leak.DeviceHealth` says, and
+    reports those back."""
+
+    def __init__(
+        self,
+        *,
+        inventory: Inventory,
+        set_devices: Callable[[list[int]], None],
+        emit: Callable[..., None],
+        spawn: Callable[..., None],
+        report: Callable[[], Awaitable[ReportReply]] | None = None,
+        clock: Callable[[], float] = monotonic,
+    ) -> None:
+        self.inventory = inventory
+        self._set_devices = set_devices  # the devices leases may land on
+        self._emit = emit  # one event to the scheduler's log
+        self._spawn = spawn  # runs a coroutine function in the background
+        self._report, self._clock, self._reporting = report, clock, False
+        if report is not None:
+            for index in inventory.monitor.left_out:
+                inventory.health.left_out(index, clock())
+        # Move every object alive now (modules, the worker, the guard) out of the
+        # collector's reach, once: a reclaim's full collection then scans only what was
+        # made since (it holds the event loop). Reference counting still frees them.
+        if not gc.get_freeze_count():
+            gc.freeze()
+
+    def apply(self, proposals: Iterable[Proposal]) -> None:
+        """Carry out ``proposals`` in order; consecutive reclaims share one collection."""
+        for action, group in itertools.groupby(proposals, key=lambda p: p.action):
+            if action == "reclaim":
+                reclaim([p.subject for p in group])
+                continue
+            # each action by the method of its name (``report-leak``: report_leak)
+            act = getattr(self, action.replace("-", "_"), None)
+            if act is None:
+                raise ValueError(f"not a worker's action: {action!r}")
+            for p in group:
+                act(p)
+
+    def withdraw(self, p: Proposal) -> None:
+        """No new lease lands on the device and the worker advertises one GPU fewer
+        (tasks assigned against the old count that no longer fit go back)."""
+        self._emit(events.GPU_UNHEALTHY, device=p.subject, **p.detail)  # uuid, error
+        self._offer()
+
+    def recover(self, p: Proposal) -> None:
+        self._emit(events.GPU_RECOVERED, device=p.subject, **p.detail)  # uuid
+        self._offer()
+
+    def _offer(self) -> None:
+        """Offer what is usable now (the health record says which devices are out):
+        leases at once, the count right after."""
+        self._set_devices(self.inventory.usable)
+        self._spawn(self.inventory.offer, self._set_devices)
+
+    def report_leak(self, p: Proposal) -> None:
+        self._emit(
+            events.LEAK,
+            device=p.subject,
+            nbytes=int(p.figures["nbytes"]),
+            threshold=int(p.figures["threshold"]),
+            checks=int(p.figures["checks"]),
+            prefixes=list(p.detail["prefixes"]),
+            attributed=dict(p.detail["attributed"]),
+            unexplained=int(p.figures["unexplained"]),
+            reclaimed=int(p.figures["reclaimed"]),
+        )
+
+    def report_reclaimed(self, p: Proposal) -> None:
+        self._emit(
+            events.LEAK_RECLAIMED,
+            device=p.subject,
+            nbytes=int(p.figures["nbytes"]),
+            reclaimed=int(p.figures["reclaimed"]),
+            remaining=int(p.figures["remaining"]),
+            threshold=int(p.figures["threshold"]),
+            prefixes=list(p.detail["prefixes"]),
+            seconds=p.figures["seconds"],
+        )
+
+    def ask_restart(self, p: Proposal) -> None:
+        self.inventory.ask_restart(p.reason or "", int(p.figures.get("nbytes", 0)))
+
+    def rejoin(self) -> None:
+        """Probe the left-out devices due now, and report those back when due (event
+        loop, at each check)."""
+        health, monitor, now = self.inventory.health, self.inventory.monitor, self._clock()
+        report = False
+        for index in health.due(now):
+            if index not in monitor.left_out:  # back, not granted yet: report it again
+                report = True
+                continue
+            try:
+                info = monitor.query(index)
+            except Exception:  # NVMLError: still out
+                health.retry(index, now)
+                continue
+            if health.probe_answered(index, now):
+                self.inventory.rejoin(info)
+                report = True
+        if report and not self._reporting:
+            self._reporting = True
+            self._spawn(self._report_back)
+
+    async def _report_back(self) -> None:
+        """Report the inventory with the devices back; say which the scheduler granted,
+        and when to report the others again."""
+        assert self._report is not None  # only rejoin() calls it, with a report
+        try:
+            reply = await self._report()
+        finally:
+            self._reporting = False
+        health, monitor = self.inventory.health, self.inventory.monitor
+        granted, now = {d.uuid for d in self.inventory.granted}, self._clock()
+        for index in health.waiting:
+            if index in monitor.left_out:
+                continue
+            info = monitor.device(index)
+            if info.uuid in granted:
+                health.granted(index)
+                self._emit(events.GPU_RECOVERED, device=index, uuid=info.uuid)
+            elif health.retry(index, now) == health.first:  # once per device back
+                logger.info(
+                    "accelsched: GPU %d answers NVML again but is not granted yet (%s); "
+                    "reporting it again",
+                    index,
+                    reply.get("status"),
+                )

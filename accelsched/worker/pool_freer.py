@@ -14,7 +14,7 @@ that refers to itself, or a failed task's exception, whose traceback keeps the t
 frames and the device arrays in their locals (distributed keeps the exception in a
 message that the traceback's frames refer to: a cycle). :func:`reclaim` collects such
 garbage, returning its arrays to their pools, then frees the pools. The worker's actor
-(:class:`~accelsched.worker.worker_actor.WorkerActor`) calls it on a confirmed leak's
+(:class:`~accelsched.worker.leak_check.WorkerActor`) calls it on a confirmed leak's
 ``reclaim`` proposal; the leak check then measures again
 (:class:`~accelsched.policy.leak.LeakDecisions` decides).
 """

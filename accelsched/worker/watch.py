@@ -5,7 +5,7 @@ ran alone: each worker's :class:`~accelsched.policy.leases.LeaseTable` records t
 running in its threads (the guard's transition hook feeds it, so unwatched tasks count
 too), and a watched task's readings count only when no other task of any worker in the
 process started or ended while it ran.
-:func:`accelsched.policy.unrequested.classify` decides what the readings mean.
+:func:`accelsched.policy.leak.classify` decides what the readings mean.
 
 Reading NVML costs tens of microseconds per device, twice per task: on a worker that sees
 8 GPUs that is more than a tiny task itself. Using a GPU is a property of the code a task
@@ -22,8 +22,8 @@ from typing import Any
 
 from accelsched import events
 from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
+from accelsched.policy.leak import classify
 from accelsched.policy.leases import LeaseTable
-from accelsched.policy.unrequested import classify
 
 __all__ = [
     "TABLES",

@@ -107,13 +107,11 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 
 def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.config import Threshold
-    from accelsched.policy.health import DeviceHealth
-    from accelsched.policy.leak import LeakDecisions
+    from accelsched.policy.leak import DeviceHealth, LeakDecisions
     from accelsched.worker.binder import Binder
-    from accelsched.worker.leak_check import LeakCheck
+    from accelsched.worker.leak_check import LeakCheck, WorkerActor
     from accelsched.worker.ledger import Ledger
     from accelsched.worker.pool_freer import PoolFreer
-    from accelsched.worker.worker_actor import WorkerActor
 
     dev = Device(fake)
     dev.context()

@@ -6,7 +6,7 @@ import pytest
 
 from accelsched.devices.nvml import MemoryReading
 from accelsched.policy.budget import RestartBudget, admit_restart, keeps_devices, restart_reply
-from accelsched.policy.leak import LeakDecisions
+from accelsched.policy.leak import LeakDecisions, Use, classify
 from accelsched.policy.proposals import Proposal
 from accelsched.policy.timeouts import (
     CHAIN,
@@ -21,7 +21,6 @@ from accelsched.policy.timeouts import (
     summarise,
     sweep,
 )
-from accelsched.policy.unrequested import Use, classify
 from accelsched.scheduler.scheduler_actor import SchedulerActor
 
 # --- which tasks fall back now, and when to look again --------------------------------
@@ -446,7 +445,7 @@ def test_gpu_amounts(amount: float) -> None:
 
 
 def test_a_device_comes_back_after_a_streak_that_doubles_with_each_failure() -> None:
-    from accelsched.policy.health import DeviceHealth
+    from accelsched.policy.leak import DeviceHealth
 
     h = DeviceHealth(streak=3, ceiling=10)
     assert not h.answered(0)  # healthy: nothing to bring back
@@ -464,7 +463,7 @@ def test_a_device_comes_back_after_a_streak_that_doubles_with_each_failure() -> 
 
 
 def test_a_device_left_out_is_probed_with_backoff_and_back_when_steady() -> None:
-    from accelsched.policy.health import DeviceHealth
+    from accelsched.policy.leak import DeviceHealth
 
     p = DeviceHealth(streak=3, first=1.0, longest=8.0)
     p.left_out(0, now=0.0)

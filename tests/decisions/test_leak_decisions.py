@@ -9,11 +9,17 @@ from typing import Any
 
 import pytest
 
-from accelsched.policy.health import Answer, DeviceHealth, judge_answers
-from accelsched.policy.leak import LeakDecisions, Remeasured, Suspects
+from accelsched.policy.leak import (
+    Answer,
+    DeviceHealth,
+    LeakDecisions,
+    Remeasured,
+    Suspects,
+    judge_answers,
+)
 from accelsched.policy.proposals import Proposal
-from accelsched.worker import worker_actor as acting
-from accelsched.worker.worker_actor import WorkerActor
+from accelsched.worker import leak_check as acting
+from accelsched.worker.leak_check import WorkerActor
 
 T = 256  # the threshold, in bytes, of every device below
 

@@ -16,7 +16,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.devices.nvml import NVMLMonitor
-from accelsched.policy.health import DeviceHealth
+from accelsched.policy.leak import DeviceHealth
 from accelsched.testing import fake_gpus, standin
 from tests.utils import (
     FAST,
@@ -291,7 +291,7 @@ def test_a_device_back_but_not_granted_is_reported_again_until_it_is() -> None:
     again, with backoff, not given up on: the device came back once and stayed out for
     good otherwise. The scheduler and the inventory are stand-ins (only their answers
     matter here); the device's answers are the fake NVML's."""
-    from accelsched.worker.rejoin import Rejoin
+    from accelsched.worker.leak_check import WorkerActor
 
     with fake_gpus(1) as g:
         monitor = NVMLMonitor(env={})
@@ -303,7 +303,7 @@ def test_a_device_back_but_not_granted_is_reported_again_until_it_is() -> None:
         emitted: list[tuple[str, dict]] = []
         now = [0.0]
 
-        class Inventory:  # what Rejoin uses of the worker's Inventory
+        class Inventory:  # what the actor's rejoin uses of the worker's Inventory
             def __init__(self) -> None:
                 self.monitor = monitor
                 self.granted: list = []
@@ -322,8 +322,9 @@ def test_a_device_back_but_not_granted_is_reported_again_until_it_is() -> None:
             return {"status": status}
 
         pending: list = []
-        rejoin = Rejoin(
+        actor = WorkerActor(
             inventory=inventory,  # type: ignore[arg-type]
+            set_devices=lambda usable: None,
             report=report,
             spawn=lambda fn, *args: pending.append(fn(*args)),
             emit=lambda action, **fields: emitted.append((action, fields)),
@@ -331,10 +332,10 @@ def test_a_device_back_but_not_granted_is_reported_again_until_it_is() -> None:
         )
         for t in range(40):
             now[0] = float(t)
-            rejoin.check()
+            actor.rejoin()
             while pending:
                 asyncio.run(pending.pop())
         # back at its first probe (1 s), reported then, again 1 s and 2 s later: granted
         assert reported == [1.0, 2.0, 4.0]
         assert emitted == [("gpu-recovered", {"device": 0, "uuid": g.uuids[0]})]
-        assert rejoin.waiting == []
+        assert inventory.health.waiting == []
