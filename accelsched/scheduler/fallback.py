@@ -18,8 +18,8 @@ deadline already passed), with a periodic tick as a safety net.
 
 Plain distributed leaves a task no worker can take in ``no-worker`` without a word. A
 one-second tick counts the GPU tasks unplaced for
-:data:`~accelsched.policy.waiting.NOTICE_AFTER` by reason
-(:mod:`accelsched.policy.waiting` decides) and says each new reason once
+:data:`~accelsched.policy.timeouts.NOTICE_AFTER` by reason
+(:mod:`accelsched.policy.timeouts` decides) and says each new reason once
 (``gpu-waiting``); ``accelsched status`` shows the counts.
 
 A task whose step or annotation says what its device must be (memory, model, compute
@@ -57,6 +57,7 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 import dask.config
+from dask.utils import parse_timedelta
 from distributed.core import Status
 
 from accelsched import events, internals
@@ -74,16 +75,16 @@ from accelsched.policy.requirements import (
 from accelsched.policy.scaling import counted_from
 from accelsched.policy.timeouts import (
     MAX_GPUS,
+    NOTICE_AFTER,
     Deadlines,
     FallbackPolicy,
+    Notices,
     Waiting,
     deadline,
-    no_workers_conflict,
-    satisfiable,
+    reason_for,
     summarise,
     sweep,
 )
-from accelsched.policy.waiting import NOTICE_AFTER, Notices, reason_for
 from accelsched.protocol import (
     FALLBACK_ANNOTATION,
     GPU,
@@ -111,8 +112,6 @@ _WAITING = "accelsched-waiting"
 TICK = 1.0
 #: Keys named in a ``gpu-waiting`` event, as examples.
 EXAMPLES = 3
-
-UNSATISFIABLE_TEXT = f"no worker can ever offer more than {MAX_GPUS} GPUs"
 
 #: A check that falls back more tasks than this logs one summary event, not one each.
 FALLBACK_DETAIL = 10
@@ -200,7 +199,9 @@ class Fallback:
         self._active = active
         self._act = act
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
-        self._no_workers_checked: set[float] | None = set()  # None: warned
+        # read once, as the scheduler reads it; None once warned
+        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
+        self._no_workers_limit = None if limit is None else parse_timedelta(limit)
         # elastic pools (accelsched.adapt): class -> until when a worker serving it was
         # said to be coming (monotonic), pools at their maximum, and the bound
         self._coming: dict[str, float] = {}
@@ -343,9 +344,10 @@ class Fallback:
         task = self.tasks[ts.key] = GpuTask(timeout)
         if problem := self._require(ts, task, mark, amount):  # its device
             return problem
-        if not satisfiable(amount) and timeout is None:
+        if amount > MAX_GPUS and timeout is None:
             # strict, and no worker can ever take it: it errs alone, never sent anywhere
-            return f"resources={{'GPU': {amount!r}}}: {UNSATISFIABLE_TEXT}"
+            never = f"no worker can ever offer more than {MAX_GPUS} GPUs"
+            return f"resources={{'GPU': {amount!r}}}: {never}"
         self._warn_no_workers(timeout)
         return None
 
@@ -597,15 +599,17 @@ class Fallback:
 
     def _warn_no_workers(self, timeout: float | None) -> None:
         """Warn once when distributed's ``no-workers-timeout`` would fail unplaced tasks
-        before they could fall back (a config read per timeout value, not per task)."""
-        checked = self._no_workers_checked
-        if timeout is None or checked is None or timeout in checked:
-            return
-        checked.add(timeout)
-        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
-        if (msg := no_workers_conflict(limit, timeout)) is not None:
-            self._no_workers_checked = None  # said: once is enough
-            logger.warning(msg)  # one line in the scheduler's log, not also a warning
+        before they could fall back."""
+        limit = self._no_workers_limit
+        if timeout is not None and limit is not None and limit < timeout:
+            self._no_workers_limit = None  # said: once is enough
+            logger.warning(  # one line in the scheduler's log, not also a warning
+                "distributed.scheduler.no-workers-timeout (%ss) is shorter than accelsched's "
+                "fallback timeout (%ss): the scheduler will fail unplaceable GPU tasks with "
+                "NoValidWorkerError before they can fall back",
+                limit,
+                timeout,
+            )
 
     # --- what waits ----------------------------------------------------------------------
 
