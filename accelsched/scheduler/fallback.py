@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 from dask.utils import parse_timedelta
+from distributed.comm.addressing import get_address_host
 from distributed.core import Status
 
 from accelsched import events, internals
@@ -193,7 +194,8 @@ class Fallback:
         self._classes: dict[ClassKey, Eligible] = {}
         self._facts: dict[str, list[DeviceFacts]] = {}  # worker -> its granted devices
         self._benched: dict[str, float] = {}  # worker -> when it is judged again
-        self.deadlines = Deadlines(self._live)
+        # a deadline entry still counts while its task waits, due then
+        self.deadlines = Deadlines(lambda key, at: getattr(self.tasks.get(key), "due", None) == at)
         self.notices = Notices()
         self._emit = emit
         self._active = active
@@ -219,7 +221,7 @@ class Fallback:
             if GPU in restrictions or GPU_MEMORY in restrictions:
                 adopted = self.tasks[ts.key] = GpuTask(self.policy.default)
                 if ts.state not in DONE and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
-                    internals.restrict_to_workers(ts, None)  # its own: unknown now
+                    internals.share_worker_restriction(ts, None)  # its own: unknown now
                     count = restrictions.get(GPU, 1)
                     self._require(ts, adopted, None, count, say=False)
         for ts, since in list(internals.unrunnable(scheduler).items()):
@@ -251,7 +253,7 @@ class Fallback:
                 not own
                 or restriction is None
                 or worker in restriction
-                or internals.host_of(worker) in restriction  # its workers=["hostname"]
+                or get_address_host(worker) in restriction  # its workers=["hostname"]
             )
             and sum(need.fits(f) for f in facts) >= devices
         )
@@ -505,11 +507,6 @@ class Fallback:
         if at is not None:
             self.deadlines.add(key, at)
 
-    def _live(self, key: Hashable, at: float) -> bool:
-        """Whether a deadline entry still counts: its task waits, due then."""
-        task = self.tasks.get(key)
-        return task is not None and task.due == at
-
     # --- the check -----------------------------------------------------------------------
 
     def check(self) -> None:
@@ -525,11 +522,8 @@ class Fallback:
         waiting: list[Waiting] = []
         tasks: dict[Any, Any] = self.scheduler.tasks  # keys as the heap carries them
         for key in self.deadlines.pop_due(now):
-            task = self.tasks[key]
+            task, ts = self.tasks[key], tasks[key]  # live: waits in no-worker
             task.due = None
-            ts = tasks.get(key)
-            if ts is None or ts.state != "no-worker":
-                continue
             if task.problem is not None:  # kept: a retry errs again
                 errs.append(Proposal("err", key, task.problem))
             elif (w := self._waiting(ts, task)) is not None:
@@ -627,10 +621,6 @@ class Fallback:
                 requirement = REQUIREMENT_ANNOTATION in (ts.annotations or {})
                 out.setdefault(reason_for(amount, largest, requirement), []).append(ts.key)
         return out
-
-    def waiting_counts(self) -> dict[str, int]:
-        """``accelsched status``'s ``waiting``: how many wait, by reason."""
-        return {reason: len(keys) for reason, keys in sorted(self.waiting().items())}
 
     def tick(self) -> None:
         """Judge benched workers again; say each reason tasks newly wait for, once (a

@@ -132,7 +132,7 @@ class PlacementPlugin(SchedulerPlugin):
         self.demand = Demand(scheduler, fallback=self.fallback, grants=grants)
         self.demand.start()
         history = StatusHistory(
-            scheduler, grants, waiting=self.fallback.waiting_counts, options=self.options
+            scheduler, grants, waiting=self.fallback.waiting, options=self.options
         )
         history.start()
         self.status_history = history
