@@ -492,16 +492,6 @@ class Fallback:
             self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
         self._full, self._full_at = full, now
 
-    def at_maximum(self, key: Any) -> list[str]:
-        """The pools at their maximum that could serve the GPU task ``key`` (a
-        ``fallback`` event names them)."""
-        task, ts = self.tasks.get(key), self.scheduler.tasks.get(key)
-        if monotonic() - self._full_at > FULL_SAID_FOR:  # the pools stopped saying so
-            self._full = {}
-        if not self._full or task is None or ts is None:
-            return []
-        return self._full.get(self.class_of(ts, task)[0], [])
-
     def _due(self, key: Hashable, task: GpuTask, at: float | None) -> None:
         task.due = at
         if at is not None:
@@ -550,10 +540,12 @@ class Fallback:
         sent on together.
         """
         tasks: dict[Any, Any] = self.scheduler.tasks  # keys as the proposals carry them
-        full = sorted({pool for p in proposals for pool in self.at_maximum(p.subject)})
+        if monotonic() - self._full_at > FULL_SAID_FOR:  # the pools stopped saying so
+            self._full = {}
+        full: set[str] = set()  # the pools at their maximum that could have served them
         for p in proposals:
-            ts = tasks[p.subject]
-            task = self.tasks[p.subject]
+            ts, task = tasks[p.subject], self.tasks[p.subject]
+            full.update(self._full.get(self.class_of(ts, task)[0], ()) if self._full else ())
             internals.set_resource_restrictions(
                 ts,
                 {k: v for k, v in ts.resource_restrictions.items() if k not in (GPU, GPU_MEMORY)},
@@ -568,7 +560,7 @@ class Fallback:
             task.fell_back = True
         for figures in summarise(proposals, FALLBACK_DETAIL):
             if full:  # elastic pools: those that could have served them are at maximum
-                figures["pools_at_maximum"] = full
+                figures["pools_at_maximum"] = sorted(full)
             self._emit(events.FALLBACK, None, **figures)
         stimulus_id = f"accelsched-fallback-{time()}"
         internals.run_now(self.scheduler, [p.subject for p in proposals], stimulus_id)
