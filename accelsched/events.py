@@ -97,7 +97,7 @@ from typing import Any, Final
 
 from dask.utils import format_bytes
 
-from accelsched.policy.waiting import REASONS
+from accelsched.policy.timeouts import REASONS
 
 TOPIC: Final = "accelsched"
 

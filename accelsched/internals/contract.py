@@ -38,19 +38,6 @@ def _raise_if(problems: list[str], side: str) -> None:
     )
 
 
-def _missing_params(*checks: tuple[str, Any, tuple[str, ...]]) -> list[str]:
-    """For each (owner, function, parameter names): what the function no longer takes."""
-    problems = []
-    for owner, fn, names in checks:
-        try:
-            params = inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            problems.append(f"{owner} is not inspectable")
-            continue
-        problems += [f"{owner}() no longer takes {n}=" for n in names if n not in params]
-    return problems
-
-
 def _changed(
     obj: Any,
     owner: str,
@@ -107,7 +94,7 @@ def check_scheduler(scheduler: Scheduler) -> None:
             "coerce_hostname",
         ),
     )
-    problems += _missing_params(
+    for owner, fn, names in (
         (
             "Scheduler.retire_workers",
             type(scheduler).retire_workers,
@@ -124,7 +111,13 @@ def check_scheduler(scheduler: Scheduler) -> None:
             type(scheduler).restart_workers,
             ("workers", "wait_for_workers", "on_error", "stimulus_id"),
         ),
-    )
+    ):  # what each function no longer takes
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            problems.append(f"{owner} is not inspectable")
+            continue
+        problems += [f"{owner}() no longer takes {n}=" for n in names if n not in params]
     problems += _changed(
         WorkerState,
         "WorkerState",

@@ -6,7 +6,6 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from time import time
 from typing import TYPE_CHECKING, Any
 
-from distributed.comm.addressing import get_address_host
 from distributed.protocol import pickle
 
 from accelsched.protocol import GPU, GPU_MEMORY
@@ -90,16 +89,10 @@ def set_worker_gpus(scheduler: Scheduler, ws: WorkerState, count: float, name: s
     scheduler.resources.setdefault(name, {})[ws.address] = count
 
 
-def restrict_to_workers(ts: TaskState, workers: Collection[str] | None) -> None:
-    """Place ``ts`` only on these workers (None: anywhere); a hard restriction."""
-    ts.worker_restrictions = set(workers) if workers is not None else None
-    ts.loose_restrictions = False
-
-
-def share_worker_restriction(ts: TaskState, workers: set[str]) -> None:
-    """Place ``ts`` only on ``workers``, the very set, not a copy: whoever holds it
-    changes the restriction of every task sharing it. distributed reads a task's
-    ``worker_restrictions`` and replaces it, never edits it in place."""
+def share_worker_restriction(ts: TaskState, workers: set[str] | None) -> None:
+    """Place ``ts`` only on ``workers`` (None: anywhere), the very set, not a copy:
+    whoever holds it changes the restriction of every task sharing it. distributed reads
+    a task's ``worker_restrictions`` and replaces it, never edits it in place."""
     ts.worker_restrictions = workers
     ts.loose_restrictions = False
 
@@ -126,11 +119,6 @@ def restrict_to_own(ts: TaskState, own: Collection[str] | None) -> None:
     ts.worker_restrictions = {o for o in own if "://" in o} or None
     ts.host_restrictions = {o for o in own if "://" not in o} or None
     ts.loose_restrictions = False
-
-
-def host_of(worker: str) -> str:
-    """A worker's host, as ``host_restrictions`` name it."""
-    return get_address_host(worker)
 
 
 def largest_gpu_count(scheduler: Scheduler) -> float:

@@ -6,6 +6,13 @@ With a fallback timeout it runs its CPU form instead. The PlacementPlugin feeds
 the policy answers with the reason to fall back, or None to keep waiting. :func:`sweep`
 turns one check's answers into ``fall-back`` proposals
 (:class:`~accelsched.policy.proposals.Proposal`), which the scheduler's actor carries out.
+
+Plain distributed leaves a task no worker can take in ``no-worker`` without a word ("it
+will hang indefinitely"). accelsched says it: a GPU task unplaced for
+:data:`NOTICE_AFTER` seconds is counted under the reason no worker takes it
+(:func:`reason_for`), the count is in ``accelsched status`` and on the dashboard, and a
+``gpu-waiting`` event is written once per reason (:class:`Notices`): again only after
+that reason had no task waiting.
 """
 
 from __future__ import annotations
@@ -17,8 +24,6 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from dask.utils import parse_timedelta
 
 from accelsched.config import parse_optional_duration
 from accelsched.policy.marks import Mark
@@ -37,9 +42,16 @@ __all__ = [
     "CHAIN",
     "OOM",
     "parse_task_timeout",
-    "no_workers_conflict",
     "Deadlines",
     "summarise",
+    "NOTICE_AFTER",
+    "NO_GPU",
+    "TOO_FEW_GPUS",
+    "UNMET_REQUIREMENT",
+    "NO_ELIGIBLE_WORKER",
+    "REASONS",
+    "reason_for",
+    "Notices",
 ]
 
 TIMEOUT = "timeout"  # the task's own timeout expired
@@ -84,24 +96,6 @@ _parse_cached = functools.lru_cache(maxsize=256, typed=True)(_parse)
 MAX_GPUS = 65536
 
 
-def satisfiable(amount: float) -> bool:
-    """Whether some worker could ever offer ``amount`` GPUs (a valid amount)."""
-    return amount <= MAX_GPUS
-
-
-def no_workers_conflict(limit: Any, timeout: float) -> str | None:
-    """Why distributed's ``no-workers-timeout`` (``limit``) defeats a fallback ``timeout``:
-    the scheduler would fail unplaceable GPU tasks before they could fall back."""
-    limit_s = None if limit is None else parse_timedelta(limit)
-    if limit_s is None or limit_s >= timeout:
-        return None
-    return (
-        f"distributed.scheduler.no-workers-timeout ({limit_s}s) is shorter than "
-        f"accelsched's fallback timeout ({timeout}s): the scheduler will fail "
-        "unplaceable GPU tasks with NoValidWorkerError before they can fall back"
-    )
-
-
 class FallbackPolicy:
     """Decides, per unrunnable GPU task, how long it waits and whether to run its CPU form now.
 
@@ -136,7 +130,7 @@ class FallbackPolicy:
 
         ``waited``: seconds the task has been unrunnable. ``gpu_capacity``: whether any
         worker in the cluster has enough verified GPUs for it right now. ``can_ever``:
-        whether any worker could ever (:func:`satisfiable`); if not, waiting is pointless.
+        whether any worker could ever (at most :data:`MAX_GPUS`); if not, waiting is pointless.
         """
         if timeout is None:
             return None
@@ -172,7 +166,7 @@ def deadline(w: Waiting, *, looked: bool = False) -> float | None:
     """
     if w.timeout is None:
         return None
-    if not looked and (w.predecessor_fell_back or not satisfiable(w.amount)):
+    if not looked and (w.predecessor_fell_back or w.amount > MAX_GPUS):
         return w.since
     return w.since + w.timeout
 
@@ -195,7 +189,7 @@ def sweep(
             timeout=w.timeout,
             predecessor_fell_back=w.predecessor_fell_back,
             gpu_capacity=largest >= w.amount,
-            can_ever=satisfiable(w.amount),
+            can_ever=w.amount <= MAX_GPUS,
         )
         if reason is not None:
             proposals.append(Proposal("fall-back", w.key, reason, {"waited": waited}))
@@ -275,3 +269,47 @@ def summarise(fell: Sequence[Proposal], detail: int) -> list[dict[str, Any]]:
             "waited_max": round(waits[-1], 3),
         }
     ]
+
+
+#: Seconds a GPU task waits unplaced before it is counted and said: a task submitted
+#: while its worker is still being verified is placed well within this.
+NOTICE_AFTER = 2.0
+
+NO_GPU = "no-verified-gpu"  # no worker in the cluster offers a verified GPU
+TOO_FEW_GPUS = "too-few-gpus"  # it needs more GPUs than any one worker offers
+UNMET_REQUIREMENT = "unmet-requirement"  # no verified device meets what it asks of one
+NO_ELIGIBLE_WORKER = "no-eligible-worker"  # GPUs enough, not on a worker it may run on
+
+#: What each reason means, for people (``accelsched status``, the event's text).
+REASONS = {
+    NO_GPU: "no worker has a verified GPU",
+    TOO_FEW_GPUS: "no worker has as many verified GPUs as they need",
+    UNMET_REQUIREMENT: "no verified device meets their requirement",
+    NO_ELIGIBLE_WORKER: "the workers they may run on offer them no verified GPU",
+}
+
+
+def reason_for(amount: float, largest: float, requirement: bool) -> str:
+    """Why a GPU task needing ``amount`` GPUs is unplaced, ``largest`` being the most any
+    one worker offers now; ``requirement``: it asks something of its device."""
+    if largest <= 0:
+        return NO_GPU
+    if requirement:
+        return UNMET_REQUIREMENT
+    if amount > largest:
+        return TOO_FEW_GPUS
+    return NO_ELIGIBLE_WORKER
+
+
+class Notices:
+    """Which reasons to say now: each once, again only after it had no task waiting."""
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+
+    def update(self, waiting: Iterable[str]) -> list[str]:
+        """``waiting``: the reasons with tasks waiting now; returns those to say."""
+        now = set(waiting)
+        new = sorted(now - self.said)
+        self.said = now
+        return new

@@ -18,8 +18,8 @@ deadline already passed), with a periodic tick as a safety net.
 
 Plain distributed leaves a task no worker can take in ``no-worker`` without a word. A
 one-second tick counts the GPU tasks unplaced for
-:data:`~accelsched.policy.waiting.NOTICE_AFTER` by reason
-(:mod:`accelsched.policy.waiting` decides) and says each new reason once
+:data:`~accelsched.policy.timeouts.NOTICE_AFTER` by reason
+(:mod:`accelsched.policy.timeouts` decides) and says each new reason once
 (``gpu-waiting``); ``accelsched status`` shows the counts.
 
 A task whose step or annotation says what its device must be (memory, model, compute
@@ -57,6 +57,8 @@ from time import monotonic, time
 from typing import TYPE_CHECKING, Any
 
 import dask.config
+from dask.utils import parse_timedelta
+from distributed.comm.addressing import get_address_host
 from distributed.core import Status
 
 from accelsched import events, internals
@@ -74,16 +76,16 @@ from accelsched.policy.requirements import (
 from accelsched.policy.scaling import counted_from
 from accelsched.policy.timeouts import (
     MAX_GPUS,
+    NOTICE_AFTER,
     Deadlines,
     FallbackPolicy,
+    Notices,
     Waiting,
     deadline,
-    no_workers_conflict,
-    satisfiable,
+    reason_for,
     summarise,
     sweep,
 )
-from accelsched.policy.waiting import NOTICE_AFTER, Notices, reason_for
 from accelsched.protocol import (
     FALLBACK_ANNOTATION,
     GPU,
@@ -111,8 +113,6 @@ _WAITING = "accelsched-waiting"
 TICK = 1.0
 #: Keys named in a ``gpu-waiting`` event, as examples.
 EXAMPLES = 3
-
-UNSATISFIABLE_TEXT = f"no worker can ever offer more than {MAX_GPUS} GPUs"
 
 #: A check that falls back more tasks than this logs one summary event, not one each.
 FALLBACK_DETAIL = 10
@@ -194,13 +194,16 @@ class Fallback:
         self._classes: dict[ClassKey, Eligible] = {}
         self._facts: dict[str, list[DeviceFacts]] = {}  # worker -> its granted devices
         self._benched: dict[str, float] = {}  # worker -> when it is judged again
-        self.deadlines = Deadlines(self._live)
+        # a deadline entry still counts while its task waits, due then
+        self.deadlines = Deadlines(lambda key, at: getattr(self.tasks.get(key), "due", None) == at)
         self.notices = Notices()
         self._emit = emit
         self._active = active
         self._act = act
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
-        self._no_workers_checked: set[float] | None = set()  # None: warned
+        # read once, as the scheduler reads it; None once warned
+        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
+        self._no_workers_limit = None if limit is None else parse_timedelta(limit)
         # elastic pools (accelsched.adapt): class -> until when a worker serving it was
         # said to be coming (monotonic), pools at their maximum, and the bound
         self._coming: dict[str, float] = {}
@@ -218,7 +221,7 @@ class Fallback:
             if GPU in restrictions or GPU_MEMORY in restrictions:
                 adopted = self.tasks[ts.key] = GpuTask(self.policy.default)
                 if ts.state not in DONE and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
-                    internals.restrict_to_workers(ts, None)  # its own: unknown now
+                    internals.share_worker_restriction(ts, None)  # its own: unknown now
                     count = restrictions.get(GPU, 1)
                     self._require(ts, adopted, None, count, say=False)
         for ts, since in list(internals.unrunnable(scheduler).items()):
@@ -250,7 +253,7 @@ class Fallback:
                 not own
                 or restriction is None
                 or worker in restriction
-                or internals.host_of(worker) in restriction  # its workers=["hostname"]
+                or get_address_host(worker) in restriction  # its workers=["hostname"]
             )
             and sum(need.fits(f) for f in facts) >= devices
         )
@@ -343,9 +346,10 @@ class Fallback:
         task = self.tasks[ts.key] = GpuTask(timeout)
         if problem := self._require(ts, task, mark, amount):  # its device
             return problem
-        if not satisfiable(amount) and timeout is None:
+        if amount > MAX_GPUS and timeout is None:
             # strict, and no worker can ever take it: it errs alone, never sent anywhere
-            return f"resources={{'GPU': {amount!r}}}: {UNSATISFIABLE_TEXT}"
+            never = f"no worker can ever offer more than {MAX_GPUS} GPUs"
+            return f"resources={{'GPU': {amount!r}}}: {never}"
         self._warn_no_workers(timeout)
         return None
 
@@ -488,25 +492,10 @@ class Fallback:
             self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
         self._full, self._full_at = full, now
 
-    def at_maximum(self, key: Any) -> list[str]:
-        """The pools at their maximum that could serve the GPU task ``key`` (a
-        ``fallback`` event names them)."""
-        task, ts = self.tasks.get(key), self.scheduler.tasks.get(key)
-        if monotonic() - self._full_at > FULL_SAID_FOR:  # the pools stopped saying so
-            self._full = {}
-        if not self._full or task is None or ts is None:
-            return []
-        return self._full.get(self.class_of(ts, task)[0], [])
-
     def _due(self, key: Hashable, task: GpuTask, at: float | None) -> None:
         task.due = at
         if at is not None:
             self.deadlines.add(key, at)
-
-    def _live(self, key: Hashable, at: float) -> bool:
-        """Whether a deadline entry still counts: its task waits, due then."""
-        task = self.tasks.get(key)
-        return task is not None and task.due == at
 
     # --- the check -----------------------------------------------------------------------
 
@@ -523,11 +512,8 @@ class Fallback:
         waiting: list[Waiting] = []
         tasks: dict[Any, Any] = self.scheduler.tasks  # keys as the heap carries them
         for key in self.deadlines.pop_due(now):
-            task = self.tasks[key]
+            task, ts = self.tasks[key], tasks[key]  # live: waits in no-worker
             task.due = None
-            ts = tasks.get(key)
-            if ts is None or ts.state != "no-worker":
-                continue
             if task.problem is not None:  # kept: a retry errs again
                 errs.append(Proposal("err", key, task.problem))
             elif (w := self._waiting(ts, task)) is not None:
@@ -554,10 +540,12 @@ class Fallback:
         sent on together.
         """
         tasks: dict[Any, Any] = self.scheduler.tasks  # keys as the proposals carry them
-        full = sorted({pool for p in proposals for pool in self.at_maximum(p.subject)})
+        if monotonic() - self._full_at > FULL_SAID_FOR:  # the pools stopped saying so
+            self._full = {}
+        full: set[str] = set()  # the pools at their maximum that could have served them
         for p in proposals:
-            ts = tasks[p.subject]
-            task = self.tasks[p.subject]
+            ts, task = tasks[p.subject], self.tasks[p.subject]
+            full.update(self._full.get(self.class_of(ts, task)[0], ()) if self._full else ())
             internals.set_resource_restrictions(
                 ts,
                 {k: v for k, v in ts.resource_restrictions.items() if k not in (GPU, GPU_MEMORY)},
@@ -572,7 +560,7 @@ class Fallback:
             task.fell_back = True
         for figures in summarise(proposals, FALLBACK_DETAIL):
             if full:  # elastic pools: those that could have served them are at maximum
-                figures["pools_at_maximum"] = full
+                figures["pools_at_maximum"] = sorted(full)
             self._emit(events.FALLBACK, None, **figures)
         stimulus_id = f"accelsched-fallback-{time()}"
         internals.run_now(self.scheduler, [p.subject for p in proposals], stimulus_id)
@@ -597,15 +585,17 @@ class Fallback:
 
     def _warn_no_workers(self, timeout: float | None) -> None:
         """Warn once when distributed's ``no-workers-timeout`` would fail unplaced tasks
-        before they could fall back (a config read per timeout value, not per task)."""
-        checked = self._no_workers_checked
-        if timeout is None or checked is None or timeout in checked:
-            return
-        checked.add(timeout)
-        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
-        if (msg := no_workers_conflict(limit, timeout)) is not None:
-            self._no_workers_checked = None  # said: once is enough
-            logger.warning(msg)  # one line in the scheduler's log, not also a warning
+        before they could fall back."""
+        limit = self._no_workers_limit
+        if timeout is not None and limit is not None and limit < timeout:
+            self._no_workers_limit = None  # said: once is enough
+            logger.warning(  # one line in the scheduler's log, not also a warning
+                "distributed.scheduler.no-workers-timeout (%ss) is shorter than accelsched's "
+                "fallback timeout (%ss): the scheduler will fail unplaceable GPU tasks with "
+                "NoValidWorkerError before they can fall back",
+                limit,
+                timeout,
+            )
 
     # --- what waits ----------------------------------------------------------------------
 
@@ -623,10 +613,6 @@ class Fallback:
                 requirement = REQUIREMENT_ANNOTATION in (ts.annotations or {})
                 out.setdefault(reason_for(amount, largest, requirement), []).append(ts.key)
         return out
-
-    def waiting_counts(self) -> dict[str, int]:
-        """``accelsched status``'s ``waiting``: how many wait, by reason."""
-        return {reason: len(keys) for reason, keys in sorted(self.waiting().items())}
 
     def tick(self) -> None:
         """Judge benched workers again; say each reason tasks newly wait for, once (a

@@ -134,7 +134,7 @@ class PlacementPlugin(SchedulerPlugin):
         history = StatusHistory(
             scheduler,
             grants,
-            waiting=self.fallback.waiting_counts,
+            waiting=self.fallback.waiting,
             options=self.options,
             pool_of=self.demand.pool_of,
         )

@@ -94,7 +94,7 @@ class StatusHistory:
         self,
         scheduler: Scheduler,
         grants: Grants,
-        waiting: Callable[[], dict[str, int]],
+        waiting: Callable[[], dict[str, list[Any]]],
         options: dict[str, Any],
         pool_of: Callable[[str], str | None],
     ) -> None:
@@ -188,7 +188,7 @@ class StatusHistory:
             "leaks": self.totals["leaks"],
             "reclaims": self.totals["reclaims"],
             "fallbacks": self.totals["fallbacks"],
-            "waiting": self._waiting(),
+            "waiting": {reason: len(keys) for reason, keys in sorted(self._waiting().items())},
             "names": {**self.names, **{w["address"]: w["name"] for w in workers}},
             "options": dict(self._options),
         }

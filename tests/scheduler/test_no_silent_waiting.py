@@ -23,8 +23,8 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched.display.status_table import summary
 from accelsched.events import describe
-from accelsched.policy.timeouts import DUAL_TIMEOUT
-from accelsched.policy.waiting import (
+from accelsched.policy.timeouts import (
+    DUAL_TIMEOUT,
     NO_ELIGIBLE_WORKER,
     NO_GPU,
     NOTICE_AFTER,
