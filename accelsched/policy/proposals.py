@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 __all__ = ["Act", "Action", "Proposal"]
 
@@ -52,6 +52,8 @@ class Proposal:
     detail: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
+        if self.action not in get_args(Action):
+            raise ValueError(f"unknown action {self.action!r}")
         if not isinstance(self.figures, MappingProxyType):
             object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))
         if not isinstance(self.detail, MappingProxyType):
