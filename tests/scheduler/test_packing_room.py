@@ -6,11 +6,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from distributed import Event, Nanny, wait
+from distributed import Event, Nanny, Worker, wait
+from distributed.core import rpc
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from tests.utils import events, wait_for
+from accelsched.protocol import OFFER_HANDLER
+from tests.utils import GPU_WORKER, events, gpus, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
@@ -104,3 +106,23 @@ async def test_workers_sharing_a_device_pack_it_to_its_capacity_together(c, s, a
     await wait_for(lambda: len(s.workers[a.worker_address].executing) == 2)
     await gate.set()
     await c.gather(two)
+
+
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_an_offer_saying_oddly_what_results_hold_is_invalid(c, s, a):
+    """What results hold comes off the room declared tasks are placed against: anything
+    but bytes per offered UUID changes nothing."""
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    before = dict(s.workers[a.address].resources)
+    (uuid,) = s.plugins["accelsched-placement"].grants.uuids(a.address)
+    async with rpc(s.address) as r:
+        for n, odd in enumerate([[1], {uuid: -1}, {uuid: 1.5}, {uuid: True}, {1: 1}, "x"]):
+            said = {"worker": a.address, "process": a.id, "request": f"odd-{n}"}
+            reply = await getattr(r, OFFER_HANDLER)(**said, count=1, uuids=[uuid], held=odd)
+            assert reply == {"status": "invalid", "count": 0}, odd
+        said = {"worker": a.address, "process": a.id, "request": "fine"}
+        reply = await getattr(r, OFFER_HANDLER)(**said, count=1, uuids=[uuid], held={uuid: GiB})
+        assert reply["status"] == "OK" and reply["shares"] == {uuid: 16 * GiB - 16 * GiB // 20}
+        assert reply["memory"] == before["GPU-memory"] - 1024
+    assert s.workers[a.address].resources["GPU-memory"] == before["GPU-memory"] - 1024
