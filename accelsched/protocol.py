@@ -207,17 +207,27 @@ class InventoryReply(_InventoryReplyBase, total=False):
 
 
 class OfferRequest(Addressed):
-    """A guard offers ``count`` of its granted GPUs: those of ``uuids``."""
+    """A guard offers ``count`` of its granted GPUs: those of ``uuids``; ``held``: bytes
+    the results in its memory hold on each (UUID), in steps (``held_counted``)."""
 
     count: int
     uuids: list[str]
+    held: dict[str, int]
 
 
-class OfferReply(TypedDict):
-    """``OK`` with the ``count`` placement uses now; else why not (``count`` 0)."""
-
+class _OfferReplyBase(TypedDict):
     status: Literal["OK", "no-plugin", "unknown-worker", "refused", "invalid"]
     count: int
+
+
+class OfferReply(_OfferReplyBase, total=False):
+    """``OK`` with the ``count`` placement uses now; else why not (``count`` 0). With
+    ``OK``: ``shares``, the bytes its declared tasks may take on each offered device
+    (UUID; a device several workers share is divided among them), and ``memory``, the
+    ``GPU-memory`` (MiB) placed against: the shares less what results hold."""
+
+    shares: dict[str, int]
+    memory: int
 
 
 class RestartRequest(Addressed):

@@ -25,11 +25,17 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from accelsched.policy.requirements import DeviceFacts, Requirement, capacity, pack
+from accelsched.policy.requirements import (
+    DeviceFacts,
+    Requirement,
+    capacity,
+    held_counted,
+    pack,
+)
 
 __all__ = ["Cancelled", "LeaseTable", "NoFreeDevice", "devices_needed"]
 
@@ -60,6 +66,8 @@ class _Task:
     share: float = 0.0
     nbytes: int = 0
     claimed: tuple[int, ...] = ()  # whole devices it waits for: nobody packs onto them
+    # its lease ended, its result not yet in memory: its declared bytes count there still
+    left: tuple[int, ...] = ()
     cancelled: bool = False  # cancelled while it waited: it stops waiting, claims nothing
     ticket: float = math.inf  # its place among the whole-device tasks waiting (lower: older)
 
@@ -68,10 +76,15 @@ class LeaseTable:
     """The tasks running in one worker's threads and the devices they hold. Thread-safe:
     the transition hook writes on the event loop, leases are taken in executor threads."""
 
-    def __init__(self, devices: Sequence[int] = ()) -> None:
+    def __init__(
+        self, devices: Sequence[int] = (), held: Callable[[int], int] | None = None
+    ) -> None:
         self._lock = threading.Lock()
         self._devices: list[int] = list(devices)
         self._facts: dict[int, DeviceFacts] = {}
+        #: bytes the results in the worker's memory hold on a device (the ledger's)
+        self._held: Callable[[int], int] = held or (lambda device: 0)
+        self._shares: dict[int, int] = {}  # device -> bytes this worker may declare there
         self._tasks: dict[Any, _Task] = {}
         self._gen: dict[int, int] = {}  # device -> leases taken and given back there
         self._tickets = itertools.count()  # whole-device tasks that waited, in turn
@@ -79,12 +92,25 @@ class LeaseTable:
         self.changes = 0
 
     def set_devices(
-        self, devices: Sequence[int], facts: Mapping[int, DeviceFacts] | None = None
+        self,
+        devices: Sequence[int],
+        facts: Mapping[int, DeviceFacts] | None = None,
+        shares: Mapping[int, int] | None = None,
     ) -> None:
+        """Lease ``devices``, described by ``facts``; ``shares``: the bytes declared tasks
+        of this worker may take on each (the scheduler's division of a device several
+        workers share; a device not named: its capacity). None keeps what was set."""
         with self._lock:
             self._devices = list(devices)
             if facts is not None:
                 self._facts = dict(facts)
+            if shares is not None:
+                self._shares = dict(shares)
+
+    def _share(self, device: int) -> int:
+        """Bytes declared tasks here may take on ``device``, before results (lock held)."""
+        shared = self._shares.get(device)
+        return capacity(self._facts[device].memory) if shared is None else shared
 
     # --- what runs (the transition hook, on the event loop) ----------------------------
 
@@ -184,10 +210,16 @@ class LeaseTable:
                 )
             if need is not None:
                 share, nbytes = 0.0, need
-                rooms = [(d, capacity(self._facts[d].memory), declared[d]) for d in eligible]
+                held = {d: self._held(d) for d in eligible}
+                for t in self._tasks.values():  # results about to enter memory: their
+                    for d in t.left:  # room is held still, as by a lease about to end
+                        declared[d] = declared.get(d, 0) + t.nbytes
+                rooms = [(d, self._share(d), declared[d] + held[d]) for d in eligible]
                 whole = [d for d in eligible if load[d] or d in claimed]
                 one = pack(nbytes, rooms, whole=whole)
                 chosen: tuple[int, ...] | None = None if one is None else (one,)
+                if one is None and pack(need, [(d, r, held[d]) for d, r, _ in rooms]) is None:
+                    self._unfit_for_results(key, need, eligible, held)
             else:  # whole devices no task holds, nor another waiting task claimed
                 free = sorted(d for d in eligible if d not in claimed)
                 idle = [d for d in free if not load[d] and not declared[d]]
@@ -204,6 +236,22 @@ class LeaseTable:
                     if task.ticket == math.inf:
                         task.ticket = next(self._tickets)
             return None if chosen is None else self._hold(key, chosen, share, nbytes)
+
+    def _unfit_for_results(
+        self, key: Any, need: int, eligible: list[int], held: dict[int, int]
+    ) -> None:
+        """No lease ending makes room for ``need``: results held (or this worker's share)
+        stand in the way. Sent back when it is more than the room this worker offers the
+        scheduler (so it is not placed here again); else it waits for results to go: a
+        room the scheduler cannot see split over devices (lock held)."""
+        offered = sum(
+            max(0, self._share(d) - held_counted(held[d], self._facts[d].memory)) for d in eligible
+        )
+        if need > offered:
+            raise NoFreeDevice(
+                f"task {key!r} declares {need} bytes; the room this worker's devices "
+                f"{eligible} have beside the results they hold is {offered} bytes"
+            )
 
     def _task(self, key: Any) -> _Task:
         """``key``'s record, made for a task whose start the hook has not seen (lock held)."""
@@ -262,6 +310,7 @@ class LeaseTable:
                 return
             for d in task.devices:
                 self._gen[d] = self._gen.get(d, 0) + 1
+            task.left = task.devices if task.nbytes and task.counted else ()
             task.devices = task.claimed = ()
             task.ticket = math.inf
             if not task.counted:

@@ -282,6 +282,28 @@ def capacity(memory: int) -> int:
     return max(0, memory - min(memory // RESERVE_FRACTION, MAX_RESERVE))
 
 
+def share(memory: int, sharers: int = 1) -> int:
+    """Bytes one of ``sharers`` workers driving a device of ``memory`` bytes may declare
+    on it (``share_gpus``): its capacity divided equally, so that every worker packing
+    its own share never packs the device past what it holds."""
+    return capacity(memory) // max(1, sharers)
+
+
+#: Results held on a device count against its room in steps of this fraction of it.
+HELD_STEPS = 16
+
+
+def held_counted(held: int, memory: int) -> int:
+    """What results holding ``held`` bytes on a device of ``memory`` bytes take from the
+    room a worker offers: rounded up to a sixteenth of the device (at least 1 MiB), so
+    the figure the scheduler places against changes once per step, not with every
+    result, and never says more room than there is."""
+    if held <= 0:
+        return 0
+    step = max(MiB, memory // HELD_STEPS)
+    return -(-held // step) * step
+
+
 def mebibytes(nbytes: int) -> int:
     """A declared need as distributed's resource amount: whole MiB, rounded up."""
     return -(-nbytes // MiB)

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 from accelsched import events, internals
 from accelsched.display import metrics
 from accelsched.policy.requests import Requests
-from accelsched.policy.requirements import capacity, mebibytes
 from accelsched.protocol import (
     GPU,
     GPU_MEMORY,
@@ -112,12 +111,21 @@ class DeviceReports:
         metrics.stop_gpus(self._grants.gauge)
 
     def remove_worker(self, worker: str) -> None:
-        """Free the worker's GPUs (workers refused one of them are asked to report
-        again); the request ids of its process go with it."""
+        """Free the worker's GPUs (workers refused one of them, or sharing one, are asked
+        to report again: they may claim it, or take a larger share of it); the request
+        ids of its process go with it."""
         self._requests.forget(worker)
-        for other in self._grants.remove(worker):
-            if other in self.scheduler.workers:
-                internals.spawn(self.scheduler, self._ask_report, other)
+        sharers = self._grants.sharers(worker)
+        for other in sorted(sharers.union(self._grants.remove(worker))):
+            self._reshare(other)
+
+    def _reshare(self, worker: str) -> None:
+        """``worker``'s share of a device changed (a sharer joined or left): place
+        against it now, and ask its guard to report, learning it from the offer reply."""
+        if (ws := self.scheduler.workers.get(worker)) is not None:
+            if self._grants.reported(worker):
+                self.place(ws)
+            internals.spawn(self.scheduler, self._ask_report, worker)
 
     def admits(self, worker: str, process: Any, request: Any, handler: str) -> bool:
         """Whether to act on ``request`` to ``handler``, naming ``worker``, from
@@ -167,6 +175,8 @@ class DeviceReports:
         if (claimed := self._grants.claim(worker, devices[:requested])) is None:
             return {"status": "OK", "uuids": self._grants.uuids(worker)}  # a repeat
         granted, refused = claimed
+        for other in sorted(self._grants.sharers(worker)):  # its share of theirs is less now
+            self._reshare(other)
         if granted:
             self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
         if refused:
@@ -198,9 +208,11 @@ class DeviceReports:
         request: str = "",
         count: Any = 0,
         uuids: Any = None,
+        held: Any = None,
     ) -> OfferReply:
         """A guard offers ``count`` of its granted GPUs (fewer while one is withdrawn):
-        those of ``uuids``."""
+        those of ``uuids``, whose results hold ``held`` bytes on each. The reply says
+        the share of each device its declared tasks may take."""
         if not self._active():
             return {"status": "no-plugin", "count": 0}
         ws = self.scheduler.workers.get(worker)
@@ -216,11 +228,18 @@ class DeviceReports:
             len(set(uuids)) != count or not set(uuids) <= set(self._grants.uuids(worker))
         ):  # the devices it names are granted ones, as many as it offers
             return {"status": "invalid", "count": 0}
+        if held is not None and not (
+            isinstance(held, dict)
+            and all(isinstance(u, str) and type(n) is int and n >= 0 for u, n in held.items())
+        ):
+            return {"status": "invalid", "count": 0}
         if not self.admits(worker, process, request, OFFER_HANDLER):
             return {"status": "refused", "count": 0}
-        self._grants.offer(worker, count, None if uuids is None else list(uuids))
+        self._grants.offer(worker, count, None if uuids is None else list(uuids), held)
         self.place(ws)
-        return {"status": "OK", "count": self._grants.placed(worker)}
+        placed = self._grants.placed(worker)
+        shares, memory = self._grants.shares(worker, placed)
+        return {"status": "OK", "count": placed, "shares": shares, "memory": memory}
 
     # --- the GPU count placement uses ----------------------------------------------------
 
@@ -242,17 +261,20 @@ class DeviceReports:
         if not (after := self._grants.placed(ws.address)) and GPU not in ws.resources:
             return  # never declared, nothing granted: stays out of the GPU resource
         before = ws.resources.get(GPU, 0)
+        had = ws.resources.get(GPU_MEMORY, 0)
         internals.set_worker_gpus(scheduler, ws, after)
-        # declared-memory tasks take GPU-memory: the offered devices' capacity
-        records = self._grants.offered_devices(ws.address)[:after]
-        memory = sum(mebibytes(capacity(int(d["memory"]))) for d in records)
+        # declared-memory tasks take GPU-memory: the offered devices' shares (their
+        # capacity, divided among the workers sharing one) less what results hold
+        memory = self._grants.shares(ws.address, after)[1]
         internals.set_worker_gpus(scheduler, ws, memory, GPU_MEMORY)
         if after > before:  # waiting tasks, and its share of its peers' queues
             self._gained(ws.address)  # tasks with requirements it meets
             internals.offer_unrunnable(scheduler, ws)
             internals.take_share(scheduler, ws)
-        elif after < before:  # a device withdrawn: what no longer fits goes elsewhere
+        elif after < before or memory < had:  # what no longer fits goes elsewhere
             internals.release_unfit(scheduler, ws)
+        if after == before and memory > had:  # results released, a sharer left
+            internals.offer_unrunnable(scheduler, ws)
 
     def zero(self, ws: WorkerState) -> None:
         """No GPU task is placed on ``ws`` any more (quarantine); what it was sent already

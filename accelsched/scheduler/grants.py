@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from accelsched.policy.ownership import grant
+from accelsched.policy.requirements import mebibytes, share
 from accelsched.protocol import DeviceRecord
 
 __all__ = ["Grants", "WorkerGrant"]
@@ -43,6 +44,7 @@ class Grants:
         self._declared: dict[str, float] = {}  # worker -> GPU count it registered with
         self._offered: dict[str, int] = {}  # worker -> granted GPUs its guard offers now
         self._offered_uuids: dict[str, set[str]] = {}  # worker -> which, when it said
+        self._held: dict[str, dict[str, int]] = {}  # worker -> UUID -> bytes results hold
         self._quarantined: dict[str, str] = {}  # worker -> reason
 
     # --- reading -----------------------------------------------------------------------
@@ -125,10 +127,17 @@ class Grants:
         self._refused[worker] = set(refused)
         return granted, refused
 
-    def offer(self, worker: str, count: int, uuids: list[str] | None = None) -> None:
+    def offer(
+        self,
+        worker: str,
+        count: int,
+        uuids: list[str] | None = None,
+        held: dict[str, int] | None = None,
+    ) -> None:
         """``worker``'s guard offers ``count`` of its granted GPUs now: those of ``uuids``
-        (None: it did not say which)."""
+        (None: it did not say which); ``held``: bytes its results hold on each."""
         self._offered[worker] = count
+        self._held[worker] = dict(held or {})
         if uuids is None:
             self._offered_uuids.pop(worker, None)
         else:
@@ -142,6 +151,24 @@ class Grants:
         if named is None:
             return granted[: self._offered.get(worker, 0)]
         return [d for d in granted if d["uuid"] in named]
+
+    def sharers(self, worker: str) -> set[str]:
+        """The other workers granted one of ``worker``'s devices (``share_gpus``)."""
+        mine = set(self.uuids(worker))
+        return {w for w, ds in self._granted.items() if w != worker and mine & set(self.uuids(w))}
+
+    def shares(self, worker: str, count: int) -> tuple[dict[str, int], int]:
+        """The bytes ``worker``'s declared tasks may take on each of its first ``count``
+        offered devices (each device's capacity divided among the workers granted it),
+        and the ``GPU-memory`` (MiB) to place against: those less what results hold."""
+        held = self._held.get(worker, {})
+        uuids = [d["uuid"] for ds in self._granted.values() for d in ds]
+        mine = {
+            d["uuid"]: share(int(d["memory"]), uuids.count(d["uuid"]))
+            for d in self.offered_devices(worker)[:count]
+        }
+        room = sum(mebibytes(max(0, b - held.get(u, 0))) for u, b in mine.items())
+        return mine, room
 
     def quarantine(self, worker: str, reason: str) -> bool:
         """Note ``worker``'s quarantine; False when it was quarantined already."""
@@ -158,5 +185,6 @@ class Grants:
         self._declared.pop(worker, None)
         self._offered.pop(worker, None)
         self._offered_uuids.pop(worker, None)
+        self._held.pop(worker, None)
         self._quarantined.pop(worker, None)
         return [other for other, uuids in self._refused.items() if uuids & freed]

@@ -50,7 +50,8 @@ class Binder:
         emit: Callable[..., None],
         ledger: Ledger | None = None,
     ) -> None:
-        self.leases = LeaseTable()  # what runs in this worker's threads, and holds what
+        # what runs in this worker's threads, and holds what; room is net of results held
+        self.leases = LeaseTable(held=None if ledger is None else ledger.live)
         self.watch: Watch | None = None  # tasks that asked for no GPU, watched for use
         self._freed = threading.Condition()  # a lease ended, or the devices changed
         self._waiting = 0  # tasks waiting for room
@@ -61,11 +62,21 @@ class Binder:
         self._emit = emit
         self.ledger = ledger  # measures what each task leaves on its devices
 
-    def set_devices(self, indices: list[int], devices: Sequence[DeviceInfo] = ()) -> None:
-        """Lease ``indices``; ``devices`` describe them (what requirements are met by)."""
+    def set_devices(
+        self,
+        indices: list[int],
+        devices: Sequence[DeviceInfo] = (),
+        shares: Mapping[int, int] | None = None,
+    ) -> None:
+        """Lease ``indices``; ``devices`` describe them (what requirements are met by);
+        ``shares``: what declared tasks may take of each (a device shared with others)."""
         facts = {d.index: d for d in devices if d.index in indices}
-        self.leases.set_devices(indices, facts if devices else None)
-        with self._freed:  # a waiting task may fit now
+        self.leases.set_devices(indices, facts if devices else None, shares)
+        self.room_freed()
+
+    def room_freed(self) -> None:
+        """A waiting task may fit now (a device offered, a result released)."""
+        with self._freed:
             self._freed.notify_all()
 
     def route(

@@ -120,6 +120,7 @@ class GuardPlugin(WorkerPlugin):
             stored=functools.partial(internals.stored_value, worker),
             idle=lambda: {d.index for d in inv.owned} - self.binder.leases.busy(),
         )
+        inv.held = ledger.live  # offered room is net of what results hold
         self.binder = Binder(
             oom_exceptions=o["oom_exceptions"],
             enforce_memory=o["enforce_memory"],
@@ -223,12 +224,14 @@ class GuardPlugin(WorkerPlugin):
             return
         if finish == "memory":
             computed = start in _RUNNING  # here: its function has returned
-            ledger.entered(key, computed=computed)
+            if ledger.entered(key, computed=computed):
+                self._results_moved()
             if computed:
                 self._ended(key)
                 return
-        elif start == "memory" or finish == "forgotten":
-            ledger.released(key)
+        elif (start == "memory" or finish == "forgotten") and ledger.released(key):
+            self.binder.room_freed()
+            self._results_moved()
         if key in running:  # started or ended, as its thread says (cancelled runs on)
             if start in _RUNNING and finish == "released":  # cancelled: its thread runs on
                 self.binder.cancelled(key)
@@ -245,13 +248,22 @@ class GuardPlugin(WorkerPlugin):
         if self.binder.leases.ended(key) and self.leaks.owed:
             self.leaks.check()
 
+    def _results_moved(self) -> None:
+        """Results took or gave back device memory: offered again once the room they
+        leave moved by a step (so the scheduler places what fits, and sends back what no
+        longer does), not at every result."""
+        inv = self.inventory
+        if inv.results_moved():
+            inv.held_said = inv.held_in_steps()  # one offer per step moved, not per result
+            internals.spawn(self.worker, inv.offer, self._use_devices)
+
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted."""
         return await self.inventory.report(self._use_devices)
 
     def _use_devices(self, usable: list[int]) -> None:
         """Lease these devices, described as NVML verified them (for requirements)."""
-        self.binder.set_devices(usable, self.inventory.granted)
+        self.binder.set_devices(usable, self.inventory.granted, self.inventory.shares)
 
     def check(self) -> list[Verdict]:
         """One leak check now (the periodic callback, every ``check_interval``). The

@@ -24,7 +24,7 @@ from accelsched import internals
 from accelsched.devices.nvml import DeviceInfo, NVMLMonitor
 from accelsched.policy.leak import DeviceHealth
 from accelsched.policy.ownership import Claim, decide_claim, declared_count, owned
-from accelsched.policy.requirements import capacity, mebibytes
+from accelsched.policy.requirements import capacity, held_counted, mebibytes
 from accelsched.protocol import (
     INVENTORY_HANDLER,
     OFFER_HANDLER,
@@ -81,6 +81,12 @@ class Inventory:
         self.restart_taken_for = ""
         self.draining = False  # the scheduler restarts this worker: GPU tasks go back
         self._offering = asyncio.Lock()
+        #: bytes the results in this worker's memory hold on a device (the ledger's)
+        self.held: Callable[[int], int] = lambda device: 0
+        #: device -> bytes its declared tasks may take there, as the scheduler divided a
+        #: shared device (learnt from the offer reply; none: the capacity)
+        self.shares: dict[int, int] = {}
+        self.held_said: dict[int, int] = {}  # device -> held bytes last offered, in steps
 
     def _take(self, visible: list[DeviceInfo]) -> None:
         """List ``visible``, own and claim as the policy says (in place: the guard's
@@ -150,21 +156,45 @@ class Inventory:
         async with self._offering:  # one at a time: the latest state is the last said
             usable = self.usable
             on_usable(usable)
+            offered = [d for d in self.granted if d.index in usable]
+            self.held_said = self.held_in_steps()
             request: OfferRequest = {
                 **self._addressed(),
                 "count": len(usable),
-                "uuids": [d.uuid for d in self.granted if d.index in usable],
+                "uuids": [d.uuid for d in offered],
+                "held": {d.uuid: self.held_said.get(d.index, 0) for d in offered},
             }
+            reply = None
             try:
-                await getattr(worker.scheduler, OFFER_HANDLER)(**request)
+                reply = await getattr(worker.scheduler, OFFER_HANDLER)(**request)
             except Exception as exc:  # no PlacementPlugin: the worker's own count only
                 logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
-            if self.granted or internals.advertises_gpus(worker):  # usable: granted ones
+            if isinstance(reply, dict) and reply.get("status") == "OK" and "memory" in reply:
+                by_uuid = {d.uuid: d.index for d in offered}
+                shares = {by_uuid[u]: n for u, n in reply.get("shares", {}).items() if u in by_uuid}
+                memory = reply["memory"]
+            else:  # its own devices' capacity, less what results hold
+                shares = {}
                 memory = sum(
-                    mebibytes(capacity(d.memory)) for d in self.granted if d.index in usable
+                    mebibytes(max(0, capacity(d.memory) - self.held_said.get(d.index, 0)))
+                    for d in offered
                 )
+            if shares != self.shares:  # packed within them from now on
+                self.shares = shares
+                on_usable(usable)
+            if self.granted or internals.advertises_gpus(worker):  # usable: granted ones
                 await internals.set_own_gpus(worker, len(usable), memory)
             return usable
+
+    def held_in_steps(self) -> dict[int, int]:
+        """What results hold on each granted device, as offered: in steps of a
+        sixteenth of it (:func:`~accelsched.policy.requirements.held_counted`)."""
+        return {d.index: held_counted(self.held(d.index), d.memory) for d in self.granted}
+
+    def results_moved(self) -> bool:
+        """Whether what results hold changed by a step on some device since the last
+        offer said it (then the guard offers again)."""
+        return bool(self.granted) and self.held_in_steps() != self.held_said
 
     def ask_restart(self, reason: str, nbytes: int) -> None:
         """Ask the scheduler, once at a time, to restart this worker without loss."""

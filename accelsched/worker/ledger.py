@@ -339,15 +339,16 @@ class Ledger:
                 self._live[d] = self._live.get(d, 0) + n
         return held
 
-    def released(self, key: Any) -> None:
+    def released(self, key: Any) -> bool:
         """``key`` left the worker's memory, or will not enter it (cancelled, forgotten):
-        its memory went back unmeasured."""
+        its memory went back unmeasured. Whether it held any (room freed)."""
         with self._lock:
             self._measured.pop(key, None)
         held = self._held.pop(key, {})
         for d, n in held.items():
             self._live[d] -= n
             self.forget(d)
+        return bool(held)
 
     def live(self, device: int) -> int:
         """Bytes results in the worker's memory hold on ``device``."""

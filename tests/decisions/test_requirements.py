@@ -13,10 +13,14 @@ from accelsched.policy.requirements import (
     MAX_MEMORY,
     DeviceFacts,
     Requirement,
+    capacity,
+    held_counted,
     pack,
     parse_requirement,
     requirement_problem,
+    share,
 )
+from accelsched.scheduler.grants import Grants
 
 GiB = 1 << 30
 H100 = DeviceFacts("NVIDIA H100 80GB HBM3", 80 * GiB, (9, 0))
@@ -327,3 +331,98 @@ def test_a_task_whose_room_is_split_waits_for_a_lease_to_end() -> None:
     assert table.grant("c", 0, ten) is None and len(table) == 2
     table.release("a")
     assert table.grant("c", 0, ten) == (1,)
+
+
+# --- room that counts what is there: results held, devices shared -----------------------
+
+
+def test_a_shared_device_is_divided_among_the_workers_granted_it() -> None:
+    cap = capacity(16 * GiB)  # 16 GiB less its 0.8 GiB reserve
+    assert cap == 16 * GiB - (16 * GiB) // 20
+    assert share(16 * GiB) == cap and share(16 * GiB, 0) == cap
+    assert share(16 * GiB, 2) == cap // 2  # 7.6 GiB each: one 6 GiB task, never two
+    assert 2 * share(16 * GiB, 2) <= cap and 3 * share(80 * GiB, 3) <= capacity(80 * GiB)
+
+
+def test_results_count_against_the_offered_room_in_steps_of_a_sixteenth() -> None:
+    assert held_counted(0, 16 * GiB) == 0
+    assert held_counted(1, 16 * GiB) == GiB  # a byte held: one step (a GiB of 16)
+    assert held_counted(10 * GiB, 16 * GiB) == 10 * GiB
+    assert held_counted(10 * GiB + 1, 16 * GiB) == 11 * GiB  # never less than held
+    assert held_counted(5 * GiB, 80 * GiB) == 5 * GiB  # 5 GiB steps on 80 GiB
+    assert held_counted(3, 8 << 20) == 1 << 20  # at least 1 MiB a step
+
+
+def test_grants_divide_a_shared_device_and_take_what_results_hold_off() -> None:
+    """Two workers granted one 16 GiB device each place against half its capacity; the
+    results one holds come off its figure alone; a sharer gone, the other has it all."""
+    grants = Grants(share_gpus=True)
+    record = {"index": 0, "uuid": "GPU-a", "name": "T4", "memory": 16 * GiB}
+    for worker in ("w1", "w2"):
+        grants.claim(worker, [record])  # type: ignore[list-item]
+    grants.offer("w1", 1, ["GPU-a"])
+    grants.offer("w2", 1, ["GPU-a"], held={"GPU-a": 5 * GiB})
+    half = capacity(16 * GiB) // 2
+    assert grants.sharers("w1") == {"w2"}
+    assert grants.shares("w1", 1) == ({"GPU-a": half}, -(-half // 2**20))
+    assert grants.shares("w2", 1) == ({"GPU-a": half}, -(-(half - 5 * GiB) // 2**20))
+    grants.remove("w2")
+    assert grants.shares("w1", 1) == ({"GPU-a": capacity(16 * GiB)}, 15565)  # 15.2 GiB in MiB, up
+    assert grants.shares("w1", 0) == ({}, 0)
+
+
+def test_room_results_hold_is_not_packed_into() -> None:
+    """A 10 GiB result on a 16 GiB device (15.2 GiB declarable): an 8 GiB task does not
+    fit beside it. No lease ending makes room, and the room offered (15.2 less 10) is
+    under 8 GiB: sent back, to go where there is room. Released, it fits."""
+    held = {0: 10 * GiB}
+    table = LeaseTable(held=lambda d: held.get(d, 0))
+    table.set_devices([0], {0: T4})
+    eight = Requirement(memory=8 * GiB)
+    with pytest.raises(NoFreeDevice, match="beside the results they hold"):
+        table.grant("honest", 0, eight)
+    assert table.grant("small", 0, Requirement(memory=5 * GiB)) == (0,)  # 5.2 left
+    table.release("small")
+    held[0] = 0
+    assert table.grant("honest", 0, eight) == (0,)
+
+
+def test_a_task_waits_while_leases_that_end_hold_the_room_results_leave() -> None:
+    held = {0: 4 * GiB}
+    table = LeaseTable(held=lambda d: held.get(d, 0))
+    table.set_devices([0], {0: T4})
+    six = Requirement(memory=6 * GiB)
+    assert table.grant("a", 0, six) == (0,)  # 4 + 6 of 15.2
+    assert table.grant("b", 0, six) is None  # 4 + 6 + 6 > 15.2: waits for a
+    table.started("a")
+    table.release("a")  # its result not in memory yet: its room is held still
+    assert table.grant("b", 0, six) is None
+    held[0] += 6 * GiB  # in memory now, held by the ledger
+    assert table.ended("a")
+    with pytest.raises(NoFreeDevice):  # 10 GiB held, 5.2 offered: goes elsewhere
+        table.grant("b", 0, six)
+
+
+def test_a_worker_packs_within_its_share_of_a_shared_device() -> None:
+    table = LeaseTable()
+    table.set_devices([0], {0: T4}, shares={0: share(16 * GiB, 2)})
+    six = Requirement(memory=6 * GiB)
+    assert table.grant("a", 0, six) == (0,)
+    assert table.grant("b", 0, six) is None  # 12 GiB is past its 7.6: waits for a
+    with pytest.raises(NoFreeDevice):  # never fits its share
+        table.grant("c", 0, Requirement(memory=8 * GiB))
+    table.release("a")
+    assert table.grant("b", 0, six) == (0,)
+
+
+def test_room_split_by_results_over_devices_waits_rather_than_bounce() -> None:
+    """Two 16 GiB devices each holding 10 GiB of results: 10.4 GiB offered in all, so the
+    scheduler may place a 6 GiB task here, though no one device has room: it waits for
+    results to go (sent back, it would be placed here again)."""
+    held = {0: 10 * GiB, 1: 10 * GiB}
+    table = LeaseTable(held=lambda d: held.get(d, 0))
+    table.set_devices([0, 1], {0: T4, 1: T4})
+    six = Requirement(memory=6 * GiB)
+    assert table.grant("six", 0, six) is None
+    held[1] = 0
+    assert table.grant("six", 0, six) == (1,)

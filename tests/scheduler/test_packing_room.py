@@ -1,0 +1,128 @@
+"""Packing that counts what is on a device: results held there, and other workers
+sharing it. Simulated 16 GiB GPUs (15.2 GiB declarable each), nanny workers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from distributed import Event, Nanny, Worker, wait
+from distributed.core import rpc
+from distributed.utils_test import gen_cluster
+
+import accelsched
+from accelsched.protocol import OFFER_HANDLER
+from tests.utils import GPU_WORKER, events, gpus, wait_for
+
+pytestmark = pytest.mark.usefixtures("fake_gpus_2")
+
+GiB = 2**30
+OWN_DEVICES = [
+    ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}}),
+    ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "1"}, "resources": {"GPU": 1}}),
+]
+ONE_DEVICE = [
+    ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}}),
+    ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}}),
+]
+
+
+@accelsched.gpu(memory="10GiB")
+def ten_gib_result() -> object:
+    from accelsched.testing import device_alloc
+
+    return device_alloc(10 * GiB)  # left on the device while the client holds it
+
+
+def _honest(declared: int):  # type: ignore[no-untyped-def]
+    @accelsched.gpu(memory=f"{declared}GiB")
+    def step(i: int) -> tuple[float, float]:
+        """Takes what it declared, holds it a while, gives it back."""
+        from accelsched.testing import device_alloc
+
+        start = time.time()
+        buf = device_alloc(declared * GiB)
+        time.sleep(0.5)
+        del buf
+        return start, time.time()
+
+    step.__name__ = step.__qualname__ = f"honest_{declared}"
+    return step
+
+
+async def _register(c, s, **options) -> None:  # type: ignore[no-untyped-def]
+    await accelsched.register(c, check_interval="1h", fast_restart=False, **options)
+    await wait_for(lambda: len(events(s, "gpu-verified")) == 2)
+
+
+def _memory(s, w) -> float:  # type: ignore[no-untyped-def]
+    return s.workers[w.worker_address].resources.get("GPU-memory", 0)
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=OWN_DEVICES, timeout=90)
+async def test_results_held_on_a_device_are_not_packed_into(c, s, a, b):
+    """A 10 GiB result held on a's device: 8 GiB tasks go to b (packed beside the result
+    they ran out of device memory); one that may run only on a waits for the result to be
+    released, then runs there."""
+    await _register(c, s)
+    held = c.submit(ten_gib_result, workers=[a.worker_address], pure=False)
+    await wait(held)  # not fetched: the client has no device to hold it on
+    eight = _honest(8)
+    spans = await c.gather(c.map(eight, range(3), pure=False))  # no OutOfDeviceMemory
+    assert len(spans) == 3
+    assert _memory(s, a) < 6 * 1024  # a offers 15.2 GiB less the 10 GiB its result holds
+    who = await c.who_has(held)
+    assert list(who.values()) == [(a.worker_address,)]
+    on_a = c.submit(eight, 99, workers=[a.worker_address], pure=False)
+    await wait_for(lambda: on_a.key in s.tasks and s.tasks[on_a.key].state == "no-worker")
+    released = time.time()
+    del held
+    start, _ = await on_a  # runs once the result went
+    assert start >= released
+    assert _memory(s, a) > 15 * 1024
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=ONE_DEVICE, timeout=90)
+async def test_workers_sharing_a_device_pack_it_to_its_capacity_together(c, s, a, b):
+    """Two workers granted one 16 GiB device (share_gpus): each packs half its capacity,
+    so four honest 6 GiB tasks never run three at once (each worker packed two: 24 GiB
+    on 16, two ran out of device memory). One sharer gone, the other has it all."""
+    await _register(c, s, share_gpus=True)
+    spans = await c.gather(c.map(_honest(6), range(4), pure=False))  # no OutOfDeviceMemory
+    assert _memory(s, a) == _memory(s, b) < 8 * 1024
+    at_once = max(sum(st <= t < en for st, en in spans) for t, _ in spans)
+    assert at_once <= 2, spans
+    await b.close()
+    await wait_for(lambda: _memory(s, a) > 15 * 1024)
+    # a packs the whole device again: two 6 GiB tasks side by side
+    gate = Event("hold-two")
+
+    @accelsched.gpu(memory="6GiB")
+    def waits(i: int) -> float:
+        Event("hold-two").wait(30)
+        return time.time()
+
+    two = c.map(waits, range(2), pure=False)
+    await wait_for(lambda: len(s.workers[a.worker_address].executing) == 2)
+    await gate.set()
+    await c.gather(two)
+
+
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_an_offer_saying_oddly_what_results_hold_is_invalid(c, s, a):
+    """What results hold comes off the room declared tasks are placed against: anything
+    but bytes per offered UUID changes nothing."""
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    before = dict(s.workers[a.address].resources)
+    (uuid,) = s.plugins["accelsched-placement"].grants.uuids(a.address)
+    async with rpc(s.address) as r:
+        for n, odd in enumerate([[1], {uuid: -1}, {uuid: 1.5}, {uuid: True}, {1: 1}, "x"]):
+            said = {"worker": a.address, "process": a.id, "request": f"odd-{n}"}
+            reply = await getattr(r, OFFER_HANDLER)(**said, count=1, uuids=[uuid], held=odd)
+            assert reply == {"status": "invalid", "count": 0}, odd
+        said = {"worker": a.address, "process": a.id, "request": "fine"}
+        reply = await getattr(r, OFFER_HANDLER)(**said, count=1, uuids=[uuid], held={uuid: GiB})
+        assert reply["status"] == "OK" and reply["shares"] == {uuid: 16 * GiB - 16 * GiB // 20}
+        assert reply["memory"] == before["GPU-memory"] - 1024
+    assert s.workers[a.address].resources["GPU-memory"] == before["GPU-memory"] - 1024
