@@ -4,8 +4,7 @@ The workload, the same for every setup and driven by the clock (its arrivals do 
 for the cluster): ``bursts`` bursts of GPU tasks, one every ``period`` seconds, each task
 sleeping ``gpu_seconds`` on its simulated device (``resources={"GPU": 1}``, a 60 s
 fallback timeout), and a steady CPU stream beside them, one plain task of ``cpu_seconds``
-every ``cpu_every`` seconds from the first burst to the last. Between bursts the GPU work
-stops: an elastic cluster can give its GPU workers back. Three setups, each a fresh
+every ``cpu_every`` seconds from the first burst to the last. Three setups, each a fresh
 process cluster with accelsched registered, on simulated GPUs through the real pynvml:
 
 - ``elastic``: an empty ``LocalCluster`` under ``accelsched.adapt``, a ``gpu`` pool and a
@@ -15,15 +14,13 @@ process cluster with accelsched registered, on simulated GPUs through the real p
 - ``adaptive``: distributed's own ``cluster.adapt(minimum=0, maximum=4)`` on one pool of
   GPU workers, which also run the CPU stream: what users do today.
 
-Both adaptive setups look every 0.5 s and retire after 3 looks in a row
-(``target_duration`` 5 s, distributed's default). Per run, from a scheduler plugin that
-notes when each worker registers and leaves, and from accelsched's events: time to
-finish, GPU and CPU worker-seconds (workers registered x time, from the first submission
-until the work is done and the cluster holds no worker it would retire, at most
-``tail`` s later), worker starts, fallbacks, GPU tasks that ran on a GPU, and each
-burst's time from submission to its last task's end. Paired rounds in alternating order.
-``--quick``: two bursts of 4 tasks of 0.3 s, 5 s apart, a CPU task every second, idle
-workers retired after 1 s, one round.
+Both adaptive setups look every 0.5 s, retire after 3 looks in a row (``target_duration``
+5 s). Per run, from a scheduler plugin noting when each worker registers and leaves, and
+accelsched's events: time to finish, GPU and CPU worker-seconds (workers registered x
+time, from the first submission until the work is done and the cluster has given back
+what it would, at most ``tail`` s later), worker starts, fallbacks, GPU tasks on a GPU,
+CPU tasks on GPU workers, each burst's submission to its last task's end. Paired rounds.
+``--quick``: 2 bursts of 4 tasks of 0.3 s, 5 s apart, a CPU task a second, idle_after 1 s, 1 round.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import dask
+import distributed
 from distributed import Client, LocalCluster, Nanny, Scheduler, SchedulerPlugin, SpecCluster
 
 import accelsched
@@ -105,11 +103,10 @@ class Lifetimes(SchedulerPlugin):
 
 def _until_empty(client: Client, tail: float) -> bool:
     """Whether the cluster gave back all its workers within ``tail`` seconds."""
-    try:
-        wait(lambda: not client.scheduler_info(n_workers=-1)["workers"], tail, "no worker")
-    except TimeoutError:
-        return False
-    return True
+    deadline = time.monotonic() + tail
+    while client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not client.scheduler_info(n_workers=-1)["workers"]
 
 
 def _records(dask_scheduler: Scheduler) -> list[tuple[float, str, int]]:
@@ -122,9 +119,10 @@ def gpu_task(i: int, seconds: float) -> tuple[int | None, float]:
     return accelsched.current_device(), time.time()
 
 
-def cpu_task(i: int, seconds: float) -> float:
+def cpu_task(i: int, seconds: float) -> str:
+    """A plain step: the name of the worker it ran on."""
     time.sleep(seconds)
-    return time.time()
+    return str(distributed.get_worker().name)
 
 
 def _gpus(dask_scheduler: Scheduler) -> float:
@@ -174,7 +172,7 @@ def _drive(client: Client, w: dict[str, Any]) -> dict[str, Any]:
         else:
             cpu.append(client.submit(cpu_task, k, seconds=w["cpu_seconds"], pure=False))
     results = [(at, client.gather(fs)) for at, fs in bursts]
-    client.gather(cpu)
+    ran_on = client.gather(cpu)
     return {
         "t0": t0,
         "done": time.time(),
@@ -182,6 +180,7 @@ def _drive(client: Client, w: dict[str, Any]) -> dict[str, Any]:
         "on_gpu": sum(dev is not None for _, rs in results for dev, _ in rs),
         "gpu_tasks": sum(len(rs) for _, rs in results),
         "cpu_tasks": len(cpu),
+        "cpu_tasks_on_gpu_workers": sum(name.startswith("gpu-") for name in ran_on),
     }
 
 
@@ -211,10 +210,9 @@ def one_run(setup: str, w: dict[str, Any]) -> dict[str, Any]:
         scaler = _start(setup, cluster, client, w)
         try:
             r = _drive(client, w)
-            shrunk = None
-            if setup != "fixed":  # until it gave back what it would give back, or tail s
-                shrunk = _until_empty(client, w["tail"])
-            end = time.time() if setup != "fixed" else r["done"]
+            # the adaptive ones: until they gave back what they would, or tail s
+            shrunk = None if setup == "fixed" else _until_empty(client, w["tail"])
+            end = r["done"] if setup == "fixed" else time.time()
             records = client.run_on_scheduler(_records)
             fell = events(client, "fallback", since=r["t0"])
             ups = events(client, "scale-up", since=r["t0"])
@@ -237,20 +235,14 @@ def one_run(setup: str, w: dict[str, Any]) -> dict[str, Any]:
         "gpu_tasks": r["gpu_tasks"],
         "gpu_tasks_on_gpu": r["on_gpu"],
         "cpu_tasks": r["cpu_tasks"],
+        "cpu_tasks_on_gpu_workers": r["cpu_tasks_on_gpu_workers"],
         "burst_seconds": r["burst_seconds"],
         "steps": {p: pools[p]["steps"] for p in POOLS},
     }
 
 
-FIGURES = (
-    "finish_seconds",
-    "gpu_worker_seconds",
-    "cpu_worker_seconds",
-    "gpu_worker_starts",
-    "cpu_worker_starts",
-    "fallbacks",
-    "gpu_tasks_on_gpu",
-)
+FIGURES = ("finish_seconds", "gpu_worker_seconds", "cpu_worker_seconds", "gpu_worker_starts")
+FIGURES += ("cpu_worker_starts", "fallbacks", "gpu_tasks_on_gpu", "cpu_tasks_on_gpu_workers")
 
 
 def _plot(path: Path, runs: dict[str, list[dict[str, Any]]], summary: dict, w: dict) -> None:
