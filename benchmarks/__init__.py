@@ -82,6 +82,7 @@ REGISTRY: dict[str, Benchmark] = {
         _micro("scale"),
         _micro("placement_cost"),
         _study("soak"),
+        _study("elastic"),
         Benchmark("gpu", "gpu", "benchmarks.gpu.costs"),
     )
 }

@@ -354,3 +354,41 @@ def test_soak_plan_is_the_seeds() -> None:
     devices = {int(f.target) for f in faults if f.kind == "nvml"}
     assert devices <= set(range(len(soak_plan.DEVICES)))
     assert len(soak_plan.plan(3, 50, 6)) == 6
+
+
+@pytest.mark.timeout(900)
+def test_elastic_figures(results: tuple[Path, dict[str, Any]]) -> None:
+    """Every setup ran the same workload to the end, every GPU task on a GPU (a 60 s
+    fallback timeout: the pools start in seconds), and the worker-seconds agree with each
+    setup's shape: the fixed cluster 2 + 2 workers for the whole run, distributed's
+    Adaptive GPU workers only, the elastic pools at most their maxima; both adaptive
+    setups gave every worker back after the work."""
+    elastic = results[1]["elastic"]
+    w = elastic["setup"]
+    gpu_tasks = w["bursts"] * w["burst"]
+    cpu_tasks = int((w["bursts"] - 1) * w["period"] / w["cpu_every"]) + 1
+    for setup, runs in elastic["runs"].items():
+        assert len(runs) == w["rounds"], setup
+        for r in runs:
+            assert (r["gpu_tasks"], r["cpu_tasks"]) == (gpu_tasks, cpu_tasks), setup
+            assert r["gpu_tasks_on_gpu"] == gpu_tasks and r["fallbacks"] == 0, (setup, r)
+            assert len(r["burst_seconds"]) == w["bursts"] and min(r["burst_seconds"]) > 0
+            assert 0 < r["finish_seconds"] <= r["window_seconds"], (setup, r)
+            window = r["window_seconds"]
+            if setup == "fixed":
+                assert r["window_seconds"] == r["finish_seconds"] and r["shrunk"] is None
+                for pool in ("gpu", "cpu"):  # two workers each, there before it started
+                    assert r[f"{pool}_worker_seconds"] == pytest.approx(2 * window, rel=0.01)
+                    assert r[f"{pool}_worker_starts"] == 0
+                continue
+            assert r["shrunk"] is True, (setup, r)  # all given back within the tail
+            assert all(steps[-1][1] == 0 for steps in r["steps"].values()), (setup, r)
+            assert r["gpu_worker_starts"] >= 1 and r["gpu_worker_seconds"] > 0, (setup, r)
+            if setup == "adaptive":  # one pool: its GPU workers ran the CPU stream too
+                assert r["cpu_worker_seconds"] == 0 and r["cpu_worker_starts"] == 0
+                assert r["gpu_worker_seconds"] <= 4 * window
+            else:
+                assert r["cpu_worker_starts"] >= 1 and r["scale_up_events"] >= 2, r
+                assert r["gpu_worker_seconds"] <= 2 * window
+                assert r["cpu_worker_seconds"] <= 2 * window
+    assert set(elastic["summary"]) == {"elastic", "fixed", "adaptive"}
