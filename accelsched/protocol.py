@@ -276,6 +276,7 @@ class WorkerDemand(TypedDict):
     name: str
     address: str
     busy: bool  # has tasks processing
+    gpu_busy: bool  # has GPU tasks processing
     gpus: int  # devices granted (verified through NVML)
 
 

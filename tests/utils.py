@@ -120,6 +120,17 @@ def gpu_nap(i: int, seconds: float) -> int | None:
     return accelsched.current_device()
 
 
+def named_nap(path: str, seconds: float) -> str:
+    """A CPU task that takes ``seconds`` and notes each run in ``path`` (a task computed
+    again after its worker closed shows twice): the name of the worker it ran on."""
+    from distributed import get_worker
+
+    with open(path, "a") as f:
+        f.write(f"{get_worker().name}\n")
+    time.sleep(seconds)
+    return str(get_worker().name)
+
+
 def left_out(dask_worker: Any) -> list[int] | None:
     """The devices this worker's guard left out of its inventory (they failed NVML when
     it was taken); None until its guard is set up. For ``Client.run``."""

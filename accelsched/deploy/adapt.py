@@ -204,6 +204,10 @@ class ElasticPools(Adaptive):
         self._no_plugin_wait = 0.0
         self._ask_at = 0.0
         self._starting: dict[str, list[str]] = {}  # pool -> its workers not arrived (last look)
+        #: retired workers that still run tasks sent before: closed once those end
+        self._closing: set[str] = set()
+        #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
+        self._gpu_idle_with_cpu_work = any(not p.pool.gpus for p in self.pools.values())
         self.spec_cluster = cluster
         o = self.options
         super().__init__(
@@ -222,12 +226,16 @@ class ElasticPools(Adaptive):
             )
 
     def members(self, pool: str) -> list[str]:
-        """The workers of ``pool`` the cluster has now (starting or running)."""
+        """The workers of ``pool`` the cluster has now (starting or running; not those
+        retired, finishing what they run)."""
         prefix = pool + "-"
         return [
             n
             for n in self.spec_cluster.worker_spec
-            if isinstance(n, str) and n.startswith(prefix) and n[len(prefix) :].isdigit()
+            if isinstance(n, str)
+            and n.startswith(prefix)
+            and n[len(prefix) :].isdigit()
+            and n not in self._closing
         ]
 
     async def adapt(self) -> None:
@@ -292,6 +300,7 @@ class ElasticPools(Adaptive):
             coming=coming, full=plan.full, bound=bound, pools=list(self.pools)
         )
         await self._retire(plan)
+        await self._close({w["name"] for w in reply["workers"] if w["busy"]})
 
     def _states(self, reply: DemandReply, now: float) -> dict[str, PoolState]:
         """Each pool's workers: running (arrived; a GPU pool's once its devices are
@@ -309,7 +318,8 @@ class ElasticPools(Adaptive):
                     starting.append(w)
                     continue
                 running += 1
-                if seen["busy"]:
+                gpu_only = ps.pool.gpus and self._gpu_idle_with_cpu_work
+                if seen["gpu_busy"] if gpu_only else seen["busy"]:
                     self._idle_since.pop(w, None)
                 else:
                     idle[w] = now - self._idle_since.setdefault(w, now)
@@ -376,10 +386,20 @@ class ElasticPools(Adaptive):
                     reason="idle",
                     target=plan.targets[pool],
                 )
-        f = self.spec_cluster.scale_down(sorted(retired))  # their specs go; the cluster closes them
+        self._closing.update(retired)
+
+    async def _close(self, busy: set[str]) -> None:
+        """Close the retired workers that run nothing now. A retired worker takes no new
+        task (distributed's graceful closing) but finishes those it runs (CPU tasks a GPU
+        pool's worker ran), so closing it loses no work."""
+        done = sorted(self._closing - busy)
+        if not done:
+            return
+        f = self.spec_cluster.scale_down(done)  # their specs go; the cluster closes them
         if isawaitable(f):
             await f
-        for w in retired:
+        self._closing.difference_update(done)
+        for w in done:
             self._idle_since.pop(w, None)
             self._started.pop(w, None)
 

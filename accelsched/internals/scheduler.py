@@ -225,6 +225,16 @@ def busy(ws: WorkerState) -> bool:
     return bool(ws.processing)
 
 
+def gpu_busy(ws: WorkerState) -> bool:
+    """Whether ``ws`` has GPU tasks processing (running or queued there). Read from the
+    tasks, not ``used_resources``: distributed's work stealing moves a task without
+    moving what it holds there, so after a GPU task moved between workers (what
+    accelsched's restarts and joins ask for) the figures of both are off."""
+    return any(
+        GPU in r or GPU_MEMORY in r for ts in ws.processing if (r := ts.resource_restrictions)
+    )
+
+
 def offer_unrunnable(scheduler: Scheduler, ws: WorkerState) -> None:
     """Offer ``no-worker`` tasks to ``ws`` (``add_resources`` does not)."""
     recs = scheduler.bulk_schedule_unrunnable_after_adding_worker(ws)

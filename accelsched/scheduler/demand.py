@@ -88,6 +88,7 @@ class Demand:
                 "name": str(ws.name),
                 "address": ws.address,
                 "busy": internals.busy(ws),
+                "gpu_busy": internals.gpu_busy(ws),
                 "gpus": len(self._grants.uuids(ws.address)),
             }
             for ws in self.scheduler.workers.values()

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -18,7 +19,7 @@ import pytest
 from distributed import Client, LocalCluster, Nanny
 
 import accelsched
-from tests.utils import ROOT, cli, events, gpu_nap, until
+from tests.utils import ROOT, cli, events, gpu_nap, named_nap, until
 
 
 class PoolNanny(Nanny):
@@ -96,6 +97,25 @@ def test_gpu_tasks_get_a_gpu_pool_worker_and_the_idle_pool_shrinks() -> None:
         downs = events(client, "scale-down")
         assert downs and {e["pool"] for e in downs} == {"gpu"}
         assert all(e["reason"] == "idle" for e in downs)
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_a_gpu_worker_running_only_cpu_tasks_retires_and_finishes_them(tmp_path: Path) -> None:
+    """Distributed puts CPU tasks on GPU workers too: with a CPU pool there, a GPU pool
+    worker that runs only a CPU task counts as idle and is retired while it runs it (no
+    new task reaches it); it is closed once the task ends, which ran once, there."""
+    runs = tmp_path / "runs"
+    with two_pools_on_an_empty_cluster() as (client, pools):
+        with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+            assert client.submit(gpu_nap, 0, seconds=0.0, pure=False).result(timeout=60) == 0
+        assert pool_workers(client, "gpu") == ["gpu-0"] and not pool_workers(client, "cpu")
+        cpu = client.submit(named_nap, str(runs), 15.0, pure=False)  # only gpu-0 to run it
+        until(lambda: any("gpu-0" in e["workers"] for e in events(client, "scale-down")), 14)
+        assert not cpu.done()  # retired while it runs its CPU task
+        assert cpu.result(timeout=60) == "gpu-0"
+        assert runs.read_text().split() == ["gpu-0"]  # ran once: not again elsewhere
+        until(lambda: not pool_workers(client, "gpu"), timeout=30)
+        assert not pools.members("gpu")
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
