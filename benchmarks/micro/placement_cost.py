@@ -18,6 +18,9 @@ requirement/count ratio (the median of those ratios is the figure). Memory per w
 task: N tasks of each kind held ``waiting`` behind one unfinished input, the scheduler's
 RSS before and after, over N.
 
+Per cluster also the time from the hosts' start to every GPU placed (accelsched: verified),
+and the scheduler's CPU in it (``ready``).
+
 ``--quick``: 4 workers, 300 tasks, 2 rounds. ``--workers N``: that size only; the
 plot also draws the sizes of the results file it replaces (``OUT/placement_cost.json``),
 which the figures carry as ``earlier`` with that run's provenance.
@@ -141,9 +144,10 @@ def split(n: int) -> list[int]:
 
 
 @contextmanager
-def _cluster(n: int, plain: bool, tmp: Path) -> Iterator[Client]:
+def _cluster(n: int, plain: bool, tmp: Path) -> Iterator[tuple[Client, dict[str, float]]]:
     """A scheduler and hosts of ``n`` workers in all, stopped however the block ends; a
-    client with accelsched registered (unless ``plain``) and every worker's GPU placed."""
+    client with accelsched registered (unless ``plain``) and every worker's GPU placed,
+    and what getting there took: seconds from the hosts' start, the scheduler's CPU."""
     file = tmp / f"scheduler-{n}-{plain}.json"
     root = str(Path(__file__).resolve().parents[2])  # both unpickle this module's functions
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
@@ -171,7 +175,7 @@ def _cluster(n: int, plain: bool, tmp: Path) -> Iterator[Client]:
         if not plain:
             accelsched.register(client, check_interval="1h", fast_restart=False)
         address = str(client.scheduler_info()["address"])
-        first = 0
+        cpu, start, first = client.run_on_scheduler(_scheduler_cpu), time.monotonic(), 0
         for size in split(n):
             args = [address, str(first), str(size), "0" if plain else "1"]
             started.append(subprocess.Popen([sys.executable, "-c", HOST, *args], **quiet))
@@ -184,7 +188,11 @@ def _cluster(n: int, plain: bool, tmp: Path) -> Iterator[Client]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{n} workers with a verified GPU: {counts}")
             time.sleep(0.2)
-        yield client
+        ready = {
+            "seconds": round(time.monotonic() - start, 1),
+            "scheduler_cpu_s": round(client.run_on_scheduler(_scheduler_cpu) - cpu, 2),
+        }
+        yield client, ready
     finally:
         if client is not None:
             try:
@@ -234,14 +242,14 @@ def _bytes_per_waiting_task(client: Client, kind: str, n: int) -> float:
 def _cluster_rounds(n: int, plain: bool, tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
     """Paired rounds on one cluster: accelsched's or ``plain`` distributed's."""
     kinds = ["plain"] if plain else ["count", "requirement"]
-    with _cluster(n, plain, tmp) as client:
+    with _cluster(n, plain, tmp) as (client, ready):
         _cpu_per_task(client, kinds[0], min(tasks, 200))  # warm up
         cpu: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(rounds):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 cpu[kind].append(_cpu_per_task(client, kind, tasks))
         memory = {k: _bytes_per_waiting_task(client, k, tasks) for k in kinds}
-    return {"cpu_us": cpu, "bytes_per_waiting_task": memory}
+    return {"cpu_us": cpu, "bytes_per_waiting_task": memory, "ready": ready}
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -272,6 +280,8 @@ def measure(n: int, tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
         "bytes_per_waiting_task": {
             k: round(v) for part in (ours, plain) for k, v in part["bytes_per_waiting_task"].items()
         },
+        # hosts started -> every worker's GPU placed (accelsched: verified)
+        "ready": {"accelsched": ours["ready"], "plain": plain["ready"]},
     }
 
 
