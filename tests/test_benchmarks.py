@@ -150,13 +150,13 @@ def test_an_option_of_another_benchmark_is_refused() -> None:
 def test_placement_cost_splits_a_large_cluster_over_hosts() -> None:
     """No host holds more workers than the simulated library has MIG devices (beyond,
     workers found no device and 256 never got verified); the split is even."""
-    from benchmarks.micro import placement_cost
+    from benchmarks.micro import worker_hosts
 
-    assert placement_cost.split(64) == [64]
-    assert placement_cost.split(128) == [128]
-    assert placement_cost.split(129) == [65, 64]
-    assert placement_cost.split(256) == [128, 128]
-    assert placement_cost.split(300) == [100, 100, 100]
+    assert worker_hosts.split(64) == [64]
+    assert worker_hosts.split(128) == [128]
+    assert worker_hosts.split(129) == [65, 64]
+    assert worker_hosts.split(256) == [128, 128]
+    assert worker_hosts.split(300) == [100, 100, 100]
 
 
 @pytest.mark.timeout(300)

@@ -3,7 +3,8 @@
 A scheduler process (``dask scheduler``) and host processes holding the workers
 in-process (each owning one simulated MIG device, as :mod:`benchmarks.micro.registration`
 does), so the scheduler's CPU time (``time.process_time`` in its own process) is its
-alone. One host holds up to :data:`PER_HOST` workers; a larger cluster is split evenly
+alone. One host holds up to
+:data:`~benchmarks.micro.worker_hosts.PER_HOST` workers; a larger cluster is split evenly
 over as few hosts as hold it, each with its own simulated devices. Per
 cluster size, in paired rounds of alternating order on one accelsched cluster:
 
@@ -28,7 +29,6 @@ which the figures carry as ``earlier`` with that run's provenance.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import os
@@ -45,15 +45,11 @@ from typing import Any
 from distributed import Client, Event
 
 import accelsched
+from benchmarks.micro.worker_hosts import HOST, split
 
 NAME = "placement_cost"
 SIZES = (8, 32, 48, 64, 256)
 QUICK_SIZES = (4,)
-#: Workers one host process holds: the simulated NVML library (``fakenvml.c``) knows at
-#: most 128 MIG devices in one session, and each worker owns one. Beyond it, workers
-#: found no device and were never verified: why 256 workers in one host did not complete.
-PER_HOST = 128
-MIGS_PER_GPU = 7
 
 
 def inc(i: int) -> int:
@@ -96,51 +92,6 @@ def _task_count(dask_scheduler: Any = None) -> int:
 
 def _gpu_counts(dask_scheduler: Any = None) -> list[float]:
     return [ws.resources.get("GPU", 0) for ws in dask_scheduler.workers.values()]
-
-
-# --- the worker host process -----------------------------------------------------------
-
-
-#: The worker host's command (``python -c HOST ADDRESS FIRST N GPUS``): workers
-#: ``w<FIRST>`` to ``w<FIRST+N-1>``; ``GPUS`` 1: each owns a simulated MIG device, 0: plain.
-HOST = (
-    "import asyncio, sys\n"
-    "from benchmarks.micro.placement_cost import host\n"
-    "host(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == '1')\n"
-)
-
-
-def host(address: str, first: int, n: int, gpus: bool) -> None:
-    """``n`` in-process workers until the scheduler closes; with ``gpus``, in this host's
-    own simulated devices (at most :data:`PER_HOST` MIG devices: see there)."""
-    if not gpus:
-        asyncio.run(_host(address, first, ["none"] * n))
-        return
-    from accelsched.testing import fake_gpus
-
-    whole, rest = divmod(n, MIGS_PER_GPU)
-    mig = [["1g.10gb"] * MIGS_PER_GPU] * whole + ([["1g.10gb"] * rest] if rest else [])
-    with fake_gpus(count=len(mig), memory="80GiB", mig=mig) as fake:
-        uuids = [u for d in range(len(mig)) for u in fake.mig_uuids(d)]
-        asyncio.run(_host(address, first, uuids))
-
-
-async def _host(address: str, first: int, uuids: list[str]) -> None:
-    from distributed import Worker
-
-    workers = []
-    for i, uuid in enumerate(uuids, first):
-        os.environ["CUDA_VISIBLE_DEVICES"] = uuid  # read by the guard's probe
-        workers.append(
-            await Worker(address, nthreads=1, resources={"GPU": 1}, name=f"w{i}", validate=False)
-        )
-    await asyncio.gather(*(w.finished() for w in workers))
-
-
-def split(n: int) -> list[int]:
-    """``n`` workers over as few hosts as hold them, evenly: 256 -> [128, 128]."""
-    hosts = -(-n // PER_HOST)
-    return [n // hosts + (1 if h < n % hosts else 0) for h in range(hosts)]
 
 
 @contextmanager
