@@ -40,6 +40,7 @@ def _positive(text: str) -> int:
 
 OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--rounds", "rounds", {"type": _positive, "metavar": "N", "help": "paired rounds"}),
+    ("--workers", "workers", {"type": _positive, "metavar": "N", "help": "one cluster size"}),
     ("--trials", "trials", {"type": _positive, "metavar": "N", "help": "leak trials"}),
     ("--duration", "duration", {"type": _positive, "metavar": "S", "help": "soak seconds"}),
     ("--seed", "seed", {"type": int, "metavar": "N", "help": "fault and load seed"}),

@@ -147,6 +147,50 @@ def test_an_option_of_another_benchmark_is_refused() -> None:
     assert "--rounds" in proc.stderr and "fallback" in proc.stderr and "overhead" in proc.stderr
 
 
+def test_placement_cost_splits_a_large_cluster_over_hosts() -> None:
+    """No host holds more workers than the simulated library has MIG devices (beyond,
+    workers found no device and 256 never got verified); the split is even."""
+    from benchmarks.micro import worker_hosts
+
+    assert worker_hosts.split(64) == [64]
+    assert worker_hosts.split(128) == [128]
+    assert worker_hosts.split(129) == [65, 64]
+    assert worker_hosts.split(256) == [128, 128]
+    assert worker_hosts.split(300) == [100, 100, 100]
+
+
+@pytest.mark.timeout(300)
+def test_placement_cost_one_size_is_drawn_beside_the_earlier_sizes(tmp_path: Path) -> None:
+    """``--workers N`` measures that size only; the sizes of the results it replaces are
+    kept, with the run they came from, and drawn with it."""
+    row = {
+        "workers": 8,
+        "scheduler_cpu_us_per_task": {
+            k: {"median": 1.0} for k in ("plain", "count", "requirement")
+        },
+        "bytes_per_waiting_task": {"plain": 1, "count": 1, "requirement": 1},
+    }
+    earlier = {"quick": False, "sizes": [row], "provenance": {"git": {"commit": "abc"}}}
+    (tmp_path / "placement_cost.json").write_text(json.dumps(earlier))
+    proc = _cli(
+        "placement_cost",
+        "--quick",
+        "--workers",
+        "3",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "placement_cost.json").read_text())
+    assert "errors" not in result, result.get("errors")
+    assert [(r["workers"], r["hosts"], r["rounds"]) for r in result["sizes"]] == [(3, 1, 1)]
+    assert [(r["workers"], r["from"]["commit"]) for r in result["earlier"]] == [(8, "abc")]
+    assert (tmp_path / "placement_cost.png").read_bytes().startswith(PNG)
+
+
 def _gpu_listed() -> bool:
     if shutil.which("nvidia-smi") is None:
         return False

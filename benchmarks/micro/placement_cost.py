@@ -1,8 +1,11 @@
 """What a GPU task costs the scheduler as the cluster grows: count, requirement, plain.
 
-A scheduler process (``dask scheduler``) and one process hosting every worker in-process
-(each owning one simulated MIG device, as :mod:`benchmarks.micro.registration` does), so
-the scheduler's CPU time (``time.process_time`` in its own process) is its alone. Per
+A scheduler process (``dask scheduler``) and host processes holding the workers
+in-process (each owning one simulated MIG device, as :mod:`benchmarks.micro.registration`
+does), so the scheduler's CPU time (``time.process_time`` in its own process) is its
+alone. One host holds up to
+:data:`~benchmarks.micro.worker_hosts.PER_HOST` workers; a larger cluster is split evenly
+over as few hosts as hold it, each with its own simulated devices. Per
 cluster size, in paired rounds of alternating order on one accelsched cluster:
 
 - **count**: ``resources={"GPU": 1}`` tasks;
@@ -16,12 +19,16 @@ requirement/count ratio (the median of those ratios is the figure). Memory per w
 task: N tasks of each kind held ``waiting`` behind one unfinished input, the scheduler's
 RSS before and after, over N.
 
-``--quick``: 4 workers, 300 tasks, 2 rounds.
+Per cluster also the time from the hosts' start to every GPU placed (accelsched: verified),
+and the scheduler's CPU in it (``ready``).
+
+``--quick``: 4 workers, 300 tasks, 2 rounds. ``--workers N``: that size only; the
+plot also draws the sizes of the results file it replaces (``OUT/placement_cost.json``),
+which the figures carry as ``earlier`` with that run's provenance.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import os
@@ -38,6 +45,7 @@ from typing import Any
 from distributed import Client, Event
 
 import accelsched
+from benchmarks.micro.worker_hosts import HOST, split
 
 NAME = "placement_cost"
 SIZES = (8, 32, 48, 64, 256)
@@ -86,46 +94,19 @@ def _gpu_counts(dask_scheduler: Any = None) -> list[float]:
     return [ws.resources.get("GPU", 0) for ws in dask_scheduler.workers.values()]
 
 
-# --- the worker host process -----------------------------------------------------------
-
-
-#: The worker host's command (``python -c HOST ADDRESS N UUIDS-FILE``).
-HOST = (
-    "import asyncio, json, sys, pathlib\n"
-    "from benchmarks.micro.placement_cost import _host\n"
-    "uuids = json.loads(pathlib.Path(sys.argv[3]).read_text())\n"
-    "asyncio.run(_host(sys.argv[1], int(sys.argv[2]), uuids))\n"
-)
-
-
-async def _host(address: str, n: int, uuids: list[str]) -> None:
-    """``n`` in-process workers, each seeing one device, until the scheduler closes."""
-    from distributed import Worker
-
-    workers = []
-    for i in range(n):
-        os.environ["CUDA_VISIBLE_DEVICES"] = uuids[i]  # read by the guard's probe
-        workers.append(
-            await Worker(address, nthreads=1, resources={"GPU": 1}, name=f"w{i}", validate=False)
-        )
-    await asyncio.gather(*(w.finished() for w in workers))
-
-
 @contextmanager
-def _cluster(n: int, uuids: list[str], tmp: Path) -> Iterator[Client]:
-    """A scheduler and a host of ``n`` workers, stopped however the block ends; a client
-    with accelsched registered (unless no ``uuids``: plain) and every worker's GPU placed."""
-    plain = not uuids
+def _cluster(n: int, plain: bool, tmp: Path) -> Iterator[tuple[Client, dict[str, float]]]:
+    """A scheduler and hosts of ``n`` workers in all, stopped however the block ends; a
+    client with accelsched registered (unless ``plain``) and every worker's GPU placed,
+    and what getting there took: seconds from the hosts' start, the scheduler's CPU."""
     file = tmp / f"scheduler-{n}-{plain}.json"
-    devices = tmp / "uuids.json"
-    devices.write_text(json.dumps(uuids or ["none"] * n))
     root = str(Path(__file__).resolve().parents[2])  # both unpickle this module's functions
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     quiet: dict[str, Any] = {
         "stdout": subprocess.DEVNULL,
         "stderr": subprocess.DEVNULL,
         # distributed's own GPU diagnostics off in this benchmark's processes: the fake
-        # library finds a MIG device by UUID for the first 16 GPUs only (here up to 37)
+        # library finds a MIG device by UUID for the first 16 GPUs only (here up to 19)
         "env": {**os.environ, "PYTHONPATH": path, "DASK_DISTRIBUTED__DIAGNOSTICS__NVML": "False"},
     }
     dask = str(Path(sys.executable).with_name("dask"))
@@ -144,10 +125,12 @@ def _cluster(n: int, uuids: list[str], tmp: Path) -> Iterator[Client]:
         client = Client(scheduler_file=str(file))
         if not plain:
             accelsched.register(client, check_interval="1h", fast_restart=False)
-        address = client.scheduler.address
-        started.append(
-            subprocess.Popen([sys.executable, "-c", HOST, address, str(n), str(devices)], **quiet)
-        )
+        address = str(client.scheduler_info()["address"])
+        cpu, start, first = client.run_on_scheduler(_scheduler_cpu), time.monotonic(), 0
+        for size in split(n):
+            args = [address, str(first), str(size), "0" if plain else "1"]
+            started.append(subprocess.Popen([sys.executable, "-c", HOST, *args], **quiet))
+            first += size
         deadline = time.monotonic() + 60 + 2 * n
         while True:
             counts = client.run_on_scheduler(_gpu_counts)
@@ -156,7 +139,11 @@ def _cluster(n: int, uuids: list[str], tmp: Path) -> Iterator[Client]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{n} workers with a verified GPU: {counts}")
             time.sleep(0.2)
-        yield client
+        ready = {
+            "seconds": round(time.monotonic() - start, 1),
+            "scheduler_cpu_s": round(client.run_on_scheduler(_scheduler_cpu) - cpu, 2),
+        }
+        yield client, ready
     finally:
         if client is not None:
             try:
@@ -203,17 +190,17 @@ def _bytes_per_waiting_task(client: Client, kind: str, n: int) -> float:
     return (after - before) / n
 
 
-def _cluster_rounds(n: int, uuids: list[str], tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
-    """Paired rounds on one cluster: accelsched's (devices ``uuids``) or plain (none)."""
-    kinds = ["count", "requirement"] if uuids else ["plain"]
-    with _cluster(n, uuids, tmp) as client:
+def _cluster_rounds(n: int, plain: bool, tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
+    """Paired rounds on one cluster: accelsched's or ``plain`` distributed's."""
+    kinds = ["plain"] if plain else ["count", "requirement"]
+    with _cluster(n, plain, tmp) as (client, ready):
         _cpu_per_task(client, kinds[0], min(tasks, 200))  # warm up
         cpu: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(rounds):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 cpu[kind].append(_cpu_per_task(client, kind, tasks))
         memory = {k: _bytes_per_waiting_task(client, k, tasks) for k in kinds}
-    return {"cpu_us": cpu, "bytes_per_waiting_task": memory}
+    return {"cpu_us": cpu, "bytes_per_waiting_task": memory, "ready": ready}
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -225,19 +212,17 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def measure(n: int, tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
-    from accelsched.testing import fake_gpus
-
-    gpus = -(-n // 7)
-    with fake_gpus(count=gpus, memory="80GiB", mig=["1g.10gb"] * 7) as fake:
-        uuids = [u for d in range(gpus) for u in fake.mig_uuids(d)]
-        ours = _cluster_rounds(n, uuids, tasks, rounds, tmp)
-    plain = _cluster_rounds(n, [], tasks, rounds, tmp)
+    started = time.monotonic()
+    ours = _cluster_rounds(n, False, tasks, rounds, tmp)
+    plain = _cluster_rounds(n, True, tasks, rounds, tmp)
     cpu = {**ours["cpu_us"], **plain["cpu_us"]}
     ratios = [r / c for r, c in zip(cpu["requirement"], cpu["count"], strict=True)]
     return {
         "workers": n,
+        "hosts": len(split(n)),
         "tasks": tasks,
         "rounds": rounds,
+        "seconds": round(time.monotonic() - started, 1),
         "scheduler_cpu_us_per_task": {k: _spread(v) for k, v in cpu.items()},
         "requirement_over_count": _spread(ratios),
         "count_over_plain": round(
@@ -246,6 +231,8 @@ def measure(n: int, tasks: int, rounds: int, tmp: Path) -> dict[str, Any]:
         "bytes_per_waiting_task": {
             k: round(v) for part in (ours, plain) for k, v in part["bytes_per_waiting_task"].items()
         },
+        # hosts started -> every worker's GPU placed (accelsched: verified)
+        "ready": {"accelsched": ours["ready"], "plain": plain["ready"]},
     }
 
 
@@ -273,9 +260,34 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return [save(fig, out / f"{NAME}.png", dpi=110)]
 
 
-def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
+def _earlier(out: Path, measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sizes of the results file this run replaces that it did not measure, each with
+    the run it came from (``from``: that run's commit, command, start and load): what
+    ``--workers`` draws beside its one size. Nothing from a quick run."""
+    try:
+        previous = json.loads((out / f"{NAME}.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if previous.get("quick"):
+        return []
+    prov = previous.get("provenance", {})
+    source = {
+        "commit": prov.get("git", {}).get("commit"),
+        "command": prov.get("command"),
+        "started": prov.get("started"),
+        "load_average": prov.get("machine", {}).get("load_average"),
+    }
+    rows = {r["workers"]: r for r in previous.get("earlier", [])}  # older first
+    rows.update({r["workers"]: {**r, "from": source} for r in previous.get("sizes", [])})
+    done = {r["workers"] for r in measured}
+    return [rows[n] for n in sorted(rows) if n not in done]
+
+
+def run(
+    quick: bool, out: Path, rounds: int | None = None, workers: int | None = None
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    sizes = QUICK_SIZES if quick else SIZES
+    sizes = (workers,) if workers else QUICK_SIZES if quick else SIZES
     tasks = 300 if quick else 3_000
     rounds = rounds or (2 if quick else 5)
     rows, errors = [], []
@@ -285,5 +297,12 @@ def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
                 rows.append(measure(n, tasks, rounds, Path(tmp)))
             except Exception as exc:  # the sizes measured are kept
                 errors.append(f"{n} workers: {exc!r}")
-    plots = [p.name for p in plot(rows, out)] if rows else []
-    return {"sizes": rows, "plots": plots, **({"errors": errors} if errors else {})}
+    earlier = _earlier(out, rows) if workers else []
+    drawn = sorted(rows + earlier, key=lambda r: r["workers"])
+    plots = [p.name for p in plot(drawn, out)] if drawn else []
+    return {
+        "sizes": rows,
+        "plots": plots,
+        **({"earlier": earlier} if earlier else {}),
+        **({"errors": errors} if errors else {}),
+    }
