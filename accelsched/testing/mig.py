@@ -85,6 +85,11 @@ def check_mig(mig: Any, count: int, totals: Sequence[int]) -> list[list[str] | N
                 f"has ({total} bytes)"
             )
         out.append(list(profiles))
+    if (n := sum(len(p) for p in out if p)) > state.MAX_MIGS:
+        raise ValueError(
+            f"fake_gpus: {n} MIG devices in all; the simulated library holds at most "
+            f"{state.MAX_MIGS} (as a machine of 8 GPUs of 7 holds 56)"
+        )
     return out
 
 

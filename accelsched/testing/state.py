@@ -151,6 +151,8 @@ def write_devices(path: Path, devices: list[FakeDevice]) -> None:
 
 #: What ``nvmlDeviceGetMaxMigDeviceCount`` answers (A100, H100, H200).
 MAX_MIG_PER_GPU = 7
+#: MIG devices over all GPUs the simulated library holds (fakenvml.c's ``MAX_MIGS``).
+MAX_MIGS = 128
 
 
 def read_migs(path: Path, devices: list[FakeDevice] | None = None) -> list[FakeMig]:

@@ -765,6 +765,7 @@ def test_library_builds_once_even_concurrently(
         ({"mig": [["1g.10gb"], "1g.10gb"]}, TypeError, "GPU 1 must be a list"),
         ({"mig": ["4g.8gb", "4g.8gb"]}, ValueError, "7 compute slices"),
         ({"mig": ["1g.1gb"] * 8}, ValueError, "at most 7 devices"),
+        ({"count": 19, "mig": ["1g.1gb"] * 7}, ValueError, "133 MIG devices in all"),
         ({"mig": ["3g.9gb", "3g.9gb"]}, ValueError, "more memory than GPU 0"),
         ({"mig": ["1g.1gb"], "names": "N" * 90}, ValueError, "over NVML's 95 bytes"),
     ],
