@@ -126,7 +126,8 @@ def _nvml_read_cost(
 
     Without a context (the tiny tasks of the rounds above make none) no reading can be a
     base: the guard reads only now and then. With ``context``, made first on each worker,
-    every task is measured: one closing reading per task, the next task's base."""
+    GPU tasks are measured (one closing reading, the next task's base): every run of a
+    new prefix, then a sample of a quiet prefix's runs (:mod:`accelsched.policy.sampling`)."""
     if context:
         _make_contexts(client)
     client.run(_time_nvml_reads)
