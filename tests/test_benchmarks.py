@@ -344,6 +344,19 @@ def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> Non
     assert read["reads"] >= 4 and read["reads_per_task"] <= 3 and read["wall_us"]["median"] > 0
     # without a context no reading can be a base: tasks are not read around
     assert overhead["cli"]["gpu"]["nvml_read_no_context"]["reads_per_task"] < 0.5
+    # GPU tasks once every worker of both sides made a CUDA context: paired rounds with
+    # the worker CPU per task on both sides, its difference and ratio; the guard, settled,
+    # reads NVML around a sample of the tasks, not every one
+    context = overhead["cli"]["gpu_context"]
+    both = context["rounds"]["plain"] + context["rounds"]["accelsched"]
+    assert len(context["rounds"]["plain"]) == overhead["context_rounds"] >= 1
+    assert len(both) == 2 * overhead["context_rounds"]
+    assert all(r["wall"] > 0 and r["worker_us"] >= 0 for r in both)
+    assert set(context["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
+    assert context["wall_ratio"]["min"] > 0
+    assert context["worker_cpu_ratio"] is None or context["worker_cpu_ratio"]["min"] >= 0
+    assert context["nvml_read"]["reads_per_task"] < 0.5
+    assert "gpu_context" not in overhead["in_process"]  # the command line's only
     assert {(r["unrunnable"], r["timeout"]) for r in scale["check"]} == {
         (n, t) for n in bench_scale.QUICK_SIZES for t in ("1h", None)
     }

@@ -18,6 +18,11 @@ Every round runs the same workload on both sides, in alternating order:
   accelsched; merely counted by plain distributed);
 - ``cpu``: tiny tasks asking for nothing, on the same GPU-seeing workers (watched for
   unrequested GPU use by accelsched).
+- ``gpu_context`` (command line only, last): the ``gpu`` tasks again after one task on
+  each worker of both clusters made a (simulated) CUDA context, as real GPU work makes
+  one; accelsched's guard then measures GPU tasks (NVML process-list reads on a sample
+  of a quiet prefix's runs, :mod:`accelsched.policy.sampling`), plain distributed does
+  nothing more. Its worker CPU ratio per task is the context hot path's end-to-end cost.
 
 Per round and cluster: wall time from submit to the last result, and CPU seconds spent
 by the scheduler and by the worker processes, divided by the task count (in process,
@@ -26,7 +31,8 @@ figures are the medians over rounds of the paired ratio (accelsched / plain) and
 paired CPU differences, with their spread (min, max).
 
 Run with ``python -m benchmarks overhead [--rounds 7]`` (``--quick``: 30 tasks, 5
-rounds, command-line workers without nannies: a smoke run whose ratios are noise).
+rounds, 1 with a context, command-line workers without nannies: a smoke run whose ratios
+are noise).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import accelsched
 from accelsched.testing import fake_gpus
 from benchmarks.micro.cli_cluster import cli_cluster, cpu_seconds, worker_processes
 from benchmarks.micro.in_process_cluster import in_process_cluster
+from benchmarks.micro.overhead_report import plot
 
 NAME = "overhead"
 
@@ -97,11 +104,18 @@ def _nvml_reads_timed() -> list[tuple[float, float]]:
 
 
 def _make_context() -> int:
-    """In a GPU task: a CUDA context on its device, as the first real GPU work makes."""
+    """In a GPU task: a CUDA context on its device, as the first real GPU work makes (on
+    plain distributed, which binds no device, the worker's first visible one)."""
     from accelsched.testing import create_context
 
-    create_context()
+    create_context(accelsched.current_device() or 0)
     return 0
+
+
+def _make_contexts(client: Client) -> None:
+    """One task on each worker makes a context there (it stays for the process's life)."""
+    for addr in client.scheduler_info(n_workers=-1)["workers"]:
+        client.submit(_make_context, resources={"GPU": 1}, workers=[addr], pure=False).result()
 
 
 def _nvml_read_cost(
@@ -112,10 +126,10 @@ def _nvml_read_cost(
 
     Without a context (the tiny tasks of the rounds above make none) no reading can be a
     base: the guard reads only now and then. With ``context``, made first on each worker,
-    every task is measured: one closing reading per task, the next task's base."""
+    GPU tasks are measured (one closing reading, the next task's base): every run of a
+    new prefix, then a sample of a quiet prefix's runs (:mod:`accelsched.policy.sampling`)."""
     if context:
-        for addr in client.scheduler_info(n_workers=-1)["workers"]:
-            client.submit(_make_context, resources={"GPU": 1}, workers=[addr], pure=False).result()
+        _make_contexts(client)
     client.run(_time_nvml_reads)
     _round(client, sched, workers, n, gpu=True)
     reads = [t for ts in client.run(_nvml_reads_timed).values() for t in ts]
@@ -127,7 +141,9 @@ def _nvml_read_cost(
     }
 
 
-def _spread(values: list[float]) -> dict[str, float]:
+def _spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
     return {
         "median": round(statistics.median(values), 4),
         "min": round(min(values), 4),
@@ -152,6 +168,10 @@ def _summary(rows: dict[str, list[dict]]) -> dict[str, Any]:
             "accelsched": _spread([a["worker_us"] for _, a in pairs]),
             "delta": _spread([a["worker_us"] - p["worker_us"] for p, a in pairs]),
         },
+        # a round too short for the CPU clock's ticks reads 0 on plain: no ratio from it
+        "worker_cpu_ratio": _spread(
+            [a["worker_us"] / p["worker_us"] for p, a in pairs if p["worker_us"] > 0]
+        ),
         "rounds": rows,
     }
 
@@ -165,8 +185,24 @@ def _ready(client: Client, label: str) -> None:
         time.sleep(0.05)
 
 
-def measure_cli(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str, Any]:
-    """The command-line configuration: both clusters up for the whole run."""
+def _paired(clusters: dict[str, tuple], tasks: int, rounds: int, gpu: bool) -> dict[str, Any]:
+    """A warm-up round on each side, then ``rounds`` paired rounds in alternating order."""
+    for client, sched, workers in clusters.values():  # warm up: contexts, imports
+        _round(client, sched, workers, min(200, tasks), gpu)
+    rows: dict[str, list[dict]] = {"plain": [], "accelsched": []}
+    for r in range(rounds):
+        for name in ["plain", "accelsched"] if r % 2 == 0 else ["accelsched", "plain"]:
+            client, sched, workers = clusters[name]
+            rows[name].append(_round(client, sched, workers, tasks, gpu))
+    return _summary(rows)
+
+
+def measure_cli(
+    tasks: int, rounds: int, tmp: Path, nanny: bool = True, context_rounds: int = 5
+) -> dict[str, Any]:
+    """The command-line configuration: both clusters up for the whole run. Last, as a
+    context stays for a process's life: ``context_rounds`` paired rounds of GPU tasks on
+    workers of both clusters that each made a CUDA context first."""
     with (
         cli_cluster(tmp, "plain", nanny) as (plain, ps),
         cli_cluster(tmp, "accelsched", nanny) as (acc, accs),
@@ -180,22 +216,18 @@ def measure_cli(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[
         }
         result: dict[str, Any] = {}
         for kind in ("gpu", "cpu"):
-            gpu = kind == "gpu"
-            for client, sched, workers in clusters.values():  # warm up: contexts, imports
-                _round(client, sched, workers, min(200, tasks), gpu)
-            rows: dict[str, list[dict]] = {"plain": [], "accelsched": []}
-            for r in range(rounds):
-                order = ["plain", "accelsched"] if r % 2 == 0 else ["accelsched", "plain"]
-                for name in order:
-                    client, sched, workers = clusters[name]
-                    rows[name].append(_round(client, sched, workers, tasks, gpu))
-            result[kind] = _summary(rows)
-            if gpu:
+            result[kind] = _paired(clusters, tasks, rounds, kind == "gpu")
+            if kind == "gpu":
                 result[kind]["nvml_read_no_context"] = _nvml_read_cost(
                     *clusters["accelsched"], tasks
                 )
-        # last, as it leaves a context on each worker: the measurement's own cost
+        # it leaves a context on each accelsched worker: reads right after (a new
+        # prefix's first runs, each measured), timed, so apart from the paired rounds
         result["gpu"]["nvml_read"] = _nvml_read_cost(*clusters["accelsched"], tasks, True)
+        _make_contexts(plain)  # both sides alike: plain distributed's workers too
+        context = result["gpu_context"] = _paired(clusters, tasks, context_rounds, True)
+        # the reads the guard makes once its sampling settled, as in the rounds above
+        context["nvml_read"] = _nvml_read_cost(*clusters["accelsched"], tasks)
         return result
 
 
@@ -219,12 +251,15 @@ def measure_in_process(tasks: int, rounds: int) -> dict[str, Any]:
     return {kind: _summary(kind_rows) for kind, kind_rows in rows.items()}
 
 
-def measure(tasks: int, rounds: int, tmp: Path, nanny: bool = True) -> dict[str, Any]:
+def measure(
+    tasks: int, rounds: int, tmp: Path, nanny: bool = True, context_rounds: int = 5
+) -> dict[str, Any]:
     with fake_gpus(count=2):
         return {
             "tasks": tasks,
             "rounds": rounds,
-            "cli": measure_cli(tasks, rounds, tmp, nanny),
+            "context_rounds": context_rounds,
+            "cli": measure_cli(tasks, rounds, tmp, nanny, context_rounds),
             "in_process": measure_in_process(tasks, rounds),
         }
 
@@ -236,59 +271,15 @@ def _verified(client: Client) -> int:
     return sum(1 for w in workers if w.get("resources", {}).get("GPU", 0) >= 1)
 
 
-CONFIGS = {"cli": "command line", "in_process": "in process"}
-
-
-def plot(result: dict[str, Any], out: Path) -> list[Path]:
-    """Per configuration (a row each): per-round wall ratio and CPU per task, GPU and
-    CPU tasks side by side."""
-    from benchmarks.harness.plots import plt, save  # the Agg backend, as every benchmark draws
-
-    fig, grid = plt.subplots(len(CONFIGS), 3, figsize=(12, 3.4 * len(CONFIGS)), squeeze=False)
-    kinds = ["gpu", "cpu"]
-    for axes, (config, title) in zip(grid, CONFIGS.items(), strict=True):
-        figures = result[config]
-        ratios = [
-            [
-                a["wall"] / p["wall"]
-                for p, a in zip(
-                    figures[k]["rounds"]["plain"], figures[k]["rounds"]["accelsched"], strict=True
-                )
-            ]
-            for k in kinds
-        ]
-        axes[0].boxplot(ratios, tick_labels=[f"{k} tasks" for k in kinds])
-        axes[0].axhline(1.0, color="grey", lw=0.8)
-        axes[0].axhline(1.03, color="red", lw=0.8, ls="--", label="target 1.03")
-        axes[0].set_ylabel("wall time, accelsched / plain")
-        axes[0].set_title(title, fontsize=9, loc="left")
-        axes[0].legend(fontsize=8)
-        scheduler_label = "scheduler CPU µs per task"
-        if config == "in_process":
-            scheduler_label = "scheduler + client CPU µs per task"
-        for ax, figure, label in (
-            (axes[1], "worker_us", "worker CPU µs per task"),
-            (axes[2], "sched_us", scheduler_label),
-        ):
-            data, labels = [], []
-            for k in kinds:
-                for name in ("plain", "accelsched"):
-                    data.append([r[figure] for r in figures[k]["rounds"][name]])
-                    labels.append(f"{k}\n{name}")
-            ax.boxplot(data, tick_labels=labels)
-            ax.set_ylabel(label, fontsize=8)
-            ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"{result['tasks']} tiny tasks, {result['rounds']} paired rounds")
-    fig.tight_layout()
-    return [save(fig, out / f"{NAME}.png", dpi=110)]
-
-
 def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
     """``rounds`` paired rounds (``--rounds``; default 7, 5 with ``--quick``) of 2000
-    tasks (30 with ``--quick``, on workers without nannies: a smoke run of seconds)."""
+    tasks (30 with ``--quick``, on workers without nannies: a smoke run of seconds); as
+    many with a CUDA context, at least 5 (1 with ``--quick``)."""
     out.mkdir(parents=True, exist_ok=True)
     tasks, default_rounds = (30, 5) if quick else (2000, 7)
+    rounds = rounds or default_rounds
+    context_rounds = 1 if quick else max(5, rounds)
     with tempfile.TemporaryDirectory() as tmp:  # scheduler files: not results
-        result = measure(tasks, rounds or default_rounds, Path(tmp), nanny=not quick)
+        result = measure(tasks, rounds, Path(tmp), not quick, context_rounds)
     result["plots"] = [p.name for p in plot(result, out)]
     return result
