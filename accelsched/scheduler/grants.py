@@ -16,6 +16,7 @@ Nothing here talks to distributed: the parts that act on the scheduler
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 from accelsched.policy.ownership import grant
@@ -153,7 +154,10 @@ class Grants:
         return [d for d in granted if d["uuid"] in named]
 
     def sharers(self, worker: str) -> set[str]:
-        """The other workers granted one of ``worker``'s devices (``share_gpus``)."""
+        """The other workers granted one of ``worker``'s devices (``share_gpus``; without
+        it a device has one owner, and nothing is looked through)."""
+        if not self.share_gpus:
+            return set()
         mine = set(self.uuids(worker))
         return {w for w, ds in self._granted.items() if w != worker and mine & set(self.uuids(w))}
 
@@ -162,9 +166,12 @@ class Grants:
         offered devices (each device's capacity divided among the workers granted it),
         and the ``GPU-memory`` (MiB) to place against: those less what results hold."""
         held = self._held.get(worker, {})
-        uuids = [d["uuid"] for ds in self._granted.values() for d in ds]
+        # workers granted each device: one without share_gpus (no look over the cluster)
+        owners: Counter[str] = Counter()
+        if self.share_gpus:
+            owners.update(d["uuid"] for ds in self._granted.values() for d in ds)
         mine = {
-            d["uuid"]: share(int(d["memory"]), uuids.count(d["uuid"]))
+            d["uuid"]: share(int(d["memory"]), owners[d["uuid"]] or 1)
             for d in self.offered_devices(worker)[:count]
         }
         room = sum(mebibytes(max(0, b - held.get(u, 0))) for u, b in mine.items())
