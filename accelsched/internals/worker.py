@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from time import time
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from dask._task_spec import GraphNode, Task
 from distributed.core import Status
+from distributed.worker_state_machine import UnpauseEvent
 
 from accelsched.policy.ownership import valid_declaration
 from accelsched.protocol import GPU, GPU_MEMORY
@@ -45,6 +47,12 @@ async def set_own_gpus(worker: Worker, count: int, memory: int = 0) -> None:
             state.total_resources[name] = 0
             state.available_resources[name] = 0
     await worker.set_resources(**{GPU: count, GPU_MEMORY: memory})
+    if state.constrained and state.running:
+        # distributed looks at tasks waiting for resources again only when a task ends:
+        # one that arrived before these figures (the scheduler places on an offer before
+        # its reply reaches the worker) would wait for an unrelated task, or for ever.
+        # Unpausing a running worker changes nothing else.
+        worker.handle_stimulus(UnpauseEvent(stimulus_id=f"accelsched-resources-{time()}"))
 
 
 def advertises_gpus(worker: Worker) -> bool:

@@ -11,7 +11,8 @@ from distributed.core import rpc
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.protocol import OFFER_HANDLER
+from accelsched import internals
+from accelsched.protocol import GPU, GPU_MEMORY, OFFER_HANDLER
 from tests.utils import GPU_WORKER, events, gpus, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
@@ -126,3 +127,18 @@ async def test_an_offer_saying_oddly_what_results_hold_is_invalid(c, s, a):
         assert reply["status"] == "OK" and reply["shares"] == {uuid: 16 * GiB - 16 * GiB // 20}
         assert reply["memory"] == before["GPU-memory"] - 1024
     assert s.workers[a.address].resources["GPU-memory"] == before["GPU-memory"] - 1024
+
+
+@gen_cluster(client=True, nthreads=[("", 2, {"resources": {GPU: 1, GPU_MEMORY: 1024}})])
+async def test_a_task_that_arrives_before_the_offer_reply_runs_once_it_comes(c, s, a):
+    """The scheduler places tasks on a guard's offer before its reply, from which the
+    worker sets its own figures, reaches the worker. A task that arrives between waits in
+    distributed's queue of tasks short of resources, which it looks at again only when
+    some task ends: here none would. The race cannot be timed from a test, so the
+    worker's own figure is set back by hand, as it stands before the reply."""
+    a.state.total_resources[GPU_MEMORY] = a.state.available_resources[GPU_MEMORY] = 0
+    step = c.submit(lambda: 42, resources={GPU: 1, GPU_MEMORY: 1024}, pure=False)
+    await wait_for(lambda: step.key in a.state.tasks)
+    assert a.state.tasks[step.key].state == "constrained"
+    await internals.set_own_gpus(a, 1, 1024)  # what the guard does with the reply
+    assert await step == 42
