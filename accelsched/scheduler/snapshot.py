@@ -99,7 +99,7 @@ class StatusHistory:
         pool_of: Callable[[str], str | None],
     ) -> None:
         # the PlacementPlugin's options; GPU tasks unplaced, by reason (scheduler/fallback.py);
-        # a worker's elastic pool, by its name (scheduler/demand.py)
+        # a worker's elastic pool, by its name (scheduler/fallback.py)
         self._grants, self._options, self._waiting = grants, dict(options), waiting
         self._pool_of = pool_of
         self.scheduler = scheduler
