@@ -47,14 +47,14 @@ as any unplaced GPU task. A worker that sends such a task back (its device withd
 which one, the offer does not say) leaves the task's class until its devices are
 granted or offered again, so nothing bounces.
 
-What elastic pools ask (:class:`Demand`): :func:`accelsched.adapt` asks
-``accelsched_demand`` every interval for the GPU tasks by class (requirement and device
-count, as :meth:`Fallback.class_of` names them), the other tasks ready or running, and
-each worker (busy or not, its verified devices); it answers ``accelsched_pools`` with the
-classes a starting worker will serve, which the fallback timers go by
-(:meth:`Fallback.expect`), and with its pools' names, by which ``accelsched status`` shows
-each worker's pool. One pass over the tasks ready or running per call: nothing is kept
-per task there.
+What elastic pools ask (:meth:`Fallback.demand`, :meth:`Fallback.pools`):
+:func:`accelsched.adapt` asks ``accelsched_demand`` every interval for the GPU tasks by
+class (requirement and device count, as :meth:`Fallback.class_of` names them), the other
+tasks ready or running, and each worker (busy or not, its verified devices); it answers
+``accelsched_pools`` with the classes a starting worker will serve, which the fallback
+timers go by (:meth:`Fallback.pools`), and with its pools' names, by which ``accelsched
+status`` shows each worker's pool. One pass over the tasks ready or running per call:
+nothing is kept per task there.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ from distributed.core import Status
 
 from accelsched import events, internals
 from accelsched.policy.leases import devices_needed
-from accelsched.policy.marks import find_mark, mark_problem
-from accelsched.policy.proposals import Proposal
+from accelsched.policy.marks import Mark, find_mark, mark_problem
+from accelsched.policy.proposals import Act, Proposal
 from accelsched.policy.requirements import (
     DeviceFacts,
     Requirement,
@@ -106,18 +106,15 @@ from accelsched.protocol import (
     TIMEOUT_ANNOTATION,
     ClassDemand,
     DemandReply,
-    DeviceRecord,
     WorkerDemand,
 )
+from accelsched.scheduler.grants import Grants, facts_of
 
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from accelsched.policy.marks import Mark
-    from accelsched.policy.proposals import Act
-    from accelsched.scheduler.grants import Grants
 
-__all__ = ["Demand", "Eligible", "Fallback", "GpuTask", "facts_of"]
+__all__ = ["Eligible", "Fallback", "GpuTask"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,21 +137,6 @@ BENCH = 5.0
 NOWHERE = "accelsched://no-verified-device-meets-the-requirement"
 #: How distributed names the stimulus of a task its worker sent back (``Reschedule``).
 _SENT_BACK = "reschedule"
-
-
-def facts_of(record: DeviceRecord) -> DeviceFacts:
-    """A granted device as requirements see it (a guard's report, checked types)."""
-    cc = record.get("capability")
-    capability = (
-        (int(cc[0]), int(cc[1]))
-        if isinstance(cc, (list, tuple))
-        and len(cc) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1000 for v in cc)
-        else None
-    )
-    return DeviceFacts(
-        str(record["name"]), int(record["memory"]), capability, record.get("mig") is True
-    )
 
 
 #: Seconds what elastic pools last said of pools at their maximum holds (they say it
@@ -225,6 +207,10 @@ class Fallback:
         self._full_at = 0.0  # when elastic pools last said which are at their maximum
         self._bound = 0.0
         self.checks = 0  # checks completed (ticks and timers): "one ran since then"
+        #: The pools ``accelsched.adapt`` sizes (its last word): worker ``<pool>-<n>``.
+        self.pool_names: frozenset[str] = frozenset()
+        internals.install_handler(scheduler, DEMAND_HANDLER, self.demand)
+        internals.install_handler(scheduler, POOLS_HANDLER, self.pools)
         internals.start_periodic(scheduler, _PERIODIC, self.check, interval)
         internals.start_periodic(scheduler, _WAITING, self.tick, TICK)
         internals.wrap_handler(scheduler, "set_restrictions", self.set_restrictions)
@@ -276,6 +262,8 @@ class Fallback:
         internals.stop_periodic(self.scheduler, _PERIODIC)
         internals.stop_periodic(self.scheduler, _WAITING)
         internals.restore_handler(self.scheduler, "set_restrictions")
+        internals.remove_handler(self.scheduler, DEMAND_HANDLER, self.demand)
+        internals.remove_handler(self.scheduler, POOLS_HANDLER, self.pools)
 
     def set_restrictions(self, original: Callable[..., Any], worker: dict) -> None:
         """distributed's ``set_restrictions`` handler (``Client.set_restrictions``): a
@@ -489,23 +477,6 @@ class Fallback:
             devices = devices_needed((ts.resource_restrictions or {}).get(GPU, 1))
         return f"{devices}x {need.label()}", need, devices
 
-    def expect(self, coming: dict[str, float], full: dict[str, list[str]], bound: float) -> None:
-        """Elastic pools say which classes a starting worker serves, for how many more
-        seconds (``coming``), and which wait on pools at their maximum (``full``).
-
-        A promise once made keeps counting for the tasks that waited then
-        (:func:`~accelsched.policy.scaling.counted_from`), at most ``bound`` seconds past
-        when each became unrunnable.
-        """
-        now = monotonic()
-        self._bound = bound
-        for name, until in list(self._coming.items()):  # promises past: forgotten
-            if until + bound < now:
-                del self._coming[name]
-        for name, seconds in coming.items():
-            self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
-        self._full, self._full_at = full, now
-
     def _due(self, key: Hashable, task: GpuTask, at: float | None) -> None:
         task.due = at
         if at is not None:
@@ -649,42 +620,20 @@ class Fallback:
                 keys=[str(k) for k in waiting[reason][:EXAMPLES]],
             )
 
-
-#: Longest a starting worker may hold a task's fallback back, whatever a caller says.
-MAX_BOUND = 3600.0
-
-
-class Demand:
-    """Serves ``accelsched_demand`` and ``accelsched_pools``."""
-
-    def __init__(self, scheduler: Scheduler, *, fallback: Fallback, grants: Grants) -> None:
-        self.scheduler = scheduler
-        self._fallback = fallback
-        self._grants = grants
-        #: The pools ``accelsched.adapt`` sizes (its last word): worker ``<pool>-<n>``.
-        self.pool_names: frozenset[str] = frozenset()
-
-    def start(self) -> None:
-        internals.install_handler(self.scheduler, DEMAND_HANDLER, self.demand)
-        internals.install_handler(self.scheduler, POOLS_HANDLER, self.pools)
-
-    def stop(self) -> None:
-        internals.remove_handler(self.scheduler, DEMAND_HANDLER, self.demand)
-        internals.remove_handler(self.scheduler, POOLS_HANDLER, self.pools)
+    # --- what elastic pools ask ---------------------------------------------------------
 
     def demand(self, comm: Any = None) -> DemandReply:
-        """The ``accelsched_demand`` reply."""
+        """The ``accelsched_demand`` reply: the work waiting and running, by GPU class."""
         gpu: dict[str, ClassDemand] = {}
         cpu_tasks, cpu_seconds = 0, 0.0
-        records = self._fallback.tasks
         for ts in internals.ready_tasks(self.scheduler):
-            task = records.get(ts.key)
+            task = self.tasks.get(ts.key)
             seconds = internals.expected_seconds(self.scheduler, ts)
             if task is None or task.fell_back or task.problem is not None:
                 cpu_tasks += 1
                 cpu_seconds += seconds
                 continue
-            name, need, devices = self._fallback.class_of(ts, task)
+            name, need, devices = self.class_of(ts, task)
             entry = gpu.get(name)
             if entry is None:
                 entry = gpu[name] = {
@@ -736,7 +685,18 @@ class Demand:
             names = None if pools is None else frozenset(str(p) for p in _names(pools))
         except (TypeError, ValueError):
             return {"status": "invalid"}
-        self._fallback.expect(c, f, b)
+        # which classes a starting worker serves, for how many more seconds (c), and
+        # which wait on pools at their maximum (f); a promise once made keeps counting
+        # for the tasks that waited then (counted_from), at most b seconds past when
+        # each became unrunnable
+        now = monotonic()
+        self._bound = b
+        for name, until in list(self._coming.items()):  # promises past: forgotten
+            if until + b < now:
+                del self._coming[name]
+        for name, seconds in c.items():
+            self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
+        self._full, self._full_at = f, now
         if names is not None:
             self.pool_names = names
         return {"status": "OK"}
@@ -745,6 +705,10 @@ class Demand:
         """The pool of the worker named ``worker`` (``<pool>-<n>``), None outside any."""
         pool, _, n = worker.rpartition("-")
         return pool if n.isdigit() and pool in self.pool_names else None
+
+
+#: Longest a starting worker may hold a task's fallback back, whatever a caller says.
+MAX_BOUND = 3600.0
 
 
 def _names(value: Any) -> list[Any] | tuple[Any, ...]:

@@ -13,9 +13,10 @@ makes the label mean something, through its parts (``accelsched/scheduler/``):
 - :class:`SchedulerActor` (below): carries out what the decisions
   propose (fallbacks, restarts without losing data, deferrals, quarantine: a worker's
   GPUs out of placement), in one place; drain orders reach the process meant.
-- :class:`~accelsched.scheduler.snapshot.StatusHistory`: the status snapshot and its history.
-- :class:`~accelsched.scheduler.fallback.Demand`: what elastic pools (:func:`accelsched.adapt`)
-  ask: the work waiting and running, and which classes a starting worker serves.
+- :class:`~accelsched.scheduler.grants.StatusHistory`: the status snapshot and its history.
+- :class:`~accelsched.scheduler.fallback.Fallback` also answers what elastic pools
+  (:func:`accelsched.adapt`) ask: the work waiting and running, and which classes a
+  starting worker serves.
 
 The plugin itself only wires distributed's hooks to those parts, checks at start that
 the distributed internals they rely on are there (:mod:`accelsched.internals`), and
@@ -88,9 +89,8 @@ from accelsched.protocol import (
     RESTART_HANDLER,
     RestartReply,
 )
-from accelsched.scheduler.fallback import Demand, Fallback
-from accelsched.scheduler.grants import DeviceReports, Grants
-from accelsched.scheduler.snapshot import StatusHistory
+from accelsched.scheduler.fallback import Fallback
+from accelsched.scheduler.grants import DeviceReports, Grants, StatusHistory
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -300,7 +300,6 @@ class PlacementPlugin(SchedulerPlugin):
     fallback: Fallback
     reports: DeviceReports
     actor: SchedulerActor
-    demand: Demand
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(PLACEMENT_OPTIONS, options, type(self).__name__)
@@ -346,29 +345,25 @@ class PlacementPlugin(SchedulerPlugin):
             active=active,
             gained=self.fallback.follow,
         )
-        self.reports.start()
-        budget = RestartBudget(o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"])
         self.actor = SchedulerActor(
             scheduler,
             fallback=self.fallback,
             grants=grants,
             reports=self.reports,
-            budget=budget,
+            budget=RestartBudget(
+                o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"]
+            ),
             emit=emit,
             active=active,
         )
         internals.install_handler(scheduler, RESTART_HANDLER, self.actor.handle_restart)
-        self.demand = Demand(scheduler, fallback=self.fallback, grants=grants)
-        self.demand.start()
-        history = StatusHistory(
+        self.status_history = StatusHistory(
             scheduler,
             grants,
             waiting=self.fallback.waiting,
             options=self.options,
-            pool_of=self.demand.pool_of,
+            pool_of=self.fallback.pool_of,
         )
-        history.start()
-        self.status_history = history
         dashboard_page.install(scheduler)
 
     def unregistered(self) -> None:
@@ -382,7 +377,6 @@ class PlacementPlugin(SchedulerPlugin):
             return  # never started
         self.fallback.close()
         internals.remove_handler(scheduler, RESTART_HANDLER, self.actor.handle_restart)
-        self.demand.stop()
         self.reports.stop()
         self.status_history.stop()
 
