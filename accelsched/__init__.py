@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from accelsched import config as _config  # (loads the config defaults)
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
 from accelsched.context import array_module, current_device
-from accelsched.devices.memory_cap import DeclaredMemoryExceeded
+from accelsched.devices.gpu_memory import DeclaredMemoryExceeded
 
 # ``dual`` shares its name with its module: imported here, the function wins over the
 # submodule attribute that importing ``accelsched.dual`` sets

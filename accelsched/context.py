@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from accelsched.devices import arrays
-from accelsched.devices.backend import cuda
-from accelsched.devices.memory_cap import MemoryCap
+from accelsched.devices import gpu_memory
+from accelsched.devices.gpu_memory import MemoryCap, cuda
 
 __all__ = [
     "Lease",
@@ -49,7 +48,7 @@ class Lease:
     #: on the device (the guard's attribution); None where nothing measures.
     meter: Callable[[str, Callable[[], Any]], Any] | None = None
     #: What the task's allocations hold against the memory it declared (None: it
-    #: declared none); see :mod:`accelsched.devices.memory_cap`.
+    #: declared none); see :mod:`accelsched.devices.gpu_memory`.
     cap: MemoryCap | None = None
 
 
@@ -66,7 +65,7 @@ def current_device() -> int | None:
     return None if lease is None else lease.devices[0]
 
 
-arrays.task_device = current_device  # objects on an unknown device count on the task's
+gpu_memory.task_device = current_device  # objects on an unknown device count on the task's
 
 
 def array_module() -> ModuleType:
@@ -74,7 +73,7 @@ def array_module() -> ModuleType:
 
     Write a step once against the returned module (``xp = array_module(); xp.sum(...)``)
     and it runs on the device when placed on a GPU and on the host when it fell back.
-    The NVML backend's CUDA says which (:mod:`accelsched.devices.backend`): on the
+    The NVML backend's CUDA says which (:mod:`accelsched.devices.gpu_memory`): on the
     simulated GPUs of :mod:`accelsched.testing` it is numpy, they run no kernels.
     """
     if current_lease() is not None:

@@ -9,7 +9,7 @@ an exception. MIG devices are found under their parent GPU (NVML does not count 
 and stand for it as CUDA does (:func:`resolve_devices`): a
 worker's device is then the MIG device, with its own UUID, memory and processes.
 
-The NVML library is passed in by name (:mod:`accelsched.devices.backend`).
+The NVML library is passed in by name (:mod:`accelsched.devices.gpu_memory`).
 
 ``CUDA_VISIBLE_DEVICES``: NVML ignores it and numbers devices physically; CUDA numbers
 the visible ones from 0 in the order listed. Everything in accelsched that talks to CUDA
@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from accelsched.devices.backend import load_backend
+from accelsched.devices.gpu_memory import load_backend
 from accelsched.protocol import DeviceRecord
 
 __all__ = [

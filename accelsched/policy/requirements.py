@@ -15,7 +15,7 @@ verified of each device (:class:`DeviceFacts`). Decisions only: no distributed i
 - ``capability``: the least CUDA compute capability, ``"8.0"`` or ``(8, 0)``.
 - ``mig``: ``True`` for a MIG device only, ``False`` for a whole GPU only.
 - ``enforce``: with ``memory``, whether an allocation past it fails
-  (:mod:`accelsched.devices.memory_cap`); None: the guard's ``enforce_memory`` says.
+  (:mod:`accelsched.devices.gpu_memory`); None: the guard's ``enforce_memory`` says.
   It says nothing of the device, so placement and :meth:`Requirement.label` ignore it.
 """
 

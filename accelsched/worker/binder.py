@@ -20,8 +20,7 @@ from distributed import Reschedule
 
 from accelsched import events
 from accelsched.context import Lease, bind, unbind
-from accelsched.devices.arrays import to_host
-from accelsched.devices.memory_cap import MemoryCap
+from accelsched.devices.gpu_memory import MemoryCap, to_host
 from accelsched.devices.nvml import DeviceInfo
 from accelsched.policy.leases import Cancelled, LeaseTable, NoFreeDevice
 from accelsched.policy.requirements import Requirement, parse_requirement

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import events
 from accelsched.config import Threshold
+from accelsched.devices.gpu_memory import PoolStats, active_pools
 from accelsched.devices.nvml import MemoryReading
-from accelsched.devices.pool import PoolStats, active_pools
 from accelsched.policy.leak import (
     Answer,
     LeakDecisions,

@@ -32,9 +32,8 @@ from typing import Any
 
 from dask.utils import key_split
 
-from accelsched.devices.arrays import device_nbytes, knows
+from accelsched.devices.gpu_memory import PoolStats, active_pools, device_nbytes, knows
 from accelsched.devices.nvml import NVMLMonitor
-from accelsched.devices.pool import PoolStats, active_pools
 from accelsched.policy.leases import LeaseTable
 from accelsched.policy.sampling import Backoff
 

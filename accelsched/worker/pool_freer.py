@@ -4,7 +4,7 @@ Pools cache freed blocks so the next allocation is cheap; the cache looks like u
 memory to NVML and to other processes. Every ``free_pools_every`` GPU tasks, when the
 pools cache at least ``free_pools_min`` on a device the task held (and, with
 ``free_pools_above``, only when such a device is fuller than that fraction), the pools
-of :mod:`accelsched.devices.pool` give back what they cache, device by device
+of :mod:`accelsched.devices.gpu_memory` give back what they cache, device by device
 (:class:`PoolFreer`). Freeing a near-empty pool after each of thousands of tiny tasks
 would cost more than it returns.
 
@@ -28,8 +28,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from accelsched.context import using_device
+from accelsched.devices.gpu_memory import DevicePool, active_pools
 from accelsched.devices.nvml import NVMLMonitor
-from accelsched.devices.pool import DevicePool, active_pools
 
 __all__ = ["PoolFreer", "reclaim"]
 
@@ -90,7 +90,7 @@ class PoolFreer:
 def reclaim(devices: Iterable[Any]) -> int:
     """Collect garbage, then free every active pool on each of ``devices``; the bytes the
     pools said they released. Never creates a pool or a CUDA context: pools act only
-    where their library is already in use (:func:`~accelsched.devices.pool.active_pools`).
+    where their library is already in use (:func:`~accelsched.devices.gpu_memory.active_pools`).
     """
     gc.collect()
     pools = active_pools()

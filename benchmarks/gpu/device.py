@@ -110,7 +110,7 @@ class Device:
             self.cp.cuda.Device(0).synchronize()
 
     def pools(self) -> list:
-        from accelsched.devices.pool import active_pools
+        from accelsched.devices.gpu_memory import active_pools
 
         return active_pools()
 

@@ -155,7 +155,7 @@ POOL_FREEING = r"""
 import dataclasses, json, time
 import cupy as cp
 from accelsched.devices.nvml import NVMLMonitor
-from accelsched.devices.pool import CupyPool
+from accelsched.devices.gpu_memory import CupyPool
 m = NVMLMonitor(env={"CUDA_VISIBLE_DEVICES": "0"})
 m.devices()
 pool = CupyPool()
@@ -213,7 +213,7 @@ else:
     gpus = session.__enter__()
     assert gpus.standin == (mode == "standin"), (mode, gpus)
     buf = device_alloc(1 << 20, device=0)
-from accelsched.devices.backend import cuda, load_backend
+from accelsched.devices.gpu_memory import cuda, load_backend
 from accelsched.devices.nvml import NVMLMonitor
 nvml = load_backend()
 # the backend's CUDA: CuPy on the real GPU, numpy (nothing made current) on the fakes

@@ -272,7 +272,7 @@ def test_dual_outside_tasks_runs_cpu_form() -> None:
 
 
 def test_device_nbytes_of_containers() -> None:
-    from accelsched.devices.arrays import SCAN_LIMIT, device_nbytes
+    from accelsched.devices.gpu_memory import SCAN_LIMIT, device_nbytes
 
     class OnDevice:
         def __init__(self, device: int, n: int) -> None:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from accelsched.devices.backend import cuda
+from accelsched.devices.gpu_memory import cuda
 from accelsched.devices.nvml import NVMLMonitor
 from accelsched.testing import create_context, device_alloc, fake_gpus
 from accelsched.testing.nvml_backend import SimulatedCuda
