@@ -6,12 +6,12 @@ The parts (``accelsched/worker/``):
   them to the PlacementPlugin, advertise what it granted; ask for this worker's restart.
 - :class:`~accelsched.worker.binder.Binder`: give each running GPU task its own device,
   current in its thread; free pools after GPU tasks
-  (:class:`~accelsched.worker.pool_freer.PoolFreer`).
-- :class:`~accelsched.worker.watch.Watch`: notice a task that did not ask for a GPU but
+  (:class:`~accelsched.worker.binder.PoolFreer`).
+- :class:`~accelsched.worker.binder.Watch`: notice a task that did not ask for a GPU but
   created a CUDA context or grew this process's device memory.
 - :class:`~accelsched.worker.leak_check.LeakCheck`: every ``check_interval``, read the
   devices through NVML and estimate device memory nothing legitimate holds
-  (:class:`~accelsched.worker.ledger.Ledger` says what results hold); on a
+  (:class:`~accelsched.worker.leak_check.Ledger` says what results hold); on a
   confirmed leak, ask for a lossless restart. Its heartbeat metric carries what only the
   worker knows to ``accelsched status``.
 - :class:`~accelsched.worker.leak_check.WorkerActor`: carries out what those decisions propose
@@ -22,12 +22,31 @@ The parts (``accelsched/worker/``):
 The plugin itself checks at setup that the distributed internals the parts rely on are
 there (:mod:`accelsched.internals`) and routes each task as it starts executing. What it
 says to the scheduler is in :mod:`accelsched.protocol`.
+
+**Preimport** (:func:`preimport`): modules a worker imports whole before its first task.
+
+Python imports a package's modules under per-module locks, and when two threads import
+parts of one package whose modules import each other (``dask.dataframe`` and
+``dask.dataframe.dask_expr`` do), the import system breaks the cycle by handing one
+thread a partially initialised module: ``ImportError: cannot import name 'DataFrame'
+from partially initialized module 'dask.dataframe.dask_expr'`` (or ``_DeadlockError``).
+A worker meets that when its first DataFrame work arrives as several tasks at once,
+which is what a CPU worker beside GPU workers sees when a batch of GPU tasks falls back
+to it together; raised where the worker reads a task message rather than inside a task,
+it closes the worker (distributed's ``fail_hard``), and the nanny with it.
+
+The guard imports these modules in its ``setup``, on the worker's event loop: a worker
+reads no task message before its plugins are set up, so no task thread can be importing
+at that moment and each module is whole before the first task runs. A module that is
+not installed (``dask.dataframe`` without pandas) is skipped.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,20 +64,17 @@ from accelsched.protocol import (
     REPORT_HANDLER,
     ReportReply,
 )
-from accelsched.worker.binder import Binder
+from accelsched.worker.binder import TABLES, Binder, PoolFreer, UnrequestedGPUUse, Watch
 from accelsched.worker.inventory import Inventory
-from accelsched.worker.leak_check import LeakCheck, WorkerActor
-from accelsched.worker.ledger import Ledger
-from accelsched.worker.pool_freer import PoolFreer
-from accelsched.worker.preimport import preimport
-from accelsched.worker.watch import TABLES, UnrequestedGPUUse, Watch
+from accelsched.worker.leak_check import LeakCheck, Ledger, WorkerActor
 
 if TYPE_CHECKING:
     from distributed import Worker
 
-__all__ = ["GuardPlugin", "UnrequestedGPUUse"]
+__all__ = ["GuardPlugin", "UnrequestedGPUUse", "preimport"]
 
 logger = logging.getLogger(__name__)
+
 
 _PERIODIC = "accelsched-guard"
 _RUNNING = frozenset({"executing", "long-running"})
@@ -150,7 +166,8 @@ class GuardPlugin(WorkerPlugin):
         )
         self.leaks = LeakCheck(
             inventory=inv,
-            binder=self.binder,
+            leases=self.binder.leases,
+            used=self.binder.used,
             ledger=ledger,
             actor=actor,
             decisions=LeakDecisions(
@@ -279,3 +296,21 @@ class GuardPlugin(WorkerPlugin):
         msg = events.event(action, self.worker.contact_address, **figures)
         logger.log(*events.log_line(msg))
         self.worker.log_event(events.TOPIC, msg)
+
+
+def preimport(modules: tuple[str, ...]) -> list[str]:
+    """Import ``modules``; the names imported (skipped: not installed, or failing)."""
+    done: list[str] = []
+    for name in modules:
+        start = time.perf_counter()
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:  # not installed here (or a dependency is not)
+            logger.info("accelsched: preimport %s skipped: %s", name, exc)
+            continue
+        except Exception as exc:  # a module that fails to import costs its guard nothing
+            logger.warning("accelsched: preimport %s failed: %r", name, exc)
+            continue
+        done.append(name)
+        logger.debug("accelsched: preimported %s in %.2f s", name, time.perf_counter() - start)
+    return done

@@ -21,7 +21,7 @@ Every round runs the same workload on both sides, in alternating order:
 - ``gpu_context`` (command line only, last): the ``gpu`` tasks again after one task on
   each worker of both clusters made a (simulated) CUDA context, as real GPU work makes
   one; accelsched's guard then measures GPU tasks (NVML process-list reads on a sample
-  of a quiet prefix's runs, :mod:`accelsched.policy.sampling`), plain distributed does
+  of a quiet prefix's runs, :mod:`accelsched.policy.leak`), plain distributed does
   nothing more. Its worker CPU ratio per task is the context hot path's end-to-end cost.
 
 Per round and cluster: wall time from submit to the last result, and CPU seconds spent
@@ -127,7 +127,7 @@ def _nvml_read_cost(
     Without a context (the tiny tasks of the rounds above make none) no reading can be a
     base: the guard reads only now and then. With ``context``, made first on each worker,
     GPU tasks are measured (one closing reading, the next task's base): every run of a
-    new prefix, then a sample of a quiet prefix's runs (:mod:`accelsched.policy.sampling`)."""
+    new prefix, then a sample of a quiet prefix's runs (:mod:`accelsched.policy.leak`)."""
     if context:
         _make_contexts(client)
     client.run(_time_nvml_reads)

@@ -194,7 +194,7 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     released bytes, so the next task's growth would come out short by them). The real
     monitor on the fake GPUs; the release is run inside the reading to pin the order."""
     from accelsched.devices.nvml import MemoryReading, NVMLMonitor
-    from accelsched.worker.ledger import Ledger
+    from accelsched.worker.leak_check import Ledger
 
     class Racing(NVMLMonitor):
         race: list = []
@@ -237,7 +237,7 @@ def frame_in_fixed_pool(nbytes: int, value: int) -> Frame:
 
 def test_a_reserve_net_of_its_free_part() -> None:
     from accelsched.devices.gpu_memory import PoolStats
-    from accelsched.worker.ledger import net_of_pools
+    from accelsched.worker.leak_check import net_of_pools
 
     # a 4 GiB reserve with 1 GiB in use: that GiB counts, the free 3 GiB do not
     assert net_of_pools(5 * 2**30, PoolStats(fixed=4 * 2**30, fixed_free=3 * 2**30)) == 2**31
