@@ -49,7 +49,7 @@ METHOD_KEY = "distributed.worker.multiprocessing-method"
 #: What the server imports besides distributed's own list. No CUDA library here.
 PRELOAD = (
     "accelsched",
-    "accelsched.worker.inventory",
+    "accelsched.worker.leak_check",
     "accelsched.devices.nvml",
     "pynvml",
     # forked workers start while their GPU fails NVML (distributed's diagnostics)

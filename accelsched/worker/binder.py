@@ -3,7 +3,7 @@ that asked for none are watched for GPU use; pools are freed after GPU tasks.
 
 **Binding** (:class:`Binder`). The worker's state machine caps how many GPU tasks run at
 once (its ``GPU`` resource). The runners here, called in the task's executor thread, take
-a lease the :class:`~accelsched.policy.leases.LeaseTable` grants (waiting there while it
+a lease the :class:`~accelsched.policy.requirements.LeaseTable` grants (waiting there while it
 has no room), make the device current for the task (:func:`accelsched.context.holding`),
 free pools as the task ends, and give the lease back whatever happens. A task that fell
 back to its CPU form gets its device-array inputs copied to the host first.
@@ -18,7 +18,7 @@ tasks would cost more than it returns.
 
 **Watching tasks that asked for no GPU** (:class:`Watch`): did they use one anyway?
 Device memory is read per process, so a task's growth can be blamed on it only when it
-ran alone: each worker's :class:`~accelsched.policy.leases.LeaseTable` records the tasks
+ran alone: each worker's :class:`~accelsched.policy.requirements.LeaseTable` records the tasks
 running in its threads (the guard's transition hook feeds it, so unwatched tasks count
 too), and a watched task's readings count only when no other task of any worker in the
 process started or ended while it ran. :func:`accelsched.policy.leak.classify` decides
@@ -46,8 +46,13 @@ from accelsched.context import Lease, bind, unbind, using_device
 from accelsched.devices.gpu_memory import DevicePool, MemoryCap, active_pools, to_host
 from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
 from accelsched.policy.leak import classify
-from accelsched.policy.leases import Cancelled, LeaseTable, NoFreeDevice
-from accelsched.policy.requirements import Requirement, parse_requirement
+from accelsched.policy.requirements import (
+    Cancelled,
+    LeaseTable,
+    NoFreeDevice,
+    Requirement,
+    parse_requirement,
+)
 from accelsched.protocol import FALLBACK_ANNOTATION, GPU, GPU_MEMORY, REQUIREMENT_ANNOTATION
 from accelsched.worker.leak_check import Ledger, Meter
 

@@ -2,7 +2,7 @@
 
 The parts (``accelsched/worker/``):
 
-- :class:`~accelsched.worker.inventory.Inventory`: probe the devices through NVML, report
+- :class:`~accelsched.worker.leak_check.Inventory`: probe the devices through NVML, report
   them to the PlacementPlugin, advertise what it granted; ask for this worker's restart.
 - :class:`~accelsched.worker.binder.Binder`: give each running GPU task its own device,
   current in its thread; free pools after GPU tasks
@@ -65,8 +65,7 @@ from accelsched.protocol import (
     ReportReply,
 )
 from accelsched.worker.binder import TABLES, Binder, PoolFreer, UnrequestedGPUUse, Watch
-from accelsched.worker.inventory import Inventory
-from accelsched.worker.leak_check import LeakCheck, Ledger, WorkerActor
+from accelsched.worker.leak_check import Inventory, LeakCheck, Ledger, WorkerActor
 
 if TYPE_CHECKING:
     from distributed import Worker

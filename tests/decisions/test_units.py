@@ -10,10 +10,10 @@ import pytest
 import accelsched
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
 from accelsched.devices.nvml import resolve_devices, visible_from_env
-from accelsched.policy.leases import LeaseTable, NoFreeDevice
 from accelsched.policy.marks import Mark
 from accelsched.policy.ownership import Claim, decide_claim, grant, owned
 from accelsched.policy.requests import Requests
+from accelsched.policy.requirements import LeaseTable, NoFreeDevice
 from accelsched.policy.timeouts import (
     CHAIN,
     NO_GPU_CAPACITY,

@@ -72,7 +72,7 @@ def test_attribution_ranks_by_bytes_per_device() -> None:
 
 
 def test_a_lease_proves_it_was_alone_for_the_whole_run() -> None:
-    from accelsched.policy.leases import LeaseTable
+    from accelsched.policy.requirements import LeaseTable
 
     t = LeaseTable([0, 1])
     t.grant("a", 0.5)
