@@ -224,7 +224,7 @@ async def test_a_cancelled_task_still_running_is_not_blamed_on_another(c, s, a):
 
 
 def running_count() -> int:
-    from accelsched.worker.binder import TABLES
+    from accelsched.worker.guard_plugin import TABLES
 
     return sum(table.running() for table in TABLES)
 

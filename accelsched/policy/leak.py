@@ -26,7 +26,7 @@ check's NVML answers into proposals; nothing here restarts a worker into a fault
 
 *Unrequested use* (:func:`classify`): the guard reads this process's device memory before
 and after a task that asked for no GPU (only when it ran alone, see
-:mod:`accelsched.worker.binder`). Only this process's own figures count: a device-wide
+:mod:`accelsched.worker.guard_plugin`). Only this process's own figures count: a device-wide
 figure grows with other processes too, and blaming a task for them would be wrong.
 
 *Sampling* (:class:`Backoff`): which runs of a task prefix are measured.
@@ -295,7 +295,7 @@ class LeakDecisions:
     restart_on_leak: bool = True
     attribution: Attribution = field(default_factory=Attribution)
     max_wait: int = 20
-    #: device -> its record, shared with the health decisions (one record per device)
+    #: device -> its record (a new one the first time), shared with the health decisions
     devices: defaultdict[int, DeviceRecord] = field(
         default_factory=lambda: defaultdict(DeviceRecord)
     )
@@ -305,10 +305,6 @@ class LeakDecisions:
     def __post_init__(self) -> None:
         if self.confirmations < 1:
             raise ValueError(f"invalid confirmations={self.confirmations!r}: expected >= 1")
-
-    def device(self, index: int) -> DeviceRecord:
-        """What is remembered about device ``index`` (a new record the first time)."""
-        return self.devices[index]
 
     def ran(self, prefix: str) -> None:
         """A task of ``prefix`` started: a suspect until the next clean check (O(1), on
@@ -327,7 +323,7 @@ class LeakDecisions:
         wait for a reclaim there."""
         verdicts = []
         for device, (leaked, threshold) in estimates.items():
-            record = self.device(device)
+            record = self.devices[device]
             record.estimate = leaked
             record.above = record.above + 1 if leaked > threshold else 0
             if not record.above:
@@ -362,9 +358,9 @@ class LeakDecisions:
         """
         suspects = self.suspects(verdicts, complete=complete)
         leaks = [v for v in verdicts if v.leak]
-        worth = [v for v in leaks if self.device(v.device).worth_trying(v.estimate, v.threshold)]
+        worth = [v for v in leaks if self.devices[v.device].worth_trying(v.estimate, v.threshold)]
         running = set(executing()) if worth else set()
-        tried = [v for v in worth if self.device(v.device).settled(running, self.max_wait)]
+        tried = [v for v in worth if self.devices[v.device].settled(running, self.max_wait)]
         held = [v for v in leaks if v not in worth]
         if tried:
             self._round = _Round(held, tried, suspects)
@@ -393,7 +389,7 @@ class LeakDecisions:
             if again.estimate is None:
                 held.append(v)
                 continue
-            record = self.device(v.device)
+            record = self.devices[v.device]
             came_back[v.device], ended = record.tried(v.estimate, again.estimate, v.threshold)
             if not ended:
                 held.append(replace(v, estimate=again.estimate))
@@ -425,7 +421,7 @@ class LeakDecisions:
             return []
         out: list[Proposal] = []
         for v in held:
-            if not self.device(v.device).is_news(v.estimate, v.threshold):
+            if not self.devices[v.device].is_news(v.estimate, v.threshold):
                 continue
             s = suspects[v.device]
             out.append(

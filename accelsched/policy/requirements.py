@@ -31,7 +31,7 @@ the busy devices, the GPU tasks a leak check waits for, whether a task ran alone
 Decisions only, no distributed import, and no waiting: :meth:`LeaseTable.grant` answers
 with the devices a task takes (least busy first), None when it must wait for a lease to
 end, or raises :class:`NoFreeDevice` when no device of this worker could ever hold it;
-:mod:`accelsched.worker.binder` waits in the task's thread.
+:mod:`accelsched.worker.guard_plugin` waits in the task's thread.
 
 A task with a :class:`Requirement` takes only a device
 that meets it. One that declares memory shares a device with other declared tasks while

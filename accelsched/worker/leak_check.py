@@ -265,7 +265,7 @@ class LeakCheck:
         arrives from peers."""
         pool = sum((p.stats(device) for p in pools), PoolStats())
         live = self._ledger.live(device)
-        baseline = self._decisions.device(device).observe_baseline(process, live, pool.held)
+        baseline = self._decisions.devices[device].observe_baseline(process, live, pool.held)
         leaked = estimate(process, baseline, live, pool)
         if leaked <= limit:
             self._ledger.settle(device, net_of_pools(process, pool))
@@ -285,7 +285,7 @@ class LeakCheck:
                     "index": dev.index,
                     "leases": held.get(dev.index, 0),
                     "withdrawn": dev.index in withdrawn,
-                    "leak_estimate": self._decisions.device(dev.index).estimate,
+                    "leak_estimate": self._decisions.devices[dev.index].estimate,
                     "leak_threshold": self._threshold.resolve(dev.memory),
                     "declared": declared.get(dev.index, 0),
                 }
@@ -573,16 +573,6 @@ class Ledger:
             else:
                 self._no_context.difference_update(devices)
 
-    def before(
-        self, devices: tuple[int, ...], *, record: bool = False, prefix: str | None = None
-    ) -> tuple[dict[int, int] | None, bool]:
-        """The base to measure a task by: the last task's closing reading where nothing
-        changed since (back-to-back GPU tasks cost one NVML read per device, not two);
-        and whether every device was read now and found no context (``record``: see
-        :meth:`read`). ``prefix``: see :meth:`take_base`."""
-        base, empty, _ = self.take_base(devices, prefix, record=record)
-        return base, empty
-
     def take_base(
         self,
         devices: tuple[int, ...],
@@ -591,8 +581,11 @@ class Ledger:
         record: bool = False,
         reuse_only: bool = False,
     ) -> tuple[dict[int, int] | None, bool, int]:
-        """:meth:`before`, and the unmeasured runs of ``prefix`` the base reaches back
-        over (the stretch, measured with this run). The last closing reading serves as
+        """The base to measure a task by: the last task's closing reading where nothing
+        changed since (back-to-back GPU tasks cost one NVML read per device, not two);
+        whether every device was read now and found no context (``record``: see
+        :meth:`read`); and the unmeasured runs of ``prefix`` the base reaches back over
+        (the stretch, measured with this run). The last closing reading serves as
         the base only where the unmeasured runs since were ``prefix``'s: another
         prefix's stay unmeasured (their results known by type, what they left found by
         the periodic check alone). A base reaching back is raised by what the stretch's

@@ -69,7 +69,7 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
     from dask._task_spec import Task
 
     from accelsched.internals import wrap_task
-    from accelsched.worker.binder import Binder, PoolFreer, Watch
+    from accelsched.worker.guard_plugin import Binder, PoolFreer, Watch
 
     dev = Device(fake)
     dev.context()
@@ -106,7 +106,7 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.config import Threshold
     from accelsched.policy.leak import DeviceHealth, LeakDecisions
-    from accelsched.worker.binder import Binder, PoolFreer
+    from accelsched.worker.guard_plugin import Binder, PoolFreer
     from accelsched.worker.leak_check import LeakCheck, Ledger, WorkerActor
 
     dev = Device(fake)

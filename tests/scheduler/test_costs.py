@@ -12,7 +12,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import device_alloc
-from accelsched.worker.binder import EVERY, FIRST_RUNS, Watch
+from accelsched.worker.guard_plugin import EVERY, FIRST_RUNS, Watch
 from tests.utils import GiB, MiB, gpus, inc, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
@@ -159,7 +159,7 @@ class _Pool:
 
 def test_freeing_waits_for_a_cache_worth_it_except_under_rmm() -> None:
     from accelsched.devices.gpu_memory import PoolStats
-    from accelsched.worker.binder import caches_enough
+    from accelsched.worker.guard_plugin import caches_enough
 
     def enough(stats: PoolStats) -> bool:
         return caches_enough([_Pool(stats)], (0,), 64 * MiB)  # type: ignore[list-item]

@@ -13,7 +13,7 @@ from dask._task_spec import Task
 from accelsched.devices.nvml import MemoryReading, NVMLMonitor
 from accelsched.policy.leak import MAX_GAP, Attribution
 from accelsched.testing import create_context, device_alloc
-from accelsched.worker.binder import Binder, PoolFreer
+from accelsched.worker.guard_plugin import Binder, PoolFreer
 from accelsched.worker.leak_check import LEARN, MEASURE, SKIP, Ledger
 from tests.utils import MiB, inc, marked_warm_up, warm_up
 

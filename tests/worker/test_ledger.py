@@ -208,7 +208,7 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     monitor = Racing()
     ledger = Ledger(monitor)
     released = [device_alloc(64 * MiB, device=0)]  # a result in memory
-    base, _ = ledger.before((0,))
+    base, _, _ = ledger.take_base((0,), None)
     assert base is not None
     result = device_alloc(MiB, device=0)
 
@@ -224,7 +224,7 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     ledger.after("k", base, result)
     now = ledger.read(0)[0]
     assert now is not None and now <= base[0] + MiB - 64 * MiB
-    assert ledger.before((0,))[0] == {0: now}
+    assert ledger.take_base((0,), None)[0] == {0: now}
 
 
 @accelsched.gpu
