@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from accelsched import config as _config  # (loads the config defaults)
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
 from accelsched.context import array_module, current_device, dual, gpu
-from accelsched.devices.gpu_memory import DeclaredMemoryExceeded
+from accelsched.devices import DeclaredMemoryExceeded
 from accelsched.logs import initialize_logging as _initialize_logging
 
 if TYPE_CHECKING:

@@ -49,8 +49,8 @@ from typing import Any, Generic, TypeVar, overload
 
 import cloudpickle
 
-from accelsched.devices import gpu_memory
-from accelsched.devices.gpu_memory import MemoryCap, cuda
+from accelsched import devices
+from accelsched.devices import MemoryCap, cuda
 from accelsched.policy.marks import Mark, note_marked
 from accelsched.policy.requirements import invalid_amount, parse_requirement
 from accelsched.policy.timeouts import DUAL_TIMEOUT, parse_task_timeout
@@ -90,7 +90,7 @@ class Lease:
     #: on the device (the guard's attribution); None where nothing measures.
     meter: Callable[[str, Callable[[], Any]], Any] | None = None
     #: What the task's allocations hold against the memory it declared (None: it
-    #: declared none); see :mod:`accelsched.devices.gpu_memory`.
+    #: declared none); see :mod:`accelsched.devices`.
     cap: MemoryCap | None = None
 
 
@@ -107,7 +107,7 @@ def current_device() -> int | None:
     return None if lease is None else lease.devices[0]
 
 
-gpu_memory.task_device = current_device  # objects on an unknown device count on the task's
+devices.task_device = current_device  # objects on an unknown device count on the task's
 
 
 def array_module() -> ModuleType:
@@ -115,7 +115,7 @@ def array_module() -> ModuleType:
 
     Write a step once against the returned module (``xp = array_module(); xp.sum(...)``)
     and it runs on the device when placed on a GPU and on the host when it fell back.
-    The NVML backend's CUDA says which (:mod:`accelsched.devices.gpu_memory`): on the
+    The NVML backend's CUDA says which (:mod:`accelsched.devices`): on the
     simulated GPUs of :mod:`accelsched.testing` it is numpy, they run no kernels.
     """
     if current_lease() is not None:
@@ -195,14 +195,6 @@ def register_oom_exception(exc_type: type[BaseException]) -> None:
     _OOM_TYPES.add(exc_type)
 
 
-def out_of_memory(exc: BaseException, names: tuple[str, ...]) -> bool:
-    """Whether ``exc`` means "out of device memory": a type named in ``names`` (the
-    guard's ``oom_exceptions``; by name, so CuPy is never imported to check) or registered."""
-    return any(
-        c in _OOM_TYPES or f"{c.__module__}.{c.__qualname__}" in names for c in type(exc).__mro__
-    )
-
-
 R = TypeVar("R")
 
 _UNSET: Any = object()  # an argument not given (None is a value: strict)
@@ -241,7 +233,13 @@ class GPUStep(Generic[R]):
             call = functools.partial(self.fn, *args, **kwargs)  # measured when the guard can
             return call() if lease.meter is None else lease.meter(_name(self.fn), call)
         except Exception as exc:
-            if self.cpu_fn is None or not out_of_memory(exc, lease.oom_exceptions):
+            # "out of device memory": a type named in the guard's ``oom_exceptions`` (by
+            # name, so CuPy is never imported to check) or registered
+            names = lease.oom_exceptions
+            if self.cpu_fn is None or not any(
+                c in _OOM_TYPES or f"{c.__module__}.{c.__qualname__}" in names
+                for c in type(exc).__mro__
+            ):
                 raise
             if lease.report is not None:
                 error = f"{type(exc).__name__}: {exc}"

@@ -17,7 +17,7 @@ from distributed.utils_test import gen_cluster
 import accelsched
 import accelsched.scheduler.scheduler_actor as actor_module
 from accelsched import GuardPlugin
-from accelsched.devices.gpu_memory import to_host
+from accelsched.devices import to_host
 from accelsched.protocol import GUARD_PLUGIN
 from accelsched.testing import device_alloc
 from tests.utils import cvd, events, gpus, hold, inc, verified, wait_for

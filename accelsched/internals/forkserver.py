@@ -50,7 +50,7 @@ METHOD_KEY = "distributed.worker.multiprocessing-method"
 PRELOAD = (
     "accelsched",
     "accelsched.worker.leak_check",
-    "accelsched.devices.nvml",
+    "accelsched.devices",
     "pynvml",
     # forked workers start while their GPU fails NVML (distributed's diagnostics)
     "accelsched.internals.started_despite_gpu_faults",

@@ -55,8 +55,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from accelsched.devices.gpu_memory import PoolStats
-from accelsched.devices.nvml import MemoryReading
+from accelsched.devices import MemoryReading, PoolStats
 from accelsched.policy.proposals import Proposal
 
 __all__ = [

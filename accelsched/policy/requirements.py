@@ -15,7 +15,7 @@ verified of each device (:class:`DeviceFacts`). Decisions only: no distributed i
 - ``capability``: the least CUDA compute capability, ``"8.0"`` or ``(8, 0)``.
 - ``mig``: ``True`` for a MIG device only, ``False`` for a whole GPU only.
 - ``enforce``: with ``memory``, whether an allocation past it fails
-  (:mod:`accelsched.devices.gpu_memory`); None: the guard's ``enforce_memory`` says.
+  (:mod:`accelsched.devices`); None: the guard's ``enforce_memory`` says.
   It says nothing of the device, so placement and :meth:`Requirement.label` ignore it.
 
 **Leases** (:class:`LeaseTable`): what runs in one worker's threads now, and which device
@@ -55,7 +55,7 @@ from typing import Any
 
 from dask.utils import parse_bytes
 
-from accelsched.devices.nvml import DeviceFacts
+from accelsched.devices import DeviceFacts
 
 __all__ = [
     "Cancelled",
@@ -506,7 +506,14 @@ class LeaseTable:
             if requirement is None and not any(declared.values()):
                 return self._hold(key, self._spread(key, n, share, load), share, nbytes)
             # a requirement, or declared tasks hold devices: eligible devices only
-            eligible = self._eligible(requirement)
+            # devices that meet the requirement (all, without one; none NVML did not
+            # describe)
+            facts = self._facts
+            eligible = [
+                d
+                for d in self._devices
+                if requirement is None or (d in facts and requirement.fits(facts[d]))
+            ]
             need = None if requirement is None else requirement.memory  # bytes declared
             n = n if need is None else 1  # a declared need takes one device
             # devices claimed by whole-device tasks waiting since before this one: a
@@ -533,7 +540,21 @@ class LeaseTable:
                 one = pack(nbytes, rooms, whole=whole)
                 chosen: tuple[int, ...] | None = None if one is None else (one,)
                 if one is None and pack(need, [(d, r, held[d]) for d, r, _ in rooms]) is None:
-                    self._unfit_for_results(key, need, eligible, held)
+                    # No lease ending makes room for it: results held (or this worker's
+                    # share) stand in the way. Sent back when it is more than the room
+                    # this worker offers the scheduler (so it is not placed here again);
+                    # else it waits for results to go: a room the scheduler cannot see
+                    # split over devices.
+                    offered = sum(
+                        max(0, self._share(d) - held_counted(held[d], facts[d].memory))
+                        for d in eligible
+                    )
+                    if need > offered:
+                        raise NoFreeDevice(
+                            f"task {key!r} declares {need} bytes; the room this worker's "
+                            f"devices {eligible} have beside the results they hold is "
+                            f"{offered} bytes"
+                        )
             else:  # whole devices no task holds, nor another waiting task claimed
                 free = sorted(d for d in eligible if d not in claimed)
                 idle = [d for d in free if not load[d] and not declared[d]]
@@ -550,22 +571,6 @@ class LeaseTable:
                     if task.ticket == math.inf:
                         task.ticket = next(self._tickets)
             return None if chosen is None else self._hold(key, chosen, share, nbytes)
-
-    def _unfit_for_results(
-        self, key: Any, need: int, eligible: list[int], held: dict[int, int]
-    ) -> None:
-        """No lease ending makes room for ``need``: results held (or this worker's share)
-        stand in the way. Sent back when it is more than the room this worker offers the
-        scheduler (so it is not placed here again); else it waits for results to go: a
-        room the scheduler cannot see split over devices (lock held)."""
-        offered = sum(
-            max(0, self._share(d) - held_counted(held[d], self._facts[d].memory)) for d in eligible
-        )
-        if need > offered:
-            raise NoFreeDevice(
-                f"task {key!r} declares {need} bytes; the room this worker's devices "
-                f"{eligible} have beside the results they hold is {offered} bytes"
-            )
 
     def _task(self, key: Any) -> _Task:
         """``key``'s record, made for a task whose start the hook has not seen (lock held)."""
@@ -608,13 +613,6 @@ class LeaseTable:
                 f"{self._devices} are free; busy: {self.holders()}"
             )
         return tuple(candidates[:n])
-
-    def _eligible(self, requirement: Requirement | None) -> list[int]:
-        """Devices that meet ``requirement`` (all, without one; none NVML did not describe)."""
-        if requirement is None:
-            return list(self._devices)
-        facts = self._facts
-        return [d for d in self._devices if d in facts and requirement.fits(facts[d])]
 
     def release(self, key: Any) -> None:
         """``key``'s lease ends (its thread, whatever happened)."""

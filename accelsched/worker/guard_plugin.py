@@ -51,7 +51,7 @@ back to its CPU form gets its device-array inputs copied to the host first.
 is cheap; the cache looks like used memory to NVML and to other processes. Every
 ``free_pools_every`` GPU tasks, when the pools cache at least ``free_pools_min`` on a
 device the task held (and, with ``free_pools_above``, only when such a device is fuller
-than that fraction), the pools of :mod:`accelsched.devices.gpu_memory` give back what
+than that fraction), the pools of :mod:`accelsched.devices` give back what
 they cache, device by device. Freeing a near-empty pool after each of thousands of tiny
 tasks would cost more than it returns.
 
@@ -88,8 +88,15 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from accelsched import events, internals
 from accelsched.config import GUARD_OPTIONS, guard_options_here, resolve_options
 from accelsched.context import Lease, bind, unbind, using_device
-from accelsched.devices.gpu_memory import DevicePool, MemoryCap, active_pools, to_host
-from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
+from accelsched.devices import (
+    DeviceInfo,
+    DevicePool,
+    MemoryCap,
+    MemoryReading,
+    NVMLMonitor,
+    active_pools,
+    to_host,
+)
 from accelsched.policy.leak import Attribution, LeakDecisions, Verdict, classify
 from accelsched.policy.requirements import (
     Cancelled,
@@ -324,8 +331,8 @@ class GuardPlugin(WorkerPlugin):
         leave moved by a step (so the scheduler places what fits, and sends back what no
         longer does), not at every result."""
         inv = self.inventory
-        if inv.results_moved():
-            inv.held_said = inv.held_in_steps()  # one offer per step moved, not per result
+        if inv.granted and (steps := inv.held_in_steps()) != inv.held_said:
+            inv.held_said = steps  # one offer per step moved, not per result
             internals.spawn(self.worker, inv.offer, self._use_devices)
 
     async def report(self) -> ReportReply:
@@ -444,9 +451,17 @@ class Binder:
                 )
         watch = self.watch
         runner = watch.runner(key) if watch is not None and watch.sampled(prefix) else None
-        if annotations.get(FALLBACK_ANNOTATION):
-            return self.fallback_runner(runner)
-        return runner
+        if not annotations.get(FALLBACK_ANNOTATION):
+            return runner
+
+        def fallen_back(spec: Any, values: dict) -> Any:
+            # Its device-array inputs are copied to the host first. Only possible on a
+            # worker that could receive them, one with CuPy and a GPU; elsewhere such
+            # inputs cannot even be deserialized (see docs/fallback.md).
+            host = {k: to_host(v) for k, v in values.items()}
+            return runner(spec, host) if runner is not None else spec(host)
+
+        return fallen_back
 
     def gpu_runner(
         self, key: Any, amount: float, prefix: str = "", requirement: Any = None
@@ -535,29 +550,13 @@ class Binder:
         finally:
             leases.release(key)
             if self._waiting:
-                with self._freed:
-                    self._freed.notify_all()
+                self.room_freed()
 
     def cancelled(self, key: Any) -> None:
         """``key`` was cancelled while its function runs (event loop): if it waits for a
         lease, its thread stops waiting now rather than run it once a device is free."""
         if self.leases.cancel(key):
-            with self._freed:
-                self._freed.notify_all()
-
-    @staticmethod
-    def fallback_runner(inner: Runner | None) -> Runner:
-        """A fallen-back task: its device-array inputs are copied to the host first.
-
-        Only possible on a worker that could receive them, one with CuPy and a GPU;
-        elsewhere such inputs cannot even be deserialized (see docs/fallback.md).
-        """
-
-        def run(spec: Any, values: dict) -> Any:
-            host = {k: to_host(v) for k, v in values.items()}
-            return inner(spec, host) if inner is not None else spec(host)
-
-        return run
+            self.room_freed()
 
 
 def send_back(spec: Any, values: dict) -> Any:

@@ -71,7 +71,7 @@ decides).
 leaks the check judges, and what it says to the scheduler about itself.
 
 At setup the guard probes the devices through NVML (MIG devices included, as CUDA
-enumerates them: :mod:`accelsched.devices.nvml`), decides which this worker owns
+enumerates them: :mod:`accelsched.devices`), decides which this worker owns
 (:func:`accelsched.policy.ownership.owned`) and how many it asks for
 (:func:`accelsched.policy.ownership.decide_claim`), reports them (``accelsched_inventory``) and
 advertises only what the scheduler granted. Later it may ask for its own restart
@@ -98,8 +98,15 @@ from dask.utils import key_split
 from accelsched import events, internals
 from accelsched.config import Threshold
 from accelsched.context import using_device
-from accelsched.devices.gpu_memory import PoolStats, active_pools, device_nbytes, knows
-from accelsched.devices.nvml import DeviceInfo, MemoryReading, NVMLMonitor
+from accelsched.devices import (
+    DeviceInfo,
+    MemoryReading,
+    NVMLMonitor,
+    PoolStats,
+    active_pools,
+    device_nbytes,
+    knows,
+)
 from accelsched.policy.leak import (
     Answer,
     Backoff,
@@ -898,7 +905,7 @@ class Meter:
 def reclaim(devices: Iterable[Any]) -> int:
     """Collect garbage, then free every active pool on each of ``devices``; the bytes the
     pools said they released. Never creates a pool or a CUDA context: pools act only
-    where their library is already in use (:func:`~accelsched.devices.gpu_memory.active_pools`).
+    where their library is already in use (:func:`~accelsched.devices.active_pools`).
     """
     gc.collect()
     pools = active_pools()
@@ -1056,11 +1063,6 @@ class Inventory:
         """What results hold on each granted device, as offered: in steps of a
         sixteenth of it (:func:`~accelsched.policy.requirements.held_counted`)."""
         return {d.index: held_counted(self.held(d.index), d.memory) for d in self.granted}
-
-    def results_moved(self) -> bool:
-        """Whether what results hold changed by a step on some device since the last
-        offer said it (then the guard offers again)."""
-        return bool(self.granted) and self.held_in_steps() != self.held_said
 
     def ask_restart(self, reason: str, nbytes: int) -> None:
         """Ask the scheduler, once at a time, to restart this worker without loss."""

@@ -141,7 +141,7 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
 
 CONTEXT_PROBE = r"""
 import json, sys, time
-from accelsched.devices.nvml import NVMLMonitor
+from accelsched.devices import NVMLMonitor
 fake = sys.argv[1] == "fake"
 m = NVMLMonitor()
 m.devices()

@@ -74,9 +74,9 @@ def _round(client: Client, sched: psutil.Process, workers: list, n: int, gpu: bo
 def _time_nvml_reads() -> None:
     """In a worker: time every NVML process-memory read from now on (CPU of the calling
     thread and wall), the read the guard makes per GPU task (run with ``client.run``)."""
-    from accelsched.devices import nvml
+    from accelsched import devices
 
-    monitor = nvml.NVMLMonitor
+    monitor = devices.NVMLMonitor
     if hasattr(monitor, "_bench_timed"):
         return
     original = monitor.process_memory
@@ -95,11 +95,11 @@ def _time_nvml_reads() -> None:
 
 def _nvml_reads_timed() -> list[tuple[float, float]]:
     """In a worker: stop timing; the (CPU, wall) seconds of each read since."""
-    from accelsched.devices import nvml
+    from accelsched import devices
 
-    original, times = nvml.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
-    nvml.NVMLMonitor.process_memory = original  # type: ignore[method-assign]
-    del nvml.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
+    original, times = devices.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
+    devices.NVMLMonitor.process_memory = original  # type: ignore[method-assign]
+    del devices.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
     return list(times)
 
 

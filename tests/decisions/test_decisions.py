@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from accelsched.devices.nvml import MemoryReading
+from accelsched.devices import MemoryReading
 from accelsched.policy.budget import RestartBudget, admit_restart, keeps_devices, restart_reply
 from accelsched.policy.leak import LeakDecisions, Use, classify
 from accelsched.policy.proposals import Proposal

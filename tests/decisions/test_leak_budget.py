@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
-from accelsched.devices.gpu_memory import PoolStats
+from accelsched.devices import PoolStats
 from accelsched.policy.budget import RestartBudget
 from accelsched.policy.leak import Attribution, DeviceRecord, LeakDecisions, Verdict, estimate
 from tests.utils import GiB, MiB

@@ -96,7 +96,7 @@ def sampled(runs: int, before: int = 0) -> int:
 
 
 def cached_here() -> int:
-    from accelsched.devices.gpu_memory import POOLS
+    from accelsched.devices import POOLS
     from accelsched.testing import SimulatedPool
 
     (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
@@ -158,7 +158,7 @@ class _Pool:
 
 
 def test_freeing_waits_for_a_cache_worth_it_except_under_rmm() -> None:
-    from accelsched.devices.gpu_memory import PoolStats
+    from accelsched.devices import PoolStats
     from accelsched.worker.guard_plugin import caches_enough
 
     def enough(stats: PoolStats) -> bool:

@@ -19,7 +19,7 @@ import pynvml
 import pytest
 from dask.sizeof import sizeof
 
-from accelsched.devices.gpu_memory import POOLS, device_nbytes
+from accelsched.devices import POOLS, device_nbytes
 from accelsched.testing import (
     FakeGPUs,
     FakeNVMLWarning,
@@ -358,12 +358,12 @@ def test_pickle_outside_fake_gpus_detaches() -> None:
 
 
 def test_to_host_gives_a_detached_buffer(gpus: FakeGPUs) -> None:
-    from accelsched.devices import gpu_memory
+    from accelsched import devices
 
-    if not hasattr(gpu_memory, "to_host"):
+    if not hasattr(devices, "to_host"):
         pytest.skip("no to_host dispatch")
     buf = device_alloc(MiB, device=0, value=[1, 2])
-    host = gpu_memory.to_host(buf)
+    host = devices.to_host(buf)
     assert (host.device, host.nbytes, host.value) == (None, MiB, [1, 2])
     assert buf.device == 0
 

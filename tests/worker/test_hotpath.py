@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from dask._task_spec import Task
 
-from accelsched.devices.nvml import MemoryReading, NVMLMonitor
+from accelsched.devices import MemoryReading, NVMLMonitor
 from accelsched.policy.leak import MAX_GAP, Attribution
 from accelsched.testing import create_context, device_alloc
 from accelsched.worker.guard_plugin import Binder, PoolFreer

@@ -11,7 +11,7 @@ from distributed import Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.devices.gpu_memory import knows
+from accelsched.devices import knows
 from accelsched.policy.leak import Attribution
 from accelsched.testing import device_alloc
 from tests.utils import (
@@ -193,7 +193,7 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     reading: that reading must not become the next task's base (it still counts the
     released bytes, so the next task's growth would come out short by them). The real
     monitor on the fake GPUs; the release is run inside the reading to pin the order."""
-    from accelsched.devices.nvml import MemoryReading, NVMLMonitor
+    from accelsched.devices import MemoryReading, NVMLMonitor
     from accelsched.worker.leak_check import Ledger
 
     class Racing(NVMLMonitor):
@@ -213,7 +213,7 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     result = device_alloc(MiB, device=0)
 
     def release() -> None:  # the key released on the event loop, its bytes given back
-        from accelsched.devices.gpu_memory import active_pools
+        from accelsched.devices import active_pools
 
         released.clear()
         for pool in active_pools():
@@ -236,7 +236,7 @@ def frame_in_fixed_pool(nbytes: int, value: int) -> Frame:
 
 
 def test_a_reserve_net_of_its_free_part() -> None:
-    from accelsched.devices.gpu_memory import PoolStats
+    from accelsched.devices import PoolStats
     from accelsched.worker.leak_check import net_of_pools
 
     # a 4 GiB reserve with 1 GiB in use: that GiB counts, the free 3 GiB do not
