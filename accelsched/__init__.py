@@ -17,12 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched import config as _config  # (loads the config defaults)
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
-from accelsched.context import array_module, current_device
-from accelsched.devices.memory_cap import DeclaredMemoryExceeded
-
-# ``dual`` shares its name with its module: imported here, the function wins over the
-# submodule attribute that importing ``accelsched.dual`` sets
-from accelsched.dual import dual, gpu
+from accelsched.context import array_module, current_device, dual, gpu
+from accelsched.devices import DeclaredMemoryExceeded
 from accelsched.logs import initialize_logging as _initialize_logging
 
 if TYPE_CHECKING:

@@ -1,32 +1,73 @@
-"""What a running task knows about the device it holds.
+"""What a running task knows about the device it holds, and the GPU steps marked in
+code that choose by it (``dual`` and ``@gpu``).
 
 CUDA's current device is per thread, and a worker runs several tasks at once in its
 thread pool, so the device a task holds is kept in a thread-local set by the guard just
-before the task's function runs (see :mod:`accelsched.policy.leases`) and cleared after it.
+before the task's function runs (see :mod:`accelsched.policy.requirements`) and cleared after it.
+
+**Marked steps**, ``dual(gpu_fn, cpu_fn)`` and ``@gpu``: GPU steps marked in code.
+
+``dual(gpu_fn, cpu_fn)``: one task, two implementations.
+
+The scheduler decides at placement time whether a GPU task runs on a GPU or falls back
+to a CPU worker; the task's function decides nothing. ``dual`` makes that choice inside
+the task from the lease it holds: the GPU form under a GPU lease, the CPU form otherwise.
+
+When the GPU form runs out of device memory (an exception named in the guard's
+``oom_exceptions``, CuPy's ``OutOfMemoryError`` by default), the task is retried once in
+its CPU form, in the same thread, and a ``fallback`` event with reason ``oom`` is sent.
+Exceptions are matched by name, so CuPy is never imported to check them; a library
+whose allocator raises its own type registers it
+(:func:`register_oom_exception`), as the simulated devices do.
+
+How a step travels: the scheduler unpickles every task with the graph to find the
+marks, and it is usually another process (``dask scheduler``, helm, jobqueue) that cannot
+import the client's ``__main__`` nor, often, its libraries. A step therefore travels as
+cloudpickle would ship its plain function (by value from ``__main__``, a notebook, a
+closure or a lambda; by reference where importable), and its functions are pickled into
+bytes of their own: a process that cannot load them still gets the mark, so the task is
+placed, and the task alone errs, naming the step, where it runs and still cannot load it.
+
+``@gpu`` (or ``@gpu(count=2, fallback_timeout="5s")``) marks a GPU-only step. Both are a
+:class:`GPUStep` carrying a :class:`~accelsched.policy.marks.Mark`: any task that calls
+one, wherever it sits in the graph, is a GPU task, with no ``dask.annotate`` (see
+:mod:`accelsched.policy.marks`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
-from accelsched.devices import arrays
-from accelsched.devices.backend import cuda
-from accelsched.devices.memory_cap import MemoryCap
+import cloudpickle
+
+from accelsched import devices
+from accelsched.devices import MemoryCap, cuda
+from accelsched.policy.marks import Mark, note_marked
+from accelsched.policy.requirements import invalid_amount, parse_requirement
+from accelsched.policy.timeouts import DUAL_TIMEOUT, parse_task_timeout
 
 __all__ = [
+    "GPUStep",
     "Lease",
+    "Unloadable",
+    "array_module",
+    "bind",
     "current_device",
     "current_lease",
-    "array_module",
+    "dual",
+    "gpu",
     "holding",
-    "bind",
-    "unbind",
     "released",
+    "unbind",
     "using_device",
 ]
 
@@ -49,7 +90,7 @@ class Lease:
     #: on the device (the guard's attribution); None where nothing measures.
     meter: Callable[[str, Callable[[], Any]], Any] | None = None
     #: What the task's allocations hold against the memory it declared (None: it
-    #: declared none); see :mod:`accelsched.devices.memory_cap`.
+    #: declared none); see :mod:`accelsched.devices`.
     cap: MemoryCap | None = None
 
 
@@ -66,7 +107,7 @@ def current_device() -> int | None:
     return None if lease is None else lease.devices[0]
 
 
-arrays.task_device = current_device  # objects on an unknown device count on the task's
+devices.task_device = current_device  # objects on an unknown device count on the task's
 
 
 def array_module() -> ModuleType:
@@ -74,7 +115,7 @@ def array_module() -> ModuleType:
 
     Write a step once against the returned module (``xp = array_module(); xp.sum(...)``)
     and it runs on the device when placed on a GPU and on the host when it fell back.
-    The NVML backend's CUDA says which (:mod:`accelsched.devices.backend`): on the
+    The NVML backend's CUDA says which (:mod:`accelsched.devices`): on the
     simulated GPUs of :mod:`accelsched.testing` it is numpy, they run no kernels.
     """
     if current_lease() is not None:
@@ -154,9 +195,285 @@ def register_oom_exception(exc_type: type[BaseException]) -> None:
     _OOM_TYPES.add(exc_type)
 
 
-def out_of_memory(exc: BaseException, names: tuple[str, ...]) -> bool:
-    """Whether ``exc`` means "out of device memory": a type named in ``names`` (the
-    guard's ``oom_exceptions``; by name, so CuPy is never imported to check) or registered."""
-    return any(
-        c in _OOM_TYPES or f"{c.__module__}.{c.__qualname__}" in names for c in type(exc).__mro__
-    )
+R = TypeVar("R")
+
+_UNSET: Any = object()  # an argument not given (None is a value: strict)
+
+
+class GPUStep(Generic[R]):
+    """A picklable marked step: ``fn`` under a GPU lease.
+
+    ``cpu_fn`` is a ``dual`` step's CPU form: it runs outside a GPU lease, and in the
+    same thread when ``fn`` ran out of device memory. Without one (``@gpu``) the step is
+    GPU-only: placed on a GPU, and ``fn`` itself runs on the host after it fell back,
+    where ``array_module()`` is numpy.
+    """
+
+    __slots__ = ("fn", "cpu_fn", "shipped", "__accelsched_gpu__", "__dict__")
+
+    def __init__(
+        self, fn: Callable[..., R], mark: Mark, cpu_fn: Callable[..., R] | None = None
+    ) -> None:
+        for who, f in (("a GPU step", fn), ("a GPU step's cpu_fn", cpu_fn)):
+            if f is not None and not callable(f):
+                raise TypeError(f"{who} needs a callable, got {f!r}")
+        self.fn = fn
+        self.cpu_fn = cpu_fn
+        self.__accelsched_gpu__ = mark
+        self.shipped: bytes | None = None  # the bytes it was loaded from, if any
+        note_marked()
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        self.__name__ = _name(fn)  # dask derives task-name prefixes from this
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        lease = current_lease()
+        if lease is None:
+            return (self.fn if self.cpu_fn is None else self.cpu_fn)(*args, **kwargs)
+        try:
+            call = functools.partial(self.fn, *args, **kwargs)  # measured when the guard can
+            return call() if lease.meter is None else lease.meter(_name(self.fn), call)
+        except Exception as exc:
+            # "out of device memory": a type named in the guard's ``oom_exceptions`` (by
+            # name, so CuPy is never imported to check) or registered
+            names = lease.oom_exceptions
+            if self.cpu_fn is None or not any(
+                c in _OOM_TYPES or f"{c.__module__}.{c.__qualname__}" in names
+                for c in type(exc).__mro__
+            ):
+                raise
+            if lease.report is not None:
+                error = f"{type(exc).__name__}: {exc}"
+                lease.report("fallback", key=lease.key, waited=0.0, reason="oom", error=error)
+        with released():  # the CPU form sees no GPU: array_module() is numpy
+            return self.cpu_fn(*args, **kwargs)
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        """As a method: bound to its instance, and still marked (a bound method reads
+        its function's attributes). The walk stops at the mark, so the instance is never
+        taken for a call (a model whose own ``__call__`` is another marked step)."""
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        mark = self.__accelsched_gpu__
+        if isinstance(self.fn, Unloadable):  # passing through: the next process tries again
+            loader, args = self.fn.reload
+            return (loader, (*args, mark))
+        # ``@gpu`` on an importable module-level function puts this object where the
+        # function was: by reference, as cloudpickle would ship the function itself
+        where = importable(self)
+        if where is not None:
+            return (_load_step_by_name, (*where, mark))
+        # by value (__main__, nested, lambdas, ...), in bytes of their own: a process
+        # that cannot load them still reads the mark
+        shipped = ship(self, (self.fn, self.cpu_fn))
+        if shipped is None:
+            return (GPUStep, (self.fn, mark, self.cpu_fn))
+        label = repr(_name(self.fn)) if self.cpu_fn is None else repr(self)
+        return (_load_step, (label, shipped, mark))
+
+    def __repr__(self) -> str:
+        if isinstance(self.fn, Unloadable):
+            return repr(self.fn)
+        if self.cpu_fn is not None:
+            return f"dual({_name(self.fn)}, {_name(self.cpu_fn)})"
+        return f"gpu({_name(self.fn)}, count={self.__accelsched_gpu__.count:g})"
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _mark(
+    who: str, count: Any, fallback_timeout: Any, cpu_form: float | None, device: dict[str, Any]
+) -> Mark:
+    """A step's mark from ``who``'s arguments (``device``: memory, model, capability,
+    mig); a bad one raises naming ``who`` and the value."""
+    if invalid_amount(count) is not None:
+        raise ValueError(f"{who}(): invalid count={count!r}: expected a positive number of GPUs")
+    given = fallback_timeout is not _UNSET
+    try:
+        timeout = parse_task_timeout(fallback_timeout) if given else None
+        requirement = parse_requirement(device)
+    except ValueError as exc:
+        raise ValueError(f"{who}(): {exc}") from None
+    return Mark(count, timeout, given, cpu_form, requirement or None)
+
+
+def dual(
+    gpu_fn: Callable[..., R],
+    cpu_fn: Callable[..., R],
+    *,
+    fallback_timeout: Any = _UNSET,
+    memory: Any = None,
+    model: str | None = None,
+    capability: Any = None,
+    mig: bool | None = None,
+    enforce: bool | None = None,
+) -> GPUStep[R]:
+    """Return a callable that runs ``gpu_fn`` on a GPU and ``cpu_fn`` when it fell back.
+
+    ``fallback_timeout``: how long its tasks wait unplaced before ``cpu_fn`` runs, as
+    ``gpu(fallback_timeout=...)`` takes it; None keeps them strict. Not given: the
+    plugin's ``fallback_timeout``, else :data:`~accelsched.policy.timeouts.DUAL_TIMEOUT`
+    (30 s). ``memory``, ``model``, ``capability``, ``mig``: what its device must be
+    (:mod:`accelsched.policy.requirements`; docs/placement.md); ``enforce``: whether an
+    allocation past ``memory`` fails (None: the guard's ``enforce_memory``). A bad value
+    raises here.
+    """
+    device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
+    mark = _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, device)
+    return GPUStep(gpu_fn, mark, cpu_fn)
+
+
+# --- how a step travels and comes back in another process (see the module docstring) ---
+
+
+class Unloadable:
+    """Stands for a step's function that this process could not load.
+
+    Calling it raises, naming the step and why; pickled again it carries what it was
+    loaded from (``reload``: its loader and arguments, the mark left out), so a worker
+    that has the step's module loads the real step.
+    """
+
+    def __init__(self, label: str, error: str, reload: tuple[Any, ...]) -> None:
+        self.label = label
+        self.error = error
+        self.reload = reload
+        self.__name__ = self.__qualname__ = label
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"accelsched step {self.label} could not be loaded in this process: "
+            f"{self.error}. Install the modules it needs where it runs (a scheduler needs "
+            "none of them: it only reads the step's mark)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.reload
+
+    def __repr__(self) -> str:
+        return f"<unloadable accelsched step {self.label}>"
+
+
+def importable(obj: Any) -> tuple[str, str] | None:
+    """``(module, qualname)`` where cloudpickle would ship a function of ``obj``'s name
+    by reference: its module is a real, imported one, not ``__main__``, not registered to
+    travel by value, and the name leads back to ``obj``. None: ship it by value."""
+    module_name = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if (
+        not isinstance(module_name, str)
+        or not isinstance(qualname, str)
+        or module_name == "__main__"
+        or "<" in qualname  # <locals>, <lambda>
+    ):
+        return None
+    module = sys.modules.get(module_name)
+    if module is None or getattr(module, "__spec__", None) is None:  # dynamic
+        return None
+    # registered by value: the module or a package above it
+    by_value = cloudpickle.list_registry_pickle_by_value()
+    if any(module_name == m or module_name.startswith(f"{m}.") for m in by_value):
+        return None
+    target: Any = module
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return (module_name, qualname) if target is obj else None
+
+
+_shipping = threading.local()
+
+
+def ship(step: GPUStep[Any], functions: Any) -> bytes | None:
+    """``functions`` pickled apart, or None while ``step`` is being shipped already: a
+    recursive step reaches itself through its own globals, and only the enclosing
+    pickler's memo can close that cycle.
+
+    A step loaded from bytes sends the same bytes on (the scheduler passes steps
+    through); one made here is pickled anew each time, as a plain function is, so a
+    notebook's changed globals travel with it.
+    """
+    if step.shipped is not None:
+        return step.shipped
+    busy: set[int] = _shipping.__dict__.setdefault("busy", set())
+    if id(step) in busy:
+        return None
+    busy.add(id(step))
+    try:
+        return cloudpickle.dumps(functions, protocol=5)
+    finally:
+        busy.discard(id(step))
+
+
+def _load_step(label: str, payload: bytes, mark: Mark) -> GPUStep[Any]:
+    """A step shipped by value; unloadable here, still marked (calling it raises,
+    naming it)."""
+    try:
+        fns = cloudpickle.loads(payload)
+    except Exception as exc:  # ModuleNotFoundError, AttributeError, anything it raised
+        missing = Unloadable(label, f"{type(exc).__name__}: {exc}", (_load_step, (label, payload)))
+        fns = (missing, missing)
+    step: GPUStep[Any] = GPUStep(fns[0], mark, fns[1])
+    step.shipped = payload  # passing through the scheduler: the same bytes go on
+    return step
+
+
+def _load_step_by_name(module: str, qualname: str, mark: Mark) -> Any:
+    """A ``@gpu`` step shipped by reference; unloadable here, still marked."""
+    label = f"{module}.{qualname}"
+    try:
+        target: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        return GPUStep(
+            Unloadable(repr(label), error, (_load_step_by_name, (module, qualname))), mark
+        )
+    return target if isinstance(target, GPUStep) else GPUStep(target, mark)
+
+
+@overload
+def gpu(fn: Callable[..., R], /) -> GPUStep[R]: ...
+
+
+@overload
+def gpu(
+    *,
+    count: float = 1,
+    fallback_timeout: Any = ...,
+    memory: Any = None,
+    model: str | None = None,
+    capability: Any = None,
+    mig: bool | None = None,
+    enforce: bool | None = None,
+) -> Callable[[Callable[..., R]], GPUStep[R]]: ...
+
+
+def gpu(
+    fn: Callable[..., R] | None = None,
+    /,
+    *,
+    count: float = 1,
+    fallback_timeout: Any = _UNSET,
+    memory: Any = None,
+    model: str | None = None,
+    capability: Any = None,
+    mig: bool | None = None,
+    enforce: bool | None = None,
+) -> Any:
+    """Mark a GPU step: ``@gpu`` or ``@gpu(count=1, fallback_timeout="5s")``.
+
+    Any task that calls the step, wherever dask puts it, is placed on verified GPUs and
+    bound to its own device(s), with no ``dask.annotate``. ``memory="24GiB"``,
+    ``model="*H100*"``, ``capability="8.0"``, ``mig=True/False``: what each of its
+    devices must be (docs/placement.md); ``enforce=True``: an allocation past ``memory``
+    fails (None: the guard's ``enforce_memory`` says). Bad arguments raise here, naming
+    the value.
+    """
+    device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
+    mark = _mark("gpu", count, fallback_timeout, None, device)
+    if fn is not None:
+        return GPUStep(fn, mark)
+    return lambda f: GPUStep(f, mark)

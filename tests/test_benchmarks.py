@@ -339,7 +339,7 @@ def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> Non
             assert all(r["wall"] > 0 for r in rounds["plain"] + rounds["accelsched"])
             assert set(figures["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
     # the guard's measurement: at most one read a task, on a sample of a quiet prefix's
-    # runs (accelsched.policy.sampling: its first four runs on each worker at least)
+    # runs (accelsched.policy.leak: its first four runs on each worker at least)
     read = overhead["cli"]["gpu"]["nvml_read"]
     assert read["reads"] >= 4 and read["reads_per_task"] <= 3 and read["wall_us"]["median"] > 0
     # without a context no reading can be a base: tasks are not read around

@@ -33,7 +33,7 @@ from distributed.utils_test import captured_logger, gen_cluster
 import accelsched
 from accelsched.cli.main import _interruptible
 from accelsched.demo.chart import report_path
-from accelsched.devices.backend import BACKEND_ENV
+from accelsched.devices import BACKEND_ENV
 from accelsched.display.status_table import render
 from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
 from accelsched.testing import state
@@ -254,7 +254,7 @@ def test_visible_devices_with_digits_cuda_does_not_read_name_no_device(entry, ca
     """``str.isdigit`` holds for "²" (and ``int`` then raises) and for "٣" or "０" (and
     ``int`` reads them as 3 and 0); CUDA reads ASCII digits only, so such an entry names
     no device: the list ends there, without blaming NVML."""
-    from accelsched.devices.nvml import NVMLMonitor, Visible, resolve_devices
+    from accelsched.devices import NVMLMonitor, Visible, resolve_devices
 
     assert resolve_devices([entry], ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]) == []
     assert resolve_devices(["1", entry], ["GPU-a", "GPU-b"]) == [Visible(1)]

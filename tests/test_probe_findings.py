@@ -154,9 +154,9 @@ class _LostHandleNVML:
 
 
 def test_one_lost_gpu_at_listing_costs_only_itself(monkeypatch):
-    from accelsched.devices import nvml
+    from accelsched import devices
 
-    monkeypatch.setattr(nvml, "load_backend", lambda: _LostHandleNVML())
-    monitor = nvml.NVMLMonitor(env={})
+    monkeypatch.setattr(devices, "load_backend", lambda: _LostHandleNVML())
+    monitor = devices.NVMLMonitor(env={})
     assert [d.index for d in monitor.devices()] == [0]
     assert monitor.left_out == [1]

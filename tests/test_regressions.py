@@ -17,7 +17,7 @@ from distributed.utils_test import gen_cluster
 import accelsched
 import accelsched.scheduler.placement_plugin as actor_module
 from accelsched import GuardPlugin
-from accelsched.devices.arrays import to_host
+from accelsched.devices import to_host
 from accelsched.protocol import GUARD_PLUGIN
 from accelsched.testing import device_alloc
 from tests.utils import cvd, events, gpus, hold, inc, verified, wait_for
@@ -224,7 +224,7 @@ async def test_a_cancelled_task_still_running_is_not_blamed_on_another(c, s, a):
 
 
 def running_count() -> int:
-    from accelsched.worker.watch import TABLES
+    from accelsched.worker.guard_plugin import TABLES
 
     return sum(table.running() for table in TABLES)
 

@@ -40,7 +40,7 @@ from accelsched.demo.memory import Sampler
 from accelsched.demo.quiet import quiet_logs
 from accelsched.demo.report import event_lines, events, placement_table, uuids, wait, worker_names
 from accelsched.demo.steps import DEMO_TOPIC, blocks, leaky_square, pipeline
-from accelsched.devices.nvml import NVMLMonitor
+from accelsched.devices import NVMLMonitor
 
 __all__ = ["STAGES", "Progress", "main", "run"]
 

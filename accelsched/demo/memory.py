@@ -24,7 +24,7 @@ from types import TracebackType
 
 from distributed import Client, Worker
 
-from accelsched.devices.nvml import NVMLMonitor
+from accelsched.devices import NVMLMonitor
 
 __all__ = ["Sample", "Sampler", "worker_device_memory"]
 

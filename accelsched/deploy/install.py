@@ -39,8 +39,7 @@ from accelsched.internals import preloading
 from accelsched.internals.forkserver import FastRestart
 from accelsched.protocol import GUARD_PLUGIN
 from accelsched.scheduler.placement_plugin import PlacementPlugin
-from accelsched.worker.guard_plugin import GuardPlugin
-from accelsched.worker.preimport import preimport
+from accelsched.worker.guard_plugin import GuardPlugin, preimport
 
 __all__ = ["dask_setup", "dask_teardown", "setup_server", "split_options"]
 

@@ -49,8 +49,8 @@ METHOD_KEY = "distributed.worker.multiprocessing-method"
 #: What the server imports besides distributed's own list. No CUDA library here.
 PRELOAD = (
     "accelsched",
-    "accelsched.worker.inventory",
-    "accelsched.devices.nvml",
+    "accelsched.worker.leak_check",
+    "accelsched.devices",
     "pynvml",
     # forked workers start while their GPU fails NVML (distributed's diagnostics)
     "accelsched.internals.started_despite_gpu_faults",

@@ -26,8 +26,26 @@ check's NVML answers into proposals; nothing here restarts a worker into a fault
 
 *Unrequested use* (:func:`classify`): the guard reads this process's device memory before
 and after a task that asked for no GPU (only when it ran alone, see
-:mod:`accelsched.worker.watch`). Only this process's own figures count: a device-wide
+:mod:`accelsched.worker.guard_plugin`). Only this process's own figures count: a device-wide
 figure grows with other processes too, and blaming a task for them would be wrong.
+
+*Sampling* (:class:`Backoff`): which runs of a task prefix are measured.
+
+On a device where this process has a CUDA context the guard can measure every GPU task
+that holds its devices alone: one NVML process-list read per task (tens to hundreds of
+microseconds of CPU; more than a tiny task costs). What the reading buys is attribution
+(what each run left behind, by prefix) and the footprint of a result of a type nobody
+described. A result whose footprint is known by type needs no reading, so what is left to
+learn from a run of a prefix whose runs keep leaving nothing is whether this one, too,
+left nothing.
+
+:class:`Backoff` answers that with a sample: every run of a prefix is measured until
+:data:`QUIET_RUNS` measured runs in a row left nothing, then the gap between measured runs
+doubles with each further quiet one, up to :data:`MAX_GAP`. The first measured run that
+finds something left behind puts the prefix back to every run. The ledger measures an
+unmeasured stretch of one prefix's runs as one (its next measured run reads from the last
+reading before the stretch), so what any run of the stretch left is found by the
+prefix's next measured run, at most :data:`MAX_GAP` runs later.
 """
 
 from __future__ import annotations
@@ -37,23 +55,25 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from accelsched.devices.nvml import MemoryReading
-from accelsched.devices.pool import PoolStats
+from accelsched.devices import MemoryReading, PoolStats
 from accelsched.policy.proposals import Proposal
 
 __all__ = [
-    "estimate",
-    "classify",
     "Answer",
-    "DeviceHealth",
-    "judge_answers",
-    "Use",
     "Attribution",
+    "Backoff",
+    "DeviceHealth",
     "DeviceRecord",
     "LeakDecisions",
+    "MAX_GAP",
+    "QUIET_RUNS",
     "Remeasured",
     "Suspects",
+    "Use",
     "Verdict",
+    "classify",
+    "estimate",
+    "judge_answers",
 ]
 
 
@@ -274,7 +294,7 @@ class LeakDecisions:
     restart_on_leak: bool = True
     attribution: Attribution = field(default_factory=Attribution)
     max_wait: int = 20
-    #: device -> its record, shared with the health decisions (one record per device)
+    #: device -> its record (a new one the first time), shared with the health decisions
     devices: defaultdict[int, DeviceRecord] = field(
         default_factory=lambda: defaultdict(DeviceRecord)
     )
@@ -284,10 +304,6 @@ class LeakDecisions:
     def __post_init__(self) -> None:
         if self.confirmations < 1:
             raise ValueError(f"invalid confirmations={self.confirmations!r}: expected >= 1")
-
-    def device(self, index: int) -> DeviceRecord:
-        """What is remembered about device ``index`` (a new record the first time)."""
-        return self.devices[index]
 
     def ran(self, prefix: str) -> None:
         """A task of ``prefix`` started: a suspect until the next clean check (O(1), on
@@ -306,7 +322,7 @@ class LeakDecisions:
         wait for a reclaim there."""
         verdicts = []
         for device, (leaked, threshold) in estimates.items():
-            record = self.device(device)
+            record = self.devices[device]
             record.estimate = leaked
             record.above = record.above + 1 if leaked > threshold else 0
             if not record.above:
@@ -341,9 +357,9 @@ class LeakDecisions:
         """
         suspects = self.suspects(verdicts, complete=complete)
         leaks = [v for v in verdicts if v.leak]
-        worth = [v for v in leaks if self.device(v.device).worth_trying(v.estimate, v.threshold)]
+        worth = [v for v in leaks if self.devices[v.device].worth_trying(v.estimate, v.threshold)]
         running = set(executing()) if worth else set()
-        tried = [v for v in worth if self.device(v.device).settled(running, self.max_wait)]
+        tried = [v for v in worth if self.devices[v.device].settled(running, self.max_wait)]
         held = [v for v in leaks if v not in worth]
         if tried:
             self._round = _Round(held, tried, suspects)
@@ -372,7 +388,7 @@ class LeakDecisions:
             if again.estimate is None:
                 held.append(v)
                 continue
-            record = self.device(v.device)
+            record = self.devices[v.device]
             came_back[v.device], ended = record.tried(v.estimate, again.estimate, v.threshold)
             if not ended:
                 held.append(replace(v, estimate=again.estimate))
@@ -404,7 +420,7 @@ class LeakDecisions:
             return []
         out: list[Proposal] = []
         for v in held:
-            if not self.device(v.device).is_news(v.estimate, v.threshold):
+            if not self.devices[v.device].is_news(v.estimate, v.threshold):
                 continue
             s = suspects[v.device]
             out.append(
@@ -604,3 +620,65 @@ def classify(before: Mapping[int, MemoryReading], after: Mapping[int, MemoryRead
         if grew > 0 or created:
             found.append(Use(device, max(grew, 0), created))
     return found
+
+
+#: Measured runs in a row that left nothing before a prefix's runs are sampled.
+QUIET_RUNS = 4
+#: A sampled prefix has at most this many runs from one measured run to the next
+#: (``MAX_GAP - 1`` unmeasured between them).
+MAX_GAP = 16
+#: Prefixes remembered; beyond this the record starts over (every prefix measured again).
+MAX_PREFIXES = 10_000
+
+
+class Backoff:
+    """Per prefix: how many runs to let pass unmeasured before the next measured one.
+
+    Called from the tasks' threads without a lock: two runs of one prefix racing can at
+    worst measure one run more or one fewer, never skip past :attr:`max_gap`'s bound by
+    more than the runs in flight at once.
+    """
+
+    __slots__ = ("quiet", "max_gap", "_state")
+
+    def __init__(self, quiet: int = QUIET_RUNS, max_gap: int = MAX_GAP) -> None:
+        if quiet < 1 or max_gap < 1:
+            raise ValueError(f"quiet and max_gap must be at least 1, not {quiet}, {max_gap}")
+        self.quiet = quiet
+        self.max_gap = max_gap
+        # prefix -> [quiet measured runs in a row, gap, runs still to pass unmeasured]
+        self._state: dict[str, list[int]] = {}
+
+    def measure(self, prefix: str) -> bool:
+        """Whether this run of ``prefix`` is measured (asked once per run)."""
+        state = self._state.get(prefix)
+        if state is None or state[2] <= 0:
+            return True
+        state[2] -= 1
+        return False
+
+    def measured(self, prefix: str, left: bool) -> None:
+        """A measured run of ``prefix`` (with the unmeasured ones before it) ``left``
+        something behind, or nothing."""
+        if left:
+            self._state.pop(prefix, None)  # every run measured again
+            return
+        state = self._state.get(prefix)
+        if state is None:
+            if len(self._state) >= MAX_PREFIXES:
+                self._state.clear()
+            state = self._state[prefix] = [0, 1, 0]
+        state[0] += 1
+        if state[0] >= self.quiet:
+            state[1] = min(self.max_gap, state[1] * 2)
+        state[2] = state[1] - 1
+
+    def reset(self, prefix: str) -> None:
+        """Measure every run of ``prefix`` again (a run could not be measured when its
+        result needed it)."""
+        self._state.pop(prefix, None)
+
+    def gap(self, prefix: str) -> int:
+        """Runs from one measured run of ``prefix`` to the next, now."""
+        state = self._state.get(prefix)
+        return 1 if state is None else state[1]

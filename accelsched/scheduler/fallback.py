@@ -71,13 +71,13 @@ from distributed.comm.addressing import get_address_host
 from distributed.core import Status
 
 from accelsched import events, internals
-from accelsched.policy.leases import devices_needed
 from accelsched.policy.marks import Mark, find_mark, mark_problem
 from accelsched.policy.proposals import Act, Proposal
 from accelsched.policy.requirements import (
     DeviceFacts,
     Requirement,
     combine,
+    devices_needed,
     invalid_amount,
     mebibytes,
     parse_requirement,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from accelsched import internals
-from accelsched.devices.backend import BACKEND_ENV
+from accelsched.devices import BACKEND_ENV
 from accelsched.testing import build, nvml_backend, state
 from accelsched.testing.buffers import DeviceBuffer, create_context, device_alloc, fixed_pool
 from accelsched.testing.checks import (

@@ -15,9 +15,9 @@ from typing import Any
 
 from dask.sizeof import sizeof
 
+from accelsched import devices
 from accelsched.context import current_device, current_lease
-from accelsched.devices import arrays
-from accelsched.devices.arrays import device_nbytes
+from accelsched.devices import device_nbytes
 from accelsched.testing import state
 from accelsched.testing.device_memory import OutOfDeviceMemory, _pool
 
@@ -98,9 +98,9 @@ def _device_nbytes_buffer(buf: DeviceBuffer) -> dict[int, int]:
     return {} if device is None else {device: buf.nbytes}
 
 
-if hasattr(arrays, "to_host"):
+if hasattr(devices, "to_host"):
 
-    @arrays.to_host.register(DeviceBuffer)
+    @devices.to_host.register(DeviceBuffer)
     def _buffer_to_host(buf: DeviceBuffer) -> DeviceBuffer:
         """A fallen-back task gets the payload on the host: a detached buffer, same size."""
         return DeviceBuffer(buf.nbytes, None, buf.value)

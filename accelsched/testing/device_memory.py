@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelsched.context import register_oom_exception
-from accelsched.devices.nvml import visible_from_env
-from accelsched.devices.pool import PoolStats, register_pool
+from accelsched.devices import PoolStats, register_pool, visible_from_env
 from accelsched.testing import state
 
 __all__ = ["OutOfDeviceMemory", "SimulatedPool"]
@@ -129,7 +128,7 @@ class _Session:
 class SimulatedPool:
     """The per-process pool behind ``device_alloc``, as the guard sees it.
 
-    Implements :class:`accelsched.devices.pool.DevicePool`; registered with
+    Implements :class:`accelsched.devices.DevicePool`; registered with
     ``register_pool`` when first used. Buffers freed by garbage collection may be
     finalized in any thread, even one that holds the pool's lock, so releases are queued
     and applied by whoever holds the lock next (or at once when it is free).

@@ -12,8 +12,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from accelsched.devices.backend import Cuda
-from accelsched.devices.memory_cap import MemoryCap
+from accelsched.devices import Cuda, MemoryCap
 
 #: What ``fake_gpus`` sets ``accelsched.nvml-backend`` to.
 NAME = __name__

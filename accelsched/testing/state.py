@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from accelsched.devices.nvml import resolve_devices
+from accelsched.devices import resolve_devices
 from accelsched.testing.liveness import alive, exists, writer_start
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Each check reads, through NVML, every owned device no GPU task holds: this process's
 memory there, and the device's memory info (what pools and users read). It takes off
-the baseline, live results (:meth:`~accelsched.worker.ledger.Ledger.live`) and pool caches
+the baseline, live results (:meth:`Ledger.live`) and pool caches
 (:func:`accelsched.policy.leak.estimate`), and lets
 :class:`~accelsched.policy.leak.LeakDecisions` judge the estimates. Every decision comes
 back as proposals, which one actor carries out
@@ -30,40 +30,126 @@ What only the worker knows (leases in use, leak estimates) rides on distributed'
 heartbeat, not a new RPC loop: :meth:`LeakCheck.heartbeat_metric` is registered as a
 custom worker metric (:data:`~accelsched.protocol.GUARD_METRIC`), and the scheduler finds
 it in the worker's ``WorkerState``.
+
+**The ledger** (:class:`Ledger`, :class:`Meter`): device memory accounted by
+measurement, what each GPU task leaves on its device.
+
+Knowing a result's device footprint from its type fails for every type nobody described
+(a cudf frame, a torch tensor): such a result looks like a leak. So the guard measures.
+Around a GPU task that holds its devices alone, it reads this process's device memory net
+of pool caches; the growth is held against the key the task produced until that key is
+released (and the type's own figure, when known, is a second source). What the run added
+beyond its known result is its *residue*, the memory it left behind: attributed to its
+prefix. Data arriving from a peer is measured the same way when its device is idle.
+
+The ledger is also the one record of what each result in the worker's memory holds, and
+of their sum per device (:meth:`Ledger.live`): legitimate, so the leak estimate takes it
+off. Every task's result passes through :meth:`Ledger.entered` (worker event loop), so
+the common cases cost a few comparisons: a result its GPU task measured is held at its
+measurement without a look at its value, and an unmeasured number or string (what most
+tiny tasks return) holds nothing on a device.
+
+On a device with a context, not every run is measured: a prefix whose measured runs keep
+leaving nothing is measured on a sample of its runs (:class:`~accelsched.policy.leak.
+Backoff`). A run left unmeasured so takes no reading when its result's footprint is known
+by type (a number, an array a rule describes); the unmeasured runs of one prefix since the
+last reading on a device form a *stretch*, and the prefix's next measured run, or a run
+returning a result of unknown type, reads from before the stretch: whatever any run of it
+left is found then, attributed to the prefix.
+
+**Reclaiming** (:func:`reclaim`). Device memory that nothing reachable holds but a
+reference cycle does looks leaked to NVML until Python's cyclic collector runs, and for
+old objects it runs rarely: an object that refers to itself, or a failed task's
+exception, whose traceback keeps the task's frames and the device arrays in their locals
+(distributed keeps the exception in a message that the traceback's frames refer to: a
+cycle). :func:`reclaim` collects such garbage, returning its arrays to their pools, then
+frees the pools. The worker's actor calls it on a confirmed leak's ``reclaim`` proposal;
+the leak check then measures again (:class:`~accelsched.policy.leak.LeakDecisions`
+decides).
+
+**The inventory** (:class:`Inventory`): the worker's verified devices, whose health and
+leaks the check judges, and what it says to the scheduler about itself.
+
+At setup the guard probes the devices through NVML (MIG devices included, as CUDA
+enumerates them: :mod:`accelsched.devices`), decides which this worker owns
+(:func:`accelsched.policy.ownership.owned`) and how many it asks for
+(:func:`accelsched.policy.ownership.decide_claim`), reports them (``accelsched_inventory``) and
+advertises only what the scheduler granted. Later it may ask for its own restart
+(``accelsched_restart``). Each request names this process and carries an id it never
+uses again, so the scheduler acts on it once and never on behalf of a process that took
+this address since (:mod:`accelsched.policy.requests`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import logging
+import sys
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from time import monotonic
 from typing import TYPE_CHECKING, Any
 
-from accelsched import events
+from dask.utils import key_split
+
+from accelsched import events, internals
 from accelsched.config import Threshold
-from accelsched.devices.nvml import MemoryReading
-from accelsched.devices.pool import PoolStats, active_pools
+from accelsched.context import using_device
+from accelsched.devices import (
+    DeviceInfo,
+    MemoryReading,
+    NVMLMonitor,
+    PoolStats,
+    active_pools,
+    device_nbytes,
+    knows,
+)
 from accelsched.policy.leak import (
     Answer,
+    Backoff,
+    DeviceHealth,
     LeakDecisions,
     Remeasured,
     Verdict,
     estimate,
     judge_answers,
 )
+from accelsched.policy.ownership import Claim, decide_claim, declared_count, owned
 from accelsched.policy.proposals import Proposal
-from accelsched.protocol import GuardMetric, ReportReply
-from accelsched.worker.ledger import Ledger, net_of_pools
-from accelsched.worker.pool_freer import reclaim
+from accelsched.policy.requirements import LeaseTable, capacity, held_counted, mebibytes
+from accelsched.protocol import (
+    INVENTORY_HANDLER,
+    OFFER_HANDLER,
+    RESTART_HANDLER,
+    Addressed,
+    GuardMetric,
+    InventoryReply,
+    InventoryRequest,
+    OfferRequest,
+    ReportReply,
+    RestartReply,
+    RestartRequest,
+    RestartStatus,
+)
 
 if TYPE_CHECKING:
-    from accelsched.worker.binder import Binder
-    from accelsched.worker.inventory import Inventory
+    from distributed import Worker
 
-__all__ = ["LeakCheck", "WorkerActor"]
+__all__ = [
+    "Inventory",
+    "LEARN",
+    "LeakCheck",
+    "Ledger",
+    "MEASURE",
+    "Meter",
+    "SKIP",
+    "WorkerActor",
+    "net_of_pools",
+    "under_dask_cuda",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +162,8 @@ class LeakCheck:
         self,
         *,
         inventory: Inventory,
-        binder: Binder,
+        leases: LeaseTable,
+        used: set[int],
         ledger: Ledger,
         actor: WorkerActor,
         decisions: LeakDecisions,
@@ -84,9 +171,10 @@ class LeakCheck:
         recover: bool = True,
     ) -> None:
         # the inventory's devices (its lists, kept up to date in place) and their health
-        # records, which ``decisions`` share; the binder's leases and used devices
+        # records, which ``decisions`` share; the binder's leases and the devices its
+        # GPU tasks held (kept up to date in place)
         self._inventory = inventory
-        self._binder = binder
+        self._leases, self._used = leases, used
         self._ledger = ledger
         self._actor = actor
         self._decisions = decisions
@@ -108,7 +196,7 @@ class LeakCheck:
         results nor leaks, and the estimate means nothing until it ends. Which devices are
         busy is read before and after NVML, so a task starting in between is not judged.
         """
-        inv, leases = self._inventory, self._binder.leases
+        inv, leases = self._inventory, self._leases
         monitor, owned = inv.monitor, inv.owned
         busy = leases.busy()
         pools = active_pools()
@@ -132,7 +220,7 @@ class LeakCheck:
             answers.append(Answer(dev.index, dev.uuid))
         self._actor.apply(judge_answers(inv.health, answers, recover=self._recover))
         busy |= leases.busy()
-        used = self._binder.used
+        used = self._used
         # a device skipped while busy is judged as soon as a task ends (the guard calls
         # check again then): a queue of back-to-back GPU tasks holds it nearly always
         self.owed = any(dev.index in busy and dev.index in used for dev in owned)
@@ -184,7 +272,7 @@ class LeakCheck:
         arrives from peers."""
         pool = sum((p.stats(device) for p in pools), PoolStats())
         live = self._ledger.live(device)
-        baseline = self._decisions.device(device).observe_baseline(process, live, pool.held)
+        baseline = self._decisions.devices[device].observe_baseline(process, live, pool.held)
         leaked = estimate(process, baseline, live, pool)
         if leaked <= limit:
             self._ledger.settle(device, net_of_pools(process, pool))
@@ -195,7 +283,7 @@ class LeakCheck:
         status`` and the dashboard page (distributed calls it with the worker at each
         heartbeat; O(devices + running GPU tasks)). A device a GPU task holds is not
         judged (its temporaries are no leak): its estimate is the last one made."""
-        leases, inv = self._binder.leases, self._inventory
+        leases, inv = self._leases, self._inventory
         held = Counter(d for devices in leases.holders().values() for d in devices)
         withdrawn, declared = inv.health.withdrawn, leases.declared()
         return {
@@ -204,7 +292,7 @@ class LeakCheck:
                     "index": dev.index,
                     "leases": held.get(dev.index, 0),
                     "withdrawn": dev.index in withdrawn,
-                    "leak_estimate": self._decisions.device(dev.index).estimate,
+                    "leak_estimate": self._decisions.devices[dev.index].estimate,
                     "leak_threshold": self._threshold.resolve(dev.memory),
                     "declared": declared.get(dev.index, 0),
                 }
@@ -345,3 +433,697 @@ class WorkerActor:
                     index,
                     reply.get("status"),
                 )
+
+
+#: Ledger.plan's answers.
+MEASURE, LEARN, SKIP = 0, 1, 2
+#: Prefixes remembered as making no context; beyond this the set starts over.
+MAX_PREFIXES = 10_000
+#: Result types that never hold device memory (what they hold is known without asking).
+_PLAIN = frozenset({int, float, complex, str, bytes, bool, type(None)})
+
+
+def net_of_pools(nbytes: int, pool: PoolStats) -> int:
+    """A process's device bytes less what its pools cache or hold in reserve unused.
+
+    An allocation from a fixed pool (RMM) leaves NVML's figure unchanged and shrinks the
+    reserve's free part: counted so, a result allocated there is measured at its size
+    (else it would be measured at 0 while the leak estimate, which counts only the free
+    part of the reserve as retained, sees it as unexplained). When the pool cannot say
+    how much of its reserve is free, all of it is left out.
+    """
+    reserve = pool.fixed if pool.fixed_free is None else pool.fixed_free
+    return nbytes - pool.cached - reserve
+
+
+class Ledger:
+    """Measured device bytes per key; the last fully explained reading per device."""
+
+    def __init__(
+        self,
+        monitor: NVMLMonitor,
+        *,
+        residue: Callable[[str, dict[int, int]], None] | None = None,
+        left_nothing: Callable[[str], None] = lambda prefix: None,
+        stored: Callable[[Any], Any] = lambda key: None,
+        idle: Callable[[], set[int]] = set,
+    ) -> None:
+        self.monitor = monitor
+        self.residue = residue  # (step or task prefix, bytes it left behind): attribution
+        self.left_nothing = left_nothing  # (task prefix): a run left nothing
+        self._stored = stored  # key -> its value in the worker's memory (or None)
+        self._idle = idle  # the owned devices no task holds now
+        self._lock = threading.Lock()
+        # key -> {device: bytes}: measured as its task returned, until it enters memory
+        # (or is released without)
+        self._measured: dict[Any, dict[int, int]] = {}
+        # key -> {device: bytes}: what it holds while in memory (results from elsewhere too)
+        self._held: dict[Any, dict[int, int]] = {}
+        self._live: dict[int, int] = {}  # device -> bytes results in memory hold
+        self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
+        # device -> the reading that ended the last measured task there: the next task's
+        # base, unless memory changed meanwhile (a key released, data arrived)
+        self._fresh: dict[int, int] = {}
+        # changes noted on the event loop (a key released, data arrived): a closing
+        # reading taken across one of them is not reused as a base
+        self._changes = 0
+        # devices where the last reading found no context of this process, and nothing
+        # since can have made one (see plan): no reading can be a base there meanwhile
+        self._no_context: set[int] = set()
+        self._context_gen = 0  # bumped whenever that knowledge is dropped
+        self._clean: set[str] = set()  # prefixes whose runs were seen to make no context
+        self.sampler = Backoff()  # which runs of a prefix are measured, on a context
+        # device -> [prefix, runs, known bytes]: unmeasured runs since its _fresh reading,
+        # all of one prefix, and what their results hold by type there
+        self._stretch: dict[int, list[Any]] = {}
+
+    def read(self, device: int, record: bool = False) -> tuple[int | None, bool]:
+        """This process's bytes on ``device`` minus what pools cache or reserve (None
+        when NVML cannot tell: no figure of its own, no context yet, or an error), and
+        whether this reading itself found no context there (what the knowledge
+        :meth:`plan` relies on may have been dropped meanwhile).
+
+        ``record``: a reading taken between GPU tasks (no task code runs on ``device``
+        until the next one), whose "no context" :meth:`plan` may rely on; a reading inside
+        a task (a marked step's) may be followed by that task making a context."""
+        gen = self._context_gen
+        try:
+            reading = self.monitor.process_memory(device)
+        except Exception:
+            return None, False
+        if reading.has_context is False:
+            if record:
+                with self._lock:
+                    if gen == self._context_gen:  # nobody dropped the knowledge meanwhile
+                        self._no_context.add(device)
+            return None, True  # a context made now would be counted as the task's
+        if device in self._no_context:
+            self.recheck((device,))  # there is one now (or NVML cannot tell)
+        if not reading.attributable or not reading.has_context:
+            return None, False
+        pool = sum((p.stats(device) for p in active_pools()), PoolStats())
+        return net_of_pools(reading.nbytes, pool), False
+
+    # --- around a GPU task (its executor thread) ----------------------------------------
+
+    def plan(self, devices: tuple[int, ...], prefix: str, *, found_none: bool = False) -> int:
+        """How to measure a task of ``prefix`` on ``devices``: :data:`MEASURE` (a base
+        reading, or the last task's closing one, and a closing reading), :data:`LEARN`
+        (no base can exist: the last reading found no context on its devices; one closing
+        reading tells whether this prefix makes one) or :data:`SKIP` (no context, and
+        the prefix was seen not to make one: no reading at all).
+
+        Without a context on a device no reading can be a base (the context a task makes
+        would count as its growth), so a run there is never measured; reading NVML only
+        to learn that costs tens of microseconds per tiny task. The knowledge is dropped
+        by :meth:`recheck` (every leak check), by a run of an unknown prefix that made a
+        context and by a pool holding memory there after a run (:meth:`unmeasured`).
+        ``found_none``: a reading just taken found no context on any of ``devices``,
+        whatever a leak check dropped meanwhile.
+        """
+        if not found_none and not self._no_context.issuperset(devices):
+            return MEASURE
+        return SKIP if prefix in self._clean else LEARN
+
+    def unmeasured(self, devices: tuple[int, ...], prefix: str, plan: int) -> bool:
+        """After a task run under :data:`LEARN` or :data:`SKIP` (before pools are freed):
+        is there still no context on its devices? Returns whether the run is known to
+        have left nothing there (no context before it, none after it as far as the
+        ledger knows, no pool holding memory)."""
+        if plan == LEARN:
+            gen = self._context_gen
+            # records "no context" again, or finds one
+            if all([self.read(d, True)[1] for d in devices]):
+                with self._lock:
+                    if gen == self._context_gen and self._no_context.issuperset(devices):
+                        if len(self._clean) >= MAX_PREFIXES:
+                            self._clean.clear()
+                        self._clean.add(prefix)
+                return True  # these readings saw none, whatever a recheck dropped meanwhile
+        if pools := active_pools():
+            try:
+                held = any(p.stats(d).held for p in pools for d in devices)
+            except Exception:  # a pool that cannot say: read NVML before the next task
+                held = True
+            if held:
+                self.recheck(devices)  # a pool holds memory: a context exists there
+                return False
+        return plan == SKIP
+
+    def recheck(self, devices: tuple[int, ...] | None = None) -> None:
+        """Read NVML again before the next task on ``devices`` (all when None): a context
+        may exist there now."""
+        with self._lock:
+            self._context_gen += 1
+            if devices is None:
+                self._no_context.clear()
+            else:
+                self._no_context.difference_update(devices)
+
+    def take_base(
+        self,
+        devices: tuple[int, ...],
+        prefix: str | None,
+        *,
+        record: bool = False,
+        reuse_only: bool = False,
+    ) -> tuple[dict[int, int] | None, bool, int]:
+        """The base to measure a task by: the last task's closing reading where nothing
+        changed since (back-to-back GPU tasks cost one NVML read per device, not two);
+        whether every device was read now and found no context (``record``: see
+        :meth:`read`); and the unmeasured runs of ``prefix`` the base reaches back over
+        (the stretch, measured with this run). The last closing reading serves as
+        the base only where the unmeasured runs since were ``prefix``'s: another
+        prefix's stay unmeasured (their results known by type, what they left found by
+        the periodic check alone). A base reaching back is raised by what the stretch's
+        results hold by type, so that they are not counted as grown. ``reuse_only``: no
+        reading now (a task already ran): None where there is no reading to reuse."""
+        with self._lock:
+            fresh = [self._fresh.pop(d, None) for d in devices]
+            stretch = [self._stretch.pop(d, None) for d in devices]
+        runs = 0
+        for i, s in enumerate(stretch):
+            if s is None:
+                continue
+            if s[0] != prefix or fresh[i] is None:
+                fresh[i] = None
+            else:
+                fresh[i] += s[2]
+                runs = max(runs, s[1])
+        if reuse_only and None in fresh:
+            return None, False, 0
+        read = [
+            self.read(d, record) if then is None else (then, False)
+            for d, then in zip(devices, fresh, strict=True)
+        ]
+        base = {d: v for d, (v, _) in zip(devices, read, strict=True) if v is not None}
+        return (base if len(base) == len(devices) else None), all(e for _, e in read), runs
+
+    def peek(self, devices: tuple[int, ...], prefix: str) -> dict[int, int] | None:
+        """The last closing reading on each of ``devices``, without reading NVML, where
+        the unmeasured runs since (if any) were all of ``prefix``; None where there is
+        none (a run then is not measured, unless it must be and can read a base)."""
+        with self._lock:
+            fresh, stretch = self._fresh, self._stretch
+            base = {}
+            for d in devices:
+                then = fresh.get(d)
+                s = stretch.get(d)
+                if then is None or (s is not None and s[0] != prefix):
+                    return None
+                base[d] = then
+            return base
+
+    def stretched(
+        self, devices: tuple[int, ...], prefix: str, base: dict[int, int], result: Any
+    ) -> bool:
+        """An unmeasured run of ``prefix`` ended, alone on ``devices`` since ``base``
+        (:meth:`peek`): added to the stretch when its result's footprint is known by type
+        and nothing broke the stretch meanwhile (else the stretch ends unmeasured). False:
+        its result is of a type nobody described, to be measured now from the base."""
+        if self.holds_nothing(result):
+            known: dict[int, int] = {}
+        elif knows(result):
+            known = device_nbytes(result)
+        else:
+            return False
+        with self._lock:
+            fresh, stretch = self._fresh, self._stretch
+            if all(fresh.get(d) == base[d] for d in devices) and all(
+                stretch.get(d, (prefix,))[0] == prefix for d in devices
+            ):
+                for d in devices:
+                    s = stretch.get(d)
+                    if s is None:
+                        s = stretch[d] = [prefix, 0, 0]
+                    s[1] += 1
+                    s[2] += known.get(d, 0)
+                return True
+        for d in devices:  # memory changed unmeasured: no base from before it
+            self.forget(d)
+        return True
+
+    def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
+        """Hold the task's growth against ``key`` (None: a marked step's, held by no key);
+        return its residue (bytes left behind beyond its known result: 0 when the result's
+        type is unknown, its growth may be the result itself) and its growth in all."""
+        known = device_nbytes(result) if knows(result) else None
+        if key is None and known is None:
+            return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
+        held, residue = {}, {}
+        changes = self._changes  # a key released or data arrived meanwhile: no base from it
+        for device, then in before.items():
+            now = self.read(device)[0]
+            if now is None:
+                continue
+            grew = max(0, now - then)
+            # a known result holds its own size, and what else the run left is residue;
+            # an unknown one holds all the growth (nothing can tell it from a leak)
+            held[device] = size = known.get(device, 0) if known is not None else grew
+            residue[device] = max(0, grew - size)
+            if key is not None:
+                with self._lock:
+                    if self._changes == changes:
+                        self._settled[device] = self._fresh[device] = now
+        if key is not None:
+            with self._lock:
+                self._measured[key] = held
+        return residue, sum(held.values()) + sum(residue.values())
+
+    # --- on the event loop ----------------------------------------------------------------
+
+    def entered(self, key: Any, *, computed: bool) -> dict[int, int]:
+        """``key`` entered the worker's memory: ``computed`` here (measured by its task,
+        else known by type), or data from elsewhere (a peer's transfer, a replica, a
+        scatter: known by type, else measured on the idle devices since the last
+        explained reading). Held until :meth:`released`; returns what it holds."""
+        with self._lock:
+            measured = self._measured.pop(key, None)
+            if not computed:  # memory may have grown: no reused base
+                self._fresh.clear()
+                self._stretch.clear()
+                self._changes += 1
+        if measured is not None and computed:  # the measurement wins: known without its value
+            held = {d: n for d, n in measured.items() if n}
+        elif self.holds_nothing(value := self._stored(key)):
+            held = {}
+        elif computed or knows(value):
+            held = device_nbytes(value)
+        else:  # from a peer, of a type nobody described: the growth on the idle devices
+            held = {}
+            for device in self._idle():
+                with self._lock:
+                    then = self._settled.get(device)
+                # without an explained base to measure from: type knowledge only
+                if then is not None and (now := self.read(device)[0]) is not None:
+                    with self._lock:
+                        self._settled[device] = now
+                    if now > then:
+                        held[device] = now - then
+            held = held or device_nbytes(value)
+        if held:
+            self._held[key] = held
+            for d, n in held.items():
+                self._live[d] = self._live.get(d, 0) + n
+        return held
+
+    def released(self, key: Any) -> bool:
+        """``key`` left the worker's memory, or will not enter it (cancelled, forgotten):
+        its memory went back unmeasured. Whether it held any (room freed)."""
+        with self._lock:
+            self._measured.pop(key, None)
+        held = self._held.pop(key, {})
+        for d, n in held.items():
+            self._live[d] -= n
+            self.forget(d)
+        return bool(held)
+
+    def live(self, device: int) -> int:
+        """Bytes results in the worker's memory hold on ``device``."""
+        return self._live.get(device, 0)
+
+    @staticmethod
+    def holds_nothing(value: Any) -> bool:
+        """Whether ``value``, unmeasured, holds nothing on a device by its type alone (a
+        number, a string: nothing to ask)."""
+        return value is None or type(value) in _PLAIN
+
+    def settle(self, device: int, noncache: int) -> None:
+        """Everything on ``device`` is explained now (a check found no leak there)."""
+        with self._lock:
+            self._settled[device] = noncache
+
+    def forget(self, device: int) -> None:
+        """Memory on ``device`` changed unmeasured (a key released): no base to compare."""
+        with self._lock:
+            self._settled.pop(device, None)
+            self._fresh.pop(device, None)
+            self._stretch.pop(device, None)
+            self._changes += 1
+
+
+class Meter:
+    """One GPU task's measurement, from its lease to its return; also its lease's
+    ``meter`` (:attr:`accelsched.context.Lease.meter`), measuring each outermost marked
+    step the task calls, so the attribution names the step that left memory behind, even
+    inside a fused task.
+
+    A reading counts only while the task holds its devices alone: the lease table's token,
+    taken with the base, proves at the end that no other task took or gave back one
+    meanwhile. What :meth:`Ledger.plan` says decides whether any reading is taken, and on
+    a device with a context the ledger's sampler whether this run is measured (``sample``:
+    whether it may be left unmeasured; a task that declared its memory is always measured,
+    its growth checked against the declaration).
+    """
+
+    __slots__ = (
+        "ledger",
+        "leases",
+        "key",
+        "devices",
+        "prefix",
+        "plan",
+        "depth",
+        "steps",
+        "grew",
+        "sample",
+    )
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        leases: LeaseTable,
+        key: Any,
+        devices: tuple[int, ...],
+        prefix: str,
+        sample: bool = True,
+    ) -> None:
+        self.ledger = ledger
+        self.leases = leases
+        self.key = key
+        self.devices = devices
+        self.prefix = prefix
+        self.plan = ledger.plan(devices, prefix)
+        self.depth = 0  # marked steps running now, nested
+        self.steps = 0  # marked steps measured so far
+        self.grew: int | None = None  # what the task added in all, when measured
+        self.sample = sample
+
+    def _open(
+        self, record: bool, prefix: str | None = None
+    ) -> tuple[Any, dict[int, int] | None, bool, int]:
+        """(alone token, base reading, whether that reading found no context anywhere,
+        the unmeasured runs of ``prefix`` it reaches back over)."""
+        token = self.leases.alone_token(self.key)
+        if token is None:  # not alone: no base
+            return None, None, False, 0
+        base, empty, runs = self.ledger.take_base(self.devices, prefix, record=record)
+        return token, base, empty, runs
+
+    def run(self, spec: Any, values: Any) -> Any:
+        """Run the task's code, measured as planned: with no context on its devices no
+        reading can be a base (the context a task makes would count as its growth), so it
+        is not read around, only checked after (:meth:`Ledger.unmeasured`)."""
+        ledger, token, base, runs = self.ledger, None, None, 0
+        if self.plan == MEASURE:
+            if self.sample and not ledger.sampler.measure(self.prefix):
+                return self._unmeasured(spec, values)
+            token, base, empty, runs = self._open(record=True, prefix=self.prefix)
+            if base is None:
+                # a base reading that found no context plans the run itself, whatever a
+                # leak check dropped meanwhile (else it would be neither measured nor seen
+                # to leave nothing); not alone, another task's reading may have found none
+                self.plan = ledger.plan(self.devices, self.prefix, found_none=empty)
+        if self.plan != MEASURE:
+            try:
+                return spec(values)
+            finally:
+                if ledger.unmeasured(self.devices, self.prefix, self.plan):
+                    ledger.left_nothing(self.prefix)
+        result = spec(values)
+        if base is None or not self.leases.still_alone(self.key, token):
+            for d in self.devices:  # memory changed unmeasured: no base for arrivals there
+                ledger.forget(d)
+            return result
+        return self._close(base, result, runs)
+
+    def _close(self, base: dict[int, int], result: Any, runs: int) -> Any:
+        """The closing reading of a run measured from ``base``, taken before ``runs``
+        unmeasured runs of its prefix: what they and it left, attributed to the prefix."""
+        ledger = self.ledger
+        left, self.grew = ledger.after(self.key, base, result)
+        if ledger.residue is not None and not self.steps:
+            ledger.residue(key_split(self.key), left)
+        if self.grew == 0:
+            for _ in range(runs + 1):  # the stretch's runs too: it grew by nothing
+                ledger.left_nothing(self.prefix)
+        ledger.sampler.measured(self.prefix, any(n > 0 for n in left.values()))
+        return result
+
+    def _unmeasured(self, spec: Any, values: Any) -> Any:
+        """A run the sampler leaves unmeasured: no reading when its result's footprint is
+        known by type (it joins its prefix's stretch); one closing reading, from the last
+        reading before the stretch, when it is not (held at its growth, as ever)."""
+        ledger, leases, key, devices = self.ledger, self.leases, self.key, self.devices
+        token = leases.alone_token(key)
+        base = None if token is None else ledger.peek(devices, self.prefix)
+        result = spec(values)
+        if base is None or self.steps or not leases.still_alone(key, token):
+            for d in devices:  # memory changed unmeasured: no base from before it
+                ledger.forget(d)
+            if not ledger.holds_nothing(result) and not knows(result):
+                ledger.sampler.reset(self.prefix)  # its results need measuring
+            return result
+        if ledger.stretched(devices, self.prefix, base, result):
+            return result
+        # of a type nobody described: measured from before the stretch
+        base, _, runs = ledger.take_base(devices, self.prefix, reuse_only=True)
+        if base is None:  # the stretch broke meanwhile: held by type, measured from now on
+            for d in devices:
+                ledger.forget(d)
+            ledger.sampler.reset(self.prefix)
+            return result
+        return self._close(base, result, runs)
+
+    def __call__(self, name: str, call: Callable[[], Any]) -> Any:
+        """Run one marked step of the task, measured when outermost (and attributed)."""
+        residue = self.ledger.residue
+        token, base, _, _ = (
+            self._open(record=False) if self.depth == 0 and residue else (None, None, False, 0)
+        )
+        self.depth += 1
+        try:
+            result = call()
+        finally:
+            self.depth -= 1
+        if base is not None and residue is not None and self.leases.still_alone(self.key, token):
+            self.steps += 1
+            residue(name, self.ledger.after(None, base, result)[0])
+        return result
+
+
+def reclaim(devices: Iterable[Any]) -> int:
+    """Collect garbage, then free every active pool on each of ``devices``; the bytes the
+    pools said they released. Never creates a pool or a CUDA context: pools act only
+    where their library is already in use (:func:`~accelsched.devices.active_pools`).
+    """
+    gc.collect()
+    pools = active_pools()
+    released = 0
+    for device in devices if pools else ():
+        try:
+            with using_device(device):
+                released += sum(pool.free_all() for pool in pools)
+        except Exception:  # a pool or device that does not answer: measure anyway
+            logger.warning("accelsched: freeing pools on device %s failed", device, exc_info=True)
+    return released
+
+
+#: Replies to a restart request saying the scheduler is restarting this worker.
+TAKEN: frozenset[RestartStatus] = frozenset({"accepted", "in-flight"})
+#: Seconds not to ask again after such a reply: a restart is over in well under this
+#: (about 0.2 s with fast restarts; a drain waiting for a long task answers "in-flight"
+#: again), and one that was given up is asked for again after it.
+RESTART_TAKEN_HOLD = 5.0
+
+
+class Inventory:
+    """Devices visible, owned and granted; what this worker says to the scheduler."""
+
+    def __init__(self, worker: Worker, *, advertise_undeclared: bool, interval: float) -> None:
+        """Read the devices through NVML and decide what to claim (no scheduler yet)."""
+        self.advertise_undeclared = advertise_undeclared
+        self.worker = worker
+        self.declared: object = internals.declared_gpus(worker)  # maybe no number at all
+        self.monitor = NVMLMonitor()
+        self.visible: list[DeviceInfo] = []
+        self.owned: list[DeviceInfo] = []
+        self.claim = Claim(0, None)  # what this worker asks for
+        self._take(self.monitor.devices())
+        self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
+        #: Which devices fail NVML (withdrawn: not offered) or were left out, shared with
+        #: the parts that judge their answers. Left-out devices are probed at the check's
+        #: pace while they answer, at most every 30 s while they do not.
+        self.health = DeviceHealth(first=interval, longest=max(interval, 30.0))
+        self._ids = itertools.count()  # request ids: this process uses each once
+        self.restart_pending = False
+        #: Until when (monotonic) not to ask again for the same reason: the scheduler
+        #: took the last request and is replacing this process (asking again would only
+        #: be answered "in-flight"). Another reason (a GPU failing, asked for once) is sent.
+        self.restart_taken_until = 0.0
+        self.restart_taken_for = ""
+        self.draining = False  # the scheduler restarts this worker: GPU tasks go back
+        self._offering = asyncio.Lock()
+        #: bytes the results in this worker's memory hold on a device (the ledger's)
+        self.held: Callable[[int], int] = lambda device: 0
+        #: device -> bytes its declared tasks may take there, as the scheduler divided a
+        #: shared device (learnt from the offer reply; none: the capacity)
+        self.shares: dict[int, int] = {}
+        self.held_said: dict[int, int] = {}  # device -> held bytes last offered, in steps
+
+    def _take(self, visible: list[DeviceInfo]) -> None:
+        """List ``visible``, own and claim as the policy says (in place: the guard's
+        parts hold these lists)."""
+        self.visible[:] = visible
+        self.owned[:] = owned(self.visible, under_dask_cuda=under_dask_cuda(self.worker))
+        self.claim = decide_claim(
+            self.declared, len(self.owned), advertise_undeclared=self.advertise_undeclared
+        )
+
+    def rejoin(self, device: DeviceInfo) -> None:
+        """A device left out at setup answers steadily again: list it, and own and claim
+        it as if it had answered then (the next :meth:`report` says so)."""
+        self.monitor.adopt(device)
+        self._take(list(self.monitor.devices()))
+
+    async def report(self, on_granted: Callable[[list[int]], None]) -> ReportReply:
+        """Report the owned devices and advertise what the scheduler granted.
+
+        ``on_granted`` receives the CUDA indices granted, before the worker advertises
+        them, so no GPU task can start before its devices are known.
+        """
+        request: InventoryRequest = {
+            **self._addressed(),
+            "devices": [d.as_dict() for d in self.owned],
+            "declared": declared_count(self.declared),
+            "requested": self.claim.count,
+            "reason": self.claim.reason,
+        }
+        reply: InventoryReply | None
+        try:
+            reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
+        except Exception as exc:
+            logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
+            reply = None
+        if isinstance(reply, dict) and reply.get("status") == "OK":
+            granted = set(reply.get("uuids", ()))
+        elif reply is None:
+            # No PlacementPlugin: nothing enforces placement, but the worker still
+            # advertises only what it owns.
+            logger.warning(
+                "accelsched: no PlacementPlugin on the scheduler (handler %r missing); "
+                "correcting this worker's GPU count without verification. Placement is "
+                "not enforced: start the scheduler with --preload accelsched or call "
+                "accelsched.register(client)",
+                INVENTORY_HANDLER,
+            )
+            granted = {d.uuid for d in self.owned[: self.claim.count]}
+        else:
+            return {"status": str(reply.get("status") if isinstance(reply, dict) else reply)}
+        self.granted = [d for d in self.owned if d.uuid in granted]
+        return {"status": "OK", "devices": await self.offer(on_granted)}
+
+    @property
+    def usable(self) -> list[int]:
+        """The granted devices not withdrawn (as the health record says)."""
+        withdrawn = self.health.withdrawn
+        return [d.index for d in self.granted if d.index not in withdrawn]
+
+    async def offer(self, on_usable: Callable[[list[int]], None]) -> list[int]:
+        """Advertise the granted devices that are not withdrawn; returns their indices.
+
+        ``on_usable`` receives them first, so no GPU task starts before its devices are
+        known, and none is leased a withdrawn device.
+        """
+        worker = self.worker
+        async with self._offering:  # one at a time: the latest state is the last said
+            usable = self.usable
+            on_usable(usable)
+            offered = [d for d in self.granted if d.index in usable]
+            self.held_said = self.held_in_steps()
+            request: OfferRequest = {
+                **self._addressed(),
+                "count": len(usable),
+                "uuids": [d.uuid for d in offered],
+                "held": {d.uuid: self.held_said.get(d.index, 0) for d in offered},
+            }
+            reply = None
+            try:
+                reply = await getattr(worker.scheduler, OFFER_HANDLER)(**request)
+            except Exception as exc:  # no PlacementPlugin: the worker's own count only
+                logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
+            if isinstance(reply, dict) and reply.get("status") == "OK" and "memory" in reply:
+                by_uuid = {d.uuid: d.index for d in offered}
+                shares = {by_uuid[u]: n for u, n in reply.get("shares", {}).items() if u in by_uuid}
+                memory = reply["memory"]
+            else:  # its own devices' capacity, less what results hold
+                shares = {}
+                memory = sum(
+                    mebibytes(max(0, capacity(d.memory) - self.held_said.get(d.index, 0)))
+                    for d in offered
+                )
+            if shares != self.shares:  # packed within them from now on
+                self.shares = shares
+                on_usable(usable)
+            if self.granted or internals.advertises_gpus(worker):  # usable: granted ones
+                await internals.set_own_gpus(worker, len(usable), memory)
+            return usable
+
+    def held_in_steps(self) -> dict[int, int]:
+        """What results hold on each granted device, as offered: in steps of a
+        sixteenth of it (:func:`~accelsched.policy.requirements.held_counted`)."""
+        return {d.index: held_counted(self.held(d.index), d.memory) for d in self.granted}
+
+    def ask_restart(self, reason: str, nbytes: int) -> None:
+        """Ask the scheduler, once at a time, to restart this worker without loss."""
+        if self.restart_pending or (
+            reason == self.restart_taken_for and monotonic() < self.restart_taken_until
+        ):
+            return
+        try:
+            internals.spawn(self.worker, self._request_restart, reason, nbytes)
+        except Exception as exc:  # the worker is closing: nothing to restart
+            logger.info("accelsched: restart request not sent: %r", exc)
+        else:
+            self.restart_pending = True
+
+    async def _request_restart(self, reason: str, nbytes: int) -> None:
+        worker = self.worker
+        request: RestartRequest = {**self._addressed(), "reason": reason, "nbytes": nbytes}
+        try:
+            reply: RestartReply = await getattr(worker.scheduler, RESTART_HANDLER)(**request)
+            logger.info("accelsched: restart request answered %r", reply)
+            if isinstance(reply, dict) and reply.get("status") in TAKEN:
+                # a restart that is given up (no peer to take the data, say) is asked
+                # for again after this: the leak is still there
+                self.restart_taken_until = monotonic() + RESTART_TAKEN_HOLD
+                self.restart_taken_for = reason
+        except Exception as exc:
+            # a worker being replaced loses this call with its process: nothing to say
+            log = logger.warning if internals.worker_in_service(worker) else logger.debug
+            log("accelsched: restart request (%s) failed: %r", RESTART_HANDLER, exc)
+        finally:
+            self.restart_pending = False
+
+    def _addressed(self) -> Addressed:
+        """Whom a request speaks for: this worker's address, this process, a new id."""
+        return {
+            "worker": str(self.worker.contact_address),
+            "process": str(self.worker.id),
+            "request": str(next(self._ids)),
+        }
+
+    def drain(self, on: Any = True, process: Any = "") -> dict[str, str]:
+        """``accelsched_drain``: while this worker restarts, send GPU tasks back as they
+        reach execution (its queue is placed elsewhere; only what runs is waited for).
+
+        An order meant for another process (one this address had before) is refused:
+        a fresh worker must not bounce its GPU tasks for its predecessor's restart."""
+        if not isinstance(on, bool):
+            return {"status": "invalid"}
+        if process != self.worker.id:
+            logger.warning("accelsched: refused a drain order meant for process %r", process)
+            return {"status": "refused"}
+        self.draining = on
+        return {"status": "OK"}
+
+
+def under_dask_cuda(worker: Any) -> bool:
+    """True for workers started by dask-cuda (LocalCUDACluster, ``dask cuda worker``).
+
+    dask-cuda gives its workers plugins of its own (CPU affinity, RMM setup, ...), and
+    only then is ``dask_cuda`` imported in the worker process.
+    """
+    if "dask_cuda" not in sys.modules:
+        return False
+    return any(m.startswith("dask_cuda") for m in internals.plugin_modules(worker))

@@ -77,7 +77,7 @@ def unavailable(fake: bool = False) -> str | None:
             f"fake GPUs are active ({', '.join(active)} set): a real-GPU run would measure "
             "them; unset it, or pass --fake to dry-run on simulated GPUs"
         )
-    from accelsched.devices.nvml import NVMLMonitor
+    from accelsched.devices import NVMLMonitor
 
     monitor = NVMLMonitor()
     if not monitor.devices():

@@ -53,7 +53,7 @@ def stamp(fn: Callable[[], Any]) -> tuple[float, Any]:
 def environment(fake: bool) -> dict:
     """The devices and driver the figures come from. Versions, machine and commit are in
     every result file's provenance (:mod:`benchmarks.harness.provenance`)."""
-    from accelsched.devices.nvml import NVMLMonitor
+    from accelsched.devices import NVMLMonitor
 
     env: dict[str, Any] = {
         "mode": "fake" if fake else "gpu",
@@ -79,7 +79,7 @@ class Device:
 
     def __init__(self, fake: bool) -> None:
         self.fake = fake
-        from accelsched.devices.nvml import NVMLMonitor
+        from accelsched.devices import NVMLMonitor
 
         self.monitor = NVMLMonitor()
         if not self.monitor.devices():
@@ -110,7 +110,7 @@ class Device:
             self.cp.cuda.Device(0).synchronize()
 
     def pools(self) -> list:
-        from accelsched.devices.pool import active_pools
+        from accelsched.devices import active_pools
 
         return active_pools()
 

@@ -69,9 +69,7 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
     from dask._task_spec import Task
 
     from accelsched.internals import wrap_task
-    from accelsched.worker.binder import Binder
-    from accelsched.worker.pool_freer import PoolFreer
-    from accelsched.worker.watch import Watch
+    from accelsched.worker.guard_plugin import Binder, PoolFreer, Watch
 
     dev = Device(fake)
     dev.context()
@@ -108,10 +106,8 @@ def bench_guard_runner(fake: bool, quick: bool) -> dict:
 def bench_guard_check(fake: bool, quick: bool) -> dict:
     from accelsched.config import Threshold
     from accelsched.policy.leak import DeviceHealth, LeakDecisions
-    from accelsched.worker.binder import Binder
-    from accelsched.worker.leak_check import LeakCheck, WorkerActor
-    from accelsched.worker.ledger import Ledger
-    from accelsched.worker.pool_freer import PoolFreer
+    from accelsched.worker.guard_plugin import Binder, PoolFreer
+    from accelsched.worker.leak_check import LeakCheck, Ledger, WorkerActor
 
     dev = Device(fake)
     dev.context()
@@ -127,7 +123,8 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
     )
     check = LeakCheck(
         inventory=inventory,  # type: ignore[arg-type]
-        binder=binder,
+        leases=binder.leases,
+        used=binder.used,
         ledger=ledger,
         actor=WorkerActor(
             inventory=None,  # no proposal here reaches the inventory
@@ -144,7 +141,7 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
 
 CONTEXT_PROBE = r"""
 import json, sys, time
-from accelsched.devices.nvml import NVMLMonitor
+from accelsched.devices import NVMLMonitor
 fake = sys.argv[1] == "fake"
 m = NVMLMonitor()
 m.devices()

@@ -51,7 +51,7 @@ PIECES: tuple[tuple[str, str, str], ...] = (
     ("lease acquire", "thread", "binder.leases.grant"),
     ("lease release", "thread", "binder.leases.release"),
     ("measurement plan", "thread", "binder.ledger.plan"),
-    ("ledger before (NVML base)", "thread", "binder.ledger.before"),
+    ("ledger before (NVML base)", "thread", "binder.ledger.take_base"),
     ("ledger after (NVML close)", "thread", "binder.ledger.after"),
     ("no-context check after", "thread", "binder.ledger.unmeasured"),
     ("NVML process read", "thread", "inventory.monitor.process_memory"),

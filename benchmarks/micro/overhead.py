@@ -21,7 +21,7 @@ Every round runs the same workload on both sides, in alternating order:
 - ``gpu_context`` (command line only, last): the ``gpu`` tasks again after one task on
   each worker of both clusters made a (simulated) CUDA context, as real GPU work makes
   one; accelsched's guard then measures GPU tasks (NVML process-list reads on a sample
-  of a quiet prefix's runs, :mod:`accelsched.policy.sampling`), plain distributed does
+  of a quiet prefix's runs, :mod:`accelsched.policy.leak`), plain distributed does
   nothing more. Its worker CPU ratio per task is the context hot path's end-to-end cost.
 
 Per round and cluster: wall time from submit to the last result, and CPU seconds spent
@@ -74,9 +74,9 @@ def _round(client: Client, sched: psutil.Process, workers: list, n: int, gpu: bo
 def _time_nvml_reads() -> None:
     """In a worker: time every NVML process-memory read from now on (CPU of the calling
     thread and wall), the read the guard makes per GPU task (run with ``client.run``)."""
-    from accelsched.devices import nvml
+    from accelsched import devices
 
-    monitor = nvml.NVMLMonitor
+    monitor = devices.NVMLMonitor
     if hasattr(monitor, "_bench_timed"):
         return
     original = monitor.process_memory
@@ -95,11 +95,11 @@ def _time_nvml_reads() -> None:
 
 def _nvml_reads_timed() -> list[tuple[float, float]]:
     """In a worker: stop timing; the (CPU, wall) seconds of each read since."""
-    from accelsched.devices import nvml
+    from accelsched import devices
 
-    original, times = nvml.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
-    nvml.NVMLMonitor.process_memory = original  # type: ignore[method-assign]
-    del nvml.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
+    original, times = devices.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
+    devices.NVMLMonitor.process_memory = original  # type: ignore[method-assign]
+    del devices.NVMLMonitor._bench_timed  # type: ignore[attr-defined]
     return list(times)
 
 
@@ -127,7 +127,7 @@ def _nvml_read_cost(
     Without a context (the tiny tasks of the rounds above make none) no reading can be a
     base: the guard reads only now and then. With ``context``, made first on each worker,
     GPU tasks are measured (one closing reading, the next task's base): every run of a
-    new prefix, then a sample of a quiet prefix's runs (:mod:`accelsched.policy.sampling`)."""
+    new prefix, then a sample of a quiet prefix's runs (:mod:`accelsched.policy.leak`)."""
     if context:
         _make_contexts(client)
     client.run(_time_nvml_reads)

@@ -155,7 +155,7 @@ def test_without_a_compiler_the_demo_says_it_runs_on_the_stand_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from accelsched import demo
-    from accelsched.devices.nvml import NVMLMonitor
+    from accelsched.devices import NVMLMonitor
     from accelsched.testing import FakeNVMLWarning
 
     if NVMLMonitor(env={}).devices():

@@ -122,7 +122,7 @@ def smi_gpus() -> list[dict[str, Any]]:
 
 INVENTORY = r"""
 import json
-from accelsched.devices.nvml import NVMLMonitor
+from accelsched.devices import NVMLMonitor
 m = NVMLMonitor(env={})
 devices = m.devices()
 last = devices[-1] if devices else None
@@ -154,8 +154,8 @@ def test_nvml_inventory_matches_nvidia_smi(record_property) -> None:
 POOL_FREEING = r"""
 import dataclasses, json, time
 import cupy as cp
-from accelsched.devices.nvml import NVMLMonitor
-from accelsched.devices.pool import CupyPool
+from accelsched.devices import NVMLMonitor
+from accelsched.devices import CupyPool
 m = NVMLMonitor(env={"CUDA_VISIBLE_DEVICES": "0"})
 m.devices()
 pool = CupyPool()
@@ -213,8 +213,8 @@ else:
     gpus = session.__enter__()
     assert gpus.standin == (mode == "standin"), (mode, gpus)
     buf = device_alloc(1 << 20, device=0)
-from accelsched.devices.backend import cuda, load_backend
-from accelsched.devices.nvml import NVMLMonitor
+from accelsched.devices import cuda, load_backend
+from accelsched.devices import NVMLMonitor
 nvml = load_backend()
 # the backend's CUDA: CuPy on the real GPU, numpy (nothing made current) on the fakes
 assert cuda().array_module().__name__ == ("cupy" if mode == "real" else "numpy"), mode

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from accelsched.devices.nvml import MemoryReading
+from accelsched.devices import MemoryReading
 from accelsched.policy.leak import LeakDecisions, Use, classify
 from accelsched.policy.proposals import Proposal
 from accelsched.policy.requests import RestartBudget, admit_restart, keeps_devices, restart_reply
@@ -290,19 +290,19 @@ def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
 
 def test_a_leak_is_reported_once_and_again_only_when_it_grew_by_a_threshold() -> None:
     d = LeakDecisions()
-    assert d.device(0).is_news(150, 100)
-    assert not d.device(0).is_news(150, 100)
-    assert not d.device(0).is_news(249, 100)  # grew by 99 < 100
-    assert d.device(0).is_news(250, 100)
-    assert d.device(1).is_news(150, 100)  # another device is another leak
-    assert not d.device(0).is_news(300, 100)
+    assert d.devices[0].is_news(150, 100)
+    assert not d.devices[0].is_news(150, 100)
+    assert not d.devices[0].is_news(249, 100)  # grew by 99 < 100
+    assert d.devices[0].is_news(250, 100)
+    assert d.devices[1].is_news(150, 100)  # another device is another leak
+    assert not d.devices[0].is_news(300, 100)
 
 
 # --- reclaim before restart ---------------------------------------------------------------
 
 
 def test_a_reclaim_that_brings_the_estimate_under_the_threshold_ends_the_leak() -> None:
-    device = LeakDecisions().device(0)
+    device = LeakDecisions().devices[0]
     assert device.worth_trying(600, 256)
     assert device.tried(before=600, after=0, threshold=256) == (600, True)  # (reclaimed, ended)
     at = device.tried(before=600, after=256, threshold=256)  # at the threshold: ends
@@ -312,40 +312,40 @@ def test_a_reclaim_that_brings_the_estimate_under_the_threshold_ends_the_leak() 
 
 def test_a_leak_still_held_is_not_tried_again_until_it_grew_by_a_threshold() -> None:
     d = LeakDecisions()
-    held = d.device(0).tried(before=600, after=550, threshold=256)
+    held = d.devices[0].tried(before=600, after=550, threshold=256)
     assert held == (50, False)
-    assert not d.device(0).worth_trying(550, 256)  # confirmed again while its restart waits
-    assert not d.device(0).worth_trying(805, 256)  # grew by 255 < 256
-    assert d.device(0).worth_trying(806, 256)
-    assert d.device(1).worth_trying(550, 256)  # another device: its own leak
-    grew = d.device(0).tried(before=900, after=1000, threshold=256)  # grew meanwhile
+    assert not d.devices[0].worth_trying(550, 256)  # confirmed again while its restart waits
+    assert not d.devices[0].worth_trying(805, 256)  # grew by 255 < 256
+    assert d.devices[0].worth_trying(806, 256)
+    assert d.devices[1].worth_trying(550, 256)  # another device: its own leak
+    grew = d.devices[0].tried(before=900, after=1000, threshold=256)  # grew meanwhile
     assert grew == (0, False)
-    assert d.device(0).tried(before=1000, after=100, threshold=256)[1]
-    assert d.device(0).worth_trying(550, 256)
+    assert d.devices[0].tried(before=1000, after=100, threshold=256)[1]
+    assert d.devices[0].worth_trying(550, 256)
 
 
 def test_a_try_waits_for_the_gpu_tasks_in_threads_at_the_confirmation_and_one_check() -> None:
     d = LeakDecisions()
     wait = d.max_wait
-    assert d.device(0).settled(set(), wait)  # nothing in a thread: try at once
-    assert not d.device(1).settled({"failed"}, wait)  # a failed task's thread may hold it
-    assert not d.device(1).settled({"failed", "next"}, wait)  # still in its thread
-    assert not d.device(1).settled({"next"}, wait)  # gone: this check may be its transition
-    assert d.device(1).settled({"next", "later"}, wait)  # tasks started since do not count
-    assert not d.device(1).tried(before=600, after=600, threshold=256)[1]
-    assert not d.device(1).settled({"again"}, wait)  # a new confirmation waits anew
+    assert d.devices[0].settled(set(), wait)  # nothing in a thread: try at once
+    assert not d.devices[1].settled({"failed"}, wait)  # a failed task's thread may hold it
+    assert not d.devices[1].settled({"failed", "next"}, wait)  # still in its thread
+    assert not d.devices[1].settled({"next"}, wait)  # gone: this check may be its transition
+    assert d.devices[1].settled({"next", "later"}, wait)  # tasks started since do not count
+    assert not d.devices[1].tried(before=600, after=600, threshold=256)[1]
+    assert not d.devices[1].settled({"again"}, wait)  # a new confirmation waits anew
 
 
 def test_a_try_waits_for_at_most_max_wait_checks() -> None:
     d = LeakDecisions(max_wait=3)
-    assert not d.device(0).settled({"long"}, d.max_wait)
-    assert not d.device(0).settled({"long"}, d.max_wait)
-    assert not d.device(0).settled({"long"}, d.max_wait)
-    assert d.device(0).settled(
+    assert not d.devices[0].settled({"long"}, d.max_wait)
+    assert not d.devices[0].settled({"long"}, d.max_wait)
+    assert not d.devices[0].settled({"long"}, d.max_wait)
+    assert d.devices[0].settled(
         {"long"}, d.max_wait
     )  # a task running for hours holds no restart back
     d.count({0: (0, 256)})  # the device went clean meanwhile: the wait is over
-    assert not d.device(0).settled({"other"}, d.max_wait)
+    assert not d.devices[0].settled({"other"}, d.max_wait)
 
 
 # --- classification of unrequested GPU use ------------------------------------------------

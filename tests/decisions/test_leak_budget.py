@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
-from accelsched.devices.pool import PoolStats
+from accelsched.devices import PoolStats
 from accelsched.policy.leak import Attribution, DeviceRecord, LeakDecisions, Verdict, estimate
 from accelsched.policy.requests import RestartBudget
 from tests.utils import GiB, MiB
@@ -86,7 +86,7 @@ def test_prefixes_since_last_clean_check() -> None:
     assert blamed(d, {0: 20}) == ["leaky"]  # not clean: kept
     d.ran("after")
     assert blamed(d, {0: 20}) == ["after", "leaky"]
-    d.device(0).tried(before=20, after=20, threshold=10)  # tried already: held
+    d.devices[0].tried(before=20, after=20, threshold=10)  # tried already: held
     (leak,) = d.propose(d.count({0: (20, 10)}), complete=True)
     assert leak.figures["checks"] == 3
     assert judged(d, 0, 20, 10).above == 1  # a leak acted on: every count starts again

@@ -135,13 +135,13 @@ def test_a_leak_no_measured_run_explains_blames_every_prefix_since_a_clean_check
         d.ran(prefix)
     d.propose(d.count({0: (0, T)}), complete=False)  # clean but incomplete: kept
     d.ran("b-step")
-    d.device(0).tried(before=500, after=500, threshold=T)  # tried already: held
+    d.devices[0].tried(before=500, after=500, threshold=T)  # tried already: held
     (leak,) = d.propose(d.count({0: (500, T)}), complete=True)  # no restart asked
     assert leak.detail == {"prefixes": ("a-step", "b-step", "z-step"), "attributed": ()}
     assert leak.figures["unexplained"] == 500 and leak.figures["reclaimed"] == 0
     d.propose(d.count({0: (0, T)}), complete=True)  # clean and complete: forgotten
     d.ran("c-step")
-    d.device(1).tried(before=400, after=400, threshold=T)
+    d.devices[1].tried(before=400, after=400, threshold=T)
     (leak,) = d.propose(d.count({1: (400, T)}), complete=True)
     assert leak.detail == {"prefixes": ("c-step",), "attributed": ()}
 
@@ -154,7 +154,7 @@ def test_a_step_every_run_of_which_left_nothing_is_never_blamed() -> None:
         d.ran(prefix)
     d.attribution.left_nothing("keep")
     d.attribution.left_nothing("keep")
-    d.device(0).tried(before=600, after=600, threshold=T)  # tried already: held
+    d.devices[0].tried(before=600, after=600, threshold=T)  # tried already: held
     (leak,) = d.propose(d.count({0: (600, T)}), complete=True)
     assert leak.detail == {"prefixes": ("leaky",), "attributed": ()}
     assert leak.figures["unexplained"] == 600
@@ -165,7 +165,7 @@ def test_one_run_not_seen_to_leave_nothing_keeps_a_step_a_suspect() -> None:
     for prefix in ("keep", "keep", "other"):
         d.ran(prefix)
     d.attribution.left_nothing("keep")  # the second run was not measured (or grew)
-    d.device(0).tried(before=600, after=600, threshold=T)
+    d.devices[0].tried(before=600, after=600, threshold=T)
     (leak,) = d.propose(d.count({0: (600, T)}), complete=True)
     assert leak.detail["prefixes"] == ("keep", "other")
 
@@ -175,7 +175,7 @@ def test_when_every_step_left_nothing_none_is_named() -> None:
     d = LeakDecisions(confirmations=1, restart_on_leak=False)
     d.ran("keep")
     d.attribution.left_nothing("keep")
-    d.device(0).tried(before=600, after=600, threshold=T)
+    d.devices[0].tried(before=600, after=600, threshold=T)
     (leak,) = d.propose(d.count({0: (600, T)}), complete=True)
     assert leak.detail == {"prefixes": (), "attributed": ()}
 
@@ -187,7 +187,7 @@ def test_runs_seen_leaving_nothing_are_forgotten_at_a_clean_check() -> None:
     d.attribution.left_nothing("keep")
     assert d.propose(d.count({0: (0, T)}), complete=True) == []  # clean: forgotten
     d.ran("keep")  # this run was not seen to leave nothing
-    d.device(0).tried(before=600, after=600, threshold=T)
+    d.devices[0].tried(before=600, after=600, threshold=T)
     (leak,) = d.propose(d.count({0: (600, T)}), complete=True)
     assert leak.detail["prefixes"] == ("keep",)
 

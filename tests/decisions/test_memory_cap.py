@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from accelsched import DeclaredMemoryExceeded
-from accelsched.devices.memory_cap import MemoryCap, counted_allocator
+from accelsched.devices import MemoryCap, counted_allocator
 from accelsched.policy.requirements import combine, parse_requirement
 
 GiB = 2**30
@@ -121,7 +121,7 @@ def test_cupys_allocator_gives_back_what_the_pool_could_not_allocate():
 
 def test_the_counting_allocator_is_this_threads_alone():
     cupy = pytest.importorskip("cupy")
-    from accelsched.devices.backend import Cuda
+    from accelsched.devices import Cuda
 
     default = cupy.cuda.get_allocator()
     cap = MemoryCap("t", GiB, enforce=True)

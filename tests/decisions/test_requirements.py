@@ -8,10 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from accelsched.policy.leases import Cancelled, LeaseTable, NoFreeDevice
 from accelsched.policy.requirements import (
     MAX_MEMORY,
+    Cancelled,
     DeviceFacts,
+    LeaseTable,
+    NoFreeDevice,
     Requirement,
     capacity,
     held_counted,

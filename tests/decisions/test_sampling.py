@@ -1,5 +1,5 @@
 """Which runs of a task prefix the ledger measures on a device with a context
-(:class:`accelsched.policy.sampling.Backoff`), with numbers: every run until runs keep
+(:class:`accelsched.policy.leak.Backoff`), with numbers: every run until runs keep
 leaving nothing, then a sample backing off to one run in :data:`MAX_GAP`; the first run
 found leaving something puts the prefix back to every run."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from accelsched.policy import sampling
-from accelsched.policy.sampling import MAX_GAP, QUIET_RUNS, Backoff
+from accelsched.policy import leak as leak_policy
+from accelsched.policy.leak import MAX_GAP, QUIET_RUNS, Backoff
 
 
 def measured_runs(
@@ -65,7 +65,7 @@ def test_one_quiet_streak_is_needed_in_a_row() -> None:
 
 
 def test_bounded_record_and_validated_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sampling, "MAX_PREFIXES", 3)
+    monkeypatch.setattr(leak_policy, "MAX_PREFIXES", 3)
     b = Backoff(quiet=1)
     for p in "abcd":
         b.measured(p, False)

@@ -9,11 +9,11 @@ import pytest
 
 import accelsched
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
-from accelsched.devices.nvml import resolve_devices, visible_from_env
-from accelsched.policy.leases import LeaseTable, NoFreeDevice
+from accelsched.devices import resolve_devices, visible_from_env
 from accelsched.policy.marks import Mark
 from accelsched.policy.ownership import Claim, decide_claim, grant, owned
 from accelsched.policy.requests import Requests
+from accelsched.policy.requirements import LeaseTable, NoFreeDevice
 from accelsched.policy.timeouts import (
     CHAIN,
     NO_GPU_CAPACITY,
@@ -272,7 +272,7 @@ def test_dual_outside_tasks_runs_cpu_form() -> None:
 
 
 def test_device_nbytes_of_containers() -> None:
-    from accelsched.devices.arrays import SCAN_LIMIT, device_nbytes
+    from accelsched.devices import SCAN_LIMIT, device_nbytes
 
     class OnDevice:
         def __init__(self, device: int, n: int) -> None:

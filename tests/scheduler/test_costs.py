@@ -12,7 +12,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import device_alloc
-from accelsched.worker.watch import EVERY, FIRST_RUNS, Watch
+from accelsched.worker.guard_plugin import EVERY, FIRST_RUNS, Watch
 from tests.utils import GiB, MiB, gpus, inc, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
@@ -79,13 +79,13 @@ async def test_back_to_back_gpu_tasks_read_each_device_once(c, s, a):
     # at most one closing reading per measured task (its base is the previous task's
     # closing reading), plus a base per device when the previous reading there is
     # unknown; and a prefix whose runs leave nothing is measured on a sample of its runs
-    # (accelsched.policy.sampling): 6 or 7 of these 20 (the first run may have counted)
+    # (accelsched.policy.leak): 6 or 7 of these 20 (the first run may have counted)
     assert sampled(n, before=1) <= reads[0] <= sampled(n) + 2, reads
 
 
 def sampled(runs: int, before: int = 0) -> int:
     """How many of ``runs`` quiet runs of a prefix are measured, after ``before``."""
-    from accelsched.policy.sampling import Backoff
+    from accelsched.policy.leak import Backoff
 
     backoff, measured = Backoff(), 0
     for i in range(before + runs):
@@ -96,7 +96,7 @@ def sampled(runs: int, before: int = 0) -> int:
 
 
 def cached_here() -> int:
-    from accelsched.devices.pool import POOLS
+    from accelsched.devices import POOLS
     from accelsched.testing import SimulatedPool
 
     (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]
@@ -158,8 +158,8 @@ class _Pool:
 
 
 def test_freeing_waits_for_a_cache_worth_it_except_under_rmm() -> None:
-    from accelsched.devices.pool import PoolStats
-    from accelsched.worker.pool_freer import caches_enough
+    from accelsched.devices import PoolStats
+    from accelsched.worker.guard_plugin import caches_enough
 
     def enough(stats: PoolStats) -> bool:
         return caches_enough([_Pool(stats)], (0,), 64 * MiB)  # type: ignore[list-item]

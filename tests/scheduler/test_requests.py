@@ -21,7 +21,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.protocol import DRAIN_HANDLER, INVENTORY_HANDLER, OFFER_HANDLER, RESTART_HANDLER
-from accelsched.worker.inventory import RESTART_TAKEN_HOLD
+from accelsched.worker.leak_check import RESTART_TAKEN_HOLD
 from tests.utils import GPU_WORKER, background, cvd, events, gpus, settled, wait_for
 
 # --- on a cluster -----------------------------------------------------------------------------

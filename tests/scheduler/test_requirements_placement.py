@@ -29,7 +29,7 @@ WORKERS = [
 
 def where() -> tuple[str, int | None, float]:
     """The device this task holds (its NVML name, CUDA index), and when it ran."""
-    from accelsched.devices.nvml import NVMLMonitor
+    from accelsched.devices import NVMLMonitor
 
     device = accelsched.current_device()
     names = {d.index: d.name for d in NVMLMonitor().devices()}

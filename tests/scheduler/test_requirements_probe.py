@@ -217,7 +217,7 @@ def test_a_requirement_the_worker_cannot_read_errs_its_task_and_binds_nothing() 
     """A requirement no scheduler plugin normalised (the task reached the worker as the
     client wrote it) is read on the worker's event loop: a bad one must not raise there,
     where distributed would log it and run the GPU task with no device bound."""
-    from accelsched.worker.binder import Binder
+    from accelsched.worker.guard_plugin import Binder
 
     binder = Binder(oom_exceptions=(), pools=None, emit=lambda *a, **k: None)  # type: ignore[arg-type]
     binder.set_devices([0])
@@ -235,7 +235,7 @@ def test_a_gpu_task_whose_room_is_split_waits_in_its_thread_for_a_lease_to_end()
 
     from accelsched.context import current_device
     from accelsched.policy.requirements import DeviceFacts, Requirement
-    from accelsched.worker.binder import Binder
+    from accelsched.worker.guard_plugin import Binder
 
     pools = types.SimpleNamespace(after_gpu_task=lambda devices: None)
     binder = Binder(oom_exceptions=(), pools=pools, emit=lambda *a, **k: None)  # type: ignore[arg-type]

@@ -19,8 +19,7 @@ import pynvml
 import pytest
 from dask.sizeof import sizeof
 
-from accelsched.devices.arrays import device_nbytes
-from accelsched.devices.pool import POOLS
+from accelsched.devices import POOLS, device_nbytes
 from accelsched.testing import (
     FakeGPUs,
     FakeNVMLWarning,
@@ -359,12 +358,12 @@ def test_pickle_outside_fake_gpus_detaches() -> None:
 
 
 def test_to_host_gives_a_detached_buffer(gpus: FakeGPUs) -> None:
-    from accelsched.devices import arrays
+    from accelsched import devices
 
-    if not hasattr(arrays, "to_host"):
+    if not hasattr(devices, "to_host"):
         pytest.skip("no to_host dispatch")
     buf = device_alloc(MiB, device=0, value=[1, 2])
-    host = arrays.to_host(buf)
+    host = devices.to_host(buf)
     assert (host.device, host.nbytes, host.value) == (None, MiB, [1, 2])
     assert buf.device == 0
 

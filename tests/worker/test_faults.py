@@ -15,7 +15,7 @@ from distributed import Event, Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.devices.nvml import NVMLMonitor
+from accelsched.devices import NVMLMonitor
 from accelsched.policy.leak import DeviceHealth
 from accelsched.testing import fake_gpus, standin
 from tests.utils import (

@@ -44,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
 def cached_on_device_0() -> int:
     """Bytes the simulated pool of this worker process caches on CUDA device 0."""
-    from accelsched.devices.pool import POOLS
+    from accelsched.devices import POOLS
     from accelsched.testing import SimulatedPool
 
     (pool,) = [p for p in POOLS if isinstance(p, SimulatedPool)]

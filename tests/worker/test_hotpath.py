@@ -10,13 +10,11 @@ from typing import Any
 import pytest
 from dask._task_spec import Task
 
-from accelsched.devices.nvml import MemoryReading, NVMLMonitor
-from accelsched.policy.leak import Attribution
-from accelsched.policy.sampling import MAX_GAP
+from accelsched.devices import MemoryReading, NVMLMonitor
+from accelsched.policy.leak import MAX_GAP, Attribution
 from accelsched.testing import create_context, device_alloc
-from accelsched.worker.binder import Binder
-from accelsched.worker.ledger import LEARN, MEASURE, SKIP, Ledger
-from accelsched.worker.pool_freer import PoolFreer
+from accelsched.worker.guard_plugin import Binder, PoolFreer
+from accelsched.worker.leak_check import LEARN, MEASURE, SKIP, Ledger
 from tests.utils import MiB, inc, marked_warm_up, warm_up
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")

@@ -11,7 +11,7 @@ from distributed import Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.devices.arrays import knows
+from accelsched.devices import knows
 from accelsched.policy.leak import Attribution
 from accelsched.testing import device_alloc
 from tests.utils import (
@@ -72,7 +72,7 @@ def test_attribution_ranks_by_bytes_per_device() -> None:
 
 
 def test_a_lease_proves_it_was_alone_for_the_whole_run() -> None:
-    from accelsched.policy.leases import LeaseTable
+    from accelsched.policy.requirements import LeaseTable
 
     t = LeaseTable([0, 1])
     t.grant("a", 0.5)
@@ -193,8 +193,8 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     reading: that reading must not become the next task's base (it still counts the
     released bytes, so the next task's growth would come out short by them). The real
     monitor on the fake GPUs; the release is run inside the reading to pin the order."""
-    from accelsched.devices.nvml import MemoryReading, NVMLMonitor
-    from accelsched.worker.ledger import Ledger
+    from accelsched.devices import MemoryReading, NVMLMonitor
+    from accelsched.worker.leak_check import Ledger
 
     class Racing(NVMLMonitor):
         race: list = []
@@ -208,12 +208,12 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     monitor = Racing()
     ledger = Ledger(monitor)
     released = [device_alloc(64 * MiB, device=0)]  # a result in memory
-    base, _ = ledger.before((0,))
+    base, _, _ = ledger.take_base((0,), None)
     assert base is not None
     result = device_alloc(MiB, device=0)
 
     def release() -> None:  # the key released on the event loop, its bytes given back
-        from accelsched.devices.pool import active_pools
+        from accelsched.devices import active_pools
 
         released.clear()
         for pool in active_pools():
@@ -224,7 +224,7 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     ledger.after("k", base, result)
     now = ledger.read(0)[0]
     assert now is not None and now <= base[0] + MiB - 64 * MiB
-    assert ledger.before((0,))[0] == {0: now}
+    assert ledger.take_base((0,), None)[0] == {0: now}
 
 
 @accelsched.gpu
@@ -236,8 +236,8 @@ def frame_in_fixed_pool(nbytes: int, value: int) -> Frame:
 
 
 def test_a_reserve_net_of_its_free_part() -> None:
-    from accelsched.devices.pool import PoolStats
-    from accelsched.worker.ledger import net_of_pools
+    from accelsched.devices import PoolStats
+    from accelsched.worker.leak_check import net_of_pools
 
     # a 4 GiB reserve with 1 GiB in use: that GiB counts, the free 3 GiB do not
     assert net_of_pools(5 * 2**30, PoolStats(fixed=4 * 2**30, fixed_free=3 * 2**30)) == 2**31

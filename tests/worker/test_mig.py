@@ -16,7 +16,7 @@ from distributed import Nanny, wait
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.devices.nvml import NVMLMonitor, Visible, resolve_devices
+from accelsched.devices import NVMLMonitor, Visible, resolve_devices
 from accelsched.policy.ownership import owned
 from accelsched.testing import FakeGPUs, device_alloc, fake_gpus, state
 from tests.utils import (
@@ -75,7 +75,7 @@ def test_visible_devices_as_cuda_enumerates_them(value, expected) -> None:
 
 
 def test_a_second_mig_device_is_left_out_with_a_warning(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="accelsched.devices.nvml"):
+    with caplog.at_level(logging.WARNING, logger="accelsched.devices"):
         resolve_devices(["MIG-a0", "MIG-a1"], GPUS, UNDER)
     assert "second MIG device" in caplog.text and "MIG-a1" in caplog.text
 

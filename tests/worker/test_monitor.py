@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from accelsched.devices.backend import cuda
-from accelsched.devices.nvml import NVMLMonitor
+from accelsched.devices import NVMLMonitor, cuda
 from accelsched.testing import create_context, device_alloc, fake_gpus
 from accelsched.testing.nvml_backend import SimulatedCuda
 
@@ -57,7 +56,7 @@ def test_foreign_pid_namespace_falls_back_to_device_wide(fake_gpus_2) -> None:
 def test_no_nvml_library_means_zero_gpus_and_one_log_line() -> None:
     code = (
         "import logging; logging.basicConfig(level=logging.INFO);"
-        "from accelsched.devices.nvml import NVMLMonitor;"
+        "from accelsched.devices import NVMLMonitor;"
         "m = NVMLMonitor(); print(len(m.devices()), len(NVMLMonitor().devices()), m.reason)"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELSCHED_", "LD_LIBRARY"))}

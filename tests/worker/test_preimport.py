@@ -12,7 +12,7 @@ from distributed import Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.worker.preimport import preimport
+from accelsched.worker.guard_plugin import preimport
 from tests.utils import TWO_GPU_WORKERS, gpus, run_python, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
@@ -23,7 +23,7 @@ pytest.importorskip("pandas")
 #: ``preimport`` of the modules named in argv[1] (comma-separated, may be empty).
 RACE = """
 import importlib, sys, threading
-from accelsched.worker.preimport import preimport
+from accelsched.worker.guard_plugin import preimport
 preimport(tuple(m for m in sys.argv[1].split(",") if m))
 mods = ["dask.dataframe.dask_expr._expr", "dask.dataframe", "dask.dataframe.methods",
         "dask.dataframe.dispatch", "dask.dataframe.backends", "dask.dataframe.dask_expr",
