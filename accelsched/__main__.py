@@ -1,6 +1,6 @@
 import sys
 
-from accelsched.cli.main import main
+from accelsched.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,7 +35,7 @@ import click
 
 from accelsched import config, internals
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option, config_value
-from accelsched.internals import preloading
+from accelsched.internals import servers
 from accelsched.internals.forkserver import FastRestart
 from accelsched.protocol import GUARD_PLUGIN
 from accelsched.scheduler.placement_plugin import PlacementPlugin
@@ -164,7 +164,7 @@ async def setup_server(server: Any, invalid: str | None = None, **given: Any) ->
         logger.error("accelsched: %s; stopping this %s", message, type(server).__name__.lower())
         exit_nonzero_after_the_command()
         server.loop.add_callback(
-            preloading.stop,
+            servers.stop,
             server,
             reason=f"accelsched-preload-failed: {message}",
             in_nanny=exit_nonzero_after_the_command,
@@ -179,7 +179,7 @@ async def _install(server: Any, given: dict[str, Any]) -> None:
         placement = PlacementPlugin(**placement_options)  # validated: a bad value stops here
         guard = GuardPlugin(**guard_options)
         fast = FastRestart() if guard.options["fast_restart"] else None
-        await preloading.install_on_scheduler(server, placement, guard, fast)
+        await servers.install_on_scheduler(server, placement, guard, fast)
         logger.info(
             "accelsched: PlacementPlugin installed, GuardPlugin handed to every worker "
             "(placement %s, guard %s)",

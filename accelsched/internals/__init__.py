@@ -13,33 +13,27 @@ like accelsched simply not placing or binding. :func:`check_scheduler` and
 relies on, and fail the registration with :class:`IncompatibleDistributed` naming what
 changed and the versions known to work. ``docs/architecture.md`` lists each use and why.
 
-The door is this package: one function per need, grouped by what it touches
-(:mod:`.contract`, :mod:`.servers`, :mod:`.scheduler`, :mod:`.restarting`, :mod:`.worker`,
-:mod:`.diagnostics`, :mod:`.metrics_and_pages`; the nanny's :mod:`.forkserver` is imported
-where used),
-all re-exported here so callers write ``internals.spawn(...)``.
+The door is this package: one function per need, grouped by the side it touches
+(:mod:`.contract`; :mod:`.servers`, either side's server and preloads; :mod:`.scheduler`;
+:mod:`.worker`; :mod:`.client_side`, the command line's, elastic pools' and testing's;
+the nanny's :mod:`.forkserver`, imported where used), all re-exported here so callers
+write ``internals.spawn(...)``.
 """
 
+from accelsched.internals.client_side import (
+    add_spec_worker,
+    distributed_nvml_state,
+    reset_distributed_nvml,
+    restore_distributed_nvml,
+)
 from accelsched.internals.contract import (
     TESTED_DISTRIBUTED,
     IncompatibleDistributed,
     check_scheduler,
     check_worker,
 )
-from accelsched.internals.diagnostics import (
-    add_spec_worker,
-    distributed_nvml_state,
-    reset_distributed_nvml,
-    restore_distributed_nvml,
-)
-from accelsched.internals.metrics_and_pages import (
-    add_dashboard_page,
-    add_metric,
-    remove_metric,
-    worker_metric,
-)
-from accelsched.internals.restarting import has_running_peer, replace_worker, resume, take_share
 from accelsched.internals.scheduler import (
+    add_dashboard_page,
     annotate,
     apply_resources,
     busy,
@@ -48,21 +42,26 @@ from accelsched.internals.scheduler import (
     fail_task,
     gpu_busy,
     harden_restrictions,
+    has_running_peer,
     largest_gpu_count,
     notify_unregistered,
     offer_unrunnable,
     ready_tasks,
     release_unfit,
+    replace_worker,
     restore_handler,
     restrict_to_own,
     restricted_to,
+    resume,
     run_now,
     set_resource_restrictions,
     set_worker_gpus,
     share_worker_restriction,
     take_restricted_hosts,
+    take_share,
     task_spec,
     unrunnable,
+    worker_metric,
     worker_plugin_registered,
     wrap_handler,
 )
@@ -76,9 +75,11 @@ from accelsched.internals.servers import (
 )
 from accelsched.internals.worker import (
     Bound,
+    add_metric,
     advertises_gpus,
     declared_gpus,
     plugin_modules,
+    remove_metric,
     runs_in_thread,
     set_own_gpus,
     stored_value,

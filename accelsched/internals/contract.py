@@ -179,9 +179,9 @@ def check_worker(worker: Worker) -> None:
         for n in ("run_spec", "annotations", "resource_restrictions", "previous", "done")
         if n not in fields
     ]
-    from accelsched.internals import nvml_start
+    from accelsched.internals import forkserver
 
-    problems += nvml_start.missing()  # a restarted worker starts while its GPU fails NVML
+    problems += forkserver.missing()  # a restarted worker starts while its GPU fails NVML
     try:
         from dask._task_spec import GraphNode, Task, TaskRef  # noqa: F401
     except ImportError:

@@ -1,4 +1,5 @@
-"""The worker's state: its declaration, its stored results, a task's execution."""
+"""The worker's state: its declaration, its stored results, a task's execution, the
+figures its heartbeat carries."""
 
 from __future__ import annotations
 
@@ -212,3 +213,20 @@ def wrap_task(spec: Any, runner: Runner) -> Any:
     if isinstance(spec, Bound):
         return spec
     return Bound(spec, runner)
+
+
+def add_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
+    """Send ``fn(worker)`` with every heartbeat under ``name`` (a custom worker metric:
+    ``Worker.metrics`` is read at each heartbeat, so one added later still travels).
+
+    The dict is replaced, never changed in place: ``Worker.get_metrics`` awaits between
+    its items, so a guard set up during a heartbeat would change it mid-iteration
+    (``RuntimeError: dictionary changed size during iteration``).
+    """
+    worker.metrics = {**worker.metrics, name: fn}
+
+
+def remove_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
+    """Stop sending ``name``, if it is still ``fn`` (not a newer guard's)."""
+    if worker.metrics.get(name) == fn:
+        worker.metrics = {k: v for k, v in worker.metrics.items() if k != name}

@@ -30,8 +30,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from accelsched import events, internals
-from accelsched.display import metrics
+from accelsched import display, events, internals
 from accelsched.policy.requests import Requests
 from accelsched.protocol import (
     GPU,
@@ -80,7 +79,7 @@ class DeviceReports:
         self._active = active
         self._gained = gained
         internals.wrap_handler(scheduler, "set_resources", self.set_resources)
-        metrics.gpus_from(self._grants.gauge)
+        display.gpus_from(self._grants.gauge)
         for ws in list(scheduler.workers.values()):
             self.add_worker(ws)
 
@@ -108,7 +107,7 @@ class DeviceReports:
 
     def close(self) -> None:
         """The gauge no longer reads these grants."""
-        metrics.stop_gpus(self._grants.gauge)
+        display.stop_gpus(self._grants.gauge)
 
     def remove_worker(self, worker: str) -> None:
         """Free the worker's GPUs (workers refused one of them, or sharing one, are asked
