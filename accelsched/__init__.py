@@ -103,9 +103,8 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     placement = PlacementPlugin(**_config.only(_config.PLACEMENT_OPTIONS, options))
     guard = GuardPlugin(**_config.only(_config.GUARD_OPTIONS, options))
     placement.idempotent = guard.idempotent = True  # type: ignore[attr-defined]
-    plugins: list[Any] = [placement, guard]
-    if guard.options["fast_restart"]:  # nannies fork new worker processes from a server
-        plugins.append(FastRestart())
+    # with fast_restart, nannies fork new worker processes from a server
+    plugins = [placement, guard, *([FastRestart()] if guard.options["fast_restart"] else [])]
     built = {"placement": placement.options, "guard": guard.options}
 
     async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:

@@ -48,6 +48,7 @@ It steps aside where the operator said more:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -121,8 +122,7 @@ class Option:
 def refuse_unknown(given: Collection[str], options: tuple[Option, ...], owner: str) -> None:
     """``TypeError`` naming the options in ``given`` that are none of ``options``."""
     known = {o.name for o in options}
-    unknown = sorted(set(given) - known)
-    if unknown:
+    if unknown := sorted(set(given) - known):
         raise TypeError(
             f"{owner} got unknown option(s) {', '.join(map(repr, unknown))}; "
             f"valid options: {', '.join(sorted(known))}"
@@ -214,12 +214,9 @@ def number(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[st
     def parse(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (kind, int, str)):
             raise _bad(name, value, expected, TypeError)
-        try:
-            n = kind(value)
-            if ok(n):
+        with contextlib.suppress(ValueError):
+            if ok(n := kind(value)):
                 return n
-        except ValueError:
-            pass
         raise _bad(name, value, expected)
 
     return parse
@@ -270,8 +267,7 @@ def parse_threshold(name: str, value: Any) -> Threshold:
     except ValueError:
         f = None
     if f is None:
-        n = parse_size(name, value, expected)
-        if n == 0:
+        if (n := parse_size(name, value, expected)) == 0:
             raise _bad(name, value, expected)
         return Threshold(nbytes=n)
     if 0 < f < 1:
@@ -468,14 +464,6 @@ _FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
 _handler: logging.Handler | None = None
 
 
-class _WhileRootHasNoHandler(logging.Filter):
-    """Pass records only while the root logger has no handler: once the application
-    configured logging, its handlers print accelsched's records (they propagate)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not logging.getLogger().hasHandlers()  # the root's own (it has no parent)
-
-
 def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
     """Give the ``accelsched`` logger distributed's defaults (INFO, a stderr handler in
     its format) unless dask's ``logging`` config or the application set it up; True when
@@ -484,8 +472,11 @@ def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
     # where distributed looks for the logging keys: under ``distributed`` first, else at
     # the top (as ``distributed.config._find_logging_config``)
     nested = config.get("distributed", {})
-    keys = {"logging", "logging-file-config"}
-    base = nested if isinstance(nested, Mapping) and keys & nested.keys() else config
+    base = (
+        nested
+        if isinstance(nested, Mapping) and {"logging", "logging-file-config"} & nested.keys()
+        else config
+    )
     short = base.get("logging", {})
     if (
         "logging-file-config" in base
@@ -500,8 +491,12 @@ def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
     global _handler
     if _handler is None:
         _handler = logging.StreamHandler(sys.stderr)
-        fmt = dask.config.get("distributed.admin.log-format", _FORMAT)
-        _handler.setFormatter(logging.Formatter(fmt))
-        _handler.addFilter(_WhileRootHasNoHandler())
+        _handler.setFormatter(
+            logging.Formatter(dask.config.get("distributed.admin.log-format", _FORMAT))
+        )
+        # records pass only while the root logger has no handler (its own: it has no
+        # parent): once the application configured logging, its handlers print
+        # accelsched's records (they propagate)
+        _handler.addFilter(lambda record: not logging.getLogger().hasHandlers())
         logger.addHandler(_handler)
     return True

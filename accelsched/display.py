@@ -136,8 +136,8 @@ def quarantine_text(reason: str | None) -> str:
 def one_line(exc: BaseException) -> str:
     """An error as ``TypeName: detail`` on one line (an OSError by its ``strerror``): the
     detail may quote what a peer sent, so it is :func:`shown`."""
-    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    detail = shown(" ".join(detail.split()))
+    raw = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    detail = shown(" ".join(raw.split()))
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
@@ -189,8 +189,11 @@ def summary(snap: StatusReply) -> str:
         f"{snap['fallbacks']} fallbacks"
     )
     if waiting := snap.get("waiting"):  # a scheduler of an earlier accelsched has none
-        why = ", ".join(f"{n} {reason}" for reason, n in waiting.items())
-        line += f"; {sum(waiting.values())} GPU tasks waiting ({why})"
+        line += (
+            f"; {sum(waiting.values())} GPU tasks waiting ("
+            + ", ".join(f"{n} {reason}" for reason, n in waiting.items())
+            + ")"
+        )
     if not snap["guard"]:
         line += " (no GuardPlugin registered: no GPU is verified)"
     return line
@@ -204,19 +207,19 @@ def render(snap: StatusReply) -> str:
     widths = {c: max([len(h)] + [len(v) for v in rows[c]]) for c, h in columns}
     # the PlacementPlugin's options in effect (``register``'s keywords, in seconds); a
     # scheduler of an earlier accelsched has none
-    options = snap.get("options")
-    lines = [
-        f"scheduler {shown(snap['scheduler'])}: {summary(snap)}",
-        "options: not reported (an earlier accelsched)"
-        if options is None
-        else "options: " + ", ".join(f"{k}={shown(v)}" for k, v in options.items()),
-        "  ".join(h.ljust(widths[c]) for c, h in columns).rstrip(),
-        *(
-            "  ".join(rows[c][i].ljust(widths[c]) for c, _ in columns).rstrip()
-            for i in range(len(rows["worker"]))
-        ),
-    ]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            f"scheduler {shown(snap['scheduler'])}: {summary(snap)}",
+            "options: not reported (an earlier accelsched)"
+            if (options := snap.get("options")) is None
+            else "options: " + ", ".join(f"{k}={shown(v)}" for k, v in options.items()),
+            "  ".join(h.ljust(widths[c]) for c, h in columns).rstrip(),
+            *(
+                "  ".join(rows[c][i].ljust(widths[c]) for c, _ in columns).rstrip()
+                for i in range(len(rows["worker"]))
+            ),
+        ]
+    )
 
 
 def snapshot(client: Client) -> StatusReply | None:
@@ -264,17 +267,14 @@ def count_event(msg: Mapping[str, Any]) -> None:
     grow the registry.
     """
     c = _collectors()
-    if c is None:
-        return
     action = msg.get("action")
-    if not isinstance(action, str) or action not in events.ACTIONS:
+    if c is None or not isinstance(action, str) or action not in events.ACTIONS:
         return
     # a burst of fallbacks comes as one event with its size (``count``)
     count = _number(msg.get("count", 1)) if action == events.FALLBACK else 1
     c["events"].labels(action=action).inc(count if count is not None else 1)
     if action == events.FALLBACK:
-        reason = msg.get("reason")
-        reason = reason if isinstance(reason, str) and reason in _REASONS else "other"
+        reason = r if isinstance(r := msg.get("reason"), str) and r in _REASONS else "other"
         c["fallback_wait"].labels(reason=reason).observe(_number(msg.get("waited", 0)) or 0)
     elif action == events.LEAK:
         c["leaked"].observe(_number(msg.get("nbytes", 0)) or 0)
@@ -377,19 +377,16 @@ class Page:
             height=32 + 26,  # a heading and a row, as update() sizes it
             sizing_mode="stretch_width",
         )
-        self.estimates = ColumnDataSource(
-            {"xs": [], "ys": [], "label": [], "color": []}, name="accelsched-estimates"
+        self.estimates, self.thresholds, self.leak_marks, self.events, self.fallback_steps = (
+            ColumnDataSource({f: [] for f in fields.split()}, name=f"accelsched-{name}")
+            for name, fields in (
+                ("estimates", "xs ys label color"),
+                ("thresholds", "xs ys label color"),
+                ("leak-marks", "x y label"),
+                ("events", "x top label color"),
+                ("fallback-steps", "x y"),
+            )
         )
-        self.thresholds = ColumnDataSource(
-            {"xs": [], "ys": [], "label": [], "color": []}, name="accelsched-thresholds"
-        )
-        self.leak_marks = ColumnDataSource(
-            {"x": [], "y": [], "label": []}, name="accelsched-leak-marks"
-        )
-        self.events = ColumnDataSource(
-            {"x": [], "top": [], "label": [], "color": []}, name="accelsched-events"
-        )
-        self.fallback_steps = ColumnDataSource({"x": [], "y": []}, name="accelsched-fallback-steps")
 
         self.leak_figure = figure(
             title="Leak estimate per worker and GPU (MiB), threshold dashed",
@@ -439,9 +436,7 @@ class Page:
         self.summary.text = f"<b>accelsched</b>: {html.escape(summary(snap))}"
         self.rows.data = table_rows(snap)
         self.table.height = 32 + 26 * max(len(self.rows.data["worker"]), 1)
-        self._draw_history(history, snap["time"])
-
-    def _draw_history(self, history: Any, now: float) -> None:
+        # the history: estimates and thresholds, events, fallbacks until now
         series = sorted(history.series.items())
         lines = [
             [
@@ -480,6 +475,6 @@ class Page:
             "color": ["black" if m.action == "restart" else "orange" for m in others],
         }
         steps = [(t * 1000, n) for t, n in history.fallbacks]
-        steps = [(steps[0][0], 0), *steps] if steps else [(now * 1000, 0)]
-        steps.append((now * 1000, steps[-1][1]))
+        steps = [(steps[0][0], 0), *steps] if steps else [(snap["time"] * 1000, 0)]
+        steps.append((snap["time"] * 1000, steps[-1][1]))
         self.fallback_steps.data = {"x": [x for x, _ in steps], "y": [y for _, y in steps]}

@@ -88,11 +88,12 @@ def restore_distributed_nvml(saved: tuple[Any, ...] | None) -> None:
         saved = (nvml.NVMLState.UNINITIALIZED, None, False, False)
     nvml.NVML_STATE, nvml.NVML_OWNER_PID, had_metrics, had_startup = saved
     worker: Any = sys.modules.get("distributed.worker")
-    if worker is not None:
-        if not had_metrics:
-            worker.DEFAULT_METRICS.pop("gpu", None)
-        if not had_startup:
-            worker.DEFAULT_STARTUP_INFORMATION.pop("gpu", None)
+    for table, had in (
+        ("DEFAULT_METRICS", had_metrics),
+        ("DEFAULT_STARTUP_INFORMATION", had_startup),
+    ):
+        if worker is not None and not had:
+            getattr(worker, table).pop("gpu", None)
 
 
 def add_spec_worker(cluster: Any, name: str, spec: dict[str, Any]) -> None:

@@ -125,7 +125,33 @@ class FastRestart(NannyPlugin):
             if not _users:
                 _saved.append(dask.config.set({METHOD_KEY: "forkserver"}))
             _users.add(id(nanny))
-            _ensure_server()
+            from distributed.utils import get_mp_context
+
+            # the server, started now (or again where the environment or the preload
+            # changed). distributed sets its own preload list, once per process
+            ctx = get_mp_context()
+            server: Any = forkserver._forkserver
+            modules = list(server._preload_modules)
+            wanted = modules + [m for m in PRELOAD if m not in modules]
+            env = dict(os.environ)
+            stale = _started.get("env") != env or _started.get("preload") != wanted
+            if server._forkserver_pid is not None and stale:
+                # forget the running server; the next start makes a new one. The old one
+                # exits once the worker processes it forked have (each holds its liveness
+                # pipe, so waiting for it here, as ``ForkServer._stop`` does, would wait
+                # for them), and is reaped then
+                logger.info(
+                    "accelsched: starting the fork server again (environment or preload changed)"
+                )
+                with server._lock:
+                    pid = server._forkserver_pid
+                    os.close(server._forkserver_alive_fd)
+                    server._forkserver_alive_fd = server._forkserver_pid = None
+                    server._forkserver_address = None
+                threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True, name="reap").start()
+            ctx.set_forkserver_preload(wanted)
+            server.ensure_running()
+            _started.update(env=env, preload=wanted)
 
     def teardown(self, nanny: Any) -> None:
         """``nanny`` closed: once no nanny of this process uses it, the method is what it
@@ -134,33 +160,6 @@ class FastRestart(NannyPlugin):
             _users.discard(id(nanny))
             if not _users and _saved:
                 _saved.pop().__exit__(None, None, None)
-
-
-def _ensure_server() -> None:
-    from distributed.utils import get_mp_context
-
-    ctx = get_mp_context()  # distributed sets its own preload list, once per process
-    server: Any = forkserver._forkserver
-    modules = list(server._preload_modules)
-    wanted = modules + [m for m in PRELOAD if m not in modules]
-    env = dict(os.environ)
-    stale = _started.get("env") != env or _started.get("preload") != wanted
-    if server._forkserver_pid is not None and stale:
-        # forget the running server; the next start makes a new one. The old one exits
-        # once the worker processes it forked have (each holds its liveness pipe, so
-        # waiting for it here, as ``ForkServer._stop`` does, would wait for them), and is
-        # reaped then
-        logger.info("accelsched: starting the fork server again (environment or preload changed)")
-        with server._lock:
-            pid = server._forkserver_pid
-            os.close(server._forkserver_alive_fd)
-            server._forkserver_alive_fd = None
-            server._forkserver_pid = None
-            server._forkserver_address = None
-        threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True, name="reap").start()
-    ctx.set_forkserver_preload(wanted)
-    server.ensure_running()
-    _started.update(env=env, preload=wanted)
 
 
 #: What the wrapper relies on in ``distributed.diagnostics.nvml``.

@@ -142,8 +142,7 @@ def harden_restrictions(ts: TaskState) -> None:
     on a GPU-less worker raises in its ``acquire_resources`` and wedges."""
     if ts.loose_restrictions:
         ts.loose_restrictions = False
-        ts.worker_restrictions = None
-        ts.host_restrictions = None
+        ts.worker_restrictions = ts.host_restrictions = None
 
 
 def set_resource_restrictions(ts: TaskState, restrictions: dict[str, float]) -> None:
@@ -161,8 +160,10 @@ def drop_annotated_resource(ts: TaskState, name: str) -> None:
     annotations = ts.annotations or {}
     resources = annotations.get("resources")
     if isinstance(resources, dict) and name in resources:
-        kept = {k: v for k, v in resources.items() if k != name}
-        ts.annotations = {**annotations, "resources": kept}
+        ts.annotations = {
+            **annotations,
+            "resources": {k: v for k, v in resources.items() if k != name},
+        }
 
 
 def run_now(scheduler: Scheduler, keys: list[Any], stimulus_id: str) -> None:
@@ -293,7 +294,15 @@ async def replace_worker(
     scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
     assigned = len(ws.processing)
     await tell_draining(True)  # its guard sends GPU tasks back as they reach execution
-    _send_queue_away(scheduler, ws)  # what has not started moves to peers
+    # what has not started moves to the least busy peer that may run it. Without work
+    # stealing, the guard sends the tasks back one by one as they reach execution
+    # instead; a drained worker would otherwise work through its whole queue, each task
+    # bounced through its thread pool (``Reschedule``): a second or more for a thousand
+    for ts in list(ws.processing):
+        valid = scheduler.valid_workers(ts)
+        peers = [w for w in (scheduler.running if valid is None else valid) if w is not ws]
+        if peers:
+            _steal(scheduler, ts, ws, min(peers, key=lambda w: len(w.processing)))
     deadline = monotonic() + drain_timeout
     while ws.processing and monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -334,9 +343,12 @@ async def _retire(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> bo
     scheduler._ongoing_background_tasks.call_soon(retirement)
     await asyncio.sleep(0)  # retire_workers marked it retiring and kicked the memory manager
     while not outcome:
-        # every key it holds has another copy, and it is still the registered one
-        registered = scheduler.workers.get(ws.address) is ws
-        if WATCH_RETIREMENT and registered and not _holds_sole_copy(ws):
+        # it is still the registered one, and every key it holds has another copy
+        if (
+            WATCH_RETIREMENT
+            and scheduler.workers.get(ws.address) is ws
+            and not _holds_sole_copy(ws)
+        ):
             return True
         await asyncio.sleep(RETIRE_POLL)
     if isinstance(outcome[0], Exception):
@@ -369,19 +381,6 @@ def _steal(scheduler: Scheduler, ts: Any, victim: WorkerState, thief: WorkerStat
     if stealing is None:
         return False
     return stealing.move_task_request(ts, victim, thief) not in ("in-flight", "comm-closed")
-
-
-def _send_queue_away(scheduler: Scheduler, ws: WorkerState) -> None:
-    """Ask ``ws`` to hand each task queued on it to the least busy peer that may run it.
-    Without work stealing, the guard sends the tasks back one by one as they reach
-    execution instead; a drained worker would otherwise work through its whole queue,
-    each task bounced through its thread pool (``Reschedule``): a second or more for a
-    queue of a thousand."""
-    for ts in list(ws.processing):
-        valid = scheduler.valid_workers(ts)
-        peers = [w for w in (scheduler.running if valid is None else valid) if w is not ws]
-        if peers:
-            _steal(scheduler, ts, ws, min(peers, key=lambda w: len(w.processing)))
 
 
 def take_share(scheduler: Scheduler, ws: WorkerState) -> int:
