@@ -22,7 +22,7 @@ Without ``prometheus_client`` they do nothing.
 **The dashboard page** ``/accelsched``: built with Bokeh the way distributed builds its
 own pages (a component with ``root`` and ``update``, refreshed by a periodic callback,
 rendered in distributed's page template and theme), from the same snapshot as ``accelsched status``
-(:class:`~accelsched.scheduler.snapshot.StatusHistory`):
+(:class:`~accelsched.scheduler.grants.StatusHistory`):
 
 - a table, one row per worker and verified GPU: name, memory, UUID, leases in use, leak
   estimate against its threshold, restarts, leaks, reclaimed leaks, fallbacks, quarantine;
@@ -346,7 +346,7 @@ def install(scheduler: Scheduler) -> bool:
 
 
 def status_history_of(scheduler: Scheduler) -> Any:
-    """The registered PlacementPlugin's :class:`~accelsched.scheduler.snapshot.StatusHistory`
+    """The registered PlacementPlugin's :class:`~accelsched.scheduler.grants.StatusHistory`
     (None when accelsched is unregistered); read, not imported: the page sits below it."""
     history = getattr(scheduler.plugins.get(PLACEMENT_PLUGIN), "status_history", None)
     return history if getattr(history, "scheduler", None) is scheduler else None

@@ -15,7 +15,7 @@ from distributed.core import Status
 from distributed.utils_test import gen_cluster
 
 import accelsched
-import accelsched.scheduler.scheduler_actor as actor_module
+import accelsched.scheduler.placement_plugin as actor_module
 from accelsched import GuardPlugin
 from accelsched.devices.arrays import to_host
 from accelsched.protocol import GUARD_PLUGIN

@@ -3,7 +3,7 @@
 distributed's Active Memory Manager has its policies yield ``Suggestion`` objects and
 acts on them in one place; accelsched does the same. Every decision in this folder that
 calls for an action answers with :class:`Proposal` objects; nothing here acts. On the
-scheduler, :mod:`accelsched.scheduler.scheduler_actor` carries them out; on a worker,
+scheduler, :mod:`accelsched.scheduler.placement_plugin` carries them out; on a worker,
 :class:`accelsched.worker.leak_check.WorkerActor`. A test can therefore check a decision
 by the proposals it returns, with numbers, and check an actor by the proposals it is given.
 """
@@ -62,7 +62,7 @@ class Proposal:
 
 class Act(Protocol):
     """How a part hands its proposals to its side's actor (on the scheduler,
-    :meth:`accelsched.scheduler.scheduler_actor.SchedulerActor.act`; ``keep_devices``: a
+    :meth:`accelsched.scheduler.placement_plugin.SchedulerActor.act`; ``keep_devices``: a
     restart asked for a failed device keeps the worker's other GPUs in placement)."""
 
     def __call__(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None: ...

@@ -1,4 +1,5 @@
-"""Which requests from workers to act on: decisions only, no distributed import.
+"""Which requests from workers to act on, and how many restarts: decisions only, no
+distributed import.
 
 Nothing here authenticates anyone: in distributed, anyone connected is trusted (any
 client may run code on the scheduler; TLS keeps strangers out; docs/architecture.md).
@@ -9,11 +10,27 @@ for and the process that sent it (distributed's ``Worker.id``, the scheduler's
 - a late request from a process that was replaced (a restart's second request, arriving
   after the new process registered at the same address) must not restart the fresh one;
 - a request handled twice (replayed, retried) is acted on once.
+
+How many guard restarts to allow (:class:`RestartBudget`): a worker that leaks on every
+task would otherwise be restarted in a loop, and several workers restarting at once can
+take a cluster's capacity down together. The budget allows ``max_restarts`` per worker
+per ``window`` seconds and ``max_concurrent`` restarts in flight across the cluster;
+past it the PlacementPlugin quarantines instead.
+
+:func:`admit_restart` answers a worker's restart request with a
+:class:`~accelsched.policy.proposals.Proposal` (``restart``, ``defer`` or
+``quarantine``) or None; :func:`restart_reply` is the reply the worker gets for it.
 """
 
 from __future__ import annotations
 
-__all__ = ["Requests"]
+from collections import deque
+from dataclasses import dataclass, field
+
+from accelsched.policy.proposals import Proposal
+from accelsched.protocol import RestartReply
+
+__all__ = ["Requests", "RestartBudget", "admit_restart", "restart_reply", "keeps_devices"]
 
 
 class Requests:
@@ -42,3 +59,109 @@ class Requests:
     def forget(self, worker: str) -> None:
         """The worker left: a process registering at its address starts afresh."""
         self._seen.pop(worker, None)
+
+
+@dataclass
+class RestartBudget:
+    """The restarts allowed (the options, validated where they are read:
+    :data:`accelsched.config.PLACEMENT_OPTIONS`) and those taken."""
+
+    max_restarts: int
+    window: float
+    max_concurrent: int = 1
+    _history: dict[str, deque[float]] = field(default_factory=dict)
+    _in_flight: set[str] = field(default_factory=set)
+
+    def recent(self, key: str, now: float) -> int:
+        """Restarts of ``key`` within the window ending at ``now``."""
+        history = self._history.get(key, deque())
+        while history and history[0] <= now - self.window:
+            history.popleft()
+        if not history:  # workers come and go: keep only recent restarts
+            self._history.pop(key, None)
+        return len(history)
+
+    def request(self, key: str, now: float) -> str | None:
+        """Why ``key`` may not restart now (``in-flight``, ``budget``, ``concurrency``);
+        None: it may, and a restart that :meth:`done` ends starts."""
+        for other in list(self._history):
+            self.recent(other, now)  # forget keys whose restarts left the window
+        if key in self._in_flight:
+            return "in-flight"
+        if len(self._history.get(key, ())) >= self.max_restarts:
+            return "budget"
+        if len(self._in_flight) >= self.max_concurrent:
+            return "concurrency"
+        self._in_flight.add(key)
+        self._history.setdefault(key, deque()).append(now)
+        return None
+
+    def done(self, key: str, *, counted: bool = True) -> None:
+        """The restart of ``key`` ended; ``counted=False`` when it never happened."""
+        self._in_flight.discard(key)
+        if not counted and self._history.get(key):
+            self._history[key].pop()
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        return frozenset(self._in_flight)
+
+
+def admit_restart(
+    budget: RestartBudget,
+    key: str,
+    now: float,
+    *,
+    worker: str,
+    why: str,
+    has_nanny: bool,
+    has_peer: bool,
+) -> Proposal | None:
+    """What to do about ``worker``'s request to be restarted because of ``why``.
+
+    The request was admitted as the worker's own (a stranger's is refused before it
+    gets here: :class:`Requests`). ``has_nanny``: something can
+    start it again. ``has_peer``: another running worker can take its data. ``key``
+    identifies the worker across restarts (its nanny), for the budget.
+
+    ``restart`` (reason: ``why``, what its event says) starts it; ``defer`` (reason:
+    ``no-nanny``, ``no-peer``, ``concurrency``) means it cannot happen without loss now;
+    ``quarantine`` (reason ``budget``) means it restarted too often lately. None: nothing
+    to do (its restart is already under way). Only an admitted restart takes budget.
+    """
+    if not has_nanny:
+        return Proposal("defer", worker, "no-nanny")
+    if not has_peer:
+        return Proposal("defer", worker, "no-peer")
+    refusal = budget.request(key, now)
+    if refusal is None:
+        return Proposal("restart", worker, why)
+    if refusal == "in-flight":
+        return None
+    if refusal == "budget":
+        return Proposal("quarantine", worker, "budget")
+    return Proposal("defer", worker, refusal)
+
+
+def restart_reply(proposal: Proposal | None, *, authentic: bool = True) -> RestartReply:
+    """The ``accelsched_restart`` reply for what :func:`admit_restart` proposed.
+
+    The worker's guard reads it to know whether to ask again later: ``accepted`` (it
+    restarts), ``deferred`` with the reason (it may ask again), ``in-flight`` (already
+    restarting), ``refused`` (not its own request).
+    """
+    if proposal is None:
+        return {"status": "in-flight" if authentic else "refused"}
+    if proposal.action == "restart":
+        return {"status": "accepted"}
+    return {"status": "deferred", "reason": str(proposal.reason)}  # defer, quarantine
+
+
+def keeps_devices(why: str) -> bool:
+    """Whether a worker keeps its GPUs in placement while its restart waits or fails.
+
+    A leaking worker must take no GPU task until it restarts (its GPUs are quarantined);
+    one that asked because a device failed has that device withdrawn already and goes on
+    with the devices that answer.
+    """
+    return why == "gpu-unhealthy"  # the reason its guard asks with

@@ -9,7 +9,7 @@ forgotten). A GPU task with a timeout that becomes unrunnable enters
 :func:`~accelsched.policy.timeouts.deadline`; a check pops only the tasks that are due and
 asks :func:`~accelsched.policy.timeouts.sweep` which fall back now. Its proposals (and an
 ``err`` for each task with an invalid annotation) go to the scheduler's actor
-(:mod:`accelsched.scheduler.scheduler_actor`), which has :meth:`Fallback.fall_back` lift
+(:mod:`accelsched.scheduler.placement_plugin`), which has :meth:`Fallback.fall_back` lift
 their GPU restriction (marking them, so the worker copies their device inputs to the
 host) and send them on, or :meth:`Fallback.err` err them. A check costs what is due, not
 what waits: nothing when no task has a timeout, O(k log n) for k due of n waiting. Checks
@@ -46,6 +46,15 @@ A requirement no verified device in the cluster meets is said once
 as any unplaced GPU task. A worker that sends such a task back (its device withdrawn:
 which one, the offer does not say) leaves the task's class until its devices are
 granted or offered again, so nothing bounces.
+
+What elastic pools ask (:meth:`Fallback.demand`, :meth:`Fallback.pools`):
+:func:`accelsched.adapt` asks ``accelsched_demand`` every interval for the GPU tasks by
+class (requirement and device count, as :meth:`Fallback.class_of` names them), the other
+tasks ready or running, and each worker (busy or not, its verified devices); it answers
+``accelsched_pools`` with the classes a starting worker will serve, which the fallback
+timers go by (:meth:`Fallback.pools`), and with its pools' names, by which ``accelsched
+status`` shows each worker's pool. One pass over the tasks ready or running per call:
+nothing is kept per task there.
 """
 
 from __future__ import annotations
@@ -63,8 +72,8 @@ from distributed.core import Status
 
 from accelsched import events, internals
 from accelsched.policy.leases import devices_needed
-from accelsched.policy.marks import find_mark, mark_problem
-from accelsched.policy.proposals import Proposal
+from accelsched.policy.marks import Mark, find_mark, mark_problem
+from accelsched.policy.proposals import Act, Proposal
 from accelsched.policy.requirements import (
     DeviceFacts,
     Requirement,
@@ -87,23 +96,25 @@ from accelsched.policy.timeouts import (
     sweep,
 )
 from accelsched.protocol import (
+    DEMAND_HANDLER,
     FALLBACK_ANNOTATION,
     GPU,
     GPU_MEMORY,
     INVALID_RESOURCE,
+    POOLS_HANDLER,
     REQUIREMENT_ANNOTATION,
     TIMEOUT_ANNOTATION,
-    DeviceRecord,
+    ClassDemand,
+    DemandReply,
+    WorkerDemand,
 )
+from accelsched.scheduler.grants import Grants, facts_of
 
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from accelsched.policy.marks import Mark
-    from accelsched.policy.proposals import Act
-    from accelsched.scheduler.grants import Grants
 
-__all__ = ["Eligible", "Fallback", "GpuTask", "facts_of"]
+__all__ = ["Eligible", "Fallback", "GpuTask"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,21 +137,6 @@ BENCH = 5.0
 NOWHERE = "accelsched://no-verified-device-meets-the-requirement"
 #: How distributed names the stimulus of a task its worker sent back (``Reschedule``).
 _SENT_BACK = "reschedule"
-
-
-def facts_of(record: DeviceRecord) -> DeviceFacts:
-    """A granted device as requirements see it (a guard's report, checked types)."""
-    cc = record.get("capability")
-    capability = (
-        (int(cc[0]), int(cc[1]))
-        if isinstance(cc, (list, tuple))
-        and len(cc) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1000 for v in cc)
-        else None
-    )
-    return DeviceFacts(
-        str(record["name"]), int(record["memory"]), capability, record.get("mig") is True
-    )
 
 
 #: Seconds what elastic pools last said of pools at their maximum holds (they say it
@@ -211,6 +207,10 @@ class Fallback:
         self._full_at = 0.0  # when elastic pools last said which are at their maximum
         self._bound = 0.0
         self.checks = 0  # checks completed (ticks and timers): "one ran since then"
+        #: The pools ``accelsched.adapt`` sizes (its last word): worker ``<pool>-<n>``.
+        self.pool_names: frozenset[str] = frozenset()
+        internals.install_handler(scheduler, DEMAND_HANDLER, self.demand)
+        internals.install_handler(scheduler, POOLS_HANDLER, self.pools)
         internals.start_periodic(scheduler, _PERIODIC, self.check, interval)
         internals.start_periodic(scheduler, _WAITING, self.tick, TICK)
         internals.wrap_handler(scheduler, "set_restrictions", self.set_restrictions)
@@ -262,6 +262,8 @@ class Fallback:
         internals.stop_periodic(self.scheduler, _PERIODIC)
         internals.stop_periodic(self.scheduler, _WAITING)
         internals.restore_handler(self.scheduler, "set_restrictions")
+        internals.remove_handler(self.scheduler, DEMAND_HANDLER, self.demand)
+        internals.remove_handler(self.scheduler, POOLS_HANDLER, self.pools)
 
     def set_restrictions(self, original: Callable[..., Any], worker: dict) -> None:
         """distributed's ``set_restrictions`` handler (``Client.set_restrictions``): a
@@ -475,23 +477,6 @@ class Fallback:
             devices = devices_needed((ts.resource_restrictions or {}).get(GPU, 1))
         return f"{devices}x {need.label()}", need, devices
 
-    def expect(self, coming: dict[str, float], full: dict[str, list[str]], bound: float) -> None:
-        """Elastic pools say which classes a starting worker serves, for how many more
-        seconds (``coming``), and which wait on pools at their maximum (``full``).
-
-        A promise once made keeps counting for the tasks that waited then
-        (:func:`~accelsched.policy.scaling.counted_from`), at most ``bound`` seconds past
-        when each became unrunnable.
-        """
-        now = monotonic()
-        self._bound = bound
-        for name, until in list(self._coming.items()):  # promises past: forgotten
-            if until + bound < now:
-                del self._coming[name]
-        for name, seconds in coming.items():
-            self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
-        self._full, self._full_at = full, now
-
     def _due(self, key: Hashable, task: GpuTask, at: float | None) -> None:
         task.due = at
         if at is not None:
@@ -634,3 +619,108 @@ class Fallback:
                 waiting=len(waiting[reason]),
                 keys=[str(k) for k in waiting[reason][:EXAMPLES]],
             )
+
+    # --- what elastic pools ask ---------------------------------------------------------
+
+    def demand(self, comm: Any = None) -> DemandReply:
+        """The ``accelsched_demand`` reply: the work waiting and running, by GPU class."""
+        gpu: dict[str, ClassDemand] = {}
+        cpu_tasks, cpu_seconds = 0, 0.0
+        for ts in internals.ready_tasks(self.scheduler):
+            task = self.tasks.get(ts.key)
+            seconds = internals.expected_seconds(self.scheduler, ts)
+            if task is None or task.fell_back or task.problem is not None:
+                cpu_tasks += 1
+                cpu_seconds += seconds
+                continue
+            name, need, devices = self.class_of(ts, task)
+            entry = gpu.get(name)
+            if entry is None:
+                entry = gpu[name] = {
+                    "name": name,
+                    "requirement": {
+                        "memory": need.memory,
+                        "model": need.model,
+                        "capability": None if need.capability is None else list(need.capability),
+                        "mig": need.mig,
+                    },
+                    "devices": devices,
+                    "waiting": 0,
+                    "running": 0,
+                    "seconds": 0.0,
+                }
+            entry["waiting" if ts.state == "no-worker" else "running"] += 1
+            entry["seconds"] += seconds
+        workers: list[WorkerDemand] = [
+            {
+                "name": str(ws.name),
+                "address": ws.address,
+                "busy": internals.busy(ws),
+                "gpu_busy": internals.gpu_busy(ws),
+                "gpus": len(self._grants.uuids(ws.address)),
+            }
+            for ws in self.scheduler.workers.values()
+        ]
+        return {
+            "status": "OK",
+            "gpu": list(gpu.values()),
+            "cpu_tasks": cpu_tasks,
+            "cpu_seconds": cpu_seconds,
+            "workers": workers,
+        }
+
+    def pools(
+        self,
+        comm: Any = None,
+        coming: Any = None,
+        full: Any = None,
+        bound: Any = 0.0,
+        pools: Any = None,
+    ) -> dict[str, str]:
+        """``accelsched_pools``: checked here (anyone connected may call it)."""
+        try:
+            c = {str(k): _seconds(v) for k, v in dict(coming or {}).items()}
+            f = {str(k): [str(p) for p in _names(v)] for k, v in dict(full or {}).items()}
+            b = _seconds(bound)
+            names = None if pools is None else frozenset(str(p) for p in _names(pools))
+        except (TypeError, ValueError):
+            return {"status": "invalid"}
+        # which classes a starting worker serves, for how many more seconds (c), and
+        # which wait on pools at their maximum (f); a promise once made keeps counting
+        # for the tasks that waited then (counted_from), at most b seconds past when
+        # each became unrunnable
+        now = monotonic()
+        self._bound = b
+        for name, until in list(self._coming.items()):  # promises past: forgotten
+            if until + b < now:
+                del self._coming[name]
+        for name, seconds in c.items():
+            self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
+        self._full, self._full_at = f, now
+        if names is not None:
+            self.pool_names = names
+        return {"status": "OK"}
+
+    def pool_of(self, worker: str) -> str | None:
+        """The pool of the worker named ``worker`` (``<pool>-<n>``), None outside any."""
+        pool, _, n = worker.rpartition("-")
+        return pool if n.isdigit() and pool in self.pool_names else None
+
+
+#: Longest a starting worker may hold a task's fallback back, whatever a caller says.
+MAX_BOUND = 3600.0
+
+
+def _names(value: Any) -> list[Any] | tuple[Any, ...]:
+    """A list of pool names (a tuple, as distributed's msgpack reads one); a string is
+    no list of them."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(value)
+    return value
+
+
+def _seconds(value: Any) -> float:
+    """A number of seconds between 0 and :data:`MAX_BOUND`; ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
+        raise ValueError(value)
+    return min(float(value), MAX_BOUND)

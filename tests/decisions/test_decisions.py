@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from accelsched.devices.nvml import MemoryReading
-from accelsched.policy.budget import RestartBudget, admit_restart, keeps_devices, restart_reply
 from accelsched.policy.leak import LeakDecisions, Use, classify
 from accelsched.policy.proposals import Proposal
+from accelsched.policy.requests import RestartBudget, admit_restart, keeps_devices, restart_reply
 from accelsched.policy.timeouts import (
     CHAIN,
     MAX_GPUS,
@@ -21,7 +21,7 @@ from accelsched.policy.timeouts import (
     summarise,
     sweep,
 )
-from accelsched.scheduler.scheduler_actor import SchedulerActor
+from accelsched.scheduler.placement_plugin import SchedulerActor
 
 # --- which tasks fall back now, and when to look again --------------------------------
 

@@ -6,8 +6,8 @@ import pytest
 
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
 from accelsched.devices.pool import PoolStats
-from accelsched.policy.budget import RestartBudget
 from accelsched.policy.leak import Attribution, DeviceRecord, LeakDecisions, Verdict, estimate
+from accelsched.policy.requests import RestartBudget
 from tests.utils import GiB, MiB
 
 

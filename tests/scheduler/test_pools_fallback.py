@@ -85,7 +85,7 @@ async def test_a_worker_is_in_the_pool_its_name_says(c, s, a):
     """The pools' names come with ``accelsched_pools``: worker ``<pool>-<n>`` is in
     ``pool``, any other name (another pool's, a suffix that is no number) in none."""
     await accelsched.register(c)
-    demand = s.plugins[PLACEMENT_PLUGIN].demand
+    demand = s.plugins[PLACEMENT_PLUGIN].fallback
     assert demand.pool_of("gpu-0") is None  # no pool said yet
     pools = getattr(c.scheduler, POOLS_HANDLER)
     assert await pools(coming={}, full={}, bound=1, pools=["gpu", "big.gpu"]) == {"status": "OK"}
