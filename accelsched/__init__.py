@@ -16,10 +16,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from accelsched import config as _config  # (loads the config defaults)
-from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS
 from accelsched.context import array_module, current_device, dual, gpu
 from accelsched.devices import DeclaredMemoryExceeded
-from accelsched.logs import initialize_logging as _initialize_logging
 
 if TYPE_CHECKING:
     from accelsched.deploy.adapt import ElasticPools, adapt
@@ -28,7 +26,7 @@ if TYPE_CHECKING:
     from accelsched.scheduler.placement_plugin import PlacementPlugin
     from accelsched.worker.guard_plugin import GuardPlugin
 
-_initialize_logging()  # accelsched's log lines beside distributed's (accelsched.logs)
+_config.initialize_logging()  # accelsched's log lines beside distributed's
 
 try:
     __version__ = version("accelsched")
@@ -93,17 +91,16 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     makes the nannies start new worker processes from a fork server.
     """
     from accelsched.internals.forkserver import FastRestart
-    from accelsched.internals.preloading import running_options
+    from accelsched.internals.servers import running_options
     from accelsched.scheduler.placement_plugin import PlacementPlugin
     from accelsched.worker.guard_plugin import GuardPlugin
 
-    _config.refuse_unknown(options, PLACEMENT_OPTIONS + GUARD_OPTIONS, "register()")
-    placement = PlacementPlugin(**_config.only(PLACEMENT_OPTIONS, options))
-    guard = GuardPlugin(**_config.only(GUARD_OPTIONS, options))
+    _config.refuse_unknown(options, _config.PLACEMENT_OPTIONS + _config.GUARD_OPTIONS, "register()")
+    placement = PlacementPlugin(**_config.only(_config.PLACEMENT_OPTIONS, options))
+    guard = GuardPlugin(**_config.only(_config.GUARD_OPTIONS, options))
     placement.idempotent = guard.idempotent = True  # type: ignore[attr-defined]
-    plugins: list[Any] = [placement, guard]
-    if guard.options["fast_restart"]:  # nannies fork new worker processes from a server
-        plugins.append(FastRestart())
+    # with fast_restart, nannies fork new worker processes from a server
+    plugins = [placement, guard, *([FastRestart()] if guard.options["fast_restart"] else [])]
     built = {"placement": placement.options, "guard": guard.options}
 
     async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:

@@ -1,6 +1,4 @@
-import sys
-
-from accelsched.cli.main import main
+from accelsched.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

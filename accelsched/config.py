@@ -23,15 +23,38 @@ worker applies (2) as the guard is set up there (:func:`guard_options_here`) and
 the values in effect. A ``register()`` call against plugins already running does not
 replace them: an explicit option that differs from what they run with is an error
 (:func:`check_running`), and the client's own config that differs is only logged.
+
+Logging: accelsched's loggers, set up the way distributed sets up its own.
+
+Every module logs under ``accelsched`` (``accelsched.scheduler.fallback``, ...). distributed,
+when imported, reads dask's ``logging`` config: in its short form
+(``logging: {distributed: info, accelsched: debug}``, or ``DASK_LOGGING__ACCELSCHED=debug``)
+it gives each logger named there its level and a stderr handler in
+``distributed.admin.log-format``, and ``distributed`` itself INFO when the config does not
+name it. :func:`initialize_logging` gives ``accelsched`` that same default: INFO, and a
+stderr handler in distributed's format, so a scheduler's or a worker's log shows what
+accelsched does (the options in effect, every event) beside distributed's lines, each once.
+
+It steps aside where the operator said more:
+
+- the config names ``accelsched``: distributed sets it up, with that level;
+- the config is the full ``logging.config`` form (``version: 1``) or a file
+  (``logging-file-config``): that configuration owns every logger, accelsched's too;
+- a level was set on ``accelsched`` already (by the application): it is kept;
+- the root logger has a handler (``logging.basicConfig``, pytest's capture): accelsched's
+  records go there alone (the handler here passes nothing while the root has one), so a
+  line is never printed twice and ``caplog`` sees them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
 import re
+import sys
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +77,8 @@ __all__ = [
     "guard_options_here",
     "check_running",
     "worker_preload_options",
+    "LOGGER",
+    "initialize_logging",
 ]
 
 logger = logging.getLogger(__name__)
@@ -97,8 +122,7 @@ class Option:
 def refuse_unknown(given: Collection[str], options: tuple[Option, ...], owner: str) -> None:
     """``TypeError`` naming the options in ``given`` that are none of ``options``."""
     known = {o.name for o in options}
-    unknown = sorted(set(given) - known)
-    if unknown:
+    if unknown := sorted(set(given) - known):
         raise TypeError(
             f"{owner} got unknown option(s) {', '.join(map(repr, unknown))}; "
             f"valid options: {', '.join(sorted(known))}"
@@ -190,12 +214,9 @@ def number(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[st
     def parse(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (kind, int, str)):
             raise _bad(name, value, expected, TypeError)
-        try:
-            n = kind(value)
-            if ok(n):
+        with contextlib.suppress(ValueError):
+            if ok(n := kind(value)):
                 return n
-        except ValueError:
-            pass
         raise _bad(name, value, expected)
 
     return parse
@@ -246,8 +267,7 @@ def parse_threshold(name: str, value: Any) -> Threshold:
     except ValueError:
         f = None
     if f is None:
-        n = parse_size(name, value, expected)
-        if n == 0:
+        if (n := parse_size(name, value, expected)) == 0:
             raise _bad(name, value, expected)
         return Threshold(nbytes=n)
     if 0 < f < 1:
@@ -429,3 +449,54 @@ def check_running(
         )
     for note in notes:
         logger.warning("accelsched: this client's dask config %s: not used", note)
+
+
+# --- accelsched's loggers ----------------------------------------------------------------
+
+#: The parent of every accelsched logger.
+LOGGER = "accelsched"
+#: distributed's ``distributed.admin.log-format`` default, for a process that has not
+#: imported distributed (its config defaults are loaded by its import).
+_FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
+
+
+#: The handler added here, once per process.
+_handler: logging.Handler | None = None
+
+
+def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
+    """Give the ``accelsched`` logger distributed's defaults (INFO, a stderr handler in
+    its format) unless dask's ``logging`` config or the application set it up; True when
+    it did. Safe to call again: nothing is added twice."""
+    config = dask.config.config if config is None else config
+    # where distributed looks for the logging keys: under ``distributed`` first, else at
+    # the top (as ``distributed.config._find_logging_config``)
+    nested = config.get("distributed", {})
+    base = (
+        nested
+        if isinstance(nested, Mapping) and {"logging", "logging-file-config"} & nested.keys()
+        else config
+    )
+    short = base.get("logging", {})
+    if (
+        "logging-file-config" in base
+        or not isinstance(short, Mapping)
+        or "version" in short
+        or LOGGER in short
+    ):
+        return False
+    logger = logging.getLogger(LOGGER)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    global _handler
+    if _handler is None:
+        _handler = logging.StreamHandler(sys.stderr)
+        _handler.setFormatter(
+            logging.Formatter(dask.config.get("distributed.admin.log-format", _FORMAT))
+        )
+        # records pass only while the root logger has no handler (its own: it has no
+        # parent): once the application configured logging, its handlers print
+        # accelsched's records (they propagate)
+        _handler.addFilter(lambda record: not logging.getLogger().hasHandlers())
+        logger.addHandler(_handler)
+    return True

@@ -185,7 +185,7 @@ def unregister():
 
 def register_defaults():
     # the session's registration, after a block that registered its own options
-    from accelsched.internals.preloading import running_options
+    from accelsched.internals.servers import running_options
 
     running = client.run_on_scheduler(running_options)
     if running == {

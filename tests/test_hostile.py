@@ -31,10 +31,10 @@ from distributed import Worker
 from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
-from accelsched.cli.main import _interruptible
+from accelsched.cli import _interruptible
 from accelsched.demo.chart import report_path
 from accelsched.devices import BACKEND_ENV
-from accelsched.display.status_table import render
+from accelsched.display import render
 from accelsched.protocol import GUARD_METRIC, PLACEMENT_PLUGIN, STATUS_HANDLER
 from accelsched.testing import state
 from tests import processes

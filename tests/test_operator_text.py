@@ -13,7 +13,7 @@ import pytest
 from dask.utils import format_bytes
 
 from accelsched import events
-from accelsched.logs import LOGGER, initialize_logging
+from accelsched.config import LOGGER, initialize_logging
 from tests.utils import run_python
 
 W = "tcp://10.0.0.5:40123"

@@ -1,6 +1,6 @@
 """``python -m accelsched.cli``: the ``accelsched`` command."""
 
-from accelsched.cli.main import main
+from accelsched.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

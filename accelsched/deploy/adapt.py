@@ -93,8 +93,7 @@ def _devices(pool: str, given: Any, declared: Any) -> tuple[int, tuple[DeviceFac
     name = given.get("name", "")
     if not isinstance(name, str):
         raise TypeError(f"pool {pool!r}: invalid devices name={name!r}: expected a string")
-    facts = DeviceFacts(name, need.memory or 0, need.capability, bool(need.mig))
-    return count, (facts,) * count
+    return count, (DeviceFacts(name, need.memory or 0, need.capability, bool(need.mig)),) * count
 
 
 def _declared_gpus(pool: str, options: Mapping[str, Any]) -> Any:
@@ -115,33 +114,6 @@ def _declared_gpus(pool: str, options: Mapping[str, Any]) -> Any:
                             f"pool {pool!r}: invalid --resources {value!r}: expected GPU=<n>"
                         ) from None
     return None
-
-
-def _threads(pool: str, options: Mapping[str, Any]) -> Any:
-    """Tasks a pool's worker runs at once: its ``nthreads``, or a dask-jobqueue job's
-    ``cores`` (one worker per job: a job of several workers names them ``<name>-<i>``,
-    which are not the pool's ``<pool>-<n>``)."""
-    processes = options.get("processes")
-    if processes not in (None, 1):
-        raise ValueError(
-            f"pool {pool!r}: invalid spec options processes={processes!r}: a pool's job "
-            "runs one worker, named '<pool>-<n>'"
-        )
-    return options.get("nthreads") or options.get("cores") or 1
-
-
-def _worker_class(pool: str, cls: Any) -> None:
-    """Check a spec's ``cls`` now, as ``SpecCluster`` takes it (a class, or its import
-    path as a string), not when the first worker of the pool is wanted."""
-    try:
-        cls = spec_class(cls)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"pool {pool!r}: invalid spec cls={cls!r}: {exc}") from None
-    if not isinstance(cls, type):
-        raise TypeError(
-            f"pool {pool!r}: invalid spec cls={cls!r:.80}: expected a worker class "
-            "(Nanny, Worker, a dask-jobqueue job class) or its import path"
-        )
 
 
 def parse_pools(pools: Any) -> dict[str, PoolSpec]:
@@ -165,7 +137,17 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
                 f"pool {name!r}: invalid spec={spec!r:.80}: expected "
                 "{'cls': a worker class, 'options': {...}} as SpecCluster takes"
             )
-        _worker_class(name, spec["cls"])
+        # the class now, as ``SpecCluster`` takes it (a class, or its import path as a
+        # string), not when the first worker of the pool is wanted
+        try:
+            cls = spec_class(spec["cls"])
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ValueError(f"pool {name!r}: invalid spec cls={spec['cls']!r}: {exc}") from None
+        if not isinstance(cls, type):
+            raise TypeError(
+                f"pool {name!r}: invalid spec cls={spec['cls']!r:.80}: expected a worker class "
+                "(Nanny, Worker, a dask-jobqueue job class) or its import path"
+            )
         options = spec.get("options") or {}
         if not isinstance(options, Mapping):
             raise TypeError(f"pool {name!r}: invalid spec options={options!r:.80}")
@@ -176,7 +158,17 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         if minimum > maximum:
             raise ValueError(f"pool {name!r}: minimum={minimum} > maximum={maximum}")
         gpus, facts = _devices(name, given.get("devices"), _declared_gpus(name, options))
-        threads = _count(name, "spec options nthreads", _threads(name, options), least=1)
+        processes = options.get("processes")
+        if processes not in (None, 1):
+            raise ValueError(
+                f"pool {name!r}: invalid spec options processes={processes!r}: a pool's job "
+                "runs one worker, named '<pool>-<n>'"
+            )
+        # tasks a worker runs at once: its ``nthreads``, or a dask-jobqueue job's ``cores``
+        # (one worker per job: a job of several workers names them ``<name>-<i>``, which
+        # are not the pool's ``<pool>-<n>``)
+        given_threads = options.get("nthreads") or options.get("cores") or 1
+        threads = _count(name, "spec options nthreads", given_threads, least=1)
         pool = Pool(name, minimum, maximum, gpus, facts, threads)
         out[name] = PoolSpec(pool, {"cls": spec["cls"], "options": dict(options)})
     return out
@@ -240,67 +232,71 @@ class ElasticPools(Adaptive):
 
     async def adapt(self) -> None:
         """One look: demand, decision, scale up, say what is coming, retire."""
-        if self._adapting:  # as Adaptive: never two at once
+        if self._adapting or time() < self._ask_at:  # as Adaptive: never two at once
             return
         self._adapting = True
         try:
-            await self._adapt()
+            reply = cast("DemandReply | None", await getattr(self.scheduler, DEMAND_HANDLER)())
+            if reply is None:  # distributed's answer to an operation it has no handler for
+                self._no_plugin_wait = min(NO_PLUGIN_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
+                self._ask_at = time() + self._no_plugin_wait
+                if not self._said_no_plugin:
+                    self._said_no_plugin = True
+                    logger.warning(
+                        "accelsched.adapt: the scheduler does not answer %s: it runs no "
+                        "accelsched PlacementPlugin; register it (accelsched.register(client)) "
+                        "or start the scheduler with --preload accelsched. The pools wait",
+                        DEMAND_HANDLER,
+                    )
+                return
+            self._no_plugin_wait = 0.0
+            now = time()
+            states = self._states(reply, now)
+            gpu = [
+                GpuDemand(
+                    d["name"],
+                    parse_requirement(d["requirement"]),
+                    d["devices"],
+                    d["waiting"],
+                    d["running"],
+                    d["seconds"],
+                )
+                for d in reply["gpu"]
+            ]
+            self.last_plan = plan = decide(
+                [p.pool for p in self.pools.values()],
+                states,
+                gpu,
+                cpu_tasks=reply["cpu_tasks"],
+                cpu_seconds=reply["cpu_seconds"],
+                target_duration=self.target_duration,
+                idle_after=self.options["idle_after"],
+            )
+            await self._scale_up(plan, states, now)
+            bound = self.options["start_timeout"]
+            coming: dict[str, float] = {}
+            for cls, pool in plan.coming.items():
+                starting = [self._started.get(w, now) for w in self._starting.get(pool, [])]
+                starting += [now] * (len(self.members(pool)) - states[pool].running - len(starting))
+                if starting and (left := max(starting) + bound - now) > 0:
+                    coming[cls] = left
+            await getattr(self.scheduler, POOLS_HANDLER)(
+                coming=coming, full=plan.full, bound=bound, pools=list(self.pools)
+            )
+            await self._retire(plan)
+            # close the retired workers that run nothing now. A retired worker takes no
+            # new task (distributed's graceful closing) but finishes those it runs (CPU
+            # tasks a GPU pool's worker ran), so closing it loses no work
+            if done := sorted(self._closing - {w["name"] for w in reply["workers"] if w["busy"]}):
+                f = self.spec_cluster.scale_down(done)  # their specs go; the cluster closes them
+                if isawaitable(f):
+                    await f
+                self._closing.difference_update(done)
+                for w in done:
+                    self._idle_since.pop(w, None)
+                    self._started.pop(w, None)
         finally:
             self._adapting = False
-
-    async def _adapt(self) -> None:
-        if time() < self._ask_at:
-            return
-        reply = cast("DemandReply | None", await getattr(self.scheduler, DEMAND_HANDLER)())
-        if reply is None:  # distributed's answer to an operation it has no handler for
-            self._no_plugin_wait = min(NO_PLUGIN_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
-            self._ask_at = time() + self._no_plugin_wait
-            if not self._said_no_plugin:
-                self._said_no_plugin = True
-                logger.warning(
-                    "accelsched.adapt: the scheduler does not answer %s: it runs no "
-                    "accelsched PlacementPlugin; register it (accelsched.register(client)) "
-                    "or start the scheduler with --preload accelsched. The pools wait",
-                    DEMAND_HANDLER,
-                )
-            return
-        self._no_plugin_wait = 0.0
-        now = time()
-        states = self._states(reply, now)
-        gpu = [
-            GpuDemand(
-                d["name"],
-                parse_requirement(d["requirement"]),
-                d["devices"],
-                d["waiting"],
-                d["running"],
-                d["seconds"],
-            )
-            for d in reply["gpu"]
-        ]
-        plan = decide(
-            [p.pool for p in self.pools.values()],
-            states,
-            gpu,
-            cpu_tasks=reply["cpu_tasks"],
-            cpu_seconds=reply["cpu_seconds"],
-            target_duration=self.target_duration,
-            idle_after=self.options["idle_after"],
-        )
-        self.last_plan = plan
-        await self._scale_up(plan, states, now)
-        bound = self.options["start_timeout"]
-        coming: dict[str, float] = {}
-        for cls, pool in plan.coming.items():
-            starting = [self._started.get(w, now) for w in self._starting.get(pool, [])]
-            starting += [now] * (len(self.members(pool)) - states[pool].running - len(starting))
-            if starting and (left := max(starting) + bound - now) > 0:
-                coming[cls] = left
-        await getattr(self.scheduler, POOLS_HANDLER)(
-            coming=coming, full=plan.full, bound=bound, pools=list(self.pools)
-        )
-        await self._retire(plan)
-        await self._close({w["name"] for w in reply["workers"] if w["busy"]})
 
     def _states(self, reply: DemandReply, now: float) -> dict[str, PoolState]:
         """Each pool's workers: running (arrived; a GPU pool's once its devices are
@@ -318,8 +314,8 @@ class ElasticPools(Adaptive):
                     starting.append(w)
                     continue
                 running += 1
-                gpu_only = ps.pool.gpus and self._gpu_idle_with_cpu_work
-                if seen["gpu_busy"] if gpu_only else seen["busy"]:
+                # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
+                if seen["gpu_busy" if ps.pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
                     self._idle_since.pop(w, None)
                 else:
                     idle[w] = now - self._idle_since.setdefault(w, now)
@@ -333,7 +329,7 @@ class ElasticPools(Adaptive):
 
     async def _scale_up(self, plan: Plan, states: Mapping[str, PoolState], now: float) -> None:
         spec = self.spec_cluster.worker_spec
-        added = False
+        before = len(spec)
         for name, ps in self.pools.items():
             have = len(self.members(name))
             new: list[str] = []
@@ -347,35 +343,30 @@ class ElasticPools(Adaptive):
                 self._idle_since.pop(worker, None)  # a name used before starts afresh
                 new.append(worker)
             if new:
-                added = True
-                classes = sorted(c for c, p in plan.coming.items() if p == name)
                 await self._event(
                     events.SCALE_UP,
                     pool=name,
                     workers=new,
                     reason=plan.reasons.get(name, "minimum"),
                     target=plan.targets[name],
-                    classes=classes,
+                    classes=sorted(c for c, p in plan.coming.items() if p == name),
                 )
-        if added:  # the cluster starts what its spec has and it has not (not awaited)
+        if len(spec) > before:  # the cluster starts what its spec has and it has not (not awaited)
             self.spec_cluster.scale(len(spec))
 
     async def _retire(self, plan: Plan) -> None:
         """Retire the workers the plan proposed ``wait_count`` looks in a row."""
         counts = cast("dict[str, int]", self.close_counts)  # worker names, as Adaptive's
-        firm = []
         for w in plan.retire:
             counts[w] += 1
-            if counts[w] >= self.wait_count:
-                firm.append(w)
+        firm = [w for w in plan.retire if counts[w] >= self.wait_count]
         for w in list(counts):
             if w in firm or w not in plan.retire:
                 del counts[w]
         if not firm:
             return
-        retired = await retire_named(self.scheduler, firm)  # data moved to peers first
-        if not retired:
-            return  # no peer could take their data: they stay, and it
+        # data moved to peers first; a worker whose data no peer could take stays, and it
+        retired = await retire_named(self.scheduler, firm)
         for pool in self.pools:
             workers = [w for w in firm if w in retired and w.startswith(pool + "-")]
             if workers:
@@ -387,21 +378,6 @@ class ElasticPools(Adaptive):
                     target=plan.targets[pool],
                 )
         self._closing.update(retired)
-
-    async def _close(self, busy: set[str]) -> None:
-        """Close the retired workers that run nothing now. A retired worker takes no new
-        task (distributed's graceful closing) but finishes those it runs (CPU tasks a GPU
-        pool's worker ran), so closing it loses no work."""
-        done = sorted(self._closing - busy)
-        if not done:
-            return
-        f = self.spec_cluster.scale_down(done)  # their specs go; the cluster closes them
-        if isawaitable(f):
-            await f
-        self._closing.difference_update(done)
-        for w in done:
-            self._idle_since.pop(w, None)
-            self._started.pop(w, None)
 
     async def _event(self, action: str, **figures: Any) -> None:
         msg = events.event(action, **figures)

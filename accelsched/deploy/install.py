@@ -35,7 +35,7 @@ import click
 
 from accelsched import config, internals
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option, config_value
-from accelsched.internals import preloading
+from accelsched.internals import servers
 from accelsched.internals.forkserver import FastRestart
 from accelsched.protocol import GUARD_PLUGIN
 from accelsched.scheduler.placement_plugin import PlacementPlugin
@@ -127,15 +127,12 @@ def _validator(opt: Option) -> Any:
         given = value is not None and value != ()
         if given and isinstance(value, str) and value.strip().lower() in _NONE:
             value = None
-        raw = value if given else config_value(opt.key)
         try:
-            opt.parse(opt.name, raw)
+            opt.parse(opt.name, value if given else config_value(opt.key))
         except (TypeError, ValueError) as exc:
             where = "" if given else f"dask config {opt.key}: "
             raise click.BadParameter(where + str(exc), ctx=ctx, param=param) from None
-        if not given:
-            return None
-        return NOTHING if value is None else value
+        return (NOTHING if value is None else value) if given else None
 
     return validate
 
@@ -163,7 +160,7 @@ async def setup_server(server: Any, invalid: str | None = None, **given: Any) ->
         logger.error("accelsched: %s; stopping this %s", message, type(server).__name__.lower())
         exit_nonzero_after_the_command()
         server.loop.add_callback(
-            preloading.stop,
+            servers.stop,
             server,
             reason=f"accelsched-preload-failed: {message}",
             in_nanny=exit_nonzero_after_the_command,
@@ -178,7 +175,7 @@ async def _install(server: Any, given: dict[str, Any]) -> None:
         placement = PlacementPlugin(**placement_options)  # validated: a bad value stops here
         guard = GuardPlugin(**guard_options)
         fast = FastRestart() if guard.options["fast_restart"] else None
-        await preloading.install_on_scheduler(server, placement, guard, fast)
+        await servers.install_on_scheduler(server, placement, guard, fast)
         logger.info(
             "accelsched: PlacementPlugin installed, GuardPlugin handed to every worker "
             "(placement %s, guard %s)",
@@ -246,46 +243,34 @@ class _PreloadCommand(click.Command):
         parent: click.Context | None = None,
         **extra: Any,
     ) -> click.Context:
-        args = _without_dask_cuda_flags(list(args))
+        # less the flags of dask-cuda's own preload: ``dask cuda worker`` and
+        # ``LocalCUDACluster`` add ``dask_cuda.initialize`` with ``--create-cuda-context``
+        # to the worker's preloads, and distributed hands one flat argument list to every
+        # preload: accelsched's receives that flag too. The reverse also holds, so
+        # dask-cuda's preload fails on accelsched's options: under dask-cuda, options
+        # come from dask config (said in the log)
+        command = getattr(sys.modules.get("dask_cuda.initialize"), "dask_setup", None)
+        flags = {
+            name
+            for p in (command.params if isinstance(command, click.Command) else ())
+            if isinstance(p, click.Option) and p.is_flag
+            for name in (*p.opts, *p.secondary_opts)
+        }
+        args, given = [a for a in args if a not in flags], args  # a copy: click pops it
+        if args and len(args) < len(given):
+            logger.warning(
+                "accelsched: dask-cuda gives every preload the same arguments, so its own "
+                "preload (dask_cuda.initialize) is handed %s and fails on them; give "
+                "accelsched's options to dask-cuda workers through dask config "
+                "(DASK_ACCELSCHED__...) instead",
+                " ".join(args),
+            )
         try:
             return super().make_context(info_name, args, parent, **extra)
         except click.ClickException as exc:
             ctx = click.Context(self, info_name=info_name, parent=parent)
             ctx.params = {"invalid": exc.format_message()}
             return ctx
-
-
-def _without_dask_cuda_flags(args: list[str]) -> list[str]:
-    """``args`` less the flags of dask-cuda's own preload.
-
-    ``dask cuda worker`` and ``LocalCUDACluster`` add ``dask_cuda.initialize`` with
-    ``--create-cuda-context`` to the worker's preloads, and distributed hands one flat
-    argument list to every preload: accelsched's receives that flag too. The reverse
-    also holds, so dask-cuda's preload fails on accelsched's options: under dask-cuda,
-    options come from dask config (said in the log).
-    """
-    module = sys.modules.get("dask_cuda.initialize")
-    command = getattr(module, "dask_setup", None)
-    if not isinstance(command, click.Command):
-        return args
-    flags = {
-        name
-        for p in command.params
-        if isinstance(p, click.Option) and p.is_flag
-        for name in (*p.opts, *p.secondary_opts)
-    }
-    if not flags & set(args):
-        return args
-    ours = [a for a in args if a not in flags]
-    if ours:
-        logger.warning(
-            "accelsched: dask-cuda gives every preload the same arguments, so its own "
-            "preload (dask_cuda.initialize) is handed %s and fails on them; give "
-            "accelsched's options to dask-cuda workers through dask config "
-            "(DASK_ACCELSCHED__...) instead",
-            " ".join(ours),
-        )
-    return ours
 
 
 dask_setup = _PreloadCommand(

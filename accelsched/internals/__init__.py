@@ -13,33 +13,28 @@ like accelsched simply not placing or binding. :func:`check_scheduler` and
 relies on, and fail the registration with :class:`IncompatibleDistributed` naming what
 changed and the versions known to work. ``docs/architecture.md`` lists each use and why.
 
-The door is this package: one function per need, grouped by what it touches
-(:mod:`.contract`, :mod:`.servers`, :mod:`.scheduler`, :mod:`.restarting`, :mod:`.worker`,
-:mod:`.diagnostics`, :mod:`.metrics_and_pages`; the nanny's :mod:`.forkserver` is imported
-where used),
-all re-exported here so callers write ``internals.spawn(...)``.
+The door is this package: one function per need, grouped by the side it touches
+(:mod:`.servers`, either side's server and preloads; :mod:`.scheduler`;
+:mod:`.worker`; :mod:`.client_side`, the command line's, elastic pools' and testing's;
+the nanny's :mod:`.forkserver`, imported where used), all re-exported here so callers
+write ``internals.spawn(...)``.
 """
 
-from accelsched.internals.contract import (
-    TESTED_DISTRIBUTED,
-    IncompatibleDistributed,
-    check_scheduler,
-    check_worker,
-)
-from accelsched.internals.diagnostics import (
+from __future__ import annotations
+
+import functools
+import inspect
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from accelsched.internals.client_side import (
     add_spec_worker,
     distributed_nvml_state,
     reset_distributed_nvml,
     restore_distributed_nvml,
 )
-from accelsched.internals.metrics_and_pages import (
-    add_dashboard_page,
-    add_metric,
-    remove_metric,
-    worker_metric,
-)
-from accelsched.internals.restarting import has_running_peer, replace_worker, resume, take_share
 from accelsched.internals.scheduler import (
+    add_dashboard_page,
     annotate,
     apply_resources,
     busy,
@@ -48,21 +43,26 @@ from accelsched.internals.scheduler import (
     fail_task,
     gpu_busy,
     harden_restrictions,
+    has_running_peer,
     largest_gpu_count,
     notify_unregistered,
     offer_unrunnable,
     ready_tasks,
     release_unfit,
+    replace_worker,
     restore_handler,
     restrict_to_own,
     restricted_to,
+    resume,
     run_now,
     set_resource_restrictions,
     set_worker_gpus,
     share_worker_restriction,
     take_restricted_hosts,
+    take_share,
     task_spec,
     unrunnable,
+    worker_metric,
     worker_plugin_registered,
     wrap_handler,
 )
@@ -76,9 +76,11 @@ from accelsched.internals.servers import (
 )
 from accelsched.internals.worker import (
     Bound,
+    add_metric,
     advertises_gpus,
     declared_gpus,
     plugin_modules,
+    remove_metric,
     runs_in_thread,
     set_own_gpus,
     stored_value,
@@ -87,6 +89,9 @@ from accelsched.internals.worker import (
     wrap_execution,
     wrap_task,
 )
+
+if TYPE_CHECKING:
+    from distributed import Scheduler, Worker
 
 __all__ = [
     "TESTED_DISTRIBUTED",
@@ -148,3 +153,182 @@ __all__ = [
     "wrap_handler",
     "wrap_task",
 ]
+
+# --- the contract: everything the door relies on, verified when the plugins start -----
+
+#: The oldest and newest distributed releases CI runs the whole suite against
+#: (``.ci/run``); ``pyproject.toml`` pins the same range.
+TESTED_DISTRIBUTED: tuple[str, str] = ("2026.7.1", "2026.8.0")
+
+
+class IncompatibleDistributed(RuntimeError):
+    """distributed changed something accelsched relies on; registration fails loudly."""
+
+
+def _raise_if(problems: list[str], side: str) -> None:
+    if not problems:
+        return
+    try:
+        running = version("distributed")
+    except PackageNotFoundError:  # pragma: no cover - a source checkout of distributed
+        running = "unknown"
+    raise IncompatibleDistributed(
+        f"accelsched cannot run on this {side}: distributed {running} "
+        f"changed what it relies on: {'; '.join(problems)}. accelsched is known to work "
+        f"with distributed {TESTED_DISTRIBUTED[0]} to {TESTED_DISTRIBUTED[1]}; install a "
+        "version in that range."
+    )
+
+
+def _changed(
+    obj: Any,
+    owner: str,
+    dicts: tuple[str, ...] = (),
+    callables: tuple[str, ...] = (),
+    attributes: tuple[str, ...] = (),
+) -> list[str]:
+    """What on ``obj`` changed: of ``dicts`` and ``callables`` (dotted paths), what is no
+    longer a dict or callable; of ``attributes``, what is gone (slots and properties are
+    attributes of the class itself)."""
+    at = {
+        n: functools.reduce(lambda o, k: getattr(o, k, None), n.split("."), obj)
+        for n in dicts + callables
+    }
+    return (
+        [f"{owner}.{n} is not a dict" for n in dicts if not isinstance(at[n], dict)]
+        + [f"{owner}.{n} is gone" for n in callables if not callable(at[n])]
+        + [f"{owner}.{n} is gone" for n in attributes if not hasattr(obj, n)]
+    )
+
+
+def check_scheduler(scheduler: Scheduler) -> None:
+    """Verify what the scheduler side relies on; raise IncompatibleDistributed if not."""
+    from distributed.scheduler import TaskState, WorkerState
+
+    handlers = getattr(scheduler, "handlers", None)
+    problems = [
+        f"Scheduler.handlers has no {name!r} handler"
+        for name in ("set_resources", "unregister_scheduler_plugin")
+        if not isinstance(handlers, dict) or name not in handlers
+    ]
+    if not isinstance(getattr(scheduler, "running", None), set):
+        problems.append("Scheduler.running is not a set of WorkerState")
+    from distributed.stealing import WorkStealing
+
+    problems += _changed(
+        scheduler,
+        "Scheduler",
+        dicts=(
+            "unrunnable",  # task -> time it became unrunnable
+            "resources",
+            "periodic_callbacks",
+            "stream_comms",
+            "worker_plugins",
+            "plugins",
+        ),
+        callables=(
+            "_ongoing_background_tasks.call_soon",
+            "bulk_schedule_unrunnable_after_adding_worker",
+            "_get_prefix_duration",
+            "transition",
+            "transitions",
+            "handle_worker_status_change",
+            "coerce_hostname",
+        ),
+    )
+    for owner, fn, names in (
+        (
+            "Scheduler.retire_workers",
+            type(scheduler).retire_workers,
+            ("workers", "close_workers", "remove", "stimulus_id"),
+        ),
+        (
+            "WorkStealing.move_task_request",
+            WorkStealing.move_task_request,
+            ("ts", "victim", "thief"),
+        ),
+        ("Scheduler.valid_workers", type(scheduler).valid_workers, ("ts",)),
+        (
+            "Scheduler.restart_workers",
+            type(scheduler).restart_workers,
+            ("workers", "wait_for_workers", "on_error", "stimulus_id"),
+        ),
+    ):  # what each function no longer takes
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            problems.append(f"{owner} is not inspectable")
+            continue
+        problems += [f"{owner}() no longer takes {n}=" for n in names if n not in params]
+    problems += _changed(
+        WorkerState,
+        "WorkerState",
+        attributes=(
+            "resources",
+            "used_resources",
+            "processing",
+            "has_what",
+            "nanny",
+            "status",
+            "metrics",
+        ),
+    )
+    problems += _changed(
+        TaskState,
+        "TaskState",
+        attributes=(
+            "resource_restrictions",
+            "loose_restrictions",
+            "worker_restrictions",
+            "host_restrictions",
+            "annotations",
+            "dependencies",
+            "who_has",
+            "run_spec",
+        ),
+    )
+    _raise_if(problems, "scheduler")
+
+
+def check_worker(worker: Worker) -> None:
+    """Verify what the worker side relies on; raise IncompatibleDistributed if not."""
+    from distributed.worker_state_machine import TaskState
+
+    problems = _changed(
+        worker,
+        "Worker",
+        dicts=(
+            "handlers",
+            "periodic_callbacks",
+            "executors",
+            "plugins",
+            "metrics",
+            "state.tasks",
+            "state.total_resources",
+        ),
+        callables=(
+            "batched_send",
+            "_ongoing_background_tasks.call_soon",
+            "_startup_lock.locked",  # held while the worker starts
+            "data.get",  # a mapping
+        ),
+    )
+    if not hasattr(worker, "thread_id"):
+        problems.append("Worker.thread_id (the worker's stream) is gone")
+    fields = getattr(TaskState, "__dataclass_fields__", {})  # none: no longer a dataclass
+    problems += [
+        f"worker TaskState.{n} is gone"
+        for n in ("run_spec", "annotations", "resource_restrictions", "previous", "done")
+        if n not in fields
+    ]
+    from accelsched.internals import forkserver
+
+    problems += forkserver.missing()  # a restarted worker starts while its GPU fails NVML
+    try:
+        from dask._task_spec import GraphNode, Task, TaskRef  # noqa: F401
+    except ImportError:
+        problems.append("dask._task_spec no longer has Task, TaskRef and GraphNode")
+    else:
+        if not hasattr(GraphNode, "is_coro") or not hasattr(GraphNode, "dependencies"):
+            problems.append("dask._task_spec.GraphNode lost is_coro or dependencies")
+    _raise_if(problems, "worker")

@@ -25,23 +25,54 @@ What the server's children inherit is the server's environment, as it was when i
 started, plus the nanny's ``env``: so the server is started again whenever the nanny
 process's environment differs from the one it was started with (fake GPUs of another
 ``fake_gpus`` session, another ``LD_LIBRARY_PATH``).
+
+Forked worker processes start even while their GPU fails NVML (distributed's own diagnostics).
+
+With ``distributed.diagnostics.nvml`` on (its default), every server builds a
+``SystemMonitor`` in its constructor, which asks NVML about the process's first visible
+GPU (``nvml.one_time()``: handle, total memory, name) and reads it once
+(``nvml.real_time()``). distributed catches only ``NVMLError_NotSupported`` there, so a
+device that fails NVML at that moment (``NVMLError_Unknown``, ``NVMLError_GpuIsLost``)
+raises out of ``Worker.__init__``: the nanny reports ``nanny-instantiate-failed`` and
+the worker never comes back. A process that is already running only logs the monitor's
+later errors and serves on.
+
+distributed has one answer of its own to an NVML it cannot use: when ``nvmlInit``
+raises ``NVMLError_Unknown`` it sets ``NVMLState.DISABLED_LIBRARY_NOT_FOUND`` and the
+process runs without GPU diagnostics. :func:`start_despite_failing_gpu` extends that
+answer to the device query at start: distributed's ``init_once`` is wrapped so that,
+right after it first initialises NVML in a process, it asks the first visible device
+what the monitor will ask; if NVML raises, the process is put in that same state (and
+the GPU metrics ``init_once`` just added are taken back), so the monitor sees no GPU and
+the worker starts. Nothing changes where the device answers. The cost: that process has
+no GPU figures in distributed's dashboard; accelsched's own guard reads the device
+itself and brings it back when it answers.
+
+It must act before ``Worker.__init__``, where no preload or plugin runs yet: the fork
+server that starts a nanny's worker processes (``fast_restart``) imports
+:mod:`.started_despite_gpu_faults`, so every worker process forked from it has the
+wrapper. The wrapper loads no NVML until distributed itself initialises it.
+``check_worker`` verifies what it relies on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
 import threading
+from collections.abc import Callable
 from multiprocessing import forkserver
 from typing import Any
 
 import dask.config
+from distributed.diagnostics import nvml
 from distributed.diagnostics.plugin import NannyPlugin
 
 from accelsched.protocol import FAST_RESTART_PLUGIN
 
-__all__ = ["FastRestart", "PRELOAD", "METHOD_KEY"]
+__all__ = ["FastRestart", "PRELOAD", "METHOD_KEY", "start_despite_failing_gpu", "NEEDED"]
 
 logger = logging.getLogger("accelsched.internals")
 
@@ -94,7 +125,33 @@ class FastRestart(NannyPlugin):
             if not _users:
                 _saved.append(dask.config.set({METHOD_KEY: "forkserver"}))
             _users.add(id(nanny))
-            _ensure_server()
+            from distributed.utils import get_mp_context
+
+            # the server, started now (or again where the environment or the preload
+            # changed). distributed sets its own preload list, once per process
+            ctx = get_mp_context()
+            server: Any = forkserver._forkserver
+            modules = list(server._preload_modules)
+            wanted = modules + [m for m in PRELOAD if m not in modules]
+            env = dict(os.environ)
+            stale = _started.get("env") != env or _started.get("preload") != wanted
+            if server._forkserver_pid is not None and stale:
+                # forget the running server; the next start makes a new one. The old one
+                # exits once the worker processes it forked have (each holds its liveness
+                # pipe, so waiting for it here, as ``ForkServer._stop`` does, would wait
+                # for them), and is reaped then
+                logger.info(
+                    "accelsched: starting the fork server again (environment or preload changed)"
+                )
+                with server._lock:
+                    pid = server._forkserver_pid
+                    os.close(server._forkserver_alive_fd)
+                    server._forkserver_alive_fd = server._forkserver_pid = None
+                    server._forkserver_address = None
+                threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True, name="reap").start()
+            ctx.set_forkserver_preload(wanted)
+            server.ensure_running()
+            _started.update(env=env, preload=wanted)
 
     def teardown(self, nanny: Any) -> None:
         """``nanny`` closed: once no nanny of this process uses it, the method is what it
@@ -105,28 +162,55 @@ class FastRestart(NannyPlugin):
                 _saved.pop().__exit__(None, None, None)
 
 
-def _ensure_server() -> None:
-    from distributed.utils import get_mp_context
+#: What the wrapper relies on in ``distributed.diagnostics.nvml``.
+NEEDED = ("init_once", "is_initialized", "device_get_count", "one_time", "real_time")
 
-    ctx = get_mp_context()  # distributed sets its own preload list, once per process
-    server: Any = forkserver._forkserver
-    modules = list(server._preload_modules)
-    wanted = modules + [m for m in PRELOAD if m not in modules]
-    env = dict(os.environ)
-    stale = _started.get("env") != env or _started.get("preload") != wanted
-    if server._forkserver_pid is not None and stale:
-        # forget the running server; the next start makes a new one. The old one exits
-        # once the worker processes it forked have (each holds its liveness pipe, so
-        # waiting for it here, as ``ForkServer._stop`` does, would wait for them), and is
-        # reaped then
-        logger.info("accelsched: starting the fork server again (environment or preload changed)")
-        with server._lock:
-            pid = server._forkserver_pid
-            os.close(server._forkserver_alive_fd)
-            server._forkserver_alive_fd = None
-            server._forkserver_pid = None
-            server._forkserver_address = None
-        threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True, name="reap").start()
-    ctx.set_forkserver_preload(wanted)
-    server.ensure_running()
-    _started.update(env=env, preload=wanted)
+
+def missing() -> list[str]:
+    """What of :data:`NEEDED` (and the state it sets) distributed no longer has."""
+    gone = [f"distributed.diagnostics.nvml.{n} is gone" for n in NEEDED if not hasattr(nvml, n)]
+    state = getattr(nvml, "NVMLState", None)
+    if not hasattr(nvml, "NVML_STATE") or not hasattr(state, "DISABLED_LIBRARY_NOT_FOUND"):
+        gone.append("distributed.diagnostics.nvml.NVML_STATE/NVMLState changed")
+    return gone
+
+
+def start_despite_failing_gpu() -> bool:
+    """Wrap distributed's ``init_once`` in this process (idempotent); False, and nothing
+    changed, where distributed no longer has what the wrapper relies on."""
+    if missing():
+        logger.warning("accelsched: distributed's NVML diagnostics changed; not wrapped")
+        return False
+    original: Callable[[], None] = nvml.init_once
+    if getattr(original, "accelsched_wrapped", False):
+        return True
+
+    @functools.wraps(original)
+    def init_once() -> None:
+        fresh = not nvml.is_initialized()
+        original()
+        if fresh and nvml.is_initialized():
+            # ask the first visible device what ``SystemMonitor`` will; if NVML raises,
+            # run this process without distributed's GPU diagnostics, as after a failed
+            # ``nvmlInit``
+            import pynvml
+
+            try:
+                if nvml.device_get_count() > 0:  # initialised now: the wrapper returns at once
+                    nvml.one_time()
+                    nvml.real_time()
+            except pynvml.NVMLError as exc:
+                nvml.NVML_STATE = nvml.NVMLState.DISABLED_LIBRARY_NOT_FOUND
+                from distributed import worker
+
+                worker.DEFAULT_METRICS.pop("gpu", None)  # added by init_once a moment ago
+                worker.DEFAULT_STARTUP_INFORMATION.pop("gpu", None)
+                logger.warning(
+                    "accelsched: the first visible GPU does not answer NVML (%r); this process "
+                    "runs without distributed's GPU diagnostics so that it can start",
+                    exc,
+                )
+
+    init_once.accelsched_wrapped = True  # type: ignore[attr-defined]
+    nvml.init_once = init_once
+    return True

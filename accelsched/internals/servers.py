@@ -1,11 +1,26 @@
-"""Scheduler or worker alike: handlers, periodic callbacks, background tasks, timers."""
+"""Scheduler or worker alike: handlers, periodic callbacks, background tasks; installing
+the plugins from a preload and stopping a server whose preload failed.
+
+A client registers a scheduler plugin through ``Scheduler.register_scheduler_plugin`` and a
+worker plugin through ``Scheduler.register_worker_plugin``, which stores it for every
+future worker and sends it to those present. A preload runs inside the server's start,
+with no client: :func:`install_on_scheduler` does the same from there.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
 
+from distributed.protocol.pickle import dumps, loads
 from tornado.ioloop import PeriodicCallback
+
+from accelsched.protocol import FAST_RESTART_PLUGIN, GUARD_PLUGIN, PLACEMENT_PLUGIN
+
+if TYPE_CHECKING:
+    from distributed import Scheduler, Worker
+    from distributed.diagnostics.plugin import NannyPlugin, SchedulerPlugin, WorkerPlugin
 
 
 def serving(server: Any) -> bool:
@@ -47,3 +62,61 @@ def spawn(server: Any, fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` (a coroutine function) in the background; the server's close
     cancels it, and its exceptions are logged by distributed."""
     server._ongoing_background_tasks.call_soon(fn, *args)
+
+
+async def install_on_scheduler(
+    scheduler: Scheduler,
+    placement: SchedulerPlugin,
+    guard: WorkerPlugin,
+    nanny_plugin: NannyPlugin | None,
+) -> None:
+    """What ``register`` does, from the scheduler's own preload: add ``placement`` (a
+    preload runs before the scheduler calls every plugin's ``start``, so adding is enough:
+    ``register_scheduler_plugin`` would start it twice), and hand ``guard`` to every
+    worker and ``nanny_plugin`` to every nanny, present and future, as
+    ``client.register_plugin`` does on the scheduler; each unless one of its name is
+    registered already."""
+    scheduler.add_plugin(placement, name=PLACEMENT_PLUGIN, idempotent=True)
+    await scheduler.register_worker_plugin(
+        None, plugin=dumps(guard), name=GUARD_PLUGIN, idempotent=True
+    )
+    if nanny_plugin is not None:
+        await scheduler.register_nanny_plugin(
+            None, plugin=dumps(nanny_plugin), name=FAST_RESTART_PLUGIN, idempotent=True
+        )
+
+
+async def stop(server: Scheduler | Worker, reason: str, in_nanny: Callable[[], None]) -> None:
+    """Close ``server`` once its start has returned (closing a server that is still
+    starting does nothing; so run it as a callback of the server's loop). A worker takes
+    its nanny with it, which would otherwise start it again and again; ``in_nanny`` (an
+    importable function) runs in the nanny's process first, where ``dask worker`` runs
+    (the worker is a child process)."""
+    from distributed import Worker
+
+    try:
+        await server.start()
+    except Exception:  # its start failed: it is closed already
+        return
+    if isinstance(server, Worker):
+        nanny: Any = server.nanny  # its address (typed as a Nanny in distributed)
+        if nanny is not None:
+            # the nanny's out-of-band "run" handler, as client.run(nanny=True); a nanny
+            # gone already has nothing to tell
+            with suppress(Exception):
+                await server.rpc(nanny).run(function=dumps(in_nanny))
+        await server.close(nanny=True, reason=reason)
+    else:
+        await server.close(reason=reason)
+
+
+def running_options(dask_scheduler: Scheduler) -> dict[str, dict[str, Any] | None]:
+    """Run on the scheduler (``client.run_on_scheduler``): the options of accelsched's
+    plugins registered there, if any (the guard as stored for the workers, before each
+    worker's own settings)."""
+    placement = dask_scheduler.plugins.get(PLACEMENT_PLUGIN)
+    guard = dask_scheduler.worker_plugins.get(GUARD_PLUGIN)
+    return {
+        "placement": getattr(placement, "options", None),
+        "guard": getattr(loads(guard), "options", None) if guard is not None else None,
+    }

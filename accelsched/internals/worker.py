@@ -1,4 +1,5 @@
-"""The worker's state: its declaration, its stored results, a task's execution."""
+"""The worker's state: its declaration, its stored results, a task's execution, the
+figures its heartbeat carries."""
 
 from __future__ import annotations
 
@@ -44,8 +45,7 @@ async def set_own_gpus(worker: Worker, count: int, memory: int = 0) -> None:
     for name in (GPU, GPU_MEMORY):
         total = state.total_resources.get(name)
         if total is not None and not valid_declaration(total):
-            state.total_resources[name] = 0
-            state.available_resources[name] = 0
+            state.total_resources[name] = state.available_resources[name] = 0
     await worker.set_resources(**{GPU: count, GPU_MEMORY: memory})
     if state.constrained and state.running:
         # distributed looks at tasks waiting for resources again only when a task ends:
@@ -93,11 +93,10 @@ def runs_in_thread(worker: Worker, key: Any) -> bool:
     then keeps where it came from in ``previous``, and ``done`` once the thread ended.
     """
     ts = worker.state.tasks.get(key)
-    if ts is None:
-        return False
-    if ts.state in _IN_THREAD:
-        return True
-    return ts.state in ("cancelled", "resumed") and ts.previous in _IN_THREAD and not ts.done
+    return ts is not None and (
+        ts.state in _IN_THREAD
+        or (ts.state in ("cancelled", "resumed") and ts.previous in _IN_THREAD and not ts.done)
+    )
 
 
 def tasks_in_threads(worker: Worker) -> dict[Any, bool]:
@@ -126,14 +125,17 @@ def wrap_execution(
     alone: nothing can be bound there.
     """
     ts = worker.state.tasks.get(key)
-    if ts is None:
-        return
-    spec = ts.run_spec
-    if spec is None or _is_coro(spec):
+    if ts is None or (spec := ts.run_spec) is None or _is_coro(spec):
         return
     annotations = ts.annotations or _EMPTY
-    executor = worker.executors.get(annotations.get("executor", "default"))
-    if not _is_thread_pool(executor):
+    # distributed's executor is its own copy of ``ThreadPoolExecutor``, not a subclass of
+    # ``concurrent.futures``'s: go by name (once per executor type)
+    cls = type(worker.executors.get(annotations.get("executor", "default")))
+    if (thread_pool := _THREAD_POOLS.get(cls)) is None:
+        thread_pool = _THREAD_POOLS[cls] = any(
+            c.__name__ == "ThreadPoolExecutor" for c in cls.__mro__
+        )
+    if not thread_pool:
         return
     runner = choose(key, ts.resource_restrictions or _EMPTY, annotations)
     if runner is not None:
@@ -162,16 +164,6 @@ def _is_coro(spec: Any) -> bool:
 
 _COROUTINES: dict[Any, bool] = {}
 _MAX_FUNCTIONS = 1024
-
-
-def _is_thread_pool(executor: Any) -> bool:
-    """distributed's executor is its own copy of ``ThreadPoolExecutor``, not a subclass of
-    ``concurrent.futures``'s: go by name (once per executor type)."""
-    cls = type(executor)
-    known = _THREAD_POOLS.get(cls)
-    if known is None:
-        known = _THREAD_POOLS[cls] = any(c.__name__ == "ThreadPoolExecutor" for c in cls.__mro__)
-    return known
 
 
 _THREAD_POOLS: dict[type, bool] = {}
@@ -209,6 +201,21 @@ class Bound(GraphNode):
 def wrap_task(spec: Any, runner: Runner) -> Any:
     """``spec`` run by ``runner(spec, values)`` (:class:`Bound`). Wrapping twice is a
     no-op."""
-    if isinstance(spec, Bound):
-        return spec
-    return Bound(spec, runner)
+    return spec if isinstance(spec, Bound) else Bound(spec, runner)
+
+
+def add_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
+    """Send ``fn(worker)`` with every heartbeat under ``name`` (a custom worker metric:
+    ``Worker.metrics`` is read at each heartbeat, so one added later still travels).
+
+    The dict is replaced, never changed in place: ``Worker.get_metrics`` awaits between
+    its items, so a guard set up during a heartbeat would change it mid-iteration
+    (``RuntimeError: dictionary changed size during iteration``).
+    """
+    worker.metrics = {**worker.metrics, name: fn}
+
+
+def remove_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
+    """Stop sending ``name``, if it is still ``fn`` (not a newer guard's)."""
+    if worker.metrics.get(name) == fn:
+        worker.metrics = {k: v for k, v in worker.metrics.items() if k != name}

@@ -65,8 +65,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from distributed.metrics import time as _now  # the event log's clock
 
-from accelsched import events, internals
-from accelsched.display import metrics
+from accelsched import display, events, internals
 from accelsched.policy.ownership import grant
 from accelsched.policy.requests import Requests
 from accelsched.policy.requirements import DeviceFacts, mebibytes, share
@@ -315,7 +314,7 @@ class DeviceReports:
         self._active = active
         self._gained = gained
         internals.wrap_handler(scheduler, "set_resources", self.set_resources)
-        metrics.gpus_from(self._grants.gauge)
+        display.gpus_from(self._grants.gauge)
         for ws in list(scheduler.workers.values()):
             self.add_worker(ws)
         # guards already running report again now that someone listens (a guard
@@ -340,7 +339,7 @@ class DeviceReports:
 
     def close(self) -> None:
         """The gauge no longer reads these grants."""
-        metrics.stop_gpus(self._grants.gauge)
+        display.stop_gpus(self._grants.gauge)
 
     def remove_worker(self, worker: str) -> None:
         """Free the worker's GPUs (workers refused one of them, or sharing one, are asked

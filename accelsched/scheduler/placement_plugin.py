@@ -76,9 +76,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from accelsched import events, internals
+from accelsched import display, events, internals
 from accelsched.config import PLACEMENT_OPTIONS, resolve_options
-from accelsched.display import dashboard_page, metrics
 from accelsched.events import shown
 from accelsched.policy.proposals import Proposal
 from accelsched.policy.requests import RestartBudget, admit_restart, keeps_devices, restart_reply
@@ -364,7 +363,7 @@ class PlacementPlugin(SchedulerPlugin):
             options=self.options,
             pool_of=self.fallback.pool_of,
         )
-        dashboard_page.install(scheduler)
+        display.install(scheduler)
 
     def unregistered(self) -> None:
         """``client.unregister_scheduler_plugin``: leave the scheduler as it was found.
@@ -420,7 +419,7 @@ class PlacementPlugin(SchedulerPlugin):
         Worker-side events (``leak``, ``unrequested-gpu-use``, ...) arrive here too.
         """
         if topic == events.TOPIC and isinstance(msg, dict):
-            metrics.count_event(msg)
+            display.count_event(msg)
             if self.status_history is not None:
                 self.status_history.record_event(msg)
             # the workers' events (a leak, a device withdrawn, ...) in the scheduler's log

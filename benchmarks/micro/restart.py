@@ -15,7 +15,7 @@ own kind):
   retirement awaited until distributed's ``retire_workers`` returns (its poll: every
   ``len(keys) / 400`` s, up to 0.5 s);
 - **after**: ``fast_restart=True`` (forked from a warm server) and the retirement
-  watched every 10 ms (:mod:`accelsched.internals.restarting`).
+  watched every 10 ms (:mod:`accelsched.internals.scheduler`).
 
 Run with ``python -m benchmarks restart`` (``--quick``: one round, 20 results held).
 """
@@ -33,7 +33,7 @@ import dask
 from distributed import Client
 
 import accelsched
-from accelsched.internals import restarting
+from accelsched.internals import scheduler as restarting
 from accelsched.testing import device_alloc, fake_gpus
 from benchmarks.harness.clusters import MiB, events, gpu_cluster, gpus_ready, wait
 from benchmarks.harness.plots import bars

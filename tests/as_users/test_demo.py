@@ -193,7 +193,7 @@ def test_events_cli_prints_what_happened(fake_gpus_2) -> None:
     from distributed import Client, LocalCluster
 
     import accelsched
-    from accelsched.cli.main import main, print_events
+    from accelsched.cli import main, print_events
 
     with (
         LocalCluster(
@@ -218,7 +218,7 @@ def test_events_cli_prints_what_happened(fake_gpus_2) -> None:
 
 
 def test_events_cli_names_an_unreachable_scheduler(capsys) -> None:  # type: ignore[no-untyped-def]
-    from accelsched.cli.main import main
+    from accelsched.cli import main
 
     assert main(["events", "tcp://127.0.0.1:1", "--timeout", "1s"]) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -26,7 +26,7 @@ from distributed import Scheduler
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.display import dashboard_page
+from accelsched import display
 from accelsched.testing import device_alloc
 from tests.browser import chromium, needs_chromium
 from tests.utils import (
@@ -76,7 +76,7 @@ def cpu_or_gpu(x: int) -> int:
 
 
 def page_url(s: Scheduler) -> str:
-    return f"http://127.0.0.1:{s.http_server.port}/{dashboard_page.PAGE}"
+    return f"http://127.0.0.1:{s.http_server.port}/{display.PAGE}"
 
 
 def load_in_chromium(url: str, expected: list[str], screenshot: Path) -> dict[str, Any]:
@@ -153,9 +153,9 @@ async def test_page_installed_at_scheduler_start_once(c, s):
     await accelsched.register(c)
     with pytest.warns(UserWarning, match="overwriting"):  # a new instance replaces it
         await c.register_plugin(accelsched.PlacementPlugin())
-    assert dashboard_page.install(s) is True
+    assert display.install(s) is True
     assert len(s.http_application.applications) == apps
-    assert dashboard_page.status_history_of(s) is s.plugins["accelsched-placement"].status_history
+    assert display.status_history_of(s) is s.plugins["accelsched-placement"].status_history
     status = await asyncio.to_thread(
         urllib.request.urlopen, page_url(s).replace("accelsched", "status")
     )
@@ -165,5 +165,5 @@ async def test_page_installed_at_scheduler_start_once(c, s):
 @gen_cluster(client=True, nthreads=[])
 async def test_no_dashboard_no_page(c, s):
     await accelsched.register(c)
-    assert dashboard_page.install(s) is False
+    assert display.install(s) is False
     assert status_snapshot(s)["workers"] == []  # the status handler works without a dashboard

@@ -21,7 +21,7 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.display.status_table import summary
+from accelsched.display import summary
 from accelsched.events import describe
 from accelsched.policy.timeouts import (
     DUAL_TIMEOUT,

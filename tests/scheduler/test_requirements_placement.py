@@ -261,7 +261,7 @@ def holds(event_name: str) -> int:
 async def test_status_shows_each_devices_model_capability_and_declared_memory(c, s, a, b):
     from distributed import Event
 
-    from accelsched.display.status_table import render
+    from accelsched.display import render
 
     await _verified(c, s)
     done = Event("let-go")

@@ -193,7 +193,7 @@ async def test_re_registering_keeps_requirement_tasks_placeable(c, s, b):
 async def test_an_odd_device_report_is_refused_and_harms_nobody(c, s, a, b):
     """A worker sends a report of its own with a device whose memory is no number:
     the report is refused, and placement, status and other workers' tasks go on."""
-    from accelsched.display.status_table import render
+    from accelsched.display import render
 
     await _verified(c, s)
     plugin = s.plugins["accelsched-placement"]

@@ -25,7 +25,7 @@ from distributed import Client
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.display.status_table import snapshot
+from accelsched.display import snapshot
 from accelsched.protocol import PLACEMENT_PLUGIN
 from tests import processes
 from tests.processes import DASK, running
@@ -130,10 +130,7 @@ def test_a_scheduler_file_is_waited_for_while_written(tmp_path, monkeypatch):
     then whole: the reader waits for the address instead of failing on the way. Each
     phase lasts until the reader has demonstrably looked at it twice (its polls and its
     parse attempts, counted), whatever the machine's speed."""
-    import importlib
-
-    # the module, not the function ``accelsched.cli`` exports under the same name
-    scheduler_file = importlib.import_module("accelsched.cli.main")
+    from accelsched import cli as scheduler_file
 
     seen = {"polls": 0, "parses": 0}
 
@@ -181,7 +178,7 @@ def test_a_scheduler_file_is_waited_for_while_written(tmp_path, monkeypatch):
 def test_scheduler_file_errors_one_line(tmp_path, capsys):
     """In this process (the command's own ``main``): a dozen interpreters starting would
     cost a dozen seconds, and none of these cases reaches a scheduler."""
-    from accelsched.cli.main import main
+    from accelsched.cli import main
 
     def run(*args: str) -> tuple[int, str, str, float]:
         started = time.monotonic()
@@ -245,7 +242,7 @@ def test_one_timeout_for_the_scheduler_file_and_the_scheduler(tmp_path, capsys):
     """The file appears 1 s into a 3 s --timeout and names a scheduler nobody runs: the
     connection gets what is left (about 2 s, at least 1), not 3 s more. The error names
     the time it was given."""
-    from accelsched.cli.main import main
+    from accelsched.cli import main
 
     late = tmp_path / "late.json"
 
@@ -341,7 +338,7 @@ async def test_before_the_first_heartbeat_the_table_says_it_waits(c, s):
 
 
 def test_a_quarantine_says_what_it_waits_for() -> None:
-    from accelsched.display.status_table import quarantine_text, waits_for
+    from accelsched.display import quarantine_text, waits_for
 
     assert waits_for("restart-deferred: no-peer") == "a peer to take its data"
     assert waits_for("restart-deferred: restart-failed: 'timed out'") == "its nanny to restart it"

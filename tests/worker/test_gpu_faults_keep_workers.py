@@ -27,7 +27,7 @@ MONITOR = """
 import sys
 from distributed.diagnostics import nvml
 if sys.argv[1] == "wrapped":
-    from accelsched.internals.nvml_start import start_despite_failing_gpu
+    from accelsched.internals.forkserver import start_despite_failing_gpu
     assert start_despite_failing_gpu() and start_despite_failing_gpu()  # idempotent
 from distributed import worker
 from distributed.system_monitor import SystemMonitor

@@ -16,7 +16,7 @@ from distributed import Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
-from accelsched.display.status_table import render
+from accelsched.display import render
 from accelsched.testing import device_alloc
 from tests.utils import (
     FAST,

@@ -1,1 +1,0 @@
-"""Showing what accelsched does: the dashboard page, the Prometheus metrics, the status table."""
