@@ -195,20 +195,19 @@ class ElasticPools(Adaptive):
         # it is asked again after a wait that doubles, up to NO_PLUGIN_WAIT_MAX
         self._no_plugin_wait = 0.0
         self._ask_at = 0.0
-        self._starting: dict[str, list[str]] = {}  # pool -> its workers not arrived (last look)
+        self._running: set[str] = set()  # workers arrived (at the last look)
         #: retired workers that still run tasks sent before: closed once those end
         self._closing: set[str] = set()
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
         self._gpu_idle_with_cpu_work = any(not p.pool.gpus for p in self.pools.values())
         self.spec_cluster = cluster
-        o = self.options
         super().__init__(
             cluster,
-            interval=o["interval"],
+            interval=self.options["interval"],
             minimum=0,
             maximum=math.inf,
-            wait_count=o["wait_count"],
-            target_duration=o["target_duration"],
+            wait_count=self.options["wait_count"],
+            target_duration=self.options["target_duration"],
         )
         if (previous := take_adaptive(cluster, self)) is not None:
             logger.warning(
@@ -276,8 +275,10 @@ class ElasticPools(Adaptive):
             bound = self.options["start_timeout"]
             coming: dict[str, float] = {}
             for cls, pool in plan.coming.items():
-                starting = [self._started.get(w, now) for w in self._starting.get(pool, [])]
-                starting += [now] * (len(self.members(pool)) - states[pool].running - len(starting))
+                # those started this look too (_scale_up gave them ``now``)
+                starting = [
+                    self._started.get(w, now) for w in self.members(pool) if w not in self._running
+                ]
                 if starting and (left := max(starting) + bound - now) > 0:
                     coming[cls] = left
             await getattr(self.scheduler, POOLS_HANDLER)(
@@ -288,13 +289,12 @@ class ElasticPools(Adaptive):
             # new task (distributed's graceful closing) but finishes those it runs (CPU
             # tasks a GPU pool's worker ran), so closing it loses no work
             if done := sorted(self._closing - {w["name"] for w in reply["workers"] if w["busy"]}):
-                f = self.spec_cluster.scale_down(done)  # their specs go; the cluster closes them
+                # their specs go; the cluster closes them. Their times went at the look that
+                # first saw them retired (a retired worker is no member)
+                f = self.spec_cluster.scale_down(done)
                 if isawaitable(f):
                     await f
                 self._closing.difference_update(done)
-                for w in done:
-                    self._idle_since.pop(w, None)
-                    self._started.pop(w, None)
         finally:
             self._adapting = False
 
@@ -303,17 +303,17 @@ class ElasticPools(Adaptive):
         verified, or start_timeout passed), starting, and how long each idle one was."""
         arrived = {w["name"]: w for w in reply["workers"]}
         states = {}
+        self._running.clear()
         for name, ps in self.pools.items():
             running, idle = 0, {}
             members = self.members(name)
-            starting = self._starting[name] = []
             for w in members:
                 seen = arrived.get(w)
                 late = now - self._started.get(w, now) >= self.options["start_timeout"]
                 if seen is None or (ps.pool.gpus and not seen["gpus"] and not late):
-                    starting.append(w)
                     continue
                 running += 1
+                self._running.add(w)
                 # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
                 if seen["gpu_busy" if ps.pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
                     self._idle_since.pop(w, None)
@@ -331,16 +331,15 @@ class ElasticPools(Adaptive):
         spec = self.spec_cluster.worker_spec
         before = len(spec)
         for name, ps in self.pools.items():
-            have = len(self.members(name))
+            # a free name is no member: its times went at this look (_states)
             new: list[str] = []
             n = 0
-            while have + len(new) < plan.targets[name]:
+            while len(self.members(name)) < plan.targets[name]:
                 while f"{name}-{n}" in spec:
                     n += 1
                 worker = f"{name}-{n}"
                 spec[worker] = copy.deepcopy(ps.spec)
                 self._started[worker] = now
-                self._idle_since.pop(worker, None)  # a name used before starts afresh
                 new.append(worker)
             if new:
                 await self._event(
