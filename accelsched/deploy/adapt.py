@@ -190,9 +190,9 @@ class ElasticPools(Adaptive):
         self._idle_since: dict[str, float] = {}  # worker -> since when it has had no task
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
-        self._said_no_plugin = False
         # without the plugin the scheduler logs each unknown request with a traceback:
-        # it is asked again after a wait that doubles, up to NO_PLUGIN_WAIT_MAX
+        # it is asked again after a wait that doubles, up to NO_PLUGIN_WAIT_MAX (0: it
+        # answered last time)
         self._no_plugin_wait = 0.0
         self._ask_at = 0.0
         self._running: set[str] = set()  # workers arrived (at the last look)
@@ -237,16 +237,15 @@ class ElasticPools(Adaptive):
         try:
             reply = cast("DemandReply | None", await getattr(self.scheduler, DEMAND_HANDLER)())
             if reply is None:  # distributed's answer to an operation it has no handler for
-                self._no_plugin_wait = min(NO_PLUGIN_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
-                self._ask_at = time() + self._no_plugin_wait
-                if not self._said_no_plugin:
-                    self._said_no_plugin = True
+                if not self._no_plugin_wait:  # said once, as the plugin goes missing
                     logger.warning(
                         "accelsched.adapt: the scheduler does not answer %s: it runs no "
                         "accelsched PlacementPlugin; register it (accelsched.register(client)) "
                         "or start the scheduler with --preload accelsched. The pools wait",
                         DEMAND_HANDLER,
                     )
+                self._no_plugin_wait = min(NO_PLUGIN_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
+                self._ask_at = time() + self._no_plugin_wait
                 return
             self._no_plugin_wait = 0.0
             now = time()
@@ -271,7 +270,7 @@ class ElasticPools(Adaptive):
                 target_duration=self.target_duration,
                 idle_after=self.options["idle_after"],
             )
-            await self._scale_up(plan, states, now)
+            await self._scale_up(plan, now)
             bound = self.options["start_timeout"]
             coming: dict[str, float] = {}
             for cls, pool in plan.coming.items():
@@ -284,7 +283,27 @@ class ElasticPools(Adaptive):
             await getattr(self.scheduler, POOLS_HANDLER)(
                 coming=coming, full=plan.full, bound=bound, pools=list(self.pools)
             )
-            await self._retire(plan)
+            # retire the workers the plan proposed ``wait_count`` looks in a row
+            counts = cast("dict[str, int]", self.close_counts)  # worker names, as Adaptive's
+            for w in plan.retire:
+                counts[w] += 1
+            firm = [w for w in plan.retire if counts[w] >= self.wait_count]
+            for w in list(counts):
+                if w in firm or w not in plan.retire:
+                    del counts[w]
+            if firm:
+                # data moved to peers first; a worker whose data no peer could take stays
+                retired = await retire_named(self.scheduler, firm)
+                for pool in self.pools:
+                    if workers := [w for w in firm if w in retired and w.startswith(pool + "-")]:
+                        await self._event(
+                            events.SCALE_DOWN,
+                            pool=pool,
+                            workers=workers,
+                            reason="idle",
+                            target=plan.targets[pool],
+                        )
+                self._closing.update(retired)
             # close the retired workers that run nothing now. A retired worker takes no
             # new task (distributed's graceful closing) but finishes those it runs (CPU
             # tasks a GPU pool's worker ran), so closing it loses no work
@@ -305,20 +324,20 @@ class ElasticPools(Adaptive):
         states = {}
         self._running.clear()
         for name, ps in self.pools.items():
-            running, idle = 0, {}
+            idle = {}
             members = self.members(name)
             for w in members:
                 seen = arrived.get(w)
                 late = now - self._started.get(w, now) >= self.options["start_timeout"]
                 if seen is None or (ps.pool.gpus and not seen["gpus"] and not late):
                     continue
-                running += 1
                 self._running.add(w)
                 # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
                 if seen["gpu_busy" if ps.pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
                     self._idle_since.pop(w, None)
                 else:
                     idle[w] = now - self._idle_since.setdefault(w, now)
+            running = len(self._running.intersection(members))
             states[name] = PoolState(running, len(members) - running, idle)
         # workers that left some other way (died, closed by hand): their times go
         known = {w for name in self.pools for w in self.members(name)}
@@ -327,7 +346,7 @@ class ElasticPools(Adaptive):
                 del times[w]
         return states
 
-    async def _scale_up(self, plan: Plan, states: Mapping[str, PoolState], now: float) -> None:
+    async def _scale_up(self, plan: Plan, now: float) -> None:
         spec = self.spec_cluster.worker_spec
         before = len(spec)
         for name, ps in self.pools.items():
@@ -352,31 +371,6 @@ class ElasticPools(Adaptive):
                 )
         if len(spec) > before:  # the cluster starts what its spec has and it has not (not awaited)
             self.spec_cluster.scale(len(spec))
-
-    async def _retire(self, plan: Plan) -> None:
-        """Retire the workers the plan proposed ``wait_count`` looks in a row."""
-        counts = cast("dict[str, int]", self.close_counts)  # worker names, as Adaptive's
-        for w in plan.retire:
-            counts[w] += 1
-        firm = [w for w in plan.retire if counts[w] >= self.wait_count]
-        for w in list(counts):
-            if w in firm or w not in plan.retire:
-                del counts[w]
-        if not firm:
-            return
-        # data moved to peers first; a worker whose data no peer could take stays, and it
-        retired = await retire_named(self.scheduler, firm)
-        for pool in self.pools:
-            workers = [w for w in firm if w in retired and w.startswith(pool + "-")]
-            if workers:
-                await self._event(
-                    events.SCALE_DOWN,
-                    pool=pool,
-                    workers=workers,
-                    reason="idle",
-                    target=plan.targets[pool],
-                )
-        self._closing.update(retired)
 
     async def _event(self, action: str, **figures: Any) -> None:
         msg = events.event(action, **figures)
