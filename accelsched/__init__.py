@@ -66,8 +66,7 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = getattr(import_module(_LAZY[name]), name)
-        globals()[name] = value
+        value = globals()[name] = getattr(import_module(_LAZY[name]), name)
         return value
     raise AttributeError(f"module 'accelsched' has no attribute {name!r}")
 

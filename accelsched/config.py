@@ -200,10 +200,9 @@ def parse_interval(name: str, value: Any, least: float = MIN_INTERVAL) -> float:
 
 
 def parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
+    found = {"true": True, "false": False}.get(value.lower()) if isinstance(value, str) else value
+    if isinstance(found, bool):
+        return found
     raise _bad(name, value, "True or False", TypeError)
 
 
@@ -367,21 +366,20 @@ def on_this_worker(
     dask config applied where no explicit option says otherwise."""
     out = InEffect(dict(handed))
     for opt in GUARD_OPTIONS:
-        name = opt.name
-        if name in preload:
-            value, source = preload[name], "this worker's --preload accelsched"
+        if opt.name in preload:
+            value, source = preload[opt.name], "this worker's --preload accelsched"
         else:
             own, value = opt.set_here()
             if not own:
                 continue
             source = f"this worker's dask config {opt.key}"
-        if value == handed[name]:
+        if value == handed[opt.name]:
             continue
-        if name in explicit:
-            out.overruled[name] = (value, source)
+        if opt.name in explicit:
+            out.overruled[opt.name] = (value, source)
         else:
-            out.options[name] = value
-            out.sources[name] = source
+            out.options[opt.name] = value
+            out.sources[opt.name] = source
     return out
 
 

@@ -354,10 +354,9 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
             time.sleep(0.05)
         except (OSError, ValueError) as exc:  # a symlink loop, a NUL in the path
             return _no_scheduler_file(command, path, one_line(exc))
-    if not stat.S_ISREG(st.st_mode):
-        return _no_scheduler_file(command, path, "not a regular file")
-    if st.st_size > MAX_SCHEDULER_FILE:
-        return _no_scheduler_file(command, path, f"{st.st_size} bytes")
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SCHEDULER_FILE:
+        size = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        return _no_scheduler_file(command, path, size)
     from accelsched.internals.client_side import read_json_file
 
     try:
@@ -472,8 +471,7 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
     the connection together), then ``run(address, seconds to connect)``'s exit code."""
     from accelsched.demo.quiet import quiet_logs
 
-    command, params = ctx.command.name, ctx.params
-    address, timeout, path = params["scheduler"], params["timeout"], params["scheduler_file"]
+    address, timeout, path = (ctx.params[k] for k in ("scheduler", "timeout", "scheduler_file"))
     if path == "":
         raise click.BadParameter(
             "invalid PATH '': expected a file name", ctx, param_hint="'--scheduler-file'"
@@ -493,7 +491,7 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
             connect = timeout
             if path is not None:
                 deadline = time.monotonic() + timeout
-                address = address_from_file(path, deadline, str(command))
+                address = address_from_file(path, deadline, str(ctx.command.name))
                 connect = max(deadline - time.monotonic(), MIN_CONNECT)
             ctx.exit(address if isinstance(address, int) else run(address, connect))
         except BrokenPipeError:  # `accelsched status --watch | head`: the reader left

@@ -190,25 +190,24 @@ class ElasticPools(Adaptive):
         self._idle_since: dict[str, float] = {}  # worker -> since when it has had no task
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
-        self._said_no_plugin = False
         # without the plugin the scheduler logs each unknown request with a traceback:
-        # it is asked again after a wait that doubles, up to NO_PLUGIN_WAIT_MAX
+        # it is asked again after a wait that doubles, up to NO_PLUGIN_WAIT_MAX (0: it
+        # answered last time)
         self._no_plugin_wait = 0.0
         self._ask_at = 0.0
-        self._starting: dict[str, list[str]] = {}  # pool -> its workers not arrived (last look)
+        self._running: set[str] = set()  # workers arrived (at the last look)
         #: retired workers that still run tasks sent before: closed once those end
         self._closing: set[str] = set()
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
         self._gpu_idle_with_cpu_work = any(not p.pool.gpus for p in self.pools.values())
         self.spec_cluster = cluster
-        o = self.options
         super().__init__(
             cluster,
-            interval=o["interval"],
+            interval=self.options["interval"],
             minimum=0,
             maximum=math.inf,
-            wait_count=o["wait_count"],
-            target_duration=o["target_duration"],
+            wait_count=self.options["wait_count"],
+            target_duration=self.options["target_duration"],
         )
         if (previous := take_adaptive(cluster, self)) is not None:
             logger.warning(
@@ -238,16 +237,15 @@ class ElasticPools(Adaptive):
         try:
             reply = cast("DemandReply | None", await getattr(self.scheduler, DEMAND_HANDLER)())
             if reply is None:  # distributed's answer to an operation it has no handler for
-                self._no_plugin_wait = min(NO_PLUGIN_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
-                self._ask_at = time() + self._no_plugin_wait
-                if not self._said_no_plugin:
-                    self._said_no_plugin = True
+                if not self._no_plugin_wait:  # said once, as the plugin goes missing
                     logger.warning(
                         "accelsched.adapt: the scheduler does not answer %s: it runs no "
                         "accelsched PlacementPlugin; register it (accelsched.register(client)) "
                         "or start the scheduler with --preload accelsched. The pools wait",
                         DEMAND_HANDLER,
                     )
+                self._no_plugin_wait = min(NO_PLUGIN_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
+                self._ask_at = time() + self._no_plugin_wait
                 return
             self._no_plugin_wait = 0.0
             now = time()
@@ -272,29 +270,50 @@ class ElasticPools(Adaptive):
                 target_duration=self.target_duration,
                 idle_after=self.options["idle_after"],
             )
-            await self._scale_up(plan, states, now)
+            await self._scale_up(plan, now)
             bound = self.options["start_timeout"]
             coming: dict[str, float] = {}
             for cls, pool in plan.coming.items():
-                starting = [self._started.get(w, now) for w in self._starting.get(pool, [])]
-                starting += [now] * (len(self.members(pool)) - states[pool].running - len(starting))
+                # those started this look too (_scale_up gave them ``now``)
+                starting = [
+                    self._started.get(w, now) for w in self.members(pool) if w not in self._running
+                ]
                 if starting and (left := max(starting) + bound - now) > 0:
                     coming[cls] = left
             await getattr(self.scheduler, POOLS_HANDLER)(
                 coming=coming, full=plan.full, bound=bound, pools=list(self.pools)
             )
-            await self._retire(plan)
+            # retire the workers the plan proposed ``wait_count`` looks in a row
+            counts = cast("dict[str, int]", self.close_counts)  # worker names, as Adaptive's
+            for w in plan.retire:
+                counts[w] += 1
+            firm = [w for w in plan.retire if counts[w] >= self.wait_count]
+            for w in list(counts):
+                if w in firm or w not in plan.retire:
+                    del counts[w]
+            if firm:
+                # data moved to peers first; a worker whose data no peer could take stays
+                retired = await retire_named(self.scheduler, firm)
+                for pool in self.pools:
+                    if workers := [w for w in firm if w in retired and w.startswith(pool + "-")]:
+                        await self._event(
+                            events.SCALE_DOWN,
+                            pool=pool,
+                            workers=workers,
+                            reason="idle",
+                            target=plan.targets[pool],
+                        )
+                self._closing.update(retired)
             # close the retired workers that run nothing now. A retired worker takes no
             # new task (distributed's graceful closing) but finishes those it runs (CPU
             # tasks a GPU pool's worker ran), so closing it loses no work
             if done := sorted(self._closing - {w["name"] for w in reply["workers"] if w["busy"]}):
-                f = self.spec_cluster.scale_down(done)  # their specs go; the cluster closes them
+                # their specs go; the cluster closes them. Their times went at the look that
+                # first saw them retired (a retired worker is no member)
+                f = self.spec_cluster.scale_down(done)
                 if isawaitable(f):
                     await f
                 self._closing.difference_update(done)
-                for w in done:
-                    self._idle_since.pop(w, None)
-                    self._started.pop(w, None)
         finally:
             self._adapting = False
 
@@ -303,22 +322,22 @@ class ElasticPools(Adaptive):
         verified, or start_timeout passed), starting, and how long each idle one was."""
         arrived = {w["name"]: w for w in reply["workers"]}
         states = {}
+        self._running.clear()
         for name, ps in self.pools.items():
-            running, idle = 0, {}
+            idle = {}
             members = self.members(name)
-            starting = self._starting[name] = []
             for w in members:
                 seen = arrived.get(w)
                 late = now - self._started.get(w, now) >= self.options["start_timeout"]
                 if seen is None or (ps.pool.gpus and not seen["gpus"] and not late):
-                    starting.append(w)
                     continue
-                running += 1
+                self._running.add(w)
                 # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
                 if seen["gpu_busy" if ps.pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
                     self._idle_since.pop(w, None)
                 else:
                     idle[w] = now - self._idle_since.setdefault(w, now)
+            running = len(self._running.intersection(members))
             states[name] = PoolState(running, len(members) - running, idle)
         # workers that left some other way (died, closed by hand): their times go
         known = {w for name in self.pools for w in self.members(name)}
@@ -327,20 +346,19 @@ class ElasticPools(Adaptive):
                 del times[w]
         return states
 
-    async def _scale_up(self, plan: Plan, states: Mapping[str, PoolState], now: float) -> None:
+    async def _scale_up(self, plan: Plan, now: float) -> None:
         spec = self.spec_cluster.worker_spec
         before = len(spec)
         for name, ps in self.pools.items():
-            have = len(self.members(name))
+            # a free name is no member: its times went at this look (_states)
             new: list[str] = []
             n = 0
-            while have + len(new) < plan.targets[name]:
+            while len(self.members(name)) < plan.targets[name]:
                 while f"{name}-{n}" in spec:
                     n += 1
                 worker = f"{name}-{n}"
                 spec[worker] = copy.deepcopy(ps.spec)
                 self._started[worker] = now
-                self._idle_since.pop(worker, None)  # a name used before starts afresh
                 new.append(worker)
             if new:
                 await self._event(
@@ -353,31 +371,6 @@ class ElasticPools(Adaptive):
                 )
         if len(spec) > before:  # the cluster starts what its spec has and it has not (not awaited)
             self.spec_cluster.scale(len(spec))
-
-    async def _retire(self, plan: Plan) -> None:
-        """Retire the workers the plan proposed ``wait_count`` looks in a row."""
-        counts = cast("dict[str, int]", self.close_counts)  # worker names, as Adaptive's
-        for w in plan.retire:
-            counts[w] += 1
-        firm = [w for w in plan.retire if counts[w] >= self.wait_count]
-        for w in list(counts):
-            if w in firm or w not in plan.retire:
-                del counts[w]
-        if not firm:
-            return
-        # data moved to peers first; a worker whose data no peer could take stays, and it
-        retired = await retire_named(self.scheduler, firm)
-        for pool in self.pools:
-            workers = [w for w in firm if w in retired and w.startswith(pool + "-")]
-            if workers:
-                await self._event(
-                    events.SCALE_DOWN,
-                    pool=pool,
-                    workers=workers,
-                    reason="idle",
-                    target=plan.targets[pool],
-                )
-        self._closing.update(retired)
 
     async def _event(self, action: str, **figures: Any) -> None:
         msg = events.event(action, **figures)

@@ -89,18 +89,17 @@ def _dask_command() -> str | None:
 
 def refuse_placement_options(placement_options: dict[str, Any]) -> None:
     """A worker given the scheduler's options: an error naming each with its value."""
-    if not placement_options:
-        return
     given = [
         f"{o.flag} {placement_options[o.name]!r}"
         for o in config.PLACEMENT_OPTIONS
         if o.name in placement_options
     ]
-    raise PreloadError(
-        f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the scheduler "
-        "(placement), not to a worker: give "
-        f"{'it' if len(given) == 1 else 'them'} to `dask scheduler --preload accelsched`"
-    )
+    if given:
+        raise PreloadError(
+            f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the scheduler "
+            "(placement), not to a worker: give "
+            f"{'it' if len(given) == 1 else 'them'} to `dask scheduler --preload accelsched`"
+        )
 
 
 #: Command-line spellings of "no value" for options that take one (``fallback_timeout``).

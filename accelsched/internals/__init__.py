@@ -204,38 +204,66 @@ def _changed(
 def check_scheduler(scheduler: Scheduler) -> None:
     """Verify what the scheduler side relies on; raise IncompatibleDistributed if not."""
     from distributed.scheduler import TaskState, WorkerState
+    from distributed.stealing import WorkStealing
 
     handlers = getattr(scheduler, "handlers", None)
     problems = [
-        f"Scheduler.handlers has no {name!r} handler"
-        for name in ("set_resources", "unregister_scheduler_plugin")
-        if not isinstance(handlers, dict) or name not in handlers
+        *(
+            f"Scheduler.handlers has no {name!r} handler"
+            for name in ("set_resources", "unregister_scheduler_plugin")
+            if not isinstance(handlers, dict) or name not in handlers
+        ),
+        *_changed(
+            scheduler,
+            "Scheduler",
+            dicts=(
+                "unrunnable",  # task -> time it became unrunnable
+                "resources",
+                "periodic_callbacks",
+                "stream_comms",
+                "worker_plugins",
+                "plugins",
+            ),
+            callables=(
+                "_ongoing_background_tasks.call_soon",
+                "bulk_schedule_unrunnable_after_adding_worker",
+                "_get_prefix_duration",
+                "transition",
+                "transitions",
+                "handle_worker_status_change",
+                "coerce_hostname",
+            ),
+        ),
+        *_changed(
+            WorkerState,
+            "WorkerState",
+            attributes=(
+                "resources",
+                "used_resources",
+                "processing",
+                "has_what",
+                "nanny",
+                "status",
+                "metrics",
+            ),
+        ),
+        *_changed(
+            TaskState,
+            "TaskState",
+            attributes=(
+                "resource_restrictions",
+                "loose_restrictions",
+                "worker_restrictions",
+                "host_restrictions",
+                "annotations",
+                "dependencies",
+                "who_has",
+                "run_spec",
+            ),
+        ),
     ]
     if not isinstance(getattr(scheduler, "running", None), set):
         problems.append("Scheduler.running is not a set of WorkerState")
-    from distributed.stealing import WorkStealing
-
-    problems += _changed(
-        scheduler,
-        "Scheduler",
-        dicts=(
-            "unrunnable",  # task -> time it became unrunnable
-            "resources",
-            "periodic_callbacks",
-            "stream_comms",
-            "worker_plugins",
-            "plugins",
-        ),
-        callables=(
-            "_ongoing_background_tasks.call_soon",
-            "bulk_schedule_unrunnable_after_adding_worker",
-            "_get_prefix_duration",
-            "transition",
-            "transitions",
-            "handle_worker_status_change",
-            "coerce_hostname",
-        ),
-    )
     for owner, fn, names in (
         (
             "Scheduler.retire_workers",
@@ -260,33 +288,6 @@ def check_scheduler(scheduler: Scheduler) -> None:
             problems.append(f"{owner} is not inspectable")
             continue
         problems += [f"{owner}() no longer takes {n}=" for n in names if n not in params]
-    problems += _changed(
-        WorkerState,
-        "WorkerState",
-        attributes=(
-            "resources",
-            "used_resources",
-            "processing",
-            "has_what",
-            "nanny",
-            "status",
-            "metrics",
-        ),
-    )
-    problems += _changed(
-        TaskState,
-        "TaskState",
-        attributes=(
-            "resource_restrictions",
-            "loose_restrictions",
-            "worker_restrictions",
-            "host_restrictions",
-            "annotations",
-            "dependencies",
-            "who_has",
-            "run_spec",
-        ),
-    )
     _raise_if(problems, "scheduler")
 
 
@@ -294,36 +295,38 @@ def check_worker(worker: Worker) -> None:
     """Verify what the worker side relies on; raise IncompatibleDistributed if not."""
     from distributed.worker_state_machine import TaskState
 
-    problems = _changed(
-        worker,
-        "Worker",
-        dicts=(
-            "handlers",
-            "periodic_callbacks",
-            "executors",
-            "plugins",
-            "metrics",
-            "state.tasks",
-            "state.total_resources",
-        ),
-        callables=(
-            "batched_send",
-            "_ongoing_background_tasks.call_soon",
-            "_startup_lock.locked",  # held while the worker starts
-            "data.get",  # a mapping
-        ),
-    )
-    if not hasattr(worker, "thread_id"):
-        problems.append("Worker.thread_id (the worker's stream) is gone")
-    fields = getattr(TaskState, "__dataclass_fields__", {})  # none: no longer a dataclass
-    problems += [
-        f"worker TaskState.{n} is gone"
-        for n in ("run_spec", "annotations", "resource_restrictions", "previous", "done")
-        if n not in fields
-    ]
     from accelsched.internals import forkserver
 
-    problems += forkserver.missing()  # a restarted worker starts while its GPU fails NVML
+    fields = getattr(TaskState, "__dataclass_fields__", {})  # none: no longer a dataclass
+    problems = [
+        *_changed(
+            worker,
+            "Worker",
+            dicts=(
+                "handlers",
+                "periodic_callbacks",
+                "executors",
+                "plugins",
+                "metrics",
+                "state.tasks",
+                "state.total_resources",
+            ),
+            callables=(
+                "batched_send",
+                "_ongoing_background_tasks.call_soon",
+                "_startup_lock.locked",  # held while the worker starts
+                "data.get",  # a mapping
+            ),
+        ),
+        *(
+            f"worker TaskState.{n} is gone"
+            for n in ("run_spec", "annotations", "resource_restrictions", "previous", "done")
+            if n not in fields
+        ),
+        *forkserver.missing(),  # a restarted worker starts while its GPU fails NVML
+    ]
+    if not hasattr(worker, "thread_id"):
+        problems.append("Worker.thread_id (the worker's stream) is gone")
     try:
         from dask._task_spec import GraphNode, Task, TaskRef  # noqa: F401
     except ImportError:

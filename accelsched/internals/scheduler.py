@@ -29,8 +29,7 @@ def notify_unregistered(scheduler: Scheduler) -> None:
     async def unregister(original: Callable[..., Any], name: str) -> None:
         plugin = scheduler.plugins.get(name)
         await original(name=name)
-        hook = getattr(plugin, "unregistered", None)
-        if callable(hook):
+        if callable(hook := getattr(plugin, "unregistered", None)):
             hook()
 
     wrap_handler(scheduler, "unregister_scheduler_plugin", unregister)
@@ -377,10 +376,11 @@ def _steal(scheduler: Scheduler, ts: Any, victim: WorkerState, thief: WorkerStat
     """Ask ``victim`` to hand the queued task ``ts`` to ``thief``, by distributed's work
     stealing protocol: the worker gives a task up only if it has not started it, so
     nothing runs twice. False when no request went out."""
-    stealing = scheduler.extensions.get("stealing")
-    if stealing is None:
-        return False
-    return stealing.move_task_request(ts, victim, thief) not in ("in-flight", "comm-closed")
+    stealing = scheduler.extensions.get("stealing")  # None: work stealing is off
+    return stealing is not None and stealing.move_task_request(ts, victim, thief) not in (
+        "in-flight",
+        "comm-closed",
+    )
 
 
 def take_share(scheduler: Scheduler, ws: WorkerState) -> int:

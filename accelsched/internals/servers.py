@@ -47,8 +47,7 @@ def start_periodic(server: Any, name: str, callback: Callable[[], Any], seconds:
     A PeriodicCallback added after the server started is not started by distributed.
     """
     stop_periodic(server, name)
-    pc = PeriodicCallback(callback, seconds * 1000)
-    server.periodic_callbacks[name] = pc
+    pc = server.periodic_callbacks[name] = PeriodicCallback(callback, seconds * 1000)
     pc.start()
 
 
