@@ -275,7 +275,7 @@ def counted_allocator(cap: MemoryCap, inner: Callable[[int], Any]) -> Callable[[
         except BaseException:
             cap.give(size)
             raise
-        owner = _Counted(block, cap, size)
+        owner = _Counted(block, cap, size)  # gives the bytes back as the last array goes
         return MemoryPointer(UnownedMemory(block.ptr, size, owner, block.device_id), 0)
 
     return malloc
@@ -494,9 +494,7 @@ def _device_of(obj: Any) -> int | None:
     if not on_gpu:
         return None
     device = getattr(getattr(obj, "device", None), "id", None)
-    if isinstance(device, int):
-        return device
-    return task_device() or 0
+    return device if isinstance(device, int) else task_device() or 0
 
 
 #: Types known to hold no device memory: a result of one of these is fully accounted.
@@ -552,8 +550,7 @@ def _register_cupy() -> None:
 
     @device_nbytes.register(cupy.ndarray)
     def _cupy_array(arr: Any) -> dict[int, int]:
-        base = arr.base if arr.base is not None else arr
-        return {int(arr.device.id): int(base.data.mem.size)}
+        return {int(arr.device.id): int((arr if arr.base is None else arr.base).data.mem.size)}
 
 
 _init_lock = threading.Lock()
@@ -922,6 +919,4 @@ def _match(entry: str, uuids: Sequence[str], migs: Mapping[int, Sequence[str]]) 
 def _whole(index: int, migs: Mapping[int, Sequence[str]]) -> Visible:
     """GPU ``index`` named as a whole: itself, or its first MIG device in MIG mode."""
     under = migs.get(index)
-    if under:
-        return Visible(index, under[0])
-    return Visible(index)
+    return Visible(index, under[0] if under else None)

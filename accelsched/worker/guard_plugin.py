@@ -97,7 +97,7 @@ from accelsched.devices import (
     active_pools,
     to_host,
 )
-from accelsched.policy.leak import Attribution, LeakDecisions, Verdict, classify
+from accelsched.policy.leak import MAX_PREFIXES, Attribution, LeakDecisions, Verdict, classify
 from accelsched.policy.requirements import (
     Cancelled,
     LeaseTable,
@@ -505,20 +505,24 @@ class Binder:
             raise Reschedule() from None
         try:
             self.used.update(devices)
-            ledger = self.ledger
             declared = None if requirement is None else requirement.memory
             meter = (
                 None
-                if ledger is None
+                if self.ledger is None
                 # what a task that declared its memory adds is held to it: measured always
-                else Meter(ledger, leases, key, devices, prefix, sample=declared is None)
+                else Meter(self.ledger, leases, key, devices, prefix, sample=declared is None)
             )
-            cap = None
-            if requirement is not None and declared is not None:
-                enforce = requirement.enforce
-                cap = MemoryCap(
-                    str(key), declared, enforce=self.enforce_memory if enforce is None else enforce
+            cap = (
+                None
+                if requirement is None or declared is None
+                else MemoryCap(
+                    str(key),
+                    declared,
+                    enforce=(
+                        self.enforce_memory if requirement.enforce is None else requirement.enforce
+                    ),
                 )
+            )
             bound = bind(
                 Lease(
                     key,
@@ -572,9 +576,6 @@ def _refuse(exc: ValueError, spec: Any, values: Any) -> Any:
 FIRST_RUNS = 4
 #: After that, one run in this many is watched.
 EVERY = 64
-#: Prefixes remembered per worker; beyond this the counts start over (names made per
-#: task must not grow memory forever).
-MAX_PREFIXES = 10_000
 
 
 class UnrequestedGPUUse(RuntimeError):
@@ -693,11 +694,12 @@ class PoolFreer:
         self._count = itertools.count(1)  # next() is atomic across threads
 
     def after_gpu_task(self, devices: tuple[int, ...]) -> None:
-        if not self.every or next(self._count) % self.every:
-            return
-        if not (pools := active_pools()):
-            return
-        if self.minimum > 0 and not caches_enough(pools, devices, self.minimum):
+        if (
+            not self.every
+            or next(self._count) % self.every
+            or not (pools := active_pools())
+            or (self.minimum > 0 and not caches_enough(pools, devices, self.minimum))
+        ):
             return
         if self.above > 0:
             try:
