@@ -229,11 +229,8 @@ class MemoryCap:
     def __init__(self, key: str, declared: int, *, enforce: bool) -> None:
         if declared <= 0:
             raise ValueError(f"a memory cap needs declared bytes > 0, got {declared!r}")
-        self.key = key
-        self.declared = declared
-        self.enforce = enforce
-        self.held = 0
-        self.peak = 0
+        self.key, self.declared, self.enforce = key, declared, enforce
+        self.held = self.peak = 0  # bytes held now, and at most
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> None:
@@ -639,9 +636,11 @@ class NVMLMonitor:
             try:
                 nvml = load_backend()
             except ImportError as exc:
-                if exc.name == "pynvml":
-                    return self._unavailable("pynvml is not installed (pip install nvidia-ml-py)")
-                return self._unavailable(f"the NVML backend cannot be imported: {exc}")
+                return self._unavailable(
+                    "pynvml is not installed (pip install nvidia-ml-py)"
+                    if exc.name == "pynvml"
+                    else f"the NVML backend cannot be imported: {exc}"
+                )
             except ValueError as exc:  # a bad accelsched.nvml-backend
                 return self._unavailable(str(exc))
             try:

@@ -228,8 +228,7 @@ def parse_requirement(value: Any) -> Requirement:
     if isinstance(value, Requirement):
         given: Mapping[str, Any] = {k: getattr(value, k) for k in KEYS}
     elif isinstance(value, Mapping):
-        unknown = sorted(map(repr, set(value) - set(KEYS)))
-        if unknown:
+        if unknown := sorted(map(repr, set(value) - set(KEYS))):
             raise ValueError(
                 f"unknown GPU requirement key(s) {', '.join(unknown)}: expected {', '.join(KEYS)}"
             )

@@ -210,13 +210,16 @@ class GuardPlugin(WorkerPlugin):
             emit=self._emit,
             ledger=ledger,
         )
-        if o["unrequested_gpu"] != "ignore":
-            self.binder.watch = Watch(
+        self.binder.watch = (
+            None
+            if o["unrequested_gpu"] == "ignore"
+            else Watch(
                 monitor=inv.monitor,
                 visible=inv.visible,
                 fail=o["unrequested_gpu"] == "fail",
                 emit=self._emit,
             )
+        )
         left_out = o["recover_gpus"] and bool(inv.monitor.left_out)
         actor = WorkerActor(
             inventory=inv,
@@ -312,7 +315,10 @@ class GuardPlugin(WorkerPlugin):
             self._results_moved()
         if key in running:  # started or ended, as its thread says (cancelled runs on)
             if start in _RUNNING and finish == "released":  # cancelled: its thread runs on
-                self.binder.cancelled(key)
+                # if it waits for a lease, its thread stops waiting now rather than run it
+                # once a device is free
+                if running.cancel(key):
+                    self.binder.room_freed()
             elif start == "cancelled":  # wanted again, or its thread is done
                 running.resume(key)
             if internals.runs_in_thread(worker, key):
@@ -556,12 +562,6 @@ class Binder:
             if self._waiting:
                 self.room_freed()
 
-    def cancelled(self, key: Any) -> None:
-        """``key`` was cancelled while its function runs (event loop): if it waits for a
-        lease, its thread stops waiting now rather than run it once a device is free."""
-        if self.leases.cancel(key):
-            self.room_freed()
-
 
 def send_back(spec: Any, values: dict) -> Any:
     """A GPU task reaching execution on a worker about to restart: placed again."""
@@ -607,10 +607,8 @@ class Watch:
         fail: bool,
         emit: Callable[..., None],
     ) -> None:
-        self.monitor = monitor
-        self.visible = visible
-        self.fail = fail
-        self._emit = emit
+        self.monitor, self.visible = monitor, visible
+        self.fail, self._emit = fail, emit
         self._runs: dict[str, int] = {}  # prefix -> runs seen on this worker
 
     def sampled(self, prefix: str) -> bool:
@@ -687,9 +685,7 @@ class PoolFreer:
         monitor: NVMLMonitor,
         minimum: int = 0,
     ) -> None:
-        self.every = every
-        self.above = above
-        self.minimum = minimum
+        self.every, self.above, self.minimum = every, above, minimum
         self.monitor = monitor
         self._count = itertools.count(1)  # next() is atomic across threads
 

@@ -433,6 +433,8 @@ class WorkerActor:
 
 #: Ledger.plan's answers.
 MEASURE, LEARN, SKIP = 0, 1, 2
+#: Result types that never hold device memory, as a set (asked of every result).
+_PLAIN = frozenset(HOST_TYPES)
 
 
 def net_of_pools(nbytes: int, pool: PoolStats) -> int:
@@ -731,7 +733,7 @@ class Ledger:
     def holds_nothing(value: Any) -> bool:
         """Whether ``value``, unmeasured, holds nothing on a device by its type alone (a
         number, a string: nothing to ask)."""
-        return value is None or type(value) in HOST_TYPES
+        return value is None or type(value) in _PLAIN
 
     def settle(self, device: int, noncache: int) -> None:
         """Everything on ``device`` is explained now (a check found no leak there)."""
@@ -784,11 +786,8 @@ class Meter:
         prefix: str,
         sample: bool = True,
     ) -> None:
-        self.ledger = ledger
-        self.leases = leases
-        self.key = key
-        self.devices = devices
-        self.prefix = prefix
+        self.ledger, self.leases, self.key = ledger, leases, key
+        self.devices, self.prefix = devices, prefix
         self.plan = ledger.plan(devices, prefix)
         self.depth = 0  # marked steps running now, nested
         self.steps = 0  # marked steps measured so far
