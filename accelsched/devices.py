@@ -506,10 +506,13 @@ def knows(value: Any) -> bool:
     with no rule, say): its device memory, if any, is measured, and what dask's
     ``sizeof`` says of it (on the device the task held, else device 0) is only a guess.
     """
-    if isinstance(value, HOST_TYPES):
+    if (
+        isinstance(value, HOST_TYPES)
+        # the protocol tells where it lives and how big it is (host: nothing)
+        or hasattr(value, "__cuda_array_interface__")
+        or hasattr(value, "__dlpack_device__")
+    ):
         return True
-    if hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack_device__"):
-        return True  # the protocol tells where it lives and how big it is (host: nothing)
     if isinstance(value, (list, tuple)):
         return all(knows(v) for v in value[:SCAN_LIMIT])
     if isinstance(value, dict):
@@ -731,9 +734,7 @@ class NVMLMonitor:
     def adopt(self, info: DeviceInfo) -> None:
         """A left-out device answers again (see :meth:`query`): list it from now on."""
         self._left_out.remove(info.index)
-        devices = self.devices()
-        devices.append(info)
-        devices.sort(key=lambda d: d.index)
+        self._devices = sorted([*self.devices(), info], key=lambda d: d.index)
 
     def device(self, index: int) -> DeviceInfo:
         for d in self.devices():

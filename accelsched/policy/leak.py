@@ -327,8 +327,8 @@ class LeakDecisions:
             record.above = record.above + 1 if leaked > threshold else 0
             if not record.above:
                 record.waiting_for = None
-            leak = record.above >= self.confirmations
-            verdicts.append(Verdict(device, leaked, threshold, record.above, leak=leak))
+            confirmed = record.above >= self.confirmations
+            verdicts.append(Verdict(device, leaked, threshold, record.above, confirmed))
         return verdicts
 
     def suspects(self, verdicts: list[Verdict], *, complete: bool) -> dict[int, Suspects]:

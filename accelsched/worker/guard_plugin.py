@@ -374,12 +374,11 @@ def preimport(modules: tuple[str, ...]) -> list[str]:
             importlib.import_module(name)
         except ImportError as exc:  # not installed here (or a dependency is not)
             logger.info("accelsched: preimport %s skipped: %s", name, exc)
-            continue
         except Exception as exc:  # a module that fails to import costs its guard nothing
             logger.warning("accelsched: preimport %s failed: %r", name, exc)
-            continue
-        done.append(name)
-        logger.debug("accelsched: preimported %s in %.2f s", name, time.perf_counter() - start)
+        else:
+            done.append(name)
+            logger.debug("accelsched: preimported %s in %.2f s", name, time.perf_counter() - start)
     return done
 
 

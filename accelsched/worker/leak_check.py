@@ -390,17 +390,16 @@ class WorkerActor:
         health, monitor, now = self.inventory.health, self.inventory.monitor, self._clock()
         report = False
         for index in health.due(now):
-            if index not in monitor.left_out:  # back, not granted yet: report it again
-                report = True
-                continue
-            try:
-                info = monitor.query(index)
-            except Exception:  # NVMLError: still out
-                health.retry(index, now)
-                continue
-            if health.probe_answered(index, now):
+            if index in monitor.left_out:  # probed: listed once it is back
+                try:
+                    info = monitor.query(index)
+                except Exception:  # NVMLError: still out
+                    health.retry(index, now)
+                    continue
+                if not health.probe_answered(index, now):
+                    continue
                 self.inventory.rejoin(info)
-                report = True
+            report = True  # back now, or back and not granted yet: report it (again)
         if report and not self._reporting:
             self._reporting = True
             self._spawn(self._report_back)
@@ -1099,6 +1098,6 @@ def under_dask_cuda(worker: Any) -> bool:
     dask-cuda gives its workers plugins of its own (CPU affinity, RMM setup, ...), and
     only then is ``dask_cuda`` imported in the worker process.
     """
-    if "dask_cuda" not in sys.modules:
-        return False
-    return any(m.startswith("dask_cuda") for m in internals.plugin_modules(worker))
+    return "dask_cuda" in sys.modules and any(
+        m.startswith("dask_cuda") for m in internals.plugin_modules(worker)
+    )
