@@ -235,15 +235,19 @@ class GPUStep(Generic[R]):
         except Exception as exc:
             # "out of device memory": a type named in the guard's ``oom_exceptions`` (by
             # name, so CuPy is never imported to check) or registered
-            names = lease.oom_exceptions
             if self.cpu_fn is None or not any(
-                c in _OOM_TYPES or f"{c.__module__}.{c.__qualname__}" in names
+                c in _OOM_TYPES or f"{c.__module__}.{c.__qualname__}" in lease.oom_exceptions
                 for c in type(exc).__mro__
             ):
                 raise
             if lease.report is not None:
-                error = f"{type(exc).__name__}: {exc}"
-                lease.report("fallback", key=lease.key, waited=0.0, reason="oom", error=error)
+                lease.report(
+                    "fallback",
+                    key=lease.key,
+                    waited=0.0,
+                    reason="oom",
+                    error=f"{type(exc).__name__}: {exc}",
+                )
         with released():  # the CPU form sees no GPU: array_module() is numpy
             return self.cpu_fn(*args, **kwargs)
 
@@ -260,13 +264,11 @@ class GPUStep(Generic[R]):
             return (loader, (*args, mark))
         # ``@gpu`` on an importable module-level function puts this object where the
         # function was: by reference, as cloudpickle would ship the function itself
-        where = importable(self)
-        if where is not None:
+        if (where := importable(self)) is not None:
             return (_load_step_by_name, (*where, mark))
         # by value (__main__, nested, lambdas, ...), in bytes of their own: a process
         # that cannot load them still reads the mark
-        shipped = ship(self, (self.fn, self.cpu_fn))
-        if shipped is None:
+        if (shipped := ship(self, (self.fn, self.cpu_fn))) is None:
             return (GPUStep, (self.fn, mark, self.cpu_fn))
         label = repr(_name(self.fn)) if self.cpu_fn is None else repr(self)
         return (_load_step, (label, shipped, mark))
@@ -321,8 +323,7 @@ def dual(
     raises here.
     """
     device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
-    mark = _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, device)
-    return GPUStep(gpu_fn, mark, cpu_fn)
+    return GPUStep(gpu_fn, _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, device), cpu_fn)
 
 
 # --- how a step travels and comes back in another process (see the module docstring) ---
@@ -337,9 +338,7 @@ class Unloadable:
     """
 
     def __init__(self, label: str, error: str, reload: tuple[Any, ...]) -> None:
-        self.label = label
-        self.error = error
-        self.reload = reload
+        self.label, self.error, self.reload = label, error, reload
         self.__name__ = self.__qualname__ = label
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -369,12 +368,15 @@ def importable(obj: Any) -> tuple[str, str] | None:
         or "<" in qualname  # <locals>, <lambda>
     ):
         return None
-    module = sys.modules.get(module_name)
-    if module is None or getattr(module, "__spec__", None) is None:  # dynamic
+    if (module := sys.modules.get(module_name)) is None or getattr(
+        module, "__spec__", None
+    ) is None:  # dynamic
         return None
     # registered by value: the module or a package above it
-    by_value = cloudpickle.list_registry_pickle_by_value()
-    if any(module_name == m or module_name.startswith(f"{m}.") for m in by_value):
+    if any(
+        module_name == m or module_name.startswith(f"{m}.")
+        for m in cloudpickle.list_registry_pickle_by_value()
+    ):
         return None
     target: Any = module
     for part in qualname.split("."):
@@ -428,9 +430,8 @@ def _load_step_by_name(module: str, qualname: str, mark: Mark) -> Any:
             target = getattr(target, part)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-        return GPUStep(
-            Unloadable(repr(label), error, (_load_step_by_name, (module, qualname))), mark
-        )
+        reload = (_load_step_by_name, (module, qualname))
+        return GPUStep(Unloadable(repr(label), error, reload), mark)
     return target if isinstance(target, GPUStep) else GPUStep(target, mark)
 
 
@@ -474,6 +475,4 @@ def gpu(
     """
     device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
     mark = _mark("gpu", count, fallback_timeout, None, device)
-    if fn is not None:
-        return GPUStep(fn, mark)
-    return lambda f: GPUStep(f, mark)
+    return GPUStep(fn, mark) if fn is not None else lambda f: GPUStep(f, mark)

@@ -229,11 +229,8 @@ class MemoryCap:
     def __init__(self, key: str, declared: int, *, enforce: bool) -> None:
         if declared <= 0:
             raise ValueError(f"a memory cap needs declared bytes > 0, got {declared!r}")
-        self.key = key
-        self.declared = declared
-        self.enforce = enforce
-        self.held = 0
-        self.peak = 0
+        self.key, self.declared, self.enforce = key, declared, enforce
+        self.held = self.peak = 0  # bytes held now, and at most
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> None:
@@ -275,7 +272,7 @@ def counted_allocator(cap: MemoryCap, inner: Callable[[int], Any]) -> Callable[[
         except BaseException:
             cap.give(size)
             raise
-        owner = _Counted(block, cap, size)
+        owner = _Counted(block, cap, size)  # gives the bytes back as the last array goes
         return MemoryPointer(UnownedMemory(block.ptr, size, owner, block.device_id), 0)
 
     return malloc
@@ -494,9 +491,7 @@ def _device_of(obj: Any) -> int | None:
     if not on_gpu:
         return None
     device = getattr(getattr(obj, "device", None), "id", None)
-    if isinstance(device, int):
-        return device
-    return task_device() or 0
+    return device if isinstance(device, int) else task_device() or 0
 
 
 #: Types known to hold no device memory: a result of one of these is fully accounted.
@@ -511,10 +506,13 @@ def knows(value: Any) -> bool:
     with no rule, say): its device memory, if any, is measured, and what dask's
     ``sizeof`` says of it (on the device the task held, else device 0) is only a guess.
     """
-    if isinstance(value, HOST_TYPES):
+    if (
+        isinstance(value, HOST_TYPES)
+        # the protocol tells where it lives and how big it is (host: nothing)
+        or hasattr(value, "__cuda_array_interface__")
+        or hasattr(value, "__dlpack_device__")
+    ):
         return True
-    if hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack_device__"):
-        return True  # the protocol tells where it lives and how big it is (host: nothing)
     if isinstance(value, (list, tuple)):
         return all(knows(v) for v in value[:SCAN_LIMIT])
     if isinstance(value, dict):
@@ -552,8 +550,7 @@ def _register_cupy() -> None:
 
     @device_nbytes.register(cupy.ndarray)
     def _cupy_array(arr: Any) -> dict[int, int]:
-        base = arr.base if arr.base is not None else arr
-        return {int(arr.device.id): int(base.data.mem.size)}
+        return {int(arr.device.id): int((arr if arr.base is None else arr.base).data.mem.size)}
 
 
 _init_lock = threading.Lock()
@@ -642,9 +639,11 @@ class NVMLMonitor:
             try:
                 nvml = load_backend()
             except ImportError as exc:
-                if exc.name == "pynvml":
-                    return self._unavailable("pynvml is not installed (pip install nvidia-ml-py)")
-                return self._unavailable(f"the NVML backend cannot be imported: {exc}")
+                return self._unavailable(
+                    "pynvml is not installed (pip install nvidia-ml-py)"
+                    if exc.name == "pynvml"
+                    else f"the NVML backend cannot be imported: {exc}"
+                )
             except ValueError as exc:  # a bad accelsched.nvml-backend
                 return self._unavailable(str(exc))
             try:
@@ -735,9 +734,7 @@ class NVMLMonitor:
     def adopt(self, info: DeviceInfo) -> None:
         """A left-out device answers again (see :meth:`query`): list it from now on."""
         self._left_out.remove(info.index)
-        devices = self.devices()
-        devices.append(info)
-        devices.sort(key=lambda d: d.index)
+        self._devices = sorted([*self.devices(), info], key=lambda d: d.index)
 
     def device(self, index: int) -> DeviceInfo:
         for d in self.devices():
@@ -922,6 +919,4 @@ def _match(entry: str, uuids: Sequence[str], migs: Mapping[int, Sequence[str]]) 
 def _whole(index: int, migs: Mapping[int, Sequence[str]]) -> Visible:
     """GPU ``index`` named as a whole: itself, or its first MIG device in MIG mode."""
     under = migs.get(index)
-    if under:
-        return Visible(index, under[0])
-    return Visible(index)
+    return Visible(index, under[0] if under else None)

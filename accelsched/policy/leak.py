@@ -327,8 +327,8 @@ class LeakDecisions:
             record.above = record.above + 1 if leaked > threshold else 0
             if not record.above:
                 record.waiting_for = None
-            leak = record.above >= self.confirmations
-            verdicts.append(Verdict(device, leaked, threshold, record.above, leak))
+            confirmed = record.above >= self.confirmations
+            verdicts.append(Verdict(device, leaked, threshold, record.above, confirmed))
         return verdicts
 
     def suspects(self, verdicts: list[Verdict], *, complete: bool) -> dict[int, Suspects]:
@@ -440,10 +440,8 @@ class LeakDecisions:
         for record in self.devices.values():
             record.above = 0
         if self.restart_on_leak:
-            nbytes = sum(v.estimate for v in held)
-            out.append(
-                Proposal("ask-restart", tuple(v.device for v in held), "leak", {"nbytes": nbytes})
-            )
+            devices, nbytes = tuple(v.device for v in held), sum(v.estimate for v in held)
+            out.append(Proposal("ask-restart", devices, "leak", {"nbytes": nbytes}))
         return out
 
 
@@ -495,8 +493,7 @@ class DeviceHealth:
 
     def needed(self, device: int) -> int:
         """Good answers in a row the withdrawn ``device`` needs before it is back."""
-        failures = max(1, self.devices[device].failures)
-        return min(self.ceiling, self.streak * 2 ** (failures - 1))
+        return min(self.ceiling, self.streak * 2 ** (max(1, self.devices[device].failures) - 1))
 
     def answered(self, device: int) -> bool:
         """The device answered; True when this brings a withdrawn device back."""
@@ -524,8 +521,9 @@ class DeviceHealth:
 
     def due(self, now: float) -> list[int]:
         """The devices to probe, or to report again, at ``now``, in order."""
-        devices = self.devices.items()
-        return sorted(d for d, r in devices if r.probe_at is not None and r.probe_at <= now)
+        return sorted(
+            d for d, r in self.devices.items() if r.probe_at is not None and r.probe_at <= now
+        )
 
     def probe_answered(self, device: int, now: float) -> bool:
         """A probe of ``device`` answered; True when this brings it back (report it now)."""
@@ -594,8 +592,7 @@ def judge_answers(
                 r.withdrawn = True
                 if not r.restart_asked:  # once: the restart is the cure
                     r.restart_asked = True
-                    proposal = Proposal("ask-restart", (a.device,), "gpu-unhealthy", {"nbytes": 0})
-                    out.append(proposal)
+                    out.append(Proposal("ask-restart", (a.device,), "gpu-unhealthy", {"nbytes": 0}))
     return out
 
 

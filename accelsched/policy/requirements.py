@@ -49,6 +49,7 @@ import math
 import numbers
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,8 +98,11 @@ def invalid_amount(amount: Any) -> str | None:
     if (type(amount) is int or type(amount) is float) and 0 < amount < math.inf:
         return None  # the common case, without ABCs
     try:
-        real = isinstance(amount, numbers.Real) and not isinstance(amount, bool)
-        if real and 0 < float(amount) < math.inf:
+        if (
+            isinstance(amount, numbers.Real)
+            and not isinstance(amount, bool)
+            and 0 < float(amount) < math.inf
+        ):
             return None
     except (OverflowError, ValueError):
         pass
@@ -224,8 +228,7 @@ def parse_requirement(value: Any) -> Requirement:
     if isinstance(value, Requirement):
         given: Mapping[str, Any] = {k: getattr(value, k) for k in KEYS}
     elif isinstance(value, Mapping):
-        unknown = sorted(map(repr, set(value) - set(KEYS)))
-        if unknown:
+        if unknown := sorted(map(repr, set(value) - set(KEYS))):
             raise ValueError(
                 f"unknown GPU requirement key(s) {', '.join(unknown)}: expected {', '.join(KEYS)}"
             )
@@ -400,7 +403,7 @@ class LeaseTable:
         self._held: Callable[[int], int] = held or (lambda device: 0)
         self._shares: dict[int, int] = {}  # device -> bytes this worker may declare there
         self._tasks: dict[Any, _Task] = {}
-        self._gen: dict[int, int] = {}  # device -> leases taken and given back there
+        self._gen: Counter[int] = Counter()  # device -> leases taken and given back there
         self._tickets = itertools.count()  # whole-device tasks that waited, in turn
         #: Tasks started or ended so far (whether one ran alone in the process).
         self.changes = 0
@@ -502,9 +505,9 @@ class LeaseTable:
                 waiting.claimed = ()  # claimed again below if it still waits
             load, declared = self._sums()
             n = devices_needed(amount)
-            share, nbytes = (amount / n if n else 0.0), 0
+            share = amount / n if n else 0.0
             if requirement is None and not any(declared.values()):
-                return self._hold(key, self._spread(key, n, share, load), share, nbytes)
+                return self._hold(key, self._spread(key, n, share, load), share, 0)
             # a requirement, or declared tasks hold devices: eligible devices only
             # devices that meet the requirement (all, without one; none NVML did not
             # describe)
@@ -523,21 +526,19 @@ class LeaseTable:
                 d for k, t in self._tasks.items() if k != key and t.ticket < mine for d in t.claimed
             }
             if len(eligible) < n:
-                what = "a device" if n == 1 else f"{n} devices"
-                meeting = "" if requirement is None else f" with {requirement.label()}"
                 raise NoFreeDevice(
-                    f"task {key!r} needs {what}{meeting}; this worker has {len(eligible)} "
-                    f"of {self._devices}"
+                    f"task {key!r} needs {'a device' if n == 1 else f'{n} devices'}"
+                    f"{'' if requirement is None else f' with {requirement.label()}'}; "
+                    f"this worker has {len(eligible)} of {self._devices}"
                 )
             if need is not None:
-                share, nbytes = 0.0, need
                 held = {d: self._held(d) for d in eligible}
                 for t in self._tasks.values():  # results about to enter memory: their
                     for d in t.left:  # room is held still, as by a lease about to end
                         declared[d] = declared.get(d, 0) + t.nbytes
                 rooms = [(d, self._share(d), declared[d] + held[d]) for d in eligible]
                 whole = [d for d in eligible if load[d] or d in claimed]
-                one = pack(nbytes, rooms, whole=whole)
+                one = pack(need, rooms, whole=whole)
                 chosen: tuple[int, ...] | None = None if one is None else (one,)
                 if one is None and pack(need, [(d, r, held[d]) for d, r, _ in rooms]) is None:
                     # No lease ending makes room for it: results held (or this worker's
@@ -565,12 +566,16 @@ class LeaseTable:
                     # declared task packs onto them, nor a younger whole-device task
                     # claims them, and it starts once the tasks holding them end, not
                     # when a stream of them dries up
-                    by_room = sorted(free, key=lambda d: (declared[d], load[d], d))
                     task = self._task(key)
-                    task.claimed = tuple(by_room[:n])
+                    task.claimed = tuple(sorted(free, key=lambda d: (declared[d], load[d], d))[:n])
                     if task.ticket == math.inf:
                         task.ticket = next(self._tickets)
-            return None if chosen is None else self._hold(key, chosen, share, nbytes)
+            # a declared need holds its bytes, no share of the device
+            return (
+                None
+                if chosen is None
+                else self._hold(key, chosen, 0.0 if need else share, need or 0)
+            )
 
     def _task(self, key: Any) -> _Task:
         """``key``'s record, made for a task whose start the hook has not seen (lock held)."""
@@ -583,10 +588,9 @@ class LeaseTable:
         self, key: Any, chosen: tuple[int, ...], share: float, nbytes: int
     ) -> tuple[int, ...]:
         task = self._task(key)
-        task.devices, task.share, task.nbytes, task.claimed = chosen, share, nbytes, ()
-        task.ticket = math.inf
-        for d in chosen:
-            self._gen[d] = self._gen.get(d, 0) + 1
+        task.devices, task.share, task.nbytes = chosen, share, nbytes
+        task.claimed, task.ticket = (), math.inf  # it waits no more
+        self._gen.update(chosen)
         return chosen
 
     def _spread(self, key: Any, n: int, share: float, load: dict[int, float]) -> tuple[int, ...]:
@@ -620,11 +624,9 @@ class LeaseTable:
             task = self._tasks.get(key)
             if task is None:
                 return
-            for d in task.devices:
-                self._gen[d] = self._gen.get(d, 0) + 1
+            self._gen.update(task.devices)
             task.left = task.devices if task.nbytes and task.counted else ()
-            task.devices = task.claimed = ()
-            task.ticket = math.inf
+            task.devices, task.claimed, task.ticket = (), (), math.inf
             if not task.counted:
                 del self._tasks[key]
 
@@ -640,13 +642,13 @@ class LeaseTable:
                 mine.intersection(t.devices) for k, t in self._tasks.items() if k != key
             ):
                 return None
-            return tuple(self._gen.get(d, 0) for d in task.devices)  # type: ignore[union-attr]
+            return tuple(self._gen[d] for d in task.devices)  # type: ignore[union-attr]
 
     def still_alone(self, key: Any, token: tuple[int, ...] | None) -> bool:
         with self._lock:
             task = self._tasks.get(key)
             mine = task.devices if task is not None else ()
-            return token is not None and token == tuple(self._gen.get(d, 0) for d in mine)
+            return token is not None and token == tuple(self._gen[d] for d in mine)
 
     def _sums(self) -> tuple[dict[int, float], dict[int, int]]:
         """The shares held and the bytes declared on each device (lock held)."""

@@ -97,7 +97,7 @@ from accelsched.devices import (
     active_pools,
     to_host,
 )
-from accelsched.policy.leak import Attribution, LeakDecisions, Verdict, classify
+from accelsched.policy.leak import MAX_PREFIXES, Attribution, LeakDecisions, Verdict, classify
 from accelsched.policy.requirements import (
     Cancelled,
     LeaseTable,
@@ -210,13 +210,16 @@ class GuardPlugin(WorkerPlugin):
             emit=self._emit,
             ledger=ledger,
         )
-        if o["unrequested_gpu"] != "ignore":
-            self.binder.watch = Watch(
+        self.binder.watch = (
+            None
+            if o["unrequested_gpu"] == "ignore"
+            else Watch(
                 monitor=inv.monitor,
                 visible=inv.visible,
                 fail=o["unrequested_gpu"] == "fail",
                 emit=self._emit,
             )
+        )
         left_out = o["recover_gpus"] and bool(inv.monitor.left_out)
         actor = WorkerActor(
             inventory=inv,
@@ -312,7 +315,10 @@ class GuardPlugin(WorkerPlugin):
             self._results_moved()
         if key in running:  # started or ended, as its thread says (cancelled runs on)
             if start in _RUNNING and finish == "released":  # cancelled: its thread runs on
-                self.binder.cancelled(key)
+                # if it waits for a lease, its thread stops waiting now rather than run it
+                # once a device is free
+                if running.cancel(key):
+                    self.binder.room_freed()
             elif start == "cancelled":  # wanted again, or its thread is done
                 running.resume(key)
             if internals.runs_in_thread(worker, key):
@@ -368,12 +374,11 @@ def preimport(modules: tuple[str, ...]) -> list[str]:
             importlib.import_module(name)
         except ImportError as exc:  # not installed here (or a dependency is not)
             logger.info("accelsched: preimport %s skipped: %s", name, exc)
-            continue
         except Exception as exc:  # a module that fails to import costs its guard nothing
             logger.warning("accelsched: preimport %s failed: %r", name, exc)
-            continue
-        done.append(name)
-        logger.debug("accelsched: preimported %s in %.2f s", name, time.perf_counter() - start)
+        else:
+            done.append(name)
+            logger.debug("accelsched: preimported %s in %.2f s", name, time.perf_counter() - start)
     return done
 
 
@@ -505,20 +510,24 @@ class Binder:
             raise Reschedule() from None
         try:
             self.used.update(devices)
-            ledger = self.ledger
             declared = None if requirement is None else requirement.memory
             meter = (
                 None
-                if ledger is None
+                if self.ledger is None
                 # what a task that declared its memory adds is held to it: measured always
-                else Meter(ledger, leases, key, devices, prefix, sample=declared is None)
+                else Meter(self.ledger, leases, key, devices, prefix, sample=declared is None)
             )
-            cap = None
-            if requirement is not None and declared is not None:
-                enforce = requirement.enforce
-                cap = MemoryCap(
-                    str(key), declared, enforce=self.enforce_memory if enforce is None else enforce
+            cap = (
+                None
+                if requirement is None or declared is None
+                else MemoryCap(
+                    str(key),
+                    declared,
+                    enforce=(
+                        self.enforce_memory if requirement.enforce is None else requirement.enforce
+                    ),
                 )
+            )
             bound = bind(
                 Lease(
                     key,
@@ -552,12 +561,6 @@ class Binder:
             if self._waiting:
                 self.room_freed()
 
-    def cancelled(self, key: Any) -> None:
-        """``key`` was cancelled while its function runs (event loop): if it waits for a
-        lease, its thread stops waiting now rather than run it once a device is free."""
-        if self.leases.cancel(key):
-            self.room_freed()
-
 
 def send_back(spec: Any, values: dict) -> Any:
     """A GPU task reaching execution on a worker about to restart: placed again."""
@@ -572,9 +575,6 @@ def _refuse(exc: ValueError, spec: Any, values: Any) -> Any:
 FIRST_RUNS = 4
 #: After that, one run in this many is watched.
 EVERY = 64
-#: Prefixes remembered per worker; beyond this the counts start over (names made per
-#: task must not grow memory forever).
-MAX_PREFIXES = 10_000
 
 
 class UnrequestedGPUUse(RuntimeError):
@@ -606,10 +606,8 @@ class Watch:
         fail: bool,
         emit: Callable[..., None],
     ) -> None:
-        self.monitor = monitor
-        self.visible = visible
-        self.fail = fail
-        self._emit = emit
+        self.monitor, self.visible = monitor, visible
+        self.fail, self._emit = fail, emit
         self._runs: dict[str, int] = {}  # prefix -> runs seen on this worker
 
     def sampled(self, prefix: str) -> bool:
@@ -686,18 +684,17 @@ class PoolFreer:
         monitor: NVMLMonitor,
         minimum: int = 0,
     ) -> None:
-        self.every = every
-        self.above = above
-        self.minimum = minimum
+        self.every, self.above, self.minimum = every, above, minimum
         self.monitor = monitor
         self._count = itertools.count(1)  # next() is atomic across threads
 
     def after_gpu_task(self, devices: tuple[int, ...]) -> None:
-        if not self.every or next(self._count) % self.every:
-            return
-        if not (pools := active_pools()):
-            return
-        if self.minimum > 0 and not caches_enough(pools, devices, self.minimum):
+        if (
+            not self.every
+            or next(self._count) % self.every
+            or not (pools := active_pools())
+            or (self.minimum > 0 and not caches_enough(pools, devices, self.minimum))
+        ):
             return
         if self.above > 0:
             try:

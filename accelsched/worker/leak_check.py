@@ -99,6 +99,7 @@ from accelsched import events, internals
 from accelsched.config import Threshold
 from accelsched.context import using_device
 from accelsched.devices import (
+    HOST_TYPES,
     DeviceInfo,
     MemoryReading,
     NVMLMonitor,
@@ -108,6 +109,7 @@ from accelsched.devices import (
     knows,
 )
 from accelsched.policy.leak import (
+    MAX_PREFIXES,
     Answer,
     Backoff,
     DeviceHealth,
@@ -117,7 +119,7 @@ from accelsched.policy.leak import (
     estimate,
     judge_answers,
 )
-from accelsched.policy.ownership import Claim, decide_claim, declared_count, owned
+from accelsched.policy.ownership import decide_claim, declared_count, owned
 from accelsched.policy.proposals import Proposal
 from accelsched.policy.requirements import LeaseTable, capacity, held_counted, mebibytes
 from accelsched.protocol import (
@@ -208,43 +210,41 @@ class LeakCheck:
             if dev.index in busy:
                 continue
             try:
+                monitor.used(dev.index)  # both queries must answer
                 readings[dev.index] = monitor.process_memory(dev.index)
-                monitor.used(dev.index)
             except Exception as exc:  # NVMLError: the device stopped answering
-                readings.pop(dev.index, None)
                 # one not granted is not ours to offer: nothing to withdraw
                 answers.append(
                     Answer(dev.index, dev.uuid, error=repr(exc), granted=dev in inv.granted)
                 )
-                continue
-            answers.append(Answer(dev.index, dev.uuid))
+            else:
+                answers.append(Answer(dev.index, dev.uuid))
         self._actor.apply(judge_answers(inv.health, answers, recover=self._recover))
         busy |= leases.busy()
-        used = self._used
         # a device skipped while busy is judged as soon as a task ends (the guard calls
         # check again then): a queue of back-to-back GPU tasks holds it nearly always
-        self.owed = any(dev.index in busy and dev.index in used for dev in owned)
+        self.owed = any(dev.index in busy and dev.index in self._used for dev in owned)
         limits = {dev.index: self._threshold.resolve(dev.memory) for dev in owned}
-        estimates: dict[int, tuple[int, int]] = {}
-        for device, reading in readings.items():
-            # running, no GPU task of this worker held it, or no figure of this process's own
-            # there: nothing to judge
-            if (
-                device in busy
-                or device not in used
-                or reading.has_context is False
-                or not reading.attributable
-            ):
-                continue
-            limit = limits[device]
-            estimates[device] = (self._estimate(device, reading.nbytes, pools, limit), limit)
+        # judged, in the order read: each device not running, that a GPU task of this
+        # worker held, with a figure of this process's own there
+        estimates = {
+            device: (self._estimate(device, reading.nbytes, pools, limits[device]), limits[device])
+            for device, reading in readings.items()
+            if device not in busy
+            and device in self._used
+            and reading.has_context is not False
+            and reading.attributable
+        }
         verdicts = self.last_verdicts = self._decisions.count(estimates)
-        # Complete only with no GPU task in a thread: one that has started (its prefix
-        # recorded) but not yet taken its lease leaves its device unjudged or unused, and
-        # a check then would wrongly clear its prefix as clean (under load, a leak was
-        # reported with no suspects).
-        complete = not busy and not leases.gpu_keys()
-        proposals = self._decisions.propose(verdicts, complete=complete, executing=leases.gpu_keys)
+        proposals = self._decisions.propose(
+            verdicts,
+            # Complete only with no GPU task in a thread: one that has started (its prefix
+            # recorded) but not yet taken its lease leaves its device unjudged or unused,
+            # and a check then would wrongly clear its prefix as clean (under load, a leak
+            # was reported with no suspects).
+            complete=not busy and not leases.gpu_keys(),
+            executing=leases.gpu_keys,
+        )
         start = monotonic()
         self._actor.apply(proposals)
         # collected and freed: the devices tried, measured again, and the outcome acted on.
@@ -345,20 +345,16 @@ class WorkerActor:
                 act(p)
 
     def withdraw(self, p: Proposal) -> None:
-        """No new lease lands on the device and the worker advertises one GPU fewer
-        (tasks assigned against the old count that no longer fit go back)."""
-        self._emit(events.GPU_UNHEALTHY, device=p.subject, **p.detail)  # uuid, error
-        self._offer()
-
-    def recover(self, p: Proposal) -> None:
-        self._emit(events.GPU_RECOVERED, device=p.subject, **p.detail)  # uuid
-        self._offer()
-
-    def _offer(self) -> None:
-        """Offer what is usable now (the health record says which devices are out):
-        leases at once, the count right after."""
+        """Say so and offer what is usable now (the health record says which devices
+        are out): leases at once, the count right after. Withdrawn, no new lease lands
+        on the device and the worker advertises one GPU fewer (tasks assigned against
+        the old count that no longer fit go back); recovered, it is offered again."""
+        event = events.GPU_UNHEALTHY if p.action == "withdraw" else events.GPU_RECOVERED
+        self._emit(event, device=p.subject, **p.detail)  # uuid (withdrawn: and error)
         self._set_devices(self.inventory.usable)
         self._spawn(self.inventory.offer, self._set_devices)
+
+    recover = withdraw
 
     def report_leak(self, p: Proposal) -> None:
         self._emit(
@@ -394,17 +390,16 @@ class WorkerActor:
         health, monitor, now = self.inventory.health, self.inventory.monitor, self._clock()
         report = False
         for index in health.due(now):
-            if index not in monitor.left_out:  # back, not granted yet: report it again
-                report = True
-                continue
-            try:
-                info = monitor.query(index)
-            except Exception:  # NVMLError: still out
-                health.retry(index, now)
-                continue
-            if health.probe_answered(index, now):
+            if index in monitor.left_out:  # probed: listed once it is back
+                try:
+                    info = monitor.query(index)
+                except Exception:  # NVMLError: still out
+                    health.retry(index, now)
+                    continue
+                if not health.probe_answered(index, now):
+                    continue
                 self.inventory.rejoin(info)
-                report = True
+            report = True  # back now, or back and not granted yet: report it (again)
         if report and not self._reporting:
             self._reporting = True
             self._spawn(self._report_back)
@@ -437,10 +432,8 @@ class WorkerActor:
 
 #: Ledger.plan's answers.
 MEASURE, LEARN, SKIP = 0, 1, 2
-#: Prefixes remembered as making no context; beyond this the set starts over.
-MAX_PREFIXES = 10_000
-#: Result types that never hold device memory (what they hold is known without asking).
-_PLAIN = frozenset({int, float, complex, str, bytes, bool, type(None)})
+#: Result types that never hold device memory, as a set (asked of every result).
+_PLAIN = frozenset(HOST_TYPES)
 
 
 def net_of_pools(nbytes: int, pool: PoolStats) -> int:
@@ -624,15 +617,10 @@ class Ledger:
         the unmeasured runs since (if any) were all of ``prefix``; None where there is
         none (a run then is not measured, unless it must be and can read a base)."""
         with self._lock:
-            fresh, stretch = self._fresh, self._stretch
-            base = {}
-            for d in devices:
-                then = fresh.get(d)
-                s = stretch.get(d)
-                if then is None or (s is not None and s[0] != prefix):
-                    return None
-                base[d] = then
-            return base
+            if any(self._stretch.get(d, (prefix,))[0] != prefix for d in devices):
+                return None
+            base = {d: self._fresh[d] for d in devices if d in self._fresh}
+        return base if len(base) == len(devices) else None
 
     def stretched(
         self, devices: tuple[int, ...], prefix: str, base: dict[int, int], result: Any
@@ -653,14 +641,11 @@ class Ledger:
                 stretch.get(d, (prefix,))[0] == prefix for d in devices
             ):
                 for d in devices:
-                    s = stretch.get(d)
-                    if s is None:
-                        s = stretch[d] = [prefix, 0, 0]
+                    s = stretch.setdefault(d, [prefix, 0, 0])
                     s[1] += 1
                     s[2] += known.get(d, 0)
                 return True
-        for d in devices:  # memory changed unmeasured: no base from before it
-            self.forget(d)
+        self.forget(devices)  # memory changed unmeasured: no base from before it
         return True
 
     def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
@@ -735,7 +720,8 @@ class Ledger:
         held = self._held.pop(key, {})
         for d, n in held.items():
             self._live[d] -= n
-            self.forget(d)
+        if held:
+            self.forget(held)
         return bool(held)
 
     def live(self, device: int) -> int:
@@ -753,12 +739,13 @@ class Ledger:
         with self._lock:
             self._settled[device] = noncache
 
-    def forget(self, device: int) -> None:
-        """Memory on ``device`` changed unmeasured (a key released): no base to compare."""
+    def forget(self, devices: Iterable[int]) -> None:
+        """Memory on ``devices`` changed unmeasured (a key released): no base to compare."""
         with self._lock:
-            self._settled.pop(device, None)
-            self._fresh.pop(device, None)
-            self._stretch.pop(device, None)
+            for device in devices:
+                self._settled.pop(device, None)
+                self._fresh.pop(device, None)
+                self._stretch.pop(device, None)
             self._changes += 1
 
 
@@ -798,11 +785,8 @@ class Meter:
         prefix: str,
         sample: bool = True,
     ) -> None:
-        self.ledger = ledger
-        self.leases = leases
-        self.key = key
-        self.devices = devices
-        self.prefix = prefix
+        self.ledger, self.leases, self.key = ledger, leases, key
+        self.devices, self.prefix = devices, prefix
         self.plan = ledger.plan(devices, prefix)
         self.depth = 0  # marked steps running now, nested
         self.steps = 0  # marked steps measured so far
@@ -817,8 +801,7 @@ class Meter:
         token = self.leases.alone_token(self.key)
         if token is None:  # not alone: no base
             return None, None, False, 0
-        base, empty, runs = self.ledger.take_base(self.devices, prefix, record=record)
-        return token, base, empty, runs
+        return (token, *self.ledger.take_base(self.devices, prefix, record=record))
 
     def run(self, spec: Any, values: Any) -> Any:
         """Run the task's code, measured as planned: with no context on its devices no
@@ -841,11 +824,10 @@ class Meter:
                 if ledger.unmeasured(self.devices, self.prefix, self.plan):
                     ledger.left_nothing(self.prefix)
         result = spec(values)
-        if base is None or not self.leases.still_alone(self.key, token):
-            for d in self.devices:  # memory changed unmeasured: no base for arrivals there
-                ledger.forget(d)
-            return result
-        return self._close(base, result, runs)
+        if base is not None and self.leases.still_alone(self.key, token):
+            return self._close(base, result, runs)
+        ledger.forget(self.devices)  # memory changed unmeasured: no base for arrivals there
+        return result
 
     def _close(self, base: dict[int, int], result: Any, runs: int) -> Any:
         """The closing reading of a run measured from ``base``, taken before ``runs``
@@ -868,22 +850,18 @@ class Meter:
         token = leases.alone_token(key)
         base = None if token is None else ledger.peek(devices, self.prefix)
         result = spec(values)
-        if base is None or self.steps or not leases.still_alone(key, token):
-            for d in devices:  # memory changed unmeasured: no base from before it
-                ledger.forget(d)
-            if not ledger.holds_nothing(result) and not knows(result):
-                ledger.sampler.reset(self.prefix)  # its results need measuring
-            return result
-        if ledger.stretched(devices, self.prefix, base, result):
-            return result
-        # of a type nobody described: measured from before the stretch
-        base, _, runs = ledger.take_base(devices, self.prefix, reuse_only=True)
-        if base is None:  # the stretch broke meanwhile: held by type, measured from now on
-            for d in devices:
-                ledger.forget(d)
-            ledger.sampler.reset(self.prefix)
-            return result
-        return self._close(base, result, runs)
+        if base is not None and not self.steps and leases.still_alone(key, token):
+            if ledger.stretched(devices, self.prefix, base, result):
+                return result
+            # of a type nobody described: measured from before the stretch
+            base, _, runs = ledger.take_base(devices, self.prefix, reuse_only=True)
+            if base is not None:
+                return self._close(base, result, runs)
+            # the stretch broke meanwhile: held by type, measured from now on
+        ledger.forget(devices)  # memory changed unmeasured: no base from before it
+        if not ledger.holds_nothing(result) and not knows(result):
+            ledger.sampler.reset(self.prefix)  # its results need measuring
+        return result
 
     def __call__(self, name: str, call: Callable[[], Any]) -> Any:
         """Run one marked step of the task, measured when outermost (and attributed)."""
@@ -938,8 +916,7 @@ class Inventory:
         self.monitor = NVMLMonitor()
         self.visible: list[DeviceInfo] = []
         self.owned: list[DeviceInfo] = []
-        self.claim = Claim(0, None)  # what this worker asks for
-        self._take(self.monitor.devices())
+        self._take(self.monitor.devices())  # and what this worker asks for (its claim)
         self.granted: list[DeviceInfo] = []  # what the scheduler granted (placement uses)
         #: Which devices fail NVML (withdrawn: not offered) or were left out, shared with
         #: the parts that judge their answers. Left-out devices are probed at the check's
@@ -989,12 +966,11 @@ class Inventory:
             "requested": self.claim.count,
             "reason": self.claim.reason,
         }
-        reply: InventoryReply | None
+        reply: InventoryReply | None = None
         try:
             reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
         except Exception as exc:
             logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
-            reply = None
         if isinstance(reply, dict) and reply.get("status") == "OK":
             granted = set(reply.get("uuids", ()))
         elif reply is None:
@@ -1025,7 +1001,6 @@ class Inventory:
         ``on_usable`` receives them first, so no GPU task starts before its devices are
         known, and none is leased a withdrawn device.
         """
-        worker = self.worker
         async with self._offering:  # one at a time: the latest state is the last said
             usable = self.usable
             on_usable(usable)
@@ -1039,7 +1014,7 @@ class Inventory:
             }
             reply = None
             try:
-                reply = await getattr(worker.scheduler, OFFER_HANDLER)(**request)
+                reply = await getattr(self.worker.scheduler, OFFER_HANDLER)(**request)
             except Exception as exc:  # no PlacementPlugin: the worker's own count only
                 logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
             if isinstance(reply, dict) and reply.get("status") == "OK" and "memory" in reply:
@@ -1055,8 +1030,8 @@ class Inventory:
             if shares != self.shares:  # packed within them from now on
                 self.shares = shares
                 on_usable(usable)
-            if self.granted or internals.advertises_gpus(worker):  # usable: granted ones
-                await internals.set_own_gpus(worker, len(usable), memory)
+            if self.granted or internals.advertises_gpus(self.worker):  # usable: granted ones
+                await internals.set_own_gpus(self.worker, len(usable), memory)
             return usable
 
     def held_in_steps(self) -> dict[int, int]:
@@ -1078,10 +1053,9 @@ class Inventory:
             self.restart_pending = True
 
     async def _request_restart(self, reason: str, nbytes: int) -> None:
-        worker = self.worker
         request: RestartRequest = {**self._addressed(), "reason": reason, "nbytes": nbytes}
         try:
-            reply: RestartReply = await getattr(worker.scheduler, RESTART_HANDLER)(**request)
+            reply: RestartReply = await getattr(self.worker.scheduler, RESTART_HANDLER)(**request)
             logger.info("accelsched: restart request answered %r", reply)
             if isinstance(reply, dict) and reply.get("status") in TAKEN:
                 # a restart that is given up (no peer to take the data, say) is asked
@@ -1090,7 +1064,7 @@ class Inventory:
                 self.restart_taken_for = reason
         except Exception as exc:
             # a worker being replaced loses this call with its process: nothing to say
-            log = logger.warning if internals.worker_in_service(worker) else logger.debug
+            log = logger.warning if internals.worker_in_service(self.worker) else logger.debug
             log("accelsched: restart request (%s) failed: %r", RESTART_HANDLER, exc)
         finally:
             self.restart_pending = False
@@ -1124,6 +1098,6 @@ def under_dask_cuda(worker: Any) -> bool:
     dask-cuda gives its workers plugins of its own (CPU affinity, RMM setup, ...), and
     only then is ``dask_cuda`` imported in the worker process.
     """
-    if "dask_cuda" not in sys.modules:
-        return False
-    return any(m.startswith("dask_cuda") for m in internals.plugin_modules(worker))
+    return "dask_cuda" in sys.modules and any(
+        m.startswith("dask_cuda") for m in internals.plugin_modules(worker)
+    )

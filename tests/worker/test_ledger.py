@@ -218,7 +218,7 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
         released.clear()
         for pool in active_pools():
             pool.free_all()
-        ledger.forget(0)
+        ledger.forget([0])
 
     monitor.race.append(release)
     ledger.after("k", base, result)
