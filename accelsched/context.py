@@ -338,7 +338,9 @@ class Unloadable:
     """
 
     def __init__(self, label: str, error: str, reload: tuple[Any, ...]) -> None:
-        self.label, self.error, self.reload = label, error, reload
+        self.label = label
+        self.error = error
+        self.reload = reload
         self.__name__ = self.__qualname__ = label
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -229,7 +229,9 @@ class MemoryCap:
     def __init__(self, key: str, declared: int, *, enforce: bool) -> None:
         if declared <= 0:
             raise ValueError(f"a memory cap needs declared bytes > 0, got {declared!r}")
-        self.key, self.declared, self.enforce = key, declared, enforce
+        self.key = key
+        self.declared = declared
+        self.enforce = enforce
         self.held = self.peak = 0  # bytes held now, and at most
         self._lock = threading.Lock()
 

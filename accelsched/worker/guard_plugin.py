@@ -606,8 +606,10 @@ class Watch:
         fail: bool,
         emit: Callable[..., None],
     ) -> None:
-        self.monitor, self.visible = monitor, visible
-        self.fail, self._emit = fail, emit
+        self.monitor = monitor
+        self.visible = visible
+        self.fail = fail
+        self._emit = emit
         self._runs: dict[str, int] = {}  # prefix -> runs seen on this worker
 
     def sampled(self, prefix: str) -> bool:
@@ -684,7 +686,9 @@ class PoolFreer:
         monitor: NVMLMonitor,
         minimum: int = 0,
     ) -> None:
-        self.every, self.above, self.minimum = every, above, minimum
+        self.every = every
+        self.above = above
+        self.minimum = minimum
         self.monitor = monitor
         self._count = itertools.count(1)  # next() is atomic across threads
 

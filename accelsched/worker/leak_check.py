@@ -785,8 +785,11 @@ class Meter:
         prefix: str,
         sample: bool = True,
     ) -> None:
-        self.ledger, self.leases, self.key = ledger, leases, key
-        self.devices, self.prefix = devices, prefix
+        self.ledger = ledger
+        self.leases = leases
+        self.key = key
+        self.devices = devices
+        self.prefix = prefix
         self.plan = ledger.plan(devices, prefix)
         self.depth = 0  # marked steps running now, nested
         self.steps = 0  # marked steps measured so far
