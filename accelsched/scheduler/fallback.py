@@ -8,7 +8,7 @@ forgotten). A GPU task with a timeout that becomes unrunnable enters
 :class:`~accelsched.policy.timeouts.Deadlines` at its
 :func:`~accelsched.policy.timeouts.deadline`; a check pops only the tasks that are due and
 asks :func:`~accelsched.policy.timeouts.sweep` which fall back now. Its proposals (and an
-``err`` for each task with an invalid annotation) go to the scheduler's actor
+``err`` for each task with an invalid annotation) go to the PlacementPlugin, the one that acts
 (:mod:`accelsched.scheduler.placement_plugin`), which has :meth:`Fallback.fall_back` lift
 their GPU restriction (marking them, so the worker copies their device inputs to the
 host) and send them on, or :meth:`Fallback.err` err them. A check costs what is due, not

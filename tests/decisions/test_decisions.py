@@ -21,7 +21,7 @@ from accelsched.policy.timeouts import (
     summarise,
     sweep,
 )
-from accelsched.scheduler.placement_plugin import SchedulerActor
+from accelsched.scheduler.placement_plugin import PlacementPlugin
 
 # --- which tasks fall back now, and when to look again --------------------------------
 
@@ -246,15 +246,8 @@ class Recorder:
 
 def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
     parts = Recorder()
-    actor = SchedulerActor(
-        parts,  # type: ignore[arg-type]
-        fallback=parts,  # type: ignore[arg-type]
-        grants=parts,  # type: ignore[arg-type]
-        reports=parts,  # type: ignore[arg-type]
-        budget=parts,  # type: ignore[arg-type]
-        emit=parts.calls.append,
-        active=lambda: True,
-    )
+    actor = PlacementPlugin()  # the scheduler's one actor, its part a recorder
+    actor.fallback = parts  # type: ignore[assignment]
     # its own steps, recorded: what each proposal leads to, in order
     actor.begin, actor.defer = parts.begin, parts.defer  # type: ignore[method-assign]
     actor.quarantine = parts.quarantine  # type: ignore[method-assign]
