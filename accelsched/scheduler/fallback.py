@@ -1,7 +1,7 @@
 """GPU tasks on the scheduler: one record each, CPU fallback, and what they wait for.
 
 New GPU tasks are prepared in ``update_graph`` (their restriction made hard, their
-timeout read: :meth:`FallbackPolicy.timeout <accelsched.policy.timeouts.FallbackPolicy.timeout>`,
+timeout read: :func:`~accelsched.policy.timeouts.task_timeout`,
 their requirement: see below). Each gets one
 :class:`GpuTask` record, kept in one dict and forgotten in one place (the task is
 forgotten). A GPU task with a timeout that becomes unrunnable enters
@@ -87,13 +87,13 @@ from accelsched.policy.timeouts import (
     MAX_GPUS,
     NOTICE_AFTER,
     Deadlines,
-    FallbackPolicy,
     Notices,
     Waiting,
     deadline,
     reason_for,
     summarise,
     sweep,
+    task_timeout,
 )
 from accelsched.protocol import (
     DEMAND_HANDLER,
@@ -184,7 +184,7 @@ class Fallback:
     ) -> None:
         self.scheduler = scheduler
         self.tasks: dict[Any, GpuTask] = {}  # task key -> its record: the only per-task state
-        self.policy = FallbackPolicy(timeout)
+        self.timeout = timeout  # the plugin's default: None, strict
         self._grants = grants
         self._unmet: set[str] = set()  # requirements said unmet, until a device meets them
         self._classes: dict[ClassKey, Eligible] = {}
@@ -219,7 +219,7 @@ class Fallback:
         for ts in list(scheduler.tasks.values()):
             restrictions = ts.resource_restrictions or {}
             if GPU in restrictions or GPU_MEMORY in restrictions:
-                adopted = self.tasks[ts.key] = GpuTask(self.policy.default)
+                adopted = self.tasks[ts.key] = GpuTask(timeout)
                 if ts.state not in DONE and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
                     internals.share_worker_restriction(ts, None)  # its own: unknown now
                     count = restrictions.get(GPU, 1)
@@ -340,9 +340,9 @@ class Fallback:
             return problem
         try:
             if TIMEOUT_ANNOTATION in annotations:
-                timeout = self.policy.timeout(annotations[TIMEOUT_ANNOTATION])
+                timeout = task_timeout(self.timeout, annotations[TIMEOUT_ANNOTATION])
             else:
-                timeout = self.policy.timeout(mark=mark)
+                timeout = task_timeout(self.timeout, mark=mark)
         except ValueError as exc:
             return str(exc)
         task = self.tasks[ts.key] = GpuTask(timeout)
@@ -505,7 +505,7 @@ class Fallback:
                 waiting.append(w)
         if errs or waiting:
             largest = internals.largest_gpu_count(self.scheduler)
-            proposals, later = sweep(self.policy, waiting, now=now, largest=largest)
+            proposals, later = sweep(waiting, now=now, largest=largest)
             for key, at in later.items():  # due but kept waiting (a chain with GPUs now)
                 self._due(key, self.tasks[key], at)
             self._act(errs + proposals)
