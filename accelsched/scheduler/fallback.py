@@ -232,11 +232,10 @@ class Fallback:
     def follow(self, worker: str) -> None:
         """``worker``'s grant changed (granted, offered again, or gone): every class it
         can serve now holds it, and no other."""
-        records = self._grants.granted_devices().get(worker)
-        if records is None:
-            self._facts.pop(worker, None)
+        if self._grants.reported(worker):
+            self._facts[worker] = [facts_of(r) for r in self._grants.of(worker).devices]
         else:
-            self._facts[worker] = [facts_of(r) for r in records]
+            self._facts.pop(worker, None)
         for eligible in self._classes.values():
             if self._serves(worker, eligible.key):
                 eligible.workers.add(worker)
@@ -691,9 +690,7 @@ class Fallback:
         # each became unrunnable
         now = monotonic()
         self._bound = b
-        for name, until in list(self._coming.items()):  # promises past: forgotten
-            if until + b < now:
-                del self._coming[name]
+        self._coming = {n: u for n, u in self._coming.items() if u + b >= now}  # past: gone
         for name, seconds in c.items():
             self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
         self._full, self._full_at = f, now
