@@ -487,7 +487,7 @@ class Fallback:
         """Run the CPU form of GPU tasks unrunnable past their timeout; err invalid ones.
 
         Pops only the tasks whose deadline passed (:class:`~accelsched.policy.timeouts.Deadlines`),
-        asks the policy about them and hands what it answers to the actor.
+        asks the policy about them and hands what it answers to the plugin, which acts.
         """
         if not self._active():
             return  # unregistered or replaced; its timers may still fire
@@ -512,12 +512,12 @@ class Fallback:
         self.checks += 1
 
     def err(self, p: Proposal) -> None:
-        """Err the task, naming why it cannot be placed (the actor's ``err``)."""
+        """Err the task, naming why it cannot be placed (the plugin's ``err``)."""
         exc = ValueError(f"task {p.subject!r}: {p.reason}")
         internals.fail_task(self.scheduler, p.subject, exc, f"accelsched-fallback-{time()}")
 
     def fall_back(self, proposals: list[Proposal]) -> None:
-        """Run these unrunnable GPU tasks' CPU form now (the actor's ``fall-back``).
+        """Run these unrunnable GPU tasks' CPU form now (the plugin's ``fall-back``).
 
         Each loses its GPU restriction and is marked with the reason; the check's events
         are summarised (:func:`~accelsched.policy.timeouts.summarise`) and the tasks are

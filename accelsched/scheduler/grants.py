@@ -6,7 +6,7 @@ devices granted (one owner per GPU UUID, :func:`~accelsched.policy.ownership.gra
 owners are these grants, kept nowhere else), the UUIDs it was refused, the ``GPU`` count it
 registered with (put back on unregister), the count its guard offers now, and its
 quarantine. From these follow the counts placement may use (:meth:`Grants.placed`).
-:class:`Grants` talks to nothing: :class:`DeviceReports` (below) and the scheduler's actor
+:class:`Grants` talks to nothing: :class:`DeviceReports` (below) and the placement plugin
 change it through its methods, and readers (the status snapshot) get a
 :class:`WorkerGrant`, never the dicts.
 

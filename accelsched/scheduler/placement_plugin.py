@@ -193,11 +193,10 @@ class PlacementPlugin(SchedulerPlugin):
         Handlers (``set_resources`` too) go back to distributed's, the
         periodic check stops, and every worker's GPU count is its declaration again.
         """
-        scheduler = self.scheduler
-        if scheduler is None or self.status_history is None:
+        if self.status_history is None:
             return  # never started
         self.fallback.close()
-        internals.remove_handler(scheduler, RESTART_HANDLER, self.handle_restart)
+        internals.remove_handler(self.scheduler, RESTART_HANDLER, self.handle_restart)
         self.reports.stop()
         self.status_history.stop()
 
