@@ -37,7 +37,9 @@ async def test_failed_drain_quarantines_before_taking_tasks_again(c, s, a):
         with dask.annotate(resources={"GPU": 1}):
             busy = c.submit(hold, "x", returns=1, key="busy")
         await wait_for(lambda: "busy" in s.tasks and s.tasks["busy"].state == "processing")
-        restart = asyncio.ensure_future(plugin.actor.restart(s.workers[a.address], "nanny", "leak"))
+        restart = asyncio.ensure_future(
+            plugin.restart_worker(s.workers[a.address], "nanny", "leak")
+        )
         await wait_for(lambda: s.workers[a.address].status == Status.closing_gracefully)
         with dask.annotate(resources={"GPU": 1}):
             late = c.submit(accelsched.current_device, key="late")

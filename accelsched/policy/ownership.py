@@ -10,7 +10,7 @@ plugins feed these functions facts and carry out what they return.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -85,7 +85,7 @@ def decide_claim(declared: object, owned_count: int, *, advertise_undeclared: bo
 
 
 def grant(
-    wanted: Iterable[str], owners: Mapping[str, str], *, share: bool
+    wanted: Sequence[str], owners: Mapping[str, str], *, share: bool
 ) -> tuple[list[str], dict[str, str]]:
     """The UUIDs of ``wanted`` a worker may drive, given the other workers' (``owners``:
     UUID -> worker), and the refused ones with their owners: one owner per GPU UUID
@@ -94,12 +94,5 @@ def grant(
     A MIG device is owned by its own ``MIG-`` UUID: two MIG devices of one GPU have two
     owners, and one MIG device named two ways (its UUID, its parent's index) has one.
     """
-    granted: list[str] = []
-    refused: dict[str, str] = {}
-    for uuid in wanted:
-        owner = owners.get(uuid)
-        if owner is not None and not share:
-            refused[uuid] = owner
-        else:
-            granted.append(uuid)
-    return granted, refused
+    refused = {} if share else {uuid: owners[uuid] for uuid in wanted if uuid in owners}
+    return [uuid for uuid in wanted if uuid not in refused], refused

@@ -62,7 +62,7 @@ class Proposal:
 
 class Act(Protocol):
     """How a part hands its proposals to its side's actor (on the scheduler,
-    :meth:`accelsched.scheduler.placement_plugin.SchedulerActor.act`; ``keep_devices``: a
+    :meth:`accelsched.scheduler.placement_plugin.PlacementPlugin.act`; ``keep_devices``: a
     restart asked for a failed device keeps the worker's other GPUs in placement)."""
 
     def __call__(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None: ...

@@ -132,41 +132,31 @@ def decide(
     """
     want = {p.name: 0 for p in pools}
     reasons: dict[str, str] = {}
-    for d in sorted(gpu, key=lambda d: d.name):
-        tasks, seconds = d.waiting + d.running, d.seconds
-        for p in pools:
-            n = workers_for(tasks, seconds, p.slots(d.need, d.devices), target_duration)
-            if n == 0:
-                continue  # its devices cannot serve this class
+
+    def spill(able: list[tuple[Pool, int]], tasks: int, seconds: float, reason: str) -> None:
+        """Work to the pools of ``able`` (each with the tasks it runs at once), in order,
+        each up to its maximum; what one cannot take goes to the next."""
+        for p, slots in able:
+            n = workers_for(tasks, seconds, slots, target_duration)
             take = min(n, p.maximum - want[p.name])
             if take > 0:
                 want[p.name] += take
-                reasons[p.name] = GPU_DEMAND
+                reasons.setdefault(p.name, reason)
             if take >= n:
-                break
-            left = 1 - take / n  # what this pool cannot take goes to the next
+                return
+            left = 1 - take / n
             tasks, seconds = math.ceil(tasks * left), seconds * left
-    cpu = [p for p in pools if p.gpus == 0]
-    tasks, seconds = cpu_tasks, cpu_seconds
-    for p in cpu:
-        n = workers_for(tasks, seconds, p.threads, target_duration)
-        take = min(n, p.maximum - want[p.name])
-        if take > 0:
-            want[p.name] += take
-            reasons.setdefault(p.name, CPU_DEMAND)
-        if take >= n:
-            break
-        left = 1 - take / n
-        tasks, seconds = math.ceil(tasks * left), seconds * left
-    targets: dict[str, int] = {}
-    for p in pools:
-        targets[p.name] = min(p.maximum, max(p.minimum, want[p.name]))
-        if want[p.name] < p.minimum:
-            reasons.setdefault(p.name, MINIMUM)
+
+    for d in sorted(gpu, key=lambda d: d.name):  # to the pools whose devices serve it
+        able = [(p, n) for p in pools if (n := p.slots(d.need, d.devices))]
+        spill(able, d.waiting + d.running, d.seconds, GPU_DEMAND)
+    spill([(p, p.threads) for p in pools if p.gpus == 0], cpu_tasks, cpu_seconds, CPU_DEMAND)
+    targets = {p.name: min(p.maximum, max(p.minimum, want[p.name])) for p in pools}
+    below = {p.name: MINIMUM for p in pools if want[p.name] < p.minimum}  # demand says first
     coming, full, unserved = _waiting(pools, states, targets, gpu)
     return Plan(
         targets=targets,
-        reasons={p: r for p, r in reasons.items() if targets[p] > 0},
+        reasons={p: r for p, r in {**below, **reasons}.items() if targets[p] > 0},
         retire=_retire(pools, states, targets, idle_after),
         coming=coming,
         full=full,

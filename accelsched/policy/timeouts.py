@@ -2,10 +2,10 @@
 
 A GPU task that no worker can take sits in distributed's ``no-worker`` state forever.
 With a fallback timeout it runs its CPU form instead. The PlacementPlugin feeds
-:class:`FallbackPolicy` each unrunnable GPU task's wait and the cluster's GPU capacity;
-the policy answers with the reason to fall back, or None to keep waiting. :func:`sweep`
-turns one check's answers into ``fall-back`` proposals
-(:class:`~accelsched.policy.proposals.Proposal`), which the scheduler's actor carries out.
+:func:`sweep` each unrunnable GPU task that is due (:class:`Waiting`: its wait, its
+timeout, :func:`task_timeout`) and the cluster's GPU capacity; it answers with
+``fall-back`` proposals (:class:`~accelsched.policy.proposals.Proposal`), which it
+carries out.
 
 Plain distributed leaves a task no worker can take in ``no-worker`` without a word ("it
 will hang indefinitely"). accelsched says it: a GPU task unplaced for
@@ -30,7 +30,7 @@ from accelsched.policy.marks import Mark
 from accelsched.policy.proposals import Proposal
 
 __all__ = [
-    "FallbackPolicy",
+    "task_timeout",
     "Waiting",
     "deadline",
     "sweep",
@@ -96,53 +96,20 @@ _parse_cached = functools.lru_cache(maxsize=256, typed=True)(_parse)
 MAX_GPUS = 65536
 
 
-class FallbackPolicy:
-    """Decides, per unrunnable GPU task, how long it waits and whether to run its CPU form now.
-
-    ``default`` is the plugin-wide timeout in seconds (None: strict, never fall back).
-    """
-
-    def __init__(self, default: float | None) -> None:
-        self.default = default
-
-    def timeout(self, annotated: Any = _UNSET, mark: Mark | None = None) -> float | None:
-        """The timeout a task lives by: its ``fallback_timeout`` annotation (parsed;
-        ValueError names a bad one), else the marked step's own, else a ``dual`` step's
-        CPU-form timeout where the plugin has no default, else the default."""
-        if annotated is not _UNSET:
-            return parse_task_timeout(annotated)
-        if mark is not None and mark.timeout_given:
-            return mark.timeout
-        if mark is not None and mark.cpu_form is not None and self.default is None:
-            return mark.cpu_form  # it has a CPU form: waiting for ever would only hide that
-        return self.default
-
-    def decide(
-        self,
-        *,
-        waited: float,
-        timeout: float | None,
-        predecessor_fell_back: bool,
-        gpu_capacity: bool,
-        can_ever: bool = True,
-    ) -> str | None:
-        """Reason to fall back now, or None to keep waiting.
-
-        ``waited``: seconds the task has been unrunnable. ``gpu_capacity``: whether any
-        worker in the cluster has enough verified GPUs for it right now. ``can_ever``:
-        whether any worker could ever (at most :data:`MAX_GPUS`); if not, waiting is pointless.
-        """
-        if timeout is None:
-            return None
-        if not can_ever:
-            return UNSATISFIABLE
-        if predecessor_fell_back and not gpu_capacity:
-            return CHAIN
-        if timeout == 0:
-            return NO_GPU_CAPACITY
-        if waited >= timeout:
-            return TIMEOUT
-        return None
+def task_timeout(
+    default: float | None, annotated: Any = _UNSET, mark: Mark | None = None
+) -> float | None:
+    """The timeout a task lives by: its ``fallback_timeout`` annotation (parsed;
+    ValueError names a bad one), else the marked step's own, else a ``dual`` step's
+    CPU-form timeout where the plugin has no ``default`` (None: strict, never fall back),
+    else the default."""
+    if annotated is not _UNSET:
+        return parse_task_timeout(annotated)
+    if mark is not None and mark.timeout_given:
+        return mark.timeout
+    if mark is not None and mark.cpu_form is not None and default is None:
+        return mark.cpu_form  # it has a CPU form: waiting for ever would only hide that
+    return default
 
 
 @dataclass(frozen=True)
@@ -156,45 +123,49 @@ class Waiting:
     predecessor_fell_back: bool = False
 
 
-def deadline(w: Waiting, *, looked: bool = False) -> float | None:
-    """When the policy looks at ``w`` (None: never, it is strict): the one deadline rule.
-
-    A task that just became unrunnable is looked at once when waiting cannot help (it
-    asks for more GPUs than any worker can ever offer) or may not (a predecessor fell
-    back: :data:`CHAIN`); else, and once looked at and kept waiting (``looked``), when
-    its own timeout passes.
-    """
+def deadline(w: Waiting) -> float | None:
+    """When a check first looks at ``w``, which just became unrunnable (None: never, it is
+    strict): at once when waiting cannot help (it asks for more GPUs than any worker can
+    ever offer) or may not (a predecessor fell back: :data:`CHAIN`); else when its own
+    timeout passes, as for a task looked at and kept waiting (:func:`sweep`)."""
     if w.timeout is None:
         return None
-    if not looked and (w.predecessor_fell_back or w.amount > MAX_GPUS):
+    if w.predecessor_fell_back or w.amount > MAX_GPUS:
         return w.since
     return w.since + w.timeout
 
 
 def sweep(
-    policy: FallbackPolicy, waiting: Iterable[Waiting], *, now: float, largest: float
+    waiting: Iterable[Waiting], *, now: float, largest: float
 ) -> tuple[list[Proposal], dict[Hashable, float]]:
     """Decide for every waiting task; ``largest`` is the most GPUs one worker offers now.
 
     Returns one ``fall-back`` proposal per task to run in its CPU form now (reason: why;
-    figures: ``waited``, seconds), and the deadline (:func:`deadline`) of each task kept
-    waiting that has one, for the caller to look again then.
+    figures: ``waited``, seconds), and when to look again at each task kept waiting that
+    has a timeout (its own timeout's end), for the caller to look again then. A strict
+    task (no timeout) never falls back; one that asks for more than :data:`MAX_GPUS`
+    falls back at once (:data:`UNSATISFIABLE`); one whose predecessor fell back, at once
+    while no worker has the GPUs it needs (:data:`CHAIN`); a zero timeout, at once
+    (:data:`NO_GPU_CAPACITY`: it is unplaced now); else at its timeout (:data:`TIMEOUT`).
     """
     proposals: list[Proposal] = []
     later: dict[Hashable, float] = {}
     for w in waiting:
+        if w.timeout is None:
+            continue
         waited = now - w.since
-        reason = policy.decide(
-            waited=waited,
-            timeout=w.timeout,
-            predecessor_fell_back=w.predecessor_fell_back,
-            gpu_capacity=largest >= w.amount,
-            can_ever=w.amount <= MAX_GPUS,
-        )
-        if reason is not None:
-            proposals.append(Proposal("fall-back", w.key, reason, {"waited": waited}))
-        elif (at := deadline(w, looked=True)) is not None:
-            later[w.key] = at
+        if w.amount > MAX_GPUS:
+            reason = UNSATISFIABLE
+        elif w.predecessor_fell_back and largest < w.amount:
+            reason = CHAIN
+        elif w.timeout == 0:
+            reason = NO_GPU_CAPACITY
+        elif waited >= w.timeout:
+            reason = TIMEOUT
+        else:
+            later[w.key] = w.since + w.timeout
+            continue
+        proposals.append(Proposal("fall-back", w.key, reason, {"waited": waited}))
     return proposals, later
 
 

@@ -1,14 +1,14 @@
 """GPU tasks on the scheduler: one record each, CPU fallback, and what they wait for.
 
 New GPU tasks are prepared in ``update_graph`` (their restriction made hard, their
-timeout read: :meth:`FallbackPolicy.timeout <accelsched.policy.timeouts.FallbackPolicy.timeout>`,
+timeout read: :func:`~accelsched.policy.timeouts.task_timeout`,
 their requirement: see below). Each gets one
 :class:`GpuTask` record, kept in one dict and forgotten in one place (the task is
 forgotten). A GPU task with a timeout that becomes unrunnable enters
 :class:`~accelsched.policy.timeouts.Deadlines` at its
 :func:`~accelsched.policy.timeouts.deadline`; a check pops only the tasks that are due and
 asks :func:`~accelsched.policy.timeouts.sweep` which fall back now. Its proposals (and an
-``err`` for each task with an invalid annotation) go to the scheduler's actor
+``err`` for each task with an invalid annotation) go to the PlacementPlugin, the one that acts
 (:mod:`accelsched.scheduler.placement_plugin`), which has :meth:`Fallback.fall_back` lift
 their GPU restriction (marking them, so the worker copies their device inputs to the
 host) and send them on, or :meth:`Fallback.err` err them. A check costs what is due, not
@@ -87,13 +87,13 @@ from accelsched.policy.timeouts import (
     MAX_GPUS,
     NOTICE_AFTER,
     Deadlines,
-    FallbackPolicy,
     Notices,
     Waiting,
     deadline,
     reason_for,
     summarise,
     sweep,
+    task_timeout,
 )
 from accelsched.protocol import (
     DEMAND_HANDLER,
@@ -184,7 +184,7 @@ class Fallback:
     ) -> None:
         self.scheduler = scheduler
         self.tasks: dict[Any, GpuTask] = {}  # task key -> its record: the only per-task state
-        self.policy = FallbackPolicy(timeout)
+        self.timeout = timeout  # the plugin's default: None, strict
         self._grants = grants
         self._unmet: set[str] = set()  # requirements said unmet, until a device meets them
         self._classes: dict[ClassKey, Eligible] = {}
@@ -219,7 +219,7 @@ class Fallback:
         for ts in list(scheduler.tasks.values()):
             restrictions = ts.resource_restrictions or {}
             if GPU in restrictions or GPU_MEMORY in restrictions:
-                adopted = self.tasks[ts.key] = GpuTask(self.policy.default)
+                adopted = self.tasks[ts.key] = GpuTask(timeout)
                 if ts.state not in DONE and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
                     internals.share_worker_restriction(ts, None)  # its own: unknown now
                     count = restrictions.get(GPU, 1)
@@ -232,11 +232,10 @@ class Fallback:
     def follow(self, worker: str) -> None:
         """``worker``'s grant changed (granted, offered again, or gone): every class it
         can serve now holds it, and no other."""
-        records = self._grants.granted_devices().get(worker)
-        if records is None:
-            self._facts.pop(worker, None)
+        if self._grants.reported(worker):
+            self._facts[worker] = [facts_of(r) for r in self._grants.of(worker).devices]
         else:
-            self._facts[worker] = [facts_of(r) for r in records]
+            self._facts.pop(worker, None)
         for eligible in self._classes.values():
             if self._serves(worker, eligible.key):
                 eligible.workers.add(worker)
@@ -340,9 +339,9 @@ class Fallback:
             return problem
         try:
             if TIMEOUT_ANNOTATION in annotations:
-                timeout = self.policy.timeout(annotations[TIMEOUT_ANNOTATION])
+                timeout = task_timeout(self.timeout, annotations[TIMEOUT_ANNOTATION])
             else:
-                timeout = self.policy.timeout(mark=mark)
+                timeout = task_timeout(self.timeout, mark=mark)
         except ValueError as exc:
             return str(exc)
         task = self.tasks[ts.key] = GpuTask(timeout)
@@ -488,7 +487,7 @@ class Fallback:
         """Run the CPU form of GPU tasks unrunnable past their timeout; err invalid ones.
 
         Pops only the tasks whose deadline passed (:class:`~accelsched.policy.timeouts.Deadlines`),
-        asks the policy about them and hands what it answers to the actor.
+        asks the policy about them and hands what it answers to the plugin, which acts.
         """
         if not self._active():
             return  # unregistered or replaced; its timers may still fire
@@ -505,7 +504,7 @@ class Fallback:
                 waiting.append(w)
         if errs or waiting:
             largest = internals.largest_gpu_count(self.scheduler)
-            proposals, later = sweep(self.policy, waiting, now=now, largest=largest)
+            proposals, later = sweep(waiting, now=now, largest=largest)
             for key, at in later.items():  # due but kept waiting (a chain with GPUs now)
                 self._due(key, self.tasks[key], at)
             self._act(errs + proposals)
@@ -513,12 +512,12 @@ class Fallback:
         self.checks += 1
 
     def err(self, p: Proposal) -> None:
-        """Err the task, naming why it cannot be placed (the actor's ``err``)."""
+        """Err the task, naming why it cannot be placed (the plugin's ``err``)."""
         exc = ValueError(f"task {p.subject!r}: {p.reason}")
         internals.fail_task(self.scheduler, p.subject, exc, f"accelsched-fallback-{time()}")
 
     def fall_back(self, proposals: list[Proposal]) -> None:
-        """Run these unrunnable GPU tasks' CPU form now (the actor's ``fall-back``).
+        """Run these unrunnable GPU tasks' CPU form now (the plugin's ``fall-back``).
 
         Each loses its GPU restriction and is marked with the reason; the check's events
         are summarised (:func:`~accelsched.policy.timeouts.summarise`) and the tasks are
@@ -691,9 +690,7 @@ class Fallback:
         # each became unrunnable
         now = monotonic()
         self._bound = b
-        for name, until in list(self._coming.items()):  # promises past: forgotten
-            if until + b < now:
-                del self._coming[name]
+        self._coming = {n: u for n, u in self._coming.items() if u + b >= now}  # past: gone
         for name, seconds in c.items():
             self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
         self._full, self._full_at = f, now

@@ -6,7 +6,7 @@ devices granted (one owner per GPU UUID, :func:`~accelsched.policy.ownership.gra
 owners are these grants, kept nowhere else), the UUIDs it was refused, the ``GPU`` count it
 registered with (put back on unregister), the count its guard offers now, and its
 quarantine. From these follow the counts placement may use (:meth:`Grants.placed`).
-:class:`Grants` talks to nothing: :class:`DeviceReports` (below) and the scheduler's actor
+:class:`Grants` talks to nothing: :class:`DeviceReports` (below) and the placement plugin
 change it through its methods, and readers (the status snapshot) get a
 :class:`WorkerGrant`, never the dicts.
 
@@ -137,9 +137,9 @@ class Grants:
         self._granted: dict[str, list[DeviceRecord]] = {}  # worker -> devices granted
         self._refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
         self._declared: dict[str, float] = {}  # worker -> GPU count it registered with
-        self._offered: dict[str, int] = {}  # worker -> granted GPUs its guard offers now
-        self._offered_uuids: dict[str, set[str]] = {}  # worker -> which, when it said
-        self._held: dict[str, dict[str, int]] = {}  # worker -> UUID -> bytes results hold
+        # worker -> (granted GPUs its guard offers now, which when it said, UUID -> bytes
+        # results hold on it)
+        self._offered: dict[str, tuple[int, set[str] | None, dict[str, int]]] = {}
         self._quarantined: dict[str, str] = {}  # worker -> reason
 
     # --- reading -----------------------------------------------------------------------
@@ -150,10 +150,6 @@ class Grants:
             self._declared.get(worker),
             self._quarantined.get(worker),
         )
-
-    def granted_devices(self) -> dict[str, list[DeviceRecord]]:
-        """Every worker's granted devices, as its guard reported them (read-only use)."""
-        return self._granted
 
     def reported(self, worker: str) -> bool:
         """Whether ``worker``'s guard has reported (its grant may be empty)."""
@@ -176,7 +172,7 @@ class Grants:
         quarantined)."""
         if worker in self._quarantined:
             return 0
-        return min(self._offered.get(worker, 0), len(self._granted.get(worker, ())))
+        return min(self._offered.get(worker, (0,))[0], len(self._granted.get(worker, ())))
 
     def gauge(self) -> tuple[int, int]:
         """(GPUs placement may use, GPUs of quarantined workers): the metrics gauge."""
@@ -231,21 +227,14 @@ class Grants:
     ) -> None:
         """``worker``'s guard offers ``count`` of its granted GPUs now: those of ``uuids``
         (None: it did not say which); ``held``: bytes its results hold on each."""
-        self._offered[worker] = count
-        self._held[worker] = dict(held or {})
-        if uuids is None:
-            self._offered_uuids.pop(worker, None)
-        else:
-            self._offered_uuids[worker] = set(uuids)
+        self._offered[worker] = (count, None if uuids is None else set(uuids), dict(held or {}))
 
     def offered_devices(self, worker: str) -> list[DeviceRecord]:
         """The granted devices ``worker`` offers now, in its guard's order: those it named,
         else the first ones (as many as it offers)."""
         granted = self._granted.get(worker, [])
-        named = self._offered_uuids.get(worker)
-        if named is None:
-            return granted[: self._offered.get(worker, 0)]
-        return [d for d in granted if d["uuid"] in named]
+        count, named, _ = self._offered.get(worker, (0, None, {}))
+        return granted[:count] if named is None else [d for d in granted if d["uuid"] in named]
 
     def sharers(self, worker: str) -> set[str]:
         """The other workers granted one of ``worker``'s devices (``share_gpus``; without
@@ -259,7 +248,7 @@ class Grants:
         """The bytes ``worker``'s declared tasks may take on each of its first ``count``
         offered devices (each device's capacity divided among the workers granted it),
         and the ``GPU-memory`` (MiB) to place against: those less what results hold."""
-        held = self._held.get(worker, {})
+        held = self._offered.get(worker, (0, None, {}))[2]
         # workers granted each device: one without share_gpus (no look over the cluster)
         owners: Counter[str] = Counter()
         if self.share_gpus:
@@ -282,10 +271,8 @@ class Grants:
         """Forget ``worker`` (it left) and free its GPUs; returns the other workers that
         were refused one of them, which may claim it now."""
         freed = {d["uuid"] for d in self._granted.pop(worker, ())}
-        for kept in (self._refused, self._declared, self._offered, self._offered_uuids):
+        for kept in (self._refused, self._declared, self._offered, self._quarantined):
             kept.pop(worker, None)
-        self._held.pop(worker, None)
-        self._quarantined.pop(worker, None)
         return [other for other, uuids in self._refused.items() if uuids & freed]
 
 

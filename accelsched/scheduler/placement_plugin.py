@@ -10,7 +10,7 @@ makes the label mean something, through its parts (``accelsched/scheduler/``):
   a worker's request is acted on once, and only from the process it names.
 - :class:`~accelsched.scheduler.fallback.Fallback`: a GPU task unrunnable past its
   ``fallback_timeout`` runs its CPU form.
-- :class:`SchedulerActor` (below): carries out what the decisions
+- the plugin itself (:meth:`PlacementPlugin.act`): carries out what the decisions
   propose (fallbacks, restarts without losing data, deferrals, quarantine: a worker's
   GPUs out of placement), in one place; drain orders reach the process meant.
 - :class:`~accelsched.scheduler.grants.StatusHistory`: the status snapshot and its history.
@@ -18,17 +18,17 @@ makes the label mean something, through its parts (``accelsched/scheduler/``):
   (:func:`accelsched.adapt`) ask: the work waiting and running, and which classes a
   starting worker serves.
 
-The plugin itself only wires distributed's hooks to those parts, checks at start that
-the distributed internals they rely on are there (:mod:`accelsched.internals`), and
+Beside acting, the plugin only wires distributed's hooks to those parts, checks at start
+that the distributed internals they rely on are there (:mod:`accelsched.internals`), and
 sends events. What the workers say to it is in :mod:`accelsched.protocol`.
 
 The one place the scheduler acts on a decision, restarts included, is
-:class:`SchedulerActor`. distributed's Active Memory Manager has its policies suggest
+:meth:`PlacementPlugin.act`. distributed's Active Memory Manager has its policies suggest
 and acts in one place; accelsched does the same. The decisions
 (:mod:`accelsched.policy`) answer with :class:`~accelsched.policy.proposals.Proposal`
 objects and change nothing; the parts that ask them (the fallback check, the restart
-handler and procedure) hand the proposals here, and :class:`SchedulerActor` carries each
-out:
+handler and procedure) hand the proposals here, and :meth:`PlacementPlugin.act` carries
+each out:
 
 ========== ============================================================================
 fall-back  :meth:`Fallback.fall_back <accelsched.scheduler.fallback.Fallback.fall_back>`:
@@ -36,10 +36,10 @@ fall-back  :meth:`Fallback.fall_back <accelsched.scheduler.fallback.Fallback.fal
            per check (one per task up to a few)
 err        :meth:`Fallback.err <accelsched.scheduler.fallback.Fallback.err>`: the task
            errs, naming why it can never be placed
-restart    :meth:`SchedulerActor.restart`: drain, retire, check, restart, in the
-           background
+restart    :meth:`PlacementPlugin.restart_worker`: drain, retire, check, restart, in
+           the background
 defer      ``restart-deferred`` (when its reason is news), and quarantine
-quarantine :meth:`SchedulerActor.quarantine`, reason ``restart-<reason>``
+quarantine :meth:`PlacementPlugin.quarantine`, reason ``restart-<reason>``
            (``restart-budget``)
 ========== ============================================================================
 
@@ -56,7 +56,7 @@ without loss, the restart is deferred.
 Quarantine: a worker whose restart cannot happen now, or that restarted too often lately,
 keeps leaking. Its GPUs leave placement (its GPU count is 0) until it leaves, and the GPU
 tasks already sent to it go elsewhere or fall back: its guard sends them back as they
-reach execution, once told to drain (:meth:`SchedulerActor.tell_draining`; the order
+reach execution, once told to drain (:meth:`PlacementPlugin.tell_draining`; the order
 names the process it is meant for: a new process that took the address since ignores
 it). A restarted worker registers anew, unquarantined.
 
@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import partial
 from time import monotonic, time
 from typing import TYPE_CHECKING, Any
@@ -95,7 +95,7 @@ if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import WorkerState
 
-__all__ = ["PlacementPlugin", "SchedulerActor", "DRAIN_TIMEOUT", "GPU"]
+__all__ = ["PlacementPlugin", "DRAIN_TIMEOUT", "GPU"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,32 +106,150 @@ DRAIN_TIMEOUT = 300.0
 GONE_TIMEOUT = 30.0
 
 
-class SchedulerActor:
-    """Carries out every scheduler-side proposal; serves the restart handler."""
+class PlacementPlugin(SchedulerPlugin):
+    """Verification gate, strict GPU placement, CPU fallback and restart coordination.
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        *,
-        fallback: Fallback,
-        grants: Grants,
-        reports: DeviceReports,
-        budget: RestartBudget,
-        emit: Callable[..., None],
-        active: Callable[[], bool],
-    ) -> None:
+    Options (each also dask config under ``accelsched.placement.``, see
+    ``docs/configuration.md``): ``fallback_timeout``, ``fallback_interval``,
+    ``share_gpus``, ``max_restarts``, ``restart_window``, ``max_concurrent_restarts``.
+    Invalid values raise ``ValueError``/``TypeError`` here, on the client.
+    """
+
+    name = PLACEMENT_PLUGIN
+
+    # until start (an unpickled plugin has none); every method that reads it runs after
+    scheduler: Scheduler = None  # type: ignore[assignment]
+    _emitting: dict[str, Any] | None = None  # the event being logged by ``_emit``
+    status_history: StatusHistory | None = (
+        None  # until start: events logged before are replayed then
+    )
+    grants: Grants
+    fallback: Fallback
+    reports: DeviceReports
+    budget: RestartBudget
+    deferred: dict[str, str]  # worker -> reason of its last deferral
+
+    def __init__(self, **options: Any) -> None:
+        self.options = resolve_options(PLACEMENT_OPTIONS, options, type(self).__name__)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the options travel to the scheduler; the parts are built there, in start.
+        return {"options": self.options}
+
+    def _active(self) -> bool:
+        """Whether this instance is the registered one (``unregister_scheduler_plugin``
+        neither closes a plugin nor removes what its ``start`` installed)."""
+        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
+
+    # --- SchedulerPlugin hooks ----------------------------------------------------------
+
+    async def start(self, scheduler: Scheduler) -> None:
+        """Check distributed's internals, then start the parts.
+
+        Runs again when the plugin is re-registered: the previous instance's handlers and
+        callbacks are replaced here, never stacked. Raises
+        :class:`~accelsched.internals.IncompatibleDistributed`, which fails
+        ``client.register_plugin``, when distributed changed what accelsched relies on.
+        """
+        internals.check_scheduler(scheduler)
         self.scheduler = scheduler
-        self._fallback = fallback
-        self._grants = grants
-        self._reports = reports
-        self.budget = budget
-        self._emit = emit
-        self._active = active
-        self._retire_lock = asyncio.Lock()  # see internals.replace_worker
-        self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
+        o, emit, active = self.options, self._emit, self._active
+        internals.notify_unregistered(scheduler)
+        self.grants = grants = Grants(share_gpus=o["share_gpus"])
+        self.fallback = Fallback(
+            scheduler,
+            timeout=o["fallback_timeout"],
+            interval=o["fallback_interval"],
+            grants=grants,
+            emit=emit,
+            active=active,
+            act=self.act,
+        )
+        # every worker's declared GPUs stripped, then the guards asked to report
+        self.reports = DeviceReports(
+            scheduler,
+            grants=grants,
+            emit=emit,
+            active=active,
+            gained=self.fallback.follow,
+        )
+        self.budget = RestartBudget(
+            o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"]
+        )
+        self.deferred, self._retire_lock = {}, asyncio.Lock()  # see internals.replace_worker
+        internals.install_handler(scheduler, RESTART_HANDLER, self.handle_restart)
+        self.status_history = StatusHistory(
+            scheduler,
+            grants,
+            waiting=self.fallback.waiting,
+            options=self.options,
+            pool_of=self.fallback.pool_of,
+        )
+        display.install(scheduler)
 
-    def remove_worker(self, worker: str) -> None:
+    def unregistered(self) -> None:
+        """``client.unregister_scheduler_plugin``: leave the scheduler as it was found.
+
+        Handlers (``set_resources`` too) go back to distributed's, the
+        periodic check stops, and every worker's GPU count is its declaration again.
+        """
+        if self.status_history is None:
+            return  # never started
+        self.fallback.close()
+        internals.remove_handler(self.scheduler, RESTART_HANDLER, self.handle_restart)
+        self.reports.stop()
+        self.status_history.stop()
+
+    async def close(self) -> None:
+        """The scheduler closes: stop the periodic checks and the gauge's reading."""
+        if self.status_history is None:
+            return  # never started
+        self.fallback.close()
+        self.status_history.stop()
+        self.reports.close()
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        """Strip the declared GPU count: it counts only once the worker's guard reports.
+
+        Runs before distributed offers ``no-worker`` tasks to the new worker, so nothing
+        reaches it on the strength of a declaration.
+        """
+        self.reports.add_worker(scheduler.workers[worker])
+        if self.status_history is not None:
+            self.status_history.add_worker(scheduler.workers[worker])
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        """Free the worker's GPUs for the next claimant and forget everything about it."""
         self.deferred.pop(worker, None)
+        self.reports.remove_worker(worker)
+        self.fallback.follow(worker)  # its classes lose it
+
+    def update_graph(
+        self, scheduler: Scheduler, *, tasks: list | None = None, **kwargs: Any
+    ) -> None:
+        """New tasks, still ``released``: make GPU restrictions hard, read timeouts."""
+        self.fallback.prepare(tasks)
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        """Inside the transition loop: only bookkeeping and scheduling a check."""
+        self.fallback.transition(key, start, finish, str(kwargs.get("stimulus_id", "")))
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        """Every event the scheduler logs: feed accelsched's own to the metrics.
+
+        Worker-side events (``leak``, ``unrequested-gpu-use``, ...) arrive here too.
+        """
+        if topic == events.TOPIC and isinstance(msg, dict):
+            display.count_event(msg)
+            if self.status_history is not None:
+                self.status_history.record_event(msg)
+            # the workers' events (a leak, a device withdrawn, ...) in the scheduler's log
+            # too, once: this plugin's own were logged as they were emitted
+            action, mine = msg.get("action"), msg is self._emitting
+            if not mine and isinstance(action, str) and action in events.ACTIONS and self._active():
+                logger.log(*events.log_line(msg))
+
+    # --- the one place that acts on what the decisions propose ------------------------
 
     def act(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None:
         """Carry out ``proposals``, in order; fallbacks together, after the rest, so one
@@ -141,7 +259,7 @@ class SchedulerActor:
             if p.action == "fall-back":
                 fall_back.append(p)
             elif p.action == "err":
-                self._fallback.err(p)
+                self.fallback.err(p)
             elif p.action == "restart":
                 self.begin(str(p.subject), p.reason or "leak")
             elif p.action == "defer":
@@ -152,7 +270,7 @@ class SchedulerActor:
             else:
                 raise ValueError(f"not a scheduler action: {p!r}")
         if fall_back:
-            self._fallback.fall_back(fall_back)
+            self.fallback.fall_back(fall_back)
 
     def defer(self, worker: str, reason: str, *, quarantine: bool = True) -> None:
         """The restart cannot happen without loss now: say so once, and quarantine."""
@@ -168,9 +286,9 @@ class SchedulerActor:
         """Take ``worker``'s GPUs out of placement, once, and say so (a worker gone, or
         quarantined already: nothing)."""
         ws = self.scheduler.workers.get(worker)
-        if ws is None or not self._grants.quarantine(worker, reason):
+        if ws is None or not self.grants.quarantine(worker, reason):
             return
-        self._reports.zero(ws)
+        self.reports.zero(ws)
         # GPU tasks already sent to it go elsewhere too
         internals.spawn(self.scheduler, self.tell_draining, worker, True)
         self._emit(events.QUARANTINE, worker, reason=reason)
@@ -211,7 +329,7 @@ class SchedulerActor:
         if not self._active():
             return {"status": "no-plugin"}
         ws = self.scheduler.workers.get(worker)
-        if ws is None or not self._reports.admits(worker, process, request, RESTART_HANDLER):
+        if ws is None or not self.reports.admits(worker, process, request, RESTART_HANDLER):
             return restart_reply(None, authentic=False)
         proposal = admit_restart(
             self.budget,
@@ -231,15 +349,14 @@ class SchedulerActor:
         spent until it ends."""
         ws = self.scheduler.workers[worker]  # admitted just now, with no wait since
         assert ws.nanny is not None
-        internals.spawn(self.scheduler, self.restart, ws, ws.nanny, why)
+        internals.spawn(self.scheduler, self.restart_worker, ws, ws.nanny, why)
 
-    async def restart(self, ws: WorkerState, budget_key: str, why: str) -> None:
+    async def restart_worker(self, ws: WorkerState, budget_key: str, why: str) -> None:
         """Drain, retire, check, restart: the only order that loses nothing. Given up,
         the restart is deferred first (a leaking worker is quarantined), then the worker
         taken back into service: in this order the GPU tasks that piled up during the
         drain are not offered to the worker that leaks, they wait for (or fall back
         from) other GPUs."""
-        scheduler = self.scheduler
         start, previous = monotonic(), ws.status
         # the reason in distributed's own lines too ("Retire worker ... stimulus_id=...")
         # (a worker's own word: a plain token only)
@@ -255,7 +372,7 @@ class SchedulerActor:
         outcome: dict[str, int] | str | None = None
         try:
             outcome = await internals.replace_worker(
-                scheduler,
+                self.scheduler,
                 ws,
                 stimulus_id,
                 tell_draining=partial(self.tell_draining, ws.address),
@@ -274,168 +391,11 @@ class SchedulerActor:
         elif outcome is not None:
             keep = keeps_devices(why)
             self.act([Proposal("defer", ws.address, outcome)], keep_devices=keep)
-            internals.resume(scheduler, ws, previous, stimulus_id)
+            internals.resume(self.scheduler, ws, previous, stimulus_id)
             if keep:  # back in service with its devices that answer: run GPU tasks
-                internals.spawn(scheduler, self.tell_draining, ws.address, False)
-
-
-class PlacementPlugin(SchedulerPlugin):
-    """Verification gate, strict GPU placement, CPU fallback and restart coordination.
-
-    Options (each also dask config under ``accelsched.placement.``, see
-    ``docs/configuration.md``): ``fallback_timeout``, ``fallback_interval``,
-    ``share_gpus``, ``max_restarts``, ``restart_window``, ``max_concurrent_restarts``.
-    Invalid values raise ``ValueError``/``TypeError`` here, on the client.
-    """
-
-    name = PLACEMENT_PLUGIN
-
-    scheduler: Scheduler | None = None  # until start
-    _emitting: dict[str, Any] | None = None  # the event being logged by ``_emit``
-    status_history: StatusHistory | None = (
-        None  # until start: events logged before are replayed then
-    )
-    grants: Grants
-    fallback: Fallback
-    reports: DeviceReports
-    actor: SchedulerActor
-
-    def __init__(self, **options: Any) -> None:
-        self.options = resolve_options(PLACEMENT_OPTIONS, options, type(self).__name__)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Only the options travel to the scheduler; the parts are built there, in start.
-        return {"options": self.options}
-
-    def _active(self) -> bool:
-        """Whether this instance is the registered one (``unregister_scheduler_plugin``
-        neither closes a plugin nor removes what its ``start`` installed)."""
-        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
-
-    # --- SchedulerPlugin hooks ----------------------------------------------------------
-
-    async def start(self, scheduler: Scheduler) -> None:
-        """Check distributed's internals, then start the parts.
-
-        Runs again when the plugin is re-registered: the previous instance's handlers and
-        callbacks are replaced here, never stacked. Raises
-        :class:`~accelsched.internals.IncompatibleDistributed`, which fails
-        ``client.register_plugin``, when distributed changed what accelsched relies on.
-        """
-        internals.check_scheduler(scheduler)
-        self.scheduler = scheduler
-        o, emit, active = self.options, self._emit, self._active
-        internals.notify_unregistered(scheduler)
-        self.grants = grants = Grants(share_gpus=o["share_gpus"])
-        self.fallback = Fallback(
-            scheduler,
-            timeout=o["fallback_timeout"],
-            interval=o["fallback_interval"],
-            grants=grants,
-            emit=emit,
-            active=active,
-            act=self._act,
-        )
-        # every worker's declared GPUs stripped, then the guards asked to report
-        self.reports = DeviceReports(
-            scheduler,
-            grants=grants,
-            emit=emit,
-            active=active,
-            gained=self.fallback.follow,
-        )
-        self.actor = SchedulerActor(
-            scheduler,
-            fallback=self.fallback,
-            grants=grants,
-            reports=self.reports,
-            budget=RestartBudget(
-                o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"]
-            ),
-            emit=emit,
-            active=active,
-        )
-        internals.install_handler(scheduler, RESTART_HANDLER, self.actor.handle_restart)
-        self.status_history = StatusHistory(
-            scheduler,
-            grants,
-            waiting=self.fallback.waiting,
-            options=self.options,
-            pool_of=self.fallback.pool_of,
-        )
-        display.install(scheduler)
-
-    def unregistered(self) -> None:
-        """``client.unregister_scheduler_plugin``: leave the scheduler as it was found.
-
-        Handlers (``set_resources`` too) go back to distributed's, the
-        periodic check stops, and every worker's GPU count is its declaration again.
-        """
-        scheduler = self.scheduler
-        if scheduler is None or self.status_history is None:
-            return  # never started
-        self.fallback.close()
-        internals.remove_handler(scheduler, RESTART_HANDLER, self.actor.handle_restart)
-        self.reports.stop()
-        self.status_history.stop()
-
-    async def close(self) -> None:
-        """The scheduler closes: stop the periodic checks and the gauge's reading."""
-        if self.status_history is None:
-            return  # never started
-        self.fallback.close()
-        self.status_history.stop()
-        self.reports.close()
-
-    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        """Strip the declared GPU count: it counts only once the worker's guard reports.
-
-        Runs before distributed offers ``no-worker`` tasks to the new worker, so nothing
-        reaches it on the strength of a declaration.
-        """
-        self.reports.add_worker(scheduler.workers[worker])
-        if self.status_history is not None:
-            self.status_history.add_worker(scheduler.workers[worker])
-
-    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
-        """Free the worker's GPUs for the next claimant and forget everything about it."""
-        self.actor.remove_worker(worker)
-        self.reports.remove_worker(worker)
-        self.fallback.follow(worker)  # its classes lose it
-
-    def update_graph(
-        self, scheduler: Scheduler, *, tasks: list | None = None, **kwargs: Any
-    ) -> None:
-        """New tasks, still ``released``: make GPU restrictions hard, read timeouts."""
-        self.fallback.prepare(tasks)
-
-    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        """Inside the transition loop: only bookkeeping and scheduling a check."""
-        self.fallback.transition(key, start, finish, str(kwargs.get("stimulus_id", "")))
-
-    def log_event(self, topic: str, msg: Any) -> None:
-        """Every event the scheduler logs: feed accelsched's own to the metrics.
-
-        Worker-side events (``leak``, ``unrequested-gpu-use``, ...) arrive here too.
-        """
-        if topic == events.TOPIC and isinstance(msg, dict):
-            display.count_event(msg)
-            if self.status_history is not None:
-                self.status_history.record_event(msg)
-            # the workers' events (a leak, a device withdrawn, ...) in the scheduler's log
-            # too, once: this plugin's own were logged as they were emitted
-            action, mine = msg.get("action"), msg is self._emitting
-            if not mine and isinstance(action, str) and action in events.ACTIONS and self._active():
-                logger.log(*events.log_line(msg))
-
-    # --- for the parts ------------------------------------------------------------------
-
-    def _act(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None:
-        """The parts hand what the decisions propose to the one place that acts."""
-        self.actor.act(proposals, keep_devices=keep_devices)
+                internals.spawn(self.scheduler, self.tell_draining, ws.address, False)
 
     def _emit(self, action: str, worker: str | None = None, **figures: Any) -> None:
-        assert self.scheduler is not None  # parts exist only once started
         msg = events.event(action, worker, **figures)
         logger.log(*events.log_line(msg))  # here: the hook below runs only once registered
         self._emitting = msg

@@ -15,13 +15,12 @@ from accelsched.policy.timeouts import (
     TIMEOUT,
     UNSATISFIABLE,
     Deadlines,
-    FallbackPolicy,
     Waiting,
     deadline,
     summarise,
     sweep,
 )
-from accelsched.scheduler.placement_plugin import SchedulerActor
+from accelsched.scheduler.placement_plugin import PlacementPlugin
 
 # --- which tasks fall back now, and when to look again --------------------------------
 
@@ -86,7 +85,7 @@ def test_one_deadline_rule_for_entering_and_for_a_task_kept_waiting() -> None:
     chained = Waiting("chained", since=3.0, amount=1, timeout=5.0, predecessor_fell_back=True)
     assert deadline(chained) == 3.0
     # ... and once kept waiting (GPUs there now), at its own timeout
-    assert deadline(chained, looked=True) == 8.0
+    assert sweep([chained], now=3.0, largest=1) == ([], {"chained": 8.0})
 
 
 def fall_back(key: str, reason: str, waited: float) -> Proposal:
@@ -110,46 +109,43 @@ def test_a_burst_of_fallbacks_is_one_event() -> None:
 
 
 def test_sweep_falls_back_what_is_due_and_wakes_at_the_next_deadline() -> None:
-    policy = FallbackPolicy(default=5.0)
     waiting = [
         Waiting("due", since=0.0, amount=1, timeout=5.0),  # waited 10 s of 5
         Waiting("later", since=8.0, amount=1, timeout=5.0),  # deadline 13
         Waiting("soon", since=9.0, amount=1, timeout=2.0),  # deadline 11
         Waiting("strict", since=0.0, amount=1, timeout=None),  # never
     ]
-    proposals, later = sweep(policy, waiting, now=10.0, largest=0)
+    proposals, later = sweep(waiting, now=10.0, largest=0)
     assert proposals == [Proposal("fall-back", "due", TIMEOUT, {"waited": 10.0})]
     assert later == {"later": 13.0, "soon": 11.0} and min(later.values()) == 11.0
 
 
 def test_sweep_zero_timeout_and_chains_depend_on_capacity() -> None:
-    policy = FallbackPolicy(default=None)
     waiting = [
         Waiting("zero", since=3.0, amount=1, timeout=0.0),
         Waiting("chained", since=3.0, amount=2, timeout=60.0, predecessor_fell_back=True),
     ]
-    proposals, later = sweep(policy, waiting, now=3.0, largest=1)
+    proposals, later = sweep(waiting, now=3.0, largest=1)
     assert proposals == [fall_back("zero", NO_GPU_CAPACITY, 0.0), fall_back("chained", CHAIN, 0.0)]
     assert later == {}
-    proposals, later = sweep(policy, waiting[1:], now=3.0, largest=2)  # a 2-GPU worker
+    proposals, later = sweep(waiting[1:], now=3.0, largest=2)  # a 2-GPU worker
     assert proposals == [] and later == {"chained": 63.0}
 
 
 def test_sweep_an_amount_no_worker_can_ever_offer_falls_back_at_once() -> None:
-    policy = FallbackPolicy(default=None)
     waiting = [
         Waiting("huge", since=3.0, amount=2**64, timeout=60.0),
         Waiting("edge", since=3.0, amount=MAX_GPUS, timeout=60.0),
         Waiting("strict", since=3.0, amount=MAX_GPUS + 1, timeout=None),
     ]
-    proposals, later = sweep(policy, waiting, now=3.5, largest=2**70)  # whatever workers say
+    proposals, later = sweep(waiting, now=3.5, largest=2**70)  # whatever workers say
     assert proposals == [fall_back("huge", UNSATISFIABLE, 0.5)]
     assert proposals[0].figures["waited"] == 0.5
     assert later == {"edge": 63.0}  # "edge" waits its timeout; "strict" errs elsewhere
 
 
 def test_sweep_of_nothing_sets_no_timer() -> None:
-    assert sweep(FallbackPolicy(1.0), [], now=0.0, largest=0) == ([], {})
+    assert sweep([], now=0.0, largest=0) == ([], {})
 
 
 # --- restart admission ------------------------------------------------------------------
@@ -246,15 +242,8 @@ class Recorder:
 
 def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
     parts = Recorder()
-    actor = SchedulerActor(
-        parts,  # type: ignore[arg-type]
-        fallback=parts,  # type: ignore[arg-type]
-        grants=parts,  # type: ignore[arg-type]
-        reports=parts,  # type: ignore[arg-type]
-        budget=parts,  # type: ignore[arg-type]
-        emit=parts.calls.append,
-        active=lambda: True,
-    )
+    actor = PlacementPlugin()  # the scheduler's one actor, its part a recorder
+    actor.fallback = parts  # type: ignore[assignment]
     # its own steps, recorded: what each proposal leads to, in order
     actor.begin, actor.defer = parts.begin, parts.defer  # type: ignore[method-assign]
     actor.quarantine = parts.quarantine  # type: ignore[method-assign]

@@ -18,8 +18,10 @@ from accelsched.policy.timeouts import (
     CHAIN,
     NO_GPU_CAPACITY,
     TIMEOUT,
-    FallbackPolicy,
+    Waiting,
     parse_task_timeout,
+    sweep,
+    task_timeout,
 )
 from accelsched.scheduler.grants import Grants
 
@@ -119,32 +121,33 @@ def test_a_request_is_acted_on_once_and_only_from_its_process() -> None:
     assert requests.refusal("w", "Worker-next", "Worker-next", "1") is None
 
 
+def decided(waited: float, timeout: float | None, chain: bool, capacity: bool) -> str | None:
+    """Why a task unrunnable for ``waited`` seconds falls back now (None: it waits)."""
+    w = Waiting("k", since=0.0, amount=1, timeout=timeout, predecessor_fell_back=chain)
+    proposals, _ = sweep([w], now=waited, largest=1 if capacity else 0)
+    return proposals[0].reason if proposals else None
+
+
 def test_fallback_policy_numbers() -> None:
-    strict = FallbackPolicy(None)
-    assert (
-        strict.decide(waited=1e9, timeout=None, predecessor_fell_back=True, gpu_capacity=False)
-        is None
-    )
-    p = FallbackPolicy(5.0)
-    assert p.timeout() == 5.0 and p.timeout(None) is None and p.timeout(0.0) == 0.0
+    assert decided(1e9, timeout=None, chain=True, capacity=False) is None
+    assert task_timeout(5.0) == 5.0 and task_timeout(5.0, None) is None
+    assert task_timeout(5.0, 0.0) == 0.0
     # a task's own annotation, else its step's, else a dual step's CPU form where the
     # plugin has no default, else the default
     step, dual_step = Mark(timeout=2.0, timeout_given=True), Mark(cpu_form=30.0)
-    assert p.timeout(mark=step) == 2.0 and p.timeout(1.0, mark=step) == 1.0
-    assert p.timeout(mark=dual_step) == 5.0 and strict.timeout(mark=dual_step) == 30.0
-    assert strict.timeout(mark=Mark()) is None
-    assert strict.timeout(mark=Mark(timeout_given=True, cpu_form=30.0)) is None  # its own None
+    assert task_timeout(5.0, mark=step) == 2.0 and task_timeout(5.0, 1.0, mark=step) == 1.0
+    assert task_timeout(5.0, mark=dual_step) == 5.0 and task_timeout(None, mark=dual_step) == 30.0
+    assert task_timeout(None, mark=Mark()) is None
+    assert task_timeout(None, mark=Mark(timeout_given=True, cpu_form=30.0)) is None  # its own None
     with pytest.raises(ValueError, match="fallback_timeout"):
-        p.timeout("soon")
-    kw = dict(predecessor_fell_back=False, gpu_capacity=False)
-    assert p.decide(waited=4.99, timeout=5.0, **kw) is None
-    assert p.decide(waited=5.0, timeout=5.0, **kw) == TIMEOUT
-    assert p.decide(waited=0.0, timeout=0.0, **kw) == NO_GPU_CAPACITY
-    assert (
-        p.decide(waited=0.0, timeout=5.0, predecessor_fell_back=True, gpu_capacity=False) == CHAIN
-    )
+        task_timeout(5.0, "soon")
+    kw = dict(chain=False, capacity=False)
+    assert decided(4.99, timeout=5.0, **kw) is None
+    assert decided(5.0, timeout=5.0, **kw) == TIMEOUT
+    assert decided(0.0, timeout=0.0, **kw) == NO_GPU_CAPACITY
+    assert decided(0.0, timeout=5.0, chain=True, capacity=False) == CHAIN
     # GPU capacity came back: the successor waits its own timeout
-    assert p.decide(waited=1.0, timeout=5.0, predecessor_fell_back=True, gpu_capacity=True) is None
+    assert decided(1.0, timeout=5.0, chain=True, capacity=True) is None
 
 
 @pytest.mark.parametrize(

@@ -130,7 +130,7 @@ async def test_gpu_gauge_is_read_at_scrape_time(c, s, a):
         return prometheus_client.REGISTRY.get_sample_value("accelsched_gpus", {"state": state})
 
     assert gauge("verified") == 2 and gauge("quarantined") == 0
-    s.plugins["accelsched-placement"].actor.quarantine(a.address, "test")
+    s.plugins["accelsched-placement"].quarantine(a.address, "test")
     assert gauge("verified") == 0 and gauge("quarantined") == 2
     await c.unregister_scheduler_plugin("accelsched-placement")
     # no plugin, no grants: the gauge neither shows the gone plugin's nor holds it

@@ -67,7 +67,7 @@ async def test_a_drain_order_meant_for_another_process_is_refused(c, s, a):
 async def test_the_schedulers_own_drain_order_is_obeyed(c, s, a):
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.address) == 1)
-    actor = s.plugins["accelsched-placement"].actor
+    actor = s.plugins["accelsched-placement"]  # the one that acts
     await actor.tell_draining(a.address, True)
     assert guard(a).inventory.draining is True
     await actor.tell_draining(a.address, False)

@@ -37,7 +37,7 @@ def snapshot(s: Any) -> dict[str, Any]:
         "grants": {a: (grants.reported(a), copy.deepcopy(grants.of(a))) for a in s.workers},
         "owners": grants.owners(),
         "workers": set(s.workers),
-        "budget": s.plugins["accelsched-placement"].actor.budget.in_flight,
+        "budget": s.plugins["accelsched-placement"].budget.in_flight,
     }
 
 

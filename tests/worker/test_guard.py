@@ -254,21 +254,21 @@ async def test_concurrent_restarts_lose_nothing(c, s, a, b):
 
     async def restart_a_while_b_starts(workers, **kwargs):  # type: ignore[no-untyped-def]
         if workers == [A] and not second:
-            assert placement.actor.budget.request(s.workers[B].nanny, 0) is None
+            assert placement.budget.request(s.workers[B].nanny, 0) is None
             second.append(
                 asyncio.create_task(
-                    placement.actor.restart(s.workers[B], s.workers[B].nanny, "leak")
+                    placement.restart_worker(s.workers[B], s.workers[B].nanny, "leak")
                 )
             )
             # let b's restart run as far as it may: until it waits for its turn to
             # retire (or, were nothing holding it back, until it is over)
-            lock = placement.actor._retire_lock
+            lock = placement._retire_lock
             await wait_for(lambda: second[0].done() or bool(lock._waiters), timeout=60)
         return await restart_workers(workers, **kwargs)
 
     s.restart_workers = restart_a_while_b_starts
-    assert placement.actor.budget.request(s.workers[A].nanny, 0) is None
-    await placement.actor.restart(s.workers[A], s.workers[A].nanny, "leak")
+    assert placement.budget.request(s.workers[A].nanny, 0) is None
+    await placement.restart_worker(s.workers[A], s.workers[A].nanny, "leak")
     await second[0]
     assert await k["k"] == 123
 
