@@ -117,8 +117,7 @@ class PlacementPlugin(SchedulerPlugin):
 
     name = PLACEMENT_PLUGIN
 
-    # until start (an unpickled plugin has none); every method that reads it runs after
-    scheduler: Scheduler = None  # type: ignore[assignment]
+    scheduler: Scheduler  # from start on (an unpickled plugin has none before)
     _emitting: dict[str, Any] | None = None  # the event being logged by ``_emit``
     status_history: StatusHistory | None = (
         None  # until start: events logged before are replayed then
@@ -139,7 +138,8 @@ class PlacementPlugin(SchedulerPlugin):
     def _active(self) -> bool:
         """Whether this instance is the registered one (``unregister_scheduler_plugin``
         neither closes a plugin nor removes what its ``start`` installed)."""
-        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
+        scheduler = getattr(self, "scheduler", None)
+        return scheduler is not None and scheduler.plugins.get(self.name) is self
 
     # --- SchedulerPlugin hooks ----------------------------------------------------------
 
