@@ -117,7 +117,8 @@ class PlacementPlugin(SchedulerPlugin):
 
     name = PLACEMENT_PLUGIN
 
-    scheduler: Scheduler  # from start on (an unpickled plugin has none before)
+    # until start (an unpickled plugin has none); every method that reads it runs after
+    scheduler: Scheduler = None  # type: ignore[assignment]
     _emitting: dict[str, Any] | None = None  # the event being logged by ``_emit``
     status_history: StatusHistory | None = (
         None  # until start: events logged before are replayed then
@@ -138,8 +139,7 @@ class PlacementPlugin(SchedulerPlugin):
     def _active(self) -> bool:
         """Whether this instance is the registered one (``unregister_scheduler_plugin``
         neither closes a plugin nor removes what its ``start`` installed)."""
-        scheduler = getattr(self, "scheduler", None)
-        return scheduler is not None and scheduler.plugins.get(self.name) is self
+        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
 
     # --- SchedulerPlugin hooks ----------------------------------------------------------
 
