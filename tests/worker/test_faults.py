@@ -119,7 +119,16 @@ def test_failing_gpu_is_withdrawn_once_and_offered_again(calls: str, recover: bo
         await wait_for(lambda: gpus(s, a.address) == 2)
         with dask.annotate(resources={"GPU": 1}):
             one = c.submit(hold, "one", key="one")
-        await wait_for(lambda: "one" in a.state.tasks and a.state.tasks["one"].state == "executing")
+        # executing as the worker's state says, and holding its device as its thread
+        # took it (the thread leases after the state machine says executing)
+        leases = a.plugins["accelsched-guard"].binder.leases
+        await wait_for(
+            lambda: (
+                "one" in a.state.tasks
+                and a.state.tasks["one"].state == "executing"
+                and "one" in leases.holders()
+            )
+        )
         held = busy_device(a)
         with dask.annotate(resources={"GPU": 2}):
             two = c.submit(accelsched.current_device, key="two")  # assigned, waits for one
