@@ -67,6 +67,7 @@ class _Session:
     """
 
     path: Path
+    named: str  # the environment's text naming it: compared per GPU task, cheaply
     nvml: list[int]  # CUDA index -> NVML index (a slot: MIG devices after the GPUs)
     totals: list[int]  # by NVML index (slot)
     context_bytes: int
@@ -74,10 +75,11 @@ class _Session:
     devices: dict[int, _Device] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, path: Path) -> _Session:
+    def open(cls, named: str) -> _Session:
+        path = Path(named)
         nvml, totals = state.visible_slots(path, visible_from_env())  # MIG devices too
         flags = state.read_flags(path)
-        return cls(path, nvml, totals, flags.context_bytes)
+        return cls(path, named, nvml, totals, flags.context_bytes)
 
     def check_device(self, device: int) -> None:
         if isinstance(device, bool) or not isinstance(device, int):
@@ -181,20 +183,22 @@ class SimulatedPool:
         An ended session's memory went with its state directory: nothing to report.
         """
         session = self._session
-        return session if session is not None and session.path == state.state_dir() else None
+        if session is None or session.named != os.environ.get(state.ENV_DIR):
+            return None  # (the text, not a Path: the guard looks after every GPU task)
+        return session
 
     # ---- used by the module functions ----
 
     def _current(self) -> _Session:
         """The session of the state directory now in the environment (lock held)."""
-        path = state.state_dir()
-        if path is None:
+        named = os.environ.get(state.ENV_DIR)
+        if not named:
             raise RuntimeError(
                 "no fake GPUs here: use accelsched.testing.fake_gpus() around this code, "
                 "or call it in a process started inside fake_gpus()"
             )
-        if self._session is None or self._session.path != path:
-            self._session = _Session.open(path)
+        if self._session is None or self._session.named != named:
+            self._session = _Session.open(named)
         return self._session
 
     def allocate(self, nbytes: int, device: int) -> tuple[_Session, bool]:
