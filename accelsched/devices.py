@@ -138,6 +138,9 @@ def backend_module() -> ModuleType:
         from accelsched.config import config_value
 
         name, where = config_value(BACKEND_KEY), f"dask config {BACKEND_KEY}"
+    # asked as each GPU task starts (:func:`cuda`): one imported is looked up, not imported
+    if isinstance(name, str) and (module := sys.modules.get(name)) is not None:
+        return module
     if not isinstance(name, str) or not name.replace(".", "").replace("_", "").isalnum():
         raise ValueError(f"{where}: {name!r} is no module name")
     return importlib.import_module(name)
