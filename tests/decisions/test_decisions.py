@@ -410,7 +410,7 @@ def test_thresholds_that_are_no_size_name_the_option(value: object) -> None:
     ],
 )
 def test_declarations_that_are_no_count_claim_nothing(declared: object, reason: str) -> None:
-    from accelsched.policy.ownership import Claim, decide_claim, declared_count
+    from accelsched.policy.requests import Claim, decide_claim, declared_count
 
     assert decide_claim(declared, 2, advertise_undeclared=True) == Claim(0, reason)
     assert declared_count(declared) is None
