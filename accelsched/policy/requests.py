@@ -153,20 +153,14 @@ class RestartBudget:
     _history: dict[str, deque[float]] = field(default_factory=dict)
     _in_flight: set[str] = field(default_factory=set)
 
-    def recent(self, key: str, now: float) -> int:
-        """Restarts of ``key`` within the window ending at ``now``."""
-        history = self._history.get(key, deque())
-        while history and history[0] <= now - self.window:
-            history.popleft()
-        if not history:  # workers come and go: keep only recent restarts
-            self._history.pop(key, None)
-        return len(history)
-
     def request(self, key: str, now: float) -> str | None:
         """Why ``key`` may not restart now (``in-flight``, ``budget``, ``concurrency``);
         None: it may, and a restart that :meth:`done` ends starts."""
-        for other in list(self._history):
-            self.recent(other, now)  # forget keys whose restarts left the window
+        for other, history in list(self._history.items()):  # restarts that left the window
+            while history and history[0] <= now - self.window:
+                history.popleft()
+            if not history:  # workers come and go: keep only recent restarts
+                del self._history[other]
         if key in self._in_flight:
             return "in-flight"
         if len(self._history.get(key, ())) >= self.max_restarts:

@@ -11,7 +11,7 @@ asks :func:`~accelsched.policy.timeouts.sweep` which fall back now. Its proposal
 ``err`` for each task with an invalid annotation) go to the PlacementPlugin, the one that acts
 (:mod:`accelsched.scheduler.placement_plugin`), which has :meth:`Fallback.fall_back` lift
 their GPU restriction (marking them, so the worker copies their device inputs to the
-host) and send them on, or :meth:`Fallback.err` err them. A check costs what is due, not
+host) and send them on, or err them. A check costs what is due, not
 what waits: nothing when no task has a timeout, O(k log n) for k due of n waiting. Checks
 run exactly at the next deadline (one timer at a time, at most one check queued for a
 deadline already passed), with a periodic tick as a safety net.
@@ -510,11 +510,6 @@ class Fallback:
             self._act(errs + proposals)
         self._schedule()
         self.checks += 1
-
-    def err(self, p: Proposal) -> None:
-        """Err the task, naming why it cannot be placed (the plugin's ``err``)."""
-        exc = ValueError(f"task {p.subject!r}: {p.reason}")
-        internals.fail_task(self.scheduler, p.subject, exc, f"accelsched-fallback-{time()}")
 
     def fall_back(self, proposals: list[Proposal]) -> None:
         """Run these unrunnable GPU tasks' CPU form now (the plugin's ``fall-back``).

@@ -488,13 +488,6 @@ class DeviceReports:
         if after == before and memory > had:  # results released, a sharer left
             internals.offer_unrunnable(scheduler, ws)
 
-    def zero(self, ws: WorkerState) -> None:
-        """No GPU task is placed on ``ws`` any more (quarantine); what it was sent already
-        is its guard's to send back, as it reaches execution."""
-        for name in (GPU, GPU_MEMORY):
-            if name in ws.resources:
-                internals.set_worker_gpus(self.scheduler, ws, 0, name)
-
     def set_resources(
         self, original: Callable[..., Any], worker: str, resources: dict | None = None
     ) -> Any:
