@@ -248,15 +248,6 @@ def _fallback(m: Mapping[str, Any], w: str) -> str:
     return f"task {m['key']!r}{where}: fell back to its CPU form after {m['waited']}s ({why})"
 
 
-def _unrequested(m: Mapping[str, Any], w: str) -> str:
-    how = ["a CUDA context created"] if m.get("context_created") else []
-    how += ["the task made to fail"] if m.get("failed") else []
-    return (
-        f"{w}: task {m['key']!r} used device {m['device']} without asking for a GPU "
-        f"(+{_size(m['nbytes'])}{''.join('; ' + h for h in how)})"
-    )
-
-
 #: A line in words for every action: (event, worker).
 _LINES: dict[str, Callable[[Mapping[str, Any], str], str]] = {
     GPU_VERIFIED: lambda m, w: (
@@ -269,7 +260,13 @@ _LINES: dict[str, Callable[[Mapping[str, Any], str], str]] = {
         + ("owned by" if m["reason"] == "owned" else f"{m['reason']}, owner")
         + f" {_listed([m['owner']] if isinstance(m['owner'], str) else m['owner'])}"
     ),
-    UNREQUESTED_GPU_USE: _unrequested,
+    UNREQUESTED_GPU_USE: lambda m, w: (
+        f"{w}: task {m['key']!r} used device {m['device']} without asking for a GPU "
+        f"(+{_size(m['nbytes'])}"
+        + ("; a CUDA context created" if m.get("context_created") else "")
+        + ("; the task made to fail" if m.get("failed") else "")
+        + ")"
+    ),
     FALLBACK: _fallback,
     LEAK: lambda m, w: (
         f"{w}: device {m['device']} leaks {_size(m['nbytes'])} "
