@@ -54,10 +54,8 @@ class Proposal:
     def __post_init__(self) -> None:
         if self.action not in get_args(Action):
             raise ValueError(f"unknown action {self.action!r}")
-        if not isinstance(self.figures, MappingProxyType):
-            object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))
-        if not isinstance(self.detail, MappingProxyType):
-            object.__setattr__(self, "detail", MappingProxyType(dict(self.detail)))
+        for name in ("figures", "detail"):  # read-only, whatever the caller keeps
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
 
 
 class Act(Protocol):

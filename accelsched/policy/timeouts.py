@@ -68,17 +68,7 @@ DUAL_TIMEOUT = 30.0
 _UNSET: Any = object()
 
 
-def parse_task_timeout(value: Any) -> float | None:
-    """Parse a ``fallback_timeout`` task annotation; ValueError names the bad value.
-
-    A graph carries the same few values on thousands of tasks: parsed once each.
-    """
-    try:
-        return _parse_cached(value)
-    except TypeError:  # unhashable: parse it to get the error naming it
-        return _parse(value)
-
-
+@functools.lru_cache(maxsize=256, typed=True)
 def _parse(value: Any) -> float | None:
     try:
         return parse_optional_duration("fallback_timeout annotation", value)
@@ -86,7 +76,15 @@ def _parse(value: Any) -> float | None:
         raise ValueError(str(exc)) from None
 
 
-_parse_cached = functools.lru_cache(maxsize=256, typed=True)(_parse)
+def parse_task_timeout(value: Any) -> float | None:
+    """Parse a ``fallback_timeout`` task annotation; ValueError names the bad value.
+
+    A graph carries the same few values on thousands of tasks: parsed once each.
+    """
+    try:
+        return _parse(value)
+    except TypeError:  # unhashable: parse it to get the error naming it
+        return _parse.__wrapped__(value)
 
 
 #: The most GPUs one worker can offer: far above any host NVML can show (8 GPUs of 7 MIG

@@ -231,7 +231,7 @@ class Fallback:
     def follow(self, worker: str) -> None:
         """``worker``'s grant changed (granted, offered again, or gone): every class it
         can serve now holds it, and no other."""
-        if self._grants.reported(worker):
+        if self._grants.of(worker).reported:
             self._facts[worker] = [facts_of(r) for r in self._grants.of(worker).devices]
         else:
             self._facts.pop(worker, None)

@@ -152,10 +152,6 @@ class Grants:
     def _set(self, worker: str, **changes: Any) -> None:
         self._workers[worker] = replace(self.of(worker), **changes)
 
-    def reported(self, worker: str) -> bool:
-        """Whether ``worker``'s guard has reported (its grant may be empty)."""
-        return self.of(worker).reported
-
     def uuids(self, worker: str) -> list[str]:
         """The UUIDs granted to ``worker``, in its guard's order (the inventory reply)."""
         return [d["uuid"] for d in self.of(worker).devices]
@@ -331,7 +327,7 @@ class DeviceReports:
         """``worker``'s share of a device changed (a sharer joined or left): place
         against it now, and ask its guard to report, learning it from the offer reply."""
         if (ws := self.scheduler.workers.get(worker)) is not None:
-            if self._grants.reported(worker):
+            if self._grants.of(worker).reported:
                 self.place(ws)
             internals.spawn(self.scheduler, self._ask_report, worker)
 
@@ -380,30 +376,30 @@ class DeviceReports:
             return {"status": "refused"}
         if isinstance(declared, (int, float)):
             self._grants.declare(worker, declared, correct=True)
-        if (claimed := self._grants.claim(worker, devices[:requested])) is None:
-            return {"status": "OK", "uuids": self._grants.uuids(worker)}  # a repeat
-        granted, refused = claimed
-        for other in sorted(self._grants.sharers(worker)):  # its share of theirs is less now
-            self._reshare(other)
-        if granted:
-            self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
-        if refused:
-            owners = sorted(set(refused.values()))
-            self._emit(
-                events.GPU_REJECTED,
-                worker,
-                uuids=sorted(refused),
-                reason="owned",
-                owner=owners[0] if len(owners) == 1 else owners,
-            )
-        if declared != len(granted) and (reason is not None or refused):
-            self._emit(
-                events.GPU_CORRECTED,
-                worker,
-                declared=declared,
-                granted=len(granted),
-                reason="owned" if refused else reason,
-            )
+        # a repeated, unchanged report: nothing
+        if (claimed := self._grants.claim(worker, devices[:requested])) is not None:
+            granted, refused = claimed
+            for other in sorted(self._grants.sharers(worker)):  # its share of theirs is less now
+                self._reshare(other)
+            if granted:
+                self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
+            if refused:
+                owners = sorted(set(refused.values()))
+                self._emit(
+                    events.GPU_REJECTED,
+                    worker,
+                    uuids=sorted(refused),
+                    reason="owned",
+                    owner=owners[0] if len(owners) == 1 else owners,
+                )
+            if declared != len(granted) and (reason is not None or refused):
+                self._emit(
+                    events.GPU_CORRECTED,
+                    worker,
+                    declared=declared,
+                    granted=len(granted),
+                    reason="owned" if refused else reason,
+                )
         return {"status": "OK", "uuids": self._grants.uuids(worker)}
 
     # --- the offer handler -----------------------------------------------------------------
@@ -497,8 +493,7 @@ class DeviceReports:
         counts for nothing: placement uses what the worker's guard offered (confirmed)
         within its grant. Other resources pass through.
         """
-        scheduler = self.scheduler
-        ws = scheduler.workers.get(worker)
+        ws = self.scheduler.workers.get(worker)
         if ws is None or not self._active():  # unregistered: distributed's own behaviour
             return original(worker=worker, resources=resources)
         resources = dict(resources or {})
@@ -506,7 +501,7 @@ class DeviceReports:
             resources.pop(name, None)
             if name in ws.resources:
                 resources[name] = ws.resources[name]  # kept as this part set it
-        result = internals.apply_resources(original, scheduler, worker, resources)
+        result = internals.apply_resources(original, self.scheduler, worker, resources)
         self.place(ws)
         return result
 
