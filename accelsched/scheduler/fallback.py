@@ -72,7 +72,7 @@ from distributed.core import Status
 
 from accelsched import events, internals
 from accelsched.policy.marks import Mark, find_mark, mark_problem
-from accelsched.policy.proposals import Act, Proposal
+from accelsched.policy.proposals import Proposal
 from accelsched.policy.requirements import (
     DeviceFacts,
     Requirement,
@@ -179,7 +179,7 @@ class Fallback:
         grants: Grants,
         emit: Callable[..., None],
         active: Callable[[], bool],
-        act: Act,
+        act: Callable[..., None],
     ) -> None:
         self.scheduler = scheduler
         self.tasks: dict[Any, GpuTask] = {}  # task key -> its record: the only per-task state
@@ -194,7 +194,7 @@ class Fallback:
         self._said: set[str] = set()  # the reasons tasks wait for, said already
         self._emit = emit
         self._active = active
-        self._act = act
+        self._act = act  # PlacementPlugin.act: carries out the proposals of a check
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
         # read once, as the scheduler reads it; None once warned
         limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
