@@ -234,18 +234,18 @@ def _corrected(m: Mapping[str, Any], w: str) -> str:
 
 def _fallback(m: Mapping[str, Any], w: str) -> str:
     where = f" on {w}" if w else ""
+    full = m.get("pools_at_maximum")
+    pools = f"; pools at maximum: {_listed(full)}" if full else ""
     if "key" not in m:  # a burst of fallbacks comes summarised, without a key
         reasons = ", ".join(f"{n} {r}" for r, n in dict(m["reasons"]).items())
-        if m.get("pools_at_maximum"):
-            reasons += f"; pools at maximum: {_listed(m['pools_at_maximum'])}"
         return (
-            f"{m['count']} tasks fell back{where} ({reasons}; waited {m['waited']}s median, "
-            f"{m['waited_max']}s max; e.g. {_listed(list(m['keys'])[:3], quote=True)})"
+            f"{m['count']} tasks fell back{where} ({reasons}{pools}; waited {m['waited']}s "
+            f"median, {m['waited_max']}s max; e.g. {_listed(list(m['keys'])[:3], quote=True)})"
         )
     why = f"{m['reason']}: {m['error']}" if "error" in m else m["reason"]
-    if m.get("pools_at_maximum"):
-        why += f"; pools at maximum: {_listed(m['pools_at_maximum'])}"
-    return f"task {m['key']!r}{where}: fell back to its CPU form after {m['waited']}s ({why})"
+    return (
+        f"task {m['key']!r}{where}: fell back to its CPU form after {m['waited']}s ({why}{pools})"
+    )
 
 
 #: A line in words for every action: (event, worker).

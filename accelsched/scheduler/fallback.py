@@ -221,8 +221,7 @@ class Fallback:
                 adopted = self.tasks[ts.key] = GpuTask(timeout)
                 if ts.state not in DONE and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
                     internals.share_worker_restriction(ts, None)  # its own: unknown now
-                    count = restrictions.get(GPU, 1)
-                    self._require(ts, adopted, None, count, say=False)
+                    self._require(ts, adopted, None, restrictions.get(GPU, 1), say=False)
         for ts, since in list(internals.unrunnable(scheduler).items()):
             if (task := self.tasks.get(ts.key)) is not None:
                 self._enter(ts, task, since)
