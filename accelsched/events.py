@@ -234,26 +234,17 @@ def _corrected(m: Mapping[str, Any], w: str) -> str:
 
 def _fallback(m: Mapping[str, Any], w: str) -> str:
     where = f" on {w}" if w else ""
+    full = m.get("pools_at_maximum")
+    pools = f"; pools at maximum: {_listed(full)}" if full else ""
     if "key" not in m:  # a burst of fallbacks comes summarised, without a key
         reasons = ", ".join(f"{n} {r}" for r, n in dict(m["reasons"]).items())
-        if m.get("pools_at_maximum"):
-            reasons += f"; pools at maximum: {_listed(m['pools_at_maximum'])}"
         return (
-            f"{m['count']} tasks fell back{where} ({reasons}; waited {m['waited']}s median, "
-            f"{m['waited_max']}s max; e.g. {_listed(list(m['keys'])[:3], quote=True)})"
+            f"{m['count']} tasks fell back{where} ({reasons}{pools}; waited {m['waited']}s "
+            f"median, {m['waited_max']}s max; e.g. {_listed(list(m['keys'])[:3], quote=True)})"
         )
     why = f"{m['reason']}: {m['error']}" if "error" in m else m["reason"]
-    if m.get("pools_at_maximum"):
-        why += f"; pools at maximum: {_listed(m['pools_at_maximum'])}"
-    return f"task {m['key']!r}{where}: fell back to its CPU form after {m['waited']}s ({why})"
-
-
-def _unrequested(m: Mapping[str, Any], w: str) -> str:
-    how = ["a CUDA context created"] if m.get("context_created") else []
-    how += ["the task made to fail"] if m.get("failed") else []
     return (
-        f"{w}: task {m['key']!r} used device {m['device']} without asking for a GPU "
-        f"(+{_size(m['nbytes'])}{''.join('; ' + h for h in how)})"
+        f"task {m['key']!r}{where}: fell back to its CPU form after {m['waited']}s ({why}{pools})"
     )
 
 
@@ -269,7 +260,13 @@ _LINES: dict[str, Callable[[Mapping[str, Any], str], str]] = {
         + ("owned by" if m["reason"] == "owned" else f"{m['reason']}, owner")
         + f" {_listed([m['owner']] if isinstance(m['owner'], str) else m['owner'])}"
     ),
-    UNREQUESTED_GPU_USE: _unrequested,
+    UNREQUESTED_GPU_USE: lambda m, w: (
+        f"{w}: task {m['key']!r} used device {m['device']} without asking for a GPU "
+        f"(+{_size(m['nbytes'])}"
+        + ("; a CUDA context created" if m.get("context_created") else "")
+        + ("; the task made to fail" if m.get("failed") else "")
+        + ")"
+    ),
     FALLBACK: _fallback,
     LEAK: lambda m, w: (
         f"{w}: device {m['device']} leaks {_size(m['nbytes'])} "

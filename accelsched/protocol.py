@@ -186,7 +186,7 @@ class InventoryRequest(Addressed):
 
     ``declared`` is the worker's own ``GPU`` resource (None when it declared none);
     ``requested`` how many of ``devices`` (in order) it asks for; ``reason`` why that
-    differs from ``declared`` (see :func:`accelsched.policy.ownership.decide_claim`).
+    differs from ``declared`` (see :func:`accelsched.policy.requests.decide_claim`).
     """
 
     devices: list[DeviceRecord]

@@ -12,7 +12,7 @@ from dask._task_spec import GraphNode, Task
 from distributed.core import Status
 from distributed.worker_state_machine import UnpauseEvent
 
-from accelsched.policy.ownership import valid_declaration
+from accelsched.policy.requests import valid_declaration
 from accelsched.protocol import GPU, GPU_MEMORY
 
 if TYPE_CHECKING:

@@ -162,23 +162,6 @@ def _plan(obj: Any) -> _Plan:
     return plan
 
 
-def _children(obj: Any, plan: _Plan, out: deque) -> None:
-    """Queue what a task node or a callable nests: calls, their arguments, compositions.
-
-    A Task (func/args/kwargs), functools.partial (func/args/keywords), a composition
-    (funcs, first), a graph's data node (value: a fused task's functions travel so):
-    whatever of these an object has.
-    """
-    for name in plan.reads:
-        try:
-            value = getattr(obj, name, None)
-        except Exception:
-            continue
-        # a call, whatever it is; arguments only as a sequence or mapping to look into
-        if value is not None and (name in _CALLS or (isinstance(value, _ARGUMENTS) and value)):
-            out.append(value)
-
-
 def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     """The GPU requirement of a task: the marks of every step it calls, combined.
 
@@ -219,7 +202,20 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
                 plan = _PLANS.get(cls) or _plan(obj)
                 mark = plan.call_mark  # an instance that is a marked step when called
                 if mark is None and not plan.data:  # data, however large: no calls in there
-                    _children(obj, plan, queue)
+                    # what a task node or a callable nests: a Task (func/args/kwargs),
+                    # functools.partial (func/args/keywords), a composition (funcs,
+                    # first), a graph's data node (value: a fused task's functions
+                    # travel so); a call, whatever it is, arguments only as a sequence
+                    # or mapping to look into
+                    for name in plan.reads:
+                        try:
+                            value = getattr(obj, name, None)
+                        except Exception:
+                            continue
+                        if value is not None and (
+                            name in _CALLS or (isinstance(value, _ARGUMENTS) and value)
+                        ):
+                            queue.append(value)
             except Exception:  # an object whose attributes misbehave: nothing to learn there
                 continue
         if mark is not None:

@@ -10,12 +10,12 @@ by the proposals it returns, with numbers, and check an actor by the proposals i
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, get_args
 
-__all__ = ["Act", "Action", "Proposal"]
+__all__ = ["Action", "Proposal"]
 
 Action = Literal[
     # on the scheduler (subject: a task key or a worker)
@@ -54,15 +54,5 @@ class Proposal:
     def __post_init__(self) -> None:
         if self.action not in get_args(Action):
             raise ValueError(f"unknown action {self.action!r}")
-        if not isinstance(self.figures, MappingProxyType):
-            object.__setattr__(self, "figures", MappingProxyType(dict(self.figures)))
-        if not isinstance(self.detail, MappingProxyType):
-            object.__setattr__(self, "detail", MappingProxyType(dict(self.detail)))
-
-
-class Act(Protocol):
-    """How a part hands its proposals to its side's actor (on the scheduler,
-    :meth:`accelsched.scheduler.placement_plugin.PlacementPlugin.act`; ``keep_devices``: a
-    restart asked for a failed device keeps the worker's other GPUs in placement)."""
-
-    def __call__(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None: ...
+        for name in ("figures", "detail"):  # read-only, whatever the caller keeps
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))

@@ -1,5 +1,11 @@
-"""Which requests from workers to act on, and how many restarts: decisions only, no
-distributed import.
+"""What a worker claims, which of its requests to act on, and how many restarts:
+decisions only, no distributed import.
+
+Which devices a worker owns and what GPU count it asks for (:func:`owned`,
+:func:`decide_claim`): the worker side decides, and the scheduler grants one owner per
+GPU UUID so two workers never drive the same device unless sharing is configured (who
+owns what is the scheduler's grants, :meth:`accelsched.scheduler.grants.Grants.claim`,
+kept there alone).
 
 Nothing here authenticates anyone: in distributed, anyone connected is trusted (any
 client may run code on the scheduler; TLS keeps strangers out; docs/architecture.md).
@@ -24,13 +30,88 @@ past it the PlacementPlugin quarantines instead.
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from accelsched.policy.proposals import Proposal
 from accelsched.protocol import RestartReply
 
-__all__ = ["Requests", "RestartBudget", "admit_restart", "restart_reply", "keeps_devices"]
+__all__ = [
+    "owned",
+    "Claim",
+    "decide_claim",
+    "valid_declaration",
+    "declared_count",
+    "Requests",
+    "RestartBudget",
+    "admit_restart",
+    "restart_reply",
+    "keeps_devices",
+]
+
+T = TypeVar("T")
+
+
+def owned(visible: Sequence[T], *, under_dask_cuda: bool) -> list[T]:
+    """The devices a worker owns among those it can see.
+
+    A plain worker owns every device in its ``CUDA_VISIBLE_DEVICES``. dask-cuda starts
+    one worker per GPU and gives each all GPUs in rotated order ("1,0", "0,1"), so there
+    a worker owns exactly its first visible device. A MIG device is a device here: the
+    monitor already cut the list to what CUDA enumerates (one MIG device per process).
+    """
+    return list(visible[:1]) if under_dask_cuda else list(visible)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The GPU count a worker asks the scheduler for, and why it differs from its
+    declaration. (What the scheduler grants may be less: see
+    :meth:`accelsched.scheduler.grants.Grants.claim`.)"""
+
+    count: int
+    reason: str | None  # None: the declaration was right
+
+
+def valid_declaration(declared: object) -> bool:
+    """A declared GPU count distributed can place against: a finite number >= 0."""
+    return (
+        isinstance(declared, (int, float))
+        and not isinstance(declared, bool)
+        and math.isfinite(declared)
+        and declared >= 0
+    )
+
+
+def declared_count(declared: object) -> float | None:
+    """The declaration as a count for the scheduler's events; None when it is none."""
+    return declared if isinstance(declared, (int, float)) and valid_declaration(declared) else None
+
+
+def decide_claim(declared: object, owned_count: int, *, advertise_undeclared: bool) -> Claim:
+    """GPU count a worker should ask for, given what it declared and what it owns.
+
+    A declaration that is no count at all (``"two"``, NaN, -1) claims nothing; the reason
+    names it, so the scheduler's ``gpu-corrected`` event says why.
+    """
+    if declared is not None and not valid_declaration(declared):
+        return Claim(0, f"invalid-declaration: {declared!r}")
+    assert declared is None or isinstance(declared, (int, float))
+    if declared is None or declared == 0:
+        if owned_count and advertise_undeclared:
+            return Claim(owned_count, "advertised")
+        return Claim(0, None)
+    if owned_count == 0:
+        return Claim(0, "no-devices")
+    if declared > owned_count:
+        return Claim(owned_count, "fewer-devices")
+    if declared < owned_count:
+        # The user asked for fewer GPUs than the worker sees: honour the declaration.
+        return Claim(int(declared), None)
+    return Claim(owned_count, None)
 
 
 class Requests:
@@ -72,20 +153,14 @@ class RestartBudget:
     _history: dict[str, deque[float]] = field(default_factory=dict)
     _in_flight: set[str] = field(default_factory=set)
 
-    def recent(self, key: str, now: float) -> int:
-        """Restarts of ``key`` within the window ending at ``now``."""
-        history = self._history.get(key, deque())
-        while history and history[0] <= now - self.window:
-            history.popleft()
-        if not history:  # workers come and go: keep only recent restarts
-            self._history.pop(key, None)
-        return len(history)
-
     def request(self, key: str, now: float) -> str | None:
         """Why ``key`` may not restart now (``in-flight``, ``budget``, ``concurrency``);
         None: it may, and a restart that :meth:`done` ends starts."""
-        for other in list(self._history):
-            self.recent(other, now)  # forget keys whose restarts left the window
+        for other, history in list(self._history.items()):  # restarts that left the window
+            while history and history[0] <= now - self.window:
+                history.popleft()
+            if not history:  # workers come and go: keep only recent restarts
+                del self._history[other]
         if key in self._in_flight:
             return "in-flight"
         if len(self._history.get(key, ())) >= self.max_restarts:

@@ -153,62 +153,40 @@ def decide(
     spill([(p, p.threads) for p in pools if p.gpus == 0], cpu_tasks, cpu_seconds, CPU_DEMAND)
     targets = {p.name: min(p.maximum, max(p.minimum, want[p.name])) for p in pools}
     below = {p.name: MINIMUM for p in pools if want[p.name] < p.minimum}  # demand says first
-    coming, full, unserved = _waiting(pools, states, targets, gpu)
-    return Plan(
+    plan = Plan(
         targets=targets,
         reasons={p: r for p, r in {**below, **reasons}.items() if targets[p] > 0},
-        retire=_retire(pools, states, targets, idle_after),
-        coming=coming,
-        full=full,
-        unserved=unserved,
+        retire=[],
+        coming={},
+        full={},
+        unserved=[],
     )
-
-
-def _retire(
-    pools: Sequence[Pool],
-    states: Mapping[str, PoolState],
-    targets: Mapping[str, int],
-    idle_after: float,
-) -> list[str]:
-    """Idle workers past ``idle_after`` of pools above their target, GPU pools' first."""
-    out: list[str] = []
+    # idle workers past idle_after of pools above their target, GPU pools' first
     for p in sorted(pools, key=lambda p: p.gpus == 0):  # stable: GPU pools first, in order
         now = states.get(p.name, PoolState())
         excess = now.running + now.starting - targets[p.name]
         idle = sorted(
             ((t, w) for w, t in now.idle.items() if t >= idle_after), key=lambda tw: -tw[0]
         )
-        out += [w for _, w in idle[: max(0, excess)]]
-    return out
-
-
-def _waiting(
-    pools: Sequence[Pool],
-    states: Mapping[str, PoolState],
-    targets: Mapping[str, int],
-    gpu: Sequence[GpuDemand],
-) -> tuple[dict[str, str], dict[str, list[str]], list[str]]:
-    """For each class with waiting tasks: the pool whose starting worker will serve it
-    (one starting now, or started by this plan), else the pools at their maximum that
-    could serve it, else (no pool's devices can) unserved."""
-    coming: dict[str, str] = {}
-    full: dict[str, list[str]] = {}
-    unserved: list[str] = []
+        plan.retire += [w for _, w in idle[: max(0, excess)]]
+    # for each class with waiting tasks: the pool whose starting worker will serve it (one
+    # starting now, or started by this plan), else the pools at their maximum that could
+    # serve it, else (no pool's devices can) unserved
     for d in gpu:
         if d.waiting <= 0:
             continue
-        able = [p for p in pools if p.slots(d.need, d.devices) > 0]
-        if not able:
-            unserved.append(d.name)
+        serving = [p for p in pools if p.slots(d.need, d.devices) > 0]
+        if not serving:
+            plan.unserved.append(d.name)
             continue
-        for p in able:
+        for p in serving:
             now = states.get(p.name, PoolState())
             if now.starting > 0 or targets[p.name] > now.running + now.starting:
-                coming[d.name] = p.name
+                plan.coming[d.name] = p.name
                 break
         else:
-            full[d.name] = [p.name for p in able]
-    return coming, full, unserved
+            plan.full[d.name] = [p.name for p in serving]
+    return plan
 
 
 def counted_from(since: float, coming_until: float | None, bound: float) -> float:

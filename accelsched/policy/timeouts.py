@@ -11,8 +11,8 @@ Plain distributed leaves a task no worker can take in ``no-worker`` without a wo
 will hang indefinitely"). accelsched says it: a GPU task unplaced for
 :data:`NOTICE_AFTER` seconds is counted under the reason no worker takes it
 (:func:`reason_for`), the count is in ``accelsched status`` and on the dashboard, and a
-``gpu-waiting`` event is written once per reason (:class:`Notices`): again only after
-that reason had no task waiting.
+``gpu-waiting`` event is written once per reason (the scheduler's fallback tick): again
+only after that reason had no task waiting.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ __all__ = [
     "NO_ELIGIBLE_WORKER",
     "REASONS",
     "reason_for",
-    "Notices",
 ]
 
 TIMEOUT = "timeout"  # the task's own timeout expired
@@ -69,17 +68,7 @@ DUAL_TIMEOUT = 30.0
 _UNSET: Any = object()
 
 
-def parse_task_timeout(value: Any) -> float | None:
-    """Parse a ``fallback_timeout`` task annotation; ValueError names the bad value.
-
-    A graph carries the same few values on thousands of tasks: parsed once each.
-    """
-    try:
-        return _parse_cached(value)
-    except TypeError:  # unhashable: parse it to get the error naming it
-        return _parse(value)
-
-
+@functools.lru_cache(maxsize=256, typed=True)
 def _parse(value: Any) -> float | None:
     try:
         return parse_optional_duration("fallback_timeout annotation", value)
@@ -87,7 +76,15 @@ def _parse(value: Any) -> float | None:
         raise ValueError(str(exc)) from None
 
 
-_parse_cached = functools.lru_cache(maxsize=256, typed=True)(_parse)
+def parse_task_timeout(value: Any) -> float | None:
+    """Parse a ``fallback_timeout`` task annotation; ValueError names the bad value.
+
+    A graph carries the same few values on thousands of tasks: parsed once each.
+    """
+    try:
+        return _parse(value)
+    except TypeError:  # unhashable: parse it to get the error naming it
+        return _parse.__wrapped__(value)
 
 
 #: The most GPUs one worker can offer: far above any host NVML can show (8 GPUs of 7 MIG
@@ -270,17 +267,3 @@ def reason_for(amount: float, largest: float, requirement: bool) -> str:
     if amount > largest:
         return TOO_FEW_GPUS
     return NO_ELIGIBLE_WORKER
-
-
-class Notices:
-    """Which reasons to say now: each once, again only after it had no task waiting."""
-
-    def __init__(self) -> None:
-        self.said: set[str] = set()
-
-    def update(self, waiting: Iterable[str]) -> list[str]:
-        """``waiting``: the reasons with tasks waiting now; returns those to say."""
-        now = set(waiting)
-        new = sorted(now - self.said)
-        self.said = now
-        return new

@@ -11,7 +11,7 @@ asks :func:`~accelsched.policy.timeouts.sweep` which fall back now. Its proposal
 ``err`` for each task with an invalid annotation) go to the PlacementPlugin, the one that acts
 (:mod:`accelsched.scheduler.placement_plugin`), which has :meth:`Fallback.fall_back` lift
 their GPU restriction (marking them, so the worker copies their device inputs to the
-host) and send them on, or :meth:`Fallback.err` err them. A check costs what is due, not
+host) and send them on, or err them. A check costs what is due, not
 what waits: nothing when no task has a timeout, O(k log n) for k due of n waiting. Checks
 run exactly at the next deadline (one timer at a time, at most one check queued for a
 deadline already passed), with a periodic tick as a safety net.
@@ -72,7 +72,7 @@ from distributed.core import Status
 
 from accelsched import events, internals
 from accelsched.policy.marks import Mark, find_mark, mark_problem
-from accelsched.policy.proposals import Act, Proposal
+from accelsched.policy.proposals import Proposal
 from accelsched.policy.requirements import (
     DeviceFacts,
     Requirement,
@@ -87,7 +87,6 @@ from accelsched.policy.timeouts import (
     MAX_GPUS,
     NOTICE_AFTER,
     Deadlines,
-    Notices,
     Waiting,
     deadline,
     reason_for,
@@ -180,7 +179,7 @@ class Fallback:
         grants: Grants,
         emit: Callable[..., None],
         active: Callable[[], bool],
-        act: Act,
+        act: Callable[..., None],
     ) -> None:
         self.scheduler = scheduler
         self.tasks: dict[Any, GpuTask] = {}  # task key -> its record: the only per-task state
@@ -192,10 +191,10 @@ class Fallback:
         self._benched: dict[str, float] = {}  # worker -> when it is judged again
         # a deadline entry still counts while its task waits, due then
         self.deadlines = Deadlines(lambda key, at: getattr(self.tasks.get(key), "due", None) == at)
-        self.notices = Notices()
+        self._said: set[str] = set()  # the reasons tasks wait for, said already
         self._emit = emit
         self._active = active
-        self._act = act
+        self._act = act  # PlacementPlugin.act: carries out the proposals of a check
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
         # read once, as the scheduler reads it; None once warned
         limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
@@ -222,8 +221,7 @@ class Fallback:
                 adopted = self.tasks[ts.key] = GpuTask(timeout)
                 if ts.state not in DONE and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
                     internals.share_worker_restriction(ts, None)  # its own: unknown now
-                    count = restrictions.get(GPU, 1)
-                    self._require(ts, adopted, None, count, say=False)
+                    self._require(ts, adopted, None, restrictions.get(GPU, 1), say=False)
         for ts, since in list(internals.unrunnable(scheduler).items()):
             if (task := self.tasks.get(ts.key)) is not None:
                 self._enter(ts, task, since)
@@ -232,7 +230,7 @@ class Fallback:
     def follow(self, worker: str) -> None:
         """``worker``'s grant changed (granted, offered again, or gone): every class it
         can serve now holds it, and no other."""
-        if self._grants.reported(worker):
+        if self._grants.of(worker).reported:
             self._facts[worker] = [facts_of(r) for r in self._grants.of(worker).devices]
         else:
             self._facts.pop(worker, None)
@@ -511,11 +509,6 @@ class Fallback:
         self._schedule()
         self.checks += 1
 
-    def err(self, p: Proposal) -> None:
-        """Err the task, naming why it cannot be placed (the plugin's ``err``)."""
-        exc = ValueError(f"task {p.subject!r}: {p.reason}")
-        internals.fail_task(self.scheduler, p.subject, exc, f"accelsched-fallback-{time()}")
-
     def fall_back(self, proposals: list[Proposal]) -> None:
         """Run these unrunnable GPU tasks' CPU form now (the plugin's ``fall-back``).
 
@@ -609,8 +602,10 @@ class Fallback:
             self.follow(worker)
             if (ws := self.scheduler.workers.get(worker)) is not None:
                 internals.offer_unrunnable(self.scheduler, ws)
-        waiting = self.waiting()
-        for reason in self.notices.update(waiting):
+        # each reason once, again only after it had no task waiting
+        waiting, said = self.waiting(), self._said
+        self._said = set(waiting)
+        for reason in sorted(self._said - said):
             self._emit(
                 events.GPU_WAITING,
                 None,

@@ -1,14 +1,14 @@
 """What the scheduler holds about each worker's GPUs, and what the guards report of them.
 
 Workers register before their plugins run, so what a worker declares counts for nothing
-until its guard has verified its devices. Per worker address :class:`Grants` keeps the
-devices granted (one owner per GPU UUID, :func:`~accelsched.policy.ownership.grant`: the
-owners are these grants, kept nowhere else), the UUIDs it was refused, the ``GPU`` count it
-registered with (put back on unregister), the count its guard offers now, and its
+until its guard has verified its devices. Per worker address :class:`Grants` keeps one
+:class:`WorkerGrant`: the devices granted (one owner per GPU UUID, :meth:`Grants.claim`:
+the owners are these grants, kept nowhere else), the UUIDs it was refused, the ``GPU``
+count it registered with (put back on unregister), the count its guard offers now, and its
 quarantine. From these follow the counts placement may use (:meth:`Grants.placed`).
 :class:`Grants` talks to nothing: :class:`DeviceReports` (below) and the placement plugin
-change it through its methods, and readers (the status snapshot) get a
-:class:`WorkerGrant`, never the dicts.
+change it through its methods, and readers (the status snapshot) get the worker's
+record, which is never changed in place.
 
 :class:`DeviceReports` serves ``accelsched_inventory`` and ``accelsched_offer``.
 
@@ -60,13 +60,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from distributed.metrics import time as _now  # the event log's clock
 
 from accelsched import display, events, internals
-from accelsched.policy.ownership import grant
 from accelsched.policy.requests import Requests
 from accelsched.policy.requirements import DeviceFacts, mebibytes, share
 from accelsched.protocol import (
@@ -120,102 +120,90 @@ def facts_of(record: DeviceRecord) -> DeviceFacts:
     )
 
 
-class WorkerGrant(NamedTuple):
-    """One worker's GPUs as the scheduler holds them, to read (the records are the
-    grant's own: a reader copies what it keeps)."""
+@dataclass(frozen=True)
+class WorkerGrant:
+    """One worker's GPUs as the scheduler holds them: one record per worker address,
+    replaced whole on every change, so a reader may keep it (the device records are
+    the grant's own: a reader copies what it keeps)."""
 
-    devices: tuple[DeviceRecord, ...]  # granted, in the order its guard reported them
-    declared: float | None  # the GPU count it registered with; None: declared none
-    quarantined: str | None  # why its GPUs are out of placement; None: they are not
+    devices: tuple[DeviceRecord, ...] = ()  # granted, in the order its guard reported them
+    reported: bool = False  # its guard reported (its grant may be empty)
+    refused: frozenset[str] = frozenset()  # UUIDs it was refused
+    declared: float | None = None  # the GPU count it registered with; None: declared none
+    offered: int = 0  # granted GPUs its guard offers now
+    named: frozenset[str] | None = None  # which ones; None: it did not say
+    held: Mapping[str, int] = field(default_factory=dict)  # UUID -> bytes results hold on it
+    quarantined: str | None = None  # why its GPUs are out of placement; None: they are not
 
 
 class Grants:
-    """Grants, ownership, declarations, offers and quarantine, per worker address."""
+    """Grants, ownership, declarations, offers and quarantine: a :class:`WorkerGrant` per
+    worker address."""
 
     def __init__(self, *, share_gpus: bool) -> None:
         self.share_gpus = share_gpus  # more than one worker may drive a GPU UUID
-        self._granted: dict[str, list[DeviceRecord]] = {}  # worker -> devices granted
-        self._refused: dict[str, set[str]] = {}  # worker -> UUIDs it was refused
-        self._declared: dict[str, float] = {}  # worker -> GPU count it registered with
-        # worker -> (granted GPUs its guard offers now, which when it said, UUID -> bytes
-        # results hold on it)
-        self._offered: dict[str, tuple[int, set[str] | None, dict[str, int]]] = {}
-        self._quarantined: dict[str, str] = {}  # worker -> reason
+        self._workers: dict[str, WorkerGrant] = {}
 
     # --- reading -----------------------------------------------------------------------
 
     def of(self, worker: str) -> WorkerGrant:
-        return WorkerGrant(
-            tuple(self._granted.get(worker, ())),
-            self._declared.get(worker),
-            self._quarantined.get(worker),
-        )
+        return self._workers.get(worker, _NOTHING)
 
-    def reported(self, worker: str) -> bool:
-        """Whether ``worker``'s guard has reported (its grant may be empty)."""
-        return worker in self._granted
-
-    def owners(self) -> dict[str, str]:
-        """Who owns each granted GPU UUID (shared: the first worker granted it)."""
-        owners: dict[str, str] = {}
-        for worker, devices in self._granted.items():
-            for d in devices:
-                owners.setdefault(d["uuid"], worker)
-        return owners
+    def _set(self, worker: str, **changes: Any) -> None:
+        self._workers[worker] = replace(self.of(worker), **changes)
 
     def uuids(self, worker: str) -> list[str]:
         """The UUIDs granted to ``worker``, in its guard's order (the inventory reply)."""
-        return [d["uuid"] for d in self._granted.get(worker, ())]
+        return [d["uuid"] for d in self.of(worker).devices]
 
     def placed(self, worker: str) -> int:
         """The GPU count placement uses: what the guard offers, within the grant (0 while
         quarantined)."""
-        if worker in self._quarantined:
-            return 0
-        return min(self._offered.get(worker, (0,))[0], len(self._granted.get(worker, ())))
+        g = self.of(worker)
+        return 0 if g.quarantined is not None else min(g.offered, len(g.devices))
 
     def gauge(self) -> tuple[int, int]:
         """(GPUs placement may use, GPUs of quarantined workers): the metrics gauge."""
-        granted = {w: len(d) for w, d in self._granted.items()}
-        quarantined = sum(granted.get(w, 0) for w in self._quarantined)
-        return sum(granted.values()) - quarantined, quarantined
+        granted = [(len(g.devices), g.quarantined is not None) for g in self._workers.values()]
+        return sum(n for n, q in granted if not q), sum(n for n, q in granted if q)
 
     # --- declarations --------------------------------------------------------------------
 
-    def declare(self, worker: str, count: float) -> None:
-        """``worker`` registered declaring ``count`` GPUs (the first word stands)."""
-        self._declared.setdefault(worker, count)
-
-    def correct_declaration(self, worker: str, count: float) -> None:
-        """The worker's own word on what it was started with: a plugin registered after
-        an earlier one found the count that one had corrected."""
-        if worker in self._declared:
-            self._declared[worker] = count
-
-    def take_declarations(self) -> dict[str, float]:
-        """Every declaration, forgotten here: the counts to put back on unregister."""
-        declared, self._declared = self._declared, {}
-        return declared
+    def declare(self, worker: str, count: float, *, correct: bool = False) -> None:
+        """``worker`` registered declaring ``count`` GPUs (the first word stands); or,
+        ``correct``, the worker's own word on what it was started with (a plugin
+        registered after an earlier one found the count that one had corrected)."""
+        if (self.of(worker).declared is None) != correct:
+            self._set(worker, declared=count)
 
     # --- grants ----------------------------------------------------------------------------
 
     def claim(
         self, worker: str, wanted: list[DeviceRecord]
     ) -> tuple[list[DeviceRecord], dict[str, str]] | None:
-        """Grant ``worker`` the devices of ``wanted`` nobody else owns; returns them and
-        the refused UUIDs with their owners (None: a repeated report, nothing changed)."""
-        previous = self._granted.pop(worker, None)  # stands in nobody's way
-        if (
-            previous is not None
-            and not self._refused.get(worker)
-            and [d["uuid"] for d in previous] == [d["uuid"] for d in wanted]
-        ):
-            self._granted[worker] = previous
+        """Grant ``worker`` the devices of ``wanted`` nobody else owns: one owner per GPU
+        UUID unless ``share_gpus``. Returns them and the refused UUIDs with their owners
+        (None: a repeated report, nothing changed).
+
+        A MIG device is owned by its own ``MIG-`` UUID: two MIG devices of one GPU have two
+        owners, and one MIG device named two ways (its UUID, its parent's index) has one.
+        """
+        previous, uuids = self.of(worker), [d["uuid"] for d in wanted]
+        if previous.reported and not previous.refused and self.uuids(worker) == uuids:
             return None
-        uuids, refused = grant([d["uuid"] for d in wanted], self.owners(), share=self.share_gpus)
-        granted = [d for d in wanted if d["uuid"] in uuids]
-        self._granted[worker] = granted
-        self._refused[worker] = set(refused)
+        refused = (
+            {}
+            if self.share_gpus
+            else {  # its own previous grant stands in nobody's way
+                d["uuid"]: w
+                for w, g in self._workers.items()
+                if w != worker
+                for d in g.devices
+                if d["uuid"] in uuids
+            }
+        )
+        granted = [d for d in wanted if d["uuid"] not in refused]
+        self._set(worker, devices=tuple(granted), reported=True, refused=frozenset(refused))
         return granted, refused
 
     def offer(
@@ -227,14 +215,8 @@ class Grants:
     ) -> None:
         """``worker``'s guard offers ``count`` of its granted GPUs now: those of ``uuids``
         (None: it did not say which); ``held``: bytes its results hold on each."""
-        self._offered[worker] = (count, None if uuids is None else set(uuids), dict(held or {}))
-
-    def offered_devices(self, worker: str) -> list[DeviceRecord]:
-        """The granted devices ``worker`` offers now, in its guard's order: those it named,
-        else the first ones (as many as it offers)."""
-        granted = self._granted.get(worker, [])
-        count, named, _ = self._offered.get(worker, (0, None, {}))
-        return granted[:count] if named is None else [d for d in granted if d["uuid"] in named]
+        named = None if uuids is None else frozenset(uuids)
+        self._set(worker, offered=count, named=named, held=dict(held or {}))
 
     def sharers(self, worker: str) -> set[str]:
         """The other workers granted one of ``worker``'s devices (``share_gpus``; without
@@ -242,38 +224,43 @@ class Grants:
         if not self.share_gpus:
             return set()
         mine = set(self.uuids(worker))
-        return {w for w, ds in self._granted.items() if w != worker and mine & set(self.uuids(w))}
+        return {w for w in self._workers if w != worker and mine & set(self.uuids(w))}
 
     def shares(self, worker: str, count: int) -> tuple[dict[str, int], int]:
         """The bytes ``worker``'s declared tasks may take on each of its first ``count``
         offered devices (each device's capacity divided among the workers granted it),
-        and the ``GPU-memory`` (MiB) to place against: those less what results hold."""
-        held = self._offered.get(worker, (0, None, {}))[2]
+        and the ``GPU-memory`` (MiB) to place against: those less what results hold.
+        The offered devices are those its guard named, else the first ones."""
+        g = self.of(worker)
         # workers granted each device: one without share_gpus (no look over the cluster)
         owners: Counter[str] = Counter()
         if self.share_gpus:
-            owners.update(d["uuid"] for ds in self._granted.values() for d in ds)
-        mine = {
-            d["uuid"]: share(int(d["memory"]), owners[d["uuid"]] or 1)
-            for d in self.offered_devices(worker)[:count]
-        }
-        room = sum(mebibytes(max(0, b - held.get(u, 0))) for u, b in mine.items())
+            owners.update(d["uuid"] for o in self._workers.values() for d in o.devices)
+        offered = (
+            g.devices[: g.offered]
+            if g.named is None
+            else [d for d in g.devices if d["uuid"] in g.named]
+        )
+        mine = {d["uuid"]: share(int(d["memory"]), owners[d["uuid"]] or 1) for d in offered[:count]}
+        room = sum(mebibytes(max(0, b - g.held.get(u, 0))) for u, b in mine.items())
         return mine, room
 
     def quarantine(self, worker: str, reason: str) -> bool:
         """Note ``worker``'s quarantine; False when it was quarantined already."""
-        if worker in self._quarantined:
+        if self.of(worker).quarantined is not None:
             return False
-        self._quarantined[worker] = reason
+        self._set(worker, quarantined=reason)
         return True
 
     def remove(self, worker: str) -> list[str]:
         """Forget ``worker`` (it left) and free its GPUs; returns the other workers that
         were refused one of them, which may claim it now."""
-        freed = {d["uuid"] for d in self._granted.pop(worker, ())}
-        for kept in (self._refused, self._declared, self._offered, self._quarantined):
-            kept.pop(worker, None)
-        return [other for other, uuids in self._refused.items() if uuids & freed]
+        freed = {d["uuid"] for d in self._workers.pop(worker, _NOTHING).devices}
+        return [other for other, g in self._workers.items() if g.refused & freed]
+
+
+#: A worker nothing is held of.
+_NOTHING = WorkerGrant()
 
 
 class DeviceReports:
@@ -319,9 +306,8 @@ class DeviceReports:
         internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
         internals.restore_handler(self.scheduler, "set_resources")
         self.close()
-        for addr, count in self._grants.take_declarations().items():
-            ws = self.scheduler.workers.get(addr)
-            if ws is not None:
+        for addr, ws in list(self.scheduler.workers.items()):
+            if (count := self._grants.of(addr).declared) is not None:
                 internals.set_worker_gpus(self.scheduler, ws, count)
 
     def close(self) -> None:
@@ -341,7 +327,7 @@ class DeviceReports:
         """``worker``'s share of a device changed (a sharer joined or left): place
         against it now, and ask its guard to report, learning it from the offer reply."""
         if (ws := self.scheduler.workers.get(worker)) is not None:
-            if self._grants.reported(worker):
+            if self._grants.of(worker).reported:
                 self.place(ws)
             internals.spawn(self.scheduler, self._ask_report, worker)
 
@@ -389,31 +375,31 @@ class DeviceReports:
             logger.warning("accelsched: refused the GPU report of %s: %s", worker, problem)
             return {"status": "refused"}
         if isinstance(declared, (int, float)):
-            self._grants.correct_declaration(worker, declared)
-        if (claimed := self._grants.claim(worker, devices[:requested])) is None:
-            return {"status": "OK", "uuids": self._grants.uuids(worker)}  # a repeat
-        granted, refused = claimed
-        for other in sorted(self._grants.sharers(worker)):  # its share of theirs is less now
-            self._reshare(other)
-        if granted:
-            self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
-        if refused:
-            owners = sorted(set(refused.values()))
-            self._emit(
-                events.GPU_REJECTED,
-                worker,
-                uuids=sorted(refused),
-                reason="owned",
-                owner=owners[0] if len(owners) == 1 else owners,
-            )
-        if declared != len(granted) and (reason is not None or refused):
-            self._emit(
-                events.GPU_CORRECTED,
-                worker,
-                declared=declared,
-                granted=len(granted),
-                reason="owned" if refused else reason,
-            )
+            self._grants.declare(worker, declared, correct=True)
+        # a repeated, unchanged report: nothing
+        if (claimed := self._grants.claim(worker, devices[:requested])) is not None:
+            granted, refused = claimed
+            for other in sorted(self._grants.sharers(worker)):  # its share of theirs is less now
+                self._reshare(other)
+            if granted:
+                self._emit(events.GPU_VERIFIED, worker, devices=granted, granted=len(granted))
+            if refused:
+                owners = sorted(set(refused.values()))
+                self._emit(
+                    events.GPU_REJECTED,
+                    worker,
+                    uuids=sorted(refused),
+                    reason="owned",
+                    owner=owners[0] if len(owners) == 1 else owners,
+                )
+            if declared != len(granted) and (reason is not None or refused):
+                self._emit(
+                    events.GPU_CORRECTED,
+                    worker,
+                    declared=declared,
+                    granted=len(granted),
+                    reason="owned" if refused else reason,
+                )
         return {"status": "OK", "uuids": self._grants.uuids(worker)}
 
     # --- the offer handler -----------------------------------------------------------------
@@ -498,13 +484,6 @@ class DeviceReports:
         if after == before and memory > had:  # results released, a sharer left
             internals.offer_unrunnable(scheduler, ws)
 
-    def zero(self, ws: WorkerState) -> None:
-        """No GPU task is placed on ``ws`` any more (quarantine); what it was sent already
-        is its guard's to send back, as it reaches execution."""
-        for name in (GPU, GPU_MEMORY):
-            if name in ws.resources:
-                internals.set_worker_gpus(self.scheduler, ws, 0, name)
-
     def set_resources(
         self, original: Callable[..., Any], worker: str, resources: dict | None = None
     ) -> Any:
@@ -514,8 +493,7 @@ class DeviceReports:
         counts for nothing: placement uses what the worker's guard offered (confirmed)
         within its grant. Other resources pass through.
         """
-        scheduler = self.scheduler
-        ws = scheduler.workers.get(worker)
+        ws = self.scheduler.workers.get(worker)
         if ws is None or not self._active():  # unregistered: distributed's own behaviour
             return original(worker=worker, resources=resources)
         resources = dict(resources or {})
@@ -523,7 +501,7 @@ class DeviceReports:
             resources.pop(name, None)
             if name in ws.resources:
                 resources[name] = ws.resources[name]  # kept as this part set it
-        result = internals.apply_resources(original, scheduler, worker, resources)
+        result = internals.apply_resources(original, self.scheduler, worker, resources)
         self.place(ws)
         return result
 

@@ -34,8 +34,7 @@ each out:
 fall-back  :meth:`Fallback.fall_back <accelsched.scheduler.fallback.Fallback.fall_back>`:
            the task's GPU restriction lifted, marked, sent on; one ``fallback`` event
            per check (one per task up to a few)
-err        :meth:`Fallback.err <accelsched.scheduler.fallback.Fallback.err>`: the task
-           errs, naming why it can never be placed
+err        the task errs, naming why it can never be placed
 restart    :meth:`PlacementPlugin.restart_worker`: drain, retire, check, restart, in
            the background
 defer      ``restart-deferred`` (when its reason is news), and quarantine
@@ -84,6 +83,7 @@ from accelsched.policy.requests import RestartBudget, admit_restart, keeps_devic
 from accelsched.protocol import (
     DRAIN_HANDLER,
     GPU,
+    GPU_MEMORY,
     PLACEMENT_PLUGIN,
     RESTART_HANDLER,
     RestartReply,
@@ -253,42 +253,53 @@ class PlacementPlugin(SchedulerPlugin):
 
     def act(self, proposals: Iterable[Proposal], *, keep_devices: bool = False) -> None:
         """Carry out ``proposals``, in order; fallbacks together, after the rest, so one
-        check's tasks are sent on (and told of) at once."""
+        check's tasks are sent on (and told of) at once.
+
+        ``err``: the task errs, naming why it cannot be placed. ``restart``: admitted just
+        now, with no wait since, it runs in the background (:meth:`restart_worker`), its
+        budget spent until it ends. ``defer``: the restart cannot happen without loss
+        now: said once per reason, and the worker quarantined (one gone meanwhile:
+        nothing)."""
         fall_back: list[Proposal] = []
         for p in proposals:
+            worker = str(p.subject)
             if p.action == "fall-back":
                 fall_back.append(p)
             elif p.action == "err":
-                self.fallback.err(p)
+                exc = ValueError(f"task {p.subject!r}: {p.reason}")
+                internals.fail_task(self.scheduler, p.subject, exc, f"accelsched-fallback-{time()}")
             elif p.action == "restart":
-                self.begin(str(p.subject), p.reason or "leak")
+                ws = self.scheduler.workers[worker]
+                assert ws.nanny is not None
+                internals.spawn(
+                    self.scheduler, self.restart_worker, ws, ws.nanny, p.reason or "leak"
+                )
             elif p.action == "defer":
-                self.defer(str(p.subject), p.reason or "", quarantine=not keep_devices)
+                if worker not in self.scheduler.workers:
+                    continue  # it left meanwhile: nothing to defer
+                if self.deferred.get(worker) != (reason := p.reason or ""):
+                    self.deferred[worker] = reason
+                    self._emit(events.RESTART_DEFERRED, worker, reason=reason)
+                if not keep_devices:
+                    self.quarantine(worker, f"restart-deferred: {reason}")
             elif p.action == "quarantine":
                 if not keep_devices:
-                    self.quarantine(str(p.subject), f"restart-{p.reason}")
+                    self.quarantine(worker, f"restart-{p.reason}")
             else:
                 raise ValueError(f"not a scheduler action: {p!r}")
         if fall_back:
             self.fallback.fall_back(fall_back)
 
-    def defer(self, worker: str, reason: str, *, quarantine: bool = True) -> None:
-        """The restart cannot happen without loss now: say so once, and quarantine."""
-        if worker not in self.scheduler.workers:
-            return  # it left meanwhile: nothing to defer
-        if self.deferred.get(worker) != reason:
-            self.deferred[worker] = reason
-            self._emit(events.RESTART_DEFERRED, worker, reason=reason)
-        if quarantine:
-            self.quarantine(worker, f"restart-deferred: {reason}")
-
     def quarantine(self, worker: str, reason: str) -> None:
         """Take ``worker``'s GPUs out of placement, once, and say so (a worker gone, or
-        quarantined already: nothing)."""
+        quarantined already: nothing). No GPU task is placed on it any more; what it was
+        sent already is its guard's to send back, as it reaches execution."""
         ws = self.scheduler.workers.get(worker)
         if ws is None or not self.grants.quarantine(worker, reason):
             return
-        self.reports.zero(ws)
+        for name in (GPU, GPU_MEMORY):
+            if name in ws.resources:
+                internals.set_worker_gpus(self.scheduler, ws, 0, name)
         # GPU tasks already sent to it go elsewhere too
         internals.spawn(self.scheduler, self.tell_draining, worker, True)
         self._emit(events.QUARANTINE, worker, reason=reason)
@@ -343,13 +354,6 @@ class PlacementPlugin(SchedulerPlugin):
         if proposal is not None:
             self.act([proposal], keep_devices=keeps_devices(reason))
         return restart_reply(proposal)
-
-    def begin(self, worker: str, why: str) -> None:
-        """Start the admitted restart of ``worker`` in the background; its budget is
-        spent until it ends."""
-        ws = self.scheduler.workers[worker]  # admitted just now, with no wait since
-        assert ws.nanny is not None
-        internals.spawn(self.scheduler, self.restart_worker, ws, ws.nanny, why)
 
     async def restart_worker(self, ws: WorkerState, budget_key: str, why: str) -> None:
         """Drain, retire, check, restart: the only order that loses nothing. Given up,

@@ -72,8 +72,8 @@ leaks the check judges, and what it says to the scheduler about itself.
 
 At setup the guard probes the devices through NVML (MIG devices included, as CUDA
 enumerates them: :mod:`accelsched.devices`), decides which this worker owns
-(:func:`accelsched.policy.ownership.owned`) and how many it asks for
-(:func:`accelsched.policy.ownership.decide_claim`), reports them (``accelsched_inventory``) and
+(:func:`accelsched.policy.requests.owned`) and how many it asks for
+(:func:`accelsched.policy.requests.decide_claim`), reports them (``accelsched_inventory``) and
 advertises only what the scheduler granted. Later it may ask for its own restart
 (``accelsched_restart``). Each request names this process and carries an id it never
 uses again, so the scheduler acts on it once and never on behalf of a process that took
@@ -119,8 +119,8 @@ from accelsched.policy.leak import (
     estimate,
     judge_answers,
 )
-from accelsched.policy.ownership import decide_claim, declared_count, owned
 from accelsched.policy.proposals import Proposal
+from accelsched.policy.requests import decide_claim, declared_count, owned
 from accelsched.policy.requirements import LeaseTable, capacity, held_counted, mebibytes
 from accelsched.protocol import (
     INVENTORY_HANDLER,

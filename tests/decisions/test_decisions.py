@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
+from accelsched import internals
 from accelsched.devices import MemoryReading
 from accelsched.policy.leak import LeakDecisions, Use, classify
 from accelsched.policy.proposals import Proposal
@@ -227,25 +231,30 @@ class Recorder:
     def fall_back(self, proposals: list[Proposal]) -> None:
         self.calls.append(("fall_back", [p.subject for p in proposals]))
 
-    def err(self, p: Proposal) -> None:
-        self.calls.append(("err", p.subject, p.reason))
+    def fail_task(self, scheduler: object, key: str, exc: Exception, stimulus_id: str) -> None:
+        self.calls.append(("err", key, str(exc)))
 
-    def begin(self, worker: str, why: str) -> None:
-        self.calls.append(("begin", worker, why))
+    def spawn(self, scheduler: object, fn: object, ws: Any, budget_key: str, why: str) -> None:
+        self.calls.append(("begin", ws.address, budget_key, why))
 
-    def defer(self, worker: str, reason: str, *, quarantine: bool) -> None:
-        self.calls.append(("defer", worker, reason, quarantine))
+    def emit(self, action: str, worker: str, **figures: object) -> None:
+        self.calls.append((action, worker, figures["reason"]))
 
     def quarantine(self, worker: str, reason: str) -> None:
         self.calls.append(("quarantine", worker, reason))
 
 
-def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
+def test_the_actor_carries_out_each_proposal_through_its_part(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     parts = Recorder()
-    actor = PlacementPlugin()  # the scheduler's one actor, its part a recorder
+    actor = PlacementPlugin()  # the scheduler's one actor, its parts a recorder
     actor.fallback = parts  # type: ignore[assignment]
-    # its own steps, recorded: what each proposal leads to, in order
-    actor.begin, actor.defer = parts.begin, parts.defer  # type: ignore[method-assign]
+    workers = {w: SimpleNamespace(address=w, nanny=f"{w}-nanny") for w in ("tcp://a", "tcp://b")}
+    actor.scheduler = SimpleNamespace(workers=workers)  # type: ignore[assignment]
+    actor.deferred = {}
+    # its own steps and distributed's, recorded: what each proposal leads to, in order
+    monkeypatch.setattr(internals, "fail_task", parts.fail_task)
+    monkeypatch.setattr(internals, "spawn", parts.spawn)
+    actor._emit = parts.emit  # type: ignore[method-assign]
     actor.quarantine = parts.quarantine  # type: ignore[method-assign]
     actor.act(
         [
@@ -258,16 +267,18 @@ def test_the_actor_carries_out_each_proposal_through_its_part() -> None:
         ]
     )
     assert parts.calls == [
-        ("err", "bad", "invalid resources"),
-        ("begin", "tcp://a", "leak"),
-        ("defer", "tcp://b", "no-peer", True),
+        ("err", "bad", "task 'bad': invalid resources"),
+        ("begin", "tcp://a", "tcp://a-nanny", "leak"),  # its budget: its nanny's
+        ("restart-deferred", "tcp://b", "no-peer"),  # deferred, and quarantined
+        ("quarantine", "tcp://b", "restart-deferred: no-peer"),
         ("quarantine", "tcp://c", "restart-budget"),
         ("fall_back", ["x", "y"]),  # one check's fallbacks together, after the rest
     ]
     parts.calls.clear()
+    actor.deferred.clear()  # the deferral is news again
     keep = [Proposal("defer", "tcp://b", "no-peer"), Proposal("quarantine", "tcp://c", "budget")]
     actor.act(keep, keep_devices=True)  # asked because a device failed
-    assert parts.calls == [("defer", "tcp://b", "no-peer", False)]
+    assert parts.calls == [("restart-deferred", "tcp://b", "no-peer")]  # no quarantine
     with pytest.raises(ValueError, match="not a scheduler action"):
         actor.act([Proposal("withdraw", 0)])
     actor.act([])
@@ -410,7 +421,7 @@ def test_thresholds_that_are_no_size_name_the_option(value: object) -> None:
     ],
 )
 def test_declarations_that_are_no_count_claim_nothing(declared: object, reason: str) -> None:
-    from accelsched.policy.ownership import Claim, decide_claim, declared_count
+    from accelsched.policy.requests import Claim, decide_claim, declared_count
 
     assert decide_claim(declared, 2, advertise_undeclared=True) == Claim(0, reason)
     assert declared_count(declared) is None

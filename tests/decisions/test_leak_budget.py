@@ -142,9 +142,13 @@ def test_budget_concurrency_and_uncounted() -> None:
     assert b.request("a", 0.1) == "in-flight"
     assert b.request("b", 0.1) == "concurrency"
     b.done("a", counted=False)  # the restart did not happen: it does not count
-    assert b.recent("a", 0.2) == 0
     assert b.request("b", 0.2) is None
     assert b.in_flight == {"b"}
+    b.done("b")
+    for now in (0.3, 0.4, 0.5):  # a has counted none: all 3 of its budget are left
+        assert b.request("a", now) is None
+        b.done("a")
+    assert b.request("a", 0.6) == "budget"
 
 
 def test_budget_validates() -> None:

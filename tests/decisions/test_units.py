@@ -11,8 +11,7 @@ import accelsched
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
 from accelsched.devices import resolve_devices, visible_from_env
 from accelsched.policy.marks import Mark
-from accelsched.policy.ownership import Claim, decide_claim, grant, owned
-from accelsched.policy.requests import Requests
+from accelsched.policy.requests import Claim, Requests, decide_claim, owned
 from accelsched.policy.requirements import LeaseTable, NoFreeDevice
 from accelsched.policy.timeouts import (
     CHAIN,
@@ -87,7 +86,7 @@ def test_registry_exclusive_then_released() -> None:
     assert _claim(reg, "b", UUIDS[1:]) == ([UUIDS[2]], {UUIDS[1]: "a"})
     assert reg.remove("a") == ["b"]  # refused one of a's: may claim it now
     assert _claim(reg, "b", UUIDS[1:]) == (UUIDS[1:], {})
-    assert reg.owners() == {UUIDS[1]: "b", UUIDS[2]: "b"}
+    assert (reg.uuids("a"), reg.uuids("b")) == ([], UUIDS[1:])  # b owns them, a none
 
 
 def test_registry_shared() -> None:
@@ -95,14 +94,15 @@ def test_registry_shared() -> None:
     _claim(reg, "a", UUIDS[:1])
     assert _claim(reg, "b", UUIDS[:1]) == (UUIDS[:1], {})
     reg.remove("a")
-    assert reg.owners()[UUIDS[0]] == "b"
+    assert (reg.uuids("a"), reg.uuids("b")) == ([], UUIDS[:1])  # b owns it now
 
 
 def test_grant_numbers() -> None:
-    owners = {UUIDS[0]: "a"}
-    assert grant(UUIDS[:2], owners, share=False) == ([UUIDS[1]], {UUIDS[0]: "a"})
-    assert grant(UUIDS[:2], owners, share=True) == (UUIDS[:2], {})
-    assert grant([], owners, share=False) == ([], {})
+    for share, expected in ((False, ([UUIDS[1]], {UUIDS[0]: "a"})), (True, (UUIDS[:2], {}))):
+        reg = Grants(share_gpus=share)
+        _claim(reg, "a", UUIDS[:1])
+        assert _claim(reg, "b", UUIDS[:2]) == expected
+        assert _claim(reg, "c", []) == ([], {})
 
 
 def test_a_request_is_acted_on_once_and_only_from_its_process() -> None:

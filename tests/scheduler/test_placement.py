@@ -69,7 +69,7 @@ async def test_advertising_can_be_switched_off(c, s, a):
     await accelsched.register(c, advertise_undeclared=False)
     await wait_for(lambda: "accelsched-guard" in s.worker_plugins)
     await c.run(lambda: None)  # the guard's setup has run once run() answers
-    await wait_for(lambda: s.plugins["accelsched-placement"].grants.reported(a.worker_address))
+    await wait_for(lambda: s.plugins["accelsched-placement"].grants.of(a.worker_address).reported)
     assert gpus(s, a.worker_address) == 0
     assert not events(s, "gpu-verified")
 

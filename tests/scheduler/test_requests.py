@@ -104,7 +104,7 @@ async def test_a_request_from_another_process_is_refused(c, s, a):
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.address) == 1)
     grants = s.plugins["accelsched-placement"].grants
-    before = (grants.of(a.address), grants.owners(), dict(s.workers[a.address].resources))
+    before = (grants.of(a.address), dict(grants._workers), dict(s.workers[a.address].resources))
     started = background(s)
     stale = {"worker": a.address, "process": "Worker-gone"}
     async with rpc(s.address) as r:
@@ -119,7 +119,7 @@ async def test_a_request_from_another_process_is_refused(c, s, a):
         ]
     assert [x["status"] for x in replies] == ["refused"] * 4, replies
     await settled(s, started)
-    after = (grants.of(a.address), grants.owners(), dict(s.workers[a.address].resources))
+    after = (grants.of(a.address), dict(grants._workers), dict(s.workers[a.address].resources))
     assert after == before
     assert not events(s, "restart-deferred") and not events(s, "restart")
     assert [(e["handler"], e["reason"]) for e in events(s, "request-refused")] == [

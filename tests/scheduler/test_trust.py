@@ -34,8 +34,8 @@ def snapshot(s: Any) -> dict[str, Any]:
     return {
         "resources": copy.deepcopy(s.resources),
         "worker_resources": {a: dict(ws.resources) for a, ws in s.workers.items()},
-        "grants": {a: (grants.reported(a), copy.deepcopy(grants.of(a))) for a in s.workers},
-        "owners": grants.owners(),
+        "grants": {a: copy.deepcopy(grants.of(a)) for a in s.workers},
+        "records": copy.deepcopy(dict(grants._workers)),  # every worker's, owners too
         "workers": set(s.workers),
         "budget": s.plugins["accelsched-placement"].budget.in_flight,
     }

@@ -17,7 +17,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.devices import NVMLMonitor, Visible, resolve_devices
-from accelsched.policy.ownership import owned
+from accelsched.policy.requests import owned
 from accelsched.testing import FakeGPUs, device_alloc, fake_gpus, state
 from tests.utils import (
     CTX,
