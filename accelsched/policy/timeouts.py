@@ -11,8 +11,8 @@ Plain distributed leaves a task no worker can take in ``no-worker`` without a wo
 will hang indefinitely"). accelsched says it: a GPU task unplaced for
 :data:`NOTICE_AFTER` seconds is counted under the reason no worker takes it
 (:func:`reason_for`), the count is in ``accelsched status`` and on the dashboard, and a
-``gpu-waiting`` event is written once per reason (the scheduler's fallback tick): again
-only after that reason had no task waiting.
+``gpu-waiting`` event is written once per reason (:class:`Notices`): again only after
+that reason had no task waiting.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ __all__ = [
     "NO_ELIGIBLE_WORKER",
     "REASONS",
     "reason_for",
+    "Notices",
 ]
 
 TIMEOUT = "timeout"  # the task's own timeout expired
@@ -267,3 +268,17 @@ def reason_for(amount: float, largest: float, requirement: bool) -> str:
     if amount > largest:
         return TOO_FEW_GPUS
     return NO_ELIGIBLE_WORKER
+
+
+class Notices:
+    """Which reasons to say now: each once, again only after it had no task waiting."""
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+
+    def update(self, waiting: Iterable[str]) -> list[str]:
+        """``waiting``: the reasons with tasks waiting now; returns those to say."""
+        now = set(waiting)
+        new = sorted(now - self.said)
+        self.said = now
+        return new

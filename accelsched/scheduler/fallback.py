@@ -87,6 +87,7 @@ from accelsched.policy.timeouts import (
     MAX_GPUS,
     NOTICE_AFTER,
     Deadlines,
+    Notices,
     Waiting,
     deadline,
     reason_for,
@@ -191,7 +192,7 @@ class Fallback:
         self._benched: dict[str, float] = {}  # worker -> when it is judged again
         # a deadline entry still counts while its task waits, due then
         self.deadlines = Deadlines(lambda key, at: getattr(self.tasks.get(key), "due", None) == at)
-        self._said: set[str] = set()  # the reasons tasks wait for, said already
+        self.notices = Notices()
         self._emit = emit
         self._active = active
         self._act = act  # PlacementPlugin.act: carries out the proposals of a check
@@ -602,10 +603,8 @@ class Fallback:
             self.follow(worker)
             if (ws := self.scheduler.workers.get(worker)) is not None:
                 internals.offer_unrunnable(self.scheduler, ws)
-        # each reason once, again only after it had no task waiting
-        waiting, said = self.waiting(), self._said
-        self._said = set(waiting)
-        for reason in sorted(self._said - said):
+        waiting = self.waiting()
+        for reason in self.notices.update(waiting):
             self._emit(
                 events.GPU_WAITING,
                 None,

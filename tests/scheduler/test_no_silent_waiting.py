@@ -14,7 +14,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import dask
@@ -31,10 +30,10 @@ from accelsched.policy.timeouts import (
     NOTICE_AFTER,
     TOO_FEW_GPUS,
     UNMET_REQUIREMENT,
+    Notices,
     reason_for,
 )
 from accelsched.protocol import PLACEMENT_PLUGIN
-from accelsched.scheduler.fallback import Fallback
 from tests import processes
 from tests.processes import running
 from tests.utils import ACCELSCHED, ROOT, events, wait_for
@@ -52,28 +51,13 @@ def test_why_a_gpu_task_waits() -> None:
 
 
 def test_each_reason_is_said_once_and_again_after_it_drained() -> None:
-    # the fallback tick alone: what waits, and what it says, stand in for the scheduler
-    tick = Fallback.__new__(Fallback)
-    waiting: dict[str, list[Any]] = {}
-    said: list[str] = []
-    tick.scheduler, tick._benched, tick._said = SimpleNamespace(workers={}), {}, set()  # type: ignore[assignment]
-    tick._active, tick.waiting = lambda: True, lambda: waiting  # type: ignore[method-assign]
-    tick._emit = lambda action, worker, **figures: said.append(figures["reason"])
-
-    def update(reasons: list[str]) -> list[str]:
-        """The reasons tasks wait for now (three tasks each); what the tick says."""
-        waiting.clear()
-        waiting.update({r: ["a", "b", "c"] for r in reasons})
-        said.clear()
-        tick.tick()
-        return list(said)
-
-    assert update([NO_GPU]) == [NO_GPU]
-    assert update([NO_GPU]) == []  # still waiting, more or fewer: said already
-    assert update([NO_GPU, TOO_FEW_GPUS]) == [TOO_FEW_GPUS]
-    assert update([TOO_FEW_GPUS]) == []
-    assert update([]) == []
-    assert update([NO_GPU, TOO_FEW_GPUS]) == [NO_GPU, TOO_FEW_GPUS]
+    notices = Notices()
+    assert notices.update([NO_GPU]) == [NO_GPU]
+    assert notices.update([NO_GPU]) == []  # still waiting, more or fewer: said already
+    assert notices.update([NO_GPU, TOO_FEW_GPUS]) == [TOO_FEW_GPUS]
+    assert notices.update([TOO_FEW_GPUS]) == []
+    assert notices.update([]) == []
+    assert notices.update([NO_GPU, TOO_FEW_GPUS]) == [NO_GPU, TOO_FEW_GPUS]
 
 
 def test_dual_takes_fallback_timeout_as_gpu_does() -> None:
