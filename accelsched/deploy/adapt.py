@@ -17,11 +17,12 @@ so their fallback timers wait for it, within ``start_timeout``.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import re
+from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from inspect import isawaitable
 from typing import Any, cast
 
@@ -48,12 +49,8 @@ NO_PLUGIN_WAIT_MAX = 60.0
 _NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
 
-@dataclass(frozen=True)
-class PoolSpec:
-    """A pool as given, checked: the decision's view and the worker spec to start."""
-
-    pool: Pool
-    spec: dict[str, Any]
+#: A pool as given, checked: the decision's view and the worker spec to start.
+PoolSpec = tuple[Pool, dict[str, Any]]
 
 
 def _count(pool: str, key: str, value: Any, least: int = 0) -> int:
@@ -169,8 +166,10 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         # are not the pool's ``<pool>-<n>``)
         given_threads = options.get("nthreads") or options.get("cores") or 1
         threads = _count(name, "spec options nthreads", given_threads, least=1)
-        pool = Pool(name, minimum, maximum, gpus, facts, threads)
-        out[name] = PoolSpec(pool, {"cls": spec["cls"], "options": dict(options)})
+        out[name] = (
+            Pool(name, minimum, maximum, gpus, facts, threads),
+            {"cls": spec["cls"], "options": dict(options)},
+        )
     return out
 
 
@@ -199,7 +198,7 @@ class ElasticPools(Adaptive):
         #: retired workers that still run tasks sent before: closed once those end
         self._closing: set[str] = set()
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
-        self._gpu_idle_with_cpu_work = any(not p.pool.gpus for p in self.pools.values())
+        self._gpu_idle_with_cpu_work = any(not pool.gpus for pool, _ in self.pools.values())
         self.spec_cluster = cluster
         super().__init__(
             cluster,
@@ -262,7 +261,7 @@ class ElasticPools(Adaptive):
                 for d in reply["gpu"]
             ]
             self.last_plan = plan = decide(
-                [p.pool for p in self.pools.values()],
+                [pool for pool, _ in self.pools.values()],
                 states,
                 gpu,
                 cpu_tasks=reply["cpu_tasks"],
@@ -284,13 +283,13 @@ class ElasticPools(Adaptive):
                 coming=coming, full=plan.full, bound=bound, pools=list(self.pools)
             )
             # retire the workers the plan proposed ``wait_count`` looks in a row
-            counts = cast("dict[str, int]", self.close_counts)  # worker names, as Adaptive's
-            for w in plan.retire:
-                counts[w] += 1
-            firm = [w for w in plan.retire if counts[w] >= self.wait_count]
-            for w in list(counts):
-                if w in firm or w not in plan.retire:
-                    del counts[w]
+            # (by worker name in Adaptive's counts; one not proposed now starts again)
+            before = cast("defaultdict[str, int]", self.close_counts)
+            counts = {w: before[w] + 1 for w in plan.retire}
+            firm = [w for w, n in counts.items() if n >= self.wait_count]
+            self.close_counts = cast(
+                Any, defaultdict(int, {w: counts[w] for w in counts if w not in firm})
+            )
             if firm:
                 # data moved to peers first; a worker whose data no peer could take stays
                 retired = await retire_named(self.scheduler, firm)
@@ -323,24 +322,25 @@ class ElasticPools(Adaptive):
         arrived = {w["name"]: w for w in reply["workers"]}
         states = {}
         self._running.clear()
-        for name, ps in self.pools.items():
+        known: set[str] = set()
+        for name, (pool, _) in self.pools.items():
             idle = {}
             members = self.members(name)
+            known.update(members)
             for w in members:
                 seen = arrived.get(w)
                 late = now - self._started.get(w, now) >= self.options["start_timeout"]
-                if seen is None or (ps.pool.gpus and not seen["gpus"] and not late):
+                if seen is None or (pool.gpus and not seen["gpus"] and not late):
                     continue
                 self._running.add(w)
                 # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
-                if seen["gpu_busy" if ps.pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
+                if seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
                     self._idle_since.pop(w, None)
                 else:
                     idle[w] = now - self._idle_since.setdefault(w, now)
             running = len(self._running.intersection(members))
             states[name] = PoolState(running, len(members) - running, idle)
         # workers that left some other way (died, closed by hand): their times go
-        known = {w for name in self.pools for w in self.members(name)}
         for times in (self._idle_since, self._started):
             for w in set(times) - known:
                 del times[w]
@@ -349,17 +349,13 @@ class ElasticPools(Adaptive):
     async def _scale_up(self, plan: Plan, now: float) -> None:
         spec = self.spec_cluster.worker_spec
         before = len(spec)
-        for name, ps in self.pools.items():
+        for name, (_, worker_spec) in self.pools.items():
             # a free name is no member: its times went at this look (_states)
-            new: list[str] = []
-            n = 0
-            while len(self.members(name)) < plan.targets[name]:
-                while f"{name}-{n}" in spec:
-                    n += 1
-                worker = f"{name}-{n}"
-                spec[worker] = copy.deepcopy(ps.spec)
-                self._started[worker] = now
-                new.append(worker)
+            free = (f"{name}-{n}" for n in itertools.count() if f"{name}-{n}" not in spec)
+            new = [next(free) for _ in range(plan.targets[name] - len(self.members(name)))]
+            for worker in new:
+                spec[worker] = copy.deepcopy(worker_spec)
+            self._started.update(dict.fromkeys(new, now))
             if new:
                 await self._event(
                     events.SCALE_UP,
