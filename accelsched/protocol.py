@@ -330,17 +330,13 @@ class GuardMetric(TypedDict):
     devices: list[DeviceFigures]
 
 
-class DeviceStatus(TypedDict):
+class DeviceStatus(_DeviceBasics):
     """A verified GPU of a worker (the grant) with the guard's latest figures (None
     while unknown). ``figures`` says why they are unknown, so that a reader can tell a
     worker that has not spoken since the grant (``"waiting"``: no heartbeat has carried
     this device's figures yet) from one whose figures were malformed and left out
     (``"unreadable"``); ``"reported"`` otherwise."""
 
-    index: int
-    uuid: str
-    name: str
-    memory: int
     capability: str | None  # "9.0"; None: NVML did not say
     declared: int | None  # bytes declared by the tasks holding it now
     figures: Literal["reported", "waiting", "unreadable"]
@@ -350,7 +346,17 @@ class DeviceStatus(TypedDict):
     leak_threshold: int | None
 
 
-class _WorkerStatusBase(TypedDict):
+class _Counted(TypedDict):
+    """Events counted: ``restarts``, ``leaks``, ``reclaims`` (``leak-reclaimed``),
+    ``fallbacks``."""
+
+    restarts: int
+    leaks: int
+    reclaims: int
+    fallbacks: int
+
+
+class _WorkerStatusBase(_Counted):
     """One worker, by name. ``gpus``: the count placement uses now; ``declared``: what it
     registered with (None: no GPU declared); ``quarantined``: the reason, or None.
     ``restarts``, ``leaks``, ``reclaims``, ``fallbacks``: events naming this worker (by
@@ -363,10 +369,6 @@ class _WorkerStatusBase(TypedDict):
     declared: float | None
     quarantined: str | None
     devices: list[DeviceStatus]
-    restarts: int
-    leaks: int
-    reclaims: int
-    fallbacks: int
 
 
 class WorkerStatus(_WorkerStatusBase, total=False):
@@ -377,7 +379,7 @@ class WorkerStatus(_WorkerStatusBase, total=False):
     pool: str | None
 
 
-class _StatusReplyBase(TypedDict):
+class _StatusReplyBase(_Counted):
     """``accelsched status --json`` prints exactly this (``version`` changes only when a
     field changes meaning or goes away). ``fallbacks``: every fallback event, those naming
     no worker (a task unplaced past its timeout) included; ``names``: address -> worker
@@ -388,10 +390,6 @@ class _StatusReplyBase(TypedDict):
     scheduler: str
     guard: bool
     workers: list[WorkerStatus]
-    restarts: int
-    leaks: int
-    reclaims: int
-    fallbacks: int
     #: GPU tasks no worker has taken for a few seconds, by why (``no-verified-gpu``,
     #: ``too-few-gpus``, ``unmet-requirement``, ``no-eligible-worker``); empty: none.
     waiting: dict[str, int]
