@@ -194,7 +194,8 @@ class ElasticPools(Adaptive):
         # answered last time)
         self._no_plugin_wait = 0.0
         self._ask_at = 0.0
-        self._running: set[str] = set()  # workers arrived (at the last look)
+        #: pool -> when its latest worker still starting was asked for (at the last look)
+        self._awaited: dict[str, float] = {}
         #: retired workers that still run tasks sent before: closed once those end
         self._closing: set[str] = set()
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
@@ -271,14 +272,11 @@ class ElasticPools(Adaptive):
             )
             await self._scale_up(plan, now)
             bound = self.options["start_timeout"]
-            coming: dict[str, float] = {}
-            for cls, pool in plan.coming.items():
-                # those started this look too (_scale_up gave them ``now``)
-                starting = [
-                    self._started.get(w, now) for w in self.members(pool) if w not in self._running
-                ]
-                if starting and (left := max(starting) + bound - now) > 0:
-                    coming[cls] = left
+            coming = {
+                cls: left
+                for cls, pool in plan.coming.items()
+                if (left := self._awaited[pool] + bound - now) > 0
+            }
             await getattr(self.scheduler, POOLS_HANDLER)(
                 coming=coming, full=plan.full, bound=bound, pools=list(self.pools)
             )
@@ -321,29 +319,28 @@ class ElasticPools(Adaptive):
         verified, or start_timeout passed), starting, and how long each idle one was."""
         arrived = {w["name"]: w for w in reply["workers"]}
         states = {}
-        self._running.clear()
         known: set[str] = set()
         for name, (pool, _) in self.pools.items():
             idle = {}
+            starting = []  # when each was asked for
             members = self.members(name)
             known.update(members)
             for w in members:
                 seen = arrived.get(w)
-                late = now - self._started.get(w, now) >= self.options["start_timeout"]
+                started = self._started.get(w, now)
+                late = now - started >= self.options["start_timeout"]
                 if seen is None or (pool.gpus and not seen["gpus"] and not late):
-                    continue
-                self._running.add(w)
+                    starting.append(started)
                 # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
-                if seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
+                elif seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
                     self._idle_since.pop(w, None)
                 else:
                     idle[w] = now - self._idle_since.setdefault(w, now)
-            running = len(self._running.intersection(members))
-            states[name] = PoolState(running, len(members) - running, idle)
+            self._awaited[name] = max(starting, default=-math.inf)
+            states[name] = PoolState(len(members) - len(starting), len(starting), idle)
         # workers that left some other way (died, closed by hand): their times go
-        for times in (self._idle_since, self._started):
-            for w in set(times) - known:
-                del times[w]
+        self._idle_since = {w: t for w, t in self._idle_since.items() if w in known}
+        self._started = {w: t for w, t in self._started.items() if w in known}
         return states
 
     async def _scale_up(self, plan: Plan, now: float) -> None:
@@ -357,6 +354,7 @@ class ElasticPools(Adaptive):
                 spec[worker] = copy.deepcopy(worker_spec)
             self._started.update(dict.fromkeys(new, now))
             if new:
+                self._awaited[name] = now  # awaited as of this look
                 await self._event(
                     events.SCALE_UP,
                     pool=name,
