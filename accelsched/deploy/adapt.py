@@ -155,8 +155,7 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         if minimum > maximum:
             raise ValueError(f"pool {name!r}: minimum={minimum} > maximum={maximum}")
         gpus, facts = _devices(name, given.get("devices"), _declared_gpus(name, options))
-        processes = options.get("processes")
-        if processes not in (None, 1):
+        if (processes := options.get("processes")) not in (None, 1):
             raise ValueError(
                 f"pool {name!r}: invalid spec options processes={processes!r}: a pool's job "
                 "runs one worker, named '<pool>-<n>'"
@@ -177,6 +176,7 @@ class ElasticPools(Adaptive):
     """Named pools on a ``SpecCluster``, sized by accelsched's demand (see the module)."""
 
     state = "inactive"  # until Adaptive starts it: refused options leave nothing to stop
+    cluster: SpecCluster  # (Adaptive keeps it)
 
     def __init__(self, cluster: SpecCluster, pools: Any, **options: Any) -> None:
         if not isinstance(cluster, SpecCluster):
@@ -200,7 +200,6 @@ class ElasticPools(Adaptive):
         self._closing: set[str] = set()
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
         self._gpu_idle_with_cpu_work = any(not pool.gpus for pool, _ in self.pools.values())
-        self.spec_cluster = cluster
         super().__init__(
             cluster,
             interval=self.options["interval"],
@@ -222,7 +221,7 @@ class ElasticPools(Adaptive):
         prefix = pool + "-"
         return [
             n
-            for n in self.spec_cluster.worker_spec
+            for n in self.cluster.worker_spec
             if isinstance(n, str)
             and n.startswith(prefix)
             and n[len(prefix) :].isdigit()
@@ -307,7 +306,7 @@ class ElasticPools(Adaptive):
             if done := sorted(self._closing - {w["name"] for w in reply["workers"] if w["busy"]}):
                 # their specs go; the cluster closes them. Their times went at the look that
                 # first saw them retired (a retired worker is no member)
-                f = self.spec_cluster.scale_down(done)
+                f = self.cluster.scale_down(done)
                 if isawaitable(f):
                     await f
                 self._closing.difference_update(done)
@@ -344,7 +343,7 @@ class ElasticPools(Adaptive):
         return states
 
     async def _scale_up(self, plan: Plan, now: float) -> None:
-        spec = self.spec_cluster.worker_spec
+        spec = self.cluster.worker_spec
         before = len(spec)
         for name, (_, worker_spec) in self.pools.items():
             # a free name is no member: its times went at this look (_states)
@@ -364,7 +363,7 @@ class ElasticPools(Adaptive):
                     classes=sorted(c for c, p in plan.coming.items() if p == name),
                 )
         if len(spec) > before:  # the cluster starts what its spec has and it has not (not awaited)
-            self.spec_cluster.scale(len(spec))
+            self.cluster.scale(len(spec))
 
     async def _event(self, action: str, **figures: Any) -> None:
         msg = events.event(action, **figures)
