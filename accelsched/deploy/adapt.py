@@ -248,22 +248,20 @@ class ElasticPools(Adaptive):
                 return
             self._no_plugin_wait = 0.0
             now = time()
-            states = self._states(reply, now)
-            gpu = [
-                GpuDemand(
-                    d["name"],
-                    parse_requirement(d["requirement"]),
-                    d["devices"],
-                    d["waiting"],
-                    d["running"],
-                    d["seconds"],
-                )
-                for d in reply["gpu"]
-            ]
             self.last_plan = plan = decide(
                 [pool for pool, _ in self.pools.values()],
-                states,
-                gpu,
+                self._states(reply, now),
+                [
+                    GpuDemand(
+                        d["name"],
+                        parse_requirement(d["requirement"]),
+                        d["devices"],
+                        d["waiting"],
+                        d["running"],
+                        d["seconds"],
+                    )
+                    for d in reply["gpu"]
+                ],
                 cpu_tasks=reply["cpu_tasks"],
                 cpu_seconds=reply["cpu_seconds"],
                 target_duration=self.target_duration,
