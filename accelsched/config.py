@@ -259,13 +259,11 @@ class Threshold:
 def parse_threshold(name: str, value: Any) -> Threshold:
     """Bytes (``"1GiB"``, ``2**30``) or a fraction of device memory (``0.1``)."""
     expected = "bytes like '1GiB' or a fraction of device memory like 0.1"
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise _bad(name, value, expected, TypeError)
     try:  # a float, or a string of one with a point ("1.5GiB" is bytes)
         f = float(value) if isinstance(value, float) or "." in str(value) else None
-    except ValueError:
+    except (ValueError, TypeError):  # "1.5GiB"; a list is no number either
         f = None
-    if f is None:
+    if f is None:  # bytes, or no number (parse_size says which, as here)
         if (n := parse_size(name, value, expected)) == 0:
             raise _bad(name, value, expected)
         return Threshold(nbytes=n)
@@ -366,14 +364,12 @@ def on_this_worker(
     dask config applied where no explicit option says otherwise."""
     out = InEffect(dict(handed))
     for opt in GUARD_OPTIONS:
-        if opt.name in preload:
-            value, source = preload[opt.name], "this worker's --preload accelsched"
-        else:
-            own, value = opt.set_here()
-            if not own:
-                continue
-            source = f"this worker's dask config {opt.key}"
-        if value == handed[opt.name]:
+        mine = opt.name in preload  # (this worker's config is not read then)
+        own, value = (True, preload[opt.name]) if mine else opt.set_here()
+        source = (
+            "this worker's --preload accelsched" if mine else f"this worker's dask config {opt.key}"
+        )
+        if not own or value == handed[opt.name]:
             continue
         if opt.name in explicit:
             out.overruled[opt.name] = (value, source)

@@ -318,12 +318,9 @@ def stop_gpus(count: Callable[[], tuple[int, int]]) -> None:
     """``count`` stops serving the gauge (its plugin was unregistered or its scheduler
     closed): the gauge reads 0 rather than a gone plugin's grants, and holds it no more.
     Nothing changes when another source took over since."""
-    c = _collectors()
-    if c is None or _gauge_source != [count]:
-        return
-    _gauge_source.clear()
-    for state in ("verified", "quarantined"):
-        c["gpus"].labels(state=state).set_function(lambda: 0)
+    if _gauge_source == [count]:
+        gpus_from(lambda: (0, 0))
+        _gauge_source.clear()
 
 
 # --- the dashboard page ---------------------------------------------------------------

@@ -36,7 +36,6 @@ WORKER_SIDE = _folder("worker")
 #: vocabulary both sides share (messages, events).
 PURE = _folder("policy") | {
     "accelsched.protocol",
-    "accelsched.status_protocol",
     "accelsched.events",
 }
 #: distributed modules the package may import outside internals/: the documented API.

@@ -17,11 +17,12 @@ so their fallback timers wait for it, within ``start_timeout``.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import re
+from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from inspect import isawaitable
 from typing import Any, cast
 
@@ -48,12 +49,8 @@ NO_PLUGIN_WAIT_MAX = 60.0
 _NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
 
-@dataclass(frozen=True)
-class PoolSpec:
-    """A pool as given, checked: the decision's view and the worker spec to start."""
-
-    pool: Pool
-    spec: dict[str, Any]
+#: A pool as given, checked: the decision's view and the worker spec to start.
+PoolSpec = tuple[Pool, dict[str, Any]]
 
 
 def _count(pool: str, key: str, value: Any, least: int = 0) -> int:
@@ -158,8 +155,7 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         if minimum > maximum:
             raise ValueError(f"pool {name!r}: minimum={minimum} > maximum={maximum}")
         gpus, facts = _devices(name, given.get("devices"), _declared_gpus(name, options))
-        processes = options.get("processes")
-        if processes not in (None, 1):
+        if (processes := options.get("processes")) not in (None, 1):
             raise ValueError(
                 f"pool {name!r}: invalid spec options processes={processes!r}: a pool's job "
                 "runs one worker, named '<pool>-<n>'"
@@ -169,8 +165,10 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         # are not the pool's ``<pool>-<n>``)
         given_threads = options.get("nthreads") or options.get("cores") or 1
         threads = _count(name, "spec options nthreads", given_threads, least=1)
-        pool = Pool(name, minimum, maximum, gpus, facts, threads)
-        out[name] = PoolSpec(pool, {"cls": spec["cls"], "options": dict(options)})
+        out[name] = (
+            Pool(name, minimum, maximum, gpus, facts, threads),
+            {"cls": spec["cls"], "options": dict(options)},
+        )
     return out
 
 
@@ -178,6 +176,7 @@ class ElasticPools(Adaptive):
     """Named pools on a ``SpecCluster``, sized by accelsched's demand (see the module)."""
 
     state = "inactive"  # until Adaptive starts it: refused options leave nothing to stop
+    cluster: SpecCluster  # (Adaptive keeps it)
 
     def __init__(self, cluster: SpecCluster, pools: Any, **options: Any) -> None:
         if not isinstance(cluster, SpecCluster):
@@ -195,12 +194,12 @@ class ElasticPools(Adaptive):
         # answered last time)
         self._no_plugin_wait = 0.0
         self._ask_at = 0.0
-        self._running: set[str] = set()  # workers arrived (at the last look)
+        #: pool -> when its latest worker still starting was asked for (at the last look)
+        self._awaited: dict[str, float] = {}
         #: retired workers that still run tasks sent before: closed once those end
         self._closing: set[str] = set()
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
-        self._gpu_idle_with_cpu_work = any(not p.pool.gpus for p in self.pools.values())
-        self.spec_cluster = cluster
+        self._gpu_idle_with_cpu_work = any(not pool.gpus for pool, _ in self.pools.values())
         super().__init__(
             cluster,
             interval=self.options["interval"],
@@ -222,7 +221,7 @@ class ElasticPools(Adaptive):
         prefix = pool + "-"
         return [
             n
-            for n in self.spec_cluster.worker_spec
+            for n in self.cluster.worker_spec
             if isinstance(n, str)
             and n.startswith(prefix)
             and n[len(prefix) :].isdigit()
@@ -249,22 +248,20 @@ class ElasticPools(Adaptive):
                 return
             self._no_plugin_wait = 0.0
             now = time()
-            states = self._states(reply, now)
-            gpu = [
-                GpuDemand(
-                    d["name"],
-                    parse_requirement(d["requirement"]),
-                    d["devices"],
-                    d["waiting"],
-                    d["running"],
-                    d["seconds"],
-                )
-                for d in reply["gpu"]
-            ]
             self.last_plan = plan = decide(
-                [p.pool for p in self.pools.values()],
-                states,
-                gpu,
+                [pool for pool, _ in self.pools.values()],
+                self._states(reply, now),
+                [
+                    GpuDemand(
+                        d["name"],
+                        parse_requirement(d["requirement"]),
+                        d["devices"],
+                        d["waiting"],
+                        d["running"],
+                        d["seconds"],
+                    )
+                    for d in reply["gpu"]
+                ],
                 cpu_tasks=reply["cpu_tasks"],
                 cpu_seconds=reply["cpu_seconds"],
                 target_duration=self.target_duration,
@@ -272,25 +269,22 @@ class ElasticPools(Adaptive):
             )
             await self._scale_up(plan, now)
             bound = self.options["start_timeout"]
-            coming: dict[str, float] = {}
-            for cls, pool in plan.coming.items():
-                # those started this look too (_scale_up gave them ``now``)
-                starting = [
-                    self._started.get(w, now) for w in self.members(pool) if w not in self._running
-                ]
-                if starting and (left := max(starting) + bound - now) > 0:
-                    coming[cls] = left
+            coming = {
+                cls: left
+                for cls, pool in plan.coming.items()
+                if (left := self._awaited[pool] + bound - now) > 0
+            }
             await getattr(self.scheduler, POOLS_HANDLER)(
                 coming=coming, full=plan.full, bound=bound, pools=list(self.pools)
             )
             # retire the workers the plan proposed ``wait_count`` looks in a row
-            counts = cast("dict[str, int]", self.close_counts)  # worker names, as Adaptive's
-            for w in plan.retire:
-                counts[w] += 1
-            firm = [w for w in plan.retire if counts[w] >= self.wait_count]
-            for w in list(counts):
-                if w in firm or w not in plan.retire:
-                    del counts[w]
+            # (by worker name in Adaptive's counts; one not proposed now starts again)
+            before = cast("defaultdict[str, int]", self.close_counts)
+            counts = {w: before[w] + 1 for w in plan.retire}
+            firm = [w for w, n in counts.items() if n >= self.wait_count]
+            self.close_counts = cast(
+                Any, defaultdict(int, {w: counts[w] for w in counts if w not in firm})
+            )
             if firm:
                 # data moved to peers first; a worker whose data no peer could take stays
                 retired = await retire_named(self.scheduler, firm)
@@ -310,7 +304,7 @@ class ElasticPools(Adaptive):
             if done := sorted(self._closing - {w["name"] for w in reply["workers"] if w["busy"]}):
                 # their specs go; the cluster closes them. Their times went at the look that
                 # first saw them retired (a retired worker is no member)
-                f = self.spec_cluster.scale_down(done)
+                f = self.cluster.scale_down(done)
                 if isawaitable(f):
                     await f
                 self._closing.difference_update(done)
@@ -322,45 +316,42 @@ class ElasticPools(Adaptive):
         verified, or start_timeout passed), starting, and how long each idle one was."""
         arrived = {w["name"]: w for w in reply["workers"]}
         states = {}
-        self._running.clear()
-        for name, ps in self.pools.items():
+        known: set[str] = set()
+        for name, (pool, _) in self.pools.items():
             idle = {}
+            starting = []  # when each was asked for
             members = self.members(name)
+            known.update(members)
             for w in members:
                 seen = arrived.get(w)
-                late = now - self._started.get(w, now) >= self.options["start_timeout"]
-                if seen is None or (ps.pool.gpus and not seen["gpus"] and not late):
-                    continue
-                self._running.add(w)
+                started = self._started.get(w, now)
+                late = now - started >= self.options["start_timeout"]
+                if seen is None or (pool.gpus and not seen["gpus"] and not late):
+                    starting.append(started)
                 # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
-                if seen["gpu_busy" if ps.pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
+                elif seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
                     self._idle_since.pop(w, None)
                 else:
                     idle[w] = now - self._idle_since.setdefault(w, now)
-            running = len(self._running.intersection(members))
-            states[name] = PoolState(running, len(members) - running, idle)
+            self._awaited[name] = max(starting, default=-math.inf)
+            states[name] = PoolState(len(members) - len(starting), len(starting), idle)
         # workers that left some other way (died, closed by hand): their times go
-        known = {w for name in self.pools for w in self.members(name)}
-        for times in (self._idle_since, self._started):
-            for w in set(times) - known:
-                del times[w]
+        self._idle_since = {w: t for w, t in self._idle_since.items() if w in known}
+        self._started = {w: t for w, t in self._started.items() if w in known}
         return states
 
     async def _scale_up(self, plan: Plan, now: float) -> None:
-        spec = self.spec_cluster.worker_spec
+        spec = self.cluster.worker_spec
         before = len(spec)
-        for name, ps in self.pools.items():
+        for name, (_, worker_spec) in self.pools.items():
             # a free name is no member: its times went at this look (_states)
-            new: list[str] = []
-            n = 0
-            while len(self.members(name)) < plan.targets[name]:
-                while f"{name}-{n}" in spec:
-                    n += 1
-                worker = f"{name}-{n}"
-                spec[worker] = copy.deepcopy(ps.spec)
-                self._started[worker] = now
-                new.append(worker)
+            free = (f"{name}-{n}" for n in itertools.count() if f"{name}-{n}" not in spec)
+            new = [next(free) for _ in range(plan.targets[name] - len(self.members(name)))]
+            for worker in new:
+                spec[worker] = copy.deepcopy(worker_spec)
+            self._started.update(dict.fromkeys(new, now))
             if new:
+                self._awaited[name] = now  # awaited as of this look
                 await self._event(
                     events.SCALE_UP,
                     pool=name,
@@ -370,7 +361,7 @@ class ElasticPools(Adaptive):
                     classes=sorted(c for c, p in plan.coming.items() if p == name),
                 )
         if len(spec) > before:  # the cluster starts what its spec has and it has not (not awaited)
-            self.spec_cluster.scale(len(spec))
+            self.cluster.scale(len(spec))
 
     async def _event(self, action: str, **figures: Any) -> None:
         msg = events.event(action, **figures)

@@ -90,7 +90,7 @@ PRELOAD = (
 _lock = threading.Lock()
 _users: set[int] = set()  # nannies of this process that use the server
 _saved: list[Any] = []  # the dask.config.set that switched the method, to undo
-_started: dict[str, Any] = {}  # "env", "preload": what the server was started with
+_started: list[Any] = []  # (environment, preload): what the server was started with
 
 
 def available() -> bool:
@@ -133,9 +133,8 @@ class FastRestart(NannyPlugin):
             server: Any = forkserver._forkserver
             modules = list(server._preload_modules)
             wanted = modules + [m for m in PRELOAD if m not in modules]
-            env = dict(os.environ)
-            stale = _started.get("env") != env or _started.get("preload") != wanted
-            if server._forkserver_pid is not None and stale:
+            started = (dict(os.environ), wanted)
+            if server._forkserver_pid is not None and _started != [started]:
                 # forget the running server; the next start makes a new one. The old one
                 # exits once the worker processes it forked have (each holds its liveness
                 # pipe, so waiting for it here, as ``ForkServer._stop`` does, would wait
@@ -151,7 +150,7 @@ class FastRestart(NannyPlugin):
                 threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True, name="reap").start()
             ctx.set_forkserver_preload(wanted)
             server.ensure_running()
-            _started.update(env=env, preload=wanted)
+            _started[:] = [started]
 
     def teardown(self, nanny: Any) -> None:
         """``nanny`` closed: once no nanny of this process uses it, the method is what it
