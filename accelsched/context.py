@@ -37,7 +37,7 @@ one, wherever it sits in the graph, is a GPU task, with no ``dask.annotate`` (se
 from __future__ import annotations
 
 import functools
-import importlib
+import pkgutil
 import sys
 import threading
 import types
@@ -286,10 +286,10 @@ def _name(fn: Callable[..., Any]) -> str:
 
 
 def _mark(
-    who: str, count: Any, fallback_timeout: Any, cpu_form: float | None, device: dict[str, Any]
+    who: str, count: Any, fallback_timeout: Any, cpu_form: float | None, **device: Any
 ) -> Mark:
     """A step's mark from ``who``'s arguments (``device``: memory, model, capability,
-    mig); a bad one raises naming ``who`` and the value."""
+    mig, enforce); a bad one raises naming ``who`` and the value."""
     if invalid_amount(count) is not None:
         raise ValueError(f"{who}(): invalid count={count!r}: expected a positive number of GPUs")
     given = fallback_timeout is not _UNSET
@@ -322,8 +322,21 @@ def dual(
     allocation past ``memory`` fails (None: the guard's ``enforce_memory``). A bad value
     raises here.
     """
-    device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
-    return GPUStep(gpu_fn, _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, device), cpu_fn)
+    return GPUStep(
+        gpu_fn,
+        _mark(
+            "dual",
+            1,
+            fallback_timeout,
+            DUAL_TIMEOUT,
+            memory=memory,
+            model=model,
+            capability=capability,
+            mig=mig,
+            enforce=enforce,
+        ),
+        cpu_fn,
+    )
 
 
 # --- how a step travels and comes back in another process (see the module docstring) ---
@@ -425,15 +438,12 @@ def _load_step(label: str, payload: bytes, mark: Mark) -> GPUStep[Any]:
 
 def _load_step_by_name(module: str, qualname: str, mark: Mark) -> Any:
     """A ``@gpu`` step shipped by reference; unloadable here, still marked."""
-    label = f"{module}.{qualname}"
     try:
-        target: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            target = getattr(target, part)
+        target = pkgutil.resolve_name(f"{module}:{qualname}")
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         reload = (_load_step_by_name, (module, qualname))
-        return GPUStep(Unloadable(repr(label), error, reload), mark)
+        return GPUStep(Unloadable(repr(f"{module}.{qualname}"), error, reload), mark)
     return target if isinstance(target, GPUStep) else GPUStep(target, mark)
 
 
@@ -475,6 +485,15 @@ def gpu(
     fails (None: the guard's ``enforce_memory`` says). Bad arguments raise here, naming
     the value.
     """
-    device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
-    mark = _mark("gpu", count, fallback_timeout, None, device)
+    mark = _mark(
+        "gpu",
+        count,
+        fallback_timeout,
+        None,
+        memory=memory,
+        model=model,
+        capability=capability,
+        mig=mig,
+        enforce=enforce,
+    )
     return GPUStep(fn, mark) if fn is not None else lambda f: GPUStep(f, mark)
