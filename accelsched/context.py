@@ -381,16 +381,13 @@ def importable(obj: Any) -> tuple[str, str] | None:
         or not isinstance(qualname, str)
         or module_name == "__main__"
         or "<" in qualname  # <locals>, <lambda>
-    ):
-        return None
-    if (module := sys.modules.get(module_name)) is None or getattr(
-        module, "__spec__", None
-    ) is None:  # dynamic
-        return None
-    # registered by value: the module or a package above it
-    if any(
-        module_name == m or module_name.startswith(f"{m}.")
-        for m in cloudpickle.list_registry_pickle_by_value()
+        or (module := sys.modules.get(module_name)) is None
+        or getattr(module, "__spec__", None) is None  # dynamic
+        # registered by value: the module or a package above it
+        or any(
+            module_name == m or module_name.startswith(f"{m}.")
+            for m in cloudpickle.list_registry_pickle_by_value()
+        )
     ):
         return None
     target: Any = module

@@ -274,15 +274,6 @@ class Remeasured:
 
 
 @dataclass
-class _Round:
-    """A reclaim proposed: the leaks it concerns, until their devices are measured again."""
-
-    held: list[Verdict]  # confirmed, not tried: a restart is asked for them
-    tried: list[Verdict]
-    suspects: dict[int, Suspects]
-
-
-@dataclass
 class LeakDecisions:
     """What a leak check remembers between checks, and what it proposes at each.
 
@@ -299,7 +290,11 @@ class LeakDecisions:
         default_factory=lambda: defaultdict(DeviceRecord)
     )
     _runs: dict[str, int] = field(default_factory=dict, init=False)  # prefix -> runs started
-    _round: _Round | None = field(default=None, init=False)
+    #: A reclaim proposed, until its devices are measured again: the leaks it concerns
+    #: (confirmed and not tried: a restart is asked for them; tried) and their suspects.
+    _round: tuple[list[Verdict], list[Verdict], dict[int, Suspects]] | None = field(
+        default=None, init=False
+    )
 
     def __post_init__(self) -> None:
         if self.confirmations < 1:
@@ -314,7 +309,7 @@ class LeakDecisions:
     @property
     def trying(self) -> list[int]:
         """The devices a reclaim was proposed for, until :meth:`reclaimed` hears of them."""
-        return [] if self._round is None else [v.device for v in self._round.tried]
+        return [] if self._round is None else [v.device for v in self._round[1]]
 
     def count(self, estimates: Mapping[int, tuple[int, int]]) -> list[Verdict]:
         """One verdict per device judged: ``estimates`` is device -> (estimate,
@@ -362,7 +357,7 @@ class LeakDecisions:
         tried = [v for v in worth if self.devices[v.device].settled(running, self.max_wait)]
         held = [v for v in leaks if v not in worth]
         if tried:
-            self._round = _Round(held, tried, suspects)
+            self._round = (held, tried, suspects)
             return [Proposal("reclaim", v.device) for v in tried]
         self._round = None
         return self._conclude(held, {}, suspects)
@@ -378,10 +373,10 @@ class LeakDecisions:
         pending, self._round = self._round, None
         if pending is None:
             return []
-        held = list(pending.held)
+        held, tried, suspects = pending  # (the round is over: its lists are this call's)
         came_back: dict[int, int] = {}
         out: list[Proposal] = []
-        for v in pending.tried:
+        for v in tried:
             again = after.get(v.device)
             if again is None:
                 continue
@@ -405,10 +400,10 @@ class LeakDecisions:
                         "threshold": v.threshold,
                         "seconds": round(again.seconds, 4),
                     },
-                    detail={"prefixes": pending.suspects[v.device].prefixes},
+                    detail={"prefixes": suspects[v.device].prefixes},
                 )
             )
-        return out + self._conclude(held, came_back, pending.suspects)
+        return out + self._conclude(held, came_back, suspects)
 
     def _conclude(
         self, held: list[Verdict], came_back: dict[int, int], suspects: dict[int, Suspects]
