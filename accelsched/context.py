@@ -66,7 +66,6 @@ __all__ = [
     "dual",
     "gpu",
     "holding",
-    "released",
     "unbind",
     "using_device",
 ]
@@ -161,17 +160,6 @@ def unbind(bound: tuple[Lease | None, list[Callable[[], Any]]]) -> None:
 
 
 @contextmanager
-def released() -> Iterator[None]:
-    """Run host code inside a GPU task as if it held no GPU (``dual``'s OOM retry)."""
-    previous = current_lease()
-    _local.lease = None
-    try:
-        yield
-    finally:
-        _local.lease = previous
-
-
-@contextmanager
 def using_device(device: int) -> Iterator[None]:
     """Make ``device`` CUDA's current one in this thread for a moment (as the backend's
     CUDA does: nothing on simulated GPUs)."""
@@ -248,8 +236,11 @@ class GPUStep(Generic[R]):
                     reason="oom",
                     error=f"{type(exc).__name__}: {exc}",
                 )
-        with released():  # the CPU form sees no GPU: array_module() is numpy
+        _local.lease = None  # the CPU form sees no GPU: array_module() is numpy
+        try:
             return self.cpu_fn(*args, **kwargs)
+        finally:
+            _local.lease = lease
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         """As a method: bound to its instance, and still marked (a bound method reads

@@ -198,15 +198,14 @@ class LeakCheck:
         results nor leaks, and the estimate means nothing until it ends. Which devices are
         busy is read before and after NVML, so a task starting in between is not judged.
         """
-        inv, leases = self._inventory, self._leases
-        monitor, owned = inv.monitor, inv.owned
+        inv, leases, monitor = self._inventory, self._leases, self._inventory.monitor
         busy = leases.busy()
         pools = active_pools()
         # each owned device not busy, read; what the answers call for (withdraw, recover,
         # ask for a restart) is done before anything is judged
         readings: dict[int, MemoryReading] = {}
         answers: list[Answer] = []
-        for dev in owned:
+        for dev in inv.owned:
             if dev.index in busy:
                 continue
             try:
@@ -223,8 +222,8 @@ class LeakCheck:
         busy |= leases.busy()
         # a device skipped while busy is judged as soon as a task ends (the guard calls
         # check again then): a queue of back-to-back GPU tasks holds it nearly always
-        self.owed = any(dev.index in busy and dev.index in self._used for dev in owned)
-        limits = {dev.index: self._threshold.resolve(dev.memory) for dev in owned}
+        self.owed = any(dev.index in busy and dev.index in self._used for dev in inv.owned)
+        limits = {dev.index: self._threshold.resolve(dev.memory) for dev in inv.owned}
         # judged, in the order read: each device not running, that a GPU task of this
         # worker held, with a figure of this process's own there
         estimates = {
@@ -622,12 +621,9 @@ class Ledger:
         (:meth:`peek`): added to the stretch when its result's footprint is known by type
         and nothing broke the stretch meanwhile (else the stretch ends unmeasured). False:
         its result is of a type nobody described, to be measured now from the base."""
-        if self.holds_nothing(result):
-            known: dict[int, int] = {}
-        elif knows(result):
-            known = device_nbytes(result)
-        else:
+        if not knows(result):  # (what holds nothing by type is known)
             return False
+        known = {} if self.holds_nothing(result) else device_nbytes(result)
         with self._lock:
             last = {
                 d: f
