@@ -873,21 +873,21 @@ class Meter:
         return result
 
 
-def reclaim(devices: Iterable[Any]) -> int:
-    """Collect garbage, then free every active pool on each of ``devices``; the bytes the
-    pools said they released. Never creates a pool or a CUDA context: pools act only
-    where their library is already in use (:func:`~accelsched.devices.active_pools`).
+def reclaim(devices: Iterable[Any]) -> None:
+    """Collect garbage, then free every active pool on each of ``devices`` (what that gave
+    back is measured after, not taken from the pools' word). Never creates a pool or a
+    CUDA context: pools act only where their library is already in use
+    (:func:`~accelsched.devices.active_pools`).
     """
     gc.collect()
     pools = active_pools()
-    released = 0
     for device in devices if pools else ():
         try:
             with using_device(device):
-                released += sum(pool.free_all() for pool in pools)
+                for pool in pools:
+                    pool.free_all()
         except Exception:  # a pool or device that does not answer: measure anyway
             logger.warning("accelsched: freeing pools on device %s failed", device, exc_info=True)
-    return released
 
 
 #: Replies to a restart request saying the scheduler is restarting this worker.
@@ -1011,8 +1011,8 @@ class Inventory:
             except Exception as exc:  # no PlacementPlugin: the worker's own count only
                 logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
             if isinstance(reply, dict) and reply.get("status") == "OK" and "memory" in reply:
-                by_uuid = {d.uuid: d.index for d in offered}
-                shares = {by_uuid[u]: n for u, n in reply.get("shares", {}).items() if u in by_uuid}
+                said = reply.get("shares", {})
+                shares = {d.index: said[d.uuid] for d in offered if d.uuid in said}
                 memory = reply["memory"]
             else:  # its own devices' capacity, less what results hold
                 shares = {}
