@@ -83,6 +83,7 @@ import math
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -530,11 +531,10 @@ def _sequence(obj: Any) -> dict[int, int]:
     )
     if len(items) > SCAN_LIMIT and (not items or not device_nbytes(items[0])):
         return {}
-    out: dict[int, int] = {}
+    out: Counter[int] = Counter()
     for item in items:
-        for dev, n in device_nbytes(item).items():
-            out[dev] = out.get(dev, 0) + n
-    return out
+        out.update(device_nbytes(item))
+    return dict(out)
 
 
 def _register_cupy() -> None:

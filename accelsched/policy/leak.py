@@ -51,7 +51,7 @@ prefix's next measured run, at most :data:`MAX_GAP` runs later.
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -227,8 +227,9 @@ class Attribution:
     nothing could measure it).
     """
 
-    _bytes: dict[int, dict[str, int]] = field(default_factory=dict)  # device -> prefix -> n
-    _nothing: dict[str, int] = field(default_factory=dict)  # prefix -> runs that left nothing
+    #: device -> prefix -> bytes its runs left there
+    _bytes: defaultdict[int, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    _nothing: Counter[str] = field(default_factory=Counter)  # prefix -> runs that left nothing
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, prefix: str, residues: dict[int, int]) -> None:
@@ -236,13 +237,12 @@ class Attribution:
         with self._lock:
             for device, n in residues.items():
                 if n > 0:
-                    per = self._bytes.setdefault(device, {})
-                    per[prefix] = per.get(prefix, 0) + n
+                    self._bytes[device][prefix] += n
 
     def left_nothing(self, prefix: str) -> None:
         """A run of ``prefix`` was seen to leave nothing on its devices."""
         with self._lock:
-            self._nothing[prefix] = self._nothing.get(prefix, 0) + 1
+            self._nothing[prefix] += 1
 
     def suspects(
         self, devices: Iterable[int], runs: Mapping[str, int], *, clear: bool
@@ -253,11 +253,11 @@ class Attribution:
         less those every run of which was seen to leave nothing. Then forgotten, when
         ``clear``, at once."""
         with self._lock:
-            blamed = tuple(sorted(p for p, n in runs.items() if self._nothing.get(p, 0) < n))
+            blamed = tuple(sorted(p for p, n in runs.items() if self._nothing[p] < n))
             out = {
                 d: Suspects(tuple(sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))), blamed)
                 for d in devices
-                for per in [self._bytes.get(d, {})]
+                for per in [self._bytes.get(d, Counter())]
             }
             if clear:
                 self._bytes.clear()
@@ -289,7 +289,7 @@ class LeakDecisions:
     devices: defaultdict[int, DeviceRecord] = field(
         default_factory=lambda: defaultdict(DeviceRecord)
     )
-    _runs: dict[str, int] = field(default_factory=dict, init=False)  # prefix -> runs started
+    _runs: Counter[str] = field(default_factory=Counter, init=False)  # prefix -> runs started
     #: A reclaim proposed, until its devices are measured again: the leaks it concerns
     #: (confirmed and not tried: a restart is asked for them; tried) and their suspects.
     _round: tuple[list[Verdict], list[Verdict], dict[int, Suspects]] | None = field(
@@ -303,8 +303,7 @@ class LeakDecisions:
     def ran(self, prefix: str) -> None:
         """A task of ``prefix`` started: a suspect until the next clean check (O(1), on
         the event loop, as is the clearing: no lock)."""
-        runs = self._runs
-        runs[prefix] = runs.get(prefix, 0) + 1
+        self._runs[prefix] += 1
 
     @property
     def trying(self) -> list[int]:
