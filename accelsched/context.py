@@ -37,7 +37,7 @@ one, wherever it sits in the graph, is a GPU task, with no ``dask.annotate`` (se
 from __future__ import annotations
 
 import functools
-import importlib
+import pkgutil
 import sys
 import threading
 import types
@@ -66,7 +66,6 @@ __all__ = [
     "dual",
     "gpu",
     "holding",
-    "released",
     "unbind",
     "using_device",
 ]
@@ -161,17 +160,6 @@ def unbind(bound: tuple[Lease | None, list[Callable[[], Any]]]) -> None:
 
 
 @contextmanager
-def released() -> Iterator[None]:
-    """Run host code inside a GPU task as if it held no GPU (``dual``'s OOM retry)."""
-    previous = current_lease()
-    _local.lease = None
-    try:
-        yield
-    finally:
-        _local.lease = previous
-
-
-@contextmanager
 def using_device(device: int) -> Iterator[None]:
     """Make ``device`` CUDA's current one in this thread for a moment (as the backend's
     CUDA does: nothing on simulated GPUs)."""
@@ -248,8 +236,11 @@ class GPUStep(Generic[R]):
                     reason="oom",
                     error=f"{type(exc).__name__}: {exc}",
                 )
-        with released():  # the CPU form sees no GPU: array_module() is numpy
+        _local.lease = None  # the CPU form sees no GPU: array_module() is numpy
+        try:
             return self.cpu_fn(*args, **kwargs)
+        finally:
+            _local.lease = lease
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         """As a method: bound to its instance, and still marked (a bound method reads
@@ -286,10 +277,10 @@ def _name(fn: Callable[..., Any]) -> str:
 
 
 def _mark(
-    who: str, count: Any, fallback_timeout: Any, cpu_form: float | None, device: dict[str, Any]
+    who: str, count: Any, fallback_timeout: Any, cpu_form: float | None, **device: Any
 ) -> Mark:
     """A step's mark from ``who``'s arguments (``device``: memory, model, capability,
-    mig); a bad one raises naming ``who`` and the value."""
+    mig, enforce); a bad one raises naming ``who`` and the value."""
     if invalid_amount(count) is not None:
         raise ValueError(f"{who}(): invalid count={count!r}: expected a positive number of GPUs")
     given = fallback_timeout is not _UNSET
@@ -322,8 +313,21 @@ def dual(
     allocation past ``memory`` fails (None: the guard's ``enforce_memory``). A bad value
     raises here.
     """
-    device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
-    return GPUStep(gpu_fn, _mark("dual", 1, fallback_timeout, DUAL_TIMEOUT, device), cpu_fn)
+    return GPUStep(
+        gpu_fn,
+        _mark(
+            "dual",
+            1,
+            fallback_timeout,
+            DUAL_TIMEOUT,
+            memory=memory,
+            model=model,
+            capability=capability,
+            mig=mig,
+            enforce=enforce,
+        ),
+        cpu_fn,
+    )
 
 
 # --- how a step travels and comes back in another process (see the module docstring) ---
@@ -368,16 +372,13 @@ def importable(obj: Any) -> tuple[str, str] | None:
         or not isinstance(qualname, str)
         or module_name == "__main__"
         or "<" in qualname  # <locals>, <lambda>
-    ):
-        return None
-    if (module := sys.modules.get(module_name)) is None or getattr(
-        module, "__spec__", None
-    ) is None:  # dynamic
-        return None
-    # registered by value: the module or a package above it
-    if any(
-        module_name == m or module_name.startswith(f"{m}.")
-        for m in cloudpickle.list_registry_pickle_by_value()
+        or (module := sys.modules.get(module_name)) is None
+        or getattr(module, "__spec__", None) is None  # dynamic
+        # registered by value: the module or a package above it
+        or any(
+            module_name == m or module_name.startswith(f"{m}.")
+            for m in cloudpickle.list_registry_pickle_by_value()
+        )
     ):
         return None
     target: Any = module
@@ -425,15 +426,12 @@ def _load_step(label: str, payload: bytes, mark: Mark) -> GPUStep[Any]:
 
 def _load_step_by_name(module: str, qualname: str, mark: Mark) -> Any:
     """A ``@gpu`` step shipped by reference; unloadable here, still marked."""
-    label = f"{module}.{qualname}"
     try:
-        target: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            target = getattr(target, part)
+        target = pkgutil.resolve_name(f"{module}:{qualname}")
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         reload = (_load_step_by_name, (module, qualname))
-        return GPUStep(Unloadable(repr(label), error, reload), mark)
+        return GPUStep(Unloadable(repr(f"{module}.{qualname}"), error, reload), mark)
     return target if isinstance(target, GPUStep) else GPUStep(target, mark)
 
 
@@ -475,6 +473,15 @@ def gpu(
     fails (None: the guard's ``enforce_memory`` says). Bad arguments raise here, naming
     the value.
     """
-    device = dict(memory=memory, model=model, capability=capability, mig=mig, enforce=enforce)
-    mark = _mark("gpu", count, fallback_timeout, None, device)
+    mark = _mark(
+        "gpu",
+        count,
+        fallback_timeout,
+        None,
+        memory=memory,
+        model=model,
+        capability=capability,
+        mig=mig,
+        enforce=enforce,
+    )
     return GPUStep(fn, mark) if fn is not None else lambda f: GPUStep(f, mark)

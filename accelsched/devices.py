@@ -83,6 +83,7 @@ import math
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -436,15 +437,6 @@ def _host_mapping(obj: dict) -> dict:
     return out
 
 
-@to_host.register_lazy("cupy")
-def _register_cupy_to_host() -> None:
-    import cupy
-
-    @to_host.register(cupy.ndarray)
-    def _cupy_to_host(arr: Any) -> Any:
-        return cupy.asnumpy(arr)
-
-
 #: Libraries whose objects hold device memory that dask's ``sizeof`` (their own
 #: registrations) measures: a second source where no ``device_nbytes`` rule is registered.
 GPU_LIBRARIES = frozenset({"cudf", "dask_cudf", "rmm", "torch", "cupy", "numba", "cuml"})
@@ -542,20 +534,28 @@ def _sequence(obj: Any) -> dict[int, int]:
     )
     if len(items) > SCAN_LIMIT and (not items or not device_nbytes(items[0])):
         return {}
-    out: dict[int, int] = {}
+    out: Counter[int] = Counter()
     for item in items:
-        for dev, n in device_nbytes(item).items():
-            out[dev] = out.get(dev, 0) + n
-    return out
+        out.update(device_nbytes(item))
+    return dict(out)
 
 
-@device_nbytes.register_lazy("cupy")
 def _register_cupy() -> None:
+    """CuPy arrays, for both dispatches (whichever meets one first registers both): the
+    allocation an array views, whole; its copy on the host."""
     import cupy
 
-    @device_nbytes.register(cupy.ndarray)
-    def _cupy_array(arr: Any) -> dict[int, int]:
-        return {int(arr.device.id): int((arr if arr.base is None else arr.base).data.mem.size)}
+    device_nbytes.register(
+        cupy.ndarray,
+        lambda arr: {
+            int(arr.device.id): int((arr if arr.base is None else arr.base).data.mem.size)
+        },
+    )
+    to_host.register(cupy.ndarray, cupy.asnumpy)
+
+
+device_nbytes.register_lazy("cupy", _register_cupy)
+to_host.register_lazy("cupy", _register_cupy)
 
 
 _init_lock = threading.Lock()
@@ -633,7 +633,6 @@ class NVMLMonitor:
         #: "" when that did not answer): every device CUDA enumerates here; the handle is
         #: looked up again while None (lost when listed)
         self._found: dict[int, tuple[int, Any, str | None, str]] = {}
-        self._left_out: set[int] = set()  # those that did not answer when listed
 
     # --- availability -----------------------------------------------------------------
 
@@ -712,7 +711,7 @@ class NVMLMonitor:
                 uuids[i],
             )
             try:
-                devices.append(self._describe(cuda_index))
+                devices.append(self.query(cuda_index))
             except Exception as exc:  # this device does not answer: not ours to use
                 logger.warning(
                     "accelsched: GPU %d (NVML %d) does not answer NVML and is left out: %s",
@@ -720,25 +719,17 @@ class NVMLMonitor:
                     i,
                     _describe(exc),
                 )
-                self._left_out.add(cuda_index)
         return devices
 
     @property
     def left_out(self) -> list[int]:
         """CUDA indices of the devices visible here that did not answer NVML when they
         were listed (:meth:`devices` leaves them out), until :meth:`adopt` takes one."""
-        self.devices()
-        return sorted(self._left_out)
-
-    def query(self, index: int) -> DeviceInfo:
-        """Ask NVML again about the left-out device with CUDA index ``index``: its
-        description when it answers every query the guard makes; raises otherwise."""
-        self.devices()
-        return self._describe(index)
+        listed = {d.index for d in self.devices()}
+        return sorted(set(self._found) - listed)
 
     def adopt(self, info: DeviceInfo) -> None:
         """A left-out device answers again (see :meth:`query`): list it from now on."""
-        self._left_out.remove(info.index)
         self._devices = sorted([*self.devices(), info], key=lambda d: d.index)
 
     def device(self, index: int) -> DeviceInfo:
@@ -747,9 +738,10 @@ class NVMLMonitor:
                 return d
         raise IndexError(f"no visible device with CUDA index {index}")
 
-    def _describe(self, index: int) -> DeviceInfo:
-        """Device ``index`` (CUDA's) of those found; raises when it does not answer every
-        query the guard makes. Its handle is kept once it answers."""
+    def query(self, index: int) -> DeviceInfo:
+        """Device ``index`` (CUDA's) of those found as the devices were listed (a
+        left-out one asked again): its description when it answers every query the guard
+        makes; raises otherwise. Its handle is kept once it answers."""
         nvml = self._nvml
         nvml_index, h, mig, gpu_uuid = self._found[index]
         h = nvml.nvmlDeviceGetHandleByIndex(nvml_index) if h is None else h  # lost when listed
@@ -877,7 +869,6 @@ def resolve_devices(
     names: Sequence[str] = [str(i) for i in range(len(uuids))] if entries is None else entries
     out: list[Visible] = []
     seen: set[tuple[int, str | None]] = set()
-    mig_taken = False
     for entry in names:
         found = _match(entry, uuids, migs)
         if found is None or (found.nvml_index, found.mig_uuid) in seen:
@@ -890,15 +881,13 @@ def resolve_devices(
         seen.add((found.nvml_index, found.mig_uuid))
         if found.nvml_index in migs and found.mig_uuid is None:
             continue  # a GPU in MIG mode without MIG devices: nothing CUDA can use
-        if found.mig_uuid is not None:
-            if mig_taken:
-                logger.warning(
-                    "CUDA_VISIBLE_DEVICES entry %r is a second MIG device; a CUDA process "
-                    "enumerates one MIG device only, so it is left out",
-                    entry,
-                )
-                continue
-            mig_taken = True
+        if found.mig_uuid is not None and any(v.mig_uuid for v in out):
+            logger.warning(
+                "CUDA_VISIBLE_DEVICES entry %r is a second MIG device; a CUDA process "
+                "enumerates one MIG device only, so it is left out",
+                entry,
+            )
+            continue
         out.append(found)
     return out
 

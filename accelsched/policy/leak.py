@@ -51,7 +51,7 @@ prefix's next measured run, at most :data:`MAX_GAP` runs later.
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -227,8 +227,9 @@ class Attribution:
     nothing could measure it).
     """
 
-    _bytes: dict[int, dict[str, int]] = field(default_factory=dict)  # device -> prefix -> n
-    _nothing: dict[str, int] = field(default_factory=dict)  # prefix -> runs that left nothing
+    #: device -> prefix -> bytes its runs left there
+    _bytes: defaultdict[int, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    _nothing: Counter[str] = field(default_factory=Counter)  # prefix -> runs that left nothing
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, prefix: str, residues: dict[int, int]) -> None:
@@ -236,13 +237,12 @@ class Attribution:
         with self._lock:
             for device, n in residues.items():
                 if n > 0:
-                    per = self._bytes.setdefault(device, {})
-                    per[prefix] = per.get(prefix, 0) + n
+                    self._bytes[device][prefix] += n
 
     def left_nothing(self, prefix: str) -> None:
         """A run of ``prefix`` was seen to leave nothing on its devices."""
         with self._lock:
-            self._nothing[prefix] = self._nothing.get(prefix, 0) + 1
+            self._nothing[prefix] += 1
 
     def suspects(
         self, devices: Iterable[int], runs: Mapping[str, int], *, clear: bool
@@ -253,11 +253,11 @@ class Attribution:
         less those every run of which was seen to leave nothing. Then forgotten, when
         ``clear``, at once."""
         with self._lock:
-            blamed = tuple(sorted(p for p, n in runs.items() if self._nothing.get(p, 0) < n))
+            blamed = tuple(sorted(p for p, n in runs.items() if self._nothing[p] < n))
             out = {
                 d: Suspects(tuple(sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))), blamed)
                 for d in devices
-                for per in [self._bytes.get(d, {})]
+                for per in [self._bytes.get(d, Counter())]
             }
             if clear:
                 self._bytes.clear()
@@ -271,15 +271,6 @@ class Remeasured:
 
     estimate: int | None  # None: NVML did not answer (the next check withdraws it)
     seconds: float = 0.0  # collecting, freeing and measuring again
-
-
-@dataclass
-class _Round:
-    """A reclaim proposed: the leaks it concerns, until their devices are measured again."""
-
-    held: list[Verdict]  # confirmed, not tried: a restart is asked for them
-    tried: list[Verdict]
-    suspects: dict[int, Suspects]
 
 
 @dataclass
@@ -298,8 +289,12 @@ class LeakDecisions:
     devices: defaultdict[int, DeviceRecord] = field(
         default_factory=lambda: defaultdict(DeviceRecord)
     )
-    _runs: dict[str, int] = field(default_factory=dict, init=False)  # prefix -> runs started
-    _round: _Round | None = field(default=None, init=False)
+    _runs: Counter[str] = field(default_factory=Counter, init=False)  # prefix -> runs started
+    #: A reclaim proposed, until its devices are measured again: the leaks it concerns
+    #: (confirmed and not tried: a restart is asked for them; tried) and their suspects.
+    _round: tuple[list[Verdict], list[Verdict], dict[int, Suspects]] | None = field(
+        default=None, init=False
+    )
 
     def __post_init__(self) -> None:
         if self.confirmations < 1:
@@ -308,13 +303,12 @@ class LeakDecisions:
     def ran(self, prefix: str) -> None:
         """A task of ``prefix`` started: a suspect until the next clean check (O(1), on
         the event loop, as is the clearing: no lock)."""
-        runs = self._runs
-        runs[prefix] = runs.get(prefix, 0) + 1
+        self._runs[prefix] += 1
 
     @property
     def trying(self) -> list[int]:
         """The devices a reclaim was proposed for, until :meth:`reclaimed` hears of them."""
-        return [] if self._round is None else [v.device for v in self._round.tried]
+        return [] if self._round is None else [v.device for v in self._round[1]]
 
     def count(self, estimates: Mapping[int, tuple[int, int]]) -> list[Verdict]:
         """One verdict per device judged: ``estimates`` is device -> (estimate,
@@ -362,7 +356,7 @@ class LeakDecisions:
         tried = [v for v in worth if self.devices[v.device].settled(running, self.max_wait)]
         held = [v for v in leaks if v not in worth]
         if tried:
-            self._round = _Round(held, tried, suspects)
+            self._round = (held, tried, suspects)
             return [Proposal("reclaim", v.device) for v in tried]
         self._round = None
         return self._conclude(held, {}, suspects)
@@ -378,10 +372,10 @@ class LeakDecisions:
         pending, self._round = self._round, None
         if pending is None:
             return []
-        held = list(pending.held)
+        held, tried, suspects = pending  # (the round is over: its lists are this call's)
         came_back: dict[int, int] = {}
         out: list[Proposal] = []
-        for v in pending.tried:
+        for v in tried:
             again = after.get(v.device)
             if again is None:
                 continue
@@ -405,10 +399,10 @@ class LeakDecisions:
                         "threshold": v.threshold,
                         "seconds": round(again.seconds, 4),
                     },
-                    detail={"prefixes": pending.suspects[v.device].prefixes},
+                    detail={"prefixes": suspects[v.device].prefixes},
                 )
             )
-        return out + self._conclude(held, came_back, pending.suspects)
+        return out + self._conclude(held, came_back, suspects)
 
     def _conclude(
         self, held: list[Verdict], came_back: dict[int, int], suspects: dict[int, Suspects]

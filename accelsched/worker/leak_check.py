@@ -198,15 +198,14 @@ class LeakCheck:
         results nor leaks, and the estimate means nothing until it ends. Which devices are
         busy is read before and after NVML, so a task starting in between is not judged.
         """
-        inv, leases = self._inventory, self._leases
-        monitor, owned = inv.monitor, inv.owned
+        inv, leases, monitor = self._inventory, self._leases, self._inventory.monitor
         busy = leases.busy()
         pools = active_pools()
         # each owned device not busy, read; what the answers call for (withdraw, recover,
         # ask for a restart) is done before anything is judged
         readings: dict[int, MemoryReading] = {}
         answers: list[Answer] = []
-        for dev in owned:
+        for dev in inv.owned:
             if dev.index in busy:
                 continue
             try:
@@ -223,8 +222,8 @@ class LeakCheck:
         busy |= leases.busy()
         # a device skipped while busy is judged as soon as a task ends (the guard calls
         # check again then): a queue of back-to-back GPU tasks holds it nearly always
-        self.owed = any(dev.index in busy and dev.index in self._used for dev in owned)
-        limits = {dev.index: self._threshold.resolve(dev.memory) for dev in owned}
+        self.owed = any(dev.index in busy and dev.index in self._used for dev in inv.owned)
+        limits = {dev.index: self._threshold.resolve(dev.memory) for dev in inv.owned}
         # judged, in the order read: each device not running, that a GPU task of this
         # worker held, with a figure of this process's own there
         estimates = {
@@ -474,9 +473,11 @@ class Ledger:
         self._held: dict[Any, dict[int, int]] = {}
         self._live: dict[int, int] = {}  # device -> bytes results in memory hold
         self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
-        # device -> the reading that ended the last measured task there: the next task's
-        # base, unless memory changed meanwhile (a key released, data arrived)
-        self._fresh: dict[int, int] = {}
+        # device -> [the reading that ended the last measured task there, and the
+        # unmeasured runs since: their prefix (None: none), how many, what their results
+        # hold there by type]: the next task's base, unless memory changed meanwhile (a
+        # key released, data arrived); one prefix's stretch at most
+        self._fresh: dict[int, list[Any]] = {}
         # changes noted on the event loop (a key released, data arrived): a closing
         # reading taken across one of them is not reused as a base
         self._changes = 0
@@ -486,9 +487,6 @@ class Ledger:
         self._context_gen = 0  # bumped whenever that knowledge is dropped
         self._clean: set[str] = set()  # prefixes whose runs were seen to make no context
         self.sampler = Backoff()  # which runs of a prefix are measured, on a context
-        # device -> [prefix, runs, known bytes]: unmeasured runs since its _fresh reading,
-        # all of one prefix, and what their results hold by type there
-        self._stretch: dict[int, list[Any]] = {}
 
     def read(self, device: int, record: bool = False) -> tuple[int | None, bool]:
         """This process's bytes on ``device`` minus what pools cache or reserve (None
@@ -592,17 +590,9 @@ class Ledger:
         results hold by type, so that they are not counted as grown. ``reuse_only``: no
         reading now (a task already ran): None where there is no reading to reuse."""
         with self._lock:
-            fresh = [self._fresh.pop(d, None) for d in devices]
-            stretch = [self._stretch.pop(d, None) for d in devices]
-        runs = 0
-        for i, s in enumerate(stretch):
-            if s is None:
-                continue
-            if s[0] != prefix or fresh[i] is None:
-                fresh[i] = None
-            else:
-                fresh[i] += s[2]
-                runs = max(runs, s[1])
+            last = [self._fresh.pop(d, None) for d in devices]
+        fresh = [None if f is None or f[1] not in (None, prefix) else f[0] + f[3] for f in last]
+        runs = max((f[2] for f in last if f is not None and f[1] == prefix), default=0)
         if reuse_only and None in fresh:
             return None, False, 0
         read = [
@@ -617,9 +607,11 @@ class Ledger:
         the unmeasured runs since (if any) were all of ``prefix``; None where there is
         none (a run then is not measured, unless it must be and can read a base)."""
         with self._lock:
-            if any(self._stretch.get(d, (prefix,))[0] != prefix for d in devices):
-                return None
-            base = {d: self._fresh[d] for d in devices if d in self._fresh}
+            base = {
+                d: f[0]
+                for d in devices
+                if (f := self._fresh.get(d)) is not None and f[1] in (None, prefix)
+            }
         return base if len(base) == len(devices) else None
 
     def stretched(
@@ -629,21 +621,20 @@ class Ledger:
         (:meth:`peek`): added to the stretch when its result's footprint is known by type
         and nothing broke the stretch meanwhile (else the stretch ends unmeasured). False:
         its result is of a type nobody described, to be measured now from the base."""
-        if self.holds_nothing(result):
-            known: dict[int, int] = {}
-        elif knows(result):
-            known = device_nbytes(result)
-        else:
+        if not knows(result):  # (what holds nothing by type is known)
             return False
+        known = {} if self.holds_nothing(result) else device_nbytes(result)
         with self._lock:
-            fresh, stretch = self._fresh, self._stretch
-            if all(fresh.get(d) == base[d] for d in devices) and all(
-                stretch.get(d, (prefix,))[0] == prefix for d in devices
-            ):
-                for d in devices:
-                    s = stretch.setdefault(d, [prefix, 0, 0])
-                    s[1] += 1
-                    s[2] += known.get(d, 0)
+            last = {
+                d: f
+                for d in devices
+                if (f := self._fresh.get(d)) is not None
+                and f[0] == base[d]
+                and f[1] in (None, prefix)
+            }
+            if len(last) == len(devices):
+                for d, f in last.items():
+                    f[1:] = [prefix, f[2] + 1, f[3] + known.get(d, 0)]
                 return True
         self.forget(devices)  # memory changed unmeasured: no base from before it
         return True
@@ -669,7 +660,8 @@ class Ledger:
             if key is not None:
                 with self._lock:
                     if self._changes == changes:
-                        self._settled[device] = self._fresh[device] = now
+                        self._settled[device] = now
+                        self._fresh[device] = [now, None, 0, 0]
         if key is not None:
             with self._lock:
                 self._measured[key] = held
@@ -686,7 +678,6 @@ class Ledger:
             measured = self._measured.pop(key, None)
             if not computed:  # memory may have grown: no reused base
                 self._fresh.clear()
-                self._stretch.clear()
                 self._changes += 1
         if measured is not None and computed:  # the measurement wins: known without its value
             held = {d: n for d, n in measured.items() if n}
@@ -745,7 +736,6 @@ class Ledger:
             for device in devices:
                 self._settled.pop(device, None)
                 self._fresh.pop(device, None)
-                self._stretch.pop(device, None)
             self._changes += 1
 
 
@@ -883,21 +873,21 @@ class Meter:
         return result
 
 
-def reclaim(devices: Iterable[Any]) -> int:
-    """Collect garbage, then free every active pool on each of ``devices``; the bytes the
-    pools said they released. Never creates a pool or a CUDA context: pools act only
-    where their library is already in use (:func:`~accelsched.devices.active_pools`).
+def reclaim(devices: Iterable[Any]) -> None:
+    """Collect garbage, then free every active pool on each of ``devices`` (what that gave
+    back is measured after, not taken from the pools' word). Never creates a pool or a
+    CUDA context: pools act only where their library is already in use
+    (:func:`~accelsched.devices.active_pools`).
     """
     gc.collect()
     pools = active_pools()
-    released = 0
     for device in devices if pools else ():
         try:
             with using_device(device):
-                released += sum(pool.free_all() for pool in pools)
+                for pool in pools:
+                    pool.free_all()
         except Exception:  # a pool or device that does not answer: measure anyway
             logger.warning("accelsched: freeing pools on device %s failed", device, exc_info=True)
-    return released
 
 
 #: Replies to a restart request saying the scheduler is restarting this worker.
@@ -1021,8 +1011,8 @@ class Inventory:
             except Exception as exc:  # no PlacementPlugin: the worker's own count only
                 logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
             if isinstance(reply, dict) and reply.get("status") == "OK" and "memory" in reply:
-                by_uuid = {d.uuid: d.index for d in offered}
-                shares = {by_uuid[u]: n for u, n in reply.get("shares", {}).items() if u in by_uuid}
+                said = reply.get("shares", {})
+                shares = {d.index: said[d.uuid] for d in offered if d.uuid in said}
                 memory = reply["memory"]
             else:  # its own devices' capacity, less what results hold
                 shares = {}

@@ -268,9 +268,9 @@ def test_another_prefixs_run_ends_a_stretch_unmeasured_never_blaming_itself() ->
     runs are not counted as leaving nothing, so a leak found by the check names it."""
     tasks = Tasks()
     quiet_inc(tasks, 100)
-    while 0 not in tasks.ledger._stretch:  # to the start of an unmeasured stretch
+    while tasks.ledger._fresh.get(0, [0, None])[1] is None:  # to an unmeasured stretch
         tasks.run(inc, 0)
-    unmeasured = tasks.ledger._stretch[0][1]
+    unmeasured = tasks.ledger._fresh[0][2]
 
     def inc_leaky(i: int) -> int:
         device_alloc(64 * MiB, leak=True)
@@ -278,7 +278,7 @@ def test_another_prefixs_run_ends_a_stretch_unmeasured_never_blaming_itself() ->
 
     inc_leaky.__name__ = "inc"
     tasks.run(inc_leaky, 1)
-    assert tasks.ledger._stretch[0][1] == unmeasured + 1  # unmeasured, in inc's stretch
+    assert tasks.ledger._fresh[0][2] == unmeasured + 1  # unmeasured, in inc's stretch
 
     def other(i: int) -> int:
         return i
