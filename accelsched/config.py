@@ -259,9 +259,11 @@ class Threshold:
 def parse_threshold(name: str, value: Any) -> Threshold:
     """Bytes (``"1GiB"``, ``2**30``) or a fraction of device memory (``0.1``)."""
     expected = "bytes like '1GiB' or a fraction of device memory like 0.1"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise _bad(name, value, expected, TypeError)
     try:  # a float, or a string of one with a point ("1.5GiB" is bytes)
         f = float(value) if isinstance(value, float) or "." in str(value) else None
-    except (ValueError, TypeError):  # "1.5GiB"; a list is no number either
+    except ValueError:  # "1.5GiB"
         f = None
     if f is None:  # bytes, or no number (parse_size says which, as here)
         if (n := parse_size(name, value, expected)) == 0:

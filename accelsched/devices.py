@@ -140,7 +140,11 @@ def backend_module() -> ModuleType:
 
         name, where = config_value(BACKEND_KEY), f"dask config {BACKEND_KEY}"
     # asked as each GPU task starts (:func:`cuda`): one imported is looked up, not imported
-    if isinstance(name, str) and (module := sys.modules.get(name)) is not None:
+    if (
+        isinstance(name, str)
+        and (module := sys.modules.get(name)) is not None
+        and not getattr(module.__spec__, "_initializing", False)  # another thread imports it
+    ):
         return module
     if not isinstance(name, str) or not name.replace(".", "").replace("_", "").isalnum():
         raise ValueError(f"{where}: {name!r} is no module name")
@@ -881,7 +885,7 @@ def resolve_devices(
         seen.add((found.nvml_index, found.mig_uuid))
         if found.nvml_index in migs and found.mig_uuid is None:
             continue  # a GPU in MIG mode without MIG devices: nothing CUDA can use
-        if found.mig_uuid is not None and any(v.mig_uuid for v in out):
+        if found.mig_uuid is not None and any(v.mig_uuid is not None for v in out):
             logger.warning(
                 "CUDA_VISIBLE_DEVICES entry %r is a second MIG device; a CUDA process "
                 "enumerates one MIG device only, so it is left out",

@@ -24,7 +24,7 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping
 from inspect import isawaitable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from dask.utils import parse_bytes
 from distributed import Adaptive, SpecCluster
@@ -49,8 +49,11 @@ NO_PLUGIN_WAIT_MAX = 60.0
 _NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
 
-#: A pool as given, checked: the decision's view and the worker spec to start.
-PoolSpec = tuple[Pool, dict[str, Any]]
+class PoolSpec(NamedTuple):
+    """A pool as given, checked: the decision's view and the worker spec to start."""
+
+    pool: Pool
+    spec: dict[str, Any]
 
 
 def _count(pool: str, key: str, value: Any, least: int = 0) -> int:
@@ -165,7 +168,7 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         # are not the pool's ``<pool>-<n>``)
         given_threads = options.get("nthreads") or options.get("cores") or 1
         threads = _count(name, "spec options nthreads", given_threads, least=1)
-        out[name] = (
+        out[name] = PoolSpec(
             Pool(name, minimum, maximum, gpus, facts, threads),
             {"cls": spec["cls"], "options": dict(options)},
         )

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -50,6 +50,7 @@ __all__ = [
     "admit_restart",
     "restart_reply",
     "keeps_devices",
+    "grant",
 ]
 
 T = TypeVar("T")
@@ -240,3 +241,17 @@ def keeps_devices(why: str) -> bool:
     with the devices that answer.
     """
     return why == "gpu-unhealthy"  # the reason its guard asks with
+
+
+def grant(
+    wanted: Sequence[str], owners: Mapping[str, str], *, share: bool
+) -> tuple[list[str], dict[str, str]]:
+    """The UUIDs of ``wanted`` a worker may drive, given the other workers' (``owners``:
+    UUID -> worker), and the refused ones with their owners: one owner per GPU UUID
+    unless ``share``.
+
+    A MIG device is owned by its own ``MIG-`` UUID: two MIG devices of one GPU have two
+    owners, and one MIG device named two ways (its UUID, its parent's index) has one.
+    """
+    refused = {} if share else {uuid: owners[uuid] for uuid in wanted if uuid in owners}
+    return [uuid for uuid in wanted if uuid not in refused], refused

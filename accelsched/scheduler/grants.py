@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from distributed.metrics import time as _now  # the event log's clock
 
 from accelsched import display, events, internals
-from accelsched.policy.requests import Requests
+from accelsched.policy.requests import Requests, grant
 from accelsched.policy.requirements import DeviceFacts, mebibytes, share
 from accelsched.protocol import (
     GPU,
@@ -182,27 +182,17 @@ class Grants:
         self, worker: str, wanted: list[DeviceRecord]
     ) -> tuple[list[DeviceRecord], dict[str, str]] | None:
         """Grant ``worker`` the devices of ``wanted`` nobody else owns: one owner per GPU
-        UUID unless ``share_gpus``. Returns them and the refused UUIDs with their owners
-        (None: a repeated report, nothing changed).
-
-        A MIG device is owned by its own ``MIG-`` UUID: two MIG devices of one GPU have two
-        owners, and one MIG device named two ways (its UUID, its parent's index) has one.
-        """
+        UUID unless ``share_gpus`` (:func:`~accelsched.policy.requests.grant`). Returns
+        them and the refused UUIDs with their owners (None: a repeated report, nothing
+        changed)."""
         previous, uuids = self.of(worker), [d["uuid"] for d in wanted]
         if previous.reported and not previous.refused and self.uuids(worker) == uuids:
             return None
-        refused = (
-            {}
-            if self.share_gpus
-            else {  # its own previous grant stands in nobody's way
-                d["uuid"]: w
-                for w, g in self._workers.items()
-                if w != worker
-                for d in g.devices
-                if d["uuid"] in uuids
-            }
-        )
-        granted = [d for d in wanted if d["uuid"] not in refused]
+        owners = {  # its own previous grant stands in nobody's way
+            d["uuid"]: w for w, g in self._workers.items() if w != worker for d in g.devices
+        }
+        kept, refused = grant(uuids, owners, share=self.share_gpus)
+        granted = [d for d in wanted if d["uuid"] in kept]
         self._set(worker, devices=tuple(granted), reported=True, refused=frozenset(refused))
         return granted, refused
 

@@ -621,9 +621,12 @@ class Ledger:
         (:meth:`peek`): added to the stretch when its result's footprint is known by type
         and nothing broke the stretch meanwhile (else the stretch ends unmeasured). False:
         its result is of a type nobody described, to be measured now from the base."""
-        if not knows(result):  # (what holds nothing by type is known)
+        if self.holds_nothing(result):  # first: the common case, per unmeasured run
+            known: dict[int, int] = {}
+        elif knows(result):
+            known = device_nbytes(result)
+        else:
             return False
-        known = {} if self.holds_nothing(result) else device_nbytes(result)
         with self._lock:
             last = {
                 d: f

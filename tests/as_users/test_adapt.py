@@ -194,8 +194,8 @@ def test_a_jobqueue_jobs_options_say_its_gpus_and_threads() -> None:
 
     gpu = job(worker_extra_args=["--lifetime", "1h", "--resources", "GPU=2 fast=1"])
     parsed = parse_pools({"gpu": gpu, "cpu": job(cores=3)})
-    assert (parsed["gpu"][0].gpus, parsed["gpu"][0].threads) == (2, 4)
-    assert (parsed["cpu"][0].gpus, parsed["cpu"][0].threads) == (0, 3)
+    assert (parsed["gpu"].pool.gpus, parsed["gpu"].pool.threads) == (2, 4)
+    assert (parsed["cpu"].pool.gpus, parsed["cpu"].pool.threads) == (0, 3)
     with pytest.raises(ValueError, match="devices count=1 but its workers declare"):
         parse_pools({"gpu": {**gpu, "devices": {"count": 1}}})
     with pytest.raises(ValueError, match=r"'gpu': invalid --resources 'GPU=two'"):

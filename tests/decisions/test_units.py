@@ -11,7 +11,7 @@ import accelsched
 from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Threshold, resolve_options
 from accelsched.devices import resolve_devices, visible_from_env
 from accelsched.policy.marks import Mark
-from accelsched.policy.requests import Claim, Requests, decide_claim, owned
+from accelsched.policy.requests import Claim, Requests, decide_claim, grant, owned
 from accelsched.policy.requirements import LeaseTable, NoFreeDevice
 from accelsched.policy.timeouts import (
     CHAIN,
@@ -98,6 +98,13 @@ def test_registry_shared() -> None:
 
 
 def test_grant_numbers() -> None:
+    owners = {UUIDS[0]: "a"}
+    assert grant(UUIDS[:2], owners, share=False) == ([UUIDS[1]], {UUIDS[0]: "a"})
+    assert grant(UUIDS[:2], owners, share=True) == (UUIDS[:2], {})
+    assert grant([], owners, share=False) == ([], {})
+
+
+def test_grant_numbers_through_claims() -> None:
     for share, expected in ((False, ([UUIDS[1]], {UUIDS[0]: "a"})), (True, (UUIDS[:2], {}))):
         reg = Grants(share_gpus=share)
         _claim(reg, "a", UUIDS[:1])
