@@ -198,8 +198,9 @@ class Fallback:
         self._act = act  # PlacementPlugin.act: carries out the proposals of a check
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
         # read once, as the scheduler reads it; None once warned
-        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
-        self._no_workers_limit = None if limit is None else parse_timedelta(limit)
+        self._no_workers_limit = parse_timedelta(
+            dask.config.get("distributed.scheduler.no-workers-timeout", None)
+        )
         # elastic pools (accelsched.adapt): class -> until when a worker serving it was
         # said to be coming (monotonic), pools at their maximum, and the bound
         self._coming: dict[str, float] = {}
@@ -468,11 +469,11 @@ class Fallback:
     def class_of(self, ts: Any, task: GpuTask) -> tuple[str, Requirement, int]:
         """The class of a GPU task as elastic pools see it: its name
         (``"<devices>x <requirement>"``), requirement and devices."""
-        if task.eligible is not None:
-            need, devices, _ = task.eligible.key
-        else:
-            need = Requirement()
-            devices = devices_needed((ts.resource_restrictions or {}).get(GPU, 1))
+        need, devices, _ = (
+            task.eligible.key
+            if task.eligible is not None
+            else (Requirement(), devices_needed((ts.resource_restrictions or {}).get(GPU, 1)), None)
+        )
         return f"{devices}x {need.label()}", need, devices
 
     def _due(self, key: Hashable, task: GpuTask, at: float | None) -> None:
@@ -619,9 +620,8 @@ class Fallback:
         """The ``accelsched_demand`` reply: the work waiting and running, by GPU class."""
         gpu: dict[str, ClassDemand] = {}
         cpu_tasks, cpu_seconds = 0, 0.0
-        for ts in internals.ready_tasks(self.scheduler):
+        for ts, seconds in internals.ready_tasks(self.scheduler):
             task = self.tasks.get(ts.key)
-            seconds = internals.expected_seconds(self.scheduler, ts)
             if task is None or task.fell_back or task.problem is not None:
                 cpu_tasks += 1
                 cpu_seconds += seconds
