@@ -164,7 +164,6 @@ class GpuTask:
     eligible: Eligible | None = None  # its requirement's class; None: no requirement
     sent: str | None = None  # the worker it was last sent to
     fell_back: bool = False  # its CPU form runs
-    since: float = 0.0  # when it last became unrunnable (monotonic)
     due: float | None = None  # when a check looks at it; None: none will
 
 
@@ -224,9 +223,9 @@ class Fallback:
                 if ts.state not in DONE and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
                     internals.share_worker_restriction(ts, None)  # its own: unknown now
                     self._require(ts, adopted, None, restrictions.get(GPU, 1), say=False)
-        for ts, since in list(internals.unrunnable(scheduler).items()):
+        for ts in list(internals.unrunnable(scheduler)):
             if (task := self.tasks.get(ts.key)) is not None:
-                self._enter(ts, task, since)
+                self._enter(ts, task)
         self._schedule()
 
     def follow(self, worker: str) -> None:
@@ -425,7 +424,7 @@ class Fallback:
             return
         ts = self.scheduler.tasks[key]  # not forgotten: still the scheduler's
         if finish == "no-worker":
-            self._enter(ts, task, monotonic())
+            self._enter(ts, task)
             self._schedule()
         elif start == "no-worker":
             task.due = None
@@ -442,11 +441,10 @@ class Fallback:
                 task.eligible.workers.discard(ws.address)
                 self._benched[ws.address] = monotonic() + BENCH
 
-    def _enter(self, ts: Any, task: GpuTask, since: float) -> None:
-        """``ts`` is unrunnable since ``since``: note when a check looks at it."""
-        task.since = since
+    def _enter(self, ts: Any, task: GpuTask) -> None:
+        """``ts`` just became unrunnable: note when a check looks at it."""
         if task.problem is not None:
-            self._due(ts.key, task, since)
+            self._due(ts.key, task, internals.unrunnable(self.scheduler)[ts])
         elif not task.fell_back and (w := self._waiting(ts, task)) is not None:
             self._due(ts.key, task, deadline(w))
 
@@ -460,7 +458,7 @@ class Fallback:
         chain = any(
             (d := self.tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
         )
-        since = task.since
+        since = internals.unrunnable(self.scheduler)[ts]  # when it became unrunnable
         if self._coming:  # a worker that serves it is starting: its timeout counts after
             until = self._coming.get(self.class_of(ts, task)[0])
             since = counted_from(since, until, self._bound)
