@@ -4,6 +4,7 @@ the guards' heartbeat figures and the dashboard page."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from time import monotonic, time
 from typing import TYPE_CHECKING, Any
@@ -203,19 +204,14 @@ def release_unfit(scheduler: Scheduler, ws: WorkerState) -> int:
     return len(unfit)
 
 
-def ready_tasks(scheduler: Scheduler) -> Iterator[TaskState]:
+def ready_tasks(scheduler: Scheduler) -> Iterator[tuple[TaskState, float]]:
     """Every task ready to run or running: queued, unrunnable (``no-worker``), and
-    processing on a worker (what elastic pools size themselves by)."""
-    yield from getattr(scheduler, "queued", ())
-    yield from scheduler.unrunnable
-    for ws in scheduler.workers.values():
-        yield from ws.processing
-
-
-def expected_seconds(scheduler: Scheduler, ts: TaskState) -> float:
-    """How long ``ts`` is expected to run: its prefix's average, as distributed's own
-    occupancy and adaptive target reckon it."""
-    return float(scheduler._get_prefix_duration(ts.prefix))
+    processing on a worker (what elastic pools size themselves by), each with how long
+    it is expected to run: its prefix's average, as distributed's own occupancy and
+    adaptive target reckon it."""
+    processing = (ts for ws in scheduler.workers.values() for ts in ws.processing)
+    for ts in itertools.chain(getattr(scheduler, "queued", ()), scheduler.unrunnable, processing):
+        yield ts, float(scheduler._get_prefix_duration(ts.prefix))
 
 
 def busy(ws: WorkerState) -> bool:

@@ -436,9 +436,8 @@ class LeaseTable:
         with self._lock:
             task = self._tasks.get(key)
             if task is None:
-                self._tasks[key] = _Task(True, gpu)
-                self.changes += 1
-            elif not task.counted:
+                task = self._tasks[key] = _Task(False, gpu)
+            if not task.counted:
                 task.counted = True
                 self.changes += 1
 

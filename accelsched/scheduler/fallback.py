@@ -164,7 +164,6 @@ class GpuTask:
     eligible: Eligible | None = None  # its requirement's class; None: no requirement
     sent: str | None = None  # the worker it was last sent to
     fell_back: bool = False  # its CPU form runs
-    since: float = 0.0  # when it last became unrunnable (monotonic)
     due: float | None = None  # when a check looks at it; None: none will
 
 
@@ -198,8 +197,9 @@ class Fallback:
         self._act = act  # PlacementPlugin.act: carries out the proposals of a check
         self._timer: tuple[float, Any] | None = None  # (deadline, handle)
         # read once, as the scheduler reads it; None once warned
-        limit = dask.config.get("distributed.scheduler.no-workers-timeout", None)
-        self._no_workers_limit = None if limit is None else parse_timedelta(limit)
+        self._no_workers_limit = parse_timedelta(
+            dask.config.get("distributed.scheduler.no-workers-timeout", None)
+        )
         # elastic pools (accelsched.adapt): class -> until when a worker serving it was
         # said to be coming (monotonic), pools at their maximum, and the bound
         self._coming: dict[str, float] = {}
@@ -223,9 +223,9 @@ class Fallback:
                 if ts.state not in DONE and REQUIREMENT_ANNOTATION in (ts.annotations or {}):
                     internals.share_worker_restriction(ts, None)  # its own: unknown now
                     self._require(ts, adopted, None, restrictions.get(GPU, 1), say=False)
-        for ts, since in list(internals.unrunnable(scheduler).items()):
+        for ts in list(internals.unrunnable(scheduler)):
             if (task := self.tasks.get(ts.key)) is not None:
-                self._enter(ts, task, since)
+                self._enter(ts, task)
         self._schedule()
 
     def follow(self, worker: str) -> None:
@@ -424,7 +424,7 @@ class Fallback:
             return
         ts = self.scheduler.tasks[key]  # not forgotten: still the scheduler's
         if finish == "no-worker":
-            self._enter(ts, task, monotonic())
+            self._enter(ts, task)
             self._schedule()
         elif start == "no-worker":
             task.due = None
@@ -441,11 +441,10 @@ class Fallback:
                 task.eligible.workers.discard(ws.address)
                 self._benched[ws.address] = monotonic() + BENCH
 
-    def _enter(self, ts: Any, task: GpuTask, since: float) -> None:
-        """``ts`` is unrunnable since ``since``: note when a check looks at it."""
-        task.since = since
+    def _enter(self, ts: Any, task: GpuTask) -> None:
+        """``ts`` just became unrunnable: note when a check looks at it."""
         if task.problem is not None:
-            self._due(ts.key, task, since)
+            self._due(ts.key, task, internals.unrunnable(self.scheduler)[ts])
         elif not task.fell_back and (w := self._waiting(ts, task)) is not None:
             self._due(ts.key, task, deadline(w))
 
@@ -459,7 +458,7 @@ class Fallback:
         chain = any(
             (d := self.tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
         )
-        since = task.since
+        since = internals.unrunnable(self.scheduler)[ts]  # when it became unrunnable
         if self._coming:  # a worker that serves it is starting: its timeout counts after
             until = self._coming.get(self.class_of(ts, task)[0])
             since = counted_from(since, until, self._bound)
@@ -468,11 +467,11 @@ class Fallback:
     def class_of(self, ts: Any, task: GpuTask) -> tuple[str, Requirement, int]:
         """The class of a GPU task as elastic pools see it: its name
         (``"<devices>x <requirement>"``), requirement and devices."""
-        if task.eligible is not None:
-            need, devices, _ = task.eligible.key
-        else:
-            need = Requirement()
-            devices = devices_needed((ts.resource_restrictions or {}).get(GPU, 1))
+        need, devices, _ = (
+            task.eligible.key
+            if task.eligible is not None
+            else (Requirement(), devices_needed((ts.resource_restrictions or {}).get(GPU, 1)), None)
+        )
         return f"{devices}x {need.label()}", need, devices
 
     def _due(self, key: Hashable, task: GpuTask, at: float | None) -> None:
@@ -619,9 +618,8 @@ class Fallback:
         """The ``accelsched_demand`` reply: the work waiting and running, by GPU class."""
         gpu: dict[str, ClassDemand] = {}
         cpu_tasks, cpu_seconds = 0, 0.0
-        for ts in internals.ready_tasks(self.scheduler):
+        for ts, seconds in internals.ready_tasks(self.scheduler):
             task = self.tasks.get(ts.key)
-            seconds = internals.expected_seconds(self.scheduler, ts)
             if task is None or task.fell_back or task.problem is not None:
                 cpu_tasks += 1
                 cpu_seconds += seconds

@@ -120,14 +120,7 @@ class PlacementPlugin(SchedulerPlugin):
     # until start (an unpickled plugin has none); every method that reads it runs after
     scheduler: Scheduler = None  # type: ignore[assignment]
     _emitting: dict[str, Any] | None = None  # the event being logged by ``_emit``
-    status_history: StatusHistory | None = (
-        None  # until start: events logged before are replayed then
-    )
-    grants: Grants
-    fallback: Fallback
-    reports: DeviceReports
-    budget: RestartBudget
-    deferred: dict[str, str]  # worker -> reason of its last deferral
+    status_history: StatusHistory | None = None  # until start: events before replayed then
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(PLACEMENT_OPTIONS, options, type(self).__name__)
@@ -176,7 +169,8 @@ class PlacementPlugin(SchedulerPlugin):
         self.budget = RestartBudget(
             o["max_restarts"], o["restart_window"], o["max_concurrent_restarts"]
         )
-        self.deferred, self._retire_lock = {}, asyncio.Lock()  # see internals.replace_worker
+        self.deferred: dict[str, str] = {}  # worker -> reason of its last deferral
+        self._retire_lock = asyncio.Lock()  # see internals.replace_worker
         internals.install_handler(scheduler, RESTART_HANDLER, self.handle_restart)
         self.status_history = StatusHistory(
             scheduler,

@@ -149,13 +149,7 @@ class GuardPlugin(WorkerPlugin):
     """
 
     name = GUARD_PLUGIN
-    # the worker and the parts, set at setup once the devices are known
-    worker: Worker
-    inventory: Inventory
-    binder: Binder
-    ledger: Ledger  # what each GPU task and result holds, measured
-    leaks: LeakCheck
-    rejoin: WorkerActor | None  # devices left out at setup, asked again
+    # the worker and the parts (set up once the devices are known, in setup)
     #: the inventory's visible devices once set up (kept up to date in place): with none,
     #: transitions are not routed
     _visible: Sequence[DeviceInfo] = ()
@@ -209,16 +203,14 @@ class GuardPlugin(WorkerPlugin):
             ),
             emit=self._emit,
             ledger=ledger,
-        )
-        self.binder.watch = (
-            None
+            watch=None
             if o["unrequested_gpu"] == "ignore"
             else Watch(
                 monitor=inv.monitor,
                 visible=inv.visible,
                 fail=o["unrequested_gpu"] == "fail",
                 emit=self._emit,
-            )
+            ),
         )
         left_out = o["recover_gpus"] and bool(inv.monitor.left_out)
         actor = WorkerActor(
@@ -399,10 +391,11 @@ class Binder:
         pools: PoolFreer,
         emit: Callable[..., None],
         ledger: Ledger | None = None,
+        watch: Watch | None = None,
     ) -> None:
         # what runs in this worker's threads, and holds what; room is net of results held
         self.leases = LeaseTable(held=None if ledger is None else ledger.live)
-        self.watch: Watch | None = None  # tasks that asked for no GPU, watched for use
+        self.watch = watch  # tasks that asked for no GPU, watched for use
         self._freed = threading.Condition()  # a lease ended, or the devices changed
         self._waiting = 0  # tasks waiting for room
         self.oom_exceptions = oom_exceptions

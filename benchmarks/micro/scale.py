@@ -85,7 +85,7 @@ def _burst_check(dask_scheduler: Any = None) -> float:
     keys = [ts.key for ts in dask_scheduler.unrunnable]
     for key in keys:
         task = fallback.tasks[key]
-        task.timeout, task.since, task.due = 0.0, now, now
+        task.timeout, task.due = 0.0, now  # unrunnable before now: due
         fallback.deadlines.add(key, now)
     t0 = time.perf_counter()
     fallback.check()
