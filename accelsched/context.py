@@ -50,7 +50,7 @@ from typing import Any, Generic, TypeVar, overload
 import cloudpickle
 
 from accelsched import devices
-from accelsched.devices import MemoryCap, cuda
+from accelsched.devices import Cuda, MemoryCap, cuda
 from accelsched.policy.marks import Mark, note_marked
 from accelsched.policy.requirements import invalid_amount, parse_requirement
 from accelsched.policy.timeouts import DUAL_TIMEOUT, parse_task_timeout
@@ -91,6 +91,9 @@ class Lease:
     #: What the task's allocations hold against the memory it declared (None: it
     #: declared none); see :mod:`accelsched.devices`.
     cap: MemoryCap | None = None
+    #: The CUDA of the process's NVML backend, resolved once by whoever leases (the
+    #: guard, at setup); None: looked up as the lease is bound.
+    cuda: Cuda | None = None
 
 
 _local = threading.local()
@@ -141,7 +144,7 @@ def bind(lease: Lease) -> tuple[Lease | None, list[Callable[[], Any]]]:
     _local.lease = lease
     undo: list[Callable[[], Any]] = []
     try:
-        backend = cuda()
+        backend = cuda() if lease.cuda is None else lease.cuda
         if (restore := backend.use(lease.devices[0])) is not None:
             undo.append(restore)
         if lease.cap is not None and (uncount := backend.count(lease.cap)) is not None:

@@ -95,6 +95,7 @@ from accelsched.devices import (
     MemoryReading,
     NVMLMonitor,
     active_pools,
+    cuda,
     to_host,
 )
 from accelsched.policy.leak import MAX_PREFIXES, Attribution, LeakDecisions, Verdict, classify
@@ -404,6 +405,7 @@ class Binder:
         self.used: set[int] = set()  # devices GPU tasks of this worker held
         self._emit = emit
         self.ledger = ledger  # measures what each task leaves on its devices
+        self.cuda = cuda()  # the backend's, once: not looked up again per task
 
     def set_devices(
         self,
@@ -529,6 +531,7 @@ class Binder:
                     oom_exceptions=self.oom_exceptions,
                     meter=meter,
                     cap=cap,
+                    cuda=self.cuda,
                 )
             )
             try:
