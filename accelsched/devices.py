@@ -76,8 +76,10 @@ own types (``device_nbytes.register(MyType)(fn)``) returning ``{device: nbytes}`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+import itertools
 import logging
 import math
 import os
@@ -237,9 +239,7 @@ class MemoryCap:
     def __init__(self, key: str, declared: int, *, enforce: bool) -> None:
         if declared <= 0:
             raise ValueError(f"a memory cap needs declared bytes > 0, got {declared!r}")
-        self.key = key
-        self.declared = declared
-        self.enforce = enforce
+        self.key, self.declared, self.enforce = key, declared, enforce
         self.held = self.peak = 0  # bytes held now, and at most
         self._lock = threading.Lock()
 
@@ -331,13 +331,12 @@ class PoolStats:
 class DevicePool(Protocol):
     """An allocator that caches device memory in this process."""
 
-    name: str
-
     def active(self) -> bool:
         """True when the pool exists in this process (never creates it)."""
 
-    def free_all(self) -> int:
-        """Release cached blocks to the driver; return the bytes released."""
+    def free_all(self) -> object:
+        """Release cached blocks to the driver (what that gave back is measured through
+        NVML, not taken from the pool's word: anything returned is ignored)."""
 
     def stats(self, device: int) -> PoolStats:
         """What the pool holds on ``device`` (a CUDA index of this process)."""
@@ -351,8 +350,6 @@ class CupyPool:
     CUDA context) just to free a pool nobody used.
     """
 
-    name = "cupy"
-
     def active(self) -> bool:
         return "cupy" in sys.modules
 
@@ -363,28 +360,21 @@ class CupyPool:
         qual = getattr(allocator, "__qualname__", "") or repr(allocator)
         return owner.startswith("rmm") or "rmm" in qual
 
-    def free_all(self) -> int:
+    def free_all(self) -> None:
         cp = sys.modules["cupy"]
-        released = 0
-        try:
+        # cupy imported on a machine without a usable device: nothing to free
+        with contextlib.suppress(RuntimeError):
             if not self.uses_rmm():
-                pool = cp.get_default_memory_pool()
-                before = pool.total_bytes()
-                pool.free_all_blocks()
-                released = before - pool.total_bytes()
+                cp.get_default_memory_pool().free_all_blocks()
             cp.get_default_pinned_memory_pool().free_all_blocks()
-        except RuntimeError:
-            # cupy imported on a machine without a usable device: nothing to free
-            return 0
-        return max(0, released)
 
     def stats(self, device: int) -> PoolStats:
         cp = sys.modules["cupy"]
         try:
             if self.uses_rmm():  # reserved up front, it cannot shrink: all of it is fixed
                 try:
-                    mr = sys.modules["rmm.mr"]
-                    size = getattr(mr.get_per_device_resource(device), "pool_size", None)
+                    resource = sys.modules["rmm.mr"].get_per_device_resource(device)
+                    size = getattr(resource, "pool_size", None)
                     reserved = int(size() if callable(size) else (size or 0))
                 except Exception:  # no rmm.mr imported, or a resource that cannot say
                     reserved = 0
@@ -463,11 +453,9 @@ def _by_protocol(obj: Any) -> dict[int, int]:
         try:
             nbytes = math.prod(int(n) for n in interface["shape"]) * int(interface["typestr"][2:])
         except (KeyError, TypeError, ValueError):  # no interface, or not one
-            nbytes = None
-    if not isinstance(nbytes, int):
-        from dask.sizeof import sizeof
+            from dask.sizeof import sizeof
 
-        nbytes = int(sizeof(obj))
+            nbytes = int(sizeof(obj))
     return {device: nbytes} if nbytes > 0 else {}
 
 
@@ -486,10 +474,9 @@ def _device_of(obj: Any) -> int | None:
         except Exception:
             return None
         return int(index) if int(kind) in (2, 3, 13) else None  # CUDA, CUDA host, managed
-    on_gpu = hasattr(obj, "__cuda_array_interface__") or (
-        type(obj).__module__.split(".")[0] in GPU_LIBRARIES
-    )
-    if not on_gpu:
+    if not hasattr(obj, "__cuda_array_interface__") and (
+        type(obj).__module__.split(".")[0] not in GPU_LIBRARIES
+    ):
         return None
     device = getattr(getattr(obj, "device", None), "id", None)
     return device if isinstance(device, int) else task_device() or 0
@@ -514,14 +501,12 @@ def knows(value: Any) -> bool:
         or hasattr(value, "__dlpack_device__")
     ):
         return True
-    if isinstance(value, (list, tuple)):
-        return all(knows(v) for v in value[:SCAN_LIMIT])
-    if isinstance(value, dict):
-        return all(knows(v) for v in list(value.values())[:SCAN_LIMIT])
-    if device_nbytes.dispatch(type(value)) is not _by_protocol:
-        return True
-    module = type(value).__module__.split(".")[0]
-    return module in ("numpy", "pandas", "pyarrow", "scipy")
+    if isinstance(value, (list, tuple, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        return all(knows(v) for v in itertools.islice(items, SCAN_LIMIT))
+    return device_nbytes.dispatch(type(value)) is not _by_protocol or (
+        type(value).__module__.split(".")[0] in ("numpy", "pandas", "pyarrow", "scipy")
+    )
 
 
 #: Containers longer than this are scanned only when their first item is on a device:
@@ -685,7 +670,6 @@ class NVMLMonitor:
         return self._devices
 
     def _list(self, nvml: Any) -> list[DeviceInfo]:
-        devices = []
         # a lost GPU fails even its handle lookup: it alone is left out
         handles = [
             _ask(None, nvml.nvmlDeviceGetHandleByIndex, i, warn=f"NVML device {i} gives no handle")
@@ -714,33 +698,31 @@ class NVMLMonitor:
                 mig,
                 uuids[i],
             )
-            try:
-                devices.append(self.query(cuda_index))
-            except Exception as exc:  # this device does not answer: not ours to use
-                logger.warning(
-                    "accelsched: GPU %d (NVML %d) does not answer NVML and is left out: %s",
-                    cuda_index,
-                    i,
-                    _describe(exc),
-                )
-        return devices
+        # a device that does not answer is not ours to use
+        devices = [
+            _ask(
+                None,
+                self.query,
+                c,
+                warn=f"GPU {c} (NVML {f[0]}) does not answer NVML and is left out",
+            )
+            for c, f in self._found.items()
+        ]
+        return [d for d in devices if d is not None]
 
     @property
     def left_out(self) -> list[int]:
         """CUDA indices of the devices visible here that did not answer NVML when they
         were listed (:meth:`devices` leaves them out), until :meth:`adopt` takes one."""
-        listed = {d.index for d in self.devices()}
-        return sorted(set(self._found) - listed)
+        return sorted(self._found.keys() - {d.index for d in self.devices()})
 
     def adopt(self, info: DeviceInfo) -> None:
         """A left-out device answers again (see :meth:`query`): list it from now on."""
         self._devices = sorted([*self.devices(), info], key=lambda d: d.index)
 
     def device(self, index: int) -> DeviceInfo:
-        for d in self.devices():
-            if d.index == index:
-                return d
-        raise IndexError(f"no visible device with CUDA index {index}")
+        """The listed device with CUDA index ``index`` (``KeyError``: none)."""
+        return {d.index: d for d in self.devices()}[index]
 
     def query(self, index: int) -> DeviceInfo:
         """Device ``index`` (CUDA's) of those found as the devices were listed (a
@@ -812,17 +794,14 @@ def _ask(default: Any, call: Callable[..., Any], *args: Any, warn: str | None = 
 def _migs(nvml: Any, handle: Any) -> dict[str, Any]:
     """The MIG devices of a GPU in MIG mode: UUID -> handle, in NVML's order. An index
     with no MIG device behind it (NOT_FOUND) or one that does not answer is skipped."""
-    out: dict[str, Any] = {}
     count = _ask(
         0, nvml.nvmlDeviceGetMaxMigDeviceCount, handle, warn="MIG devices cannot be listed"
     )
-    for i in range(int(count)):
-        try:
-            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
-            out[_text(nvml.nvmlDeviceGetUUID(mig))] = mig
-        except Exception:  # NVMLError_NotFound: no MIG device at this index
-            continue
-    return out
+    migs = [
+        _ask(None, nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, i) for i in range(int(count))
+    ]
+    uuids = [None if m is None else _ask(None, nvml.nvmlDeviceGetUUID, m) for m in migs]
+    return {_text(u): m for m, u in zip(migs, uuids, strict=True) if u is not None}
 
 
 def _text(value: Any) -> str:

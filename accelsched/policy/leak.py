@@ -86,8 +86,7 @@ def estimate(process: int, baseline: int, live: int, pool: PoolStats) -> int:
     they do not fill counts as retained. Leaks inside a fixed pool are invisible to NVML.
     """
     fixed_free = pool.fixed_free if pool.fixed_free is not None else max(0, pool.fixed - live)
-    retained = pool.cached + fixed_free
-    return process - baseline - live - retained
+    return process - baseline - live - (pool.cached + fixed_free)  # less what is retained
 
 
 @dataclass
@@ -376,10 +375,9 @@ class LeakDecisions:
         came_back: dict[int, int] = {}
         out: list[Proposal] = []
         for v in tried:
-            again = after.get(v.device)
-            if again is None:
+            if (again := after.get(v.device)) is None:
                 continue
-            if again.estimate is None:
+            if again.estimate is None:  # NVML did not answer: a leak at the estimate before
                 held.append(v)
                 continue
             record = self.devices[v.device]
@@ -412,30 +410,30 @@ class LeakDecisions:
         Every count starts again, so one leak is acted on once."""
         if not held:
             return []
-        out: list[Proposal] = []
-        for v in held:
-            if not self.devices[v.device].is_news(v.estimate, v.threshold):
-                continue
-            s = suspects[v.device]
-            out.append(
-                Proposal(
-                    "report-leak",
-                    v.device,
-                    figures={
-                        "nbytes": v.estimate,
-                        "threshold": v.threshold,
-                        "checks": v.above,
-                        "unexplained": max(0, v.estimate - sum(n for _, n in s.ranked)),
-                        "reclaimed": came_back.get(v.device, 0),
-                    },
-                    detail={"prefixes": s.prefixes, "attributed": s.ranked},
-                )
+        out = [
+            Proposal(
+                "report-leak",
+                v.device,
+                figures={
+                    "nbytes": v.estimate,
+                    "threshold": v.threshold,
+                    "checks": v.above,
+                    "unexplained": max(0, v.estimate - sum(n for _, n in s.ranked)),
+                    "reclaimed": came_back.get(v.device, 0),
+                },
+                detail={"prefixes": s.prefixes, "attributed": s.ranked},
             )
+            for v in held
+            if self.devices[v.device].is_news(v.estimate, v.threshold)
+            for s in [suspects[v.device]]
+        ]
         for record in self.devices.values():
             record.above = 0
         if self.restart_on_leak:
-            devices, nbytes = tuple(v.device for v in held), sum(v.estimate for v in held)
-            out.append(Proposal("ask-restart", devices, "leak", {"nbytes": nbytes}))
+            nbytes = sum(v.estimate for v in held)
+            out.append(
+                Proposal("ask-restart", tuple(v.device for v in held), "leak", {"nbytes": nbytes})
+            )
         return out
 
 
@@ -671,5 +669,4 @@ class Backoff:
 
     def gap(self, prefix: str) -> int:
         """Runs from one measured run of ``prefix`` to the next, now."""
-        state = self._state.get(prefix)
-        return 1 if state is None else state[1]
+        return self._state.get(prefix, (0, 1))[1]

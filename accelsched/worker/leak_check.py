@@ -444,8 +444,7 @@ def net_of_pools(nbytes: int, pool: PoolStats) -> int:
     part of the reserve as retained, sees it as unexplained). When the pool cannot say
     how much of its reserve is free, all of it is left out.
     """
-    reserve = pool.fixed if pool.fixed_free is None else pool.fixed_free
-    return nbytes - pool.cached - reserve
+    return nbytes - pool.cached - (pool.fixed if pool.fixed_free is None else pool.fixed_free)
 
 
 class Ledger:
@@ -649,25 +648,23 @@ class Ledger:
         known = device_nbytes(result) if knows(result) else None
         if key is None and known is None:
             return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
-        held, residue = {}, {}
         changes = self._changes  # a key released or data arrived meanwhile: no base from it
+        held, residue, now = {}, {}, {}
         for device, then in before.items():
-            now = self.read(device)[0]
-            if now is None:
-                continue
-            grew = max(0, now - then)
-            # a known result holds its own size, and what else the run left is residue;
-            # an unknown one holds all the growth (nothing can tell it from a leak)
-            held[device] = size = known.get(device, 0) if known is not None else grew
-            residue[device] = max(0, grew - size)
-            if key is not None:
-                with self._lock:
-                    if self._changes == changes:
-                        self._settled[device] = now
-                        self._fresh[device] = [now, None, 0, 0]
+            if (n := self.read(device)[0]) is not None:
+                grew = max(0, n - then)
+                # a known result holds its own size, and what else the run left is
+                # residue; an unknown one holds all the growth (nothing tells it from a leak)
+                held[device] = size = known.get(device, 0) if known is not None else grew
+                residue[device] = max(0, grew - size)
+                now[device] = n
         if key is not None:
             with self._lock:
                 self._measured[key] = held
+                if self._changes == changes:
+                    for d, n in now.items():
+                        self._settled[d] = n
+                        self._fresh[d] = [n, None, 0, 0]
         return residue, sum(held.values()) + sum(residue.values())
 
     # --- on the event loop ----------------------------------------------------------------
@@ -789,25 +786,41 @@ class Meter:
         self.grew: int | None = None  # what the task added in all, when measured
         self.sample = sample
 
-    def _open(
-        self, record: bool, prefix: str | None = None
-    ) -> tuple[Any, dict[int, int] | None, bool, int]:
-        """(alone token, base reading, whether that reading found no context anywhere,
-        the unmeasured runs of ``prefix`` it reaches back over)."""
-        token = self.leases.alone_token(self.key)
-        if token is None:  # not alone: no base
-            return None, None, False, 0
-        return (token, *self.ledger.take_base(self.devices, prefix, record=record))
-
     def run(self, spec: Any, values: Any) -> Any:
         """Run the task's code, measured as planned: with no context on its devices no
         reading can be a base (the context a task makes would count as its growth), so it
-        is not read around, only checked after (:meth:`Ledger.unmeasured`)."""
+        is not read around, only checked after (:meth:`Ledger.unmeasured`).
+
+        A run the sampler leaves unmeasured takes no reading when its result's footprint
+        is known by type (it joins its prefix's stretch); one closing reading, from the
+        last reading before the stretch, when it is not (held at its growth, as ever)."""
         ledger, token, base, runs = self.ledger, None, None, 0
         if self.plan == MEASURE:
             if self.sample and not ledger.sampler.measure(self.prefix):
-                return self._unmeasured(spec, values)
-            token, base, empty, runs = self._open(record=True, prefix=self.prefix)
+                leases, key, devices = self.leases, self.key, self.devices
+                token = leases.alone_token(key)
+                base = None if token is None else ledger.peek(devices, self.prefix)
+                result = spec(values)
+                if base is not None and not self.steps and leases.still_alone(key, token):
+                    if ledger.stretched(devices, self.prefix, base, result):
+                        return result
+                    # of a type nobody described: measured from before the stretch
+                    base, _, runs = ledger.take_base(devices, self.prefix, reuse_only=True)
+                    if base is not None:
+                        return self._close(base, result, runs)
+                    # the stretch broke meanwhile: held by type, measured from now on
+                ledger.forget(devices)  # memory changed unmeasured: no base from before it
+                if not ledger.holds_nothing(result) and not knows(result):
+                    ledger.sampler.reset(self.prefix)  # its results need measuring
+                return result
+            # alone, the base reading (not alone: none), whether it found no context
+            # anywhere, and the unmeasured runs of this prefix it reaches back over
+            token = self.leases.alone_token(self.key)
+            base, empty, runs = (
+                (None, False, 0)
+                if token is None
+                else ledger.take_base(self.devices, self.prefix, record=True)
+            )
             if base is None:
                 # a base reading that found no context plans the run itself, whatever a
                 # leak check dropped meanwhile (else it would be neither measured nor seen
@@ -838,33 +851,11 @@ class Meter:
         ledger.sampler.measured(self.prefix, any(n > 0 for n in left.values()))
         return result
 
-    def _unmeasured(self, spec: Any, values: Any) -> Any:
-        """A run the sampler leaves unmeasured: no reading when its result's footprint is
-        known by type (it joins its prefix's stretch); one closing reading, from the last
-        reading before the stretch, when it is not (held at its growth, as ever)."""
-        ledger, leases, key, devices = self.ledger, self.leases, self.key, self.devices
-        token = leases.alone_token(key)
-        base = None if token is None else ledger.peek(devices, self.prefix)
-        result = spec(values)
-        if base is not None and not self.steps and leases.still_alone(key, token):
-            if ledger.stretched(devices, self.prefix, base, result):
-                return result
-            # of a type nobody described: measured from before the stretch
-            base, _, runs = ledger.take_base(devices, self.prefix, reuse_only=True)
-            if base is not None:
-                return self._close(base, result, runs)
-            # the stretch broke meanwhile: held by type, measured from now on
-        ledger.forget(devices)  # memory changed unmeasured: no base from before it
-        if not ledger.holds_nothing(result) and not knows(result):
-            ledger.sampler.reset(self.prefix)  # its results need measuring
-        return result
-
     def __call__(self, name: str, call: Callable[[], Any]) -> Any:
         """Run one marked step of the task, measured when outermost (and attributed)."""
         residue = self.ledger.residue
-        token, base, _, _ = (
-            self._open(record=False) if self.depth == 0 and residue else (None, None, False, 0)
-        )
+        token = self.leases.alone_token(self.key) if self.depth == 0 and residue else None
+        base = None if token is None else self.ledger.take_base(self.devices, None)[0]
         self.depth += 1
         try:
             result = call()
@@ -920,11 +911,10 @@ class Inventory:
         self.health = DeviceHealth(first=interval, longest=max(interval, 30.0))
         self._ids = itertools.count()  # request ids: this process uses each once
         self.restart_pending = False
-        #: Until when (monotonic) not to ask again for the same reason: the scheduler
-        #: took the last request and is replacing this process (asking again would only
+        #: The reason of the last request the scheduler took -> until when (monotonic)
+        #: not to ask again for it: it is replacing this process (asking again would only
         #: be answered "in-flight"). Another reason (a GPU failing, asked for once) is sent.
-        self.restart_taken_until = 0.0
-        self.restart_taken_for = ""
+        self.restart_taken: dict[str, float] = {}
         self.draining = False  # the scheduler restarts this worker: GPU tasks go back
         self._offering = asyncio.Lock()
         #: bytes the results in this worker's memory hold on a device (the ledger's)
@@ -1037,9 +1027,7 @@ class Inventory:
 
     def ask_restart(self, reason: str, nbytes: int) -> None:
         """Ask the scheduler, once at a time, to restart this worker without loss."""
-        if self.restart_pending or (
-            reason == self.restart_taken_for and monotonic() < self.restart_taken_until
-        ):
+        if self.restart_pending or monotonic() < self.restart_taken.get(reason, 0.0):
             return
         try:
             internals.spawn(self.worker, self._request_restart, reason, nbytes)
@@ -1056,8 +1044,7 @@ class Inventory:
             if isinstance(reply, dict) and reply.get("status") in TAKEN:
                 # a restart that is given up (no peer to take the data, say) is asked
                 # for again after this: the leak is still there
-                self.restart_taken_until = monotonic() + RESTART_TAKEN_HOLD
-                self.restart_taken_for = reason
+                self.restart_taken = {reason: monotonic() + RESTART_TAKEN_HOLD}
         except Exception as exc:
             # a worker being replaced loses this call with its process: nothing to say
             log = logger.warning if internals.worker_in_service(self.worker) else logger.debug

@@ -210,7 +210,7 @@ async def test_a_worker_whose_restart_was_taken_does_not_ask_again_meanwhile(c, 
     try:
         inventory.ask_restart("leak", 1)
         await wait_for(lambda: len(sent) == 1 and not inventory.restart_pending)
-        assert inventory.restart_taken_until > monotonic() + RESTART_TAKEN_HOLD - 1
+        assert inventory.restart_taken["leak"] > monotonic() + RESTART_TAKEN_HOLD - 1
         inventory.ask_restart("leak", 1)  # held back
         await asyncio.sleep(0.1)
         assert len(sent) == 1 and not inventory.restart_pending
@@ -218,7 +218,7 @@ async def test_a_worker_whose_restart_was_taken_does_not_ask_again_meanwhile(c, 
         inventory.ask_restart("gpu-unhealthy", 0)
         await wait_for(lambda: len(sent) == 2 and not inventory.restart_pending)
         assert sent[1]["reason"] == "gpu-unhealthy"
-        inventory.restart_taken_until = 0.0  # the hold over: asked again
+        inventory.restart_taken["leak"] = 0.0  # the hold over: asked again
         inventory.ask_restart("leak", 1)
         await wait_for(lambda: len(sent) == 3)
     finally:
