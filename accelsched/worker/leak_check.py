@@ -614,18 +614,11 @@ class Ledger:
         return base if len(base) == len(devices) else None
 
     def stretched(
-        self, devices: tuple[int, ...], prefix: str, base: dict[int, int], result: Any
-    ) -> bool:
+        self, devices: tuple[int, ...], prefix: str, base: dict[int, int], known: dict[int, int]
+    ) -> None:
         """An unmeasured run of ``prefix`` ended, alone on ``devices`` since ``base``
-        (:meth:`peek`): added to the stretch when its result's footprint is known by type
-        and nothing broke the stretch meanwhile (else the stretch ends unmeasured). False:
-        its result is of a type nobody described, to be measured now from the base."""
-        if self.holds_nothing(result):  # first: the common case, per unmeasured run
-            known: dict[int, int] = {}
-        elif knows(result):
-            known = device_nbytes(result)
-        else:
-            return False
+        (:meth:`peek`), its result holding ``known`` by type: added to the stretch, unless
+        something broke the stretch meanwhile (then the stretch ends unmeasured)."""
         with self._lock:
             last = {
                 d: f
@@ -637,9 +630,8 @@ class Ledger:
             if len(last) == len(devices):
                 for d, f in last.items():
                     f[1:] = [prefix, f[2] + 1, f[3] + known.get(d, 0)]
-                return True
+                return
         self.forget(devices)  # memory changed unmeasured: no base from before it
-        return True
 
     def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
         """Hold the task's growth against ``key`` (None: a marked step's, held by no key);
@@ -802,7 +794,15 @@ class Meter:
                 base = None if token is None else ledger.peek(devices, self.prefix)
                 result = spec(values)
                 if base is not None and not self.steps and leases.still_alone(key, token):
-                    if ledger.stretched(devices, self.prefix, base, result):
+                    known = (  # holds_nothing first: the common case, per unmeasured run
+                        {}
+                        if ledger.holds_nothing(result)
+                        else device_nbytes(result)
+                        if knows(result)
+                        else None
+                    )
+                    if known is not None:  # footprint known by type: the stretch grows
+                        ledger.stretched(devices, self.prefix, base, known)
                         return result
                     # of a type nobody described: measured from before the stretch
                     base, _, runs = ledger.take_base(devices, self.prefix, reuse_only=True)
@@ -998,21 +998,22 @@ class Inventory:
                 "uuids": [d.uuid for d in offered],
                 "held": {d.uuid: self.held_said.get(d.index, 0) for d in offered},
             }
-            reply = None
+            reply: Any = None
             try:
                 reply = await getattr(self.worker.scheduler, OFFER_HANDLER)(**request)
             except Exception as exc:  # no PlacementPlugin: the worker's own count only
                 logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
-            if isinstance(reply, dict) and reply.get("status") == "OK" and "memory" in reply:
-                said = reply.get("shares", {})
-                shares = {d.index: said[d.uuid] for d in offered if d.uuid in said}
-                memory = reply["memory"]
-            else:  # its own devices' capacity, less what results hold
-                shares = {}
-                memory = sum(
+            ok = isinstance(reply, dict) and reply.get("status") == "OK" and "memory" in reply
+            said = reply.get("shares", {}) if ok else {}
+            shares = {d.index: said[d.uuid] for d in offered if d.uuid in said}
+            memory = (
+                reply["memory"]
+                if ok  # else its own devices' capacity, less what results hold
+                else sum(
                     mebibytes(max(0, capacity(d.memory) - self.held_said.get(d.index, 0)))
                     for d in offered
                 )
+            )
             if shares != self.shares:  # packed within them from now on
                 self.shares = shares
                 on_usable(usable)
