@@ -106,7 +106,6 @@ from accelsched.protocol import (
     TIMEOUT_ANNOTATION,
     ClassDemand,
     DemandReply,
-    WorkerDemand,
 )
 from accelsched.scheduler.grants import Grants, facts_of
 
@@ -269,23 +268,21 @@ class Fallback:
         requirement's (distributed alone replaced the one by the other)."""
         if not self._active():
             return original(worker=worker)
-        hosts = {}  # the hosts each requirement task named (taken off it): kept, as
-        for key in worker:  # distributed keeps a task's hosts when its workers are set
-            task = self.tasks.get(key)
-            if task is not None and task.eligible is not None:
-                hosts[key] = {o for o in task.eligible.key[2] or () if "://" not in o}
-        original(worker=worker)
-        waiting = []
-        for key, named in hosts.items():
-            task, ts = self.tasks[key], self.scheduler.tasks.get(key)
-            if task.eligible is not None and ts is not None:
-                devices = task.eligible.key[1]
-                self._leave_class(task)
-                internals.restrict_to_own(ts, [*internals.restricted_to(ts), *named])
-                self._require(ts, task, None, devices, say=False)
-                if ts.state == "no-worker":
-                    waiting.append(key)
+        # each requirement task's class, and the hosts it named (taken off it): kept, as
+        # distributed keeps a task's hosts when its workers are set
+        named = {
+            key: (task, eligible.key[1], {o for o in eligible.key[2] or () if "://" not in o})
+            for key in worker
+            if (task := self.tasks.get(key)) is not None and (eligible := task.eligible)
+        }
+        original(worker=worker)  # raises for a key it does not hold: all are held below
+        for key, (task, devices, hosts) in named.items():
+            ts = self.scheduler.tasks[key]
+            self._leave_class(task)
+            internals.restrict_to_own(ts, [*internals.restricted_to(ts), *hosts])
+            self._require(ts, task, None, devices, say=False)
         # one may run now: distributed looks again only as workers come
+        waiting = [key for key in named if self.scheduler.tasks[key].state == "no-worker"]
         internals.run_now(self.scheduler, waiting, f"accelsched-set-restrictions-{time()}")
 
     # --- hooks ---------------------------------------------------------------------------
@@ -373,18 +370,20 @@ class Fallback:
         if need.memory is not None and count != 1:
             return f"{need.label()}: a task that declares memory takes one device, not {count}"
         # the requirement as the worker reads it back (plain, msgpack-safe values)
-        normalised = {
-            "memory": need.memory,
-            "model": need.model,
-            "capability": None if need.capability is None else list(need.capability),
-            "mig": need.mig,
-            "enforce": need.enforce,
-        }
-        internals.annotate(ts, REQUIREMENT_ANNOTATION, normalised)
+        internals.annotate(
+            ts,
+            REQUIREMENT_ANNOTATION,
+            {
+                "memory": need.memory,
+                "model": need.model,
+                "capability": None if need.capability is None else list(need.capability),
+                "mig": need.mig,
+                "enforce": need.enforce,
+            },
+        )
         if need.memory is not None:  # shares a device: memory, not a whole GPU
-            restrictions = {k: v for k, v in ts.resource_restrictions.items() if k != GPU}
-            restrictions[GPU_MEMORY] = mebibytes(need.memory)
-            internals.set_resource_restrictions(ts, restrictions)
+            kept = {k: v for k, v in ts.resource_restrictions.items() if k != GPU}
+            internals.set_resource_restrictions(ts, {**kept, GPU_MEMORY: mebibytes(need.memory)})
             internals.drop_annotated_resource(ts, GPU)
         own = internals.restricted_to(ts) | internals.take_restricted_hosts(self.scheduler, ts)
         # enforce says nothing of the device: tasks that differ by it share a class
@@ -435,8 +434,8 @@ class Fallback:
         if finish == "processing":
             task.sent = ts.processing_on.address if ts.processing_on else task.sent
         elif start == "processing" and stimulus_id.startswith(_SENT_BACK):
-            worker, task.sent = task.sent, None
-            ws = self.scheduler.workers.get(worker) if worker is not None else None
+            # (it was sent there: a task reaches processing first, where this is set)
+            ws = self.scheduler.workers.get(task.sent or "")
             if ws is not None and ws.status in (Status.running, Status.paused):  # no drain
                 task.eligible.workers.discard(ws.address)
                 self._benched[ws.address] = monotonic() + BENCH
@@ -460,8 +459,7 @@ class Fallback:
         )
         since = internals.unrunnable(self.scheduler)[ts]  # when it became unrunnable
         if self._coming:  # a worker that serves it is starting: its timeout counts after
-            until = self._coming.get(self.class_of(ts, task)[0])
-            since = counted_from(since, until, self._bound)
+            since = counted_from(since, self._coming.get(self.class_of(ts, task)[0]), self._bound)
         return Waiting(ts.key, since, amount, task.timeout, chain)
 
     def class_of(self, ts: Any, task: GpuTask) -> tuple[str, Requirement, int]:
@@ -642,22 +640,21 @@ class Fallback:
                 }
             entry["waiting" if ts.state == "no-worker" else "running"] += 1
             entry["seconds"] += seconds
-        workers: list[WorkerDemand] = [
-            {
-                "name": str(ws.name),
-                "address": ws.address,
-                "busy": internals.busy(ws),
-                "gpu_busy": internals.gpu_busy(ws),
-                "gpus": len(self._grants.uuids(ws.address)),
-            }
-            for ws in self.scheduler.workers.values()
-        ]
         return {
             "status": "OK",
             "gpu": list(gpu.values()),
             "cpu_tasks": cpu_tasks,
             "cpu_seconds": cpu_seconds,
-            "workers": workers,
+            "workers": [
+                {
+                    "name": str(ws.name),
+                    "address": ws.address,
+                    "busy": internals.busy(ws),
+                    "gpu_busy": internals.gpu_busy(ws),
+                    "gpus": len(self._grants.uuids(ws.address)),
+                }
+                for ws in self.scheduler.workers.values()
+            ],
         }
 
     def pools(
