@@ -64,6 +64,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from time import monotonic, time
 from typing import TYPE_CHECKING, Any
+from weakref import WeakValueDictionary
 
 import dask.config
 from dask.utils import parse_timedelta
@@ -103,7 +104,6 @@ from accelsched.protocol import (
     INVALID_RESOURCE,
     POOLS_HANDLER,
     REQUIREMENT_ANNOTATION,
-    TIMEOUT_ANNOTATION,
     ClassDemand,
     DemandReply,
 )
@@ -145,13 +145,14 @@ FULL_SAID_FOR = 60.0
 ClassKey = tuple[Requirement, int, frozenset[str] | None]
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(eq=False)
 class Eligible:
-    """The workers one class of requirement tasks may run on, shared by its tasks."""
+    """The workers one class of requirement tasks may run on, shared by its tasks (their
+    records hold it; the fallback's table of classes only weakly: the class goes with the
+    last task that holds it)."""
 
     key: ClassKey
     workers: set[str]  # every task's ``worker_restrictions``; NOWHERE always in it
-    tasks: int = 0  # tasks holding it: the class goes with the last
 
 
 @dataclass(slots=True, eq=False)
@@ -185,7 +186,7 @@ class Fallback:
         self.timeout = timeout  # the plugin's default: None, strict
         self._grants = grants
         self._unmet: set[str] = set()  # requirements said unmet, until a device meets them
-        self._classes: dict[ClassKey, Eligible] = {}
+        self._classes: WeakValueDictionary[ClassKey, Eligible] = WeakValueDictionary()
         self._facts: dict[str, list[DeviceFacts]] = {}  # worker -> its granted devices
         self._benched: dict[str, float] = {}  # worker -> when it is judged again
         # a deadline entry still counts while its task waits, due then
@@ -278,7 +279,7 @@ class Fallback:
         original(worker=worker)  # raises for a key it does not hold: all are held below
         for key, (task, devices, hosts) in named.items():
             ts = self.scheduler.tasks[key]
-            self._leave_class(task)
+            task.eligible = None
             internals.restrict_to_own(ts, [*internals.restricted_to(ts), *hosts])
             self._require(ts, task, None, devices, say=False)
         # one may run now: distributed looks again only as workers come
@@ -334,10 +335,7 @@ class Fallback:
         if problem := (mark_problem(mark) if mark else None) or invalid_amount(amount):
             return problem
         try:
-            if TIMEOUT_ANNOTATION in annotations:
-                timeout = task_timeout(self.timeout, annotations[TIMEOUT_ANNOTATION])
-            else:
-                timeout = task_timeout(self.timeout, mark=mark)
+            timeout = task_timeout(self.timeout, annotations, mark)
         except ValueError as exc:
             return str(exc)
         task = self.tasks[ts.key] = GpuTask(timeout)
@@ -396,18 +394,9 @@ class Fallback:
                 self._unmet.add(label)
                 if say:
                     self._emit(events.UNMET_REQUIREMENT, None, requirement=label, key=str(ts.key))
-        eligible.tasks += 1
         task.eligible = eligible
         internals.share_worker_restriction(ts, eligible.workers)
         return None
-
-    def _leave_class(self, task: GpuTask) -> None:
-        """``task`` no longer holds its class's restriction; the class goes with its last."""
-        eligible, task.eligible = task.eligible, None
-        if eligible is not None:
-            eligible.tasks -= 1
-            if not eligible.tasks:
-                del self._classes[eligible.key]
 
     def transition(self, key: Any, start: str, finish: str, stimulus_id: str) -> None:
         """Forget a forgotten task; time a task that becomes unrunnable.
@@ -419,7 +408,7 @@ class Fallback:
         if task is None:
             return  # no GPU task
         if finish == "forgotten":
-            self._leave_class(self.tasks.pop(key))  # the one place a task is forgotten
+            del self.tasks[key]  # the one place a task is forgotten (its class with it)
             return
         ts = self.scheduler.tasks[key]  # not forgotten: still the scheduler's
         if finish == "no-worker":
@@ -527,7 +516,7 @@ class Fallback:
             )
             if task.eligible is not None:  # runs wherever its own restriction allows
                 internals.restrict_to_own(ts, task.eligible.key[2])
-                self._leave_class(task)  # where it was sent counts no more
+                task.eligible = None  # where it was sent counts no more
             # the worker gets the annotations too: the GPU amount it no longer needs goes,
             # so none can break the message (an int past 2**64 cost every worker its stream)
             internals.drop_annotated_resource(ts, GPU)
