@@ -226,7 +226,6 @@ class Fallback:
         for ts in list(internals.unrunnable(scheduler)):
             if (task := self.tasks.get(ts.key)) is not None:
                 self._enter(ts, task)
-        self._schedule()
 
     def follow(self, worker: str) -> None:
         """``worker``'s grant changed (granted, offered again, or gone): every class it
@@ -389,8 +388,10 @@ class Fallback:
         if (eligible := self._classes.get(key)) is None:
             workers = {w for w in self._facts if self._serves(w, key)}
             eligible = self._classes[key] = Eligible(key, {NOWHERE, *workers})
-            met = any(self._serves(w, key, own=False) for w in self._facts)
-            if not met and (label := need.label()) not in self._unmet:
+            # no device in the cluster meets it (on any worker): said once, until one does
+            if (label := need.label()) not in self._unmet and not any(
+                self._serves(w, key, own=False) for w in self._facts
+            ):
                 self._unmet.add(label)
                 if say:
                     self._emit(events.UNMET_REQUIREMENT, None, requirement=label, key=str(ts.key))
@@ -404,8 +405,7 @@ class Fallback:
         Runs inside the transition loop for every task, so it only does O(1) bookkeeping
         (and O(log n) for a timed task entering ``no-worker``) and schedules a check.
         """
-        task = self.tasks.get(key)
-        if task is None:
+        if (task := self.tasks.get(key)) is None:
             return  # no GPU task
         if finish == "forgotten":
             del self.tasks[key]  # the one place a task is forgotten (its class with it)
@@ -413,7 +413,6 @@ class Fallback:
         ts = self.scheduler.tasks[key]  # not forgotten: still the scheduler's
         if finish == "no-worker":
             self._enter(ts, task)
-            self._schedule()
         elif start == "no-worker":
             task.due = None
         if task.eligible is None:  # no requirement
@@ -437,12 +436,12 @@ class Fallback:
             self._due(ts.key, task, deadline(w))
 
     def _waiting(self, ts: Any, task: GpuTask) -> Waiting | None:
-        """``ts`` as :func:`~accelsched.policy.timeouts.sweep` sees it (None: it asks for no
-        GPU, or waits for ever)."""
-        restrictions = ts.resource_restrictions or {}
-        amount = restrictions.get(GPU) or (1 if restrictions.get(GPU_MEMORY) else 0)
-        if not amount or task.timeout is None:
+        """``ts`` as :func:`~accelsched.policy.timeouts.sweep` sees it (None: it waits for
+        ever). Only a task that has not fallen back gets here: it asks for GPUs, or for
+        ``GPU-memory`` on one device."""
+        if task.timeout is None:
             return None
+        amount = (ts.resource_restrictions or {}).get(GPU, 1)
         chain = any(
             (d := self.tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
         )
@@ -465,6 +464,7 @@ class Fallback:
         task.due = at
         if at is not None:
             self.deadlines.add(key, at)
+            self._schedule()
 
     # --- the check -----------------------------------------------------------------------
 
@@ -488,8 +488,9 @@ class Fallback:
             elif (w := self._waiting(ts, task)) is not None:
                 waiting.append(w)
         if errs or waiting:
-            largest = internals.largest_gpu_count(self.scheduler)
-            proposals, later = sweep(waiting, now=now, largest=largest)
+            proposals, later = sweep(
+                waiting, now=now, largest=internals.largest_gpu_count(self.scheduler)
+            )
             for key, at in later.items():  # due but kept waiting (a chain with GPUs now)
                 self._due(key, self.tasks[key], at)
             self._act(errs + proposals)
@@ -544,8 +545,7 @@ class Fallback:
             self._timer = None
             self.check()
 
-        delay = max(0.0, at - monotonic()) + 0.001
-        self._timer = (at, self.scheduler.loop.call_later(delay, fire))
+        self._timer = (at, self.scheduler.loop.call_later(max(0.0, at - monotonic()) + 0.001, fire))
 
     def _warn_no_workers(self, timeout: float | None) -> None:
         """Warn once when distributed's ``no-workers-timeout`` would fail unplaced tasks
@@ -612,8 +612,7 @@ class Fallback:
                 cpu_seconds += seconds
                 continue
             name, need, devices = self.class_of(ts, task)
-            entry = gpu.get(name)
-            if entry is None:
+            if (entry := gpu.get(name)) is None:
                 entry = gpu[name] = {
                     "name": name,
                     "requirement": {
@@ -668,9 +667,8 @@ class Fallback:
         # each became unrunnable
         now = monotonic()
         self._bound = b
-        self._coming = {n: u for n, u in self._coming.items() if u + b >= now}  # past: gone
-        for name, seconds in c.items():
-            self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
+        kept = {n: u for n, u in self._coming.items() if u + b >= now}  # past: gone
+        self._coming = kept | {n: max(kept.get(n, 0.0), now + s) for n, s in c.items()}
         self._full, self._full_at = f, now
         if names is not None:
             self.pool_names = names

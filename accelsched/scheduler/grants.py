@@ -578,8 +578,7 @@ class StatusHistory:
         when = stamp if stamp is not None else _now()
         # any client may log to the topic: only a worker we know has a row to count in
         # (an unknown or unhashable "worker" would grow ``counts`` or raise here)
-        worker = msg.get("worker")
-        name = self.names.get(worker) if isinstance(worker, str) else None
+        name = self.names.get(worker) if isinstance(worker := msg.get("worker"), str) else None
         if (counted := _COUNTED.get(action)) is not None:
             # a burst of fallbacks is one event with its size
             n = msg.get("count", 1) if action == events.FALLBACK else 1

@@ -262,8 +262,12 @@ class PlacementPlugin(SchedulerPlugin):
             if p.action == "fall-back":
                 fall_back.append(p)
             elif p.action == "err":
-                exc = ValueError(f"task {p.subject!r}: {p.reason}")
-                internals.fail_task(self.scheduler, p.subject, exc, f"accelsched-fallback-{time()}")
+                internals.fail_task(
+                    self.scheduler,
+                    p.subject,
+                    ValueError(f"task {p.subject!r}: {p.reason}"),
+                    f"accelsched-fallback-{time()}",
+                )
             elif p.action == "restart":
                 ws = self.scheduler.workers[worker]
                 assert ws.nanny is not None
@@ -386,7 +390,7 @@ class PlacementPlugin(SchedulerPlugin):
         finally:
             self.budget.done(budget_key, counted=isinstance(outcome, dict))
         if isinstance(outcome, dict):
-            seconds = round(monotonic() - start, 3)
+            seconds = round(monotonic() - start, 3)  # request to restart
             self._emit(events.RESTART, ws.address, reason=why, **outcome, seconds=seconds)
         elif outcome is not None:
             keep = keeps_devices(why)
