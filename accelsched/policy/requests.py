@@ -109,10 +109,8 @@ def decide_claim(declared: object, owned_count: int, *, advertise_undeclared: bo
         return Claim(0, "no-devices")
     if declared > owned_count:
         return Claim(owned_count, "fewer-devices")
-    if declared < owned_count:
-        # The user asked for fewer GPUs than the worker sees: honour the declaration.
-        return Claim(int(declared), None)
-    return Claim(owned_count, None)
+    # fewer GPUs than the worker sees (or as many): the declaration is honoured
+    return Claim(int(declared), None)
 
 
 class Requests:

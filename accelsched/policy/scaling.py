@@ -172,20 +172,20 @@ def decide(
     # for each class with waiting tasks: the pool whose starting worker will serve it (one
     # starting now, or started by this plan), else the pools at their maximum that could
     # serve it, else (no pool's devices can) unserved
-    for d in gpu:
-        if d.waiting <= 0:
-            continue
-        serving = [p for p in pools if p.slots(d.need, d.devices) > 0]
+    starting = {
+        p.name
+        for p in pools
+        if (now := states.get(p.name, PoolState())).starting > 0
+        or targets[p.name] > now.running + now.starting
+    }
+    for d in (d for d in gpu if d.waiting > 0):
+        serving = [p.name for p in pools if p.slots(d.need, d.devices) > 0]
         if not serving:
             plan.unserved.append(d.name)
-            continue
-        for p in serving:
-            now = states.get(p.name, PoolState())
-            if now.starting > 0 or targets[p.name] > now.running + now.starting:
-                plan.coming[d.name] = p.name
-                break
+        elif coming := [p for p in serving if p in starting]:
+            plan.coming[d.name] = coming[0]
         else:
-            plan.full[d.name] = [p.name for p in serving]
+            plan.full[d.name] = serving
     return plan
 
 

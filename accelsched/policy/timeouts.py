@@ -21,13 +21,14 @@ import functools
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from accelsched.config import parse_optional_duration
 from accelsched.policy.marks import Mark
 from accelsched.policy.proposals import Proposal
+from accelsched.protocol import TIMEOUT_ANNOTATION
 
 __all__ = [
     "task_timeout",
@@ -66,8 +67,6 @@ OOM = "oom"  # the GPU form ran out of device memory (decided on the worker)
 #: GPU worker to start or restart; ``dual(..., fallback_timeout=None)`` keeps it strict.
 DUAL_TIMEOUT = 30.0
 
-_UNSET: Any = object()
-
 
 @functools.lru_cache(maxsize=256, typed=True)
 def _parse(value: Any) -> float | None:
@@ -95,14 +94,14 @@ MAX_GPUS = 65536
 
 
 def task_timeout(
-    default: float | None, annotated: Any = _UNSET, mark: Mark | None = None
+    default: float | None, annotations: Mapping[str, Any], mark: Mark | None = None
 ) -> float | None:
     """The timeout a task lives by: its ``fallback_timeout`` annotation (parsed;
     ValueError names a bad one), else the marked step's own, else a ``dual`` step's
     CPU-form timeout where the plugin has no ``default`` (None: strict, never fall back),
     else the default."""
-    if annotated is not _UNSET:
-        return parse_task_timeout(annotated)
+    if TIMEOUT_ANNOTATION in annotations:
+        return parse_task_timeout(annotations[TIMEOUT_ANNOTATION])
     if mark is not None and mark.timeout_given:
         return mark.timeout
     if mark is not None and mark.cpu_form is not None and default is None:

@@ -64,6 +64,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from time import monotonic, time
 from typing import TYPE_CHECKING, Any
+from weakref import WeakValueDictionary
 
 import dask.config
 from dask.utils import parse_timedelta
@@ -103,10 +104,8 @@ from accelsched.protocol import (
     INVALID_RESOURCE,
     POOLS_HANDLER,
     REQUIREMENT_ANNOTATION,
-    TIMEOUT_ANNOTATION,
     ClassDemand,
     DemandReply,
-    WorkerDemand,
 )
 from accelsched.scheduler.grants import Grants, facts_of
 
@@ -146,13 +145,14 @@ FULL_SAID_FOR = 60.0
 ClassKey = tuple[Requirement, int, frozenset[str] | None]
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(eq=False)
 class Eligible:
-    """The workers one class of requirement tasks may run on, shared by its tasks."""
+    """The workers one class of requirement tasks may run on, shared by its tasks (their
+    records hold it; the fallback's table of classes only weakly: the class goes with the
+    last task that holds it)."""
 
     key: ClassKey
     workers: set[str]  # every task's ``worker_restrictions``; NOWHERE always in it
-    tasks: int = 0  # tasks holding it: the class goes with the last
 
 
 @dataclass(slots=True, eq=False)
@@ -186,7 +186,7 @@ class Fallback:
         self.timeout = timeout  # the plugin's default: None, strict
         self._grants = grants
         self._unmet: set[str] = set()  # requirements said unmet, until a device meets them
-        self._classes: dict[ClassKey, Eligible] = {}
+        self._classes: WeakValueDictionary[ClassKey, Eligible] = WeakValueDictionary()
         self._facts: dict[str, list[DeviceFacts]] = {}  # worker -> its granted devices
         self._benched: dict[str, float] = {}  # worker -> when it is judged again
         # a deadline entry still counts while its task waits, due then
@@ -226,7 +226,6 @@ class Fallback:
         for ts in list(internals.unrunnable(scheduler)):
             if (task := self.tasks.get(ts.key)) is not None:
                 self._enter(ts, task)
-        self._schedule()
 
     def follow(self, worker: str) -> None:
         """``worker``'s grant changed (granted, offered again, or gone): every class it
@@ -269,23 +268,21 @@ class Fallback:
         requirement's (distributed alone replaced the one by the other)."""
         if not self._active():
             return original(worker=worker)
-        hosts = {}  # the hosts each requirement task named (taken off it): kept, as
-        for key in worker:  # distributed keeps a task's hosts when its workers are set
-            task = self.tasks.get(key)
-            if task is not None and task.eligible is not None:
-                hosts[key] = {o for o in task.eligible.key[2] or () if "://" not in o}
-        original(worker=worker)
-        waiting = []
-        for key, named in hosts.items():
-            task, ts = self.tasks[key], self.scheduler.tasks.get(key)
-            if task.eligible is not None and ts is not None:
-                devices = task.eligible.key[1]
-                self._leave_class(task)
-                internals.restrict_to_own(ts, [*internals.restricted_to(ts), *named])
-                self._require(ts, task, None, devices, say=False)
-                if ts.state == "no-worker":
-                    waiting.append(key)
+        # each requirement task's class, and the hosts it named (taken off it): kept, as
+        # distributed keeps a task's hosts when its workers are set
+        named = {
+            key: (task, eligible.key[1], {o for o in eligible.key[2] or () if "://" not in o})
+            for key in worker
+            if (task := self.tasks.get(key)) is not None and (eligible := task.eligible)
+        }
+        original(worker=worker)  # raises for a key it does not hold: all are held below
+        for key, (task, devices, hosts) in named.items():
+            ts = self.scheduler.tasks[key]
+            task.eligible = None
+            internals.restrict_to_own(ts, [*internals.restricted_to(ts), *hosts])
+            self._require(ts, task, None, devices, say=False)
         # one may run now: distributed looks again only as workers come
+        waiting = [key for key in named if self.scheduler.tasks[key].state == "no-worker"]
         internals.run_now(self.scheduler, waiting, f"accelsched-set-restrictions-{time()}")
 
     # --- hooks ---------------------------------------------------------------------------
@@ -337,10 +334,7 @@ class Fallback:
         if problem := (mark_problem(mark) if mark else None) or invalid_amount(amount):
             return problem
         try:
-            if TIMEOUT_ANNOTATION in annotations:
-                timeout = task_timeout(self.timeout, annotations[TIMEOUT_ANNOTATION])
-            else:
-                timeout = task_timeout(self.timeout, mark=mark)
+            timeout = task_timeout(self.timeout, annotations, mark)
         except ValueError as exc:
             return str(exc)
         task = self.tasks[ts.key] = GpuTask(timeout)
@@ -373,18 +367,20 @@ class Fallback:
         if need.memory is not None and count != 1:
             return f"{need.label()}: a task that declares memory takes one device, not {count}"
         # the requirement as the worker reads it back (plain, msgpack-safe values)
-        normalised = {
-            "memory": need.memory,
-            "model": need.model,
-            "capability": None if need.capability is None else list(need.capability),
-            "mig": need.mig,
-            "enforce": need.enforce,
-        }
-        internals.annotate(ts, REQUIREMENT_ANNOTATION, normalised)
+        internals.annotate(
+            ts,
+            REQUIREMENT_ANNOTATION,
+            {
+                "memory": need.memory,
+                "model": need.model,
+                "capability": None if need.capability is None else list(need.capability),
+                "mig": need.mig,
+                "enforce": need.enforce,
+            },
+        )
         if need.memory is not None:  # shares a device: memory, not a whole GPU
-            restrictions = {k: v for k, v in ts.resource_restrictions.items() if k != GPU}
-            restrictions[GPU_MEMORY] = mebibytes(need.memory)
-            internals.set_resource_restrictions(ts, restrictions)
+            kept = {k: v for k, v in ts.resource_restrictions.items() if k != GPU}
+            internals.set_resource_restrictions(ts, {**kept, GPU_MEMORY: mebibytes(need.memory)})
             internals.drop_annotated_resource(ts, GPU)
         own = internals.restricted_to(ts) | internals.take_restricted_hosts(self.scheduler, ts)
         # enforce says nothing of the device: tasks that differ by it share a class
@@ -392,23 +388,16 @@ class Fallback:
         if (eligible := self._classes.get(key)) is None:
             workers = {w for w in self._facts if self._serves(w, key)}
             eligible = self._classes[key] = Eligible(key, {NOWHERE, *workers})
-            met = any(self._serves(w, key, own=False) for w in self._facts)
-            if not met and (label := need.label()) not in self._unmet:
+            # no device in the cluster meets it (on any worker): said once, until one does
+            if (label := need.label()) not in self._unmet and not any(
+                self._serves(w, key, own=False) for w in self._facts
+            ):
                 self._unmet.add(label)
                 if say:
                     self._emit(events.UNMET_REQUIREMENT, None, requirement=label, key=str(ts.key))
-        eligible.tasks += 1
         task.eligible = eligible
         internals.share_worker_restriction(ts, eligible.workers)
         return None
-
-    def _leave_class(self, task: GpuTask) -> None:
-        """``task`` no longer holds its class's restriction; the class goes with its last."""
-        eligible, task.eligible = task.eligible, None
-        if eligible is not None:
-            eligible.tasks -= 1
-            if not eligible.tasks:
-                del self._classes[eligible.key]
 
     def transition(self, key: Any, start: str, finish: str, stimulus_id: str) -> None:
         """Forget a forgotten task; time a task that becomes unrunnable.
@@ -416,16 +405,14 @@ class Fallback:
         Runs inside the transition loop for every task, so it only does O(1) bookkeeping
         (and O(log n) for a timed task entering ``no-worker``) and schedules a check.
         """
-        task = self.tasks.get(key)
-        if task is None:
+        if (task := self.tasks.get(key)) is None:
             return  # no GPU task
         if finish == "forgotten":
-            self._leave_class(self.tasks.pop(key))  # the one place a task is forgotten
+            del self.tasks[key]  # the one place a task is forgotten (its class with it)
             return
         ts = self.scheduler.tasks[key]  # not forgotten: still the scheduler's
         if finish == "no-worker":
             self._enter(ts, task)
-            self._schedule()
         elif start == "no-worker":
             task.due = None
         if task.eligible is None:  # no requirement
@@ -435,8 +422,8 @@ class Fallback:
         if finish == "processing":
             task.sent = ts.processing_on.address if ts.processing_on else task.sent
         elif start == "processing" and stimulus_id.startswith(_SENT_BACK):
-            worker, task.sent = task.sent, None
-            ws = self.scheduler.workers.get(worker) if worker is not None else None
+            # (it was sent there: a task reaches processing first, where this is set)
+            ws = self.scheduler.workers.get(task.sent or "")
             if ws is not None and ws.status in (Status.running, Status.paused):  # no drain
                 task.eligible.workers.discard(ws.address)
                 self._benched[ws.address] = monotonic() + BENCH
@@ -449,19 +436,18 @@ class Fallback:
             self._due(ts.key, task, deadline(w))
 
     def _waiting(self, ts: Any, task: GpuTask) -> Waiting | None:
-        """``ts`` as :func:`~accelsched.policy.timeouts.sweep` sees it (None: it asks for no
-        GPU, or waits for ever)."""
-        restrictions = ts.resource_restrictions or {}
-        amount = restrictions.get(GPU) or (1 if restrictions.get(GPU_MEMORY) else 0)
-        if not amount or task.timeout is None:
+        """``ts`` as :func:`~accelsched.policy.timeouts.sweep` sees it (None: it waits for
+        ever). Only a task that has not fallen back gets here: it asks for GPUs, or for
+        ``GPU-memory`` on one device."""
+        if task.timeout is None:
             return None
+        amount = (ts.resource_restrictions or {}).get(GPU, 1)
         chain = any(
             (d := self.tasks.get(dep.key)) is not None and d.fell_back for dep in ts.dependencies
         )
         since = internals.unrunnable(self.scheduler)[ts]  # when it became unrunnable
         if self._coming:  # a worker that serves it is starting: its timeout counts after
-            until = self._coming.get(self.class_of(ts, task)[0])
-            since = counted_from(since, until, self._bound)
+            since = counted_from(since, self._coming.get(self.class_of(ts, task)[0]), self._bound)
         return Waiting(ts.key, since, amount, task.timeout, chain)
 
     def class_of(self, ts: Any, task: GpuTask) -> tuple[str, Requirement, int]:
@@ -478,6 +464,7 @@ class Fallback:
         task.due = at
         if at is not None:
             self.deadlines.add(key, at)
+            self._schedule()
 
     # --- the check -----------------------------------------------------------------------
 
@@ -501,8 +488,9 @@ class Fallback:
             elif (w := self._waiting(ts, task)) is not None:
                 waiting.append(w)
         if errs or waiting:
-            largest = internals.largest_gpu_count(self.scheduler)
-            proposals, later = sweep(waiting, now=now, largest=largest)
+            proposals, later = sweep(
+                waiting, now=now, largest=internals.largest_gpu_count(self.scheduler)
+            )
             for key, at in later.items():  # due but kept waiting (a chain with GPUs now)
                 self._due(key, self.tasks[key], at)
             self._act(errs + proposals)
@@ -529,7 +517,7 @@ class Fallback:
             )
             if task.eligible is not None:  # runs wherever its own restriction allows
                 internals.restrict_to_own(ts, task.eligible.key[2])
-                self._leave_class(task)  # where it was sent counts no more
+                task.eligible = None  # where it was sent counts no more
             # the worker gets the annotations too: the GPU amount it no longer needs goes,
             # so none can break the message (an int past 2**64 cost every worker its stream)
             internals.drop_annotated_resource(ts, GPU)
@@ -557,8 +545,7 @@ class Fallback:
             self._timer = None
             self.check()
 
-        delay = max(0.0, at - monotonic()) + 0.001
-        self._timer = (at, self.scheduler.loop.call_later(delay, fire))
+        self._timer = (at, self.scheduler.loop.call_later(max(0.0, at - monotonic()) + 0.001, fire))
 
     def _warn_no_workers(self, timeout: float | None) -> None:
         """Warn once when distributed's ``no-workers-timeout`` would fail unplaced tasks
@@ -625,8 +612,7 @@ class Fallback:
                 cpu_seconds += seconds
                 continue
             name, need, devices = self.class_of(ts, task)
-            entry = gpu.get(name)
-            if entry is None:
+            if (entry := gpu.get(name)) is None:
                 entry = gpu[name] = {
                     "name": name,
                     "requirement": {
@@ -642,22 +628,21 @@ class Fallback:
                 }
             entry["waiting" if ts.state == "no-worker" else "running"] += 1
             entry["seconds"] += seconds
-        workers: list[WorkerDemand] = [
-            {
-                "name": str(ws.name),
-                "address": ws.address,
-                "busy": internals.busy(ws),
-                "gpu_busy": internals.gpu_busy(ws),
-                "gpus": len(self._grants.uuids(ws.address)),
-            }
-            for ws in self.scheduler.workers.values()
-        ]
         return {
             "status": "OK",
             "gpu": list(gpu.values()),
             "cpu_tasks": cpu_tasks,
             "cpu_seconds": cpu_seconds,
-            "workers": workers,
+            "workers": [
+                {
+                    "name": str(ws.name),
+                    "address": ws.address,
+                    "busy": internals.busy(ws),
+                    "gpu_busy": internals.gpu_busy(ws),
+                    "gpus": len(self._grants.uuids(ws.address)),
+                }
+                for ws in self.scheduler.workers.values()
+            ],
         }
 
     def pools(
@@ -682,9 +667,8 @@ class Fallback:
         # each became unrunnable
         now = monotonic()
         self._bound = b
-        self._coming = {n: u for n, u in self._coming.items() if u + b >= now}  # past: gone
-        for name, seconds in c.items():
-            self._coming[name] = max(self._coming.get(name, 0.0), now + seconds)
+        kept = {n: u for n, u in self._coming.items() if u + b >= now}  # past: gone
+        self._coming = kept | {n: max(kept.get(n, 0.0), now + s) for n, s in c.items()}
         self._full, self._full_at = f, now
         if names is not None:
             self.pool_names = names

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from distributed.metrics import time as _now  # the event log's clock
 
-from accelsched import display, events, internals
+from accelsched import events, internals
 from accelsched.policy.requests import Requests, grant
 from accelsched.policy.requirements import DeviceFacts, mebibytes, share
 from accelsched.protocol import (
@@ -223,17 +223,18 @@ class Grants:
         The offered devices are those its guard named, else the first ones."""
         g = self.of(worker)
         # workers granted each device: one without share_gpus (no look over the cluster)
-        owners: Counter[str] = Counter()
-        if self.share_gpus:
-            owners.update(d["uuid"] for o in self._workers.values() for d in o.devices)
+        owners: Counter[str] = (
+            Counter(d["uuid"] for o in self._workers.values() for d in o.devices)
+            if self.share_gpus
+            else Counter()
+        )
         offered = (
             g.devices[: g.offered]
             if g.named is None
             else [d for d in g.devices if d["uuid"] in g.named]
         )
         mine = {d["uuid"]: share(int(d["memory"]), owners[d["uuid"]] or 1) for d in offered[:count]}
-        room = sum(mebibytes(max(0, b - g.held.get(u, 0))) for u, b in mine.items())
-        return mine, room
+        return mine, sum(mebibytes(max(0, b - g.held.get(u, 0))) for u, b in mine.items())
 
     def quarantine(self, worker: str, reason: str) -> bool:
         """Note ``worker``'s quarantine; False when it was quarantined already."""
@@ -255,7 +256,7 @@ _NOTHING = WorkerGrant()
 
 class DeviceReports:
     """Serves the inventory and offer handlers; asks guards to report; sets the GPU count
-    of every worker from its grant; serves the GPU gauge."""
+    of every worker from its grant."""
 
     def __init__(
         self,
@@ -266,7 +267,7 @@ class DeviceReports:
         active: Callable[[], bool],
         gained: Callable[[str], None],
     ) -> None:
-        """Gate ``set_resources``, serve the gauge, strip every worker's declared GPUs,
+        """Gate ``set_resources``, strip every worker's declared GPUs,
         serve the handlers.
 
         ``gained(worker)``: the worker's devices were granted (tasks with requirements
@@ -278,7 +279,6 @@ class DeviceReports:
         self._active = active
         self._gained = gained
         internals.wrap_handler(scheduler, "set_resources", self.set_resources)
-        display.gpus_from(self._grants.gauge)
         for ws in list(scheduler.workers.values()):
             self.add_worker(ws)
         # guards already running report again now that someone listens (a guard
@@ -295,14 +295,9 @@ class DeviceReports:
         internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
         internals.restore_handler(self.scheduler, "set_resources")
-        self.close()
         for addr, ws in list(self.scheduler.workers.items()):
             if (count := self._grants.of(addr).declared) is not None:
                 internals.set_worker_gpus(self.scheduler, ws, count)
-
-    def close(self) -> None:
-        """The gauge no longer reads these grants."""
-        display.stop_gpus(self._grants.gauge)
 
     def remove_worker(self, worker: str) -> None:
         """Free the worker's GPUs (workers refused one of them, or sharing one, are asked
@@ -455,24 +450,23 @@ class DeviceReports:
 
     def place(self, ws: WorkerState) -> None:
         """Set the worker's GPU count to what its grant places; offer or send back tasks."""
-        scheduler = self.scheduler
         if not (after := self._grants.placed(ws.address)) and GPU not in ws.resources:
             return  # never declared, nothing granted: stays out of the GPU resource
         before = ws.resources.get(GPU, 0)
         had = ws.resources.get(GPU_MEMORY, 0)
-        internals.set_worker_gpus(scheduler, ws, after)
+        internals.set_worker_gpus(self.scheduler, ws, after)
         # declared-memory tasks take GPU-memory: the offered devices' shares (their
         # capacity, divided among the workers sharing one) less what results hold
         memory = self._grants.shares(ws.address, after)[1]
-        internals.set_worker_gpus(scheduler, ws, memory, GPU_MEMORY)
+        internals.set_worker_gpus(self.scheduler, ws, memory, GPU_MEMORY)
         if after > before:  # waiting tasks, and its share of its peers' queues
             self._gained(ws.address)  # tasks with requirements it meets
-            internals.offer_unrunnable(scheduler, ws)
-            internals.take_share(scheduler, ws)
+            internals.offer_unrunnable(self.scheduler, ws)
+            internals.take_share(self.scheduler, ws)
         elif after < before or memory < had:  # what no longer fits goes elsewhere
-            internals.release_unfit(scheduler, ws)
+            internals.release_unfit(self.scheduler, ws)
         if after == before and memory > had:  # results released, a sharer left
-            internals.offer_unrunnable(scheduler, ws)
+            internals.offer_unrunnable(self.scheduler, ws)
 
     def set_resources(
         self, original: Callable[..., Any], worker: str, resources: dict | None = None
@@ -486,12 +480,9 @@ class DeviceReports:
         ws = self.scheduler.workers.get(worker)
         if ws is None or not self._active():  # unregistered: distributed's own behaviour
             return original(worker=worker, resources=resources)
-        resources = dict(resources or {})
-        for name in (GPU, GPU_MEMORY):
-            resources.pop(name, None)
-            if name in ws.resources:
-                resources[name] = ws.resources[name]  # kept as this part set it
-        result = internals.apply_resources(original, self.scheduler, worker, resources)
+        theirs = {k: v for k, v in (resources or {}).items() if k not in (GPU, GPU_MEMORY)}
+        ours = {k: v for k, v in ws.resources.items() if k in (GPU, GPU_MEMORY)}  # as set here
+        result = internals.apply_resources(original, self.scheduler, worker, {**theirs, **ours})
         self.place(ws)
         return result
 
@@ -587,10 +578,8 @@ class StatusHistory:
         when = stamp if stamp is not None else _now()
         # any client may log to the topic: only a worker we know has a row to count in
         # (an unknown or unhashable "worker" would grow ``counts`` or raise here)
-        worker = msg.get("worker")
-        name = self.names.get(worker) if isinstance(worker, str) else None
-        counted = _COUNTED.get(action)
-        if counted is not None:
+        name = self.names.get(worker) if isinstance(worker := msg.get("worker"), str) else None
+        if (counted := _COUNTED.get(action)) is not None:
             # a burst of fallbacks is one event with its size
             n = msg.get("count", 1) if action == events.FALLBACK else 1
             n = n if isinstance(n, int) and n > 0 else 1

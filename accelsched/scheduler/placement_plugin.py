@@ -149,6 +149,7 @@ class PlacementPlugin(SchedulerPlugin):
         o, emit, active = self.options, self._emit, self._active
         internals.notify_unregistered(scheduler)
         self.grants = grants = Grants(share_gpus=o["share_gpus"])
+        display.gpus_from(grants.gauge)
         self.fallback = Fallback(
             scheduler,
             timeout=o["fallback_timeout"],
@@ -193,6 +194,7 @@ class PlacementPlugin(SchedulerPlugin):
         internals.remove_handler(self.scheduler, RESTART_HANDLER, self.handle_restart)
         self.reports.stop()
         self.status_history.stop()
+        display.stop_gpus(self.grants.gauge)
 
     async def close(self) -> None:
         """The scheduler closes: stop the periodic checks and the gauge's reading."""
@@ -200,7 +202,7 @@ class PlacementPlugin(SchedulerPlugin):
             return  # never started
         self.fallback.close()
         self.status_history.stop()
-        self.reports.close()
+        display.stop_gpus(self.grants.gauge)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         """Strip the declared GPU count: it counts only once the worker's guard reports.
@@ -260,8 +262,12 @@ class PlacementPlugin(SchedulerPlugin):
             if p.action == "fall-back":
                 fall_back.append(p)
             elif p.action == "err":
-                exc = ValueError(f"task {p.subject!r}: {p.reason}")
-                internals.fail_task(self.scheduler, p.subject, exc, f"accelsched-fallback-{time()}")
+                internals.fail_task(
+                    self.scheduler,
+                    p.subject,
+                    ValueError(f"task {p.subject!r}: {p.reason}"),
+                    f"accelsched-fallback-{time()}",
+                )
             elif p.action == "restart":
                 ws = self.scheduler.workers[worker]
                 assert ws.nanny is not None
@@ -384,7 +390,7 @@ class PlacementPlugin(SchedulerPlugin):
         finally:
             self.budget.done(budget_key, counted=isinstance(outcome, dict))
         if isinstance(outcome, dict):
-            seconds = round(monotonic() - start, 3)
+            seconds = round(monotonic() - start, 3)  # request to restart
             self._emit(events.RESTART, ws.address, reason=why, **outcome, seconds=seconds)
         elif outcome is not None:
             keep = keeps_devices(why)

@@ -137,17 +137,18 @@ def decided(waited: float, timeout: float | None, chain: bool, capacity: bool) -
 
 def test_fallback_policy_numbers() -> None:
     assert decided(1e9, timeout=None, chain=True, capacity=False) is None
-    assert task_timeout(5.0) == 5.0 and task_timeout(5.0, None) is None
-    assert task_timeout(5.0, 0.0) == 0.0
+    assert task_timeout(5.0, {}) == 5.0 and task_timeout(5.0, {"fallback_timeout": None}) is None
+    assert task_timeout(5.0, {"fallback_timeout": 0.0}) == 0.0
     # a task's own annotation, else its step's, else a dual step's CPU form where the
     # plugin has no default, else the default
     step, dual_step = Mark(timeout=2.0, timeout_given=True), Mark(cpu_form=30.0)
-    assert task_timeout(5.0, mark=step) == 2.0 and task_timeout(5.0, 1.0, mark=step) == 1.0
-    assert task_timeout(5.0, mark=dual_step) == 5.0 and task_timeout(None, mark=dual_step) == 30.0
-    assert task_timeout(None, mark=Mark()) is None
-    assert task_timeout(None, mark=Mark(timeout_given=True, cpu_form=30.0)) is None  # its own None
+    own = {"fallback_timeout": 1.0}
+    assert task_timeout(5.0, {}, step) == 2.0 and task_timeout(5.0, own, step) == 1.0
+    assert task_timeout(5.0, {}, dual_step) == 5.0 and task_timeout(None, {}, dual_step) == 30.0
+    assert task_timeout(None, {}, Mark()) is None
+    assert task_timeout(None, {}, Mark(timeout_given=True, cpu_form=30.0)) is None  # its own None
     with pytest.raises(ValueError, match="fallback_timeout"):
-        task_timeout(5.0, "soon")
+        task_timeout(5.0, {"fallback_timeout": "soon"})
     kw = dict(chain=False, capacity=False)
     assert decided(4.99, timeout=5.0, **kw) is None
     assert decided(5.0, timeout=5.0, **kw) == TIMEOUT
