@@ -456,8 +456,13 @@ LOGGER = "accelsched"
 _FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
 
 
-#: The handler added here, once per process.
-_handler: logging.Handler | None = None
+#: The handler :func:`initialize_logging` adds, once per process (``addHandler`` adds a
+#: handler once). Records pass only while the root logger has no handler (its own: it
+#: has no parent): once the application configured logging, its handlers print
+#: accelsched's records (they propagate).
+_HANDLER = logging.StreamHandler(sys.stderr)
+_HANDLER.addFilter(lambda record: not logging.getLogger().hasHandlers())
+_HANDLER.setFormatter(logging.Formatter(dask.config.get("distributed.admin.log-format", _FORMAT)))
 
 
 def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
@@ -484,15 +489,5 @@ def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
     logger = logging.getLogger(LOGGER)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-    global _handler
-    if _handler is None:
-        _handler = logging.StreamHandler(sys.stderr)
-        _handler.setFormatter(
-            logging.Formatter(dask.config.get("distributed.admin.log-format", _FORMAT))
-        )
-        # records pass only while the root logger has no handler (its own: it has no
-        # parent): once the application configured logging, its handlers print
-        # accelsched's records (they propagate)
-        _handler.addFilter(lambda record: not logging.getLogger().hasHandlers())
-        logger.addHandler(_handler)
+    logger.addHandler(_HANDLER)
     return True
