@@ -299,10 +299,10 @@ def print_events(
         ):
             return ""  # not one of ours, or not asked for
         if as_json:  # as logged, ASCII (see status --json); odd figures as their repr
-            text = json.dumps(
-                {"time": stamp, **msg}, ensure_ascii=True, default=repr, skipkeys=True
+            return (
+                json.dumps({"time": stamp, **msg}, ensure_ascii=True, default=repr, skipkeys=True)
+                + "\n"
             )
-            return text + "\n"
         owner = msg.get("owner")
         if isinstance(owner, str):  # gpu-rejected: the owner's address(es), by name too
             msg = {**msg, "owner": names.get(owner, owner)}

@@ -23,7 +23,6 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping
-from inspect import isawaitable
 from typing import Any, NamedTuple, cast
 
 from dask.utils import parse_bytes
@@ -282,11 +281,10 @@ class ElasticPools(Adaptive):
             )
             # retire the workers the plan proposed ``wait_count`` looks in a row
             # (by worker name in Adaptive's counts; one not proposed now starts again)
-            before = cast("defaultdict[str, int]", self.close_counts)
-            counts = {w: before[w] + 1 for w in plan.retire}
+            counts = {w: cast(Any, self.close_counts)[w] + 1 for w in plan.retire}
             firm = [w for w, n in counts.items() if n >= self.wait_count]
             self.close_counts = cast(
-                Any, defaultdict(int, {w: counts[w] for w in counts if w not in firm})
+                Any, defaultdict(int, {w: n for w, n in counts.items() if n < self.wait_count})
             )
             if firm:
                 # data moved to peers first; a worker whose data no peer could take stays
@@ -307,9 +305,7 @@ class ElasticPools(Adaptive):
             if done := sorted(self._closing - {w["name"] for w in reply["workers"] if w["busy"]}):
                 # their specs go; the cluster closes them. Their times went at the look that
                 # first saw them retired (a retired worker is no member)
-                f = self.cluster.scale_down(done)
-                if isawaitable(f):
-                    await f
+                await self.cluster.scale_down(done)
                 self._closing.difference_update(done)
         finally:
             self._adapting = False
