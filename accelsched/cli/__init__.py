@@ -354,9 +354,9 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
             time.sleep(0.05)
         except (OSError, ValueError) as exc:  # a symlink loop, a NUL in the path
             return _no_scheduler_file(command, path, one_line(exc))
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SCHEDULER_FILE:
-        size = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "not a regular file"
-        return _no_scheduler_file(command, path, size)
+    if not (regular := stat.S_ISREG(st.st_mode)) or st.st_size > MAX_SCHEDULER_FILE:
+        problem = f"{st.st_size} bytes" if regular else "not a regular file"
+        return _no_scheduler_file(command, path, problem)
     from accelsched.internals.client_side import read_json_file
 
     try:
@@ -476,14 +476,13 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
         raise click.BadParameter(
             "invalid PATH '': expected a file name", ctx, param_hint="'--scheduler-file'"
         )
-    if address is not None and path is not None:
-        raise click.UsageError("give a SCHEDULER address or --scheduler-file PATH, not both")
     if address is None and path is None:
         address = dask.config.get("scheduler-address", None)
-        if address is None:
-            raise click.UsageError(
-                "give a SCHEDULER address or --scheduler-file PATH (or set DASK_SCHEDULER_ADDRESS)"
-            )
+    if (address is None) == (path is None):  # both, or neither (nor in dask config)
+        raise click.UsageError(
+            "give a SCHEDULER address or --scheduler-file PATH"
+            + (", not both" if path is not None else " (or set DASK_SCHEDULER_ADDRESS)")
+        )
     # distributed's own log lines (a reconnect that failed, ...) would come on top of the
     # one line each error is
     with quiet_logs(logging.CRITICAL):

@@ -315,12 +315,10 @@ class ElasticPools(Adaptive):
         verified, or start_timeout passed), starting, and how long each idle one was."""
         arrived = {w["name"]: w for w in reply["workers"]}
         states = {}
-        known: set[str] = set()
         for name, (pool, _) in self.pools.items():
             idle = {}
             starting = []  # when each was asked for
             members = self.members(name)
-            known.update(members)
             for w in members:
                 seen = arrived.get(w)
                 started = self._started.get(w, now)
@@ -335,6 +333,7 @@ class ElasticPools(Adaptive):
             self._awaited[name] = max(starting, default=-math.inf)
             states[name] = PoolState(len(members) - len(starting), len(starting), idle)
         # workers that left some other way (died, closed by hand): their times go
+        known = {w for name in self.pools for w in self.members(name)}
         self._idle_since = {w: t for w, t in self._idle_since.items() if w in known}
         self._started = {w: t for w, t in self._started.items() if w in known}
         return states
@@ -346,8 +345,7 @@ class ElasticPools(Adaptive):
             # a free name is no member: its times went at this look (_states)
             free = (f"{name}-{n}" for n in itertools.count() if f"{name}-{n}" not in spec)
             new = [next(free) for _ in range(plan.targets[name] - len(self.members(name)))]
-            for worker in new:
-                spec[worker] = copy.deepcopy(worker_spec)
+            spec.update({worker: copy.deepcopy(worker_spec) for worker in new})
             self._started.update(dict.fromkeys(new, now))
             if new:
                 self._awaited[name] = now  # awaited as of this look
