@@ -320,8 +320,9 @@ def print_events(
         shown_until = max([shown_until, *(stamp for stamp, _ in new)])
         return "".join(line(stamp, msg, snap["names"]) for stamp, msg in new)
 
-    every = FOLLOW_EVERY if follow else None
-    return _run("events", address, timeout, connect, every, out, new_lines)
+    return _run(
+        "events", address, timeout, connect, FOLLOW_EVERY if follow else None, out, new_lines
+    )
 
 
 #: A scheduler file is a few hundred bytes; anything this large is not one.
@@ -355,8 +356,9 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
         except (OSError, ValueError) as exc:  # a symlink loop, a NUL in the path
             return _no_scheduler_file(command, path, one_line(exc))
     if not (regular := stat.S_ISREG(st.st_mode)) or st.st_size > MAX_SCHEDULER_FILE:
-        problem = f"{st.st_size} bytes" if regular else "not a regular file"
-        return _no_scheduler_file(command, path, problem)
+        return _no_scheduler_file(
+            command, path, f"{st.st_size} bytes" if regular else "not a regular file"
+        )
     from accelsched.internals.client_side import read_json_file
 
     try:
@@ -396,11 +398,11 @@ MIN_CONNECT = 1.0
 #: Exit code after Ctrl-C before an answer, and ending ``events --follow`` (128 + SIGINT).
 INTERRUPTED = 130
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 88}
-
 
 @click.group(
-    name="accelsched", context_settings=CONTEXT, epilog=f"status and events: {EXIT_CODES_HELP}"
+    name="accelsched",
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 88},
+    epilog=f"status and events: {EXIT_CODES_HELP}",
 )
 @click.version_option(__version__, prog_name="accelsched")
 def cli() -> None:
