@@ -193,9 +193,8 @@ class ElasticPools(Adaptive):
         self.last_plan: Plan | None = None
         # without the plugin the scheduler logs each unknown request with a traceback:
         # it is asked again after a wait that doubles, up to NO_PLUGIN_WAIT_MAX (0: it
-        # answered last time)
-        self._no_plugin_wait = 0.0
-        self._ask_at = 0.0
+        # answered last time), at ``_ask_at``
+        self._no_plugin_wait = self._ask_at = 0.0
         #: pool -> when its latest worker still starting was asked for (at the last look)
         self._awaited: dict[str, float] = {}
         #: retired workers that still run tasks sent before: closed once those end
