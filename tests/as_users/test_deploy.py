@@ -307,7 +307,7 @@ def test_precedence_on_one_worker_in_numbers() -> None:
         "check_interval": "this worker's --preload accelsched",
     }
     # nothing set on the worker: exactly as handed, nothing to say
-    assert on_this_worker(handed, {"leak_confirmations"}, {})[1] == {}
+    assert on_this_worker(handed, {"leak_confirmations"}, {}) == (handed, {}, {})
     with (
         dask.config.set({"accelsched.guard.leak-threshold": "lots"}),
         pytest.raises(ValueError, match="invalid leak_threshold='lots'"),
