@@ -99,12 +99,15 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     guard = GuardPlugin(**_config.only(_config.GUARD_OPTIONS, options))
     placement.idempotent = guard.idempotent = True  # type: ignore[attr-defined]
     # with fast_restart, nannies fork new worker processes from a server
-    plugins = [placement, guard, *([FastRestart()] if guard.options["fast_restart"] else [])]
-    built = {"placement": placement.options, "guard": guard.options}
+    fast = [FastRestart()] if guard.options["fast_restart"] else []
 
     async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:
-        _config.check_running(options, built, await client.run_on_scheduler(running_options))
-        for plugin in plugins:
+        _config.check_running(
+            options,
+            {"placement": placement.options, "guard": guard.options},
+            await client.run_on_scheduler(running_options),
+        )
+        for plugin in [placement, guard, *fast]:
             await client.register_plugin(plugin)
         return placement, guard
 

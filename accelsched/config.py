@@ -57,7 +57,7 @@ import re
 import sys
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import dask.config
@@ -72,7 +72,6 @@ __all__ = [
     "PLACEMENT_OPTIONS",
     "GUARD_OPTIONS",
     "ADAPT_OPTIONS",
-    "InEffect",
     "on_this_worker",
     "guard_options_here",
     "check_running",
@@ -349,22 +348,15 @@ ADAPT_OPTIONS: tuple[Option, ...] = (
 worker_preload_options: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-@dataclass
-class InEffect:
-    """A guard's options on one worker and where those not handed to it came from."""
-
-    options: dict[str, Any]
-    sources: dict[str, str] = field(default_factory=dict)  # name -> where it came from
-    overruled: dict[str, tuple[Any, str]] = field(default_factory=dict)  # name -> (value, where)
-
-
 def on_this_worker(
     handed: Mapping[str, Any], explicit: Collection[str], preload: Mapping[str, Any]
-) -> InEffect:
+) -> tuple[dict[str, Any], dict[str, str], dict[str, tuple[Any, str]]]:
     """The guard options in effect on this worker: ``handed`` (as built, ``explicit``
     the names given explicitly there), with this worker's ``preload`` arguments and own
-    dask config applied where no explicit option says otherwise."""
-    out = InEffect(dict(handed))
+    dask config applied where no explicit option says otherwise. With them, where each
+    one not as handed came from (name -> where), and this worker's own settings that an
+    explicit option overrules (name -> (value, where))."""
+    options, sources, overruled = dict(handed), {}, {}
     for opt in GUARD_OPTIONS:
         mine = opt.name in preload  # (this worker's config is not read then)
         own, value = (True, preload[opt.name]) if mine else opt.set_here()
@@ -374,11 +366,11 @@ def on_this_worker(
         if not own or value == handed[opt.name]:
             continue
         if opt.name in explicit:
-            out.overruled[opt.name] = (value, source)
+            overruled[opt.name] = (value, source)
         else:
-            out.options[opt.name] = value
-            out.sources[opt.name] = source
-    return out
+            options[opt.name] = value
+            sources[opt.name] = source
+    return options, sources, overruled
 
 
 def guard_options_here(
@@ -387,8 +379,10 @@ def guard_options_here(
     """:func:`on_this_worker` for ``worker`` (in its process), logged: a warning naming
     the worker's own settings taken and each one an explicit option overrules (shown by
     default), and every value in effect (at INFO, ``DASK_LOGGING__ACCELSCHED=info``)."""
-    here = on_this_worker(handed, explicit, worker_preload_options.get(worker, {}))
-    for name, (value, source) in here.overruled.items():
+    options, sources, overruled = on_this_worker(
+        handed, explicit, worker_preload_options.get(worker, {})
+    )
+    for name, (value, source) in overruled.items():
         logger.warning(
             "accelsched: %s=%s from %s is not used: the GuardPlugin was given %s=%s "
             "explicitly (register() or the scheduler's --preload accelsched), which wins",
@@ -398,19 +392,18 @@ def guard_options_here(
             name,
             handed[name],
         )
-    if here.sources:  # said by default: this worker's guard differs from the cluster's
+    if sources:  # said by default: this worker's guard differs from the cluster's
         logger.warning(
             "accelsched: this worker's own settings apply to its guard: %s",
-            ", ".join(f"{k}={here.options[k]} ({src})" for k, src in here.sources.items()),
+            ", ".join(f"{k}={options[k]} ({src})" for k, src in sources.items()),
         )
     logger.info(
         "accelsched: guard options in effect on this worker: %s",
         ", ".join(
-            f"{k}={v}" + (f" ({here.sources[k]})" if k in here.sources else "")
-            for k, v in here.options.items()
+            f"{k}={v}" + (f" ({sources[k]})" if k in sources else "") for k, v in options.items()
         ),
     )
-    return here.options
+    return options
 
 
 def check_running(
@@ -456,8 +449,13 @@ LOGGER = "accelsched"
 _FORMAT = "%(asctime)s - %(name)s - %(levelname)s - %(message)s"
 
 
-#: The handler added here, once per process.
-_handler: logging.Handler | None = None
+#: The handler :func:`initialize_logging` adds, once per process (``addHandler`` adds a
+#: handler once). Records pass only while the root logger has no handler (its own: it
+#: has no parent): once the application configured logging, its handlers print
+#: accelsched's records (they propagate).
+_HANDLER = logging.StreamHandler(sys.stderr)
+_HANDLER.addFilter(lambda record: not logging.getLogger().hasHandlers())
+_HANDLER.setFormatter(logging.Formatter(dask.config.get("distributed.admin.log-format", _FORMAT)))
 
 
 def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
@@ -484,15 +482,5 @@ def initialize_logging(config: Mapping[str, Any] | None = None) -> bool:
     logger = logging.getLogger(LOGGER)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-    global _handler
-    if _handler is None:
-        _handler = logging.StreamHandler(sys.stderr)
-        _handler.setFormatter(
-            logging.Formatter(dask.config.get("distributed.admin.log-format", _FORMAT))
-        )
-        # records pass only while the root logger has no handler (its own: it has no
-        # parent): once the application configured logging, its handlers print
-        # accelsched's records (they propagate)
-        _handler.addFilter(lambda record: not logging.getLogger().hasHandlers())
-        logger.addHandler(_handler)
+    logger.addHandler(_HANDLER)
     return True

@@ -57,7 +57,10 @@ anyone connected is trusted, as in distributed (docs/architecture.md).
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict
+
+if TYPE_CHECKING:  # (typing's own from Python 3.11; never evaluated: annotations are text)
+    from typing_extensions import NotRequired
 
 __all__ = [
     "GPU",
@@ -143,12 +146,12 @@ class _DeviceBasics(TypedDict):
     memory: int
 
 
-class DeviceRecord(_DeviceBasics, total=False):
+class DeviceRecord(_DeviceBasics):
     """One device a guard reports (``index``: its CUDA index in that worker); without
     ``capability`` (``[major, minor]``) and ``mig``: unknown, and a whole GPU."""
 
-    capability: list[int] | None
-    mig: bool
+    capability: NotRequired[list[int] | None]
+    mig: NotRequired[bool]
 
 
 def report_problem(devices: Any, requested: Any) -> str | None:
@@ -195,15 +198,12 @@ class InventoryRequest(Addressed):
     reason: str | None
 
 
-class _InventoryReplyBase(TypedDict):
-    status: Literal["OK", "no-plugin", "unknown-worker", "refused"]
-
-
-class InventoryReply(_InventoryReplyBase, total=False):
+class InventoryReply(TypedDict):
     """``OK`` with the granted ``uuids``; otherwise why not (``refused``: stale or
     replayed, or a device record that is no device)."""
 
-    uuids: list[str]
+    status: Literal["OK", "no-plugin", "unknown-worker", "refused"]
+    uuids: NotRequired[list[str]]
 
 
 class OfferRequest(Addressed):
@@ -215,19 +215,16 @@ class OfferRequest(Addressed):
     held: dict[str, int]
 
 
-class _OfferReplyBase(TypedDict):
-    status: Literal["OK", "no-plugin", "unknown-worker", "refused", "invalid"]
-    count: int
-
-
-class OfferReply(_OfferReplyBase, total=False):
+class OfferReply(TypedDict):
     """``OK`` with the ``count`` placement uses now; else why not (``count`` 0). With
     ``OK``: ``shares``, the bytes its declared tasks may take on each offered device
     (UUID; a device several workers share is divided among them), and ``memory``, the
     ``GPU-memory`` (MiB) placed against: the shares less what results hold."""
 
-    shares: dict[str, int]
-    memory: int
+    status: Literal["OK", "no-plugin", "unknown-worker", "refused", "invalid"]
+    count: int
+    shares: NotRequired[dict[str, int]]
+    memory: NotRequired[int]
 
 
 class RestartRequest(Addressed):
@@ -240,25 +237,19 @@ class RestartRequest(Addressed):
 RestartStatus = Literal["accepted", "refused", "deferred", "in-flight", "no-plugin"]
 
 
-class _RestartReplyBase(TypedDict):
-    status: RestartStatus
-
-
-class RestartReply(_RestartReplyBase, total=False):
+class RestartReply(TypedDict):
     """``accepted`` (under way), ``in-flight`` (already under way), ``deferred`` (cannot
     happen without loss now: ``reason``), ``refused`` (stale or replayed), ``no-plugin``."""
 
-    reason: str
+    status: RestartStatus
+    reason: NotRequired[str]
 
 
-class _ReportReplyBase(TypedDict):
-    status: str
-
-
-class ReportReply(_ReportReplyBase, total=False):
+class ReportReply(TypedDict):
     """``OK`` with the CUDA indices the worker now advertises; else the scheduler's status."""
 
-    devices: list[int]
+    status: str
+    devices: NotRequired[list[int]]
 
 
 class ClassDemand(TypedDict):
@@ -302,12 +293,13 @@ class PoolsRequest(TypedDict):
 # the scheduler builds from them (StatusReply)
 
 
-class _DeviceFiguresBase(TypedDict):
+class DeviceFigures(TypedDict):
     """What a guard alone knows about one granted device, at its last heartbeat.
 
     ``leases``: GPU tasks holding it now; ``leak_estimate``: bytes the last leak check
     that judged it could not explain (None until one did: the check skips a device while
-    a GPU task runs on it); ``leak_threshold``: the bytes a leak must exceed there.
+    a GPU task runs on it); ``leak_threshold``: the bytes a leak must exceed there;
+    ``declared``: bytes the tasks holding it declared (absent from older guards).
     """
 
     index: int
@@ -315,13 +307,7 @@ class _DeviceFiguresBase(TypedDict):
     withdrawn: bool
     leak_estimate: int | None
     leak_threshold: int
-
-
-class DeviceFigures(_DeviceFiguresBase, total=False):
-    """What a guard alone knows about one granted device (see the base's fields);
-    ``declared``: bytes the tasks holding it declared (absent from older guards)."""
-
-    declared: int
+    declared: NotRequired[int]
 
 
 class GuardMetric(TypedDict):
@@ -356,12 +342,14 @@ class _Counted(TypedDict):
     fallbacks: int
 
 
-class _WorkerStatusBase(_Counted):
+class WorkerStatus(_Counted):
     """One worker, by name. ``gpus``: the count placement uses now; ``declared``: what it
     registered with (None: no GPU declared); ``quarantined``: the reason, or None.
     ``restarts``, ``leaks``, ``reclaims``, ``fallbacks``: events naming this worker (by
     name, so a restarted worker keeps its count); ``reclaims`` counts ``leak-reclaimed``,
-    suspected leaks that a garbage collection and a pool free gave back (no restart)."""
+    suspected leaks that a garbage collection and a pool free gave back (no restart).
+    ``pool``: the elastic pool it belongs to (``accelsched.adapt`` names its workers
+    ``<pool>-<n>``), None outside any; absent from an earlier accelsched."""
 
     name: str
     address: str
@@ -369,21 +357,16 @@ class _WorkerStatusBase(_Counted):
     declared: float | None
     quarantined: str | None
     devices: list[DeviceStatus]
+    pool: NotRequired[str | None]
 
 
-class WorkerStatus(_WorkerStatusBase, total=False):
-    """One worker (see the base's fields); ``pool``: the elastic pool it belongs to
-    (``accelsched.adapt`` names its workers ``<pool>-<n>``), None outside any; absent from
-    an earlier accelsched."""
-
-    pool: str | None
-
-
-class _StatusReplyBase(_Counted):
+class StatusReply(_Counted):
     """``accelsched status --json`` prints exactly this (``version`` changes only when a
     field changes meaning or goes away). ``fallbacks``: every fallback event, those naming
     no worker (a task unplaced past its timeout) included; ``names``: address -> worker
-    name for every worker seen (restarted workers' old addresses included), for events."""
+    name for every worker seen (restarted workers' old addresses included), for events;
+    ``options``: the PlacementPlugin's options in effect, durations in seconds (absent
+    from an earlier accelsched)."""
 
     version: int
     time: float
@@ -394,10 +377,4 @@ class _StatusReplyBase(_Counted):
     #: ``too-few-gpus``, ``unmet-requirement``, ``no-eligible-worker``); empty: none.
     waiting: dict[str, int]
     names: dict[str, str]
-
-
-class StatusReply(_StatusReplyBase, total=False):
-    """The status reply (see the base's fields); ``options``: the PlacementPlugin's
-    options in effect, durations in seconds (absent from an earlier accelsched)."""
-
-    options: dict[str, Any]
+    options: NotRequired[dict[str, Any]]

@@ -299,10 +299,10 @@ def print_events(
         ):
             return ""  # not one of ours, or not asked for
         if as_json:  # as logged, ASCII (see status --json); odd figures as their repr
-            text = json.dumps(
-                {"time": stamp, **msg}, ensure_ascii=True, default=repr, skipkeys=True
+            return (
+                json.dumps({"time": stamp, **msg}, ensure_ascii=True, default=repr, skipkeys=True)
+                + "\n"
             )
-            return text + "\n"
         owner = msg.get("owner")
         if isinstance(owner, str):  # gpu-rejected: the owner's address(es), by name too
             msg = {**msg, "owner": names.get(owner, owner)}
@@ -320,8 +320,9 @@ def print_events(
         shown_until = max([shown_until, *(stamp for stamp, _ in new)])
         return "".join(line(stamp, msg, snap["names"]) for stamp, msg in new)
 
-    every = FOLLOW_EVERY if follow else None
-    return _run("events", address, timeout, connect, every, out, new_lines)
+    return _run(
+        "events", address, timeout, connect, FOLLOW_EVERY if follow else None, out, new_lines
+    )
 
 
 #: A scheduler file is a few hundred bytes; anything this large is not one.
@@ -354,9 +355,10 @@ def address_from_file(path: str, deadline: float, command: str) -> str | int:
             time.sleep(0.05)
         except (OSError, ValueError) as exc:  # a symlink loop, a NUL in the path
             return _no_scheduler_file(command, path, one_line(exc))
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SCHEDULER_FILE:
-        size = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "not a regular file"
-        return _no_scheduler_file(command, path, size)
+    if not (regular := stat.S_ISREG(st.st_mode)) or st.st_size > MAX_SCHEDULER_FILE:
+        return _no_scheduler_file(
+            command, path, f"{st.st_size} bytes" if regular else "not a regular file"
+        )
     from accelsched.internals.client_side import read_json_file
 
     try:
@@ -396,11 +398,11 @@ MIN_CONNECT = 1.0
 #: Exit code after Ctrl-C before an answer, and ending ``events --follow`` (128 + SIGINT).
 INTERRUPTED = 130
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 88}
-
 
 @click.group(
-    name="accelsched", context_settings=CONTEXT, epilog=f"status and events: {EXIT_CODES_HELP}"
+    name="accelsched",
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 88},
+    epilog=f"status and events: {EXIT_CODES_HELP}",
 )
 @click.version_option(__version__, prog_name="accelsched")
 def cli() -> None:
@@ -476,14 +478,13 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
         raise click.BadParameter(
             "invalid PATH '': expected a file name", ctx, param_hint="'--scheduler-file'"
         )
-    if address is not None and path is not None:
-        raise click.UsageError("give a SCHEDULER address or --scheduler-file PATH, not both")
     if address is None and path is None:
         address = dask.config.get("scheduler-address", None)
-        if address is None:
-            raise click.UsageError(
-                "give a SCHEDULER address or --scheduler-file PATH (or set DASK_SCHEDULER_ADDRESS)"
-            )
+    if (address is None) == (path is None):  # both, or neither (nor in dask config)
+        raise click.UsageError(
+            "give a SCHEDULER address or --scheduler-file PATH"
+            + (", not both" if path is not None else " (or set DASK_SCHEDULER_ADDRESS)")
+        )
     # distributed's own log lines (a reconnect that failed, ...) would come on top of the
     # one line each error is
     with quiet_logs(logging.CRITICAL):

@@ -23,7 +23,6 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping
-from inspect import isawaitable
 from typing import Any, NamedTuple, cast
 
 from dask.utils import parse_bytes
@@ -194,9 +193,8 @@ class ElasticPools(Adaptive):
         self.last_plan: Plan | None = None
         # without the plugin the scheduler logs each unknown request with a traceback:
         # it is asked again after a wait that doubles, up to NO_PLUGIN_WAIT_MAX (0: it
-        # answered last time)
-        self._no_plugin_wait = 0.0
-        self._ask_at = 0.0
+        # answered last time), at ``_ask_at``
+        self._no_plugin_wait = self._ask_at = 0.0
         #: pool -> when its latest worker still starting was asked for (at the last look)
         self._awaited: dict[str, float] = {}
         #: retired workers that still run tasks sent before: closed once those end
@@ -282,11 +280,10 @@ class ElasticPools(Adaptive):
             )
             # retire the workers the plan proposed ``wait_count`` looks in a row
             # (by worker name in Adaptive's counts; one not proposed now starts again)
-            before = cast("defaultdict[str, int]", self.close_counts)
-            counts = {w: before[w] + 1 for w in plan.retire}
+            counts = {w: cast(Any, self.close_counts)[w] + 1 for w in plan.retire}
             firm = [w for w, n in counts.items() if n >= self.wait_count]
             self.close_counts = cast(
-                Any, defaultdict(int, {w: counts[w] for w in counts if w not in firm})
+                Any, defaultdict(int, {w: n for w, n in counts.items() if n < self.wait_count})
             )
             if firm:
                 # data moved to peers first; a worker whose data no peer could take stays
@@ -307,9 +304,7 @@ class ElasticPools(Adaptive):
             if done := sorted(self._closing - {w["name"] for w in reply["workers"] if w["busy"]}):
                 # their specs go; the cluster closes them. Their times went at the look that
                 # first saw them retired (a retired worker is no member)
-                f = self.cluster.scale_down(done)
-                if isawaitable(f):
-                    await f
+                await self.cluster.scale_down(done)
                 self._closing.difference_update(done)
         finally:
             self._adapting = False
@@ -319,12 +314,10 @@ class ElasticPools(Adaptive):
         verified, or start_timeout passed), starting, and how long each idle one was."""
         arrived = {w["name"]: w for w in reply["workers"]}
         states = {}
-        known: set[str] = set()
         for name, (pool, _) in self.pools.items():
             idle = {}
             starting = []  # when each was asked for
             members = self.members(name)
-            known.update(members)
             for w in members:
                 seen = arrived.get(w)
                 started = self._started.get(w, now)
@@ -339,6 +332,7 @@ class ElasticPools(Adaptive):
             self._awaited[name] = max(starting, default=-math.inf)
             states[name] = PoolState(len(members) - len(starting), len(starting), idle)
         # workers that left some other way (died, closed by hand): their times go
+        known = {w for name in self.pools for w in self.members(name)}
         self._idle_since = {w: t for w, t in self._idle_since.items() if w in known}
         self._started = {w: t for w, t in self._started.items() if w in known}
         return states
@@ -350,8 +344,7 @@ class ElasticPools(Adaptive):
             # a free name is no member: its times went at this look (_states)
             free = (f"{name}-{n}" for n in itertools.count() if f"{name}-{n}" not in spec)
             new = [next(free) for _ in range(plan.targets[name] - len(self.members(name)))]
-            for worker in new:
-                spec[worker] = copy.deepcopy(worker_spec)
+            spec.update({worker: copy.deepcopy(worker_spec) for worker in new})
             self._started.update(dict.fromkeys(new, now))
             if new:
                 self._awaited[name] = now  # awaited as of this look

@@ -131,8 +131,7 @@ class FastRestart(NannyPlugin):
             # changed). distributed sets its own preload list, once per process
             ctx = get_mp_context()
             server: Any = forkserver._forkserver
-            modules = list(server._preload_modules)
-            wanted = modules + [m for m in PRELOAD if m not in modules]
+            wanted = list(dict.fromkeys([*server._preload_modules, *PRELOAD]))  # ours after
             started = (dict(os.environ), wanted)
             if server._forkserver_pid is not None and _started != [started]:
                 # forget the running server; the next start makes a new one. The old one

@@ -97,16 +97,14 @@ async def stop(server: Scheduler | Worker, reason: str, in_nanny: Callable[[], N
         await server.start()
     except Exception:  # its start failed: it is closed already
         return
-    if isinstance(server, Worker):
-        nanny: Any = server.nanny  # its address (typed as a Nanny in distributed)
-        if nanny is not None:
-            # the nanny's out-of-band "run" handler, as client.run(nanny=True); a nanny
-            # gone already has nothing to tell
-            with suppress(Exception):
-                await server.rpc(nanny).run(function=dumps(in_nanny))
-        await server.close(nanny=True, reason=reason)
-    else:
-        await server.close(reason=reason)
+    # a worker's nanny: its address (typed as a Nanny in distributed)
+    nanny: Any = server.nanny if isinstance(server, Worker) else None
+    if nanny is not None:
+        # the nanny's out-of-band "run" handler, as client.run(nanny=True); a nanny
+        # gone already has nothing to tell
+        with suppress(Exception):
+            await server.rpc(nanny).run(function=dumps(in_nanny))
+    await server.close(reason=reason)  # a worker's nanny too (Worker.close's default)
 
 
 def running_options(dask_scheduler: Scheduler) -> dict[str, dict[str, Any] | None]:

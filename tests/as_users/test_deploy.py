@@ -295,17 +295,19 @@ def test_precedence_on_one_worker_in_numbers() -> None:
         "accelsched.guard.check-interval": "2s",  # the worker's preload says 300ms: wins
     }
     with dask.config.set(config):
-        here = on_this_worker(handed, {"leak_confirmations"}, {"check_interval": 0.3})
-    assert here.options == {**handed, "free_pools_every": 4, "check_interval": 0.3}
-    assert here.overruled == {
+        options, sources, overruled = on_this_worker(
+            handed, {"leak_confirmations"}, {"check_interval": 0.3}
+        )
+    assert options == {**handed, "free_pools_every": 4, "check_interval": 0.3}
+    assert overruled == {
         "leak_confirmations": (5, "this worker's dask config accelsched.guard.leak-confirmations")
     }
-    assert here.sources == {
+    assert sources == {
         "free_pools_every": "this worker's dask config accelsched.guard.free-pools-every",
         "check_interval": "this worker's --preload accelsched",
     }
     # nothing set on the worker: exactly as handed, nothing to say
-    assert on_this_worker(handed, {"leak_confirmations"}, {}).sources == {}
+    assert on_this_worker(handed, {"leak_confirmations"}, {}) == (handed, {}, {})
     with (
         dask.config.set({"accelsched.guard.leak-threshold": "lots"}),
         pytest.raises(ValueError, match="invalid leak_threshold='lots'"),
