@@ -65,7 +65,6 @@ __all__ = [
     "current_lease",
     "dual",
     "gpu",
-    "holding",
     "unbind",
     "using_device",
 ]
@@ -127,19 +126,10 @@ def array_module() -> ModuleType:
     return numpy
 
 
-@contextmanager
-def holding(lease: Lease) -> Iterator[Lease]:
-    """Make ``lease`` current in this thread and, on real GPUs, its device CUDA's current one."""
-    bound = bind(lease)
-    try:
-        yield lease
-    finally:
-        unbind(bound)
-
-
 def bind(lease: Lease) -> tuple[Lease | None, list[Callable[[], Any]]]:
-    """:func:`holding` without a generator (the guard's per-task path): make ``lease``
-    current; returns what :func:`unbind` needs to restore the thread's state."""
+    """Make ``lease`` current in this thread and, on real GPUs, its device CUDA's current
+    one (the guard's per-task path, so no generator); returns what :func:`unbind` needs to
+    restore the thread's state."""
     previous = getattr(_local, "lease", None)
     _local.lease = lease
     undo: list[Callable[[], Any]] = []
@@ -339,7 +329,7 @@ def dual(
 class Unloadable:
     """Stands for a step's function that this process could not load.
 
-    Calling it raises, naming the step and why; pickled again it carries what it was
+    Calling it raises, naming the step and why; its step, pickled again, carries what it was
     loaded from (``reload``: its loader and arguments, the mark left out), so a worker
     that has the step's module loads the real step.
     """
@@ -356,9 +346,6 @@ class Unloadable:
             f"{self.error}. Install the modules it needs where it runs (a scheduler needs "
             "none of them: it only reads the step's mark)"
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return self.reload
 
     def __repr__(self) -> str:
         return f"<unloadable accelsched step {self.label}>"

@@ -43,7 +43,7 @@ not installed (``dask.dataframe`` without pandas) is skipped.
 **Binding** (:class:`Binder`). The worker's state machine caps how many GPU tasks run at
 once (its ``GPU`` resource). The runners here, called in the task's executor thread, take
 a lease the :class:`~accelsched.policy.requirements.LeaseTable` grants (waiting there while it
-has no room), make the device current for the task (:func:`accelsched.context.holding`),
+has no room), make the device current for the task (:func:`accelsched.context.bind`),
 free pools as the task ends, and give the lease back whatever happens. A task that fell
 back to its CPU form gets its device-array inputs copied to the host first.
 
@@ -157,14 +157,9 @@ class GuardPlugin(WorkerPlugin):
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(GUARD_OPTIONS, options, type(self).__name__)
-        self.explicit = frozenset(options)  # given, not from config: a worker's own yields
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "explicit": self.explicit}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.options = state["options"]
-        self.explicit = state.get("explicit", frozenset())
+        # given, not from config: a worker's own yields. These two are all it pickles:
+        # the worker's parts are made at setup, on the worker
+        self.explicit = frozenset(options)
 
     # --- WorkerPlugin hooks -------------------------------------------------------------
 
@@ -252,8 +247,7 @@ class GuardPlugin(WorkerPlugin):
             # Set up while the worker starts: it answers no RPC (the scheduler's
             # calls included) until this returns, so report right after.
             internals.spawn(worker, self.report)
-        internals.stop_periodic(worker, _PERIODIC)
-        if inv.visible or self.rejoin is not None:
+        if inv.visible or self.rejoin is not None:  # (a guard it replaces stopped its own)
             internals.start_periodic(worker, _PERIODIC, self.check, o["check_interval"])
 
     async def teardown(self, worker: Worker) -> None:
@@ -358,9 +352,8 @@ class GuardPlugin(WorkerPlugin):
         self.worker.log_event(events.TOPIC, msg)
 
 
-def preimport(modules: tuple[str, ...]) -> list[str]:
-    """Import ``modules``; the names imported (skipped: not installed, or failing)."""
-    done: list[str] = []
+def preimport(modules: tuple[str, ...]) -> None:
+    """Import ``modules``, skipping (logged) those not installed or failing."""
     for name in modules:
         start = time.perf_counter()
         try:
@@ -370,9 +363,7 @@ def preimport(modules: tuple[str, ...]) -> list[str]:
         except Exception as exc:  # a module that fails to import costs its guard nothing
             logger.warning("accelsched: preimport %s failed: %r", name, exc)
         else:
-            done.append(name)
             logger.debug("accelsched: preimported %s in %.2f s", name, time.perf_counter() - start)
-    return done
 
 
 Runner = Callable[[Any, dict], Any]
