@@ -327,10 +327,8 @@ def held_counted(held: int, memory: int) -> int:
     room a worker offers: rounded up to a sixteenth of the device (at least 1 MiB), so
     the figure the scheduler places against changes once per step, not with every
     result, and never says more room than there is."""
-    if held <= 0:
-        return 0
     step = max(MiB, memory // HELD_STEPS)
-    return -(-held // step) * step
+    return -(-max(0, held) // step) * step
 
 
 def mebibytes(nbytes: int) -> int:
@@ -435,9 +433,7 @@ class LeaseTable:
 
     def asks_gpu(self, key: Any) -> None:
         """``key``, counted as running, asked for a GPU: a leak check waits for it."""
-        task = self._tasks.get(key)
-        if task is not None:
-            task.gpu = True
+        self._tasks[key].gpu = True  # (counted just before, on the event loop)
 
     def cancel(self, key: Any) -> bool:
         """``key`` was cancelled while its thread runs: if it waits for a lease, it claims

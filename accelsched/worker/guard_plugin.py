@@ -115,7 +115,6 @@ from accelsched.protocol import (
     GUARD_PLUGIN,
     REPORT_HANDLER,
     REQUIREMENT_ANNOTATION,
-    ReportReply,
 )
 from accelsched.worker.leak_check import Inventory, LeakCheck, Ledger, Meter, WorkerActor
 
@@ -179,6 +178,9 @@ class GuardPlugin(WorkerPlugin):
         inv = self.inventory = Inventory(
             worker, advertise_undeclared=o["advertise_undeclared"], interval=o["check_interval"]
         )
+        # report the owned devices to the scheduler and advertise what it granted (the
+        # report handler, and once set up)
+        self.report = functools.partial(inv.report, self._use_devices)
         attribution = Attribution()
         ledger = self.ledger = Ledger(
             inv.monitor,
@@ -251,11 +253,11 @@ class GuardPlugin(WorkerPlugin):
             internals.start_periodic(worker, _PERIODIC, self.check, o["check_interval"])
 
     async def teardown(self, worker: Worker) -> None:
-        """Unregistered: remove the report handler and stop the leak check."""
-        internals.remove_handler(worker, REPORT_HANDLER, self.report)
+        """Unregistered: remove the handlers and stop the leak check."""
         internals.stop_periodic(worker, _PERIODIC)
         if not hasattr(self, "leaks"):
-            return  # set up no further than the check of distributed's internals
+            return  # set up no further than its parts: no handler installed
+        internals.remove_handler(worker, REPORT_HANDLER, self.report)
         internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
         TABLES.discard(self.binder.leases)  # what it counted no longer runs under this guard
         internals.remove_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
@@ -327,10 +329,6 @@ class GuardPlugin(WorkerPlugin):
         if inv.granted and (steps := inv.held_in_steps()) != inv.held_said:
             inv.held_said = steps  # one offer per step moved, not per result
             internals.spawn(self.worker, inv.offer, self._use_devices)
-
-    async def report(self) -> ReportReply:
-        """Report the owned devices to the scheduler and advertise what it granted."""
-        return await self.inventory.report(self._use_devices)
 
     def _use_devices(self, usable: list[int]) -> None:
         """Lease these devices, described as NVML verified them (for requirements)."""
@@ -406,8 +404,8 @@ class Binder:
     ) -> None:
         """Lease ``indices``; ``devices`` describe them (what requirements are met by);
         ``shares``: what declared tasks may take of each (a device shared with others)."""
-        facts = {d.index: d for d in devices if d.index in indices}
-        self.leases.set_devices(indices, facts if devices else None, shares)
+        # (the table reads the facts of the devices it leases only)
+        self.leases.set_devices(indices, {d.index: d for d in devices} or None, shares)
         self.room_freed()
 
     def room_freed(self) -> None:
@@ -485,13 +483,11 @@ class Binder:
                             self._freed.wait(WAIT_SLICE)
                     finally:
                         self._waiting -= 1
-        except NoFreeDevice:
-            # its devices were withdrawn (unhealthy) after it was assigned here, or none
-            # here meets its requirement: the scheduler places it again
-            raise Reschedule() from None
-        except Cancelled:
-            # nobody wants it now (its result would be dropped): it stops waiting, and
-            # its claim goes with it; wanted again, the scheduler places it again
+        except (NoFreeDevice, Cancelled):
+            # its devices were withdrawn (unhealthy) after it was assigned here, none
+            # here meets its requirement, or nobody wants it now (cancelled while it
+            # waited: its result would be dropped): it stops waiting, and what it claimed
+            # goes with it; the scheduler places it again (wanted again, if cancelled)
             leases.release(key)
             raise Reschedule() from None
         try:
