@@ -550,8 +550,8 @@ class LeaseTable:
                     for d in eligible
                 }
                 rooms = [(d, room[d], declared[d] + held[d]) for d in eligible]
-                whole = [d for d in eligible if load[d] or d in claimed]
-                one = pack(need, rooms, whole=whole)
+                # (devices a whole-device task holds or waits for share with nobody)
+                one = pack(need, rooms, whole=[d for d in eligible if load[d] or d in claimed])
                 chosen: tuple[int, ...] | None = None if one is None else (one,)
                 if one is None and pack(need, [(d, r, held[d]) for d, r, _ in rooms]) is None:
                     # No lease ending makes room for it: results held (or this worker's

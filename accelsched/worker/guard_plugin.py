@@ -115,6 +115,7 @@ from accelsched.protocol import (
     GUARD_PLUGIN,
     REPORT_HANDLER,
     REQUIREMENT_ANNOTATION,
+    ReportReply,
 )
 from accelsched.worker.leak_check import Inventory, LeakCheck, Ledger, Meter, WorkerActor
 
@@ -178,9 +179,6 @@ class GuardPlugin(WorkerPlugin):
         inv = self.inventory = Inventory(
             worker, advertise_undeclared=o["advertise_undeclared"], interval=o["check_interval"]
         )
-        # report the owned devices to the scheduler and advertise what it granted (the
-        # report handler, and once set up)
-        self.report = functools.partial(inv.report, self._use_devices)
         attribution = Attribution()
         ledger = self.ledger = Ledger(
             inv.monitor,
@@ -253,11 +251,11 @@ class GuardPlugin(WorkerPlugin):
             internals.start_periodic(worker, _PERIODIC, self.check, o["check_interval"])
 
     async def teardown(self, worker: Worker) -> None:
-        """Unregistered: remove the handlers and stop the leak check."""
+        """Unregistered: remove the report handler and stop the leak check."""
+        internals.remove_handler(worker, REPORT_HANDLER, self.report)
         internals.stop_periodic(worker, _PERIODIC)
         if not hasattr(self, "leaks"):
-            return  # set up no further than its parts: no handler installed
-        internals.remove_handler(worker, REPORT_HANDLER, self.report)
+            return  # set up no further than the check of distributed's internals
         internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
         TABLES.discard(self.binder.leases)  # what it counted no longer runs under this guard
         internals.remove_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
@@ -329,6 +327,11 @@ class GuardPlugin(WorkerPlugin):
         if inv.granted and (steps := inv.held_in_steps()) != inv.held_said:
             inv.held_said = steps  # one offer per step moved, not per result
             internals.spawn(self.worker, inv.offer, self._use_devices)
+
+    async def report(self) -> ReportReply:
+        """Report the owned devices to the scheduler and advertise what it granted (an
+        RPC handler: a method, as distributed logs each handler's ``__name__``)."""
+        return await self.inventory.report(self._use_devices)
 
     def _use_devices(self, usable: list[int]) -> None:
         """Lease these devices, described as NVML verified them (for requirements)."""
