@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 import cloudpickle
 
@@ -65,7 +65,6 @@ __all__ = [
     "current_lease",
     "dual",
     "gpu",
-    "holding",
     "unbind",
     "using_device",
 ]
@@ -127,19 +126,10 @@ def array_module() -> ModuleType:
     return numpy
 
 
-@contextmanager
-def holding(lease: Lease) -> Iterator[Lease]:
-    """Make ``lease`` current in this thread and, on real GPUs, its device CUDA's current one."""
-    bound = bind(lease)
-    try:
-        yield lease
-    finally:
-        unbind(bound)
-
-
 def bind(lease: Lease) -> tuple[Lease | None, list[Callable[[], Any]]]:
-    """:func:`holding` without a generator (the guard's per-task path): make ``lease``
-    current; returns what :func:`unbind` needs to restore the thread's state."""
+    """Make ``lease`` current in this thread and, on real GPUs, its device CUDA's current
+    one (the guard's per-task path, so no generator); returns what :func:`unbind` needs to
+    restore the thread's state."""
     previous = getattr(_local, "lease", None)
     _local.lease = lease
     undo: list[Callable[[], Any]] = []
@@ -203,7 +193,11 @@ class GPUStep(Generic[R]):
     __slots__ = ("fn", "cpu_fn", "shipped", "__accelsched_gpu__", "__dict__")
 
     def __init__(
-        self, fn: Callable[..., R], mark: Mark, cpu_fn: Callable[..., R] | None = None
+        self,
+        fn: Callable[..., R],
+        mark: Mark,
+        cpu_fn: Callable[..., R] | None = None,
+        shipped: bytes | None = None,
     ) -> None:
         for who, f in (("a GPU step", fn), ("a GPU step's cpu_fn", cpu_fn)):
             if f is not None and not callable(f):
@@ -211,7 +205,7 @@ class GPUStep(Generic[R]):
         self.fn = fn
         self.cpu_fn = cpu_fn
         self.__accelsched_gpu__ = mark
-        self.shipped: bytes | None = None  # the bytes it was loaded from, if any
+        self.shipped = shipped  # the bytes it was loaded from, if any
         note_marked()
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
         self.__name__ = _name(fn)  # dask derives task-name prefixes from this
@@ -339,14 +333,14 @@ def dual(
 class Unloadable:
     """Stands for a step's function that this process could not load.
 
-    Calling it raises, naming the step and why; pickled again it carries what it was
+    Calling it raises, naming the step and why; its step, pickled again, carries what it was
     loaded from (``reload``: its loader and arguments, the mark left out), so a worker
     that has the step's module loads the real step.
     """
 
-    def __init__(self, label: str, error: str, reload: tuple[Any, ...]) -> None:
+    def __init__(self, label: str, exc: Exception, reload: tuple[Any, ...]) -> None:
         self.label = label
-        self.error = error
+        self.error = f"{type(exc).__name__}: {exc}"
         self.reload = reload
         self.__name__ = self.__qualname__ = label
 
@@ -356,9 +350,6 @@ class Unloadable:
             f"{self.error}. Install the modules it needs where it runs (a scheduler needs "
             "none of them: it only reads the step's mark)"
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return self.reload
 
     def __repr__(self) -> str:
         return f"<unloadable accelsched step {self.label}>"
@@ -384,9 +375,9 @@ def importable(obj: Any) -> tuple[str, str] | None:
         )
     ):
         return None
-    target: Any = module
-    for part in qualname.split("."):
-        target = getattr(target, part, None)
+    target: Any = functools.reduce(
+        lambda o, k: getattr(o, k, None), qualname.split("."), cast(Any, module)
+    )
     return (module_name, qualname) if target is obj else None
 
 
@@ -420,23 +411,20 @@ def _load_step(label: str, payload: bytes, mark: Mark) -> GPUStep[Any]:
     try:
         fns = cloudpickle.loads(payload)
     except Exception as exc:  # ModuleNotFoundError, AttributeError, anything it raised
-        missing = Unloadable(label, f"{type(exc).__name__}: {exc}", (_load_step, (label, payload)))
-        fns = (missing, missing)
-    step: GPUStep[Any] = GPUStep(fns[0], mark, fns[1])
-    step.shipped = payload  # passing through the scheduler: the same bytes go on
-    return step
+        fns = (Unloadable(label, exc, (_load_step, (label, payload))),) * 2  # both forms
+    # passing through the scheduler: the same bytes go on
+    return GPUStep(fns[0], mark, fns[1], shipped=payload)
 
 
 def _load_step_by_name(module: str, qualname: str, mark: Mark) -> Any:
     """A ``@gpu`` step shipped by reference; unloadable here, still marked."""
-    try:
-        target: Any = importlib.import_module(module)  # (per task: cheaper than pkgutil's)
-        for part in qualname.split("."):
-            target = getattr(target, part)
+    try:  # (per task: cheaper than pkgutil's)
+        target: Any = functools.reduce(
+            getattr, qualname.split("."), importlib.import_module(module)
+        )
     except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
         reload = (_load_step_by_name, (module, qualname))
-        return GPUStep(Unloadable(repr(f"{module}.{qualname}"), error, reload), mark)
+        return GPUStep(Unloadable(repr(f"{module}.{qualname}"), exc, reload), mark)
     return target if isinstance(target, GPUStep) else GPUStep(target, mark)
 
 

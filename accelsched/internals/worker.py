@@ -173,7 +173,8 @@ class Bound(GraphNode):
     """A task's own spec, run by ``runner(spec, values)`` in the executor thread.
 
     The worker calls its run spec with the dependencies' values and asks nothing else of
-    it but ``is_coro`` (False: coroutines are never wrapped): this node keeps the spec's
+    it but ``is_coro`` (False: coroutines are never wrapped) and its ``repr`` (in a failed
+    task's log line); ``data_producer`` only the scheduler reads: this node keeps the spec's
     key and dependencies and hands the values to the runner as they came. It is made per
     GPU task on the worker's event loop, so it costs two slots, not a new ``Task`` (whose
     construction walks its arguments).
@@ -189,10 +190,6 @@ class Bound(GraphNode):
 
     def __call__(self, values: Any = ()) -> Any:
         return self.runner(self.spec, values)
-
-    @property
-    def data_producer(self) -> bool:
-        return bool(self.spec.data_producer)
 
     def __repr__(self) -> str:
         return repr(self.spec)

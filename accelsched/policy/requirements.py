@@ -237,13 +237,10 @@ def parse_requirement(value: Any) -> Requirement:
         raise ValueError(
             f"invalid GPU requirement {value!r}: expected a mapping of {', '.join(KEYS)}"
         )
-    parsed = {}
-    for key in KEYS:
-        if given.get(key) is not None:
-            read, expected = _FIELDS[key]
-            parsed[key] = read(given[key])
-            if parsed[key] is None:
-                raise ValueError(f"invalid GPU requirement {key}={_shown(given[key])}: {expected}")
+    # each key given read by its own reader (None: not one), the first bad one named
+    parsed = {k: _FIELDS[k][0](given[k]) for k in KEYS if given.get(k) is not None}
+    if (bad := next((k for k, v in parsed.items() if v is None), None)) is not None:
+        raise ValueError(f"invalid GPU requirement {bad}={_shown(given[bad])}: {_FIELDS[bad][1]}")
     if "enforce" in parsed and "memory" not in parsed:
         raise ValueError(
             f"invalid GPU requirement enforce={parsed['enforce']!r} without memory: "
@@ -330,10 +327,8 @@ def held_counted(held: int, memory: int) -> int:
     room a worker offers: rounded up to a sixteenth of the device (at least 1 MiB), so
     the figure the scheduler places against changes once per step, not with every
     result, and never says more room than there is."""
-    if held <= 0:
-        return 0
     step = max(MiB, memory // HELD_STEPS)
-    return -(-held // step) * step
+    return -(-max(0, held) // step) * step
 
 
 def mebibytes(nbytes: int) -> int:
@@ -424,11 +419,6 @@ class LeaseTable:
             if shares is not None:
                 self._shares = dict(shares)
 
-    def _share(self, device: int) -> int:
-        """Bytes declared tasks here may take on ``device``, before results (lock held)."""
-        shared = self._shares.get(device)
-        return capacity(self._facts[device].memory) if shared is None else shared
-
     # --- what runs (the transition hook, on the event loop) ----------------------------
 
     def started(self, key: Any, *, gpu: bool = False) -> None:
@@ -443,9 +433,7 @@ class LeaseTable:
 
     def asks_gpu(self, key: Any) -> None:
         """``key``, counted as running, asked for a GPU: a leak check waits for it."""
-        task = self._tasks.get(key)
-        if task is not None:
-            task.gpu = True
+        self._tasks[key].gpu = True  # (counted just before, on the event loop)
 
     def cancel(self, key: Any) -> bool:
         """``key`` was cancelled while its thread runs: if it waits for a lease, it claims
@@ -506,7 +494,27 @@ class LeaseTable:
             n = devices_needed(amount)
             share = amount / n if n else 0.0
             if requirement is None and not any(declared.values()):
-                return self._hold(key, self._spread(key, n, share, load), share, 0)
+                # Fractions pack onto the fullest used device they fit (best fit),
+                # keeping whole devices idle for whole-device tasks; amounts that do not
+                # tile a device (0.4, 1.5) go to the least busy when nothing fits. Whole
+                # devices (which fit no used one): idle ones first. Fractions can leave
+                # every device partly used while the worker's total says a whole one is
+                # free (fragmentation): then share the least busy rather than fail.
+                # Devices fully held by other whole-device tasks are never shared.
+                spread = sorted(
+                    (d for d in load if share < 1.0 or load[d] < 1 - 1e-9),
+                    key=lambda d: (
+                        (0, -load[d], d)
+                        if load[d] > 0 and load[d] + share <= 1
+                        else (1, load[d], d)
+                    ),
+                )
+                if len(spread) < n:
+                    raise NoFreeDevice(
+                        f"task {key!r} needs {n} device(s) but only {len(spread)} of "
+                        f"{self._devices} are free; busy: {self.holders()}"
+                    )
+                return self._hold(key, tuple(spread[:n]), share, 0)
             # a requirement, or declared tasks hold devices: eligible devices only
             # devices that meet the requirement (all, without one; none NVML did not
             # describe)
@@ -535,9 +543,15 @@ class LeaseTable:
                 for t in self._tasks.values():  # results about to enter memory: their
                     for d in t.left:  # room is held still, as by a lease about to end
                         declared[d] = declared.get(d, 0) + t.nbytes
-                rooms = [(d, self._share(d), declared[d] + held[d]) for d in eligible]
-                whole = [d for d in eligible if load[d] or d in claimed]
-                one = pack(need, rooms, whole=whole)
+                # bytes declared tasks here may take on each, before results: this
+                # worker's share of a device others share too, else its capacity
+                room = {
+                    d: self._shares[d] if d in self._shares else capacity(facts[d].memory)
+                    for d in eligible
+                }
+                rooms = [(d, room[d], declared[d] + held[d]) for d in eligible]
+                # (devices a whole-device task holds or waits for share with nobody)
+                one = pack(need, rooms, whole=[d for d in eligible if load[d] or d in claimed])
                 chosen: tuple[int, ...] | None = None if one is None else (one,)
                 if one is None and pack(need, [(d, r, held[d]) for d, r, _ in rooms]) is None:
                     # No lease ending makes room for it: results held (or this worker's
@@ -546,8 +560,7 @@ class LeaseTable:
                     # else it waits for results to go: a room the scheduler cannot see
                     # split over devices.
                     offered = sum(
-                        max(0, self._share(d) - held_counted(held[d], facts[d].memory))
-                        for d in eligible
+                        max(0, room[d] - held_counted(held[d], facts[d].memory)) for d in eligible
                     )
                     if need > offered:
                         raise NoFreeDevice(
@@ -591,31 +604,6 @@ class LeaseTable:
         task.claimed, task.ticket = (), math.inf  # it waits no more
         self._gen.update(chosen)
         return chosen
-
-    def _spread(self, key: Any, n: int, share: float, load: dict[int, float]) -> tuple[int, ...]:
-        by_load = sorted(load, key=lambda d: (load[d], d))
-        if share >= 1.0:
-            # Whole devices: idle ones first. Fractions can leave every device partly
-            # used while the worker's total says a whole one is free (fragmentation):
-            # then share the least busy rather than fail. Devices fully held by other
-            # whole-device tasks are never shared.
-            candidates = [d for d in by_load if load[d] == 0] + [
-                d for d in by_load if 0 < load[d] < 1 - 1e-9
-            ]
-        else:
-            # fractions pack onto the fullest device they fit (best fit), keeping whole
-            # devices idle for whole-device tasks; amounts that do not tile a device
-            # (0.4, 1.5) go to the least busy when nothing fits
-            fits = [d for d in by_load if load[d] > 0 and load[d] + share <= 1]
-            candidates = sorted(fits, key=lambda d: -load[d]) + [
-                d for d in by_load if d not in fits
-            ]
-        if len(candidates) < n:
-            raise NoFreeDevice(
-                f"task {key!r} needs {n} device(s) but only {len(candidates)} of "
-                f"{self._devices} are free; busy: {self.holders()}"
-            )
-        return tuple(candidates[:n])
 
     def release(self, key: Any) -> None:
         """``key``'s lease ends (its thread, whatever happened)."""
@@ -673,7 +661,3 @@ class LeaseTable:
         """Bytes declared by running tasks, per device."""
         with self._lock:
             return self._sums()[1]
-
-    def __len__(self) -> int:
-        """Tasks holding a lease."""
-        return len(self.holders())

@@ -43,7 +43,7 @@ not installed (``dask.dataframe`` without pandas) is skipped.
 **Binding** (:class:`Binder`). The worker's state machine caps how many GPU tasks run at
 once (its ``GPU`` resource). The runners here, called in the task's executor thread, take
 a lease the :class:`~accelsched.policy.requirements.LeaseTable` grants (waiting there while it
-has no room), make the device current for the task (:func:`accelsched.context.holding`),
+has no room), make the device current for the task (:func:`accelsched.context.bind`),
 free pools as the task ends, and give the lease back whatever happens. A task that fell
 back to its CPU form gets its device-array inputs copied to the host first.
 
@@ -157,14 +157,9 @@ class GuardPlugin(WorkerPlugin):
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(GUARD_OPTIONS, options, type(self).__name__)
-        self.explicit = frozenset(options)  # given, not from config: a worker's own yields
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "explicit": self.explicit}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.options = state["options"]
-        self.explicit = state.get("explicit", frozenset())
+        # given, not from config: a worker's own yields. These two are all it pickles:
+        # the worker's parts are made at setup, on the worker
+        self.explicit = frozenset(options)
 
     # --- WorkerPlugin hooks -------------------------------------------------------------
 
@@ -252,8 +247,7 @@ class GuardPlugin(WorkerPlugin):
             # Set up while the worker starts: it answers no RPC (the scheduler's
             # calls included) until this returns, so report right after.
             internals.spawn(worker, self.report)
-        internals.stop_periodic(worker, _PERIODIC)
-        if inv.visible or self.rejoin is not None:
+        if inv.visible or self.rejoin is not None:  # (a guard it replaces stopped its own)
             internals.start_periodic(worker, _PERIODIC, self.check, o["check_interval"])
 
     async def teardown(self, worker: Worker) -> None:
@@ -335,7 +329,8 @@ class GuardPlugin(WorkerPlugin):
             internals.spawn(self.worker, inv.offer, self._use_devices)
 
     async def report(self) -> ReportReply:
-        """Report the owned devices to the scheduler and advertise what it granted."""
+        """Report the owned devices to the scheduler and advertise what it granted (an
+        RPC handler: a method, as distributed logs each handler's ``__name__``)."""
         return await self.inventory.report(self._use_devices)
 
     def _use_devices(self, usable: list[int]) -> None:
@@ -358,9 +353,8 @@ class GuardPlugin(WorkerPlugin):
         self.worker.log_event(events.TOPIC, msg)
 
 
-def preimport(modules: tuple[str, ...]) -> list[str]:
-    """Import ``modules``; the names imported (skipped: not installed, or failing)."""
-    done: list[str] = []
+def preimport(modules: tuple[str, ...]) -> None:
+    """Import ``modules``, skipping (logged) those not installed or failing."""
     for name in modules:
         start = time.perf_counter()
         try:
@@ -370,9 +364,7 @@ def preimport(modules: tuple[str, ...]) -> list[str]:
         except Exception as exc:  # a module that fails to import costs its guard nothing
             logger.warning("accelsched: preimport %s failed: %r", name, exc)
         else:
-            done.append(name)
             logger.debug("accelsched: preimported %s in %.2f s", name, time.perf_counter() - start)
-    return done
 
 
 Runner = Callable[[Any, dict], Any]
@@ -415,8 +407,8 @@ class Binder:
     ) -> None:
         """Lease ``indices``; ``devices`` describe them (what requirements are met by);
         ``shares``: what declared tasks may take of each (a device shared with others)."""
-        facts = {d.index: d for d in devices if d.index in indices}
-        self.leases.set_devices(indices, facts if devices else None, shares)
+        # (the table reads the facts of the devices it leases only)
+        self.leases.set_devices(indices, {d.index: d for d in devices} or None, shares)
         self.room_freed()
 
     def room_freed(self) -> None:
@@ -494,13 +486,11 @@ class Binder:
                             self._freed.wait(WAIT_SLICE)
                     finally:
                         self._waiting -= 1
-        except NoFreeDevice:
-            # its devices were withdrawn (unhealthy) after it was assigned here, or none
-            # here meets its requirement: the scheduler places it again
-            raise Reschedule() from None
-        except Cancelled:
-            # nobody wants it now (its result would be dropped): it stops waiting, and
-            # its claim goes with it; wanted again, the scheduler places it again
+        except (NoFreeDevice, Cancelled):
+            # its devices were withdrawn (unhealthy) after it was assigned here, none
+            # here meets its requirement, or nobody wants it now (cancelled while it
+            # waited: its result would be dropped): it stops waiting, and what it claimed
+            # goes with it; the scheduler places it again (wanted again, if cancelled)
             leases.release(key)
             raise Reschedule() from None
         try:

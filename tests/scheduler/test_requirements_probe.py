@@ -224,7 +224,7 @@ def test_a_requirement_the_worker_cannot_read_errs_its_task_and_binds_nothing() 
     runner = binder.gpu_runner("k", 1, "k", {"memroy": "1GiB"})
     with pytest.raises(ValueError, match="unknown GPU requirement key.*'memroy'"):
         runner(lambda values: 1, {})
-    assert len(binder.leases) == 0
+    assert len(binder.leases.holders()) == 0
 
 
 def test_a_gpu_task_whose_room_is_split_waits_in_its_thread_for_a_lease_to_end() -> None:

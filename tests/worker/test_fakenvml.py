@@ -369,11 +369,14 @@ def test_to_host_gives_a_detached_buffer(gpus: FakeGPUs) -> None:
 
 
 def test_current_device_from_the_task_lease(gpus: FakeGPUs) -> None:
-    from accelsched.context import Lease, holding
+    from accelsched.context import Lease, bind, unbind
 
-    with holding(Lease(key="k", devices=(1,))):
+    bound = bind(Lease(key="k", devices=(1,)))  # as the guard binds a GPU task
+    try:
         buf = device_alloc(MiB)
         create_context()
+    finally:
+        unbind(bound)
     assert buf.device == 1 and used(1) == CTX + MiB
 
 

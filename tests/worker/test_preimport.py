@@ -7,6 +7,8 @@ accelsched); the guard imports the package before the worker reads any task.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from distributed import Nanny
 from distributed.utils_test import gen_cluster
@@ -52,8 +54,11 @@ def test_threads_importing_dask_dataframe_at_once_succeed_after_preimport() -> N
         assert run_python(RACE, "dask.dataframe") == "ok"
 
 
-def test_a_module_that_is_not_installed_is_skipped() -> None:
-    assert preimport(("no_such_module_here", "json")) == ["json"]
+def test_a_module_that_is_not_installed_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="accelsched.worker.guard_plugin"):
+        preimport(("no_such_module_here", "json"))
+    assert "preimport no_such_module_here skipped" in caplog.text
+    assert "preimported json in" in caplog.text  # the next one imported all the same
 
 
 def test_bad_module_names_name_the_option() -> None:
