@@ -65,9 +65,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = globals()[name] = getattr(import_module(_LAZY[name]), name)
-        return value
+    if name in _LAZY:  # kept, so asked once
+        return globals().setdefault(name, getattr(import_module(_LAZY[name]), name))
     raise AttributeError(f"module 'accelsched' has no attribute {name!r}")
 
 
@@ -89,10 +88,8 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.FastRestart`)
     makes the nannies start new worker processes from a fork server.
     """
-    from accelsched.internals.forkserver import FastRestart
+    from accelsched import FastRestart, GuardPlugin, PlacementPlugin  # (loaded now: _LAZY)
     from accelsched.internals.servers import running_options
-    from accelsched.scheduler.placement_plugin import PlacementPlugin
-    from accelsched.worker.guard_plugin import GuardPlugin
 
     _config.refuse_unknown(options, _config.PLACEMENT_OPTIONS + _config.GUARD_OPTIONS, "register()")
     placement = PlacementPlugin(**_config.only(_config.PLACEMENT_OPTIONS, options))

@@ -24,13 +24,14 @@ ORIGINAL = "__accelsched_original__"
 
 
 def notify_unregistered(scheduler: Scheduler) -> None:
-    """Call ``plugin.unregistered()`` when a client unregisters a scheduler plugin that
-    has one (distributed calls no hook then: not even ``close``)."""
+    """Close a scheduler plugin that has an ``unregistered()`` hook when a client
+    unregisters it, then call the hook (distributed calls none then: not even ``close``)."""
 
     async def unregister(original: Callable[..., Any], name: str) -> None:
         plugin = scheduler.plugins.get(name)
         await original(name=name)
-        if callable(hook := getattr(plugin, "unregistered", None)):
+        if plugin is not None and callable(hook := getattr(plugin, "unregistered", None)):
+            await plugin.close()
             hook()
 
     wrap_handler(scheduler, "unregister_scheduler_plugin", unregister)
@@ -214,17 +215,12 @@ def ready_tasks(scheduler: Scheduler) -> Iterator[tuple[TaskState, float]]:
         yield ts, float(scheduler._get_prefix_duration(ts.prefix))
 
 
-def busy(ws: WorkerState) -> bool:
-    """Whether ``ws`` has tasks processing (running or queued there)."""
-    return bool(ws.processing)
-
-
-def gpu_busy(ws: WorkerState) -> bool:
-    """Whether ``ws`` has GPU tasks processing (running or queued there). Read from the
-    tasks, not ``used_resources``: distributed's work stealing moves a task without
-    moving what it holds there, so after a GPU task moved between workers (what
-    accelsched's restarts and joins ask for) the figures of both are off."""
-    return any(
+def busy(ws: WorkerState) -> tuple[bool, bool]:
+    """Whether ``ws`` has tasks processing (running or queued there), and GPU tasks among
+    them. Read from the tasks, not ``used_resources``: distributed's work stealing moves a
+    task without moving what it holds there, so after a GPU task moved between workers
+    (what accelsched's restarts and joins ask for) the figures of both are off."""
+    return bool(ws.processing), any(
         GPU in r or GPU_MEMORY in r for ts in ws.processing if (r := ts.resource_restrictions)
     )
 

@@ -172,7 +172,8 @@ def _memory(value: Any) -> int | None:
     return int(value) if ok and 0 < int(value) <= MAX_MEMORY else None
 
 
-def _capability(value: Any) -> tuple[int, int] | None:
+def capability_of(value: Any) -> tuple[int, int] | None:
+    """A compute capability as ``(major, minor)`` (``"8.0"``, ``(8, 0)``), or None."""
     if isinstance(value, str) and (m := _CAPABILITY.match(value)):
         return int(m.group(1)), int(m.group(2))
     if (
@@ -196,7 +197,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], str]] = {
         f"expected a name pattern such as '*H100*' (at most {MAX_PATTERN} characters, "
         "none unprintable)",
     ),
-    "capability": (_capability, "expected 'major.minor' such as '8.0', or (8, 0)"),
+    "capability": (capability_of, "expected 'major.minor' such as '8.0', or (8, 0)"),
     "mig": (
         lambda v: v if isinstance(v, bool) else None,
         "expected True (a MIG device) or False (a whole GPU)",

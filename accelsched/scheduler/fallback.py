@@ -637,11 +637,12 @@ class Fallback:
                 {
                     "name": str(ws.name),
                     "address": ws.address,
-                    "busy": internals.busy(ws),
-                    "gpu_busy": internals.gpu_busy(ws),
+                    "busy": busy,
+                    "gpu_busy": gpu_busy,
                     "gpus": len(self._grants.uuids(ws.address)),
                 }
                 for ws in self.scheduler.workers.values()
+                for busy, gpu_busy in [internals.busy(ws)]
             ],
         }
 

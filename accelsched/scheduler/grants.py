@@ -68,7 +68,7 @@ from distributed.metrics import time as _now  # the event log's clock
 
 from accelsched import events, internals
 from accelsched.policy.requests import Requests, grant
-from accelsched.policy.requirements import DeviceFacts, mebibytes, share
+from accelsched.policy.requirements import DeviceFacts, capability_of, mebibytes, share
 from accelsched.protocol import (
     GPU,
     GPU_MEMORY,
@@ -107,16 +107,11 @@ logger = logging.getLogger(__name__)
 
 def facts_of(record: DeviceRecord) -> DeviceFacts:
     """A granted device as requirements see it (a guard's report, checked types)."""
-    cc = record.get("capability")
-    capability = (
-        (int(cc[0]), int(cc[1]))
-        if isinstance(cc, (list, tuple))
-        and len(cc) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1000 for v in cc)
-        else None
-    )
     return DeviceFacts(
-        str(record["name"]), int(record["memory"]), capability, record.get("mig") is True
+        str(record["name"]),
+        int(record["memory"]),
+        capability_of(record.get("capability")),
+        record.get("mig") is True,
     )
 
 

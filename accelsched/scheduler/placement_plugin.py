@@ -183,18 +183,15 @@ class PlacementPlugin(SchedulerPlugin):
         display.install(scheduler)
 
     def unregistered(self) -> None:
-        """``client.unregister_scheduler_plugin``: leave the scheduler as it was found.
-
-        Handlers (``set_resources`` too) go back to distributed's, the
-        periodic check stops, and every worker's GPU count is its declaration again.
+        """``client.unregister_scheduler_plugin``, once the plugin is closed (see
+        :func:`~accelsched.internals.notify_unregistered`): leave the scheduler as it was
+        found. Handlers (``set_resources`` too) go back to distributed's, and every
+        worker's GPU count is its declaration again.
         """
         if self.status_history is None:
             return  # never started
-        self.fallback.close()
         internals.remove_handler(self.scheduler, RESTART_HANDLER, self.handle_restart)
         self.reports.stop()
-        self.status_history.stop()
-        display.stop_gpus(self.grants.gauge)
 
     async def close(self) -> None:
         """The scheduler closes: stop the periodic checks and the gauge's reading."""
