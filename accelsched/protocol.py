@@ -55,12 +55,11 @@ replayed one is refused (:mod:`accelsched.policy.requests`). Nothing is authenti
 anyone connected is trusted, as in distributed (docs/architecture.md).
 """
 
-from __future__ import annotations
+from typing import Any, Final, Literal
 
-from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict
-
-if TYPE_CHECKING:  # (typing's own from Python 3.11; never evaluated: annotations are text)
-    from typing_extensions import NotRequired
+# typing's own from Python 3.11; its TypedDict knows NotRequired (the optional keys
+# readers and validators see: ``__optional_keys__``, ``get_type_hints``) on 3.10 too
+from typing_extensions import NotRequired, TypedDict
 
 __all__ = [
     "GPU",

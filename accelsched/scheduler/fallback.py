@@ -271,9 +271,13 @@ class Fallback:
         # each requirement task's class, and the hosts it named (taken off it): kept, as
         # distributed keeps a task's hosts when its workers are set
         named = {
-            key: (task, eligible.key[1], {o for o in eligible.key[2] or () if "://" not in o})
+            key: (
+                task,
+                task.eligible.key[1],
+                {o for o in task.eligible.key[2] or () if "://" not in o},
+            )
             for key in worker
-            if (task := self.tasks.get(key)) is not None and (eligible := task.eligible)
+            if (task := self.tasks.get(key)) is not None and task.eligible is not None
         }
         original(worker=worker)  # raises for a key it does not hold: all are held below
         for key, (task, devices, hosts) in named.items():

@@ -157,8 +157,9 @@ class GuardPlugin(WorkerPlugin):
 
     def __init__(self, **options: Any) -> None:
         self.options = resolve_options(GUARD_OPTIONS, options, type(self).__name__)
-        # given, not from config: a worker's own yields. These two are all it pickles:
-        # the worker's parts are made at setup, on the worker
+        # given, not from config: a worker's own yields. These two (and ``idempotent``,
+        # which register() sets) are all it pickles: its parts are made at setup, on the
+        # worker
         self.explicit = frozenset(options)
 
     # --- WorkerPlugin hooks -------------------------------------------------------------

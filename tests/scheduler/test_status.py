@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+import typing
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.display import snapshot
-from accelsched.protocol import PLACEMENT_PLUGIN
+from accelsched.protocol import PLACEMENT_PLUGIN, DeviceStatus, StatusReply, WorkerStatus
 from tests import processes
 from tests.processes import DASK, running
 from tests.utils import (
@@ -75,6 +76,14 @@ async def test_status_table_json_and_events_by_name(c, s):
         code, out, err = await cli("status", s.address, "--json")
         assert code == 0, err
         snap = json.loads(out)
+        # each record has the documented keys (accelsched.protocol), as a validator reads them
+        for record, shape in [(snap, StatusReply)] + [
+            (r, kind)
+            for w in snap["workers"]
+            for r, kind in [(w, WorkerStatus), *((d, DeviceStatus) for d in w["devices"])]
+        ]:
+            assert shape.__required_keys__ <= set(record) <= set(typing.get_type_hints(shape))
+        assert StatusReply.__optional_keys__ == {"options"}
         assert snap["version"] == 1 and snap["scheduler"] == s.address and snap["guard"]
         assert (snap["restarts"], snap["leaks"], snap["reclaims"]) == (1, 1, 0)
         workers = {w["name"]: w for w in snap["workers"]}
