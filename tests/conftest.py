@@ -1,13 +1,21 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
 from accelsched.testing import FakeGPUs, fake_gpus
+from tests.processes import REPORTS
 from tests.utils import A100, H100
 
 pytest_plugins = ["distributed.utils_test"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator:
+    """Keep each phase's report where the test's fixtures can read it (``REPORTS``)."""
+    report = (yield).get_result()
+    item.stash.setdefault(REPORTS, {})[report.when] = report
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.utils import ROOT
 
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -29,6 +31,20 @@ PATHS = [
     str(ROOT / "tests"),
     *sorted(str(d) for d in (ROOT / "tests").iterdir() if d.is_dir() and d.name.isidentifier()),
 ]
+
+
+#: Each phase's report of a test ("setup", "call", "teardown"), kept by the conftest's
+#: hook: a fixture's teardown asks it whether its test failed (pytest does not raise a
+#: test's failure into its fixtures).
+REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+def print_logs_if_failed(request: pytest.FixtureRequest, *procs: Process) -> None:
+    """In a fixture's teardown: the end of each process's log, beside its test's failure."""
+    call = request.node.stash.get(REPORTS, {}).get("call")
+    if call is not None and call.failed:
+        for p in procs:
+            print(f"--- {p.log.name}\n{p.output()[-3000:]}")
 
 
 class Process:

@@ -66,7 +66,7 @@ LEAK_OPTIONS = ("--leak-threshold=256MiB", "--leak-confirmations=2")
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[Client, Path]]:
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Client, Path]]:
     sched = processes.scheduler(
         tmp_path, "--preload", "accelsched", "--check-interval=100ms", *LEAK_OPTIONS
     )
@@ -75,12 +75,8 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Client, Path]]:
         gpu = processes.worker(tmp_path, "gpu", address, before=SIMULATE)
         cpu = processes.worker(tmp_path, "cpu", address, env={"CUDA_VISIBLE_DEVICES": ""})
         with running(gpu, cpu), Client(address, timeout=30) as client:
-            try:
-                yield client, tmp_path
-            except BaseException:
-                for p in (sched, gpu, cpu):
-                    print(f"--- {p.log.name}\n{p.output()[-3000:]}")
-                raise
+            yield client, tmp_path
+            processes.print_logs_if_failed(request, sched, gpu, cpu)
 
 
 def test_a_gpu_failing_during_a_leak_restart_comes_back_across_processes(
