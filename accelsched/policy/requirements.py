@@ -49,7 +49,6 @@ import math
 import numbers
 import re
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -399,7 +398,7 @@ class LeaseTable:
         self._held: Callable[[int], int] = held or (lambda device: 0)
         self._shares: dict[int, int] = {}  # device -> bytes this worker may declare there
         self._tasks: dict[Any, _Task] = {}
-        self._gen: Counter[int] = Counter()  # device -> leases taken and given back there
+        self._gen: dict[int, int] = {}  # device -> leases taken and given back there
         self._tickets = itertools.count()  # whole-device tasks that waited, in turn
         #: Tasks started or ended so far (whether one ran alone in the process).
         self.changes = 0
@@ -603,7 +602,8 @@ class LeaseTable:
         task = self._task(key)
         task.devices, task.share, task.nbytes = chosen, share, nbytes
         task.claimed, task.ticket = (), math.inf  # it waits no more
-        self._gen.update(chosen)
+        # (a dict's update: Counter's costs a Python call and an ABC check per GPU task)
+        self._gen.update({d: self._gen.get(d, 0) + 1 for d in chosen})
         return chosen
 
     def release(self, key: Any) -> None:
@@ -612,7 +612,7 @@ class LeaseTable:
             task = self._tasks.get(key)
             if task is None:
                 return
-            self._gen.update(task.devices)
+            self._gen.update({d: self._gen.get(d, 0) + 1 for d in task.devices})
             task.left = task.devices if task.nbytes and task.counted else ()
             task.devices, task.claimed, task.ticket = (), (), math.inf
             if not task.counted:
@@ -630,13 +630,13 @@ class LeaseTable:
                 mine.intersection(t.devices) for k, t in self._tasks.items() if k != key
             ):
                 return None
-            return tuple(self._gen[d] for d in task.devices)  # type: ignore[union-attr]
+            return tuple(map(self._gen.__getitem__, task.devices))  # type: ignore[union-attr]
 
     def still_alone(self, key: Any, token: tuple[int, ...] | None) -> bool:
         with self._lock:
             task = self._tasks.get(key)
             mine = task.devices if task is not None else ()
-            return token is not None and token == tuple(self._gen[d] for d in mine)
+            return token is not None and token == tuple(map(self._gen.__getitem__, mine))
 
     def _sums(self) -> tuple[dict[int, float], dict[int, int]]:
         """The shares held and the bytes declared on each device (lock held)."""

@@ -216,7 +216,14 @@ def _runner_alone(guard: Any, n: int) -> dict[str, float]:
         runner(spec, {})
         wrapped.append(time.perf_counter_ns() - t0)
     b, w = statistics.median(bare) / 1e3, statistics.median(wrapped) / 1e3
-    return {"bare_us": round(b, 2), "runner_us": round(w, 2), "guard_us": round(w - b, 2)}
+    calls = call_timers.calls_per_call(lambda i: make(f"tiny-c-{i}", 1, *extra)(spec, {}), n)
+    calls -= call_timers.calls_per_call(lambda i: spec({}), n)
+    return {
+        "bare_us": round(b, 2),
+        "runner_us": round(w, 2),
+        "guard_us": round(w - b, 2),
+        "calls": round(calls, 1),  # the runner's function calls a task, the task's own less
+    }
 
 
 def measure(tasks: int, rounds: int) -> dict[str, Any]:
@@ -238,6 +245,7 @@ def measure(tasks: int, rounds: int) -> dict[str, Any]:
         alone = _runner_alone(guard, tasks)
         # last: a context in the process stays for good
         context = _context_rounds(clusters, tasks, rounds, timer)
+        context["runner_alone"] = _runner_alone(guard, tasks)
     acc_rows, plain_rows = rows["accelsched"], rows["plain"]
     pairs = zip(plain_rows, acc_rows, strict=True)
     guard_thread = [a["thread_cpu_us"] - p["thread_cpu_us"] for p, a in pairs]
