@@ -514,7 +514,7 @@ class LeaseTable:
                         f"task {key!r} needs {n} device(s) but only {len(spread)} of "
                         f"{self._devices} are free; busy: {self.holders()}"
                     )
-                return self._hold(key, tuple(spread[:n]), share, 0)
+                return self._hold(key, tuple(spread[:n]), share, 0, waiting)
             # a requirement, or declared tasks hold devices: eligible devices only
             # devices that meet the requirement (all, without one; none NVML did not
             # describe)
@@ -586,7 +586,7 @@ class LeaseTable:
             return (
                 None
                 if chosen is None
-                else self._hold(key, chosen, 0.0 if need else share, need or 0)
+                else self._hold(key, chosen, 0.0 if need else share, need or 0, waiting)
             )
 
     def _task(self, key: Any) -> _Task:
@@ -597,13 +597,15 @@ class LeaseTable:
         return task
 
     def _hold(
-        self, key: Any, chosen: tuple[int, ...], share: float, nbytes: int
+        self, key: Any, chosen: tuple[int, ...], share: float, nbytes: int, task: _Task | None
     ) -> tuple[int, ...]:
-        task = self._task(key)
+        """``key`` (``task``: its record, if it has one) holds ``chosen`` (lock held)."""
+        task = self._task(key) if task is None else task
         task.devices, task.share, task.nbytes = chosen, share, nbytes
         task.claimed, task.ticket = (), math.inf  # it waits no more
-        # (a dict's update: Counter's costs a Python call and an ABC check per GPU task)
-        self._gen.update({d: self._gen.get(d, 0) + 1 for d in chosen})
+        gen = self._gen  # (a loop: no comprehension, no Counter, per GPU task)
+        for d in chosen:
+            gen[d] = gen.get(d, 0) + 1
         return chosen
 
     def release(self, key: Any) -> None:
@@ -612,7 +614,9 @@ class LeaseTable:
             task = self._tasks.get(key)
             if task is None:
                 return
-            self._gen.update({d: self._gen.get(d, 0) + 1 for d in task.devices})
+            gen = self._gen
+            for d in task.devices:
+                gen[d] = gen.get(d, 0) + 1
             task.left = task.devices if task.nbytes and task.counted else ()
             task.devices, task.claimed, task.ticket = (), (), math.inf
             if not task.counted:

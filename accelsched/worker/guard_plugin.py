@@ -140,6 +140,7 @@ logger = logging.getLogger(__name__)
 
 _PERIODIC = "accelsched-guard"
 _RUNNING = frozenset({"executing", "long-running"})
+_THREADED = _RUNNING | {"cancelled", "resumed"}
 
 
 class GuardPlugin(WorkerPlugin):
@@ -301,7 +302,9 @@ class GuardPlugin(WorkerPlugin):
         elif (start == "memory" or finish == "forgotten") and ledger.released(key):
             self.binder.room_freed()
             self._results_moved()
-        if key in running:  # started or ended, as its thread says (cancelled runs on)
+        # started or ended, as its thread says (cancelled runs on); only a task coming
+        # from a thread's states can be running in one
+        if start in _THREADED and key in running:
             if start in _RUNNING and finish == "released":  # cancelled: its thread runs on
                 # if it waits for a lease, its thread stops waiting now rather than run it
                 # once a device is free
@@ -653,13 +656,18 @@ def caches_enough(pools: list[DevicePool], devices: tuple[int, ...], minimum: in
     less is not worth a task's time. RMM owning the device pool (a fixed reserve that
     never shrinks) has no figure to wait for (CuPy's pinned host pool can be freed)."""
     try:
-        per_device = [[pool.stats(device) for pool in pools] for device in devices]
+        for device in devices:  # (loops: this runs after every GPU task)
+            cached = 0
+            for pool in pools:
+                stats = pool.stats(device)
+                if stats.fixed:
+                    return True
+                cached += stats.cached
+            if cached >= minimum:
+                return True
     except Exception:  # a pool that cannot say: free, as before
         return True
-    return any(
-        any(s.fixed for s in stats) or sum(s.cached for s in stats) >= minimum
-        for stats in per_device
-    )
+    return False
 
 
 class PoolFreer:

@@ -601,34 +601,23 @@ class Ledger:
         base = {d: v for d, (v, _) in zip(devices, read, strict=True) if v is not None}
         return (base if len(base) == len(devices) else None), all(e for _, e in read), runs
 
-    def peek(self, devices: tuple[int, ...], prefix: str) -> dict[int, int] | None:
-        """The last closing reading on each of ``devices``, without reading NVML, where
-        the unmeasured runs since (if any) were all of ``prefix``; None where there is
-        none (a run then is not measured, unless it must be and can read a base)."""
-        with self._lock:
-            base = {
-                d: f[0]
-                for d in devices
-                if (f := self._fresh.get(d)) is not None and f[1] in (None, prefix)
-            }
-        return base if len(base) == len(devices) else None
+    def stretched(self, devices: tuple[int, ...], prefix: str, known: dict[int, int]) -> None:
+        """An unmeasured run of ``prefix`` ended on ``devices``, its result holding
+        ``known`` by type: it joins the stretch since the last closing reading there,
+        unless the stretch is another prefix's (then the stretch ends unmeasured).
 
-    def stretched(
-        self, devices: tuple[int, ...], prefix: str, base: dict[int, int], known: dict[int, int]
-    ) -> None:
-        """An unmeasured run of ``prefix`` ended, alone on ``devices`` since ``base``
-        (:meth:`peek`), its result holding ``known`` by type: added to the stretch, unless
-        something broke the stretch meanwhile (then the stretch ends unmeasured)."""
+        No run needs to prove it ran alone: every run ends by joining or ending its
+        devices' stretch, and a closing reading is taken only by a run alone on its
+        devices, so what a stretch reaches back over is its prefix's runs alone."""
         with self._lock:
-            last = {
-                d: f
-                for d in devices
-                if (f := self._fresh.get(d)) is not None
-                and f[0] == base[d]
-                and f[1] in (None, prefix)
-            }
-            if len(last) == len(devices):
-                for d, f in last.items():
+            fresh = self._fresh
+            for d in devices:
+                f = fresh.get(d)
+                if f is None or f[1] not in (None, prefix):
+                    break
+            else:
+                for d in devices:
+                    f = fresh[d]
                     f[1:] = [prefix, f[2] + 1, f[3] + known.get(d, 0)]
                 return
         self.forget(devices)  # memory changed unmeasured: no base from before it
@@ -698,14 +687,16 @@ class Ledger:
     def released(self, key: Any) -> bool:
         """``key`` left the worker's memory, or will not enter it (cancelled, forgotten):
         its memory went back unmeasured. Whether it held any (room freed)."""
-        with self._lock:
-            self._measured.pop(key, None)
-        held = self._held.pop(key, {})
+        if key in self._measured:  # (most keys are not: no lock taken for them)
+            with self._lock:
+                self._measured.pop(key, None)
+        held = self._held.pop(key, None)
+        if not held:
+            return False
         for d, n in held.items():
             self._live[d] -= n
-        if held:
-            self.forget(held)
-        return bool(held)
+        self.forget(held)
+        return True
 
     def live(self, device: int) -> int:
         """Bytes results in the worker's memory hold on ``device``."""
@@ -739,7 +730,9 @@ class Meter:
 
     A reading counts only while the task holds its devices alone: the lease table's token,
     taken with the base, proves at the end that no other task took or gave back one
-    meanwhile. What :meth:`Ledger.plan` says decides whether any reading is taken, and on
+    meanwhile. A run left unmeasured takes no token: it ends by joining its prefix's
+    stretch or ending it (:meth:`Ledger.stretched`), which is all a later reading needs
+    to know of it. What :meth:`Ledger.plan` says decides whether any reading is taken, and on
     a device with a context the ledger's sampler whether this run is measured (``sample``:
     whether it may be left unmeasured; a task that declared its memory is always measured,
     its growth checked against the declaration).
@@ -789,11 +782,12 @@ class Meter:
         ledger, token, base, runs = self.ledger, None, None, 0
         if self.plan == MEASURE:
             if self.sample and not ledger.sampler.measure(self.prefix):
-                leases, key, devices = self.leases, self.key, self.devices
-                token = leases.alone_token(key)
-                base = None if token is None else ledger.peek(devices, self.prefix)
-                result = spec(values)
-                if base is not None and not self.steps and leases.still_alone(key, token):
+                try:
+                    result = spec(values)
+                except BaseException:  # it ran too: it joins its stretch, or ends another's
+                    ledger.stretched(self.devices, self.prefix, {})
+                    raise
+                if not self.steps:
                     known = (  # holds_nothing first: the common case, per unmeasured run
                         {}
                         if ledger.holds_nothing(result)
@@ -802,14 +796,17 @@ class Meter:
                         else None
                     )
                     if known is not None:  # footprint known by type: the stretch grows
-                        ledger.stretched(devices, self.prefix, base, known)
+                        ledger.stretched(self.devices, self.prefix, known)
                         return result
-                    # of a type nobody described: measured from before the stretch
-                    base, _, runs = ledger.take_base(devices, self.prefix, reuse_only=True)
-                    if base is not None:
-                        return self._close(base, result, runs)
+                    # of a type nobody described: measured from before the stretch, when
+                    # no other task holds its devices now (one that ran meanwhile ended
+                    # the stretch, or joined it)
+                    if self.leases.alone_token(self.key) is not None:
+                        base, _, runs = ledger.take_base(self.devices, self.prefix, reuse_only=True)
+                        if base is not None:
+                            return self._close(base, result, runs)
                     # the stretch broke meanwhile: held by type, measured from now on
-                ledger.forget(devices)  # memory changed unmeasured: no base from before it
+                ledger.forget(self.devices)  # memory changed unmeasured: no base from before
                 if not ledger.holds_nothing(result) and not knows(result):
                     ledger.sampler.reset(self.prefix)  # its results need measuring
                 return result

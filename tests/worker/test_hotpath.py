@@ -321,3 +321,57 @@ def test_known_device_results_of_a_stretch_are_not_taken_for_residue() -> None:
     assert tasks.monitor.reads < 20
     assert not [r for r in tasks.residues if any(r[1].values())]
     assert tasks.ledger.live(0) == 60 * MiB
+
+
+def to_a_stretch(tasks: Tasks) -> None:
+    """Run ``inc`` until its next run is left unmeasured (a quiet prefix, mid-stretch)."""
+    while tasks.ledger._fresh.get(0, [0, None, 0])[2] < 1:
+        tasks.run(inc, 0)
+    assert tasks.ledger.sampler.gap("inc") >= 4
+
+
+def test_a_task_beside_an_unmeasured_run_ends_its_stretch() -> None:
+    """Another prefix's task shares the device with an unmeasured run of ``inc`` and
+    leaks meanwhile: the stretch ends with it, so ``inc``'s next measured run reads a
+    base of its own and is not blamed for what the other left (no run of a stretch
+    proves it ran alone: each ends by joining its stretch or ending it)."""
+    tasks = Tasks()
+    quiet_inc(tasks, 100)
+    to_a_stretch(tasks)
+
+    def leaky(i: int) -> int:
+        device_alloc(64 * MiB, leak=True)
+        return i
+
+    def inc_beside(i: int) -> int:  # while it runs, another task takes half its device
+        return tasks.binder.gpu_runner("leaky-1", 0.5, "leaky")(Task("leaky-1", leaky, i), {})
+
+    inc_beside.__name__ = "inc"
+    reads = tasks.monitor.reads
+    tasks.binder.gpu_runner("inc-beside", 0.5, "inc")(Task("inc-beside", inc_beside, 1), {})
+    assert tasks.monitor.reads == reads  # neither was read: inc's run was unmeasured
+    assert 0 not in tasks.ledger._fresh  # and its stretch ended
+    for i in range(MAX_GAP):
+        tasks.run(inc, i)
+    assert not [r for r in tasks.residues if r[1].get(0)]
+
+
+def test_a_failed_unmeasured_run_stays_in_its_prefixs_stretch() -> None:
+    """An unmeasured run that leaks and raises is one of its stretch's runs: the
+    stretch's next reading attributes what it left to its prefix."""
+    tasks = Tasks()
+    quiet_inc(tasks, 100)
+    to_a_stretch(tasks)
+
+    def inc_failing(i: int) -> int:
+        device_alloc(64 * MiB, leak=True)
+        raise ValueError("boom")
+
+    inc_failing.__name__ = "inc"
+    reads, runs = tasks.monitor.reads, tasks.ledger._fresh[0][2]
+    with pytest.raises(ValueError, match="boom"):
+        tasks.run(inc_failing, 1)
+    assert tasks.monitor.reads == reads and tasks.ledger._fresh[0][2] == runs + 1
+    for i in range(MAX_GAP):
+        tasks.run(inc, i)
+    assert [r for r in tasks.residues if r[1].get(0)] == [("inc", {0: 64 * MiB})]
