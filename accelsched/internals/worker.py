@@ -69,17 +69,24 @@ def plugin_modules(worker: Worker) -> list[str]:
     return [type(p).__module__ for p in getattr(worker, "plugins", {}).values()]
 
 
-def stored_value(worker: Worker, key: Any) -> Any:
-    """The value of ``key`` in the worker's memory (not read back from spill), or None."""
-    data = worker.data
-    fast = getattr(data, "fast", data)
+def stored_values(worker: Worker) -> Callable[[Any], Any]:
+    """``lookup(key)``: the value of ``key`` in the worker's memory (not read back from
+    spill), or None. The worker keeps one mapping for its life: resolved once, as every
+    task entering memory is looked up."""
+    fast = getattr(worker.data, "fast", worker.data)
     # zict's LRU keeps its values in a dict: read that, not the LRU, whose every read
     # takes its lock and moves the key to the end of the eviction order
     store = getattr(fast, "d", None)
-    try:
-        return (store if type(store) is dict else fast).get(key)
-    except Exception:  # a value that cannot be read back is not counted
-        return None
+    if type(store) is dict or type(fast) is dict:  # (a worker without spilling: a dict)
+        return (store if type(store) is dict else fast).get
+
+    def lookup(key: Any) -> Any:
+        try:
+            return fast.get(key)
+        except Exception:  # a value that cannot be read back is not counted
+            return None
+
+    return lookup
 
 
 _IN_THREAD = frozenset({"executing", "long-running"})

@@ -186,7 +186,7 @@ class GuardPlugin(WorkerPlugin):
             inv.monitor,
             residue=attribution.record,  # what each run left behind, by step
             left_nothing=attribution.left_nothing,
-            stored=functools.partial(internals.stored_value, worker),
+            stored=internals.stored_values(worker),
             idle=lambda: {d.index for d in inv.owned} - self.binder.leases.busy(),
         )
         inv.held = ledger.live  # offered room is net of what results hold

@@ -655,9 +655,11 @@ class Ledger:
         else known by type), or data from elsewhere (a peer's transfer, a replica, a
         scatter: known by type, else measured on the idle devices since the last
         explained reading). Held until :meth:`released`; returns what it holds."""
-        with self._lock:
+        if computed:  # (its thread has returned: nothing else takes its measurement)
             measured = self._measured.pop(key, None)
-            if not computed:  # memory may have grown: no reused base
+        else:
+            with self._lock:  # memory may have grown: no reused base
+                measured = self._measured.pop(key, None)
                 self._fresh.clear()
                 self._changes += 1
         if measured is not None and computed:  # the measurement wins: known without its value
