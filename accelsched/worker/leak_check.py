@@ -803,10 +803,10 @@ class Meter:
                     # of a type nobody described: measured from before the stretch, when
                     # no other task holds its devices now (one that ran meanwhile ended
                     # the stretch, or joined it)
-                    if self.leases.alone_token(self.key) is not None:
+                    if (token := self.leases.alone_token(self.key)) is not None:
                         base, _, runs = ledger.take_base(self.devices, self.prefix, reuse_only=True)
                         if base is not None:
-                            return self._close(base, result, runs)
+                            return self._close(base, result, runs, token)
                     # the stretch broke meanwhile: held by type, measured from now on
                 ledger.forget(self.devices)  # memory changed unmeasured: no base from before
                 if not ledger.holds_nothing(result) and not knows(result):
@@ -831,17 +831,26 @@ class Meter:
             finally:
                 if ledger.unmeasured(self.devices, self.prefix, self.plan):
                     ledger.left_nothing(self.prefix)
-        result = spec(values)
+        try:
+            result = spec(values)
+        except BaseException:  # what it left is no stretch's: a run beside it ends its own
+            ledger.forget(self.devices)
+            raise
         if base is not None and self.leases.still_alone(self.key, token):
-            return self._close(base, result, runs)
+            return self._close(base, result, runs, token)
         ledger.forget(self.devices)  # memory changed unmeasured: no base for arrivals there
         return result
 
-    def _close(self, base: dict[int, int], result: Any, runs: int) -> Any:
+    def _close(self, base: dict[int, int], result: Any, runs: int, token: Any) -> Any:
         """The closing reading of a run measured from ``base``, taken before ``runs``
-        unmeasured runs of its prefix: what they and it left, attributed to the prefix."""
+        unmeasured runs of its prefix: what they and it left, attributed to the prefix.
+        ``token``: the lease table's, proving it alone until the reading."""
         ledger = self.ledger
         left, self.grew = ledger.after(self.key, base, result)
+        if not self.leases.still_alone(self.key, token):
+            # a task took a lease beside it as it read: what that one held then is in
+            # the reading, which no later run may take as its base
+            ledger.forget(self.devices)
         if ledger.residue is not None and not self.steps:
             ledger.residue(key_split(self.key), left)
         if self.grew == 0:

@@ -375,3 +375,77 @@ def test_a_failed_unmeasured_run_stays_in_its_prefixs_stretch() -> None:
     for i in range(MAX_GAP):
         tasks.run(inc, i)
     assert [r for r in tasks.residues if r[1].get(0)] == [("inc", {0: 64 * MiB})]
+
+
+def test_a_failing_measured_task_beside_an_unmeasured_run_ends_its_stretch() -> None:
+    """A measured task of another prefix (not alone: no base) shares the device with an
+    unmeasured run of ``inc``, leaks and raises: the stretch ends with it, so what it
+    left is not blamed on ``inc``."""
+    tasks = Tasks()
+    quiet_inc(tasks, 100)
+    to_a_stretch(tasks)
+
+    def failing(i: int) -> int:
+        device_alloc(64 * MiB, leak=True)
+        raise ValueError("boom")
+
+    def inc_beside(i: int) -> int:  # while it runs, a failing task takes half its device
+        with pytest.raises(ValueError, match="boom"):
+            tasks.binder.gpu_runner("failing-1", 0.5, "failing")(Task("f-1", failing, i), {})
+        return i + 1
+
+    inc_beside.__name__ = "inc"
+    tasks.binder.gpu_runner("inc-beside", 0.5, "inc")(Task("inc-beside", inc_beside, 1), {})
+    for i in range(MAX_GAP):
+        tasks.run(inc, i)
+    assert not [r for r in tasks.residues if r[1].get(0)]
+
+
+def test_a_task_leasing_beside_a_closing_reading_leaves_no_base() -> None:
+    """A measured task found alone when its function returned, and another task packs
+    beside it before its closing reading, holding 64 MiB for a moment: that reading is
+    not a base for later runs, so ``inc``'s leaks after it are still found."""
+    import threading
+
+    tasks = Tasks()
+    quiet_inc(tasks, 100)
+    leases, read, done = tasks.binder.leases, threading.Event(), threading.Event()
+    original = leases.still_alone
+
+    def beside() -> None:  # an unmeasured run of inc, with a 64 MiB temporary
+        def temporary(i: int) -> int:
+            buf = device_alloc(64 * MiB)
+            read.set()
+            done.wait(10)
+            del buf
+            return i
+
+        temporary.__name__ = "inc"
+        tasks.binder.gpu_runner("inc-beside", 0.5, "inc")(Task("inc-beside", temporary, 1), {})
+
+    thread = threading.Thread(target=beside)
+
+    def still_alone(key: Any, token: Any) -> bool:
+        alone = original(key, token)
+        if key == "q-1" and not thread.is_alive() and not read.is_set():
+            thread.start()  # packs beside it once it was found alone
+            assert read.wait(10)
+        return alone
+
+    leases.still_alone = still_alone  # type: ignore[method-assign]
+
+    def q(i: int) -> int:
+        return i
+
+    tasks.binder.gpu_runner("q-1", 0.5, "q")(Task("q-1", q, 1), {})  # measured: a new prefix
+    done.set()
+    thread.join(10)
+
+    def inc_leaky(i: int) -> int:
+        device_alloc(4 * MiB, leak=True)
+        return i + 1
+
+    inc_leaky.__name__ = "inc"
+    for i in range(MAX_GAP):  # one of them measured: from a base of its own, not that one
+        tasks.run(inc_leaky, i)
+    assert [r for r in tasks.residues if r[0] == "inc" and r[1].get(0)]
