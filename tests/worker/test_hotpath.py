@@ -323,6 +323,12 @@ def test_known_device_results_of_a_stretch_are_not_taken_for_residue() -> None:
     assert tasks.ledger.live(0) == 60 * MiB
 
 
+def leaks_and_fails(i: int) -> int:
+    """Leaves 64 MiB behind on its device, then raises."""
+    device_alloc(64 * MiB, leak=True)
+    raise ValueError("boom")
+
+
 def to_a_stretch(tasks: Tasks) -> None:
     """Run ``inc`` until its next run is left unmeasured (a quiet prefix, mid-stretch)."""
     while tasks.ledger._fresh.get(0, [0, None, 0])[2] < 1:
@@ -364,8 +370,7 @@ def test_a_failed_unmeasured_run_stays_in_its_prefixs_stretch() -> None:
     to_a_stretch(tasks)
 
     def inc_failing(i: int) -> int:
-        device_alloc(64 * MiB, leak=True)
-        raise ValueError("boom")
+        return leaks_and_fails(i)
 
     inc_failing.__name__ = "inc"
     reads, runs = tasks.monitor.reads, tasks.ledger._fresh[0][2]
@@ -385,13 +390,10 @@ def test_a_failing_measured_task_beside_an_unmeasured_run_ends_its_stretch() -> 
     quiet_inc(tasks, 100)
     to_a_stretch(tasks)
 
-    def failing(i: int) -> int:
-        device_alloc(64 * MiB, leak=True)
-        raise ValueError("boom")
-
     def inc_beside(i: int) -> int:  # while it runs, a failing task takes half its device
         with pytest.raises(ValueError, match="boom"):
-            tasks.binder.gpu_runner("failing-1", 0.5, "failing")(Task("f-1", failing, i), {})
+            failing = tasks.binder.gpu_runner("failing-1", 0.5, "failing")
+            failing(Task("failing-1", leaks_and_fails, i), {})
         return i + 1
 
     inc_beside.__name__ = "inc"
