@@ -76,9 +76,9 @@ def stored_values(worker: Worker) -> Callable[[Any], Any]:
     fast = getattr(worker.data, "fast", worker.data)
     # zict's LRU keeps its values in a dict: read that, not the LRU, whose every read
     # takes its lock and moves the key to the end of the eviction order
-    store = getattr(fast, "d", None)
-    if type(store) is dict or type(fast) is dict:  # (a worker without spilling: a dict)
-        return (store if type(store) is dict else fast).get
+    store = getattr(fast, "d", fast)  # (a worker without spilling: a dict itself)
+    if type(store) is dict:
+        return store.get
 
     def lookup(key: Any) -> Any:
         try:
