@@ -207,11 +207,14 @@ class InventoryReply(TypedDict):
 
 class OfferRequest(Addressed):
     """A guard offers ``count`` of its granted GPUs: those of ``uuids``; ``held``: bytes
-    the results in its memory hold on each (UUID), in steps (``held_counted``)."""
+    the results in its memory hold on each (UUID), in steps (``held_counted``);
+    ``packs``: bytes its tasks and results may take on each as it stands (the share it
+    packs within, or more while tasks packed under a larger one run)."""
 
     count: int
     uuids: list[str]
     held: dict[str, int]
+    packs: NotRequired[dict[str, int]]
 
 
 class OfferReply(TypedDict):

@@ -540,9 +540,7 @@ class LeaseTable:
                 )
             if need is not None:
                 held = {d: self._held(d) for d in eligible}
-                for t in self._tasks.values():  # results about to enter memory: their
-                    for d in t.left:  # room is held still, as by a lease about to end
-                        declared[d] = declared.get(d, 0) + t.nbytes
+                self._add_left(declared)
                 # bytes declared tasks here may take on each, before results: this
                 # worker's share of a device others share too, else its capacity
                 room = {
@@ -663,6 +661,15 @@ class LeaseTable:
             return {d for t in self._tasks.values() for d in t.devices}
 
     def declared(self) -> dict[int, int]:
-        """Bytes declared by running tasks, per device."""
+        """Bytes declared by running tasks, and by results about to enter memory (their
+        room is held still), per device."""
         with self._lock:
-            return self._sums()[1]
+            return self._add_left(self._sums()[1])
+
+    def _add_left(self, declared: dict[int, int]) -> dict[int, int]:
+        """``declared``, with the bytes of results about to enter memory: their room is
+        held still, as by a lease about to end (lock held)."""
+        for t in self._tasks.values():
+            for d in t.left:
+                declared[d] = declared.get(d, 0) + t.nbytes
+        return declared

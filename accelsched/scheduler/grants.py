@@ -68,7 +68,13 @@ from distributed.metrics import time as _now  # the event log's clock
 
 from accelsched import events, internals
 from accelsched.policy.requests import Requests, grant
-from accelsched.policy.requirements import DeviceFacts, capability_of, mebibytes, share
+from accelsched.policy.requirements import (
+    DeviceFacts,
+    capability_of,
+    capacity,
+    mebibytes,
+    share,
+)
 from accelsched.protocol import (
     GPU,
     GPU_MEMORY,
@@ -128,6 +134,10 @@ class WorkerGrant:
     offered: int = 0  # granted GPUs its guard offers now
     named: frozenset[str] | None = None  # which ones; None: it did not say
     held: Mapping[str, int] = field(default_factory=dict)  # UUID -> bytes results hold on it
+    #: UUID -> bytes its guard says its tasks and results may take there now: the share it
+    #: packs within, or more while tasks packed under a larger one still run
+    packs: Mapping[str, int] = field(default_factory=dict)
+    told: Mapping[str, int] = field(default_factory=dict)  # UUID -> the share last told it
     quarantined: str | None = None  # why its GPUs are out of placement; None: they are not
 
 
@@ -197,11 +207,28 @@ class Grants:
         count: int,
         uuids: list[str] | None = None,
         held: dict[str, int] | None = None,
+        packs: dict[str, int] | None = None,
     ) -> None:
         """``worker``'s guard offers ``count`` of its granted GPUs now: those of ``uuids``
-        (None: it did not say which); ``held``: bytes its results hold on each."""
+        (None: it did not say which); ``held``: bytes its results hold on each; ``packs``:
+        bytes its tasks and results may take on each as it stands."""
         named = None if uuids is None else frozenset(uuids)
-        self._set(worker, offered=count, named=named, held=dict(held or {}))
+        held, packs = dict(held or {}), dict(packs or {})
+        self._set(worker, offered=count, named=named, held=held, packs=packs)
+
+    def tell(self, worker: str, shares: dict[str, int]) -> None:
+        """``worker``'s guard is told ``shares`` (the offer reply)."""
+        self._set(worker, told=shares)
+
+    def untold(self, worker: str) -> list[str]:
+        """The workers sharing a device with ``worker`` whose share is no longer what
+        they were told (``worker`` took or gave back room there)."""
+        return [
+            other
+            for other in sorted(self.sharers(worker))
+            if self.of(other).reported
+            and self.shares(other, self.placed(other))[0] != self.of(other).told
+        ]
 
     def sharers(self, worker: str) -> set[str]:
         """The other workers granted one of ``worker``'s devices (``share_gpus``; without
@@ -213,9 +240,15 @@ class Grants:
 
     def shares(self, worker: str, count: int) -> tuple[dict[str, int], int]:
         """The bytes ``worker``'s declared tasks may take on each of its first ``count``
-        offered devices (each device's capacity divided among the workers granted it),
-        and the ``GPU-memory`` (MiB) to place against: those less what results hold.
-        The offered devices are those its guard named, else the first ones."""
+        offered devices, and the ``GPU-memory`` (MiB) to place against: those less what
+        results hold. The offered devices are those its guard named, else the first ones.
+
+        A device's capacity is divided among the workers granted it, and never more
+        than what the others leave: each may take the share it was told, or what its
+        guard last said it may take, whichever is more. A sharer told a smaller share
+        takes more until its guard says it packs within it (its tasks packed under the
+        larger one have ended), so room passes from one worker to another only once
+        the first has let go of it."""
         g = self.of(worker)
         # workers granted each device: one without share_gpus (no look over the cluster)
         owners: Counter[str] = (
@@ -228,7 +261,17 @@ class Grants:
             if g.named is None
             else [d for d in g.devices if d["uuid"] in g.named]
         )
-        mine = {d["uuid"]: share(int(d["memory"]), owners[d["uuid"]] or 1) for d in offered[:count]}
+        mine: dict[str, int] = {}
+        for d in offered[:count]:
+            uuid, memory = d["uuid"], int(d["memory"])
+            mine[uuid] = share(memory, owners[uuid] or 1)
+            if owners[uuid] > 1:
+                taken = sum(
+                    max(o.told.get(uuid, 0), o.packs.get(uuid, 0))
+                    for w, o in self._workers.items()
+                    if w != worker
+                )
+                mine[uuid] = max(0, min(mine[uuid], capacity(memory) - taken))
         return mine, sum(mebibytes(max(0, b - g.held.get(u, 0))) for u, b in mine.items())
 
     def quarantine(self, worker: str, reason: str) -> bool:
@@ -393,10 +436,13 @@ class DeviceReports:
         count: Any = 0,
         uuids: Any = None,
         held: Any = None,
+        packs: Any = None,
     ) -> OfferReply:
         """A guard offers ``count`` of its granted GPUs (fewer while one is withdrawn):
-        those of ``uuids``, whose results hold ``held`` bytes on each. The reply says
-        the share of each device its declared tasks may take."""
+        those of ``uuids``, whose results hold ``held`` bytes on each, and whose tasks
+        and results may take ``packs`` bytes on each. The reply says the share of each
+        device its declared tasks may take; the workers sharing one whose share this
+        changed are asked to offer again, to learn theirs."""
         if not self._active():
             return {"status": "no-plugin", "count": 0}
         ws = self.scheduler.workers.get(worker)
@@ -413,20 +459,24 @@ class DeviceReports:
                 and len(set(uuids)) == count
                 and set(uuids) <= set(self._grants.uuids(worker))
             )
-            and (
-                held is None
-                or isinstance(held, dict)
-                and all(isinstance(u, str) and type(n) is int and n >= 0 for u, n in held.items())
+            and all(
+                said is None
+                or isinstance(said, dict)
+                and all(isinstance(u, str) and type(n) is int and n >= 0 for u, n in said.items())
+                for said in (held, packs)
             )
         )
         if not valid:
             return {"status": "invalid", "count": 0}
         if not self.admits(worker, process, request, OFFER_HANDLER):
             return {"status": "refused", "count": 0}
-        self._grants.offer(worker, count, None if uuids is None else list(uuids), held)
+        self._grants.offer(worker, count, None if uuids is None else list(uuids), held, packs)
         self.place(ws)
         placed = self._grants.placed(worker)
         shares, memory = self._grants.shares(worker, placed)
+        self._grants.tell(worker, shares)
+        for other in self._grants.untold(worker):
+            self._reshare(other)
         return {"status": "OK", "count": placed, "shares": shares, "memory": memory}
 
     # --- the GPU count placement uses ----------------------------------------------------

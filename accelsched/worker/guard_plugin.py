@@ -210,6 +210,7 @@ class GuardPlugin(WorkerPlugin):
                 emit=self._emit,
             ),
         )
+        inv.leased = self.binder.leases.declared  # what its offers say it takes
         left_out = o["recover_gpus"] and bool(inv.monitor.left_out)
         actor = WorkerActor(
             inventory=inv,
@@ -319,9 +320,14 @@ class GuardPlugin(WorkerPlugin):
 
     def _ended(self, key: Any) -> None:
         """A task's function returned: if a check skipped its busy devices, judge them now,
-        before the next task takes them (back-to-back GPU tasks hold them nearly always)."""
-        if self.binder.leases.ended(key) and self.leaks.owed:
-            self.leaks.check()
+        before the next task takes them (back-to-back GPU tasks hold them nearly always).
+        If tasks packed under a larger share ran on, its end may give room back to a
+        worker sharing the device."""
+        if self.binder.leases.ended(key):
+            if self.leaks.owed:
+                self.leaks.check()
+            if self.inventory.over:
+                self.inventory.let_go(self._use_devices)
 
     def _results_moved(self) -> None:
         """Results took or gave back device memory: offered again once the room they

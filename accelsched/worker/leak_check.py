@@ -931,6 +931,13 @@ class Inventory:
         #: shared device (learnt from the offer reply; none: the capacity)
         self.shares: dict[int, int] = {}
         self.held_said: dict[int, int] = {}  # device -> held bytes last offered, in steps
+        #: device -> bytes declared tasks lease there, results about to enter memory
+        #: included (the lease table's)
+        self.leased: Callable[[], dict[int, int]] = dict
+        self.packs_said: dict[int, int] = {}  # device -> what the last offer said it takes
+        #: the last offer said more than its share somewhere: tasks packed under a larger
+        #: one ran on (each task's end looks whether it takes less now: :meth:`let_go`)
+        self.over = False
 
     def _take(self, visible: list[DeviceInfo]) -> None:
         """List ``visible``, own and claim as the policy says (in place: the guard's
@@ -1000,11 +1007,13 @@ class Inventory:
             on_usable(usable)
             offered = [d for d in self.granted if d.index in usable]
             self.held_said = self.held_in_steps()
+            packs = self.packs_now()
             request: OfferRequest = {
                 **self._addressed(),
                 "count": len(usable),
                 "uuids": [d.uuid for d in offered],
                 "held": {d.uuid: self.held_said.get(d.index, 0) for d in offered},
+                "packs": {d.uuid: packs[d.index] for d in offered},
             }
             reply: Any = None
             try:
@@ -1027,7 +1036,33 @@ class Inventory:
                 on_usable(usable)
             if self.granted or internals.advertises_gpus(self.worker):  # usable: granted ones
                 await internals.set_own_gpus(self.worker, len(usable), memory)
+            self.packs_said = {d.index: packs[d.index] for d in offered}
+            self.over = any(n > shares.get(d, 0) for d, n in self.packs_said.items())
+            self.let_go(on_usable)  # a smaller share told: room a sharer waits for
             return usable
+
+    def packs_now(self) -> dict[int, int]:
+        """What this worker's tasks and results may take on each granted device as it
+        stands: the share it packs within, or more while tasks packed under a larger one
+        hold more. Its offers say so: a device's room passes to a sharer only once this
+        worker has let go of it. (Before the scheduler's first reply it advertises no
+        device memory, and packs nothing.)"""
+        leased = self.leased()
+        return {
+            d.index: max(
+                self.shares.get(d.index, 0),
+                self.held_said.get(d.index, 0) + leased.get(d.index, 0),
+            )
+            for d in self.granted
+        }
+
+    def let_go(self, on_usable: Callable[[list[int]], None]) -> None:
+        """Offer again if this worker takes less of a device than its last offer said: a
+        smaller share applied, or tasks packed under a larger one ended."""
+        now = self.packs_now()
+        if any(now.get(d, 0) < n for d, n in self.packs_said.items()):
+            self.over = False  # the offer says how it stands then
+            internals.spawn(self.worker, self.offer, on_usable)
 
     def held_in_steps(self) -> dict[int, int]:
         """What results hold on each granted device, as offered: in steps of a

@@ -373,6 +373,41 @@ def test_grants_divide_a_shared_device_and_take_what_results_hold_off() -> None:
     assert grants.shares("w1", 0) == ({}, 0)
 
 
+def test_a_shared_device_passes_room_on_only_once_let_go() -> None:
+    """w1 packs a 16 GiB device alone, then w2 is granted it too: w2's share is what w1
+    may still take leaves. w1 was told the whole device; told half, it may still pack
+    it all until its guard says it packs within half; tasks packed under the whole one
+    (12 GiB) leave w2 3.2 GiB until they end."""
+    grants = Grants(share_gpus=True)
+    record = {"index": 0, "uuid": "GPU-a", "name": "T4", "memory": 16 * GiB}
+    cap = capacity(16 * GiB)
+    half = cap // 2
+    grants.claim("w1", [record])  # type: ignore[list-item]
+    grants.offer("w1", 1, ["GPU-a"], packs={})  # before any reply: packs nothing
+    grants.tell("w1", grants.shares("w1", 1)[0])
+    assert grants.of("w1").told == {"GPU-a": cap}
+    grants.claim("w2", [record])  # type: ignore[list-item]
+    grants.offer("w2", 1, ["GPU-a"], packs={})
+    assert grants.shares("w2", 1)[0] == {"GPU-a": 0}  # w1 was told it all
+    assert grants.shares("w1", 1)[0] == {"GPU-a": half}  # w2 takes nothing yet
+    grants.tell("w2", {"GPU-a": 0})
+    grants.offer("w1", 1, ["GPU-a"], packs={"GPU-a": cap})  # as it stood when it offered
+    grants.tell("w1", {"GPU-a": half})
+    assert grants.shares("w2", 1)[0] == {"GPU-a": 0}  # it applies half once the reply comes
+    assert grants.untold("w1") == []
+    grants.offer("w1", 1, ["GPU-a"], packs={"GPU-a": 12 * GiB})  # half applied, tasks run on
+    assert grants.shares("w2", 1)[0] == {"GPU-a": cap - 12 * GiB}
+    assert grants.untold("w1") == ["w2"]  # told 0: asked to offer again, to learn it
+    grants.offer("w1", 1, ["GPU-a"], packs={"GPU-a": half})  # they ended
+    assert grants.shares("w2", 1)[0] == {"GPU-a": half}
+    grants.offer("w2", 1, ["GPU-a"], packs={"GPU-a": 0})
+    grants.tell("w2", {"GPU-a": half})
+    assert grants.untold("w2") == [] and grants.untold("w1") == []
+    assert grants.shares("w1", 1)[0]["GPU-a"] + grants.shares("w2", 1)[0]["GPU-a"] <= cap
+    grants.remove("w2")
+    assert grants.shares("w1", 1)[0] == {"GPU-a": cap}
+
+
 def test_room_results_hold_is_not_packed_into() -> None:
     """A 10 GiB result on a 16 GiB device (15.2 GiB declarable): an 8 GiB task does not
     fit beside it. No lease ending makes room, and the room offered (15.2 less 10) is

@@ -3,7 +3,9 @@ sharing it. Simulated 16 GiB GPUs (15.2 GiB declarable each), nanny workers."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from unittest import mock
 
 import pytest
 from distributed import Event, Nanny, Worker, wait
@@ -13,6 +15,7 @@ from distributed.utils_test import gen_cluster
 import accelsched
 from accelsched import internals
 from accelsched.protocol import GPU, GPU_MEMORY, OFFER_HANDLER
+from accelsched.scheduler import grants
 from tests.utils import GPU_WORKER, events, gpus, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
@@ -51,9 +54,9 @@ def _honest(declared: int):  # type: ignore[no-untyped-def]
     return step
 
 
-async def _register(c, s, **options) -> None:  # type: ignore[no-untyped-def]
+async def _register(c, s, verified: int = 2, **options) -> None:  # type: ignore[no-untyped-def]
     await accelsched.register(c, check_interval="1h", fast_restart=False, **options)
-    await wait_for(lambda: len(events(s, "gpu-verified")) == 2)
+    await wait_for(lambda: len(events(s, "gpu-verified")) == verified)
 
 
 def _memory(s, w) -> float:  # type: ignore[no-untyped-def]
@@ -109,10 +112,63 @@ async def test_workers_sharing_a_device_pack_it_to_its_capacity_together(c, s, a
     await c.gather(two)
 
 
+@gen_cluster(client=True, Worker=Nanny, nthreads=ONE_DEVICE, timeout=90)
+async def test_a_sharer_learning_its_share_late_packs_nothing_past_it(c, s, a, b):
+    """The first worker verified packs the whole device until an offer tells it of the
+    second: the second's share is what the first leaves meanwhile (none), and grows once
+    the first says it packs within its half. Here the scheduler's request to offer again
+    is held back 4 s, as a busy worker would answer it (the race cannot be timed from a
+    test): four honest 6 GiB tasks submitted at once still never run three at a time."""
+    ask = grants.DeviceReports._ask_report
+
+    async def late(self: grants.DeviceReports, addr: str) -> None:
+        await asyncio.sleep(4)
+        await ask(self, addr)
+
+    with mock.patch.object(grants.DeviceReports, "_ask_report", late):
+        await _register(c, s, share_gpus=True)
+        spans = await c.gather(c.map(_honest(6), range(4), pure=False))  # no OutOfDeviceMemory
+    at_once = max(sum(st <= t < en for st, en in spans) for t, _ in spans)
+    assert at_once <= 2, spans
+    await wait_for(lambda: _memory(s, a) == _memory(s, b) > 7 * 1024)
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=ONE_DEVICE[:1], timeout=90)
+async def test_a_sharer_joining_waits_for_the_room_tasks_running_hold(c, s, a):
+    """a packs two 6 GiB tasks on its device alone; b joins to share it (a's share: half
+    now, 7.6 GiB). b may take only what a's running tasks leave (3.2 GiB): its 6 GiB
+    tasks wait for them to end, then run, and nothing runs out of device memory."""
+    await _register(c, s, share_gpus=True, verified=1)
+
+    @accelsched.gpu(memory="6GiB")
+    def holds(i: int) -> float:
+        from accelsched.testing import device_alloc
+
+        buf = device_alloc(6 * GiB)
+        Event("let-go").wait(30)
+        del buf
+        return time.time()
+
+    two = c.map(holds, range(2), pure=False)
+    await wait_for(lambda: len(s.workers[a.worker_address].executing) == 2)
+    async with Nanny(s.address, nthreads=4, **ONE_DEVICE[1][2]) as b:
+        await wait_for(lambda: len(events(s, "gpu-verified")) == 2)
+        on_b = c.map(_honest(6), range(2), workers=[b.worker_address], pure=False)
+        await wait_for(lambda: 0 < _memory(s, b) < 4 * 1024)  # 15.2 less a's 12 GiB
+        await asyncio.sleep(1)
+        assert all(f.status == "pending" for f in on_b)
+        await Event("let-go").set()
+        ended = max(await c.gather(two))
+        spans = await c.gather(on_b)  # no OutOfDeviceMemory
+        assert min(st for st, _ in spans) >= ended - 0.5, (spans, ended)
+        await wait_for(lambda: _memory(s, a) == _memory(s, b) > 7 * 1024)
+
+
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_an_offer_saying_oddly_what_results_hold_is_invalid(c, s, a):
-    """What results hold comes off the room declared tasks are placed against: anything
-    but bytes per offered UUID changes nothing."""
+    """What results hold comes off the room declared tasks are placed against, and what
+    a worker's tasks may take off its sharers': anything but bytes per UUID changes
+    nothing."""
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.address) == 1)
     before = dict(s.workers[a.address].resources)
@@ -121,6 +177,9 @@ async def test_an_offer_saying_oddly_what_results_hold_is_invalid(c, s, a):
         for n, odd in enumerate([[1], {uuid: -1}, {uuid: 1.5}, {uuid: True}, {1: 1}, "x"]):
             said = {"worker": a.address, "process": a.id, "request": f"odd-{n}"}
             reply = await getattr(r, OFFER_HANDLER)(**said, count=1, uuids=[uuid], held=odd)
+            assert reply == {"status": "invalid", "count": 0}, odd
+            said["request"] = f"odd-packs-{n}"
+            reply = await getattr(r, OFFER_HANDLER)(**said, count=1, uuids=[uuid], packs=odd)
             assert reply == {"status": "invalid", "count": 0}, odd
         said = {"worker": a.address, "process": a.id, "request": "fine"}
         reply = await getattr(r, OFFER_HANDLER)(**said, count=1, uuids=[uuid], held={uuid: GiB})
