@@ -269,7 +269,7 @@ class Grants:
                 taken = sum(
                     max(o.told.get(uuid, 0), o.packs.get(uuid, 0))
                     for w, o in self._workers.items()
-                    if w != worker
+                    if w != worker and any(g["uuid"] == uuid for g in o.devices)
                 )
                 mine[uuid] = max(0, min(mine[uuid], capacity(memory) - taken))
         return mine, sum(mebibytes(max(0, b - g.held.get(u, 0))) for u, b in mine.items())
@@ -459,10 +459,11 @@ class DeviceReports:
                 and len(set(uuids)) == count
                 and set(uuids) <= set(self._grants.uuids(worker))
             )
-            and all(
+            and all(  # bytes per offered (else granted) device
                 said is None
                 or isinstance(said, dict)
-                and all(isinstance(u, str) and type(n) is int and n >= 0 for u, n in said.items())
+                and all(type(n) is int and n >= 0 for n in said.values())
+                and set(said) <= set(self._grants.uuids(worker) if uuids is None else uuids)
                 for said in (held, packs)
             )
         )

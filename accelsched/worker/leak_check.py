@@ -928,8 +928,9 @@ class Inventory:
         #: bytes the results in this worker's memory hold on a device (the ledger's)
         self.held: Callable[[int], int] = lambda device: 0
         #: device -> bytes its declared tasks may take there, as the scheduler divided a
-        #: shared device (learnt from the offer reply; none: the capacity)
+        #: shared device (learnt from the offer reply, for each device offered)
         self.shares: dict[int, int] = {}
+        self.told = False  # an offer reply said the shares (else: no PlacementPlugin yet)
         self.held_said: dict[int, int] = {}  # device -> held bytes last offered, in steps
         #: device -> bytes declared tasks lease there, results about to enter memory
         #: included (the lease table's)
@@ -1021,16 +1022,20 @@ class Inventory:
             except Exception as exc:  # no PlacementPlugin: the worker's own count only
                 logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
             ok = isinstance(reply, dict) and reply.get("status") == "OK" and "memory" in reply
-            said = reply.get("shares", {}) if ok else {}
-            shares = {d.index: said[d.uuid] for d in offered if d.uuid in said}
-            memory = (
-                reply["memory"]
-                if ok  # else its own devices' capacity, less what results hold
-                else sum(
-                    mebibytes(max(0, capacity(d.memory) - self.held_said.get(d.index, 0)))
+            if ok:  # a device the reply does not name is not placed: no room there
+                said = reply.get("shares", {})
+                shares = {d.index: said.get(d.uuid, 0) for d in offered}
+                memory = reply["memory"]
+                self.told = True
+            else:  # the shares last told, else (no PlacementPlugin) its devices' capacity
+                shares = {
+                    d.index: self.shares.get(d.index, 0) if self.told else capacity(d.memory)
+                    for d in offered
+                }
+                memory = sum(
+                    mebibytes(max(0, shares[d.index] - self.held_said.get(d.index, 0)))
                     for d in offered
                 )
-            )
             if shares != self.shares:  # packed within them from now on
                 self.shares = shares
                 on_usable(usable)
@@ -1044,15 +1049,13 @@ class Inventory:
     def packs_now(self) -> dict[int, int]:
         """What this worker's tasks and results may take on each granted device as it
         stands: the share it packs within, or more while tasks packed under a larger one
-        hold more. Its offers say so: a device's room passes to a sharer only once this
-        worker has let go of it. (Before the scheduler's first reply it advertises no
-        device memory, and packs nothing.)"""
-        leased = self.leased()
+        (or results) hold more. Its offers say so: a device's room passes to a sharer
+        only once this worker has let go of it. (Before the scheduler's first reply it
+        advertises no device memory, and packs nothing.) Results count as measured, as
+        packing counts them, so a worker within its share says its share."""
+        leased, held = self.leased(), self.held
         return {
-            d.index: max(
-                self.shares.get(d.index, 0),
-                self.held_said.get(d.index, 0) + leased.get(d.index, 0),
-            )
+            d.index: max(self.shares.get(d.index, 0), held(d.index) + leased.get(d.index, 0))
             for d in self.granted
         }
 

@@ -14,13 +14,14 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched import internals
-from accelsched.protocol import GPU, GPU_MEMORY, OFFER_HANDLER
+from accelsched.protocol import GPU, GPU_MEMORY, GUARD_PLUGIN, OFFER_HANDLER
 from accelsched.scheduler import grants
 from tests.utils import GPU_WORKER, events, gpus, wait_for
 
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
 GiB = 2**30
+_half = (16 * GiB - 16 * GiB // 20) // 2  # a 16 GiB device's capacity, shared by two
 OWN_DEVICES = [
     ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}}),
     ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "1"}, "resources": {"GPU": 1}}),
@@ -164,6 +165,26 @@ async def test_a_sharer_joining_waits_for_the_room_tasks_running_hold(c, s, a):
         await wait_for(lambda: _memory(s, a) == _memory(s, b) > 7 * 1024)
 
 
+@gen_cluster(client=True, nthreads=GPU_WORKER * 2, Worker=Worker, timeout=60)
+async def test_an_offer_unanswered_keeps_the_share_last_told(c, s, a, b):
+    """Two workers share one device (7.6 GiB each). An offer that gets no answer (the
+    scheduler's handler taken away here: a lost call reads the same) leaves the worker
+    packing within the share it was last told, not the whole device."""
+    await _register(c, s, share_gpus=True)
+    inv = a.plugins[GUARD_PLUGIN].inventory
+    await wait_for(lambda: inv.told and set(inv.shares.values()) == {_half})
+    memory = a.state.total_resources[GPU_MEMORY]
+    assert memory == -(-_half // 2**20)
+    handler = s.plugins["accelsched-placement"].reports.handle_offer
+    internals.remove_handler(s, OFFER_HANDLER, handler)
+    try:
+        await inv.offer(a.plugins[GUARD_PLUGIN]._use_devices)
+    finally:
+        internals.install_handler(s, OFFER_HANDLER, handler)
+    assert set(inv.shares.values()) == {_half}
+    assert a.state.total_resources[GPU_MEMORY] == memory
+
+
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
 async def test_an_offer_saying_oddly_what_results_hold_is_invalid(c, s, a):
     """What results hold comes off the room declared tasks are placed against, and what
@@ -174,7 +195,8 @@ async def test_an_offer_saying_oddly_what_results_hold_is_invalid(c, s, a):
     before = dict(s.workers[a.address].resources)
     (uuid,) = s.plugins["accelsched-placement"].grants.uuids(a.address)
     async with rpc(s.address) as r:
-        for n, odd in enumerate([[1], {uuid: -1}, {uuid: 1.5}, {uuid: True}, {1: 1}, "x"]):
+        odds = [[1], {uuid: -1}, {uuid: 1.5}, {uuid: True}, {1: 1}, "x", {"GPU-elsewhere": 1}]
+        for n, odd in enumerate(odds):
             said = {"worker": a.address, "process": a.id, "request": f"odd-{n}"}
             reply = await getattr(r, OFFER_HANDLER)(**said, count=1, uuids=[uuid], held=odd)
             assert reply == {"status": "invalid", "count": 0}, odd
