@@ -165,6 +165,23 @@ async def test_a_sharer_joining_waits_for_the_room_tasks_running_hold(c, s, a):
         await wait_for(lambda: _memory(s, a) == _memory(s, b) > 7 * 1024)
 
 
+@gen_cluster(client=True, Worker=Nanny, nthreads=ONE_DEVICE + ONE_DEVICE[:1], timeout=120)
+async def test_three_sharers_through_a_restart_never_overpack_and_settle_even(c, s, a, b, d):
+    """Three workers share one device (5.1 GiB each). Honest 4 GiB tasks stream through
+    while one sharer restarts (its room passes to the other two, then back): never four
+    at once, none out of device memory, and the three settle on a third each."""
+    await _register(c, s, verified=3, share_gpus=True)
+    four = _honest(4)
+    first = c.map(four, range(12), pure=False)
+    await wait_for(lambda: any(f.status == "finished" for f in first))
+    await c.restart_workers([b.worker_address])
+    spans = await c.gather(first + c.map(four, range(12, 24), pure=False))
+    at_once = max(sum(st <= t < en for st, en in spans) for t, _ in spans)
+    assert at_once <= 3, spans
+    third = -(-(16 * GiB - 16 * GiB // 20) // 3 // 2**20)
+    await wait_for(lambda: [_memory(s, w) for w in (a, b, d)] == [third] * 3)
+
+
 @gen_cluster(client=True, nthreads=GPU_WORKER * 2, Worker=Worker, timeout=60)
 async def test_an_offer_unanswered_keeps_the_share_last_told(c, s, a, b):
     """Two workers share one device (7.6 GiB each). An offer that gets no answer (the
