@@ -345,7 +345,8 @@ class GuardPlugin(WorkerPlugin):
 
     def _use_devices(self, usable: list[int]) -> None:
         """Lease these devices, described as NVML verified them (for requirements)."""
-        self.binder.set_devices(usable, self.inventory.granted, self.inventory.shares)
+        inv = self.inventory
+        self.binder.set_devices(usable, inv.granted, inv.shares_of(usable))
 
     def check(self) -> list[Verdict]:
         """One leak check now (the periodic callback, every ``check_interval``). The

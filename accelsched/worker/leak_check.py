@@ -1046,18 +1046,29 @@ class Inventory:
             self.let_go(on_usable)  # a smaller share told: room a sharer waits for
             return usable
 
+    def shares_of(self, usable: list[int]) -> dict[int, int]:
+        """What declared tasks may take on each of ``usable``, as its lease table packs:
+        the share last told, none for a device not told of yet (one back from
+        withdrawal waits for the reply to the offer that names it). Before any reply
+        (no PlacementPlugin yet): none said, each device's capacity."""
+        return {d: self.shares.get(d, 0) for d in usable} if self.told else self.shares
+
     def packs_now(self) -> dict[int, int]:
         """What this worker's tasks and results may take on each granted device as it
         stands: the share it packs within, or more while tasks packed under a larger one
         (or results) hold more. Its offers say so: a device's room passes to a sharer
         only once this worker has let go of it. (Before the scheduler's first reply it
-        advertises no device memory, and packs nothing.) Results count as measured, as
-        packing counts them, so a worker within its share says its share."""
+        advertises no device memory: it says none.) Results count as measured, as
+        packing counts them, so a worker within its share says its share; past it, in
+        the steps it offers, which hold what results add until the next offer."""
         leased, held = self.leased(), self.held
-        return {
-            d.index: max(self.shares.get(d.index, 0), held(d.index) + leased.get(d.index, 0))
-            for d in self.granted
-        }
+        packs = {}
+        for d in self.granted:
+            share, used = self.shares.get(d.index, 0), held(d.index) + leased.get(d.index, 0)
+            if used > share:
+                used = max(used, self.held_said.get(d.index, 0) + leased.get(d.index, 0))
+            packs[d.index] = max(share, used)
+        return packs
 
     def let_go(self, on_usable: Callable[[list[int]], None]) -> None:
         """Offer again if this worker takes less of a device than its last offer said: a

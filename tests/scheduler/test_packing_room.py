@@ -186,7 +186,8 @@ async def test_three_sharers_through_a_restart_never_overpack_and_settle_even(c,
 async def test_an_offer_unanswered_keeps_the_share_last_told(c, s, a, b):
     """Two workers share one device (7.6 GiB each). An offer that gets no answer (the
     scheduler's handler taken away here: a lost call reads the same) leaves the worker
-    packing within the share it was last told, not the whole device."""
+    packing within the share it was last told, not the whole device; a device it was
+    not told of yet gets no room until a reply names it."""
     await _register(c, s, share_gpus=True)
     inv = a.plugins[GUARD_PLUGIN].inventory
     await wait_for(lambda: inv.told and set(inv.shares.values()) == {_half})
@@ -200,6 +201,8 @@ async def test_an_offer_unanswered_keeps_the_share_last_told(c, s, a, b):
         internals.install_handler(s, OFFER_HANDLER, handler)
     assert set(inv.shares.values()) == {_half}
     assert a.state.total_resources[GPU_MEMORY] == memory
+    # a device not told of yet (back from withdrawal, say) waits for the reply naming it
+    assert inv.shares_of([*inv.shares, 7]) == {**inv.shares, 7: 0}
 
 
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
