@@ -269,7 +269,7 @@ class Grants:
                 taken = sum(
                     max(o.told.get(uuid, 0), o.packs.get(uuid, 0))
                     for w, o in self._workers.items()
-                    if w != worker and any(g["uuid"] == uuid for g in o.devices)
+                    if w != worker and any(r["uuid"] == uuid for r in o.devices)
                 )
                 mine[uuid] = max(0, min(mine[uuid], capacity(memory) - taken))
         return mine, sum(mebibytes(max(0, b - g.held.get(u, 0))) for u, b in mine.items())
