@@ -41,16 +41,23 @@ left nothing.
 
 :class:`Backoff` answers that with a sample: every run of a prefix is measured until
 :data:`QUIET_RUNS` measured runs in a row left nothing, then the gap between measured runs
-doubles with each further quiet one, up to :data:`MAX_GAP`. The first measured run that
-finds something left behind puts the prefix back to every run. The ledger measures an
-unmeasured stretch of one prefix's runs as one (its next measured run reads from the last
-reading before the stretch), so what any run of the stretch left is found by the
-prefix's next measured run, at most :data:`MAX_GAP` runs later.
+doubles with each further quiet one, up to :data:`MAX_GAP` runs or :data:`MAX_WAIT`
+seconds, whichever comes first. The first measured run that finds something left behind
+puts the prefix back to every run. The ledger measures an unmeasured stretch of one
+prefix's runs as one (its next measured run reads from the last reading before the
+stretch), so what any run of the stretch left is found by the prefix's next measured run,
+at most :data:`MAX_GAP` runs or :data:`MAX_WAIT` seconds (and a run) later.
+
+Two bounds, as a reading's cost and the wait for its answer weigh differently with the
+length of a run: tiny runs, where a reading costs more than the run, are read once in
+:data:`MAX_GAP` (a fraction of a second of them); runs longer than :data:`MAX_WAIT`,
+beside which a reading costs next to nothing, are each measured.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -66,6 +73,7 @@ __all__ = [
     "DeviceRecord",
     "LeakDecisions",
     "MAX_GAP",
+    "MAX_WAIT",
     "QUIET_RUNS",
     "Remeasured",
     "Suspects",
@@ -615,33 +623,55 @@ def classify(before: Mapping[int, MemoryReading], after: Mapping[int, MemoryRead
 QUIET_RUNS = 4
 #: A sampled prefix has at most this many runs from one measured run to the next
 #: (``MAX_GAP - 1`` unmeasured between them).
-MAX_GAP = 16
+MAX_GAP = 64
+#: Seconds from the start of a prefix's measured run after which its next run is
+#: measured, whatever the gap: runs this long are each measured, and a stretch of
+#: unmeasured runs ends within this and one run.
+MAX_WAIT = 0.25
 #: Prefixes remembered; beyond this the record starts over (every prefix measured again).
 MAX_PREFIXES = 10_000
 
 
 class Backoff:
-    """Per prefix: how many runs to let pass unmeasured before the next measured one.
+    """Per prefix: how many runs to let pass unmeasured before the next measured one, and
+    until when (``clock``'s seconds).
 
     Called from the tasks' threads without a lock: two runs of one prefix racing can at
     worst measure one run more or one fewer, never skip past :attr:`max_gap`'s bound by
     more than the runs in flight at once.
     """
 
-    __slots__ = ("quiet", "max_gap", "_state")
+    __slots__ = ("quiet", "max_gap", "max_wait", "clock", "_state")
 
-    def __init__(self, quiet: int = QUIET_RUNS, max_gap: int = MAX_GAP) -> None:
-        if quiet < 1 or max_gap < 1:
-            raise ValueError(f"quiet and max_gap must be at least 1, not {quiet}, {max_gap}")
+    def __init__(
+        self,
+        quiet: int = QUIET_RUNS,
+        max_gap: int = MAX_GAP,
+        max_wait: float = MAX_WAIT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if quiet < 1 or max_gap < 1 or not max_wait > 0:
+            raise ValueError(
+                f"quiet and max_gap must be at least 1 and max_wait above 0, not {quiet}, "
+                f"{max_gap}, {max_wait}"
+            )
         self.quiet = quiet
         self.max_gap = max_gap
-        # prefix -> [quiet measured runs in a row, gap, runs still to pass unmeasured]
-        self._state: dict[str, list[int]] = {}
+        self.max_wait = max_wait
+        self.clock = clock
+        # prefix -> [quiet measured runs in a row, gap, runs still to pass unmeasured,
+        # the clock's time from which a run is measured: the last measured one's start
+        # and max_wait]
+        self._state: dict[str, list[float]] = {}
 
     def measure(self, prefix: str) -> bool:
-        """Whether this run of ``prefix`` is measured (asked once per run)."""
+        """Whether this run of ``prefix`` is measured (asked once per run, as it starts)."""
         state = self._state.get(prefix)
-        if state is None or state[2] <= 0:
+        if state is None:
+            return True
+        now = self.clock()
+        if state[2] <= 0 or now >= state[3]:
+            state[3] = now + self.max_wait
             return True
         state[2] -= 1
         return False
@@ -656,7 +686,8 @@ class Backoff:
         if state is None:
             if len(self._state) >= MAX_PREFIXES:
                 self._state.clear()
-            state = self._state[prefix] = [0, 1, 0]
+            # (from now, not this run's start: later runs set it as they start)
+            state = self._state[prefix] = [0, 1, 0, self.clock() + self.max_wait]
         state[0] += 1
         if state[0] >= self.quiet:
             state[1] = min(self.max_gap, state[1] * 2)
@@ -668,5 +699,5 @@ class Backoff:
         self._state.pop(prefix, None)
 
     def gap(self, prefix: str) -> int:
-        """Runs from one measured run of ``prefix`` to the next, now."""
-        return self._state.get(prefix, (0, 1))[1]
+        """Runs from one measured run of ``prefix`` to the next, now (at most)."""
+        return int(self._state.get(prefix, (0, 1))[1])

@@ -1,23 +1,45 @@
 """Which runs of a task prefix the ledger measures on a device with a context
 (:class:`accelsched.policy.leak.Backoff`), with numbers: every run until runs keep
-leaving nothing, then a sample backing off to one run in :data:`MAX_GAP`; the first run
+leaving nothing, then a sample backing off to one run in :data:`MAX_GAP`, or one run
+:data:`MAX_WAIT` seconds after the last measured one if that comes first; the first run
 found leaving something puts the prefix back to every run."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from accelsched.policy import leak as leak_policy
-from accelsched.policy.leak import MAX_GAP, QUIET_RUNS, Backoff
+from accelsched.policy.leak import MAX_GAP, MAX_WAIT, QUIET_RUNS, Backoff
+
+
+class Runs:
+    """A clock that moves ``seconds`` per run (0: time stands still, the run count's rule
+    alone decides)."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = seconds
+        self.run = 0
+
+    def __call__(self) -> float:
+        return self.run * self.seconds
 
 
 def measured_runs(
-    b: Backoff, prefix: str, runs: int, left_at: frozenset[int] = frozenset()
+    b: Backoff,
+    prefix: str,
+    runs: int,
+    left_at: frozenset[int] = frozenset(),
+    clock: Runs | None = None,
 ) -> list[int]:
     """The runs (1-based) ``b`` measures; a measured run numbered in ``left_at``, or one
-    measured after an unmeasured run so numbered, finds something left behind."""
+    measured after an unmeasured run so numbered, finds something left behind. ``clock``:
+    ``b``'s, moved on to each run's number."""
     out, pending = [], False
     for run in range(1, runs + 1):
+        if clock is not None:
+            clock.run = run
         pending = pending or run in left_at
         if b.measure(prefix):
             out.append(run)
@@ -27,29 +49,49 @@ def measured_runs(
 
 
 def test_every_run_until_quiet_then_doubling_gaps_up_to_the_bound() -> None:
-    assert (QUIET_RUNS, MAX_GAP) == (4, 16)
-    b = Backoff()
-    got = measured_runs(b, "inc", 130)
-    # 4 runs in a row, then gaps of 2, 4, 8 and 16 from there on
-    assert got == [1, 2, 3, 4, 6, 10, 18, 34, 50, 66, 82, 98, 114, 130]
+    assert (QUIET_RUNS, MAX_GAP, MAX_WAIT) == (4, 64, 0.25)
+    b = Backoff(clock=Runs())
+    got = measured_runs(b, "inc", 260)
+    # 4 runs in a row, then gaps of 2, 4, 8, 16, 32 and 64 from there on
+    assert got == [1, 2, 3, 4, 6, 10, 18, 34, 66, 130, 194, 258]
     assert max(b - a for a, b in zip(got, got[1:], strict=False)) == MAX_GAP
     assert b.gap("inc") == MAX_GAP and b.gap("other") == 1
 
 
 def test_a_run_leaving_something_is_found_within_the_gap_and_resets_it() -> None:
-    b = Backoff()
+    b = Backoff(clock=Runs())
     got = measured_runs(b, "inc", 200, left_at=frozenset({40}))
-    # the leaking run 40 falls in the stretch 35..50: found by run 50, 10 runs later,
+    # the leaking run 40 falls in the stretch 35..66: found by run 66, 26 runs later,
     # then every run measured until 4 quiet ones, and backing off again
-    assert [r for r in got if 34 <= r <= 70] == [34, 50, 51, 52, 53, 54, 56, 60, 68]
-    for leak in range(35, 120):  # wherever it falls, found at most MAX_GAP - 1 runs later
-        c = Backoff()
-        found = [r for r in measured_runs(c, "x", 200, frozenset({leak})) if r >= leak][0]
+    assert [r for r in got if 34 <= r <= 90] == [34, 66, 67, 68, 69, 70, 72, 76, 84]
+    for leak in range(35, 300):  # wherever it falls, found at most MAX_GAP - 1 runs later
+        c = Backoff(clock=Runs())
+        found = [r for r in measured_runs(c, "x", 400, frozenset({leak})) if r >= leak][0]
         assert found - leak <= MAX_GAP - 1
 
 
+def test_runs_longer_than_the_wait_are_each_measured() -> None:
+    # a run a third of a second after the last: past MAX_WAIT, measured, quiet or not
+    b = Backoff(clock=(clock := Runs(seconds=1 / 3)))
+    assert measured_runs(b, "fit", 50, clock=clock) == list(range(1, 51))
+    assert b.gap("fit") == MAX_GAP  # the run count alone would leave 63 in 64 unmeasured
+
+
+def test_the_wait_bounds_the_gap_of_runs_a_thirty_second_of_a_second_long() -> None:
+    # 8 runs make MAX_WAIT: gaps of 2, 4 and 8 by the count, then 8 by the clock (the
+    # count's 16 and on come too late); a leak is found at most 8 runs later
+    b = Backoff(clock=(clock := Runs(seconds=1 / 32)))
+    got = measured_runs(b, "mid", 100, clock=clock)
+    assert got[:9] == [1, 2, 3, 4, 6, 10, 18, 26, 34]
+    assert {b - a for a, b in zip(got[6:], got[7:], strict=False)} == {8}
+    for leak in range(19, 90):
+        c = Backoff(clock=(clock := Runs(seconds=1 / 32)))
+        found = [r for r in measured_runs(c, "x", 100, frozenset({leak}), clock) if r >= leak]
+        assert found[0] - leak <= 7
+
+
 def test_prefixes_back_off_apart_and_reset_is_every_run() -> None:
-    b = Backoff(quiet=1, max_gap=4)
+    b = Backoff(quiet=1, max_gap=4, clock=Runs())
     assert measured_runs(b, "a", 12) == [1, 3, 7, 11]
     assert measured_runs(b, "b", 3) == [1, 3] and b.gap("a") == 4  # each its own
     b.reset("a")
@@ -74,3 +116,7 @@ def test_bounded_record_and_validated_numbers(monkeypatch: pytest.MonkeyPatch) -
         Backoff(quiet=0)
     with pytest.raises(ValueError, match="at least 1"):
         Backoff(max_gap=0)
+    for wait in (0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=f"max_wait above 0, not 4, 64, {wait}"):
+            Backoff(max_wait=wait)
+    assert Backoff(max_wait=math.inf).max_wait == math.inf  # the run count's rule alone

@@ -5,13 +5,14 @@ leaked). The real binder and ledger on the fake GPUs, in this process, task by t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from dask._task_spec import Task
 
 from accelsched.devices import MemoryReading, NVMLMonitor
-from accelsched.policy.leak import MAX_GAP, Attribution
+from accelsched.policy.leak import MAX_GAP, MAX_WAIT, Attribution, Backoff
 from accelsched.testing import create_context, device_alloc
 from accelsched.worker.guard_plugin import Binder, PoolFreer
 from accelsched.worker.leak_check import LEARN, MEASURE, SKIP, Ledger
@@ -50,9 +51,12 @@ def make_frame(nbytes: int) -> Frame:
 
 
 class Tasks:
-    """Runs tasks through the guard's binder, one at a time, as a one-GPU worker does."""
+    """Runs tasks through the guard's binder, one at a time, as a one-GPU worker does.
+    ``clock``: the sampler's; time stands still by default, so which runs are read is the
+    run count's rule alone (its clock's rule: ``test_sampling.py``, and the long runs
+    below)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = lambda: 0.0) -> None:
         self.monitor = Counting()
         self.residues: list[tuple[str, dict[int, int]]] = []
         self.attribution = Attribution()  # runs seen to leave nothing, by prefix
@@ -63,6 +67,7 @@ class Tasks:
             left_nothing=self.attribution.left_nothing,
             stored=self.results.get,
         )
+        self.ledger.sampler = Backoff(clock=clock)
         self.binder = Binder(
             oom_exceptions=(),
             pools=PoolFreer(every=1, above=0.0, monitor=self.monitor),
@@ -228,9 +233,10 @@ def quiet_inc(tasks: Tasks, runs: int) -> None:
 def test_tiny_tasks_on_a_context_are_read_on_a_sample_and_left_nothing_counted() -> None:
     tasks = Tasks()
     quiet_inc(tasks, 200)
-    # was one closing reading a task (201): now the warm-up's two, inc's first 4 runs
-    # and one run in 2, 4, 8 and 16 from there on
-    assert tasks.monitor.reads <= 2 + 4 + 200 // MAX_GAP + 4
+    # was one closing reading a task (201): now the warm-up's two, inc's first run's base
+    # and closing reading, its next 3 runs, then one run in 2, 4, 8, 16, 32 and 64 from
+    # there on (runs 6, 10, 18, 34, 66, 130 and 194)
+    assert MAX_GAP == 64 and tasks.monitor.reads == 2 + 2 + 3 + 7
     assert tasks.ledger.sampler.gap("inc") == MAX_GAP
     assert not [r for r in tasks.residues if any(r[1].values())]
     # every run a measured stretch closed is seen to leave nothing; the open stretch's
@@ -238,6 +244,34 @@ def test_tiny_tasks_on_a_context_are_read_on_a_sample_and_left_nothing_counted()
     nothing = tasks.attribution._nothing["inc"]
     assert 200 - (MAX_GAP - 1) <= nothing <= 200
     assert tasks.blamed({"inc": nothing}) == ()
+
+
+def test_a_quiet_prefix_whose_runs_outlast_the_wait_is_read_at_every_run() -> None:
+    """Beside a run longer than MAX_WAIT a reading costs next to nothing: no run of such
+    a prefix is left unmeasured, and a leak is attributed to the run that left it."""
+    now = [0.0]
+    tasks = Tasks(clock=lambda: now[0])
+
+    def slow(i: int) -> int:  # a run of a third of a second, on the sampler's clock
+        now[0] += 1 / 3
+        return i + 1
+
+    tasks.run(warm_up)
+    tasks.run(slow, 0)  # a new prefix: a base reading of its own, and its closing one
+    for i in range(20):
+        reads = tasks.monitor.reads
+        tasks.run(slow, i)
+        assert tasks.monitor.reads == reads + 1, f"run {i} was not measured"
+    assert tasks.ledger.sampler.gap("slow") == MAX_GAP  # the count alone: 1 run in 64
+    assert MAX_WAIT < 1 / 3  # each run outlasts the wait
+
+    def slow_leaky(i: int) -> int:
+        device_alloc(64 * MiB, leak=True)
+        return slow(i)
+
+    slow_leaky.__name__ = "slow"
+    tasks.run(slow_leaky, 1)
+    assert [r for r in tasks.residues if r[1].get(0)] == [("slow", {0: 64 * MiB})]
 
 
 def test_a_leak_in_an_unmeasured_run_is_attributed_within_the_gap() -> None:
@@ -314,13 +348,13 @@ def test_known_device_results_of_a_stretch_are_not_taken_for_residue() -> None:
     def keep(i: int) -> Any:
         return device_alloc(MiB)
 
-    for i in range(60):
+    for i in range(70):  # backed off to the whole gap from run 66 on
         key, _ = tasks.run(keep, i)
         assert tasks.ledger.entered(key, computed=True) == {0: MiB}
     assert tasks.ledger.sampler.gap("keep") == MAX_GAP
     assert tasks.monitor.reads < 20
     assert not [r for r in tasks.residues if any(r[1].values())]
-    assert tasks.ledger.live(0) == 60 * MiB
+    assert tasks.ledger.live(0) == 70 * MiB
 
 
 def leaks_and_fails(i: int) -> int:
