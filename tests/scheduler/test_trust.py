@@ -5,6 +5,7 @@ workers on fake GPUs."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import dask
@@ -44,25 +45,26 @@ def snapshot(s: Any) -> dict[str, Any]:
 # --- odd GPU amounts ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("amount", [0, -1, float("nan"), float("inf"), "1", None, [1]])
-def test_odd_gpu_amounts_err_and_harm_no_worker(amount: object) -> None:
-    """Zero, negative, NaN, infinite or no number at all: that task errs, naming it."""
+#: Zero, negative, NaN, infinite or no number at all.
+ODD_AMOUNTS: list[object] = [0, -1, float("nan"), float("inf"), "1", None, [1]]
 
-    @gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=60)
-    async def run(c, s, a, b, g):  # type: ignore[no-untyped-def]
-        await accelsched.register(c)
-        await wait_for(lambda: gpus(s, a.worker_address) == 1)
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=60)
+async def test_odd_gpu_amounts_err_and_harm_no_worker(c, s, a, b, g):
+    """Each odd amount in turn on one cluster: that task errs, naming it, every worker is
+    the same process after it, and GPU work goes on."""
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.worker_address) == 1)
+    workers = set(s.workers)  # a worker a task took down comes back at another address
+    for i, amount in enumerate(ODD_AMOUNTS):
         with dask.annotate(resources={"GPU": amount}):
-            bad = c.submit(int, 1, key="odd")
-        with pytest.raises(ValueError, match=r"invalid resources=\{'GPU'"):
+            bad = c.submit(int, 1, key=f"odd-{i}")
+        with pytest.raises(ValueError, match=re.escape(f"invalid resources={{'GPU': {amount!r}}}")):
             await bad
-        # every worker survived, and GPU work goes on
-        assert len(s.workers) == 3
+        assert set(s.workers) == workers, f"resources={{'GPU': {amount!r}}} cost a worker"
         with dask.annotate(resources={"GPU": 1}):
             assert await c.submit(accelsched.current_device, pure=False) == 0
         assert await c.submit(int, 2, workers=[g.worker_address], pure=False) == 2
-
-    run()
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=60)
