@@ -39,19 +39,21 @@ described. A result whose footprint is known by type needs no reading, so what i
 learn from a run of a prefix whose runs keep leaving nothing is whether this one, too,
 left nothing.
 
-:class:`Backoff` answers that with a sample: every run of a prefix is measured until
-:data:`QUIET_RUNS` measured runs in a row left nothing, then the gap between measured runs
-doubles with each further quiet one, up to :data:`MAX_GAP` runs or :data:`MAX_WAIT`
-seconds, whichever comes first. The first measured run that finds something left behind
-puts the prefix back to every run. The ledger measures an unmeasured stretch of one
-prefix's runs as one (its next measured run reads from the last reading before the
-stretch), so what any run of the stretch left is found by the prefix's next measured run,
-at most :data:`MAX_GAP` runs or :data:`MAX_WAIT` seconds (and a run) later.
+:class:`Backoff` answers that with a sample, kept per prefix and devices (a stretch, below,
+is a device's): every run of a prefix is measured until :data:`QUIET_RUNS` measured runs in
+a row left nothing, then the gap between measured runs doubles with each further quiet
+one, up to :data:`MAX_GAP` runs; and the first run that starts :data:`MAX_WAIT` seconds or
+more after the start of the last measured one is measured whatever the gap. The first
+measured run that finds something left behind puts the prefix back to every run. The
+ledger measures an unmeasured stretch of one prefix's runs as one (its next measured run
+reads from the last reading before the stretch), so what any run of the stretch left is
+found by the prefix's next measured run there: at most ``MAX_GAP - 1`` runs later, and by
+the end of the first run starting :data:`MAX_WAIT` seconds after the leaking one started.
 
 Two bounds, as a reading's cost and the wait for its answer weigh differently with the
 length of a run: tiny runs, where a reading costs more than the run, are read once in
-:data:`MAX_GAP` (a fraction of a second of them); runs longer than :data:`MAX_WAIT`,
-beside which a reading costs next to nothing, are each measured.
+:data:`MAX_GAP` (a fraction of a second of them); a prefix whose runs each last
+:data:`MAX_WAIT` or more, beside which a reading costs next to nothing, has each measured.
 """
 
 from __future__ import annotations
@@ -633,8 +635,9 @@ MAX_PREFIXES = 10_000
 
 
 class Backoff:
-    """Per prefix: how many runs to let pass unmeasured before the next measured one, and
-    until when (``clock``'s seconds).
+    """Per prefix (the ledger's key: the prefix and the devices a run holds, as a stretch
+    of unmeasured runs is a device's): how many runs to let pass unmeasured before the
+    next measured one, and until when (``clock``'s seconds).
 
     Called from the tasks' threads without a lock: two runs of one prefix racing can at
     worst measure one run more or one fewer, never skip past :attr:`max_gap`'s bound by
@@ -662,21 +665,23 @@ class Backoff:
         # prefix -> [quiet measured runs in a row, gap, runs still to pass unmeasured,
         # the clock's time from which a run is measured: the last measured one's start
         # and max_wait]
-        self._state: dict[str, list[float]] = {}
+        self._state: dict[Hashable, list[float]] = {}
 
-    def measure(self, prefix: str) -> bool:
+    def measure(self, prefix: Hashable) -> bool:
         """Whether this run of ``prefix`` is measured (asked once per run, as it starts)."""
         state = self._state.get(prefix)
         if state is None:
             return True
         now = self.clock()
         if state[2] <= 0 or now >= state[3]:
-            state[3] = now + self.max_wait
+            # due until measured() says it was (a run that could not be measured, not
+            # alone on its devices, say, leaves the next run due)
+            state[2], state[3] = 0, now + self.max_wait
             return True
         state[2] -= 1
         return False
 
-    def measured(self, prefix: str, left: bool) -> None:
+    def measured(self, prefix: Hashable, left: bool) -> None:
         """A measured run of ``prefix`` (with the unmeasured ones before it) ``left``
         something behind, or nothing."""
         if left:
@@ -693,11 +698,11 @@ class Backoff:
             state[1] = min(self.max_gap, state[1] * 2)
         state[2] = state[1] - 1
 
-    def reset(self, prefix: str) -> None:
+    def reset(self, prefix: Hashable) -> None:
         """Measure every run of ``prefix`` again (a run could not be measured when its
         result needed it)."""
         self._state.pop(prefix, None)
 
-    def gap(self, prefix: str) -> int:
+    def gap(self, prefix: Hashable) -> int:
         """Runs from one measured run of ``prefix`` to the next, now (at most)."""
         return int(self._state.get(prefix, (0, 1))[1])

@@ -485,7 +485,9 @@ class Ledger:
         self._no_context: set[int] = set()
         self._context_gen = 0  # bumped whenever that knowledge is dropped
         self._clean: set[str] = set()  # prefixes whose runs were seen to make no context
-        self.sampler = Backoff()  # which runs of a prefix are measured, on a context
+        # which runs of a prefix are measured on devices with a context, per prefix and
+        # devices (a stretch of unmeasured runs is a device's)
+        self.sampler = Backoff()
 
     def read(self, device: int, record: bool = False) -> tuple[int | None, bool]:
         """This process's bytes on ``device`` minus what pools cache or reserve (None
@@ -783,7 +785,7 @@ class Meter:
         last reading before the stretch, when it is not (held at its growth, as ever)."""
         ledger, token, base, runs = self.ledger, None, None, 0
         if self.plan == MEASURE:
-            if self.sample and not ledger.sampler.measure(self.prefix):
+            if self.sample and not ledger.sampler.measure((self.prefix, self.devices)):
                 try:
                     result = spec(values)
                 except BaseException:  # it ran too: it joins its stretch, or ends another's
@@ -810,7 +812,7 @@ class Meter:
                     # the stretch broke meanwhile: held by type, measured from now on
                 ledger.forget(self.devices)  # memory changed unmeasured: no base from before
                 if not ledger.holds_nothing(result) and not knows(result):
-                    ledger.sampler.reset(self.prefix)  # its results need measuring
+                    ledger.sampler.reset((self.prefix, self.devices))  # its results need measuring
                 return result
             # alone, the base reading (not alone: none), whether it found no context
             # anywhere, and the unmeasured runs of this prefix it reaches back over
@@ -856,7 +858,7 @@ class Meter:
         if self.grew == 0:
             for _ in range(runs + 1):  # the stretch's runs too: it grew by nothing
                 ledger.left_nothing(self.prefix)
-        ledger.sampler.measured(self.prefix, any(n > 0 for n in left.values()))
+        ledger.sampler.measured((self.prefix, self.devices), any(n > 0 for n in left.values()))
         return result
 
     def __call__(self, name: str, call: Callable[[], Any]) -> Any:

@@ -90,6 +90,21 @@ def test_the_wait_bounds_the_gap_of_runs_a_thirty_second_of_a_second_long() -> N
         assert found[0] - leak <= 7
 
 
+def test_a_run_the_clock_made_due_stays_due_until_measured() -> None:
+    # backed off to a gap of 64 (run 130 measured), then a quarter of a second passes: the
+    # run that starts then is due; it could not be measured (not alone on its devices),
+    # so the next run is due too, and the one after it once that one is measured
+    b = Backoff(clock=(clock := Runs()))
+    assert measured_runs(b, "p", 130)[-1] == 130 and b.gap("p") == 64
+    clock.seconds = MAX_WAIT
+    clock.run = 1
+    assert b.measure("p")  # no measured() follows
+    assert b.measure("p")
+    b.measured("p", False)
+    clock.seconds = 0.0
+    assert not b.measure("p")
+
+
 def test_prefixes_back_off_apart_and_reset_is_every_run() -> None:
     b = Backoff(quiet=1, max_gap=4, clock=Runs())
     assert measured_runs(b, "a", 12) == [1, 3, 7, 11]

@@ -56,7 +56,9 @@ class Tasks:
     run count's rule alone (its clock's rule: ``test_sampling.py``, and the long runs
     below)."""
 
-    def __init__(self, clock: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = lambda: 0.0, devices: tuple[int, ...] = (0,)
+    ) -> None:
         self.monitor = Counting()
         self.residues: list[tuple[str, dict[int, int]]] = []
         self.attribution = Attribution()  # runs seen to leave nothing, by prefix
@@ -74,8 +76,12 @@ class Tasks:
             emit=lambda *a, **k: None,
             ledger=self.ledger,
         )
-        self.binder.set_devices([0])
+        self.binder.set_devices(list(devices))
         self.n = 0
+
+    def gap(self, prefix: str, device: int = 0) -> int:
+        """Runs from one measured run of ``prefix`` on ``device`` to the next, now."""
+        return self.ledger.sampler.gap((prefix, (device,)))
 
     def blamed(self, runs: dict[str, int]) -> tuple[str, ...]:
         """The prefixes of ``runs`` a leak would blame: not those seen to leave nothing."""
@@ -237,7 +243,7 @@ def test_tiny_tasks_on_a_context_are_read_on_a_sample_and_left_nothing_counted()
     # and closing reading, its next 3 runs, then one run in 2, 4, 8, 16, 32 and 64 from
     # there on (runs 6, 10, 18, 34, 66, 130 and 194)
     assert MAX_GAP == 64 and tasks.monitor.reads == 2 + 2 + 3 + 7
-    assert tasks.ledger.sampler.gap("inc") == MAX_GAP
+    assert tasks.gap("inc") == MAX_GAP
     assert not [r for r in tasks.residues if any(r[1].values())]
     # every run a measured stretch closed is seen to leave nothing; the open stretch's
     # runs, not yet: they stay suspects of a leak until their prefix is read again
@@ -262,7 +268,7 @@ def test_a_quiet_prefix_whose_runs_outlast_the_wait_is_read_at_every_run() -> No
         reads = tasks.monitor.reads
         tasks.run(slow, i)
         assert tasks.monitor.reads == reads + 1, f"run {i} was not measured"
-    assert tasks.ledger.sampler.gap("slow") == MAX_GAP  # the count alone: 1 run in 64
+    assert tasks.gap("slow") == MAX_GAP  # the count alone: 1 run in 64
     assert MAX_WAIT < 1 / 3  # each run outlasts the wait
 
     def slow_leaky(i: int) -> int:
@@ -272,6 +278,46 @@ def test_a_quiet_prefix_whose_runs_outlast_the_wait_is_read_at_every_run() -> No
     slow_leaky.__name__ = "slow"
     tasks.run(slow_leaky, 1)
     assert [r for r in tasks.residues if r[1].get(0)] == [("slow", {0: 64 * MiB})]
+
+
+def test_a_prefix_alternating_devices_is_sampled_on_each() -> None:
+    """A stretch of unmeasured runs is a device's: runs of one prefix alternating between
+    two devices are sampled on each, so a leak on either is attributed within the gap of
+    that device's runs. (Sampled by prefix alone, every measured run from the 4th on,
+    2 to 64 runs apart, fell on the device of the even runs: a leak on the other was
+    found by no run.)"""
+    tasks = Tasks(devices=(0, 1))
+    leases = tasks.binder.leases
+
+    def on(device: int, func: Any, *args: Any) -> None:
+        if device == 1:  # the binder leases the lowest idle device: device 0 held meanwhile
+            assert leases.grant("hold-0", 1) == (0,)
+        try:
+            tasks.run(func, *args)
+        finally:
+            if device == 1:
+                leases.release("hold-0")
+
+    on(0, warm_up)
+    on(1, warm_up)  # a context on both devices: runs on either are measured or sampled
+    for i in range(300):  # run i + 1 on device 0 when odd, on device 1 when even
+        on(i % 2, inc, i)
+    assert tasks.gap("inc", 0) == MAX_GAP == tasks.gap("inc", 1)
+
+    def inc_leaky(i: int) -> int:
+        device_alloc(64 * MiB, leak=True)
+        return i + 1
+
+    inc_leaky.__name__ = "inc"
+    on(0, inc_leaky, 1)
+    runs_on_0 = 0
+    while not [r for r in tasks.residues if r[1].get(0)]:
+        on(1, inc, 0)
+        runs_on_0 += 1
+        assert runs_on_0 < MAX_GAP, "the leak on device 0 was not attributed within its gap"
+        on(0, inc, runs_on_0)
+    assert [r for r in tasks.residues if r[1].get(0)] == [("inc", {0: 64 * MiB})]
+    assert tasks.gap("inc", 0) == 1 and tasks.gap("inc", 1) == MAX_GAP
 
 
 def test_a_leak_in_an_unmeasured_run_is_attributed_within_the_gap() -> None:
@@ -290,7 +336,7 @@ def test_a_leak_in_an_unmeasured_run_is_attributed_within_the_gap() -> None:
         assert runs < MAX_GAP, "the leak was not attributed within the gap"
         tasks.run(inc, runs)
     assert [r for r in tasks.residues if r[1].get(0)] == [("inc", {0: 64 * MiB})]
-    assert tasks.ledger.sampler.gap("inc") == 1  # every run measured again
+    assert tasks.gap("inc") == 1  # every run measured again
     reads = tasks.monitor.reads
     tasks.run(inc, 0)
     assert tasks.monitor.reads == reads + 1
@@ -330,7 +376,7 @@ def test_a_result_of_unknown_type_in_an_unmeasured_run_is_measured() -> None:
         return Frame(128 * MiB)
 
     inc_frame.__name__ = "inc"
-    assert tasks.ledger.sampler.gap("inc") == MAX_GAP
+    assert tasks.gap("inc") == MAX_GAP
     for i in range(3):  # wherever in the stretch: held at its growth, not leaked
         key, frame = tasks.run(inc_frame, i)
         assert tasks.ledger.entered(key, computed=True) == {0: 128 * MiB}
@@ -351,7 +397,7 @@ def test_known_device_results_of_a_stretch_are_not_taken_for_residue() -> None:
     for i in range(70):  # backed off to the whole gap from run 66 on
         key, _ = tasks.run(keep, i)
         assert tasks.ledger.entered(key, computed=True) == {0: MiB}
-    assert tasks.ledger.sampler.gap("keep") == MAX_GAP
+    assert tasks.gap("keep") == MAX_GAP
     assert tasks.monitor.reads < 20
     assert not [r for r in tasks.residues if any(r[1].values())]
     assert tasks.ledger.live(0) == 70 * MiB
@@ -367,7 +413,7 @@ def to_a_stretch(tasks: Tasks) -> None:
     """Run ``inc`` until its next run is left unmeasured (a quiet prefix, mid-stretch)."""
     while tasks.ledger._fresh.get(0, [0, None, 0])[2] < 1:
         tasks.run(inc, 0)
-    assert tasks.ledger.sampler.gap("inc") >= 4
+    assert tasks.gap("inc") >= 4
 
 
 def test_a_task_beside_an_unmeasured_run_ends_its_stretch() -> None:
