@@ -254,6 +254,10 @@ def test_gpu_dry_run_figures(results: tuple[Path, dict[str, Any]]) -> None:
     assert not gpu["errors"], gpu["errors"]
     assert set(gpu["measurements"]) == {name for name, _ in GPU_BENCHES}
     assert gpu["measurements"]["cluster"]["leak_and_restart"]["kept_result_survived"] is True
+    # the GPU worker's CPU per tiny task on both sides, as issue 27's target reads it
+    tasks = gpu["measurements"]["cluster"]["cluster_tasks"]
+    assert tasks["worker_cpu_without_us"] > 0 and tasks["worker_cpu_with_us"] > 0
+    assert 0 < tasks["worker_cpu_ratio"]["min"] <= tasks["worker_cpu_ratio"]["max"]
     assert "NOT GPU FIGURES" in (out / "gpu.txt").read_text()
 
 

@@ -17,17 +17,21 @@ Measured (:mod:`benchmarks.gpu.probes`, then :mod:`benchmarks.gpu.on_cluster`):
   directly (device lease + CUDA device switch + pool free after the task; the watcher a
   CPU task gets on a GPU worker), and the wrapping itself.
 - ``cluster_tasks``: µs per tiny GPU task end to end on a plain cluster and on one with
-  the plugins, both on GPU 0, each worker with a CUDA context made first (so the guard
-  measures every task, as for real GPU work), in 7 paired rounds of 300 tasks (5 of 100
-  with ``--quick``) in alternating order: the paired ratio and difference (median, min,
-  max); scheduler round trips dominate, the difference is the guard's share.
+  the plugins (their defaults), both on GPU 0, each worker with a CUDA context made first
+  (so the guard measures GPU tasks, on a sample of a quiet prefix's runs, as for real GPU
+  work), in 7 paired rounds of 300 tasks (5 of 100 with ``--quick``) in alternating
+  order: the paired ratio and difference (median, min, max); scheduler round trips
+  dominate, the difference is the guard's share. Beside it the GPU worker process's CPU
+  per task on each side and their paired ratio: issue 27's target for tiny GPU tasks
+  with a context, at most 1.05.
 - ``nvml_query``: µs per ``NVMLMonitor.process_memory`` and ``used``.
 - ``guard_check``: µs per periodic leak check (``LeakCheck.check``) over one device.
 - ``free_all_blocks``: µs per ``CupyPool.free_all()`` with ~1 GiB cached (one block,
   many blocks) and with nothing cached, and what NVML saw go back.
 - ``context_baseline``: this process's device memory after CUDA context creation, the
   first allocation, the first kernel and the first cuBLAS call (a fresh subprocess).
-- ``leak_and_restart``: a 512 MiB leak on a worker with ``check_interval=100ms``,
+- ``leak_and_restart``: the plugins registered again, then a 512 MiB leak on a worker
+  with ``check_interval=100ms``,
   threshold 256 MiB, 2 confirmations: seconds and checks from the leaking task's end to
   the ``leak`` event, and seconds from there (the restart request) to the worker back
   with its GPUs verified.

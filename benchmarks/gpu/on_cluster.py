@@ -65,7 +65,8 @@ async def _until(predicate: Callable[[], Any], timeout: float, what: str) -> Any
 
 def make_context(fake: bool) -> int:
     """A CUDA context in this worker process on its task's device, as real GPU work makes
-    one (with it, the guard measures every GPU task around it)."""
+    one (with it, the guard measures GPU tasks around them: a sample of a quiet
+    prefix's runs)."""
     import accelsched
 
     device = accelsched.current_device() or 0
@@ -83,20 +84,32 @@ def make_context(fake: bool) -> int:
 
 
 async def _timed_batch(
-    client: Any, fn: Callable, n: int, tag: str, results: list | None = None
-) -> float:
-    """µs per task of ``n`` tasks asking for a GPU; their results go to ``results``."""
+    client: Any, gpu_worker: str, fn: Callable, n: int, tag: str, results: list | None = None
+) -> tuple[float, float]:
+    """µs per task of ``n`` tasks asking for a GPU, wall and CPU of ``gpu_worker``'s
+    process (every thread: the event loop, the executor, the guard's checks); their
+    results go to ``results``."""
     import dask
 
     with dask.annotate(resources={"GPU": 1}):
         futures = client.map(fn, range(n), key=[f"{tag}-{i}" for i in range(n)])
+    cpu0 = (await client.run(time.process_time, workers=[gpu_worker]))[gpu_worker]
     t0 = time.perf_counter()
     got = await client.gather(futures)
     elapsed = time.perf_counter() - t0
+    cpu = (await client.run(time.process_time, workers=[gpu_worker]))[gpu_worker] - cpu0
     if results is not None:
         results.extend(got)
     del futures
-    return elapsed / n * 1e6
+    return elapsed / n * 1e6, cpu / n * 1e6
+
+
+def _guard_interval(dask_worker: Any) -> bool:
+    """In the GPU worker: whether the guard registered last checks every 100 ms."""
+    import accelsched
+
+    guard = dask_worker.plugins.get(accelsched.GuardPlugin.name)
+    return guard is not None and getattr(guard, "options", {}).get("check_interval") == 0.1
 
 
 def _rounded(values: list[float], digits: int = 1) -> dict[str, float]:
@@ -104,19 +117,24 @@ def _rounded(values: list[float], digits: int = 1) -> dict[str, float]:
     return {k: round(v, digits) for k, v in spread(values).items()}
 
 
-async def _paired(clients: dict[str, Any], n: int, rounds: int) -> dict[str, Any]:
+async def _paired(clients: dict[str, tuple[Any, str]], n: int, rounds: int) -> dict[str, Any]:
     """``rounds`` paired batches of ``n`` tiny GPU tasks on a plain cluster and on one
     with the plugins, in alternating order: µs per task end to end, their paired ratio
     and difference (median, min, max)."""
     rows: dict[str, list[float]] = {name: [] for name in clients}
+    cpu: dict[str, list[float]] = {name: [] for name in clients}
     results: dict[str, list[int]] = {name: [] for name in clients}
     names = list(clients)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            rows[name].append(
-                await _timed_batch(clients[name], gpu_tiny_task, n, f"{name}{r}", results[name])
+            client, gpu_worker = clients[name]
+            wall, worker_cpu = await _timed_batch(
+                client, gpu_worker, gpu_tiny_task, n, f"{name}{r}", results[name]
             )
+            rows[name].append(wall)
+            cpu[name].append(worker_cpu)
     pairs = list(zip(rows["plain"], rows["accelsched"], strict=True))
+    cpu_pairs = list(zip(cpu["plain"], cpu["accelsched"], strict=True))
     bound = sum(1 for x in results["accelsched"] if x >= 0)
     if bound != len(results["accelsched"]):  # every one bound to its device, or no figure
         raise RuntimeError(f"{len(results['accelsched']) - bound} GPU task(s) ran unbound")
@@ -128,6 +146,11 @@ async def _paired(clients: dict[str, Any], n: int, rounds: int) -> dict[str, Any
         "with_plugins_us": round(statistics.median(rows["accelsched"]), 1),
         "ratio": _rounded([a / p for p, a in pairs], 3),
         "difference_us": _rounded([a - p for p, a in pairs]),
+        # the GPU worker's CPU per task (issue 27's target: with / without <= 1.05)
+        "worker_cpu_without_us": round(statistics.median(cpu["plain"]), 1),
+        "worker_cpu_with_us": round(statistics.median(cpu["accelsched"]), 1),
+        "worker_cpu_ratio": _rounded([a / p for p, a in cpu_pairs if p > 0], 3),
+        "worker_cpu_difference_us": _rounded([a - p for p, a in cpu_pairs]),
         "all_without_us": [round(x, 1) for x in rows["plain"]],
         "all_with_us": [round(x, 1) for x in rows["accelsched"]],
     }
@@ -140,8 +163,9 @@ async def cluster_bench(fake: bool, quick: bool, out: dict[str, Any]) -> None:
     the plugins (its GPU worker and a worker seeing no GPU, the peer a leaking worker's
     results move to). Both workers are started before the plugins are registered (which
     switches this process's nannies to the fork server), and each makes a CUDA context
-    first, as real GPU work does. The tiny tasks run on both in paired rounds; the leak,
-    after the plain cluster is gone, on the one with the plugins. Both schedulers share
+    first, as real GPU work does. The tiny tasks run on both in paired rounds, the plugins
+    with their defaults; the leak, after the plain cluster is gone, on the one with the
+    plugins, registered again with checks every 100 ms. Both schedulers share
     this process's event loop: the plugins' scheduler work also slows the plain rounds a
     little, so the difference, if anything, understates their cost."""
     import logging
@@ -166,25 +190,37 @@ async def cluster_bench(fake: bool, quick: bool, out: dict[str, Any]) -> None:
             Scheduler(dashboard=False, dashboard_address=":0", port=0) as plain_s,
             Nanny(
                 plain_s.address, nthreads=1, env=gpu_env, resources={"GPU": 1}, silence_logs=quiet
-            ),
+            ) as plain_gpu,
             Client(plain_s.address, asynchronous=True) as plain,
         ):
             await plain.wait_for_workers(1)
-            await accelsched.register(  # type: ignore[misc]
-                c, check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2
-            )
+            await accelsched.register(c)  # type: ignore[misc]  # defaults, as users run it
 
             async def verified() -> list:
                 return await _events(c, "gpu-verified")
 
             await _until(verified, 30, "gpu-verified")
-            clients = {"plain": plain, "accelsched": c}
-            for name, client in clients.items():
+            clients = {
+                "plain": (plain, plain_gpu.worker_address),
+                "accelsched": (c, gpu.worker_address),
+            }
+            for name, (client, gpu_worker) in clients.items():
                 await client.submit(make_context, fake, resources={"GPU": 1}, pure=False)
-                await _timed_batch(client, gpu_tiny_task, n, f"{name}-warm")
+                await _timed_batch(client, gpu_worker, gpu_tiny_task, n, f"{name}-warm")
             out["cluster_tasks"] = await _paired(clients, n, rounds)
 
-        # a leak: detection latency, then the lossless restart and the worker's return
+        # a leak: detection latency, then the lossless restart and the worker's return,
+        # with checks ten times the default's pace (the plugins registered again)
+        await c.unregister_worker_plugin(accelsched.GuardPlugin.name)
+        await c.unregister_scheduler_plugin(accelsched.PlacementPlugin.name)
+        await accelsched.register(  # type: ignore[misc]
+            c, check_interval="100ms", leak_threshold="256MiB", leak_confirmations=2
+        )
+
+        async def fast() -> bool:
+            return all((await c.run(_guard_interval, workers=[gpu.worker_address])).values())
+
+        await _until(fast, 30, "the guard checking every 100 ms")
         import dask
 
         kept = c.submit(tiny_task, 7, key="kept-result", workers=[gpu.worker_address])

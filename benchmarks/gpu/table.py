@@ -55,6 +55,21 @@ def table(result: dict) -> str:
         ("cluster", "cluster_tasks", "ratio", "median"),
         "x",
     )
+    add(
+        "tiny GPU task, GPU worker CPU, no plugins",
+        ("cluster", "cluster_tasks", "worker_cpu_without_us"),
+        "us/task",
+    )
+    add(
+        "tiny GPU task, GPU worker CPU, with plugins",
+        ("cluster", "cluster_tasks", "worker_cpu_with_us"),
+        "us/task",
+    )
+    add(
+        "tiny GPU task, worker CPU with / without (paired)",
+        ("cluster", "cluster_tasks", "worker_cpu_ratio", "median"),
+        "x",
+    )
     add("NVMLMonitor.process_memory", ("nvml_query", "process_memory", "median_us"), "us/call")
     add(
         "GuardPlugin.check (one device)",
