@@ -5,7 +5,9 @@
 #
 # The GPU machine's image runs Python 3.12 (x86-64, manylinux) and already holds numpy,
 # nvidia-ml-py, cupy, pytest and most of dask's small dependencies, but not dask,
-# distributed, tornado, partd, locket, zict or tblib. This folder carries those, a backup
+# distributed, tornado, partd, locket, zict, tblib or bokeh (and what bokeh needs beyond
+# it: contourpy, narwhals, pillow, xyzservices) or typing_extensions. This folder carries
+# those, a backup
 # copy of every other dependency (pip only takes one when the image's version does not
 # satisfy a requirement), and accelsched's own wheel. Versions are the ones installed
 # here, so the GPU run uses what the test suite passed with on this machine.
@@ -43,8 +45,10 @@ for name in dask distributed; do
     fi
 done
 
-# Missing on the GPU image: always needed.
-missing=(dask distributed tornado partd locket zict tblib)
+# Missing on the GPU image: always needed (bokeh, accelsched's dashboard and report, with
+# what it needs beyond the image).
+missing=(dask distributed tornado partd locket zict tblib bokeh contourpy narwhals pillow
+    xyzservices typing_extensions)
 # Present on the GPU image (as last read): carried as a fallback only.
 present=(click cloudpickle fsspec packaging pyyaml toolz jinja2 markupsafe msgpack psutil
     sortedcontainers)
