@@ -18,7 +18,11 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 dest="${1:-$here/wheels}"
 pyver="${PYVER:-3.12}"
-py="${PYTHON:-python3}"
+# the Python whose dask the suite passed with: $PYTHON, else the checkout's .venv (the
+# README's commands make it), else python3
+py="${PYTHON:-}"
+[[ -z $py && -x $root/.venv/bin/python ]] && py="$root/.venv/bin/python"
+py="${py:-python3}"
 mkdir -p "$dest"
 dest="$(cd "$dest" && pwd)"
 
@@ -40,7 +44,8 @@ PY
 for name in dask distributed; do
     have="$(installed "$name")"
     if [[ "$have" != "$required_dask" ]]; then
-        echo "make_wheels: $name $required_dask expected here, found '${have:-none}'" >&2
+        echo "make_wheels: $name $required_dask expected in $py, found '${have:-none}'" \
+            "(PYTHON=... names another)" >&2
         exit 1
     fi
 done
