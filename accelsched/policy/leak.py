@@ -627,8 +627,8 @@ QUIET_RUNS = 4
 #: (``MAX_GAP - 1`` unmeasured between them).
 MAX_GAP = 64
 #: Seconds from the start of a prefix's measured run after which its next run is
-#: measured, whatever the gap: runs this long are each measured, and a stretch of
-#: unmeasured runs ends within this and one run.
+#: measured, whatever the gap: a prefix whose runs each last this long has each measured,
+#: and a stretch of unmeasured runs ends at the first run starting this long after.
 MAX_WAIT = 0.25
 #: Prefixes remembered; beyond this the record starts over (every prefix measured again).
 MAX_PREFIXES = 10_000
