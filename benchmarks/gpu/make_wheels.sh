@@ -7,10 +7,10 @@
 # nvidia-ml-py, cupy, pytest and most of dask's small dependencies, but not dask,
 # distributed, tornado, partd, locket, zict, tblib or bokeh (and what bokeh needs beyond
 # it: contourpy, narwhals, pillow, xyzservices) or typing_extensions. This folder carries
-# those, a backup
-# copy of every other dependency (pip only takes one when the image's version does not
-# satisfy a requirement), and accelsched's own wheel. Versions are the ones installed
-# here, so the GPU run uses what the test suite passed with on this machine.
+# those, a backup copy of every other dependency (pip only takes one when the image's
+# version does not satisfy a requirement), and accelsched's own wheel. Versions are the
+# ones installed here, so the GPU run uses what the test suite passed with on this
+# machine (tests/test_gpu_wheels.py checks that nothing accelsched needs is left out).
 # Another target: PYVER=3.13 (3.12 or later: below that dask also needs importlib_metadata).
 set -euo pipefail
 
