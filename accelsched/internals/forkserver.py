@@ -23,8 +23,12 @@ context anyway); never CuPy, RMM, numba or cudf. ``tests/as_users/test_fast_rest
 
 What the server's children inherit is the server's environment, as it was when it
 started, plus the nanny's ``env``: so the server is started again whenever the nanny
-process's environment differs from the one it was started with (fake GPUs of another
-``fake_gpus`` session, another ``LD_LIBRARY_PATH``).
+process's environment differs from the one it was started with (another
+``LD_LIBRARY_PATH``, read by the loader once), except in the values of :data:`PASSED`,
+which a worker reads only once it runs: the nanny hands their values to the workers it
+forks (its ``env``, applied first thing in the new process), so a test suite that starts
+a ``fake_gpus`` session per test (and pytest, which names the test running in the
+environment) does not start a server per test.
 
 Forked worker processes start even while their GPU fails NVML (distributed's own diagnostics).
 
@@ -72,7 +76,7 @@ from distributed.diagnostics.plugin import NannyPlugin
 
 from accelsched.protocol import FAST_RESTART_PLUGIN
 
-__all__ = ["FastRestart", "PRELOAD", "METHOD_KEY", "start_despite_failing_gpu", "NEEDED"]
+__all__ = ["FastRestart", "PASSED", "PRELOAD", "METHOD_KEY", "start_despite_failing_gpu", "NEEDED"]
 
 logger = logging.getLogger("accelsched.internals")
 
@@ -87,8 +91,20 @@ PRELOAD = (
     "accelsched.internals.started_despite_gpu_faults",
 )
 
+#: Variables a worker reads only once it runs, never at its process's start: the simulated
+#: GPUs' session (:mod:`accelsched.testing`, read at each NVML query), the NVML backend's
+#: name (read as a task starts) and pytest's current test. Only whether they are set
+#: decides whether the server starts again.
+PASSED = (
+    "ACCELSCHED_FAKE_NVML_DIR",
+    "ACCELSCHED_FAKE_NVML_STANDIN",
+    "ACCELSCHED_NVML_BACKEND",
+    "PYTEST_CURRENT_TEST",
+)
+
 _lock = threading.Lock()
 _users: set[int] = set()  # nannies of this process that use the server
+_handed: dict[int, dict[str, str]] = {}  # nanny -> the PASSED values set in its env
 _saved: list[Any] = []  # the dask.config.set that switched the method, to undo
 _started: list[Any] = []  # (environment, preload): what the server was started with
 
@@ -132,7 +148,8 @@ class FastRestart(NannyPlugin):
             ctx = get_mp_context()
             server: Any = forkserver._forkserver
             wanted = list(dict.fromkeys([*server._preload_modules, *PRELOAD]))  # ours after
-            started = (dict(os.environ), wanted)
+            handing = isinstance(getattr(nanny, "env", None), dict)  # (Nanny.env: internals)
+            started = (_environment(PASSED if handing else ()), wanted)
             if server._forkserver_pid is not None and _started != [started]:
                 # forget the running server; the next start makes a new one. The old one
                 # exits once the worker processes it forked have (each holds its liveness
@@ -150,14 +167,36 @@ class FastRestart(NannyPlugin):
             ctx.set_forkserver_preload(wanted)
             server.ensure_running()
             _started[:] = [started]
+            if handing:
+                _hand_over(nanny)
 
     def teardown(self, nanny: Any) -> None:
         """``nanny`` closed: once no nanny of this process uses it, the method is what it
         was (the server lives on, idle, until this process exits)."""
         with _lock:
             _users.discard(id(nanny))
+            for name, value in _handed.pop(id(nanny), {}).items():
+                if nanny.env.get(name) == value:  # (a spawned worker inherits them)
+                    del nanny.env[name]
             if not _users and _saved:
                 _saved.pop().__exit__(None, None, None)
+
+
+def _environment(passed: tuple[str, ...]) -> dict[str, str | bool]:
+    """This process's environment as the server's must match it: ``passed`` by presence."""
+    return {k: True if k in passed else v for k, v in os.environ.items()}
+
+
+def _hand_over(nanny: Any) -> None:
+    """``nanny``'s next workers get the :data:`PASSED` values now in effect, not those the
+    server started with (a value the nanny's own ``env`` names wins, as it would anyway)."""
+    env = nanny.env
+    for name, value in _handed.pop(id(nanny), {}).items():  # set up before: values anew
+        if env.get(name) == value:
+            del env[name]
+    handed = {k: os.environ[k] for k in PASSED if k in os.environ and k not in env}
+    env.update(handed)
+    _handed[id(nanny)] = handed
 
 
 #: What the wrapper relies on in ``distributed.diagnostics.nvml``.

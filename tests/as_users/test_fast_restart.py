@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import dask
 import pytest
@@ -21,6 +22,9 @@ import accelsched
 from accelsched.internals import forkserver
 from accelsched.testing import fake_gpus
 from tests.utils import TWO_GPU_WORKERS, events, gpus, run_python, wait_for
+
+#: A variable nothing reads: set, it changes the environment a fork server must match.
+OTHER = "ACCELSCHED_TEST_UNREAD"
 
 #: Libraries that create or need a CUDA context: none may be in a process that forks.
 CUDA_LIBRARIES = ("cupy", "cupy_backends", "rmm", "numba", "cudf", "cuda", "torch", "cuml")
@@ -39,6 +43,7 @@ def process_facts() -> dict:
         "libcuda": "libcuda.so" in maps,
         "fake_dir": os.environ.get("ACCELSCHED_FAKE_NVML_DIR"),
         "nvml_loaded": pynvml.nvmlLib is not None,
+        "other": os.environ.get(OTHER),
     }
 
 
@@ -109,10 +114,11 @@ async def _one_session() -> dict:
         return facts
 
 
-@gen_test(timeout=90)
+@gen_test(timeout=120)
 async def test_forked_workers_see_the_fake_gpus_of_the_session_now_in_effect():
-    """The server's environment is that of its start: one started in an earlier
-    ``fake_gpus`` session is replaced, and the new session's GPUs reach forked workers."""
+    """A server started in an earlier ``fake_gpus`` session serves the next one: the
+    session's variables reach forked workers through their nanny, and so do the new
+    session's GPUs. Another variable changed since the server started starts it again."""
     with fake_gpus(count=2, memory="8GiB"):
         first = await _one_session()
         first_dir = os.environ["ACCELSCHED_FAKE_NVML_DIR"]
@@ -122,7 +128,62 @@ async def test_forked_workers_see_the_fake_gpus_of_the_session_now_in_effect():
     with fake_gpus(count=2, memory="4GiB"):
         second = await _one_session()
         assert second["fake_dir"] == os.environ["ACCELSCHED_FAKE_NVML_DIR"] != first_dir
-    assert second["memory"] == 4 * 2**30 and second["ppid"] != first["ppid"]
+    assert second["memory"] == 4 * 2**30 and second["ppid"] == first["ppid"]  # one server
+    os.environ[OTHER] = "1"  # read by nothing: only the server's start sees it
+    try:
+        with fake_gpus(count=2, memory="2GiB"):
+            third = await _one_session()
+    finally:
+        del os.environ[OTHER]
+    assert third["memory"] == 2 * 2**30 and third["other"] == "1"
+    assert third["ppid"] != first["ppid"]  # a new server, with the new environment
+
+
+def test_a_nanny_hands_the_passed_variables_to_its_workers_and_takes_them_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the plugin adds to a nanny's ``env`` (a stand-in with the ``env`` of
+    distributed's ``Nanny``: no process starts here): the passed variables set now, never
+    over the nanny's own, anew at a second setup, gone at teardown where unchanged."""
+    nanny = SimpleNamespace(env={"ACCELSCHED_NVML_BACKEND": "mine", "OMP_NUM_THREADS": "1"})
+    for name in forkserver.PASSED:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACCELSCHED_FAKE_NVML_DIR", "/a")
+    monkeypatch.setenv("ACCELSCHED_NVML_BACKEND", "env's")
+    monkeypatch.setenv(OTHER, "1")
+    forkserver._hand_over(nanny)
+    assert nanny.env == {
+        "ACCELSCHED_NVML_BACKEND": "mine",
+        "OMP_NUM_THREADS": "1",
+        "ACCELSCHED_FAKE_NVML_DIR": "/a",
+    }
+    monkeypatch.setenv("ACCELSCHED_FAKE_NVML_DIR", "/b")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "t")
+    forkserver._hand_over(nanny)  # set up again, later: the values now in effect
+    assert nanny.env["ACCELSCHED_FAKE_NVML_DIR"] == "/b" and nanny.env["PYTEST_CURRENT_TEST"] == "t"
+    nanny.env["PYTEST_CURRENT_TEST"] = "its own now"
+    forkserver._hand_over(nanny)  # a value the nanny changed is its own
+    assert nanny.env["PYTEST_CURRENT_TEST"] == "its own now"
+    monkeypatch.delenv("ACCELSCHED_FAKE_NVML_DIR")
+    forkserver._hand_over(nanny)  # unset now: not handed on
+    assert "ACCELSCHED_FAKE_NVML_DIR" not in nanny.env
+    monkeypatch.setenv("ACCELSCHED_FAKE_NVML_DIR", "/c")
+    forkserver._hand_over(nanny)
+    forkserver.FastRestart().teardown(nanny)
+    assert nanny.env == {
+        "ACCELSCHED_NVML_BACKEND": "mine",
+        "OMP_NUM_THREADS": "1",
+        "PYTEST_CURRENT_TEST": "its own now",
+    }
+
+
+def test_the_passed_variables_are_the_fake_gpus_sessions() -> None:
+    """Every variable a ``fake_gpus`` session sets is passed but ``LD_LIBRARY_PATH``,
+    which the loader reads once, at the process's start."""
+    from accelsched.testing import _ENV_KEYS
+
+    assert set(_ENV_KEYS) - {"LD_LIBRARY_PATH"} <= set(forkserver.PASSED)
+    assert "LD_LIBRARY_PATH" not in forkserver.PASSED
 
 
 def test_the_fork_server_imports_no_cuda_library() -> None:
