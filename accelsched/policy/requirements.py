@@ -307,15 +307,17 @@ MiB = 1 << 20
 
 
 def capacity(memory: int) -> int:
-    """Bytes tasks may declare on a device of ``memory`` bytes (what :func:`pack` fills)."""
-    return max(0, memory - min(memory // RESERVE_FRACTION, MAX_RESERVE))
+    """Bytes tasks may declare on a device of ``memory`` bytes (what :func:`pack` fills):
+    whole MiB, as the scheduler places declared tasks by MiB (:func:`mebibytes`), so the
+    room it places against is never more than the room a worker packs against."""
+    return max(0, memory - min(memory // RESERVE_FRACTION, MAX_RESERVE)) // MiB * MiB
 
 
 def share(memory: int, sharers: int = 1) -> int:
     """Bytes one of ``sharers`` workers driving a device of ``memory`` bytes may declare
-    on it (``share_gpus``): its capacity divided equally, so that every worker packing
-    its own share never packs the device past what it holds."""
-    return capacity(memory) // max(1, sharers)
+    on it (``share_gpus``): its capacity divided equally (whole MiB, as the capacity), so
+    that every worker packing its own share never packs the device past what it holds."""
+    return capacity(memory) // max(1, sharers) // MiB * MiB
 
 
 #: Results held on a device count against its room in steps of this fraction of it.
@@ -326,13 +328,14 @@ def held_counted(held: int, memory: int) -> int:
     """What results holding ``held`` bytes on a device of ``memory`` bytes take from the
     room a worker offers: rounded up to a sixteenth of the device (at least 1 MiB), so
     the figure the scheduler places against changes once per step, not with every
-    result, and never says more room than there is."""
-    step = max(MiB, memory // HELD_STEPS)
+    result, and never says more room than there is (a step is whole MiB)."""
+    step = max(1, memory // HELD_STEPS // MiB) * MiB
     return -(-max(0, held) // step) * step
 
 
 def mebibytes(nbytes: int) -> int:
-    """A declared need as distributed's resource amount: whole MiB, rounded up."""
+    """A declared need as distributed's resource amount: whole MiB, rounded up (a room is
+    counted in whole MiB rounded down: a need placed in a room always fits it)."""
     return -(-nbytes // MiB)
 
 

@@ -70,9 +70,9 @@ from accelsched import events, internals
 from accelsched.policy.requests import Requests, grant
 from accelsched.policy.requirements import (
     DeviceFacts,
+    MiB,
     capability_of,
     capacity,
-    mebibytes,
     share,
 )
 from accelsched.protocol import (
@@ -272,7 +272,9 @@ class Grants:
                     if w != worker and any(r["uuid"] == uuid for r in o.devices)
                 )
                 mine[uuid] = max(0, min(mine[uuid], capacity(memory) - taken))
-        return mine, sum(mebibytes(max(0, b - g.held.get(u, 0))) for u, b in mine.items())
+        # whole MiB, rounded down: a need placed here (rounded up) fits what the guard
+        # packs against, byte for byte (else it is sent back, again and again)
+        return mine, sum(max(0, b - g.held.get(u, 0)) // MiB for u, b in mine.items())
 
     def quarantine(self, worker: str, reason: str) -> bool:
         """Note ``worker``'s quarantine; False when it was quarantined already."""

@@ -121,7 +121,7 @@ from accelsched.policy.leak import (
 )
 from accelsched.policy.proposals import Proposal
 from accelsched.policy.requests import decide_claim, declared_count, owned
-from accelsched.policy.requirements import LeaseTable, capacity, held_counted, mebibytes
+from accelsched.policy.requirements import LeaseTable, MiB, capacity, held_counted
 from accelsched.protocol import (
     INVENTORY_HANDLER,
     OFFER_HANDLER,
@@ -1034,9 +1034,8 @@ class Inventory:
                     d.index: self.shares.get(d.index, 0) if self.told else capacity(d.memory)
                     for d in offered
                 }
-                memory = sum(
-                    mebibytes(max(0, shares[d.index] - self.held_said.get(d.index, 0)))
-                    for d in offered
+                memory = sum(  # whole MiB, rounded down, as the scheduler's figure
+                    max(0, shares[d.index] - self.held_said.get(d.index, 0)) // MiB for d in offered
                 )
             if shares != self.shares:  # packed within them from now on
                 self.shares = shares

@@ -17,6 +17,7 @@ from accelsched.policy.requirements import (
     Requirement,
     capacity,
     held_counted,
+    mebibytes,
     pack,
     parse_requirement,
     requirement_problem,
@@ -25,6 +26,7 @@ from accelsched.policy.requirements import (
 from accelsched.scheduler.grants import Grants
 
 GiB = 1 << 30
+MiB = 1 << 20
 H100 = DeviceFacts("NVIDIA H100 80GB HBM3", 80 * GiB, (9, 0))
 A100 = DeviceFacts("NVIDIA A100-SXM4-40GB", 40 * GiB, (8, 0))
 T4 = DeviceFacts("Tesla T4", 16 * GiB, (7, 5))
@@ -339,10 +341,11 @@ def test_a_task_whose_room_is_split_waits_for_a_lease_to_end() -> None:
 
 
 def test_a_shared_device_is_divided_among_the_workers_granted_it() -> None:
-    cap = capacity(16 * GiB)  # 16 GiB less its 0.8 GiB reserve
-    assert cap == 16 * GiB - (16 * GiB) // 20
+    cap = capacity(16 * GiB)  # 16 GiB less its 0.8 GiB reserve, in whole MiB (down)
+    assert cap == 15564 * MiB and 16 * GiB - (16 * GiB) // 20 - cap < MiB
     assert share(16 * GiB) == cap and share(16 * GiB, 0) == cap
-    assert share(16 * GiB, 2) == cap // 2  # 7.6 GiB each: one 6 GiB task, never two
+    assert share(16 * GiB, 2) == 7782 * MiB  # 7.6 GiB each: one 6 GiB task, never two
+    assert share(16 * GiB, 3) == 5188 * MiB and share(16 * GiB, 7) == 2223 * MiB  # MiB, down
     assert 2 * share(16 * GiB, 2) <= cap and 3 * share(80 * GiB, 3) <= capacity(80 * GiB)
 
 
@@ -353,6 +356,8 @@ def test_results_count_against_the_offered_room_in_steps_of_a_sixteenth() -> Non
     assert held_counted(10 * GiB + 1, 16 * GiB) == 11 * GiB  # never less than held
     assert held_counted(5 * GiB, 80 * GiB) == 5 * GiB  # 5 GiB steps on 80 GiB
     assert held_counted(3, 8 << 20) == 1 << 20  # at least 1 MiB a step
+    # whole MiB a step: an 80 GB card's sixteenth (5097.4 MiB) counts as 5097 MiB
+    assert held_counted(1, 85520809984) == 5097 * MiB
 
 
 def test_grants_divide_a_shared_device_and_take_what_results_hold_off() -> None:
@@ -366,10 +371,11 @@ def test_grants_divide_a_shared_device_and_take_what_results_hold_off() -> None:
     grants.offer("w2", 1, ["GPU-a"], held={"GPU-a": 5 * GiB})
     half = capacity(16 * GiB) // 2
     assert grants.sharers("w1") == {"w2"}
-    assert grants.shares("w1", 1) == ({"GPU-a": half}, -(-half // 2**20))
-    assert grants.shares("w2", 1) == ({"GPU-a": half}, -(-(half - 5 * GiB) // 2**20))
+    assert half == 7782 * MiB
+    assert grants.shares("w1", 1) == ({"GPU-a": half}, 7782)
+    assert grants.shares("w2", 1) == ({"GPU-a": half}, 7782 - 5 * 1024)
     grants.remove("w2")
-    assert grants.shares("w1", 1) == ({"GPU-a": capacity(16 * GiB)}, 15565)  # 15.2 GiB in MiB, up
+    assert grants.shares("w1", 1) == ({"GPU-a": capacity(16 * GiB)}, 15564)  # 15.2 GiB in MiB
     assert grants.shares("w1", 0) == ({}, 0)
 
 
@@ -406,6 +412,42 @@ def test_a_shared_device_passes_room_on_only_once_let_go() -> None:
     assert grants.shares("w1", 1)[0]["GPU-a"] + grants.shares("w2", 1)[0]["GPU-a"] <= cap
     grants.remove("w2")
     assert grants.shares("w1", 1)[0] == {"GPU-a": cap}
+
+
+def test_a_need_placed_in_the_room_offered_always_fits_the_lease_table() -> None:
+    """The scheduler places a declared need (whole MiB, rounded up) against the room a
+    worker offers (whole MiB, rounded down); the worker's lease table packs by the byte.
+    Whatever the device's size, its sharers, what results hold and what a sharer packs,
+    the largest need placeable in the room fits the table, and a byte more is not
+    placeable: nothing the scheduler places there is sent back (it was, again and again,
+    when the room was rounded up)."""
+    checked = 0
+    for memory in (16 * GiB, 85520809984, 40 * GiB + 12345):
+        for sharers in (1, 2, 3):
+            for held_bytes in (0, 1, 3 * GiB + 7):
+                for other_packs in (None, 2 * GiB + 5):
+                    grants = Grants(share_gpus=True)
+                    record = {"index": 0, "uuid": "GPU-a", "name": "T4", "memory": memory}
+                    for w in range(sharers):
+                        grants.claim(f"w{w}", [record])  # type: ignore[list-item]
+                    if other_packs is not None and sharers > 1:
+                        grants.offer("w1", 1, ["GPU-a"], packs={"GPU-a": other_packs})
+                    held = {"GPU-a": held_counted(held_bytes, memory)}
+                    grants.offer("w0", 1, ["GPU-a"], held=held)
+                    shares, room = grants.shares("w0", 1)
+                    table = LeaseTable(held=lambda d, h=held_bytes: h)
+                    facts = {0: DeviceFacts("T4", memory, (7, 5))}
+                    table.set_devices([0], facts, {0: shares["GPU-a"]})
+                    largest = room * MiB
+                    assert room > 0 and mebibytes(largest) == room and mebibytes(largest + 1) > room
+                    assert table.grant("largest", 0, Requirement(memory=largest)) == (0,), (
+                        memory,
+                        sharers,
+                        held_bytes,
+                        other_packs,
+                    )
+                    checked += 1
+    assert checked == 54
 
 
 def test_room_results_hold_is_not_packed_into() -> None:

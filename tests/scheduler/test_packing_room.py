@@ -21,7 +21,9 @@ from tests.utils import GPU_WORKER, events, gpus, wait_for
 pytestmark = pytest.mark.usefixtures("fake_gpus_2")
 
 GiB = 2**30
-_half = (16 * GiB - 16 * GiB // 20) // 2  # a 16 GiB device's capacity, shared by two
+MiB = 2**20
+#: a 16 GiB device's capacity (less its reserve, whole MiB), shared by two: 7782 MiB
+_half = (16 * GiB - 16 * GiB // 20) // MiB // 2 * MiB
 OWN_DEVICES = [
     ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}}),
     ("127.0.0.1", 4, {"env": {"CUDA_VISIBLE_DEVICES": "1"}, "resources": {"GPU": 1}}),
@@ -53,6 +55,14 @@ def _honest(declared: int):  # type: ignore[no-untyped-def]
 
     step.__name__ = step.__qualname__ = f"honest_{declared}"
     return step
+
+
+def on_gpu(i: int) -> str:
+    return "gpu"
+
+
+def on_cpu(i: int) -> str:
+    return "cpu"
 
 
 async def _register(c, s, verified: int = 2, **options) -> None:  # type: ignore[no-untyped-def]
@@ -178,7 +188,7 @@ async def test_three_sharers_through_a_restart_never_overpack_and_settle_even(c,
     spans = await c.gather(first + c.map(four, range(12, 24), pure=False))
     at_once = max(sum(st <= t < en for st, en in spans) for t, _ in spans)
     assert at_once <= 3, spans
-    third = -(-(16 * GiB - 16 * GiB // 20) // 3 // 2**20)
+    third = (16 * GiB - 16 * GiB // 20) // MiB // 3  # MiB
     await wait_for(lambda: [_memory(s, w) for w in (a, b, d)] == [third] * 3)
 
 
@@ -192,7 +202,7 @@ async def test_an_offer_unanswered_keeps_the_share_last_told(c, s, a, b):
     inv = a.plugins[GUARD_PLUGIN].inventory
     await wait_for(lambda: inv.told and set(inv.shares.values()) == {_half})
     memory = a.state.total_resources[GPU_MEMORY]
-    assert memory == -(-_half // 2**20)
+    assert memory == _half // MiB
     handler = s.plugins["accelsched-placement"].reports.handle_offer
     internals.remove_handler(s, OFFER_HANDLER, handler)
     try:
@@ -225,7 +235,7 @@ async def test_an_offer_saying_oddly_what_results_hold_is_invalid(c, s, a):
             assert reply == {"status": "invalid", "count": 0}, odd
         said = {"worker": a.address, "process": a.id, "request": "fine"}
         reply = await getattr(r, OFFER_HANDLER)(**said, count=1, uuids=[uuid], held={uuid: GiB})
-        assert reply["status"] == "OK" and reply["shares"] == {uuid: 16 * GiB - 16 * GiB // 20}
+        assert reply["status"] == "OK" and reply["shares"] == {uuid: 15564 * MiB}
         assert reply["memory"] == before["GPU-memory"] - 1024
     assert s.workers[a.address].resources["GPU-memory"] == before["GPU-memory"] - 1024
 
@@ -243,3 +253,25 @@ async def test_a_task_that_arrives_before_the_offer_reply_runs_once_it_comes(c, 
     assert a.state.tasks[step.key].state == "constrained"
     await internals.set_own_gpus(a, 1, 1024)  # what the guard does with the reply
     assert await step == 42
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=ONE_DEVICE, timeout=90)
+async def test_a_need_a_mib_over_a_share_falls_back_and_one_within_it_runs(c, s, a, b):
+    """Two workers share one device (7782 MiB each). A dual step declaring a MiB more
+    than a share is placed nowhere: it falls back once its timeout passes, never sent to
+    a worker. One declaring the share exactly runs on the device. (The room placed
+    against was rounded up to whole MiB: the first was placed, sent back by the worker's
+    lease table, placed again, for ever, its timeout never reached.)"""
+    await _register(c, s, share_gpus=True)
+    await wait_for(lambda: _memory(s, a) == _memory(s, b) == _half // MiB == 7782)
+    over = accelsched.dual(on_gpu, on_cpu, memory=_half + MiB, fallback_timeout="2s")
+    start = time.monotonic()
+    future = c.submit(over, 1, pure=False)
+    assert await future == "cpu"
+    assert time.monotonic() - start < 15
+    # sent to a worker once: its CPU form, after the fallback (never its GPU form)
+    assert [t[2] for t in s.story(future.key)].count("processing") == 1
+    (fell,) = events(s, "fallback")
+    assert fell["reason"] == "timeout"
+    exact = accelsched.dual(on_gpu, on_cpu, memory=_half, fallback_timeout="60s")
+    assert await c.submit(exact, 2, pure=False) == "gpu"
