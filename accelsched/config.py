@@ -54,10 +54,12 @@ import logging
 import math
 import os
 import re
+import string
 import sys
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import dask.config
@@ -275,19 +277,33 @@ def parse_threshold(name: str, value: Any) -> Threshold:
     raise _bad(name, value, expected)
 
 
+def size_bytes(text: str) -> int | None:
+    """The whole bytes a size says (``"24GiB"``, ``"1.5GiB"``, ``"512"``), or None where it
+    says none: no number (``""``, ``"GiB"``: dask reads one of the unit), a fraction of a
+    byte (``"1.5"``, ``"1.5e0"``, ``"1.5B"``: dask drops the fraction), or no size at all.
+    dask reads the size; the number before its unit, read exactly, says whether it
+    dropped anything."""
+    stripped = text.strip()
+    number = stripped.rstrip(string.ascii_letters)  # dask's split: the unit is the letters
+    if not any(c.isdigit() for c in number):
+        return None
+    unit = stripped[len(number) :]
+    try:
+        n = parse_bytes(stripped)
+        exact = Fraction(number.strip()) * (parse_bytes("1" + unit) if unit else 1)
+    except (ValueError, TypeError, IndexError, OverflowError, ZeroDivisionError):
+        return None
+    return n if exact == n else None
+
+
 def parse_size(name: str, value: Any, expected: str = "bytes like '64MiB', or 0") -> int:
     """Bytes, zero or more (``"64MiB"``, ``0``), under 2**63."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise _bad(name, value, expected, TypeError)
-    if isinstance(value, str) and not any(c.isdigit() for c in value):
-        raise _bad(name, value, expected)  # dask reads "" or "GiB" as 1 of the unit
-    try:
-        n = parse_bytes(value) if isinstance(value, str) else int(value)
-    except (ValueError, TypeError, IndexError, OverflowError):
-        raise _bad(name, value, expected) from None
-    if n < 0 or n >= 2**63:
+    n = size_bytes(value) if isinstance(value, str) else int(value)
+    if n is None or n < 0 or n >= 2**63:
         raise _bad(name, value, expected)
-    return int(n)
+    return n
 
 
 COUNT = number(int, "a non-negative integer", lambda n: n >= 0)

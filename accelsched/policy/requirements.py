@@ -53,8 +53,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dask.utils import parse_bytes
-
+from accelsched.config import size_bytes
 from accelsched.devices import DeviceFacts
 
 __all__ = [
@@ -78,14 +77,13 @@ __all__ = [
 
 #: The keys a requirement may have; any other is refused, named.
 KEYS = ("memory", "model", "capability", "mig", "enforce")
-#: Most bytes a requirement may ask (1 EiB): more is a typo, not a device.
+#: Most bytes a requirement may ask (1 EiB, 1024PiB): more is a typo, not a device.
 MAX_MEMORY = 1 << 60
 #: Longest model pattern taken.
 MAX_PATTERN = 200
 
 _CAPABILITY = re.compile(r"^\s*(\d{1,3})\.(\d{1,3})\s*$")
 #: A size in bytes with a fraction ("1.5", "0.5B"), which no allocation can be.
-_FRACTION_OF_A_BYTE = re.compile(r"^\s*\d*\.\d*[1-9]\d*\s*[bB]?\s*$")
 
 
 def invalid_amount(amount: Any) -> str | None:
@@ -158,13 +156,8 @@ def _bytes_text(n: int) -> str:
 
 
 def _memory(value: Any) -> int | None:
-    if isinstance(value, str):
-        if _FRACTION_OF_A_BYTE.match(value):  # "1.5": parse_bytes would take 1 byte
-            return None
-        try:
-            value = parse_bytes(value)
-        except (ValueError, TypeError, OverflowError):  # "1e400": past any float
-            return None
+    if isinstance(value, str) and (value := size_bytes(value)) is None:
+        return None  # no size, no number ("GiB"), or a fraction of a byte ("1.5")
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -186,7 +179,7 @@ def capability_of(value: Any) -> tuple[int, int] | None:
 
 #: Per key: what reads a given value (None: not one), and what was expected instead.
 _FIELDS: dict[str, tuple[Callable[[Any], Any], str]] = {
-    "memory": (_memory, "expected whole bytes, 1 to 1 EiB, or a size such as '24GiB'"),
+    "memory": (_memory, "expected whole bytes, 1 to 1024PiB, or a size such as '24GiB'"),
     "model": (
         lambda v: (
             v

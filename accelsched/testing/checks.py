@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dask.utils import parse_bytes
+from accelsched.config import size_bytes
 
 #: The fake library's limit.
 MAX_DEVICES = 64
@@ -22,10 +22,9 @@ def _check_count(count: int) -> int:
 def _parse_size(value: int | str, what: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"fake_gpus: {what} must be bytes (int) or a size string, got {value!r}")
-    try:
-        size = parse_bytes(value)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"fake_gpus: {what} is not a size: {value!r}") from e
+    size = value if isinstance(value, int) else size_bytes(value)
+    if size is None:  # "", "GiB" (dask: one of the unit), "1.5" (dask: one byte)
+        raise ValueError(f"fake_gpus: {what} is not a size in whole bytes: {value!r}")
     if size < minimum:
         raise ValueError(f"fake_gpus: {what} must be at least {minimum} bytes, got {value!r}")
     return size

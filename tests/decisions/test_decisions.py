@@ -411,6 +411,19 @@ def test_thresholds_that_are_no_size_name_the_option(value: object) -> None:
         parse_threshold("leak_threshold", value)
 
 
+def test_a_size_is_whole_bytes_with_a_number() -> None:
+    """What a size string says, read by dask and checked: whole bytes, or None where dask
+    would read one of the unit ("GiB") or drop a fraction of a byte ("1.5e0")."""
+    from accelsched.config import parse_size, size_bytes
+
+    said = {"24GiB": 24 << 30, "1.5GiB": 3 << 29, "2.5 kB": 2500, " 512 ": 512, "1e3": 1000}
+    assert {text: size_bytes(text) for text in said} == said
+    for text in ["", " ", "GiB", "MiB", "1.5", "1.5e0", "1.5B", "1e-1", "1e400", "nan", "5 5"]:
+        assert size_bytes(text) is None, text
+        with pytest.raises(ValueError, match=f"invalid free_pools_min={text!r}"):
+            parse_size("free_pools_min", text)
+
+
 @pytest.mark.parametrize(
     "declared, reason",
     [

@@ -66,6 +66,14 @@ def test_parse(given_, expected) -> None:
         ({"memory": 1.5}, "memory=1.5"),
         ({"memory": "1.5"}, "memory='1.5'"),  # parse_bytes took it for 1 byte
         ({"memory": "0.5B"}, "memory='0.5B'"),
+        # no number (dask reads one of the unit) or a fraction of a byte however written
+        ({"memory": ""}, "memory=''"),
+        ({"memory": " "}, "memory=' '"),
+        ({"memory": "GiB"}, "memory='GiB'"),
+        ({"memory": "1.5e0"}, "memory='1.5e0'"),
+        ({"memory": "1.5B"}, "memory='1.5B'"),
+        ({"memory": "1e400"}, "memory='1e400'"),
+        ({"memory": "1025PiB"}, "memory='1025PiB'"),
         ({"memory": True}, "memory=True"),
         ({"model": ""}, "model=''"),
         ({"model": 5}, "model=5"),
