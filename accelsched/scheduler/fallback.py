@@ -324,6 +324,15 @@ class Fallback:
         # annotated or not, the marked steps it calls give its timeout and requirement
         mark = find_mark(internals.task_spec(ts))
         annotations = ts.annotations or {}
+        if GPU_MEMORY in (ts.resource_restrictions or {}):
+            # accelsched's own resource, set from a declared requirement (a new task has
+            # none): named by hand, it would ask the worker for bytes but no device
+            amount = ts.resource_restrictions[GPU_MEMORY]
+            return (
+                f"resources={{{GPU_MEMORY!r}: {amount!r:.40}}}: accelsched's own resource; "
+                "declare a task's device memory with gpu={'memory': ...} beside "
+                "resources={'GPU': 1}, or @accelsched.gpu(memory=...)"
+            )
         if GPU not in (ts.resource_restrictions or {}):
             # no annotation (or fusion / query planning dropped it): a marked step?
             if mark is None:

@@ -475,6 +475,9 @@ class Binder:
             need = parse_requirement(requirement) if requirement else None
         except ValueError as exc:  # not read by a scheduler plugin: it errs, unbound never
             return functools.partial(_refuse, exc)
+        if amount <= 0 and (need is None or need.memory is None):
+            # GPU-memory named by hand (no scheduler plugin read it): bytes, no device
+            return functools.partial(_refuse, ValueError(_NO_DEVICE_ASKED))
         return functools.partial(self._run_gpu, key, amount, prefix, need)
 
     def _run_gpu(
@@ -557,6 +560,12 @@ class Binder:
             leases.release(key)
             if self._waiting:
                 self.room_freed()
+
+
+_NO_DEVICE_ASKED = (
+    f"resources={{{GPU_MEMORY!r}: ...}} without {GPU!r}: accelsched's own resource; declare "
+    "a task's device memory with gpu={'memory': ...} beside resources={'GPU': 1}"
+)
 
 
 def send_back(spec: Any, values: dict) -> Any:

@@ -282,3 +282,28 @@ async def test_status_shows_each_devices_model_capability_and_declared_memory(c,
     assert "CC" in text and "DECLARED" in text and "10.00 GiB" in text
     await done.set()
     assert await held == 1
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS, timeout=90)
+async def test_accelsched_s_own_memory_resource_named_by_hand_errs_naming_it(c, s, a, b):
+    """``GPU-memory`` is what a task takes once the scheduler read its declared memory:
+    named by hand, with ``GPU`` or without, the task errs alone, naming it and what to
+    write instead (before: without ``GPU`` it ran on no device and failed inside
+    accelsched with an ``IndexError``; beside it, it waited for ever)."""
+    await _verified(c, s)
+    for resources in ({"GPU-memory": 1024}, {"GPU": 1, "GPU-memory": 1024}):
+        bad = c.submit(lambda: 1, resources=resources, pure=False)
+        with pytest.raises(ValueError, match=r"'GPU-memory': 1024\}: accelsched's own resource"):
+            await bad
+    assert (await c.submit(on_a100, 1, pure=False))[0] == A100
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=WORKERS[:1], timeout=90)
+async def test_a_guard_alone_refuses_the_memory_resource_named_by_hand(c, s, a):
+    """With no placement plugin to read it (the guard registered alone), a task naming
+    ``GPU-memory`` without ``GPU`` reaches the worker: it errs there, naming the
+    resource, rather than run bound to no device."""
+    await c.register_plugin(accelsched.GuardPlugin(fast_restart=False))
+    await wait_for(lambda: s.workers[a.worker_address].resources.get("GPU-memory", 0) > 1024)
+    with pytest.raises(ValueError, match=r"'GPU-memory': \.\.\.\} without 'GPU'"):
+        await c.submit(lambda: 1, resources={"GPU-memory": 1024}, pure=False)
