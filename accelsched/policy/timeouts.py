@@ -253,16 +253,20 @@ REASONS = {
     NO_GPU: "no worker has a verified GPU",
     TOO_FEW_GPUS: "no worker has as many verified GPUs as they need",
     UNMET_REQUIREMENT: "no verified device meets their requirement",
-    NO_ELIGIBLE_WORKER: "the workers they may run on offer them no verified GPU",
+    NO_ELIGIBLE_WORKER: (
+        "the workers they may run on offer them no verified GPU, or not the room they declare"
+    ),
 }
 
 
-def reason_for(amount: float, largest: float, requirement: bool) -> str:
+def reason_for(amount: float, largest: float, unmet: bool) -> str:
     """Why a GPU task needing ``amount`` GPUs is unplaced, ``largest`` being the most any
-    one worker offers now; ``requirement``: it asks something of its device."""
+    one worker offers now; ``unmet``: it asks something of its device that no verified
+    device in the cluster has (one that some device meets waits for the workers it may
+    run on, or for room there)."""
     if largest <= 0:
         return NO_GPU
-    if requirement:
+    if unmet:
         return UNMET_REQUIREMENT
     if amount > largest:
         return TOO_FEW_GPUS

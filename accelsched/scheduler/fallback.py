@@ -581,14 +581,18 @@ class Fallback:
         now = monotonic()
         largest = internals.largest_gpu_count(self.scheduler)
         out: dict[str, list[Any]] = {}
+        unmet: dict[ClassKey, bool] = {}  # per requirement class: no device anywhere meets it
         for ts, since in list(internals.unrunnable(self.scheduler).items()):
             task = self.tasks.get(ts.key)
             if task is None or task.problem is not None or task.fell_back:
                 continue  # no GPU task (any more); or invalid, erred at the next check
             if now - since >= NOTICE_AFTER:
                 amount = (ts.resource_restrictions or {}).get(GPU) or 0
-                requirement = REQUIREMENT_ANNOTATION in (ts.annotations or {})
-                out.setdefault(reason_for(amount, largest, requirement), []).append(ts.key)
+                key = None if task.eligible is None else task.eligible.key
+                if key is not None and key not in unmet:
+                    unmet[key] = not any(self._serves(w, key, own=False) for w in self._facts)
+                reason = reason_for(amount, largest, key is not None and unmet[key])
+                out.setdefault(reason, []).append(ts.key)
         return out
 
     def tick(self) -> None:

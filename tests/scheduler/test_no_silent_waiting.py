@@ -18,6 +18,7 @@ from typing import Any
 
 import dask
 import pytest
+from distributed import Nanny, wait
 from distributed.utils_test import gen_cluster
 
 import accelsched
@@ -36,7 +37,7 @@ from accelsched.policy.timeouts import (
 from accelsched.protocol import PLACEMENT_PLUGIN
 from tests import processes
 from tests.processes import running
-from tests.utils import ACCELSCHED, ROOT, events, wait_for
+from tests.utils import ACCELSCHED, ROOT, events, gpus, wait_for
 
 # --- decisions, in numbers --------------------------------------------------------------
 
@@ -45,8 +46,11 @@ def test_why_a_gpu_task_waits() -> None:
     assert reason_for(1, 0, False) == NO_GPU
     assert reason_for(1, 0, True) == NO_GPU  # no GPU at all says more than a requirement
     assert reason_for(2, 1, False) == TOO_FEW_GPUS
-    assert reason_for(1, 1, True) == UNMET_REQUIREMENT
+    assert reason_for(1, 1, True) == UNMET_REQUIREMENT  # no device anywhere meets it
     assert reason_for(1, 2, False) == NO_ELIGIBLE_WORKER  # e.g. workers= elsewhere
+    # a requirement some device meets (declared memory takes no whole GPU): its workers
+    # have none for it, or not the room it declares
+    assert reason_for(0, 1, False) == NO_ELIGIBLE_WORKER
     assert 0 < NOTICE_AFTER <= 5  # "within a few seconds"
 
 
@@ -218,3 +222,48 @@ def test_a_dual_pipeline_with_no_gpu_worker_on_a_command_line_cluster(tmp_path: 
     assert said["reason"] == NO_GPU and said["waiting"] == 4, said
     assert out["status"]["waiting"] == {NO_GPU: 4}, out["status"]
     assert out["after"] < DUAL_TIMEOUT + 10
+
+
+@accelsched.gpu(memory="10GiB")
+def holds_ten(i: int) -> object:
+    from accelsched.testing import device_alloc
+
+    return device_alloc(10 * 2**30)  # left on the device while the client holds it
+
+
+@accelsched.gpu(memory="10GiB")
+def needs_ten(i: int) -> int | None:
+    return accelsched.current_device()
+
+
+GPU_AND_CPU = [
+    ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}, "resources": {"GPU": 1}}),
+    ("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": ""}}),
+]
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+@gen_cluster(
+    client=True, Worker=Nanny, nthreads=GPU_AND_CPU, timeout=90, worker_kwargs={"memory_limit": 0}
+)
+async def test_a_requirement_some_device_meets_waits_for_its_workers_or_room(c, s, gpu, cpu):
+    """A 10 GiB task (a 16 GiB device meets it) waits restricted to the worker without a
+    GPU, then behind a 10 GiB result held on the one device: both times it is said to wait
+    for its workers or their room, never for a requirement no device meets; it runs once
+    the result goes (before: ``unmet-requirement``, whatever it waited for). The workers
+    keep every result in memory (no spilling: a spilled result frees its device)."""
+    await accelsched.register(c, fast_restart=False)
+    await wait_for(lambda: gpus(s, gpu.worker_address) == 1)
+    fallback = s.plugins[PLACEMENT_PLUGIN].fallback
+    restricted = c.submit(needs_ten, 0, workers=[cpu.worker_address], pure=False)
+    await wait_for(lambda: fallback.waiting() == {NO_ELIGIBLE_WORKER: [restricted.key]})
+    await wait_for(lambda: events(s, "gpu-waiting"))
+    assert [e["reason"] for e in events(s, "gpu-waiting")] == [NO_ELIGIBLE_WORKER]
+    await c.cancel(restricted)
+    held = c.submit(holds_ten, 0, pure=False)
+    await wait(held)
+    later = c.submit(needs_ten, 1, pure=False)
+    await wait_for(lambda: fallback.waiting() == {NO_ELIGIBLE_WORKER: [later.key]})
+    assert not events(s, "unmet-requirement")
+    del held
+    assert await later == 0
