@@ -252,6 +252,11 @@ RETIRE_POLL = 0.01
 WATCH_RETIREMENT = True
 
 
+def in_service(ws: WorkerState) -> bool:
+    """Whether the worker runs (or is paused): not closing, not retiring."""
+    return ws.status in (Status.running, Status.paused)
+
+
 def has_running_peer(scheduler: Scheduler, ws: WorkerState) -> bool:
     return any(w is not ws for w in scheduler.running)
 

@@ -340,7 +340,10 @@ class GuardPlugin(WorkerPlugin):
 
     async def report(self) -> ReportReply:
         """Report the owned devices to the scheduler and advertise what it granted (an
-        RPC handler: a method, as distributed logs each handler's ``__name__``)."""
+        RPC handler: a method, as distributed logs each handler's ``__name__``). A worker
+        closing reports nothing: its connections to the scheduler are going."""
+        if not internals.worker_in_service(self.worker):
+            return {"status": "closing"}
         return await self.inventory.report(self._use_devices)
 
     def _use_devices(self, usable: list[int]) -> None:

@@ -4,13 +4,14 @@ sharing it. Simulated 16 GiB GPUs (15.2 GiB declarable each), nanny workers."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from unittest import mock
 
 import pytest
 from distributed import Event, Nanny, Worker, wait
 from distributed.core import rpc
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
 from accelsched import internals
@@ -275,3 +276,22 @@ async def test_a_need_a_mib_over_a_share_falls_back_and_one_within_it_runs(c, s,
     assert fell["reason"] == "timeout"
     exact = accelsched.dual(on_gpu, on_cpu, memory=_half, fallback_timeout="60s")
     assert await c.submit(exact, 2, pure=False) == "gpu"
+
+
+@gen_cluster(client=True, nthreads=GPU_WORKER * 2, Worker=Worker, timeout=60)
+async def test_sharers_closing_together_log_no_traceback(c, s, a, b):
+    """Two workers sharing a device close together, as a whole cluster does: the one left
+    is asked to report its larger share only while it serves, and a guard asked while
+    its worker closes says so (before: ``No handler accelsched_report found``, or
+    ``ConnectionPool is closed``, with a traceback, at every close)."""
+    await _register(c, s, share_gpus=True)
+    await wait_for(lambda: [_memory_at(s, w.address) for w in (a, b)] == [7782, 7782])
+    with captured_logger("distributed.core", level=logging.INFO) as core:
+        await asyncio.gather(a.close(), b.close())
+        await wait_for(lambda: not s.workers)
+        await asyncio.sleep(0.5)  # a report asked for as the first left
+    assert "accelsched_report" not in core.getvalue(), core.getvalue()
+
+
+def _memory_at(s, address: str) -> float:  # type: ignore[no-untyped-def]
+    return s.workers[address].resources.get("GPU-memory", 0)
