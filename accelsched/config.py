@@ -278,22 +278,22 @@ def parse_threshold(name: str, value: Any) -> Threshold:
 
 
 def size_bytes(text: str) -> int | None:
-    """The whole bytes a size says (``"24GiB"``, ``"1.5GiB"``, ``"512"``), or None where it
-    says none: no number (``""``, ``"GiB"``: dask reads one of the unit), a fraction of a
-    byte (``"1.5"``, ``"1.5e0"``, ``"1.5B"``: dask drops the fraction), or no size at all.
-    dask reads the size; the number before its unit, read exactly, says whether it
-    dropped anything."""
+    """The whole bytes a size says (``"24GiB"``, ``"1.5GiB"``, ``"8.2GB"``, ``"512"``), or
+    None where it says none: no number (``""``, ``"GiB"``: dask reads one of the unit), a
+    fraction of a byte (``"1.5"``, ``"1.5e0"``, ``"1.5B"``: dask drops the fraction), or no
+    size at all. dask says whether it is a size and what its unit is worth; the number
+    before the unit is read exactly (dask's floats make ``"8.2GB"`` 8199999999 bytes)."""
     stripped = text.strip()
     number = stripped.rstrip(string.ascii_letters)  # dask's split: the unit is the letters
     if not any(c.isdigit() for c in number):
         return None
     unit = stripped[len(number) :]
     try:
-        n = parse_bytes(stripped)
+        parse_bytes(stripped)  # a size dask reads, in a unit it knows
         exact = Fraction(number.strip()) * (parse_bytes("1" + unit) if unit else 1)
     except (ValueError, TypeError, IndexError, OverflowError, ZeroDivisionError):
         return None
-    return n if exact == n else None
+    return int(exact) if exact.denominator == 1 else None
 
 
 def parse_size(name: str, value: Any, expected: str = "bytes like '64MiB', or 0") -> int:

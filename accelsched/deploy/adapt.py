@@ -25,7 +25,6 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
-from dask.utils import parse_bytes
 from distributed import Adaptive, SpecCluster
 from distributed.metrics import time
 
@@ -83,10 +82,7 @@ def _devices(pool: str, given: Any, declared: Any) -> tuple[int, tuple[DeviceFac
             f"resources={{'GPU': {declared!r}}}"
         )
     try:  # read as a requirement reads them: the same parsers, the same errors
-        need = parse_requirement(
-            {k: given.get(k) for k in ("memory", "capability", "mig")}
-            | {"memory": parse_bytes(given["memory"]) if "memory" in given else None}
-        )
+        need = parse_requirement({k: given.get(k) for k in ("memory", "capability", "mig")})
     except (ValueError, TypeError) as exc:
         raise ValueError(f"pool {pool!r}: invalid devices: {exc}") from None
     name = given.get("name", "")

@@ -252,9 +252,10 @@ RETIRE_POLL = 0.01
 WATCH_RETIREMENT = True
 
 
-def in_service(ws: WorkerState) -> bool:
-    """Whether the worker runs (or is paused): not closing, not retiring."""
-    return ws.status in (Status.running, Status.paused)
+def closing(ws: WorkerState) -> bool:
+    """Whether the worker is closing or closed: no longer one to ask anything (one that
+    retires, ``closing_gracefully``, still answers, and may come back)."""
+    return ws.status in (Status.closing, Status.closed, Status.failed)
 
 
 def has_running_peer(scheduler: Scheduler, ws: WorkerState) -> bool:

@@ -59,6 +59,12 @@ def advertises_gpus(worker: Worker) -> bool:
     return GPU in worker.state.total_resources
 
 
+def worker_closing(worker: Worker) -> bool:
+    """Whether the worker closes: its connections to the scheduler are going (one that
+    retires, ``closing_gracefully``, still serves its guard's exchanges)."""
+    return worker.status in (Status.closing, Status.closed, Status.failed)
+
+
 def worker_in_service(worker: Worker) -> bool:
     """Whether the worker runs (or is paused): not closing, not being replaced."""
     return worker.status in (Status.running, Status.paused)

@@ -367,7 +367,7 @@ class DeviceReports:
         return refusal is None
 
     async def _ask_report(self, addr: str) -> None:
-        if (ws := self.scheduler.workers.get(addr)) is None or not internals.in_service(ws):
+        if (ws := self.scheduler.workers.get(addr)) is None or internals.closing(ws):
             return  # closing (a whole cluster closes, one sharer after another): no guard
         try:
             await getattr(self.scheduler.rpc(addr), REPORT_HANDLER)()

@@ -254,8 +254,11 @@ class GuardPlugin(WorkerPlugin):
             internals.start_periodic(worker, _PERIODIC, self.check, o["check_interval"])
 
     async def teardown(self, worker: Worker) -> None:
-        """Unregistered: remove the report handler and stop the leak check."""
-        internals.remove_handler(worker, REPORT_HANDLER, self.report)
+        """Unregistered: remove the report handler and stop the leak check. A worker that
+        closes keeps the handler, which answers ``closing``: the scheduler may not know yet
+        that it closes, and asks (distributed logs a traceback for a missing handler)."""
+        if not internals.worker_closing(worker):
+            internals.remove_handler(worker, REPORT_HANDLER, self.report)
         internals.stop_periodic(worker, _PERIODIC)
         if not hasattr(self, "leaks"):
             return  # set up no further than the check of distributed's internals
@@ -342,7 +345,7 @@ class GuardPlugin(WorkerPlugin):
         """Report the owned devices to the scheduler and advertise what it granted (an
         RPC handler: a method, as distributed logs each handler's ``__name__``). A worker
         closing reports nothing: its connections to the scheduler are going."""
-        if not internals.worker_in_service(self.worker):
+        if internals.worker_closing(self.worker):
             return {"status": "closing"}
         return await self.inventory.report(self._use_devices)
 

@@ -163,6 +163,12 @@ def test_pools_are_checked_when_given() -> None:
                 ValueError,
                 "invalid devices",
             ),
+            (  # no number: dask would read one GiB
+                {"gpu": {"spec": GPU_SPEC, "devices": {"memory": "GiB"}}},
+                {},
+                ValueError,
+                "invalid devices: invalid GPU requirement memory='GiB'",
+            ),
             (
                 {"gpu": {"spec": GPU_SPEC, "devices": {"colour": "red"}}},
                 {},

@@ -417,6 +417,8 @@ def test_a_size_is_whole_bytes_with_a_number() -> None:
     from accelsched.config import parse_size, size_bytes
 
     said = {"24GiB": 24 << 30, "1.5GiB": 3 << 29, "2.5 kB": 2500, " 512 ": 512, "1e3": 1000}
+    # read exactly, not as dask's floats (8.2 * 1e9 is 8199999999.999999 there)
+    said |= {"8.2GB": 8_200_000_000, "4.1MB": 4_100_000, "9007199254740993": 2**53 + 1}
     assert {text: size_bytes(text) for text in said} == said
     for text in ["", " ", "GiB", "MiB", "1.5", "1.5e0", "1.5B", "1e-1", "1e400", "nan", "5 5"]:
         assert size_bytes(text) is None, text

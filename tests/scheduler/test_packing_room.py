@@ -281,9 +281,10 @@ async def test_a_need_a_mib_over_a_share_falls_back_and_one_within_it_runs(c, s,
 @gen_cluster(client=True, nthreads=GPU_WORKER * 2, Worker=Worker, timeout=60)
 async def test_sharers_closing_together_log_no_traceback(c, s, a, b):
     """Two workers sharing a device close together, as a whole cluster does: the one left
-    is asked to report its larger share only while it serves, and a guard asked while
-    its worker closes says so (before: ``No handler accelsched_report found``, or
-    ``ConnectionPool is closed``, with a traceback, at every close)."""
+    is asked to report its larger share unless the scheduler knows it closes, and a guard
+    whose worker closes keeps its handler and says so (before: ``No handler
+    accelsched_report found``, or ``ConnectionPool is closed``, with a traceback, at
+    nearly every close)."""
     await _register(c, s, share_gpus=True)
     await wait_for(lambda: [_memory_at(s, w.address) for w in (a, b)] == [7782, 7782])
     with captured_logger("distributed.core", level=logging.INFO) as core:
