@@ -261,9 +261,9 @@ REASONS = {
 
 def reason_for(amount: float, largest: float, unmet: bool) -> str:
     """Why a GPU task needing ``amount`` GPUs is unplaced, ``largest`` being the most any
-    one worker offers now; ``unmet``: it asks something of its device that no verified
-    device in the cluster has (one that some device meets waits for the workers it may
-    run on, or for room there)."""
+    one worker offers now; ``unmet``: no worker in the cluster has verified devices
+    meeting what it asks of them, as many as it needs (one that some worker meets waits
+    for the workers it may run on, or for room there)."""
     if largest <= 0:
         return NO_GPU
     if unmet:
