@@ -415,12 +415,16 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``accelsched ARGS``: the exit code. A usage error ends the program (exit 2, as
-    click's own); every other outcome is returned, for callers in Python."""
+    click's own); every other outcome is returned, for callers in Python. Ctrl-C before
+    a command could take it (while distributed is imported, in the first second) is
+    exit 130 without a traceback, as it is later."""
     try:
         code = cli.main(argv, prog_name="accelsched", standalone_mode=False)
     except click.UsageError as exc:
         exc.show()
         raise SystemExit(exc.exit_code) from None
+    except (click.exceptions.Abort, KeyboardInterrupt):  # (click: Abort, in our mode)
+        return INTERRUPTED
     return code if isinstance(code, int) else 0
 
 
