@@ -82,7 +82,6 @@ __all__ = [
     "Use",
     "Verdict",
     "classify",
-    "used_none",
     "estimate",
     "judge_answers",
 ]
@@ -620,21 +619,6 @@ def classify(before: Mapping[int, MemoryReading], after: Mapping[int, MemoryRead
         if grew > 0 or created:
             found.append(Use(device, max(grew, 0), created))
     return found
-
-
-def used_none(
-    before: Mapping[int, MemoryReading], after: Mapping[int, MemoryReading], devices: Iterable[int]
-) -> bool:
-    """Whether readings taken around an unannotated task show it left nothing on any of
-    ``devices``: each read before and after as this process's own figure, none grown, no
-    context made. A device unread, or read only device-wide, says nothing either way."""
-    for device in devices:
-        then, now = before.get(device), after.get(device)
-        if then is None or now is None or not (then.exact and now.exact):
-            return False
-        if now.nbytes > then.nbytes or (now.has_context and then.has_context is False):
-            return False
-    return True
 
 
 #: Measured runs in a row that left nothing before a prefix's runs are sampled.

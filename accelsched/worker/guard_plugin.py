@@ -98,14 +98,7 @@ from accelsched.devices import (
     cuda,
     to_host,
 )
-from accelsched.policy.leak import (
-    MAX_PREFIXES,
-    Attribution,
-    LeakDecisions,
-    Verdict,
-    classify,
-    used_none,
-)
+from accelsched.policy.leak import MAX_PREFIXES, Attribution, LeakDecisions, Verdict, classify
 from accelsched.policy.requirements import (
     Cancelled,
     LeaseTable,
@@ -215,7 +208,6 @@ class GuardPlugin(WorkerPlugin):
                 visible=inv.visible,
                 fail=o["unrequested_gpu"] == "fail",
                 emit=self._emit,
-                left_nothing=attribution.left_nothing,
             ),
         )
         inv.leased = self.binder.leases.declared  # what its offers say it takes
@@ -467,7 +459,7 @@ class Binder:
                     )
                 )
         watch = self.watch
-        runner = watch.runner(key, prefix) if watch is not None and watch.sampled(prefix) else None
+        runner = watch.runner(key) if watch is not None and watch.sampled(prefix) else None
         if not annotations.get(FALLBACK_ANNOTATION):
             return runner
 
@@ -616,9 +608,7 @@ def _changes() -> tuple[int, int]:
 
 
 class Watch:
-    """Reads this process's device memory around unannotated tasks that ran alone. A run
-    seen to use no device left nothing there: the leak attribution hears so
-    (``left_nothing``), so a host-only step every run of which was seen is no suspect."""
+    """Reads this process's device memory around unannotated tasks that ran alone."""
 
     def __init__(
         self,
@@ -627,13 +617,11 @@ class Watch:
         visible: list[DeviceInfo],
         fail: bool,
         emit: Callable[..., None],
-        left_nothing: Callable[[str], None] = lambda prefix: None,
     ) -> None:
         self.monitor = monitor
         self.visible = visible
         self.fail = fail
         self._emit = emit
-        self._left_nothing = left_nothing
         self._runs: dict[str, int] = {}  # prefix -> runs seen on this worker
 
     def sampled(self, prefix: str) -> bool:
@@ -646,17 +634,14 @@ class Watch:
         self._runs[prefix] = n
         return n <= FIRST_RUNS or n % EVERY == 0
 
-    def runner(self, key: Any, prefix: str = "") -> Runner:
+    def runner(self, key: Any) -> Runner:
         def run(spec: Any, values: dict) -> Any:
             changes, running = _changes()
             before = self._readings() if running <= 1 else None
             result = spec(values)
             if before is None or _changes()[0] != changes:  # another task ran meanwhile
                 return result
-            after = self._readings()
-            if used_none(before, after, [d.index for d in self.visible]):
-                self._left_nothing(prefix)  # on no device: no suspect of a leak
-            for use in classify(before, after):
+            for use in classify(before, self._readings()):
                 self._emit(
                     events.UNREQUESTED_GPU_USE,
                     key=key,

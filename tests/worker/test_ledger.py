@@ -140,29 +140,6 @@ async def test_a_step_that_allocated_nothing_is_never_named(c, s, a):
     assert leak["attributed"] == {}  # the leaking run made the context: not measured
 
 
-def load(i: int) -> int:
-    """Host work, no device: an unannotated task."""
-    return i + 1
-
-
-@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS[:1], timeout=90)
-async def test_a_host_step_seen_to_use_no_device_is_never_named(c, s, a):
-    """An unannotated ``load`` runs just before ``leaky``, on its result, within one check
-    interval: the unrequested-use watch read the device around it, alone, and saw nothing
-    used, so the leak names ``leaky`` alone (before: ``load`` too, a step that never
-    touched a GPU). Checks a second apart, the default: both run between two checks."""
-    await accelsched.register(c, **{**FAST, "check_interval": "1s"})
-    A = a.worker_address
-    await wait_for(lambda: gpus(s, A) == 1)
-    x = c.submit(load, 1, workers=[A], key="load-1")
-    with dask.annotate(resources={"GPU": 1}):
-        await c.submit(leaky, x, workers=[A], key="leaky-1")
-    await wait_for(lambda: events(s, "leak"), timeout=30)
-    (leak,) = events(s, "leak")
-    assert list(leak["prefixes"]) == ["leaky"], leak
-    assert not events(s, "unrequested-gpu-use")
-
-
 @gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=90)
 async def test_leak_inside_a_fused_task_is_named_by_its_step(c, s, a, b):
     """Five step types fused into one task per block; one leaks: it is named first."""
