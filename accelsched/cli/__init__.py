@@ -417,13 +417,17 @@ def main(argv: list[str] | None = None) -> int:
     """``accelsched ARGS``: the exit code. A usage error ends the program (exit 2, as
     click's own); every other outcome is returned, for callers in Python. Ctrl-C before
     a command could take it (while distributed is imported, in the first second) is
-    exit 130 without a traceback, as it is later."""
+    exit 130 without a traceback (click writes an empty line first)."""
     try:
         code = cli.main(argv, prog_name="accelsched", standalone_mode=False)
     except click.UsageError as exc:
         exc.show()
         raise SystemExit(exc.exit_code) from None
-    except (click.exceptions.Abort, KeyboardInterrupt):  # (click: Abort, in our mode)
+    except click.exceptions.Abort as exc:  # click's, in our mode, for Ctrl-C and for EOF
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            return INTERRUPTED
+        raise
+    except KeyboardInterrupt:
         return INTERRUPTED
     return code if isinstance(code, int) else 0
 
@@ -475,8 +479,6 @@ def _scheduler_options(command: Callable[..., Any]) -> Callable[..., Any]:
 def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
     """``status`` or ``events``: the address (one ``--timeout`` for the scheduler file and
     the connection together), then ``run(address, seconds to connect)``'s exit code."""
-    from accelsched.demo.quiet import quiet_logs
-
     address, timeout, path = (ctx.params[k] for k in ("scheduler", "timeout", "scheduler_file"))
     if path == "":
         raise click.BadParameter(
@@ -489,6 +491,10 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
             "give a SCHEDULER address or --scheduler-file PATH"
             + (", not both" if path is not None else " (or set DASK_SCHEDULER_ADDRESS)")
         )
+    try:  # the import too (distributed's): a Ctrl-C in the first second is 130 here
+        from accelsched.demo.quiet import quiet_logs
+    except KeyboardInterrupt:  # (`dask accelsched status` runs click's own way: no main())
+        ctx.exit(INTERRUPTED)
     # distributed's own log lines (a reconnect that failed, ...) would come on top of the
     # one line each error is
     with quiet_logs(logging.CRITICAL):
