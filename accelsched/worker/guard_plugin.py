@@ -347,7 +347,12 @@ class GuardPlugin(WorkerPlugin):
         closing reports nothing: its connections to the scheduler are going."""
         if internals.worker_closing(self.worker):
             return {"status": "closing"}
-        return await self.inventory.report(self._use_devices)
+        try:
+            return await self.inventory.report(self._use_devices)
+        except Exception:
+            if internals.worker_closing(self.worker):  # it began closing meanwhile
+                return {"status": "closing"}
+            raise
 
     def _use_devices(self, usable: list[int]) -> None:
         """Lease these devices, described as NVML verified them (for requirements)."""

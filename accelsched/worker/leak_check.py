@@ -974,6 +974,8 @@ class Inventory:
         try:
             reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
         except Exception as exc:
+            if internals.worker_closing(self.worker):  # it closed meanwhile: nothing to say
+                return {"status": "closing"}
             logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
         if isinstance(reply, dict) and reply.get("status") == "OK":
             granted = set(reply.get("uuids", ()))
