@@ -49,6 +49,7 @@ It steps aside where the operator said more:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import logging
 import math
@@ -69,6 +70,8 @@ from dask.utils import parse_bytes, parse_timedelta
 __all__ = [
     "Option",
     "resolve_options",
+    "unknown_config",
+    "warn_unknown_config",
     "config_value",
     "Threshold",
     "PLACEMENT_OPTIONS",
@@ -89,7 +92,6 @@ logger = logging.getLogger(__name__)
 #: clusters do) removes the keys, and a key that is absent means its built-in default.
 with open(os.path.join(os.path.dirname(__file__), "accelsched.yaml")) as _f:
     BUILTIN: dict[str, Any] = yaml.safe_load(_f)
-dask.config.update_defaults(BUILTIN)
 
 
 def config_value(key: str, builtin: bool = False) -> Any:
@@ -135,11 +137,63 @@ def only(options: tuple[Option, ...], given: Mapping[str, Any]) -> dict[str, Any
     return {o.name: given[o.name] for o in options if o.name in given}
 
 
+def unknown_config(config: Mapping[str, Any] | None = None) -> list[str]:
+    """What the ``accelsched`` section of dask ``config`` (this process's) sets that no
+    key of accelsched reads: a misspelled key, or a value where a group of keys belongs
+    (``DASK_ACCELSCHED__PLACEMENT=5``). Each is a line naming it, and the key it may have
+    meant. dask spells a key with ``-`` or ``_`` alike; so does this."""
+    section = (dask.config.config if config is None else config).get("accelsched", {})
+    found: list[str] = []
+
+    def walk(given: Any, known: Mapping[str, Any], path: str) -> None:
+        if not isinstance(given, Mapping):
+            found.append(
+                f"{path}={given!r} (expected keys under it: "
+                f"{', '.join(f'{path}.{k}' for k in known)})"
+            )
+            return
+        spelled = {k.replace("_", "-"): k for k in known}
+        for key, value in given.items():
+            name = spelled.get(str(key).replace("_", "-"))
+            if name is None:
+                near = difflib.get_close_matches(str(key).replace("_", "-"), spelled, n=1)
+                found.append(
+                    f"{path}.{key}"
+                    + (f" (did you mean {path}.{spelled[near[0]]}?)" if near else "")
+                )
+            elif isinstance(known[name], Mapping):
+                walk(value, known[name], f"{path}.{name}")
+
+    walk(section, BUILTIN["accelsched"], "accelsched")
+    return found
+
+
+#: Settings no key reads, found before the defaults went in: a value where a group of
+#: keys belongs (``DASK_ACCELSCHED__ADAPT=5``) is replaced by dask with the group's defaults.
+_UNKNOWN_AT_IMPORT = unknown_config()
+dask.config.update_defaults(BUILTIN)
+
+#: What :func:`warn_unknown_config` said already in this process.
+_said_unknown: set[str] = set()
+
+
+def warn_unknown_config() -> None:
+    """Log, once per process, each ``accelsched`` config setting no key reads: a typo in
+    a YAML file or a ``DASK_ACCELSCHED__...`` variable would otherwise leave the default
+    in effect without a word (dask itself reads any key it is asked for, and none other)."""
+    for line in _UNKNOWN_AT_IMPORT + unknown_config():
+        if line not in _said_unknown:
+            _said_unknown.add(line)
+            logger.warning("accelsched: dask config %s is not an accelsched option: ignored", line)
+
+
 def resolve_options(
     options: tuple[Option, ...], given: Mapping[str, Any], owner: str
 ) -> dict[str, Any]:
-    """Validated values for ``options``: arguments win over dask config."""
+    """Validated values for ``options``: arguments win over dask config (whose keys no
+    option reads are logged, see :func:`warn_unknown_config`)."""
     refuse_unknown(given, options, owner)
+    warn_unknown_config()
     return {
         o.name: o.parse(o.name, given[o.name] if o.name in given else config_value(o.key))
         for o in options
@@ -395,6 +449,7 @@ def guard_options_here(
     """:func:`on_this_worker` for ``worker`` (in its process), logged: a warning naming
     the worker's own settings taken and each one an explicit option overrules (shown by
     default), and every value in effect (at INFO, ``DASK_LOGGING__ACCELSCHED=info``)."""
+    warn_unknown_config()  # this worker's own config: keys no option reads
     options, sources, overruled = on_this_worker(
         handed, explicit, worker_preload_options.get(worker, {})
     )

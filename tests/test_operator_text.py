@@ -13,7 +13,7 @@ import pytest
 from dask.utils import format_bytes
 
 from accelsched import events
-from accelsched.config import LOGGER, initialize_logging
+from accelsched.config import LOGGER, initialize_logging, unknown_config
 from tests.utils import run_python
 
 W = "tcp://10.0.0.5:40123"
@@ -295,3 +295,61 @@ def test_an_application_that_configured_logging_prints_each_line_once() -> None:
         "accelsched.scheduler.fallback options in effect",
         "accelsched.scheduler.fallback a warning",
     ]
+
+
+# ---- accelsched's own config keys: a typo is named, not silently ignored -----------------
+
+
+@pytest.mark.parametrize(
+    ("section", "said"),
+    [
+        ({"placement": {"fallback-timeout": "5s", "share_gpus": True}, "nvml_backend": "x"}, []),
+        (
+            {"placement": {"fallback_timout": "5s"}},
+            [
+                "accelsched.placement.fallback_timout "
+                "(did you mean accelsched.placement.fallback-timeout?)"
+            ],
+        ),
+        (
+            {"guard": {"leak-treshold": "1GiB", "free-pools-every": 2}, "gaurd": {}},
+            [
+                "accelsched.guard.leak-treshold (did you mean accelsched.guard.leak-threshold?)",
+                "accelsched.gaurd (did you mean accelsched.guard?)",
+            ],
+        ),
+        ({"zzz": 1}, ["accelsched.zzz"]),  # nothing near it: no guess
+        (
+            {"adapt": 5},
+            [
+                "accelsched.adapt=5 (expected keys under it: accelsched.adapt.interval, "
+                "accelsched.adapt.wait-count, accelsched.adapt.target-duration, "
+                "accelsched.adapt.idle-after, accelsched.adapt.start-timeout)"
+            ],
+        ),
+    ],
+)
+def test_config_no_option_reads_is_named(section: dict, said: list[str]) -> None:
+    assert unknown_config({"accelsched": section, "distributed": {"anything": 1}}) == said
+
+
+def test_a_misspelled_config_variable_is_logged_once_by_the_process_that_reads_it() -> None:
+    """Both plugins built in one process (as ``register()`` and the scheduler's preload
+    build them): each setting said once. ``DASK_ACCELSCHED__ADAPT=5`` is one dask
+    replaces with the group's defaults as accelsched's go in: found before that."""
+    code = (
+        "import sys; sys.stderr = sys.stdout\n"
+        "import accelsched\n"
+        "accelsched.PlacementPlugin(); accelsched.GuardPlugin(); accelsched.PlacementPlugin()\n"
+    )
+    env = _env(DASK_ACCELSCHED__PLACEMENT__FALLBACK_TIMOUT="5s", DASK_ACCELSCHED__ADAPT="5")
+    out = run_python(code, env=env).splitlines()
+    assert len(out) == 2, out
+    fallback, adapt = sorted(out, key=lambda line: "adapt=5" in line)
+    assert fallback.endswith(
+        " - accelsched.config - WARNING - accelsched: dask config "
+        "accelsched.placement.fallback_timout (did you mean "
+        "accelsched.placement.fallback-timeout?) is not an accelsched option: ignored"
+    )
+    assert "dask config accelsched.adapt=5 (expected keys under it: " in adapt
+    assert run_python(code, env=_env()) == ""  # the defaults: nothing said

@@ -57,7 +57,10 @@ def preloaded(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "accelsched",
         "--leak-threshold",
         "256MiB",
-        env={"DASK_ACCELSCHED__PLACEMENT__MAX_RESTARTS": "7"},
+        env={
+            "DASK_ACCELSCHED__PLACEMENT__MAX_RESTARTS": "7",
+            "DASK_ACCELSCHED__PLACEMENT__FALLBACK_TIMOUT": "5s",  # a typo: said, ignored
+        },
     )
     with running(sched) as procs:
         address = processes.scheduler_address(tmp / "scheduler.json", sched)
@@ -72,6 +75,7 @@ def preloaded(gpus: FakeGPUs, tmp_path_factory: pytest.TempPathFactory) -> Itera
                     "CUDA_VISIBLE_DEVICES": "0",
                     "DASK_ACCELSCHED__GUARD__FREE_POOLS_EVERY": "5",  # its own: used
                     "DASK_ACCELSCHED__GUARD__LEAK_THRESHOLD": "128MiB",  # explicit wins
+                    "DASK_ACCELSCHED__GUARD__FREE_POOL_EVERY": "2",  # a typo: said, ignored
                 },
             ),
             processes.worker(
@@ -137,6 +141,16 @@ def test_scheduler_preload_installs_both_plugins_with_its_options(preloaded: Cli
         )
         == 2
     )
+    # a misspelled key in a process's own config is named where that process logs, once
+    assert (
+        logs["scheduler"].count(
+            "WARNING - accelsched: dask config accelsched.placement.fallback_timout (did you "
+            "mean accelsched.placement.fallback-timeout?) is not an accelsched option: ignored"
+        )
+        == 1
+    )
+    assert "did you mean accelsched.guard.free-pools-every?" in logs["gpu0"]
+    assert "is not an accelsched option" not in logs["gpu1"] + logs["cpu"]
     # and the nannies fork new worker processes from a warm server (fast_restart)
     names = preloaded.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.nanny_plugins))
     assert names == ["accelsched-fast-restart"]
