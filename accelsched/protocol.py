@@ -32,6 +32,11 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
     task's fallback timeout counts from when no worker that could serve it is coming; and
     the pools' names, so ``accelsched status`` shows each worker's pool.
 
+Scheduler metadata ``["accelsched", "placement"]`` (:data:`PLACEMENT_RUNNING`): True
+while a PlacementPlugin runs. A guard reads it (``get_metadata``, a handler every
+scheduler has) before it reports, and sends nothing to the handlers above while it is not
+True: a scheduler without accelsched would log each such request with a traceback.
+
 Worker heartbeat metric ``"accelsched"`` (:data:`GUARD_METRIC`): every heartbeat carries
 a guard's per-device figures only the worker knows (:class:`GuardMetric`), through
 distributed's own custom worker metrics; they arrive in the scheduler's ``WorkerState``.
@@ -74,6 +79,7 @@ __all__ = [
     "REPORT_HANDLER",
     "DRAIN_HANDLER",
     "STATUS_HANDLER",
+    "PLACEMENT_RUNNING",
     "DEMAND_HANDLER",
     "POOLS_HANDLER",
     "ClassDemand",
@@ -126,6 +132,11 @@ DRAIN_HANDLER: Final = "accelsched_drain"
 STATUS_HANDLER: Final = "accelsched_status"
 DEMAND_HANDLER: Final = "accelsched_demand"
 POOLS_HANDLER: Final = "accelsched_pools"
+#: Scheduler metadata (``Scheduler.get_metadata``) the PlacementPlugin sets to True while
+#: it runs: a guard asks for it before its first report, so a scheduler without accelsched
+#: is never sent a request it has no handler for (distributed logs each one with a
+#: traceback).
+PLACEMENT_RUNNING: Final = ("accelsched", "placement")
 #: The guard's custom worker metric, sent with every heartbeat (``Worker.metrics``).
 GUARD_METRIC: Final = "accelsched"
 

@@ -66,6 +66,7 @@ from accelsched.internals.scheduler import (
     wrap_handler,
 )
 from accelsched.internals.servers import (
+    handles,
     install_handler,
     remove_handler,
     serving,
@@ -120,6 +121,7 @@ __all__ = [
     "closing",
     "plugin_modules",
     "release_unfit",
+    "handles",
     "remove_handler",
     "remove_metric",
     "replace_worker",

@@ -82,6 +82,7 @@ from accelsched.protocol import (
     GUARD_PLUGIN,
     INVENTORY_HANDLER,
     OFFER_HANDLER,
+    PLACEMENT_RUNNING,
     REPORT_HANDLER,
     STATUS_HANDLER,
     DeviceRecord,
@@ -325,6 +326,7 @@ class DeviceReports:
         # registered later reports from its own setup)
         internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.install_handler(scheduler, OFFER_HANDLER, self.handle_offer)
+        scheduler.set_metadata(keys=list(PLACEMENT_RUNNING), value=True)
         if internals.worker_plugin_registered(scheduler, GUARD_PLUGIN):
             for addr in list(scheduler.workers):
                 internals.spawn(scheduler, self._ask_report, addr)
@@ -332,6 +334,8 @@ class DeviceReports:
     def stop(self) -> None:
         """Unregistered: distributed's handlers and ``set_resources``, and every worker's
         GPU count as it was declared."""
+        if internals.handles(self.scheduler, OFFER_HANDLER, self.handle_offer):  # no newer one
+            self.scheduler.set_metadata(keys=list(PLACEMENT_RUNNING), value=False)
         internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
         internals.restore_handler(self.scheduler, "set_resources")

@@ -125,6 +125,7 @@ from accelsched.policy.requirements import LeaseTable, MiB, capacity, held_count
 from accelsched.protocol import (
     INVENTORY_HANDLER,
     OFFER_HANDLER,
+    PLACEMENT_RUNNING,
     RESTART_HANDLER,
     Addressed,
     GuardMetric,
@@ -933,6 +934,9 @@ class Inventory:
         #: shared device (learnt from the offer reply, for each device offered)
         self.shares: dict[int, int] = {}
         self.told = False  # an offer reply said the shares (else: no PlacementPlugin yet)
+        #: whether the scheduler runs a PlacementPlugin (None: not asked yet); while it
+        #: runs none, nothing is sent to its handlers, which it does not have
+        self.placement: bool | None = None
         self.held_said: dict[int, int] = {}  # device -> held bytes last offered, in steps
         #: device -> bytes declared tasks lease there, results about to enter memory
         #: included (the lease table's)
@@ -972,7 +976,15 @@ class Inventory:
         }
         reply: InventoryReply | None = None
         try:
-            reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
+            # asked each time it is not known to run: a PlacementPlugin registered later
+            # asks the guards to report again
+            if not self.placement:
+                self.placement = await self.worker.scheduler.get_metadata(
+                    keys=list(PLACEMENT_RUNNING), default=False
+                )
+            if self.placement:
+                reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
+                self.placement = reply is not None  # None: no such handler there
         except Exception as exc:
             if internals.worker_closing(self.worker):  # it closed meanwhile: nothing to say
                 return {"status": "closing"}
@@ -1022,7 +1034,9 @@ class Inventory:
             }
             reply: Any = None
             try:
-                reply = await getattr(self.worker.scheduler, OFFER_HANDLER)(**request)
+                if self.placement is not False:
+                    reply = await getattr(self.worker.scheduler, OFFER_HANDLER)(**request)
+                    self.placement = reply is not None  # None: no such handler there
             except Exception as exc:  # no PlacementPlugin: the worker's own count only
                 logger.debug("accelsched: GPU offer to the scheduler failed: %r", exc)
             ok = isinstance(reply, dict) and reply.get("status") == "OK" and "memory" in reply
@@ -1100,8 +1114,11 @@ class Inventory:
     async def _request_restart(self, reason: str, nbytes: int) -> None:
         request: RestartRequest = {**self._addressed(), "reason": reason, "nbytes": nbytes}
         try:
+            if self.placement is False:  # nobody there restarts a worker: the leak is said
+                return
             reply: RestartReply = await getattr(self.worker.scheduler, RESTART_HANDLER)(**request)
             logger.info("accelsched: restart request answered %r", reply)
+            self.placement = reply is not None  # None: no such handler there
             if isinstance(reply, dict) and reply.get("status") in TAKEN:
                 # a restart that is given up (no peer to take the data, say) is asked
                 # for again after this: the leak is still there

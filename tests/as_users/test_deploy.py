@@ -6,6 +6,7 @@ fake GPUs; a client only looks. The processes of each cluster start once per mod
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from accelsched.protocol import PLACEMENT_PLUGIN
 from accelsched.testing import FakeGPUs, fake_gpus
 from tests import processes
 from tests.processes import Process, running
-from tests.utils import events, gpu_counts, leaky, until
+from tests.utils import device_result, events, gpu_counts, leaky, until
 
 GPU_WORKERS = 3  # "gpu0" (device 0), "gpu1-0" and "gpu1-1" (both see device 1)
 
@@ -250,6 +251,48 @@ def _dataframe_imported() -> bool:
     import sys
 
     return "dask.dataframe" in sys.modules
+
+
+def test_guards_under_a_plain_scheduler_send_it_nothing_it_has_no_handler_for(
+    gpus: FakeGPUs, tmp_path: Path
+) -> None:
+    """``dask worker --preload accelsched`` under a plain ``dask scheduler``: results that
+    move the device room, then a leak. The guard asks the scheduler's metadata whether a
+    PlacementPlugin runs, and sends it no report, offer or restart request while none
+    does (before: every offer and every restart request, one a check while the leak
+    lasted, put distributed's ``No handler`` warning with a traceback in the scheduler's
+    log: 18 in 10 s). Registered later, accelsched verifies the worker's GPU."""
+    sched = processes.scheduler(tmp_path)
+    with running(sched):
+        address = processes.scheduler_address(tmp_path / "scheduler.json", sched)
+        worker = processes.worker(
+            tmp_path,
+            "gpu",
+            address,
+            "--resources",
+            "GPU=1",
+            "--preload",
+            "accelsched",
+            "--leak-threshold",
+            "256MiB",
+            "--check-interval",
+            "100ms",
+            env={"CUDA_VISIBLE_DEVICES": "0"},
+        )
+        with running(worker), Client(address, timeout=30) as client:
+            client.wait_for_workers(1, timeout=60)
+            until(lambda: "no PlacementPlugin on the scheduler" in worker.output(), timeout=60)
+            with dask.annotate(resources={"GPU": 1}):
+                results = client.map(device_result, range(40), pure=False)  # 2.5 GiB held
+                assert client.gather(results)[-1].value == 39
+                assert client.submit(leaky, 1, pure=False).result() == 1
+            until(lambda: events(client, "leak"), timeout=60)
+            time.sleep(1)  # ten more checks of the leak: each asked a restart before
+            assert "No handler" not in sched.output()
+            assert worker.output().count("no PlacementPlugin on the scheduler") == 1
+            assert not events(client, "gpu-verified")
+            accelsched.register(client)
+            until(lambda: len(events(client, "gpu-verified")) == 1, timeout=60)
 
 
 def test_worker_preload_installs_the_guard_with_its_options(workers_only: Client) -> None:
