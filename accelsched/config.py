@@ -92,6 +92,7 @@ logger = logging.getLogger(__name__)
 #: clusters do) removes the keys, and a key that is absent means its built-in default.
 with open(os.path.join(os.path.dirname(__file__), "accelsched.yaml")) as _f:
     BUILTIN: dict[str, Any] = yaml.safe_load(_f)
+dask.config.update_defaults(BUILTIN)
 
 
 def config_value(key: str, builtin: bool = False) -> Any:
@@ -146,6 +147,8 @@ def unknown_config(config: Mapping[str, Any] | None = None) -> list[str]:
     found: list[str] = []
 
     def walk(given: Any, known: Mapping[str, Any], path: str) -> None:
+        if given is None:  # a YAML group with every key commented out: nothing set
+            return
         if not isinstance(given, Mapping):
             found.append(
                 f"{path}={given!r} (expected keys under it: "
@@ -168,11 +171,6 @@ def unknown_config(config: Mapping[str, Any] | None = None) -> list[str]:
     return found
 
 
-#: Settings no key reads, found before the defaults went in: a value where a group of
-#: keys belongs (``DASK_ACCELSCHED__ADAPT=5``) is replaced by dask with the group's defaults.
-_UNKNOWN_AT_IMPORT = unknown_config()
-dask.config.update_defaults(BUILTIN)
-
 #: What :func:`warn_unknown_config` said already in this process.
 _said_unknown: set[str] = set()
 
@@ -180,8 +178,11 @@ _said_unknown: set[str] = set()
 def warn_unknown_config() -> None:
     """Log, once per process, each ``accelsched`` config setting no key reads: a typo in
     a YAML file or a ``DASK_ACCELSCHED__...`` variable would otherwise leave the default
-    in effect without a word (dask itself reads any key it is asked for, and none other)."""
-    for line in _UNKNOWN_AT_IMPORT + unknown_config():
+    in effect without a word (dask itself reads any key it is asked for, and none other).
+    Read in the YAML files and the environment as dask collects them, too: a value where a
+    group of keys belongs (``DASK_ACCELSCHED__ADAPT=5``) is replaced by the group's
+    defaults in the config in effect."""
+    for line in unknown_config(dask.config.collect()) + unknown_config():
         if line not in _said_unknown:
             _said_unknown.add(line)
             logger.warning("accelsched: dask config %s is not an accelsched option: ignored", line)

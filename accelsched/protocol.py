@@ -32,10 +32,9 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
     task's fallback timeout counts from when no worker that could serve it is coming; and
     the pools' names, so ``accelsched status`` shows each worker's pool.
 
-Scheduler metadata ``["accelsched", "placement"]`` (:data:`PLACEMENT_RUNNING`): True
-while a PlacementPlugin runs. A guard reads it (``get_metadata``, a handler every
-scheduler has) before it reports, and sends nothing to the handlers above while it is not
-True: a scheduler without accelsched would log each such request with a traceback.
+A scheduler without the PlacementPlugin answers a request to a handler above ``None``
+(and logs it, with a traceback): a guard answered so sends no offer and no restart
+request until its next report is answered.
 
 Worker heartbeat metric ``"accelsched"`` (:data:`GUARD_METRIC`): every heartbeat carries
 a guard's per-device figures only the worker knows (:class:`GuardMetric`), through
@@ -79,7 +78,6 @@ __all__ = [
     "REPORT_HANDLER",
     "DRAIN_HANDLER",
     "STATUS_HANDLER",
-    "PLACEMENT_RUNNING",
     "DEMAND_HANDLER",
     "POOLS_HANDLER",
     "ClassDemand",
@@ -132,11 +130,6 @@ DRAIN_HANDLER: Final = "accelsched_drain"
 STATUS_HANDLER: Final = "accelsched_status"
 DEMAND_HANDLER: Final = "accelsched_demand"
 POOLS_HANDLER: Final = "accelsched_pools"
-#: Scheduler metadata (``Scheduler.get_metadata``) the PlacementPlugin sets to True while
-#: it runs: a guard asks for it before its first report, so a scheduler without accelsched
-#: is never sent a request it has no handler for (distributed logs each one with a
-#: traceback).
-PLACEMENT_RUNNING: Final = ("accelsched", "placement")
 #: The guard's custom worker metric, sent with every heartbeat (``Worker.metrics``).
 GUARD_METRIC: Final = "accelsched"
 

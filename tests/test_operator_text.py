@@ -319,6 +319,7 @@ def test_an_application_that_configured_logging_prints_each_line_once() -> None:
             ],
         ),
         ({"zzz": 1}, ["accelsched.zzz"]),  # nothing near it: no guess
+        ({"guard": None, "placement": {}}, []),  # YAML groups with every key commented out
         (
             {"adapt": 5},
             [
@@ -336,7 +337,8 @@ def test_config_no_option_reads_is_named(section: dict, said: list[str]) -> None
 def test_a_misspelled_config_variable_is_logged_once_by_the_process_that_reads_it() -> None:
     """Both plugins built in one process (as ``register()`` and the scheduler's preload
     build them): each setting said once. ``DASK_ACCELSCHED__ADAPT=5`` is one dask
-    replaces with the group's defaults as accelsched's go in: found before that."""
+    replaces with the group's defaults as accelsched's go in: read where dask collects
+    the environment."""
     code = (
         "import sys; sys.stderr = sys.stdout\n"
         "import accelsched\n"

@@ -163,6 +163,44 @@ async def test_unregistered_placement_steps_aside(c, s, a):
     await wait_for(lambda: gpus(s, new) == 1)  # no stale gate, no stale owner
 
 
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, cvd("0", resources={"GPU": 1}))],
+    timeout=60,
+)
+async def test_a_whole_cluster_restart_verifies_the_workers_that_come_back(c, s, a):
+    """``client.restart()`` clears the scheduler's task state and replaces every worker:
+    the new ones are verified and run GPU tasks."""
+    await accelsched.register(c)
+    await verified(s, a, count=1)
+    old = a.worker_address
+    await c.restart()
+    await wait_for(lambda: len(s.workers) == 1 and old not in s.workers)
+    await verified(s, a, count=1)
+    with dask.annotate(resources={"GPU": 1}):
+        assert await c.submit(inc, 1, pure=False) == 2
+    assert not events(s, "gpu-waiting")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}})])
+async def test_a_placement_plugin_registered_again_hears_the_guards_again(c, s, a):
+    """Unregistered, the PlacementPlugin's handlers go: a guard's offer is answered None
+    by distributed, and the guard sends no more. Registered again, it asks the guards to
+    report, and hears their offers again."""
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    inventory = a.plugins[GUARD_PLUGIN].inventory
+    await c.unregister_scheduler_plugin("accelsched-placement")
+    await inventory.offer(lambda usable: None)
+    assert inventory.placement is False
+    await c.register_plugin(accelsched.PlacementPlugin())
+    await wait_for(lambda: inventory.placement is True)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    with dask.annotate(resources={"GPU": 1}):
+        assert await c.submit(inc, 1, pure=False) == 2
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=30)
 async def test_restart_request_from_another_address_than_advertised(c, s, peer):
     from distributed.utils import open_port

@@ -66,7 +66,6 @@ from accelsched.internals.scheduler import (
     wrap_handler,
 )
 from accelsched.internals.servers import (
-    handles,
     install_handler,
     remove_handler,
     serving,
@@ -121,7 +120,6 @@ __all__ = [
     "closing",
     "plugin_modules",
     "release_unfit",
-    "handles",
     "remove_handler",
     "remove_metric",
     "replace_worker",

@@ -35,14 +35,9 @@ def install_handler(server: Any, name: str, handler: Callable[..., Any]) -> None
     server.handlers[name] = handler
 
 
-def handles(server: Any, name: str, handler: Callable[..., Any]) -> bool:
-    """Whether RPC ``name`` is still ``handler`` (not a newer instance's)."""
-    return bool(server.handlers.get(name) == handler)
-
-
 def remove_handler(server: Any, name: str, handler: Callable[..., Any]) -> None:
     """Remove RPC ``name`` if it is still ``handler`` (not a newer instance's)."""
-    if handles(server, name, handler):
+    if server.handlers.get(name) == handler:
         del server.handlers[name]
 
 

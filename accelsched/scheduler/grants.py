@@ -82,7 +82,6 @@ from accelsched.protocol import (
     GUARD_PLUGIN,
     INVENTORY_HANDLER,
     OFFER_HANDLER,
-    PLACEMENT_RUNNING,
     REPORT_HANDLER,
     STATUS_HANDLER,
     DeviceRecord,
@@ -323,19 +322,19 @@ class DeviceReports:
         for ws in list(scheduler.workers.values()):
             self.add_worker(ws)
         # guards already running report again now that someone listens (a guard
-        # registered later reports from its own setup)
+        # registered later reports from its own setup): every worker when the guard is
+        # registered through the scheduler, else those whose heartbeat carries a
+        # guard's metric (``dask worker --preload accelsched``)
         internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.install_handler(scheduler, OFFER_HANDLER, self.handle_offer)
-        scheduler.set_metadata(keys=list(PLACEMENT_RUNNING), value=True)
-        if internals.worker_plugin_registered(scheduler, GUARD_PLUGIN):
-            for addr in list(scheduler.workers):
+        everyone = internals.worker_plugin_registered(scheduler, GUARD_PLUGIN)
+        for addr, ws in list(scheduler.workers.items()):
+            if everyone or internals.worker_metric(ws, GUARD_METRIC) is not None:
                 internals.spawn(scheduler, self._ask_report, addr)
 
     def stop(self) -> None:
         """Unregistered: distributed's handlers and ``set_resources``, and every worker's
         GPU count as it was declared."""
-        if internals.handles(self.scheduler, OFFER_HANDLER, self.handle_offer):  # no newer one
-            self.scheduler.set_metadata(keys=list(PLACEMENT_RUNNING), value=False)
         internals.remove_handler(self.scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.remove_handler(self.scheduler, OFFER_HANDLER, self.handle_offer)
         internals.restore_handler(self.scheduler, "set_resources")

@@ -125,7 +125,6 @@ from accelsched.policy.requirements import LeaseTable, MiB, capacity, held_count
 from accelsched.protocol import (
     INVENTORY_HANDLER,
     OFFER_HANDLER,
-    PLACEMENT_RUNNING,
     RESTART_HANDLER,
     Addressed,
     GuardMetric,
@@ -934,8 +933,10 @@ class Inventory:
         #: shared device (learnt from the offer reply, for each device offered)
         self.shares: dict[int, int] = {}
         self.told = False  # an offer reply said the shares (else: no PlacementPlugin yet)
-        #: whether the scheduler runs a PlacementPlugin (None: not asked yet); while it
-        #: runs none, nothing is sent to its handlers, which it does not have
+        #: whether the scheduler answered the last request as a PlacementPlugin does (None:
+        #: nothing asked yet). A scheduler without one answers None and logs each request
+        #: with a traceback: it is sent no offer and no restart request until a report
+        #: (the scheduler asks for one when a PlacementPlugin starts) is answered.
         self.placement: bool | None = None
         self.held_said: dict[int, int] = {}  # device -> held bytes last offered, in steps
         #: device -> bytes declared tasks lease there, results about to enter memory
@@ -976,15 +977,8 @@ class Inventory:
         }
         reply: InventoryReply | None = None
         try:
-            # asked each time it is not known to run: a PlacementPlugin registered later
-            # asks the guards to report again
-            if not self.placement:
-                self.placement = await self.worker.scheduler.get_metadata(
-                    keys=list(PLACEMENT_RUNNING), default=False
-                )
-            if self.placement:
-                reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
-                self.placement = reply is not None  # None: no such handler there
+            reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
+            self.placement = reply is not None  # None: no such handler there
         except Exception as exc:
             if internals.worker_closing(self.worker):  # it closed meanwhile: nothing to say
                 return {"status": "closing"}
