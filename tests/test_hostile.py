@@ -197,13 +197,19 @@ async def test_odd_events_break_nothing_and_grow_nothing(c, s, a):
         (["status", "foo://127.0.0.1:1", "--timeout", "1s"], "'foo://127.0.0.1:1'"),
         (["events", "no-port", "--timeout", "1s"], "'no-port'"),
         (["status", "", "--timeout", "1s"], "''"),
+        (["status", "tcp://127.0.0.1:1", "--timeout", "None"], "--timeout='None'"),
     ],
 )
 def test_a_bad_command_line_is_a_usage_error_naming_the_value(args, named):
     code, out, err = asyncio.run(cli(*args))
     assert code == 2 and out == ""
     assert "Traceback" not in err
-    assert named in err.strip().splitlines()[-1]
+    last = err.strip().splitlines()[-1]
+    assert named in last
+    # what it offers is what it takes (None, no limit, is not)
+    assert "--timeout" not in named or last.endswith(
+        "expected a duration > 0, like '10s' or '500ms'"
+    )
 
 
 def test_a_timeout_is_read_as_accelsched_reads_durations():

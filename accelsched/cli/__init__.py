@@ -120,6 +120,20 @@ async def _within(seconds: float, call: Awaitable[T]) -> T:
         raise _Unreachable(one_line(exc)) from exc
 
 
+async def _server_kind(address: str, seconds: float) -> str | None:
+    """What answers at ``address`` (``"Worker"``, ``"Nanny"``, ``"Scheduler"``), or None:
+    asked when a client's handshake failed there, for a message that says why."""
+    from distributed.core import rpc
+
+    try:
+        async with rpc(address, timeout=seconds) as server:
+            identity = await asyncio.wait_for(server.identity(), seconds)
+    except Exception:
+        return None
+    kind = identity.get("type") if isinstance(identity, dict) else None
+    return kind if isinstance(kind, str) and kind.isidentifier() else None
+
+
 def _run(
     command: str,
     address: str,
@@ -149,7 +163,16 @@ def _run(
         async def body() -> int:
             failed = "cannot reach a scheduler at"
             try:
-                await _within(within, client)
+                try:
+                    await _within(within, client)
+                except _Unreachable as exc:
+                    kind = None if exc.__cause__ is None else await _server_kind(address, within)
+                    if kind is None or kind == "Scheduler":
+                        raise
+                    raise _Unreachable(
+                        f"that is a {kind.lower()}'s address: give the scheduler's (the address "
+                        "its workers were given), or --scheduler-file"
+                    ) from None
                 failed = "lost the scheduler at"
                 while True:
                     if client.status != "running" or client.scheduler is None:
@@ -439,10 +462,12 @@ def _timeout(ctx: click.Context, param: click.Parameter, value: str) -> float:
 
     try:
         seconds = parse_optional_duration("--timeout", value)
-    except (TypeError, ValueError) as exc:
-        raise click.BadParameter(str(exc)) from None
+    except (TypeError, ValueError):
+        seconds = None  # (its message would offer None, which means no limit elsewhere)
     if seconds is None or not 0 < seconds < float("inf"):
-        raise click.BadParameter(f"invalid --timeout={value!r}: expected a duration > 0")
+        raise click.BadParameter(
+            f"invalid --timeout={value!r}: expected a duration > 0, like '10s' or '500ms'"
+        )
     return seconds
 
 
