@@ -151,7 +151,7 @@ def unknown_config(config: Mapping[str, Any] | None = None) -> list[str]:
             return
         if not isinstance(given, Mapping):
             found.append(
-                f"{path}={given!r} (expected keys under it: "
+                f"{path}={_shown(given)} (expected keys under it: "
                 f"{', '.join(f'{path}.{k}' for k in known)})"
             )
             return
@@ -161,7 +161,7 @@ def unknown_config(config: Mapping[str, Any] | None = None) -> list[str]:
             if name is None:
                 near = difflib.get_close_matches(str(key).replace("_", "-"), spelled, n=1)
                 found.append(
-                    f"{path}.{key}"
+                    f"{path}.{_shown(key, name=True)}"
                     + (f" (did you mean {path}.{spelled[near[0]]}?)" if near else "")
                 )
             elif isinstance(known[name], Mapping):
@@ -171,8 +171,19 @@ def unknown_config(config: Mapping[str, Any] | None = None) -> list[str]:
     return found
 
 
+def _shown(value: Any, name: bool = False) -> str:
+    """``value`` on one short line: a plain key ``name`` as it is, anything else as its
+    repr, cut at 80 characters (a config file could hold a newline, or a megabyte)."""
+    if name and isinstance(value, str) and re.fullmatch(r"[\w.-]{1,80}", value, re.ASCII):
+        return value
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 #: What :func:`warn_unknown_config` said already in this process.
 _said_unknown: set[str] = set()
+#: The most unknown settings listed one by one at a time; the rest are counted.
+MAX_UNKNOWN_SAID = 10
 
 
 def warn_unknown_config() -> None:
@@ -182,10 +193,20 @@ def warn_unknown_config() -> None:
     Read in the YAML files and the environment as dask collects them, too: a value where a
     group of keys belongs (``DASK_ACCELSCHED__ADAPT=5``) is replaced by the group's
     defaults in the config in effect."""
-    for line in unknown_config(dask.config.collect()) + unknown_config():
-        if line not in _said_unknown:
-            _said_unknown.add(line)
-            logger.warning("accelsched: dask config %s is not an accelsched option: ignored", line)
+    new = dict.fromkeys(  # in order, once
+        line
+        for line in unknown_config(dask.config.collect()) + unknown_config()
+        if line not in _said_unknown
+    )
+    _said_unknown.update(new)
+    for line in list(new)[:MAX_UNKNOWN_SAID]:
+        logger.warning("accelsched: dask config %s is not an accelsched option: ignored", line)
+    if len(new) > MAX_UNKNOWN_SAID:
+        logger.warning(
+            "accelsched: dask config has %d more settings under accelsched that no option "
+            "reads, ignored (not listed)",
+            len(new) - MAX_UNKNOWN_SAID,
+        )
 
 
 def resolve_options(

@@ -632,13 +632,12 @@ class NVMLMonitor:
             try:
                 nvml = load_backend()
             except ImportError as exc:
-                return self._unavailable(
-                    "pynvml is not installed (pip install nvidia-ml-py)"
-                    if exc.name == "pynvml"
-                    else f"the NVML backend cannot be imported: {exc}"
-                )
+                if exc.name == "pynvml":  # the default's: a host without GPUs, as a rule
+                    return self._unavailable("pynvml is not installed (pip install nvidia-ml-py)")
+                # a backend named by the operator, or one that is broken: said louder
+                return self._unavailable(f"the NVML backend cannot be imported: {exc}", True)
             except ValueError as exc:  # a bad accelsched.nvml-backend
-                return self._unavailable(str(exc))
+                return self._unavailable(str(exc), True)
             try:
                 nvml.nvmlInit()
             except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
@@ -646,11 +645,16 @@ class NVMLMonitor:
             self._nvml = nvml
             return nvml
 
-    def _unavailable(self, reason: str) -> None:
+    def _unavailable(self, reason: str, mistake: bool = False) -> None:
+        """No NVML here, for ``reason``: said once per process, at INFO where a host
+        without GPUs says it (no pynvml, no driver), as a warning where a setting is
+        wrong (``mistake``: a backend named that cannot be imported)."""
         self.reason = reason
         if reason not in _logged:
             _logged.add(reason)
-            logger.info("accelsched: no GPUs in this process: %s", reason)
+            (logger.warning if mistake else logger.info)(
+                "accelsched: no GPUs in this process: %s", reason
+            )
 
     @property
     def available(self) -> bool:

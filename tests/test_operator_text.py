@@ -320,6 +320,22 @@ def test_an_application_that_configured_logging_prints_each_line_once() -> None:
         ),
         ({"zzz": 1}, ["accelsched.zzz"]),  # nothing near it: no guess
         ({"guard": None, "placement": {}}, []),  # YAML groups with every key commented out
+        (  # a key that is no plain name is shown as its repr: one line, nothing forged
+            {"placement\n2026 - accelsched - WARNING - forged": 1, "guard ": {}},
+            [
+                "accelsched.'placement\\n2026 - accelsched - WARNING - forged'",
+                "accelsched.'guard ' (did you mean accelsched.guard?)",
+            ],
+        ),
+        (
+            {"adapt": "x" * 500},
+            [
+                f"accelsched.adapt='{'x' * 76}... (expected keys under it: "
+                "accelsched.adapt.interval, accelsched.adapt.wait-count, "
+                "accelsched.adapt.target-duration, accelsched.adapt.idle-after, "
+                "accelsched.adapt.start-timeout)"
+            ],
+        ),
         (
             {"adapt": 5},
             [
@@ -355,3 +371,27 @@ def test_a_misspelled_config_variable_is_logged_once_by_the_process_that_reads_i
     )
     assert "dask config accelsched.adapt=5 (expected keys under it: " in adapt
     assert run_python(code, env=_env()) == ""  # the defaults: nothing said
+
+
+def test_many_unknown_settings_are_counted_past_the_tenth(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config file with thousands of stray keys: ten lines and a count, not thousands."""
+    import dask
+
+    from accelsched import config
+
+    monkeypatch.setattr(config, "_said_unknown", set())
+    stray = {f"k{i}": i for i in range(5000)}
+    with dask.config.set({"accelsched.guard": stray}), caplog.at_level("WARNING"):
+        config.warn_unknown_config()
+        config.warn_unknown_config()  # said already: nothing more
+    lines = [r.getMessage() for r in caplog.records if r.name == "accelsched.config"]
+    assert len(lines) == config.MAX_UNKNOWN_SAID + 1
+    assert lines[0] == (
+        "accelsched: dask config accelsched.guard.k0 is not an accelsched option: ignored"
+    )
+    assert lines[-1] == (
+        "accelsched: dask config has 4990 more settings under accelsched that no option "
+        "reads, ignored (not listed)"
+    )

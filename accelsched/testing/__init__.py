@@ -48,6 +48,7 @@ from accelsched.testing.checks import (
 from accelsched.testing.checks import (
     _check_bool,
     _check_capability,
+    _check_context,
     _check_count,
     _check_name,
     _check_pid_offset,
@@ -156,7 +157,10 @@ class FakeGPUs:
         if pid_offset is not None:
             flags = replace(flags, pid_offset=_check_pid_offset(pid_offset))
         if context_memory is not None:
-            flags = replace(flags, context_bytes=_parse_size(context_memory, "context_memory"))
+            context = _parse_size(context_memory, "context_memory")
+            flags = replace(
+                flags, context_bytes=_check_context(context, self.memory, context_memory)
+            )
         self._write(flags)
 
 
@@ -197,7 +201,9 @@ def fake_gpus(
     flags = state.Flags(
         process_memory=_check_bool(process_memory, "process_memory"),
         pid_offset=_check_pid_offset(pid_offset),
-        context_bytes=_parse_size(context_memory, "context_memory"),
+        context_bytes=_check_context(
+            _parse_size(context_memory, "context_memory"), totals, context_memory
+        ),
     )
     with _active_lock:
         outer = os.environ.get(state.ENV_DIR)

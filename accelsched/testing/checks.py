@@ -19,6 +19,10 @@ def _check_count(count: int) -> int:
     return count
 
 
+#: The largest size NVML can report (an unsigned 64-bit count of bytes).
+MAX_BYTES = 2**64 - 1
+
+
 def _parse_size(value: int | str, what: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"fake_gpus: {what} must be bytes (int) or a size string, got {value!r}")
@@ -27,7 +31,23 @@ def _parse_size(value: int | str, what: str, minimum: int = 0) -> int:
         raise ValueError(f"fake_gpus: {what} is not a size in whole bytes: {value!r}")
     if size < minimum:
         raise ValueError(f"fake_gpus: {what} must be at least {minimum} bytes, got {value!r}")
+    if size > MAX_BYTES:
+        raise ValueError(
+            f"fake_gpus: {what} must be at most {MAX_BYTES} bytes (what NVML can report), "
+            f"got {value!r}"
+        )
     return size
+
+
+def _check_context(context: int, totals: Sequence[int], value: Any) -> int:
+    """A CUDA context larger than a device could never be made there: every allocation
+    on it would fail."""
+    if totals and context > min(totals):
+        raise ValueError(
+            f"fake_gpus: context_memory {value!r} is more than a device's memory "
+            f"({min(totals)} bytes)"
+        )
+    return context
 
 
 def _check_name(value: str) -> str:

@@ -761,6 +761,12 @@ def test_library_builds_once_even_concurrently(
         ({"names": ["a\tb", "c"]}, ValueError, "name"),
         ({"names": [1, 2]}, TypeError, "names"),
         ({"context_memory": "-1MiB"}, ValueError, "context_memory"),
+        ({"memory": 2**64}, ValueError, "memory must be at most 18446744073709551615 bytes"),
+        (
+            {"memory": ["16GiB", "1GiB"], "context_memory": "2GiB"},
+            ValueError,
+            "context_memory '2GiB' is more than a device's memory",
+        ),
         ({"process_memory": "no"}, TypeError, "process_memory"),
         ({"pid_offset": -5}, ValueError, "pid_offset"),
         ({"mig": "3g.40gb"}, TypeError, "mig must be None, a list"),

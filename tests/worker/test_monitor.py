@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from accelsched import devices
 from accelsched.devices import NVMLMonitor, cuda
 from accelsched.testing import create_context, device_alloc, fake_gpus
 from accelsched.testing.nvml_backend import SimulatedCuda
@@ -138,13 +139,17 @@ def test_backend_by_name(tmp_path, monkeypatch) -> None:
         ("", "is no module name"),
     ],
 )
-def test_a_bad_backend_means_zero_gpus_and_says_which(monkeypatch, value, said) -> None:
+def test_a_bad_backend_means_zero_gpus_and_says_which(monkeypatch, caplog, value, said) -> None:
+    """A wrong setting, so a warning (a host without pynvml or a driver says so at INFO)."""
     monkeypatch.setenv("ACCELSCHED_NVML_BACKEND", value)
+    monkeypatch.setattr(devices, "_logged", set())  # said once per process
     import dask
 
-    with dask.config.set({"accelsched.nvml-backend": value}):
+    with dask.config.set({"accelsched.nvml-backend": value}), caplog.at_level("INFO"):
         m = NVMLMonitor(env={})
         assert m.devices() == [] and not m.available
     assert said in (m.reason or ""), m.reason
     if value:
         assert repr(value) in (m.reason or "") or value in (m.reason or "")
+    (record,) = [r for r in caplog.records if "no GPUs in this process" in r.getMessage()]
+    assert record.levelname == "WARNING" and said in record.getMessage()
