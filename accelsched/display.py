@@ -111,7 +111,7 @@ COLUMNS: Final = [
 #: What a quarantined worker waits for, by the reason it was quarantined: its guard asks
 #: for the restart again at each confirmed leak, and the restart proceeds once this holds.
 WAITS_FOR: Final = {
-    "no-peer": "a peer to take its data",
+    "no-peer": "a peer to take its data, or to hold and run nothing",
     "retire-failed": "a peer to take its data",
     "concurrency": "a free restart slot",
     "busy": "its running tasks to end",

@@ -262,6 +262,11 @@ def has_running_peer(scheduler: Scheduler, ws: WorkerState) -> bool:
     return any(w is not ws for w in scheduler.running)
 
 
+def idle_and_empty(ws: WorkerState) -> bool:
+    """``ws`` holds no key and has no task: a restart of it loses nothing, peer or not."""
+    return not ws.has_what and not ws.processing
+
+
 def _holds_sole_copy(ws: WorkerState) -> bool:
     return any(len(ts.who_has or ()) < 2 for ts in ws.has_what)
 

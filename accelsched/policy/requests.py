@@ -195,7 +195,8 @@ def admit_restart(
 
     The request was admitted as the worker's own (a stranger's is refused before it
     gets here: :class:`Requests`). ``has_nanny``: something can
-    start it again. ``has_peer``: another running worker can take its data. ``key``
+    start it again. ``has_peer``: another running worker can take its data (or it has
+    none, and runs nothing). ``key``
     identifies the worker across restarts (its nanny), for the budget.
 
     ``restart`` (reason: ``why``, what its event says) starts it; ``defer`` (reason:

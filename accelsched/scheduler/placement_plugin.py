@@ -346,7 +346,9 @@ class PlacementPlugin(SchedulerPlugin):
             worker=worker,
             why=reason,
             has_nanny=ws.nanny is not None,
-            has_peer=internals.has_running_peer(self.scheduler, ws),
+            # a lone worker holding and running nothing has nothing to move: restarted
+            # (its GPUs would otherwise stay quarantined for as long as it is alone)
+            has_peer=internals.has_running_peer(self.scheduler, ws) or internals.idle_and_empty(ws),
         )
         if proposal is not None:
             self.act([proposal], keep_devices=keeps_devices(reason))

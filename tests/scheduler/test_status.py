@@ -367,7 +367,10 @@ async def test_before_the_first_heartbeat_the_table_says_it_waits(c, s):
 def test_a_quarantine_says_what_it_waits_for() -> None:
     from accelsched.display import quarantine_text, waits_for
 
-    assert waits_for("restart-deferred: no-peer") == "a peer to take its data"
+    assert (
+        waits_for("restart-deferred: no-peer")
+        == "a peer to take its data, or to hold and run nothing"
+    )
     assert waits_for("restart-deferred: restart-failed: 'timed out'") == "its nanny to restart it"
     assert waits_for("restart-budget") == "its restart window to move on"
     assert waits_for("something new") is None

@@ -131,7 +131,10 @@ async def test_no_false_positive_on_benign_workloads(c, s, a, b):
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=60)
-async def test_single_worker_is_quarantined_not_restarted(c, s, a):
+async def test_single_worker_is_quarantined_until_it_holds_nothing(c, s, a):
+    """No peer to take its result: quarantined, not restarted. Once it holds and runs
+    nothing, the next confirmed leak restarts it (nothing to lose), and its GPU is back
+    (before: quarantined for as long as it stayed alone)."""
     kept = await leak_on_only_worker(c, s, a, 7)
     (deferred,) = events(s, "restart-deferred")
     assert deferred["reason"] == "no-peer"
@@ -142,6 +145,13 @@ async def test_single_worker_is_quarantined_not_restarted(c, s, a):
     # GPU tasks now wait (or fall back) instead of landing on the leaking worker
     with dask.annotate(resources={"GPU": 1}, fallback_timeout=0):
         assert await c.submit(accelsched.current_device, key="elsewhere") is None
+    old = a.worker_address
+    del kept
+    await wait_for(lambda: events(s, "restart"), timeout=30)
+    await wait_for(lambda: old not in s.workers and len(s.workers) == 1, timeout=30)
+    await verified(s, a, count=1)
+    with dask.annotate(resources={"GPU": 1}):
+        assert await c.submit(accelsched.current_device, key="back") == 0
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=60)
