@@ -148,6 +148,8 @@ async def test_single_worker_is_quarantined_until_it_holds_nothing(c, s, a):
     old = a.worker_address
     del kept
     await wait_for(lambda: events(s, "restart"), timeout=30)
+    (restart,) = events(s, "restart")
+    assert restart["worker"] == old and restart["moved"] == 0  # nothing to move, none lost
     await wait_for(lambda: old not in s.workers and len(s.workers) == 1, timeout=30)
     await verified(s, a, count=1)
     with dask.annotate(resources={"GPU": 1}):
