@@ -288,15 +288,17 @@ def test_invalid_watch_interval_is_a_usage_error():
 async def test_a_workers_or_nannys_address_is_said_to_be_one(c, s, a):
     """Given the address of a worker or its nanny, one line says what answers there
     (before: ``TypeError: Worker.identity() got an unexpected keyword argument``)."""
-    for address, kind in ((a.worker_address, "worker"), (a.address, "nanny")):
-        for command in ("status", "events"):
-            code, out, err = await cli(command, address, "--timeout", "5s")
-            assert code == 1 and out == ""
-            assert err.strip().splitlines() == [
-                f"accelsched {command}: cannot reach a scheduler at {address}: that is a "
-                f"{kind}'s address: give the scheduler's (the address its workers were "
-                "given), or --scheduler-file"
-            ]
+    for command, address, kind in (
+        ("status", a.worker_address, "worker"),
+        ("events", a.address, "nanny"),
+    ):
+        code, out, err = await cli(command, address, "--timeout", "5s")
+        assert code == 1 and out == ""
+        assert err.strip().splitlines() == [
+            f"accelsched {command}: cannot reach a scheduler at {address}: that is a "
+            f"{kind}'s address: give the scheduler's (the address its workers were "
+            "given), or --scheduler-file"
+        ]
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
