@@ -3,8 +3,9 @@ figures its heartbeat carries."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
-from time import time
+from time import monotonic, time
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,20 @@ def worker_closing(worker: Worker) -> bool:
 def worker_in_service(worker: Worker) -> bool:
     """Whether the worker runs (or is paused): not closing, not being replaced."""
     return worker.status in (Status.running, Status.paused)
+
+
+async def events_sent(worker: Worker, within: float = 1.0) -> None:
+    """Return once what the worker queued on its batched stream to the scheduler (its
+    events) is written, or after ``within`` seconds. A request on a connection of its
+    own sent after this reaches the scheduler after them, as a rule: the scheduler's
+    answer to a restart request is then logged after the leak that caused it."""
+    stream = getattr(worker, "batched_stream", None)
+    if stream is None or not stream.buffer:
+        await asyncio.sleep(0)  # a write under way: its turn first
+        return
+    written, deadline = stream.byte_count, monotonic() + within
+    while stream.byte_count == written and not stream.please_stop and monotonic() < deadline:
+        await asyncio.sleep(max(stream.interval / 2, 0.001))
 
 
 def plugin_modules(worker: Worker) -> list[str]:

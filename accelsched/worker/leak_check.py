@@ -1110,6 +1110,7 @@ class Inventory:
         try:
             if self.placement is False:  # nobody there restarts a worker: the leak is said
                 return
+            await internals.events_sent(self.worker)  # the leak reaches the scheduler first
             reply: RestartReply = await getattr(self.worker.scheduler, RESTART_HANDLER)(**request)
             logger.info("accelsched: restart request answered %r", reply)
             self.placement = reply is not None  # None: no such handler there

@@ -18,6 +18,7 @@ from distributed.core import rpc
 from distributed.utils_test import gen_cluster
 
 import accelsched
+from accelsched.events import TOPIC
 from accelsched.testing import device_alloc, fixed_pool
 from tests.utils import (
     CONFIRMED,
@@ -139,6 +140,9 @@ async def test_single_worker_is_quarantined_until_it_holds_nothing(c, s, a):
     (deferred,) = events(s, "restart-deferred")
     assert deferred["reason"] == "no-peer"
     await wait_for(lambda: events(s, "quarantine"))
+    # in the log, the leak comes before what the scheduler did about it
+    said = [e["action"] for _, e in s.get_events(TOPIC)]
+    assert said.index("leak") < said.index("restart-deferred") < said.index("quarantine"), said
     assert gpus(s, a.worker_address) == 0
     assert (await kept).value == 7
     assert not events(s, "restart")
