@@ -351,6 +351,15 @@ async def test_changed_worker_internals_fail_registration(c, s, a) -> None:
             await c.register_plugin(accelsched.GuardPlugin())
     finally:
         a.executors = saved
+    stream, written = a.batched_stream, a.batched_stream.byte_count
+    del stream.byte_count  # what the guard reads to know its events are written
+    try:
+        with pytest.raises(
+            internals.IncompatibleDistributed, match=r"Worker\.batched_stream\.byte_count"
+        ):
+            await c.register_plugin(accelsched.GuardPlugin())
+    finally:
+        stream.byte_count = written
 
 
 def test_the_installed_package_carries_the_license() -> None:

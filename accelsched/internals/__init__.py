@@ -332,6 +332,12 @@ def check_worker(worker: Worker) -> None:
     ]
     if not hasattr(worker, "thread_id"):
         problems.append("Worker.thread_id (the worker's stream) is gone")
+    stream = getattr(worker, "batched_stream", None)  # (events_sent reads how far it is)
+    problems += [
+        f"Worker.batched_stream.{n} is gone"
+        for n in ("buffer", "byte_count", "interval", "please_stop")
+        if not hasattr(stream, n)
+    ]
     # (dask._task_spec without GraphNode or Task: accelsched.internals fails to import)
     if not hasattr(GraphNode, "is_coro") or not hasattr(GraphNode, "dependencies"):
         problems.append("dask._task_spec.GraphNode lost is_coro or dependencies")
