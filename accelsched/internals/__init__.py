@@ -105,6 +105,7 @@ __all__ = [
     "advertises_gpus",
     "annotate",
     "drop_annotated_resource",
+    "events_sent",
     "apply_resources",
     "check_scheduler",
     "check_worker",
@@ -124,7 +125,6 @@ __all__ = [
     "plugin_modules",
     "release_unfit",
     "remove_handler",
-    "events_sent",
     "remove_metric",
     "replace_worker",
     "reset_distributed_nvml",
@@ -333,11 +333,14 @@ def check_worker(worker: Worker) -> None:
     if not hasattr(worker, "thread_id"):
         problems.append("Worker.thread_id (the worker's stream) is gone")
     stream = getattr(worker, "batched_stream", None)  # (events_sent reads how far it is)
-    problems += [
-        f"Worker.batched_stream.{n} is gone"
-        for n in ("buffer", "byte_count", "interval", "please_stop")
-        if not hasattr(stream, n)
-    ]
+    if stream is None:
+        problems.append("Worker.batched_stream is gone")
+    else:
+        problems += [
+            f"Worker.batched_stream.{n} is gone"
+            for n in ("buffer", "byte_count", "interval", "please_stop")
+            if not hasattr(stream, n)
+        ]
     # (dask._task_spec without GraphNode or Task: accelsched.internals fails to import)
     if not hasattr(GraphNode, "is_coro") or not hasattr(GraphNode, "dependencies"):
         problems.append("dask._task_spec.GraphNode lost is_coro or dependencies")

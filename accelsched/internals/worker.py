@@ -71,18 +71,23 @@ def worker_in_service(worker: Worker) -> bool:
     return worker.status in (Status.running, Status.paused)
 
 
-async def events_sent(worker: Worker, within: float = 1.0) -> None:
-    """Return once what the worker queued on its batched stream to the scheduler (its
-    events) is written, or after ``within`` seconds. A request on a connection of its
-    own sent after this reaches the scheduler after them, as a rule: the scheduler's
-    answer to a restart request is then logged after the leak that caused it."""
+async def events_sent(worker: Worker, within: float = 0.1) -> None:
+    """Return once the worker's batched stream to the scheduler wrote what was queued on
+    it (its events), or after ``within`` seconds. A request on a connection of its own
+    sent after this reaches the scheduler after them, as a rule (two connections are not
+    ordered): the scheduler's answer to a restart request is then logged after the leak
+    that caused it. The stream writes one batch at a time, each after the one before."""
     stream = getattr(worker, "batched_stream", None)
-    if stream is None or not stream.buffer:
-        await asyncio.sleep(0)  # a write under way: its turn first
+    if stream is None:
         return
-    written, deadline = stream.byte_count, monotonic() + within
+    pause, deadline = max(stream.interval / 2, 0.001), monotonic() + within
+    written = stream.byte_count
+    while stream.buffer and not stream.please_stop and monotonic() < deadline:
+        written = stream.byte_count  # an earlier batch written meanwhile is not ours
+        await asyncio.sleep(pause)
+    # taken: the write under way is ours (or ours was written already: the deadline)
     while stream.byte_count == written and not stream.please_stop and monotonic() < deadline:
-        await asyncio.sleep(max(stream.interval / 2, 0.001))
+        await asyncio.sleep(pause)
 
 
 def plugin_modules(worker: Worker) -> list[str]:
