@@ -276,6 +276,21 @@ def parse_interval(name: str, value: Any, least: float = MIN_INTERVAL) -> float:
     return seconds
 
 
+def parse_duration(name: str, value: Any) -> float:
+    """A duration that may be 0 (at once) but not absent: None is refused, not read as
+    never."""
+    try:
+        seconds = parse_optional_duration(name, value)
+    except (TypeError, ValueError) as exc:
+        raise _bad(name, value, _DURATION_OR_0, type(exc)) from None
+    if seconds is None:
+        raise _bad(name, value, _DURATION_OR_0, TypeError)
+    return seconds
+
+
+_DURATION_OR_0 = "a duration >= 0, like '0s', '500ms' or '60s'"
+
+
 def parse_bool(name: str, value: Any) -> bool:
     found = {"true": True, "false": False}.get(value.lower()) if isinstance(value, str) else value
     if isinstance(found, bool):
@@ -422,15 +437,14 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     Option("preimport", "accelsched.guard.preimport", dotted_names("dask.dataframe")),
 )
 
-_ANY_INTERVAL = functools.partial(parse_interval, least=0)
 #: :func:`accelsched.adapt`'s options: distributed's ``Adaptive`` ones (``interval``,
 #: ``wait_count``, ``target_duration``, same meaning) and the pools' own.
 ADAPT_OPTIONS: tuple[Option, ...] = (
     Option("interval", "accelsched.adapt.interval", functools.partial(parse_interval, least=0.05)),
     Option("wait_count", "accelsched.adapt.wait-count", POSITIVE_COUNT),
     Option("target_duration", "accelsched.adapt.target-duration", parse_interval),
-    Option("idle_after", "accelsched.adapt.idle-after", _ANY_INTERVAL),
-    Option("start_timeout", "accelsched.adapt.start-timeout", _ANY_INTERVAL),
+    Option("idle_after", "accelsched.adapt.idle-after", parse_duration),
+    Option("start_timeout", "accelsched.adapt.start-timeout", parse_duration),
 )
 
 

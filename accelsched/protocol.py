@@ -275,6 +275,8 @@ class WorkerDemand(TypedDict):
     busy: bool  # has tasks processing
     gpu_busy: bool  # has GPU tasks processing
     gpus: int  # devices granted (verified through NVML)
+    retiring: bool  # retired, still running (closing gracefully): takes no new task
+    holds: bool  # holds results (retiring it moves them to a peer first)
 
 
 class DemandReply(TypedDict):

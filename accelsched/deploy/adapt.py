@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, cast
 from distributed import Adaptive, SpecCluster
 from distributed.metrics import time
 
-from accelsched import events
+from accelsched import events, internals
 from accelsched.config import ADAPT_OPTIONS, resolve_options
 from accelsched.internals.client_side import retire_named, spec_class, take_adaptive
 from accelsched.policy.requirements import DeviceFacts, parse_requirement
@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 
 POOL_KEYS = ("spec", "minimum", "maximum", "devices")
 DEVICE_KEYS = ("count", "name", "memory", "capability", "mig")
-#: Longest wait (seconds) before asking a scheduler that had no PlacementPlugin again.
-NO_PLUGIN_WAIT_MAX = 60.0
+#: Longest wait (seconds) before trying again: asking a scheduler that had no
+#: PlacementPlugin, moving a retired worker's results no peer took.
+RETRY_WAIT_MAX = 60.0
 #: A pool's name: its workers are ``<name>-<n>``.
 _NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
@@ -95,8 +96,20 @@ def _declared_gpus(pool: str, options: Mapping[str, Any]) -> Any:
     """The GPUs a pool's workers declare: a worker's ``resources={"GPU": n}``, or a
     dask-jobqueue job's ``worker_extra_args=["--resources", "GPU=n"]`` (None: none said)."""
     if "resources" in options:
-        return (options["resources"] or {}).get(GPU)
-    args = list(options.get("worker_extra_args") or ())
+        resources = options["resources"] or {}
+        if not isinstance(resources, Mapping):
+            raise TypeError(
+                f"pool {pool!r}: invalid spec options resources={resources!r:.80}: expected "
+                "a mapping, like {'GPU': 1}"
+            )
+        return resources.get(GPU)
+    args = options.get("worker_extra_args") or ()
+    if not isinstance(args, (list, tuple)):
+        raise TypeError(
+            f"pool {pool!r}: invalid spec options worker_extra_args={args!r:.80}: expected a "
+            "list of arguments, like ['--resources', 'GPU=1']"
+        )
+    args = list(args)
     for flag, value in zip(args, args[1:], strict=False):
         if flag == "--resources":
             for item in str(value).replace(",", " ").split():
@@ -138,7 +151,7 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
             cls = spec_class(spec["cls"])
         except (ImportError, AttributeError, ValueError) as exc:
             raise ValueError(f"pool {name!r}: invalid spec cls={spec['cls']!r}: {exc}") from None
-        if not isinstance(cls, type):
+        if not internals.worker_class(cls):
             raise TypeError(
                 f"pool {name!r}: invalid spec cls={spec['cls']!r:.80}: expected a worker class "
                 "(Nanny, Worker, a dask-jobqueue job class) or its import path"
@@ -161,8 +174,11 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         # tasks a worker runs at once: its ``nthreads``, or a dask-jobqueue job's ``cores``
         # (one worker per job: a job of several workers names them ``<name>-<i>``, which
         # are not the pool's ``<pool>-<n>``)
-        given_threads = options.get("nthreads") or options.get("cores") or 1
-        threads = _count(name, "spec options nthreads", given_threads, least=1)
+        key = "nthreads" if options.get("nthreads") is not None else "cores"
+        given_threads = options.get(key)
+        threads = _count(
+            name, f"spec options {key}", 1 if given_threads is None else given_threads, least=1
+        )
         out[name] = PoolSpec(
             Pool(name, minimum, maximum, gpus, facts, threads),
             {"cls": spec["cls"], "options": dict(options)},
@@ -188,13 +204,16 @@ class ElasticPools(Adaptive):
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
         # without the plugin the scheduler logs each unknown request with a traceback:
-        # it is asked again after a wait that doubles, up to NO_PLUGIN_WAIT_MAX (0: it
+        # it is asked again after a wait that doubles, up to RETRY_WAIT_MAX (0: it
         # answered last time), at ``_ask_at``
         self._no_plugin_wait = self._ask_at = 0.0
         #: pool -> when its latest worker still starting was asked for (at the last look)
         self._awaited: dict[str, float] = {}
-        #: retired workers that still run tasks sent before: closed once those end
+        #: the pools' retired workers that still run (as the scheduler said at the last
+        #: look, so one another controller retired is known too): closed once idle
         self._closing: set[str] = set()
+        #: retired worker whose results no peer took -> (when to try again, the wait)
+        self._retry: dict[str, tuple[float, float]] = {}
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
         self._gpu_idle_with_cpu_work = any(not pool.gpus for pool, _ in self.pools.values())
         super().__init__(
@@ -215,14 +234,14 @@ class ElasticPools(Adaptive):
     def members(self, pool: str) -> list[str]:
         """The workers of ``pool`` the cluster has now (starting or running; not those
         retired, finishing what they run)."""
+        return [n for n in self._named(pool) if n not in self._closing]
+
+    def _named(self, pool: str) -> list[str]:
         prefix = pool + "-"
         return [
             n
             for n in self.cluster.worker_spec
-            if isinstance(n, str)
-            and n.startswith(prefix)
-            and n[len(prefix) :].isdigit()
-            and n not in self._closing
+            if isinstance(n, str) and n.startswith(prefix) and n[len(prefix) :].isdigit()
         ]
 
     async def adapt(self) -> None:
@@ -240,11 +259,13 @@ class ElasticPools(Adaptive):
                         "or start the scheduler with --preload accelsched. The pools wait",
                         DEMAND_HANDLER,
                     )
-                self._no_plugin_wait = min(NO_PLUGIN_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
+                self._no_plugin_wait = min(RETRY_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
                 self._ask_at = time() + self._no_plugin_wait
                 return
             self._no_plugin_wait = 0.0
             now = time()
+            retiring = {w["name"] for w in reply["workers"] if w["retiring"]}
+            self._closing = {n for pool in self.pools for n in self._named(pool) if n in retiring}
             self.last_plan = plan = decide(
                 [pool for pool, _ in self.pools.values()],
                 self._states(reply, now),
@@ -294,21 +315,39 @@ class ElasticPools(Adaptive):
                             target=plan.targets[pool],
                         )
                 self._closing.update(retired)
-            # close the retired workers that run nothing now. A retired worker takes no
-            # new task (distributed's graceful closing) but finishes those it runs (CPU
-            # tasks a GPU pool's worker ran), so closing it loses no work
-            if done := sorted(self._closing - {w["name"] for w in reply["workers"] if w["busy"]}):
-                # their specs go; the cluster closes them. Their times went at the look that
-                # first saw them retired (a retired worker is no member)
-                await self.cluster.scale_down(done)
-                self._closing.difference_update(done)
+            await self._close_retired(reply, now)
         finally:
             self._adapting = False
+
+    async def _close_retired(self, reply: DemandReply, now: float) -> None:
+        """Close the retired workers that run nothing now. A retired worker takes no new
+        task (distributed's graceful closing) but finishes those it runs (CPU tasks a GPU
+        pool's worker ran): their results are moved to a peer first (retired again), so
+        closing it loses no work and runs nothing twice. One whose results no peer can
+        take keeps them, and is tried again after a wait that doubles."""
+        busy = {w["name"] for w in reply["workers"] if w["busy"]}
+        self._retry = {w: r for w, r in self._retry.items() if w in self._closing}
+        done = sorted(w for w in self._closing - busy if self._retry.get(w, (0.0,))[0] <= now)
+        if not done:
+            return
+        moved = await retire_named(self.scheduler, done)
+        for w in done:
+            if w not in moved:
+                last = self._retry.get(w, (0.0, self.options["interval"]))[1]
+                wait = min(RETRY_WAIT_MAX, 2 * last)
+                self._retry[w] = (now + wait, wait)
+        if closed := [w for w in done if w in moved]:
+            # their specs go; the cluster closes them. Their times went at the look that
+            # first saw them retired (a retired worker is no member)
+            await self.cluster.scale_down(closed)
+            self._closing.difference_update(closed)
 
     def _states(self, reply: DemandReply, now: float) -> dict[str, PoolState]:
         """Each pool's workers: running (arrived; a GPU pool's once its devices are
         verified, or start_timeout passed), starting, and how long each idle one was."""
         arrived = {w["name"]: w for w in reply["workers"]}
+        # workers that could take a retired worker's results (none retired themselves)
+        in_service = {w["name"] for w in reply["workers"] if not w["retiring"]}
         states = {}
         for name, (pool, _) in self.pools.items():
             idle = {}
@@ -321,7 +360,11 @@ class ElasticPools(Adaptive):
                 if seen is None or (pool.gpus and not seen["gpus"] and not late):
                     starting.append(started)
                 # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
-                elif seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"]:
+                elif seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"] or (
+                    # its results have nowhere to go: retiring it would fail (and each try
+                    # is logged twice as a warning); idle once a peer is there or they go
+                    seen["holds"] and not in_service - {w}
+                ):
                     self._idle_since.pop(w, None)
                 else:
                     idle[w] = now - self._idle_since.setdefault(w, now)

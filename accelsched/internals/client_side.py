@@ -36,6 +36,15 @@ def spec_class(cls: Any) -> Any:
     return import_term(cls) if isinstance(cls, str) else cls
 
 
+def worker_class(cls: Any) -> bool:
+    """Whether a worker spec's class can start a worker: a server (``Nanny``,
+    ``Worker``) or a process a cluster manages (a dask-jobqueue job)."""
+    from distributed.core import Server
+    from distributed.deploy.spec import ProcessInterface
+
+    return isinstance(cls, type) and issubclass(cls, (Server, ProcessInterface))
+
+
 async def retire_named(scheduler_comm: Any, names: list[str]) -> set[str]:
     """Retire workers by name through the scheduler (their data copied to peers first, as
     ``Adaptive.scale_down`` does); the names it did retire. A worker whose data no peer

@@ -258,6 +258,16 @@ def closing(ws: WorkerState) -> bool:
     return ws.status in (Status.closing, Status.closed, Status.failed)
 
 
+def retiring(ws: WorkerState) -> bool:
+    """Whether the worker was retired and still runs (``closing_gracefully``): it takes
+    no new task, finishes those it runs, and keeps its results until they are moved."""
+    return ws.status == Status.closing_gracefully
+
+
+def holds_results(ws: WorkerState) -> bool:
+    return bool(ws.has_what)
+
+
 def has_running_peer(scheduler: Scheduler, ws: WorkerState) -> bool:
     return any(w is not ws for w in scheduler.running)
 

@@ -657,6 +657,8 @@ class Fallback:
                     "busy": busy,
                     "gpu_busy": gpu_busy,
                     "gpus": len(self._grants.uuids(ws.address)),
+                    "retiring": internals.retiring(ws),
+                    "holds": internals.holds_results(ws),
                 }
                 for ws in self.scheduler.workers.values()
                 for busy, gpu_busy in [internals.busy(ws)]

@@ -17,6 +17,7 @@ from typing import Any
 import dask
 import pytest
 from distributed import Client, LocalCluster, Nanny
+from distributed.utils_test import captured_logger
 
 import accelsched
 from tests.utils import ROOT, cli, events, gpu_nap, named_nap, until
@@ -50,17 +51,10 @@ def two_pools_on_an_empty_cluster() -> Iterator[tuple[Client, Any]]:
         Client(cluster) as client,
     ):
         accelsched.register(client)
-        yield (
-            client,
-            accelsched.adapt(
-                cluster,
-                pools={
-                    "gpu": {"spec": GPU_SPEC, "maximum": 2},
-                    "cpu": {"spec": CPU_SPEC, "maximum": 2},
-                },
-                idle_after="2s",
-            ),
-        )
+        yield client, accelsched.adapt(cluster, pools=TWO_POOLS, idle_after="2s")
+
+
+TWO_POOLS = {"gpu": {"spec": GPU_SPEC, "maximum": 2}, "cpu": {"spec": CPU_SPEC, "maximum": 2}}
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
@@ -103,7 +97,12 @@ def test_gpu_tasks_get_a_gpu_pool_worker_and_the_idle_pool_shrinks() -> None:
 def test_a_gpu_worker_running_only_cpu_tasks_retires_and_finishes_them(tmp_path: Path) -> None:
     """Distributed puts CPU tasks on GPU workers too: with a CPU pool there, a GPU pool
     worker that runs only a CPU task counts as idle and is retired while it runs it (no
-    new task reaches it); it is closed once the task ends, which ran once, there."""
+    new task reaches it). It is closed once the task ends, its result moved to a peer
+    first: nobody fetched it before the worker closed, and it is neither lost nor computed
+    again (before: closed with it, run twice). A controller started after the first
+    stopped (to change an option, say) knows the retired worker from the scheduler: no
+    member of its pool (before: counted as a GPU worker starting, for up to
+    ``start_timeout``), and closed the same way."""
     runs = tmp_path / "runs"
     with two_pools_on_an_empty_cluster() as (client, pools):
         with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
@@ -112,10 +111,19 @@ def test_a_gpu_worker_running_only_cpu_tasks_retires_and_finishes_them(tmp_path:
         cpu = client.submit(named_nap, str(runs), 15.0, pure=False)  # only gpu-0 to run it
         until(lambda: any("gpu-0" in e["workers"] for e in events(client, "scale-down")), 14)
         assert not cpu.done()  # retired while it runs its CPU task
-        assert cpu.result(timeout=60) == "gpu-0"
-        assert runs.read_text().split() == ["gpu-0"]  # ran once: not again elsewhere
-        until(lambda: not pool_workers(client, "gpu"), timeout=30)
-        assert not pools.members("gpu")
+        pools.stop()
+        again = accelsched.adapt(pools.cluster, pools=TWO_POOLS, idle_after="2s")
+        try:
+            until(lambda: again.last_plan is not None, timeout=10)
+            assert again.members("gpu") == [], again.last_plan
+            until(lambda: "gpu-0" not in pool_workers(client, "gpu"), timeout=40)
+            assert cpu.status == "finished", cpu.status  # moved before gpu-0 closed
+            assert cpu.result(timeout=10) == "gpu-0"
+            assert runs.read_text().split() == ["gpu-0"]  # ran once: not again elsewhere
+            until(lambda: not pool_workers(client, "gpu"), timeout=30)
+            assert not again.members("gpu")
+        finally:
+            again.stop()
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
@@ -181,11 +189,54 @@ def test_pools_are_checked_when_given() -> None:
             ({"cpu": {"spec": {"cls": "nosuch.Worker"}}}, {}, ValueError, "'nosuch.Worker'"),
             ({"cpu": {"spec": {"cls": "distributed.Nany"}}}, {}, ValueError, "'distributed.Nany'"),
             ({"cpu": {"spec": {"cls": 42, "options": {}}}}, {}, TypeError, "invalid spec cls"),
+            ({"cpu": {"spec": {"cls": int}}}, {}, TypeError, "expected a worker class"),
+            (
+                {"cpu": {"spec": {"cls": "collections.OrderedDict"}}},
+                {},
+                TypeError,
+                "'collections.OrderedDict': expected a worker class",
+            ),
+            (
+                {"gpu": {"spec": {"cls": Nanny, "options": {"resources": "GPU=1"}}}},
+                {},
+                TypeError,
+                "pool 'gpu': invalid spec options resources='GPU=1'",
+            ),
+            (  # a string, not a list: read as characters, it was a CPU pool
+                {
+                    "gpu": {
+                        "spec": {
+                            "cls": Nanny,
+                            "options": {"worker_extra_args": "--resources GPU=1"},
+                        }
+                    }
+                },
+                {},
+                TypeError,
+                "invalid spec options worker_extra_args='--resources GPU=1'",
+            ),
+            (  # 0 threads: was read as 1
+                {"cpu": {"spec": {"cls": Nanny, "options": {"nthreads": 0}}}},
+                {},
+                ValueError,
+                "pool 'cpu': invalid spec options nthreads=0",
+            ),
+            ({"cpu": {"spec": {"cls": Nanny, "options": {"cores": 0}}}}, {}, ValueError, "cores=0"),
+            ({"cpu": {"spec": CPU_SPEC}}, {"idle_after": None}, TypeError, "idle_after=None"),
+            ({"cpu": {"spec": CPU_SPEC}}, {"start_timeout": "-1s"}, ValueError, "a duration >= 0"),
         ]
         for pools, options, exc, text in bad:
             with pytest.raises(exc) as info:
                 accelsched.adapt(cluster, pools=pools, **options)
             assert text in str(info.value), (pools, options, str(info.value))
+        # 0, as documented: retire at once, hold no fallback back (was refused)
+        zero = accelsched.adapt(cluster, pools={"cpu": {"spec": CPU_SPEC}}, idle_after=0)
+        zero.stop()
+        assert (zero.options["idle_after"], zero.options["start_timeout"]) == (0.0, 60.0)
+        with dask.config.set({"accelsched.adapt.start-timeout": "0s"}):
+            zero = accelsched.adapt(cluster, pools={"cpu": {"spec": CPU_SPEC}})
+        zero.stop()
+        assert zero.options["start_timeout"] == 0.0
 
 
 def test_a_jobqueue_jobs_options_say_its_gpus_and_threads() -> None:
@@ -226,7 +277,15 @@ def test_an_idle_worker_whose_data_no_peer_can_take_is_not_retired() -> None:
             with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
                 future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
             assert future.result(timeout=60) == 0
-            time.sleep(6)  # idle well past idle_after, wait_count looks proposed it
+            with (
+                captured_logger("distributed.scheduler") as scheduler_log,
+                captured_logger("distributed.active_memory_manager") as amm_log,
+            ):
+                time.sleep(6)  # idle well past idle_after, wait_count looks
+            # not proposed for retiring at all, so never refused (before: two warnings
+            # each wait_count looks, for as long as it held the result)
+            said = scheduler_log.getvalue() + amm_log.getvalue()
+            assert "retir" not in said.lower(), said
             assert pool_workers(client, "gpu") == ["gpu-0"]
             assert not events(client, "scale-down")
             assert future.result(timeout=10) == 0  # still there, not recomputed elsewhere
