@@ -334,6 +334,13 @@ def dotted_names(example: str) -> Callable[[str, Any], tuple[str, ...]]:
     return parse
 
 
+def exception_names(name: str, value: Any) -> tuple[str, ...]:
+    """Dotted exception names as they are matched (``module.QualName``): a bare name is
+    a builtin's (``MemoryError`` is ``builtins.MemoryError``), else it could never match."""
+    names = dotted_names("cupy.cuda.memory.OutOfMemoryError")(name, value)
+    return tuple(n if "." in n else f"builtins.{n}" for n in names)
+
+
 @dataclass(frozen=True)
 class Threshold:
     """A byte count, or a fraction of a device's memory, resolved per device."""
@@ -431,7 +438,7 @@ GUARD_OPTIONS: tuple[Option, ...] = (
     Option("leak_confirmations", "accelsched.guard.leak-confirmations", POSITIVE_COUNT),
     Option("restart_on_leak", "accelsched.guard.restart-on-leak", parse_bool),
     Option("recover_gpus", "accelsched.guard.recover-gpus", parse_bool),
-    Option("oom_exceptions", "accelsched.guard.oom-exceptions", dotted_names("mylib.OutOfMemory")),
+    Option("oom_exceptions", "accelsched.guard.oom-exceptions", exception_names),
     Option("enforce_memory", "accelsched.guard.enforce-memory", parse_bool),
     Option("fast_restart", "accelsched.guard.fast-restart", parse_bool),
     Option("preimport", "accelsched.guard.preimport", dotted_names("dask.dataframe")),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 import threading
 import types
@@ -181,6 +182,24 @@ R = TypeVar("R")
 _UNSET: Any = object()  # an argument not given (None is a value: strict)
 
 
+def _check_form(who: str, f: Any) -> None:
+    """A step's form must be a plain callable a task's thread can run under its lease."""
+    if isinstance(f, staticmethod):  # callable, but bound as a method by the step
+        raise TypeError(
+            f"{who} got a staticmethod: put @staticmethod above the GPU mark "
+            "(@staticmethod, then @accelsched.gpu, then def)"
+        )
+    if f is not None and not callable(f):
+        raise TypeError(f"{who} needs a callable, got {f!r}")
+    if inspect.iscoroutinefunction(f):
+        # distributed runs a coroutine task on the event loop, never in a thread under a
+        # lease: marked, it would return a coroutine nobody awaits
+        raise TypeError(
+            f"{who} cannot be a coroutine function ({_name(f)} is async def): it runs in "
+            "its task's thread under the device lease; call asyncio.run in a plain function"
+        )
+
+
 class GPUStep(Generic[R]):
     """A picklable marked step: ``fn`` under a GPU lease.
 
@@ -200,8 +219,9 @@ class GPUStep(Generic[R]):
         shipped: bytes | None = None,
     ) -> None:
         for who, f in (("a GPU step", fn), ("a GPU step's cpu_fn", cpu_fn)):
-            if f is not None and not callable(f):
-                raise TypeError(f"{who} needs a callable, got {f!r}")
+            if f is None and who == "a GPU step":
+                raise TypeError(f"{who} needs a callable, got None")
+            _check_form(who, f)
         self.fn = fn
         self.cpu_fn = cpu_fn
         self.__accelsched_gpu__ = mark
@@ -310,6 +330,8 @@ def dual(
     allocation past ``memory`` fails (None: the guard's ``enforce_memory``). A bad value
     raises here.
     """
+    if cpu_fn is None:  # a GPU-only step is @gpu: strict unless told, not the dual's 30 s
+        raise TypeError("dual() needs a cpu_fn, got None (a GPU-only step: accelsched.gpu)")
     return GPUStep(
         gpu_fn,
         _mark(

@@ -520,6 +520,9 @@ def test_oom_exceptions_repeat() -> None:
     _, guard = split_options(dask_setup.make_context("dask_setup", argv).params)
     options = accelsched.GuardPlugin(**guard).options
     assert options["oom_exceptions"] == ("a.OOM", "b.OOM")
+    # a bare name is a builtin's, as the names are matched (``module.QualName``)
+    one = accelsched.GuardPlugin(oom_exceptions=["MemoryError", "cupy.X"]).options
+    assert one["oom_exceptions"] == ("builtins.MemoryError", "cupy.X")
     assert options["leak_threshold"] == Threshold(fraction=0.2)
 
 

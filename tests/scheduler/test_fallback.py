@@ -167,7 +167,9 @@ async def test_no_workers_timeout_shorter_than_fallback_warns(c, s, a):
     client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, {"env": {"CUDA_VISIBLE_DEVICES": "0"}})]
 )
 async def test_oom_in_gpu_form_retries_cpu_form(c, s, a):
-    await accelsched.register(c)
+    await accelsched.register(
+        c, oom_exceptions=["cupy.cuda.memory.OutOfMemoryError", "MemoryError"]
+    )
     await wait_for(lambda: gpus(s, a.worker_address) == 1)
 
     def gpu_form(n: int) -> str:
@@ -187,6 +189,12 @@ async def test_oom_in_gpu_form_retries_cpu_form(c, s, a):
 
     with dask.annotate(resources={"GPU": 1}), pytest.raises(ValueError, match="not an OOM"):
         await c.submit(accelsched.dual(other_error, lambda n: "cpu"), 1, key="plain-error")
+
+    def host_oom(n: int) -> str:
+        raise MemoryError("named by its bare name")  # builtins.MemoryError: it matches
+
+    with dask.annotate(resources={"GPU": 1}):
+        assert await c.submit(accelsched.dual(host_oom, lambda n: "cpu"), 1, key="bare") == "cpu"
 
 
 def test_oom_exception_is_the_simulated_one() -> None:

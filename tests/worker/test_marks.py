@@ -94,6 +94,30 @@ def test_gpu_decorator_validates_and_pickles() -> None:
         accelsched.gpu(fallback_timeout="soon")
     with pytest.raises(TypeError, match="needs a callable"):
         accelsched.gpu(3)  # type: ignore[call-overload]
+
+    async def coro(x: int) -> int:
+        return x
+
+    # distributed runs a coroutine task on its event loop, never under a lease: marked, it
+    # returned a coroutine nobody awaited (a serialization error at the task's end)
+    with pytest.raises(TypeError, match=r"coroutine function \(coro is async def\)"):
+        accelsched.gpu(coro)
+    with pytest.raises(TypeError, match="cpu_fn cannot be a coroutine function"):
+        accelsched.dual(host, coro)
+    with pytest.raises(TypeError, match="put @staticmethod above"):  # bound on instances
+        accelsched.gpu(staticmethod(host))
+    with pytest.raises(TypeError, match="a GPU step needs a callable, got None"):
+        accelsched.dual(None, host)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dual\(\) needs a cpu_fn, got None"):
+        accelsched.dual(host, None)  # type: ignore[arg-type]
+
+    class Steps:
+        @staticmethod
+        @accelsched.gpu
+        def scaled(x: int) -> int:
+            return 2 * x
+
+    assert Steps.scaled(2) == Steps().scaled(2) == 4 and find_mark(Steps().scaled)
     strict = accelsched.gpu(fallback_timeout=None)(host)
     assert find_mark(strict) == Mark(count=1, timeout=None, timeout_given=True)
 
