@@ -63,8 +63,9 @@ them with ``client.get_events("accelsched")``. Each is a dict with ``"action"`` 
     A GPU task's requirement (memory, model, capability, MIG) is met by no verified
     device in the cluster: its tasks wait for a worker that has one, or run their CPU
     form after their timeout. ``requirement`` (what was asked, e.g.
-    ``"memory>=60GiB,model=*H100*"``), ``key`` (the first task). Said once per
-    requirement until a device meets it.
+    ``"memory>=60GiB,model=*H100*"``), ``key`` (the first task), ``declarable`` (the
+    most device memory a task may declare on any verified device: its memory less a
+    reserve; None with none verified). Said once per requirement until a device meets it.
 ``gpu-waiting`` (scheduler)
     GPU tasks no worker took for a few seconds, and why: ``reason`` (``"no-verified-gpu"``,
     ``"too-few-gpus"``, ``"unmet-requirement"``, ``"no-eligible-worker"``), ``waiting``
@@ -293,7 +294,13 @@ _LINES: dict[str, Callable[[Mapping[str, Any], str], str]] = {
     ),
     REQUEST_REFUSED: lambda m, w: f"{w}: {m['handler']} request refused ({m['reason']})",
     UNMET_REQUIREMENT: lambda m, w: (
-        f"no verified device meets {m['requirement']} (task {m['key']!r} waits)"
+        f"no verified device meets {m['requirement']} (task {m['key']!r} waits"
+        + (
+            ""
+            if m.get("declarable") is None
+            else f"; the most a task may declare on one here: {_size(m['declarable'])}"
+        )
+        + ")"
     ),
     SCALE_UP: lambda m, w: (
         f"pool {m['pool']!r}: starting {_listed(m['workers'])} ({m['reason']}"

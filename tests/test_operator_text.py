@@ -147,6 +147,16 @@ CASES = [
     ),
     (
         events.event(
+            events.UNMET_REQUIREMENT,
+            requirement="memory>=16GiB",
+            key="k",
+            declarable=int(15.2 * 2**30),
+        ),
+        "no verified device meets memory>=16GiB (task 'k' waits; the most a task may "
+        "declare on one here: 15.20 GiB)",
+    ),
+    (
+        events.event(
             events.OVER_DECLARED, W, key="g", device=0, declared=2**30, measured=4 * 2**30
         ),
         f"{W}: task 'g' declared 1.00 GiB, added 4.00 GiB on device 0",

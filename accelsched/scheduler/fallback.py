@@ -77,6 +77,7 @@ from accelsched.policy.proposals import Proposal
 from accelsched.policy.requirements import (
     DeviceFacts,
     Requirement,
+    capacity,
     combine,
     devices_needed,
     invalid_amount,
@@ -407,7 +408,18 @@ class Fallback:
             ):
                 self._unmet.add(label)
                 if say:
-                    self._emit(events.UNMET_REQUIREMENT, None, requirement=label, key=str(ts.key))
+                    # (a device's whole memory is not what a task may declare on it)
+                    most = max(
+                        (capacity(f.memory) for fs in self._facts.values() for f in fs),
+                        default=None,
+                    )
+                    self._emit(
+                        events.UNMET_REQUIREMENT,
+                        None,
+                        requirement=label,
+                        key=str(ts.key),
+                        declarable=most,
+                    )
         task.eligible = eligible
         internals.share_worker_restriction(ts, eligible.workers)
         return None

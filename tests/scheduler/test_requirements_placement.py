@@ -143,6 +143,7 @@ async def test_a_requirement_no_device_meets_is_said_and_follows_the_timeout(c, 
     assert await c.gather(c.map(too_large, range(3), pure=False)) == ["cpu"] * 3
     (unmet,) = events(s, "unmet-requirement")
     assert unmet["requirement"] == "memory>=100GiB"
+    assert unmet["declarable"] == 78 * 2**30  # the 80 GiB H100 less its 2 GiB reserve
     fell = events(s, "fallback")
     assert fell and all(e.get("reason") == "timeout" for e in fell)
 
