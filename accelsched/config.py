@@ -53,6 +53,7 @@ import difflib
 import functools
 import logging
 import math
+import numbers
 import os
 import re
 import string
@@ -244,8 +245,10 @@ def parse_optional_duration(name: str, value: Any) -> float | None:
     expected = "a duration like '5s', a number of seconds, or None"
     if value is None or value is False:
         return None
-    if value is True or not isinstance(value, (int, float, str)):
+    if value is True or not isinstance(value, (numbers.Real, str)):
         raise _bad(name, value, expected, TypeError)
+    if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+        value = float(value)  # numpy's scalars: a number as any other
     text = value.strip().removeprefix("+") if isinstance(value, str) else None
     if text is not None and not _DURATION.match(text):  # "", "s", ".": no number at all
         raise _bad(name, value, expected)
@@ -302,8 +305,11 @@ def number(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[st
     """A parser of a ``kind`` number where ``ok`` (a bool is no number; a string is
     read as one)."""
 
+    # numpy's scalars too; a count takes no float (read, it would be cut)
+    accepted = (numbers.Integral if kind is int else numbers.Real, str)
+
     def parse(name: str, value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (kind, int, str)):
+        if isinstance(value, bool) or not isinstance(value, accepted):
             raise _bad(name, value, expected, TypeError)
         with contextlib.suppress(ValueError):
             if ok(n := kind(value)):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 
 import dask
+import numpy as np
 import pytest
 
 import accelsched
@@ -212,6 +213,27 @@ def test_options_validated_at_construction() -> None:
         accelsched.PlacementPlugin(fallback_timout=1)
     with pytest.raises(TypeError, match="'bogus'"):
         accelsched.register(object(), bogus=1)
+
+
+def test_numpy_numbers_are_numbers_as_gpu_and_dual_take_them() -> None:
+    """A count or duration computed with numpy is taken as plain Python's, and kept as
+    one (the options travel to every worker); a count is still no float (before: every
+    numpy scalar refused, where ``gpu(count=np.int64(2))`` took it)."""
+    placement = accelsched.PlacementPlugin(
+        max_restarts=np.int64(2), fallback_timeout=np.float32(1.5), restart_window=np.int32(60)
+    ).options
+    guard = accelsched.GuardPlugin(
+        leak_confirmations=np.int8(3), free_pools_above=np.float32(0.5)
+    ).options
+    taken = (placement["max_restarts"], placement["fallback_timeout"], placement["restart_window"])
+    assert taken == (2, 1.5, 60.0) and type(placement["max_restarts"]) is int
+    assert (guard["leak_confirmations"], guard["free_pools_above"]) == (3, 0.5)
+    assert type(guard["free_pools_above"]) is float
+    for bad in (np.float64(2.5), np.bool_(True)):
+        with pytest.raises(TypeError, match="max_restarts=.*expected a non-negative integer"):
+            accelsched.PlacementPlugin(max_restarts=bad)
+    with pytest.raises(ValueError, match="fallback_timeout=.*nan"):
+        accelsched.PlacementPlugin(fallback_timeout=np.float64("nan"))
 
 
 def test_config_and_env_and_arguments() -> None:
