@@ -182,6 +182,24 @@ R = TypeVar("R")
 _UNSET: Any = object()  # an argument not given (None is a value: strict)
 
 
+def _unwrapped(f: Any) -> Any:
+    while isinstance(f, functools.partial):
+        f = f.func
+    return f
+
+
+def _async(f: Any) -> bool:
+    """An ``async def`` function or generator, a partial of one, or an instance whose
+    ``__call__`` is one."""
+    f = _unwrapped(f)
+    call = (
+        f
+        if inspect.isfunction(f) or inspect.ismethod(f)
+        else inspect.getattr_static(type(f), "__call__", None)
+    )
+    return inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
+
+
 def _check_form(who: str, f: Any) -> None:
     """A step's form must be a plain callable a task's thread can run under its lease."""
     if isinstance(f, staticmethod):  # callable, but bound as a method by the step
@@ -191,12 +209,13 @@ def _check_form(who: str, f: Any) -> None:
         )
     if f is not None and not callable(f):
         raise TypeError(f"{who} needs a callable, got {f!r}")
-    if inspect.iscoroutinefunction(f):
+    if f is not None and _async(f):
         # distributed runs a coroutine task on the event loop, never in a thread under a
         # lease: marked, it would return a coroutine nobody awaits
         raise TypeError(
-            f"{who} cannot be a coroutine function ({_name(f)} is async def): it runs in "
-            "its task's thread under the device lease; call asyncio.run in a plain function"
+            f"{who} cannot be a coroutine function ({_name(_unwrapped(f))} is async def): it "
+            "runs in its task's thread under the device lease; call asyncio.run in a plain "
+            "function"
         )
 
 
@@ -330,6 +349,8 @@ def dual(
     allocation past ``memory`` fails (None: the guard's ``enforce_memory``). A bad value
     raises here.
     """
+    if gpu_fn is None:
+        raise TypeError("dual() needs a gpu_fn, got None")
     if cpu_fn is None:  # a GPU-only step is @gpu: strict unless told, not the dual's 30 s
         raise TypeError("dual() needs a cpu_fn, got None (a GPU-only step: accelsched.gpu)")
     return GPUStep(

@@ -275,7 +275,9 @@ class WorkerDemand(TypedDict):
     busy: bool  # has tasks processing
     gpu_busy: bool  # has GPU tasks processing
     gpus: int  # devices granted (verified through NVML)
-    retiring: bool  # retired, still running (closing gracefully): takes no new task
+    retiring: bool  # retired, still running (closing gracefully): takes no new task (a
+    # worker accelsched drains for a restart is not: it comes back)
+    running: bool  # in service: takes tasks, and a retiring peer's results
     holds: bool  # holds results (retiring it moves them to a peer first)
 
 

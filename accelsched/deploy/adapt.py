@@ -32,8 +32,17 @@ from accelsched import events, internals
 from accelsched.config import ADAPT_OPTIONS, resolve_options
 from accelsched.internals.client_side import retire_named, spec_class, take_adaptive
 from accelsched.policy.requirements import DeviceFacts, parse_requirement
-from accelsched.policy.scaling import GpuDemand, Plan, Pool, PoolState, decide
-from accelsched.protocol import DEMAND_HANDLER, GPU, POOLS_HANDLER, DemandReply
+from accelsched.policy.scaling import (
+    GpuDemand,
+    Plan,
+    Pool,
+    PoolState,
+    decide,
+    keep_a_receiver,
+    still_retired,
+    to_close,
+)
+from accelsched.protocol import DEMAND_HANDLER, GPU, POOLS_HANDLER, DemandReply, WorkerDemand
 
 __all__ = ["adapt", "ElasticPools", "parse_pools", "PoolSpec"]
 
@@ -174,11 +183,11 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         # tasks a worker runs at once: its ``nthreads``, or a dask-jobqueue job's ``cores``
         # (one worker per job: a job of several workers names them ``<name>-<i>``, which
         # are not the pool's ``<pool>-<n>``)
-        key = "nthreads" if options.get("nthreads") is not None else "cores"
-        given_threads = options.get(key)
-        threads = _count(
-            name, f"spec options {key}", 1 if given_threads is None else given_threads, least=1
-        )
+        if "cores" in options and not options.get("nthreads"):
+            threads = _count(name, "spec options cores", options["cores"], least=1)
+        else:  # 0 or None: every core, as distributed reads them (here: their host's may differ)
+            given_threads = options.get("nthreads") or internals.cpu_count()
+            threads = _count(name, "spec options nthreads", given_threads, least=1)
         out[name] = PoolSpec(
             Pool(name, minimum, maximum, gpus, facts, threads),
             {"cls": spec["cls"], "options": dict(options)},
@@ -264,8 +273,12 @@ class ElasticPools(Adaptive):
                 return
             self._no_plugin_wait = 0.0
             now = time()
-            retiring = {w["name"] for w in reply["workers"] if w["retiring"]}
-            self._closing = {n for pool in self.pools for n in self._named(pool) if n in retiring}
+            listed = {w["name"]: w for w in reply["workers"]}
+            # the pools' retired workers: those the scheduler says retire (another
+            # controller's too), and those retired before that it no longer lists (they
+            # left: closed below); one it lists back in service is a member again
+            named = [n for pool in self.pools for n in self._named(pool)]
+            self._closing = still_retired(self._closing, named, listed)
             self.last_plan = plan = decide(
                 [pool for pool, _ in self.pools.values()],
                 self._states(reply, now),
@@ -302,7 +315,7 @@ class ElasticPools(Adaptive):
             self.close_counts = cast(
                 Any, defaultdict(int, {w: n for w, n in counts.items() if n < self.wait_count})
             )
-            if firm:
+            if firm := keep_a_receiver(firm, listed):
                 # data moved to peers first; a worker whose data no peer could take stays
                 retired = await retire_named(self.scheduler, firm)
                 for pool in self.pools:
@@ -315,28 +328,33 @@ class ElasticPools(Adaptive):
                             target=plan.targets[pool],
                         )
                 self._closing.update(retired)
-            await self._close_retired(reply, now)
+            await self._close_retired(listed, now)
         finally:
             self._adapting = False
 
-    async def _close_retired(self, reply: DemandReply, now: float) -> None:
+    async def _close_retired(self, listed: Mapping[str, WorkerDemand], now: float) -> None:
         """Close the retired workers that run nothing now. A retired worker takes no new
         task (distributed's graceful closing) but finishes those it runs (CPU tasks a GPU
         pool's worker ran): their results are moved to a peer first (retired again), so
         closing it loses no work and runs nothing twice. One whose results no peer can
-        take keeps them, and is tried again after a wait that doubles."""
-        busy = {w["name"] for w in reply["workers"] if w["busy"]}
+        take keeps them, and is tried again after a wait that doubles. Only what the
+        scheduler said at this look counts: one retired since waits for the next look; one
+        it no longer lists left, and only its spec goes."""
         self._retry = {w: r for w, r in self._retry.items() if w in self._closing}
-        done = sorted(w for w in self._closing - busy if self._retry.get(w, (0.0,))[0] <= now)
-        if not done:
-            return
-        moved = await retire_named(self.scheduler, done)
-        for w in done:
-            if w not in moved:
-                last = self._retry.get(w, (0.0, self.options["interval"]))[1]
-                wait = min(RETRY_WAIT_MAX, 2 * last)
-                self._retry[w] = (now + wait, wait)
-        if closed := [w for w in done if w in moved]:
+        done = to_close(self._closing, listed, {w: at for w, (at, _) in self._retry.items()}, now)
+        present = [w for w in done if w in listed]
+        moved: set[str] = set()
+        if present:
+            try:
+                moved = await retire_named(self.scheduler, present)
+            except Exception as exc:  # the scheduler's connection, say: tried again later
+                logger.warning("accelsched.adapt: could not retire %s again: %r", present, exc)
+            for w in present:
+                if w not in moved:
+                    last = self._retry.get(w, (0.0, self.options["interval"]))[1]
+                    wait = min(RETRY_WAIT_MAX, 2 * last)
+                    self._retry[w] = (now + wait, wait)
+        if closed := [w for w in done if w not in listed or w in moved]:
             # their specs go; the cluster closes them. Their times went at the look that
             # first saw them retired (a retired worker is no member)
             await self.cluster.scale_down(closed)
@@ -346,8 +364,8 @@ class ElasticPools(Adaptive):
         """Each pool's workers: running (arrived; a GPU pool's once its devices are
         verified, or start_timeout passed), starting, and how long each idle one was."""
         arrived = {w["name"]: w for w in reply["workers"]}
-        # workers that could take a retired worker's results (none retired themselves)
-        in_service = {w["name"] for w in reply["workers"] if not w["retiring"]}
+        # workers that could take a retired worker's results
+        receivers = {w["name"] for w in reply["workers"] if w["running"]}
         states = {}
         for name, (pool, _) in self.pools.items():
             idle = {}
@@ -355,7 +373,7 @@ class ElasticPools(Adaptive):
             members = self.members(name)
             for w in members:
                 seen = arrived.get(w)
-                started = self._started.get(w, now)
+                started = self._started.setdefault(w, now)  # (asked for by another)
                 late = now - started >= self.options["start_timeout"]
                 if seen is None or (pool.gpus and not seen["gpus"] and not late):
                     starting.append(started)
@@ -363,7 +381,7 @@ class ElasticPools(Adaptive):
                 elif seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"] or (
                     # its results have nowhere to go: retiring it would fail (and each try
                     # is logged twice as a warning); idle once a peer is there or they go
-                    seen["holds"] and not in_service - {w}
+                    seen["holds"] and not receivers - {w}
                 ):
                     self._idle_since.pop(w, None)
                 else:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched.internals.client_side import (
     add_spec_worker,
+    cpu_count,
     distributed_nvml_state,
     reset_distributed_nvml,
     restore_distributed_nvml,
@@ -46,6 +47,7 @@ from accelsched.internals.scheduler import (
     has_running_peer,
     holds_results,
     idle_and_empty,
+    in_service,
     largest_gpu_count,
     notify_unregistered,
     offer_unrunnable,
@@ -118,6 +120,7 @@ __all__ = [
     "harden_restrictions",
     "has_running_peer",
     "holds_results",
+    "in_service",
     "idle_and_empty",
     "install_handler",
     "largest_gpu_count",
@@ -137,6 +140,7 @@ __all__ = [
     "runs_in_thread",
     "restore_distributed_nvml",
     "worker_class",
+    "cpu_count",
     "resume",
     "run_now",
     "set_own_gpus",

@@ -36,6 +36,14 @@ def spec_class(cls: Any) -> Any:
     return import_term(cls) if isinstance(cls, str) else cls
 
 
+def cpu_count() -> int:
+    """The threads a worker given no ``nthreads`` (or 0) runs, as distributed counts
+    this host's cores."""
+    from dask.system import CPU_COUNT
+
+    return int(CPU_COUNT)
+
+
 def worker_class(cls: Any) -> bool:
     """Whether a worker spec's class can start a worker: a server (``Nanny``,
     ``Worker``) or a process a cluster manages (a dask-jobqueue job)."""

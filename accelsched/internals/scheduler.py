@@ -264,6 +264,11 @@ def retiring(ws: WorkerState) -> bool:
     return ws.status == Status.closing_gracefully
 
 
+def in_service(ws: WorkerState) -> bool:
+    """Whether the worker takes tasks, and results moved off a retiring peer."""
+    return ws.status == Status.running
+
+
 def holds_results(ws: WorkerState) -> bool:
     return bool(ws.has_what)
 

@@ -18,10 +18,11 @@ pool that says nothing of its devices serves only GPU tasks without a requiremen
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from accelsched.policy.requirements import DeviceFacts, Requirement
+from accelsched.protocol import WorkerDemand
 
 __all__ = [
     "Pool",
@@ -31,6 +32,9 @@ __all__ = [
     "decide",
     "workers_for",
     "counted_from",
+    "still_retired",
+    "to_close",
+    "keep_a_receiver",
     "GPU_DEMAND",
     "CPU_DEMAND",
     "MINIMUM",
@@ -200,3 +204,39 @@ def counted_from(since: float, coming_until: float | None, bound: float) -> floa
     if coming_until is None or coming_until <= since:
         return since
     return min(coming_until, since + bound)
+
+
+# --- retired workers: which are still retired, which to close, which may retire together ---
+
+
+def still_retired(
+    before: Set[str], members: Iterable[str], seen: Mapping[str, WorkerDemand]
+) -> set[str]:
+    """The pools' retired workers at this look: the ``members`` the scheduler says
+    retire (``seen``; another controller's too), and those retired ``before`` it no
+    longer lists (they left). One it lists back in service is a member again."""
+    return {n for n in members if (seen[n]["retiring"] if n in seen else n in before)}
+
+
+def to_close(
+    retired: Set[str], seen: Mapping[str, WorkerDemand], retry_at: Mapping[str, float], now: float
+) -> list[str]:
+    """The retired workers to close now: those the scheduler said, at this look, retire
+    and run nothing (one retired since waits for the next look: what it ran then is not
+    known), and those it no longer lists; none before its ``retry_at``."""
+    return sorted(
+        w
+        for w in retired
+        if retry_at.get(w, -math.inf) <= now
+        and (w not in seen or (seen[w]["retiring"] and not seen[w]["busy"]))
+    )
+
+
+def keep_a_receiver(firm: Sequence[str], seen: Mapping[str, WorkerDemand]) -> list[str]:
+    """Of the workers to retire together, those that can be: they cannot take each
+    other's results, so with holders among them and no other worker running, the last
+    holder proposed stays (it takes theirs)."""
+    holders = [w for w in firm if w in seen and seen[w]["holds"]]
+    if not holders or {n for n, w in seen.items() if w["running"]} - set(firm):
+        return list(firm)
+    return [w for w in firm if w != holders[-1]]

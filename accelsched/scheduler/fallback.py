@@ -112,6 +112,7 @@ from accelsched.scheduler.grants import Grants, facts_of
 
 if TYPE_CHECKING:
     from distributed import Scheduler
+    from distributed.scheduler import WorkerState
 
 
 __all__ = ["Eligible", "Fallback", "GpuTask"]
@@ -181,8 +182,10 @@ class Fallback:
         emit: Callable[..., None],
         active: Callable[[], bool],
         act: Callable[..., None],
+        restarting: Callable[[WorkerState], bool] = lambda ws: False,
     ) -> None:
         self.scheduler = scheduler
+        self._restarting = restarting  # whether accelsched drains the worker to restart it
         self.tasks: dict[Any, GpuTask] = {}  # task key -> its record: the only per-task state
         self.timeout = timeout  # the plugin's default: None, strict
         self._grants = grants
@@ -669,7 +672,8 @@ class Fallback:
                     "busy": busy,
                     "gpu_busy": gpu_busy,
                     "gpus": len(self._grants.uuids(ws.address)),
-                    "retiring": internals.retiring(ws),
+                    "retiring": internals.retiring(ws) and not self._restarting(ws),
+                    "running": internals.in_service(ws),
                     "holds": internals.holds_results(ws),
                 }
                 for ws in self.scheduler.workers.values()

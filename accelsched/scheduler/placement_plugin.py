@@ -158,6 +158,7 @@ class PlacementPlugin(SchedulerPlugin):
             emit=emit,
             active=active,
             act=self.act,
+            restarting=lambda ws: (ws.nanny or ws.address) in self.budget.in_flight,
         )
         # every worker's declared GPUs stripped, then the guards asked to report
         self.reports = DeviceReports(

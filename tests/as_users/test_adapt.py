@@ -215,12 +215,6 @@ def test_pools_are_checked_when_given() -> None:
                 TypeError,
                 "invalid spec options worker_extra_args='--resources GPU=1'",
             ),
-            (  # 0 threads: was read as 1
-                {"cpu": {"spec": {"cls": Nanny, "options": {"nthreads": 0}}}},
-                {},
-                ValueError,
-                "pool 'cpu': invalid spec options nthreads=0",
-            ),
             ({"cpu": {"spec": {"cls": Nanny, "options": {"cores": 0}}}}, {}, ValueError, "cores=0"),
             ({"cpu": {"spec": CPU_SPEC}}, {"idle_after": None}, TypeError, "idle_after=None"),
             ({"cpu": {"spec": CPU_SPEC}}, {"start_timeout": "-1s"}, ValueError, "a duration >= 0"),
@@ -259,6 +253,13 @@ def test_a_jobqueue_jobs_options_say_its_gpus_and_threads() -> None:
         parse_pools({"gpu": job(worker_extra_args=["--resources", "GPU=two"])})
     with pytest.raises(ValueError, match=r"'gpu': invalid spec options processes=2"):
         parse_pools({"gpu": job(processes=2)})
+    # a Nanny or Worker given no nthreads (or 0) runs a thread per core, as distributed
+    # counts this host's (before: read as 1)
+    from dask.system import CPU_COUNT
+
+    for options in ({}, {"nthreads": None}, {"nthreads": 0}):
+        (spec,) = parse_pools({"cpu": {"spec": {"cls": Nanny, "options": options}}}).values()
+        assert spec.pool.threads == CPU_COUNT, options
 
 
 @pytest.mark.usefixtures("fake_gpus_2")

@@ -14,8 +14,12 @@ from accelsched.policy.scaling import (
     PoolState,
     counted_from,
     decide,
+    keep_a_receiver,
+    still_retired,
+    to_close,
     workers_for,
 )
+from accelsched.protocol import WorkerDemand
 
 GiB = 1 << 30
 H100 = DeviceFacts("NVIDIA H100 80GB HBM3", 80 * GiB, (9, 0))
@@ -147,3 +151,63 @@ def test_running_gpu_work_keeps_the_pool() -> None:
 )
 def test_counted_from(since, coming_until, bound, expected) -> None:
     assert counted_from(since, coming_until, bound) == expected
+
+
+def seen(
+    name: str, *, retiring: bool = False, busy: bool = False, holds: bool = False
+) -> WorkerDemand:
+    """A worker as a demand reply says it (running unless retiring)."""
+    return WorkerDemand(
+        name=name,
+        address=f"tcp://{name}",
+        busy=busy,
+        gpu_busy=False,
+        gpus=1,
+        retiring=retiring,
+        running=not retiring,
+        holds=holds,
+    )
+
+
+def test_retired_workers_are_the_schedulers_and_those_that_left() -> None:
+    """A retired worker that left (killed, walltime) before it was closed stays retired,
+    so its spec is closed and a new worker may start (not counted as starting for ever);
+    one retired by another controller is known; one back in service is a member."""
+    listed = {
+        "gpu-0": seen("gpu-0", retiring=True),  # another controller's
+        "gpu-1": seen("gpu-1"),  # retired before, back in service (its data had no peer)
+        "cpu-0": seen("cpu-0"),
+    }
+    members = ["gpu-0", "gpu-1", "gpu-2", "gpu-3", "cpu-0"]
+    before = {"gpu-1", "gpu-2"}  # gpu-2 left; gpu-3 (never retired) is not listed yet
+    assert still_retired(before, members, listed) == {"gpu-0", "gpu-2"}
+    assert still_retired(set(), members, {}) == set()
+
+
+def test_retired_workers_close_on_what_the_look_saw() -> None:
+    """Closed: retired and idle as this look's reply says, or gone; not one retired after
+    the reply (its tasks then are unknown), nor one still running a task, nor one whose
+    results found no peer before its retry is due."""
+    listed = {
+        "a": seen("a", retiring=True),
+        "b": seen("b", retiring=True, busy=True),
+        "c": seen("c"),  # retired during this look: the reply predates it
+        "d": seen("d", retiring=True),
+    }
+    retired = {"a", "b", "c", "d", "gone"}
+    assert to_close(retired, listed, {"d": 105.0}, now=100.0) == ["a", "gone"]
+    assert to_close(retired, listed, {"d": 105.0}, now=105.0) == ["a", "d", "gone"]
+
+
+def test_workers_retired_together_keep_one_to_take_their_results() -> None:
+    """Two idle workers holding results, both proposed and nobody else running: retired
+    together neither could take the other's (each refusal two warnings in the scheduler's
+    log), so the last one proposed stays and takes the first's."""
+    both = {"gpu-0": seen("gpu-0", holds=True), "cpu-0": seen("cpu-0", holds=True)}
+    assert keep_a_receiver(["gpu-0", "cpu-0"], both) == ["gpu-0"]
+    with_peer = {**both, "cpu-1": seen("cpu-1")}
+    assert keep_a_receiver(["gpu-0", "cpu-0"], with_peer) == ["gpu-0", "cpu-0"]
+    empty = {"gpu-0": seen("gpu-0"), "cpu-0": seen("cpu-0")}  # nothing to move
+    assert keep_a_receiver(["gpu-0", "cpu-0"], empty) == ["gpu-0", "cpu-0"]
+    retiring_peer = {**both, "cpu-1": seen("cpu-1", retiring=True)}  # no receiver
+    assert keep_a_receiver(["gpu-0", "cpu-0"], retiring_peer) == ["gpu-0"]

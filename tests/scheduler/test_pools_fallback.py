@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import dask
+from distributed.core import Status
 from distributed.utils_test import gen_cluster
 
 import accelsched
@@ -98,3 +99,30 @@ async def test_a_worker_is_in_the_pool_its_name_says(c, s, a):
     # a request without names (an earlier accelsched.adapt) leaves them as they were
     assert await pools(coming={}, full={}, bound=1) == {"status": "OK"}
     assert demand.pool_of("gpu-1") == "gpu"
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+async def test_the_pools_see_a_retired_worker_but_not_one_accelsched_drains_to_restart(c, s, a, b):
+    """A worker retired as a pool retires (closing gracefully, left registered) is said
+    to retire, holding its result; one accelsched drains for a restart (closing
+    gracefully too) is not: it comes back, and the pools must not close it meanwhile
+    (before: both said retiring, so a look between its drain and its restart closed it)."""
+    await accelsched.register(c)
+    held = c.submit(inc, 1, workers=[a.address], pure=False)
+    await held
+
+    async def flags() -> dict[str, tuple[bool, bool, bool]]:
+        reply = await getattr(c.scheduler, DEMAND_HANDLER)()
+        return {w["address"]: (w["retiring"], w["running"], w["holds"]) for w in reply["workers"]}
+
+    assert await flags() == {a.address: (False, True, True), b.address: (False, True, False)}
+    retired = await c.retire_workers([a.address], close_workers=False, remove=False)
+    assert list(retired) == [a.address]  # its result went to b first
+    assert (await flags())[a.address] == (True, False, True)  # a copy stays till it closes
+    assert (await flags())[b.address] == (False, True, True) and await held == 2
+    budget = s.plugins[PLACEMENT_PLUGIN].budget
+    assert budget.request(b.address, time.monotonic()) is None  # a restart of b in flight
+    s.handle_worker_status_change(Status.closing_gracefully, s.workers[b.address], "drain")
+    assert (await flags())[b.address] == (False, False, True)
+    budget.done(b.address, counted=False)
+    assert (await flags())[b.address] == (True, False, True)

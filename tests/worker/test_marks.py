@@ -8,6 +8,7 @@ import functools
 import pickle
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 
 import dask
 import dask.array as da
@@ -98,15 +99,25 @@ def test_gpu_decorator_validates_and_pickles() -> None:
     async def coro(x: int) -> int:
         return x
 
+    async def agen(x: int) -> AsyncIterator[int]:
+        yield x
+
+    class Awaited:
+        async def __call__(self, x: int) -> int:
+            return x
+
     # distributed runs a coroutine task on its event loop, never under a lease: marked, it
     # returned a coroutine nobody awaited (a serialization error at the task's end)
     with pytest.raises(TypeError, match=r"coroutine function \(coro is async def\)"):
         accelsched.gpu(coro)
     with pytest.raises(TypeError, match="cpu_fn cannot be a coroutine function"):
         accelsched.dual(host, coro)
+    for odd in (agen, Awaited(), functools.partial(coro, 1)):  # async all the same
+        with pytest.raises(TypeError, match=r"\((agen|Awaited|coro) is async def\)"):
+            accelsched.gpu(odd)
     with pytest.raises(TypeError, match="put @staticmethod above"):  # bound on instances
         accelsched.gpu(staticmethod(host))
-    with pytest.raises(TypeError, match="a GPU step needs a callable, got None"):
+    with pytest.raises(TypeError, match=r"dual\(\) needs a gpu_fn, got None"):
         accelsched.dual(None, host)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"dual\(\) needs a cpu_fn, got None"):
         accelsched.dual(host, None)  # type: ignore[arg-type]
