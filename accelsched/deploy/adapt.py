@@ -183,7 +183,7 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         # tasks a worker runs at once: its ``nthreads``, or a dask-jobqueue job's ``cores``
         # (one worker per job: a job of several workers names them ``<name>-<i>``, which
         # are not the pool's ``<pool>-<n>``)
-        if "cores" in options and not options.get("nthreads"):
+        if options.get("cores") is not None and not options.get("nthreads"):
             threads = _count(name, "spec options cores", options["cores"], least=1)
         else:  # 0 or None: every core, as distributed reads them (here: their host's may differ)
             given_threads = options.get("nthreads") or internals.cpu_count()
@@ -221,6 +221,8 @@ class ElasticPools(Adaptive):
         #: the pools' retired workers that still run (as the scheduler said at the last
         #: look, so one another controller retired is known too): closed once idle
         self._closing: set[str] = set()
+        #: the workers' names the scheduler listed at the last look
+        self._listed: set[str] = set()
         #: retired worker whose results no peer took -> (when to try again, the wait)
         self._retry: dict[str, tuple[float, float]] = {}
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
@@ -277,6 +279,7 @@ class ElasticPools(Adaptive):
             # the pools' retired workers: those the scheduler says retire (another
             # controller's too), and those retired before that it no longer lists (they
             # left: closed below); one it lists back in service is a member again
+            self._listed = set(listed)
             named = [n for pool in self.pools for n in self._named(pool)]
             self._closing = still_retired(self._closing, named, listed)
             self.last_plan = plan = decide(
@@ -378,7 +381,10 @@ class ElasticPools(Adaptive):
                 if seen is None or (pool.gpus and not seen["gpus"] and not late):
                     starting.append(started)
                 # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
-                elif seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"] or (
+                elif (
+                    seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"]
+                    or not seen["running"]  # paused, or drained by accelsched to restart it
+                ) or (
                     # its results have nowhere to go: retiring it would fail (and each try
                     # is logged twice as a warning); idle once a peer is there or they go
                     seen["holds"] and not receivers - {w}
@@ -398,8 +404,14 @@ class ElasticPools(Adaptive):
         spec = self.cluster.worker_spec
         before = len(spec)
         for name, (_, worker_spec) in self.pools.items():
-            # a free name is no member: its times went at this look (_states)
-            free = (f"{name}-{n}" for n in itertools.count() if f"{name}-{n}" not in spec)
+            # a free name is no member: its times went at this look (_states); nor one
+            # the scheduler still lists (a closed worker's may linger, retiring: the new
+            # worker would be taken for it, and refused the name)
+            free = (
+                f"{name}-{n}"
+                for n in itertools.count()
+                if f"{name}-{n}" not in spec and f"{name}-{n}" not in self._listed
+            )
             new = [next(free) for _ in range(plan.targets[name] - len(self.members(name)))]
             spec.update({worker: copy.deepcopy(worker_spec) for worker in new})
             self._started.update(dict.fromkeys(new, now))

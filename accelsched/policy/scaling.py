@@ -235,8 +235,8 @@ def to_close(
 def keep_a_receiver(firm: Sequence[str], seen: Mapping[str, WorkerDemand]) -> list[str]:
     """Of the workers to retire together, those that can be: they cannot take each
     other's results, so with holders among them and no other worker running, the last
-    holder proposed stays (it takes theirs)."""
+    proposed stays (it takes theirs; the cheapest: GPU pools' workers are proposed first)."""
     holders = [w for w in firm if w in seen and seen[w]["holds"]]
     if not holders or {n for n, w in seen.items() if w["running"]} - set(firm):
         return list(firm)
-    return [w for w in firm if w != holders[-1]]
+    return list(firm[:-1])

@@ -211,3 +211,7 @@ def test_workers_retired_together_keep_one_to_take_their_results() -> None:
     assert keep_a_receiver(["gpu-0", "cpu-0"], empty) == ["gpu-0", "cpu-0"]
     retiring_peer = {**both, "cpu-1": seen("cpu-1", retiring=True)}  # no receiver
     assert keep_a_receiver(["gpu-0", "cpu-0"], retiring_peer) == ["gpu-0"]
+    # the GPU worker holds, the CPU one not: the CPU one (proposed last, the cheaper)
+    # stays and takes the GPU worker's results, rather than keep the GPU worker up
+    gpu_holds = {"gpu-0": seen("gpu-0", holds=True), "cpu-0": seen("cpu-0")}
+    assert keep_a_receiver(["gpu-0", "cpu-0"], gpu_holds) == ["gpu-0"]
