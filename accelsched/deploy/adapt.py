@@ -180,6 +180,11 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
                 f"pool {name!r}: invalid spec options processes={processes!r}: a pool's job "
                 "runs one worker, named '<pool>-<n>'"
             )
+        if processes is None and getattr(cls, "config_name", None) is not None:
+            # a dask-jobqueue job not told splits its cores into several workers (its
+            # config's processes, else about their square root), named '<pool>-<n>-<i>':
+            # never seen as the pool's, they would count as starting for ever
+            options = {**options, "processes": 1}
         # tasks a worker runs at once: its ``nthreads``, or a dask-jobqueue job's ``cores``
         # (one worker per job: a job of several workers names them ``<name>-<i>``, which
         # are not the pool's ``<pool>-<n>``)

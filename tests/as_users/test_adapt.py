@@ -253,6 +253,14 @@ def test_a_jobqueue_jobs_options_say_its_gpus_and_threads() -> None:
         parse_pools({"gpu": job(worker_extra_args=["--resources", "GPU=two"])})
     with pytest.raises(ValueError, match=r"'gpu': invalid spec options processes=2"):
         parse_pools({"gpu": job(processes=2)})
+    # a real job class not told its processes would split 8 cores into 4 workers named
+    # '<pool>-<n>-<i>', never seen as the pool's (before: counted as starting for ever)
+    from dask_jobqueue.slurm import SLURMJob
+
+    slurm = {"spec": {"cls": SLURMJob, "options": {"cores": 8, "memory": "1GB"}}}
+    (parsed_job,) = parse_pools({"cpu": slurm}).values()
+    assert parsed_job.spec["options"]["processes"] == 1 and parsed_job.pool.threads == 8
+    assert "processes" not in slurm["spec"]["options"]  # the caller's own spec untouched
     # a Nanny or Worker given no nthreads (or 0) runs a thread per core, as distributed
     # counts this host's (before: read as 1)
     from dask.system import CPU_COUNT
