@@ -111,12 +111,18 @@ def address_problem(address: str) -> str | None:
 
 async def _within(seconds: float, call: Awaitable[T]) -> T:
     """``call``'s result, or :class:`_Unreachable` after ``seconds`` or on any error
-    (what a peer that is no scheduler sends makes distributed raise anything)."""
+    (what a peer that is no scheduler sends makes distributed raise anything). An error
+    at the limit is the limit's: distributed's connect, cancelled there, may raise its own
+    (``asyncio.wait_for`` passes it on), or its own limit, a little later, came first on
+    a busy event loop."""
+    start = time.monotonic()
     try:
         return await asyncio.wait_for(call, seconds)
     except asyncio.TimeoutError:
         raise _Unreachable(f"no answer within {seconds:.3g}s") from None
     except Exception as exc:
+        if time.monotonic() - start >= seconds:
+            raise _Unreachable(f"no answer within {seconds:.3g}s") from None
         raise _Unreachable(one_line(exc)) from exc
 
 

@@ -497,3 +497,24 @@ def test_an_eof_is_no_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quiet, "quiet_logs", ended)
     with pytest.raises(click.exceptions.Abort):
         cli.main(["status", "tcp://127.0.0.1:1", "--timeout", "5s"])
+
+
+def test_an_error_at_the_limit_is_said_as_the_limit() -> None:
+    """distributed's connect, cancelled at the limit, may raise its own error, which
+    ``asyncio.wait_for`` passes on (seen on Python 3.10 under load): the line still says
+    the time it was given, not distributed's words for another limit."""
+    from accelsched.cli import _Unreachable, _within
+
+    async def connect_cancelled_at_the_limit() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise OSError("Timed out trying to connect to tcp://127.0.0.1:1 after 3 s") from None
+
+    async def refused_at_once() -> None:
+        raise ConnectionRefusedError("connection refused")
+
+    with pytest.raises(_Unreachable, match=r"^no answer within 0.2s$"):
+        asyncio.run(_within(0.2, connect_cancelled_at_the_limit()))
+    with pytest.raises(_Unreachable, match="connection refused"):  # before it: its own words
+        asyncio.run(_within(0.2, refused_at_once()))
