@@ -281,15 +281,15 @@ class ElasticPools(Adaptive):
             self._no_plugin_wait = 0.0
             now = time()
             listed = {w["name"]: w for w in reply["workers"]}
+            self._listed = set(listed)
             # the pools' retired workers: those the scheduler says retire (another
             # controller's too), and those retired before that it no longer lists (they
             # left: closed below); one it lists back in service is a member again
-            self._listed = set(listed)
             named = [n for pool in self.pools for n in self._named(pool)]
             self._closing = still_retired(self._closing, named, listed)
             self.last_plan = plan = decide(
                 [pool for pool, _ in self.pools.values()],
-                self._states(reply, now),
+                self._states(listed, now),
                 [
                     GpuDemand(
                         d["name"],
@@ -368,31 +368,30 @@ class ElasticPools(Adaptive):
             await self.cluster.scale_down(closed)
             self._closing.difference_update(closed)
 
-    def _states(self, reply: DemandReply, now: float) -> dict[str, PoolState]:
-        """Each pool's workers: running (arrived; a GPU pool's once its devices are
-        verified, or start_timeout passed), starting, and how long each idle one was."""
-        arrived = {w["name"]: w for w in reply["workers"]}
+    def _states(self, listed: Mapping[str, WorkerDemand], now: float) -> dict[str, PoolState]:
+        """Each pool's workers: running (arrived, as the scheduler ``listed`` them; a GPU
+        pool's once its devices are verified, or start_timeout passed), starting, and how
+        long each idle one was."""
         # workers that could take a retired worker's results
-        receivers = {w["name"] for w in reply["workers"] if w["running"]}
+        receivers = {n for n, w in listed.items() if w["running"]}
         states = {}
         for name, (pool, _) in self.pools.items():
             idle = {}
             starting = []  # when each was asked for
             members = self.members(name)
             for w in members:
-                seen = arrived.get(w)
+                seen = listed.get(w)
                 started = self._started.setdefault(w, now)  # (asked for by another)
                 late = now - started >= self.options["start_timeout"]
                 if seen is None or (pool.gpus and not seen["gpus"] and not late):
                     starting.append(started)
-                # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
                 elif (
+                    # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
                     seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"]
                     or not seen["running"]  # paused, or drained by accelsched to restart it
-                ) or (
                     # its results have nowhere to go: retiring it would fail (and each try
                     # is logged twice as a warning); idle once a peer is there or they go
-                    seen["holds"] and not receivers - {w}
+                    or (seen["holds"] and not receivers - {w})
                 ):
                     self._idle_since.pop(w, None)
                 else:

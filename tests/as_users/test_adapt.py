@@ -370,11 +370,12 @@ def test_one_controller_sizes_a_cluster() -> None:
 
 
 def test_a_look_neither_retires_a_drained_worker_nor_reuses_a_lingering_name() -> None:
-    """One look's reading of what the scheduler said (a reply as it sends one; no worker
-    started): a pool worker accelsched drains to restart it (closing gracefully, not said
-    retiring, not running) is not idle, so the pools never retire it in its restart's
-    gap; and a new worker never takes the name of one the scheduler still lists (a
-    closed worker's may linger: the new one would be taken for it, and refused)."""
+    """One look's reading of what the scheduler said (its workers as its reply lists
+    them; no worker started): a pool worker accelsched drains to restart it (closing
+    gracefully, not said retiring, not running) is not idle, so the pools never retire it
+    in its restart's gap; and a new worker never takes the name of one the scheduler
+    still lists (a closed worker's may linger: the new one would be taken for it, and
+    refused)."""
     from accelsched.policy.scaling import Plan
 
     def worker(name: str, *, running: bool) -> dict[str, Any]:
@@ -389,15 +390,14 @@ def test_a_look_neither_retires_a_drained_worker_nor_reuses_a_lingering_name() -
             "holds": False,
         }
 
-    reply: Any = {"status": "OK", "gpu": [], "cpu_tasks": 0, "cpu_seconds": 0.0}
     with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
         pools = accelsched.adapt(cluster, pools={"gpu": {"spec": GPU_SPEC, "maximum": 3}})
         pools.stop()  # looks are taken by hand here
         cluster.worker_spec.update({"gpu-0": {}, "gpu-1": {}})  # (their specs only)
         now = time.monotonic()
         pools._started.update({"gpu-0": now - 100, "gpu-1": now - 100})
-        reply["workers"] = [worker("gpu-0", running=False), worker("gpu-1", running=True)]
-        (state,) = pools._states(reply, now).values()
+        listed = {"gpu-0": worker("gpu-0", running=False), "gpu-1": worker("gpu-1", running=True)}
+        (state,) = pools._states(listed, now).values()
         assert (state.running, state.starting, list(state.idle)) == (2, 0, ["gpu-1"])
         del cluster.worker_spec["gpu-0"], cluster.worker_spec["gpu-1"]
         pools._listed = {"gpu-0"}  # closed, still listed while it goes
