@@ -147,10 +147,11 @@ def tasks_in_threads(worker: Worker) -> dict[Any, bool]:
 def wrap_execution(
     worker: Worker,
     key: Any,
-    choose: Callable[[Any, Mapping[str, float], Mapping[str, Any]], Runner | None],
+    choose: Callable[..., Runner | None],
+    *args: Any,
 ) -> None:
-    """Let ``choose(key, resources, annotations)`` wrap the task ``key`` as it starts
-    executing (worker event loop).
+    """Let ``choose(key, resources, annotations, *args)`` wrap the task ``key`` as it
+    starts executing (worker event loop).
 
     ``choose`` returns a runner ``runner(spec, values)`` that runs the task in the
     executor thread (``spec(values)``), or None to leave it. Coroutine tasks and tasks
@@ -170,7 +171,7 @@ def wrap_execution(
         )
     if not thread_pool:
         return
-    runner = choose(key, ts.resource_restrictions or _EMPTY, annotations)
+    runner = choose(key, ts.resource_restrictions or _EMPTY, annotations, *args)
     if runner is not None:
         ts.run_spec = wrap_task(spec, runner)
 

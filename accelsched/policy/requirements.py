@@ -486,10 +486,9 @@ class LeaseTable:
                 if waiting.cancelled:
                     raise Cancelled(f"task {key!r} was cancelled while it waited for a device")
                 waiting.claimed = ()  # claimed again below if it still waits
-            load, declared = self._sums()
             n = devices_needed(amount)
             share = amount / n if n else 0.0
-            if requirement is None and not any(declared.values()):
+            if requirement is None and (load := self._loads()) is not None:
                 # Fractions pack onto the fullest used device they fit (best fit),
                 # keeping whole devices idle for whole-device tasks; amounts that do not
                 # tile a device (0.4, 1.5) go to the least busy when nothing fits. Whole
@@ -512,6 +511,7 @@ class LeaseTable:
                     )
                 return self._hold(key, tuple(spread[:n]), share, 0, waiting)
             # a requirement, or declared tasks hold devices: eligible devices only
+            load, declared = self._sums()
             # devices that meet the requirement (all, without one; none NVML did not
             # describe)
             facts = self._facts
@@ -635,6 +635,18 @@ class LeaseTable:
             task = self._tasks.get(key)
             mine = task.devices if task is not None else ()
             return token is not None and token == tuple(map(self._gen.__getitem__, mine))
+
+    def _loads(self) -> dict[int, float] | None:
+        """The shares held on each device; None when a declared task holds one (lock
+        held). A lease without a requirement, the common case, sums no bytes."""
+        load = dict.fromkeys(self._devices, 0.0)
+        for t in self._tasks.values():
+            for d in t.devices:
+                if d in load:
+                    if t.nbytes:
+                        return None
+                    load[d] += t.share
+        return load
 
     def _sums(self) -> tuple[dict[int, float], dict[int, int]]:
         """The shares held and the bytes declared on each device (lock held)."""

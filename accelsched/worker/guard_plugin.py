@@ -275,51 +275,50 @@ class GuardPlugin(WorkerPlugin):
         """
         if not self._visible:
             return
-        worker, leaks, ledger, running = self.worker, self.leaks, self.ledger, self.binder.leases
         if finish in _RUNNING:  # a function starts running in a thread (every task counts)
+            running = self.binder.leases
             running.started(key)
             if start == "cancelled":  # wanted again while its thread ran on
                 running.resume(key)
             if finish == "executing":
                 prefix = key_split(key)
-                leaks.ran(prefix)
-                internals.wrap_execution(
-                    worker,
-                    key,
-                    lambda k, res, ann: self.binder.route(
-                        k,
-                        res,
-                        ann,
-                        prefix,
-                        granted=bool(self.inventory.granted),
-                        draining=self.inventory.draining,
-                    ),
-                )
+                self.leaks.ran(prefix)
+                internals.wrap_execution(self.worker, key, self._choose, prefix)
             return
         if finish == "memory":
             computed = start in _RUNNING  # here: its function has returned
-            if ledger.entered(key, computed=computed):
+            if self.ledger.entered(key, computed=computed):
                 self._results_moved()
             if computed:
                 self._ended(key)
                 return
-        elif (start == "memory" or finish == "forgotten") and ledger.released(key):
+        elif (start == "memory" or finish == "forgotten") and self.ledger.released(key):
             self.binder.room_freed()
             self._results_moved()
         # started or ended, as its thread says (cancelled runs on); only a task coming
-        # from a thread's states can be running in one
-        if start in _THREADED and key in running:
-            if start in _RUNNING and finish == "released":  # cancelled: its thread runs on
-                # if it waits for a lease, its thread stops waiting now rather than run it
-                # once a device is free
-                if running.cancel(key):
-                    self.binder.room_freed()
-            elif start == "cancelled":  # wanted again, or its thread is done
-                running.resume(key)
-            if internals.runs_in_thread(worker, key):
-                running.started(key)
-            else:
-                self._ended(key)
+        # from a thread's states can be running in one (the common transitions stop here)
+        if start not in _THREADED or key not in (running := self.binder.leases):
+            return
+        if start in _RUNNING and finish == "released":  # cancelled: its thread runs on
+            # if it waits for a lease, its thread stops waiting now rather than run it
+            # once a device is free
+            if running.cancel(key):
+                self.binder.room_freed()
+        elif start == "cancelled":  # wanted again, or its thread is done
+            running.resume(key)
+        if internals.runs_in_thread(self.worker, key):
+            running.started(key)
+        else:
+            self._ended(key)
+
+    def _choose(
+        self, key: Any, resources: Mapping[str, float], annotations: Mapping[str, Any], prefix: str
+    ) -> Runner | None:
+        """The runner of a task of ``prefix`` starting to execute (:meth:`Binder.route`)."""
+        inv = self.inventory
+        return self.binder.route(
+            key, resources, annotations, prefix, granted=bool(inv.granted), draining=inv.draining
+        )
 
     def _ended(self, key: Any) -> None:
         """A task's function returned: if a check skipped its busy devices, judge them now,
