@@ -488,7 +488,7 @@ class LeaseTable:
                 waiting.claimed = ()  # claimed again below if it still waits
             n = devices_needed(amount)
             share = amount / n if n else 0.0
-            if requirement is None and (load := self._loads()) is not None:
+            if requirement is None and (loads := self._loads()) is not None:
                 # Fractions pack onto the fullest used device they fit (best fit),
                 # keeping whole devices idle for whole-device tasks; amounts that do not
                 # tile a device (0.4, 1.5) go to the least busy when nothing fits. Whole
@@ -497,11 +497,11 @@ class LeaseTable:
                 # free (fragmentation): then share the least busy rather than fail.
                 # Devices fully held by other whole-device tasks are never shared.
                 spread = sorted(
-                    (d for d in load if share < 1.0 or load[d] < 1 - 1e-9),
+                    (d for d in loads if share < 1.0 or loads[d] < 1 - 1e-9),
                     key=lambda d: (
-                        (0, -load[d], d)
-                        if load[d] > 0 and load[d] + share <= 1
-                        else (1, load[d], d)
+                        (0, -loads[d], d)
+                        if loads[d] > 0 and loads[d] + share <= 1
+                        else (1, loads[d], d)
                     ),
                 )
                 if len(spread) < n:
