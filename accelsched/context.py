@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)  # (slots: made for every GPU task, half the cost)
+@dataclass(frozen=True)
 class Lease:
     """The devices one task holds while it runs.
 

@@ -386,6 +386,10 @@ def test_hotpath_figures(results: tuple[Path, dict[str, Any]]) -> None:
     assert hot["pieces"]["lease acquire"]["calls_per_task"] == 1
     assert hot["pieces"]["choose a runner"]["calls_per_task"] == 1
     assert "constrained->executing" in hot["loop_kinds"]
+    # the hook's function calls were counted (over a round of their own): its own
+    # calls, one per transition, and what it calls, many more
+    assert hot["hook_function_calls"] >= hot["loop_calls_per_task"] >= 5
+    assert hot["context"]["hook_calls"] >= hot["loop_calls_per_task"]
 
 
 @pytest.mark.timeout(900)

@@ -50,6 +50,35 @@ class HookTimer(Timer):
             self.kinds.setdefault(f"{start}->{finish}", []).append(time.perf_counter_ns() - t0)
 
 
+class CallCounter(Timer):
+    """Counts the function calls (Python and C) made inside each call of the callable it
+    wraps, in the calling thread (the worker's event loop, for the transition hook): a
+    figure that does not move with the machine's load, where a timing does. The wrapped
+    call itself counts one; the profiler's removal is not counted. Finalizers or a GC
+    pass run inside a call count too: the figure moves by a call or so between runs."""
+
+    def __init__(self, fn: Callable[..., Any], clock: Callable[[], int]) -> None:
+        super().__init__(fn, clock)
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        count = 0
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            nonlocal count
+            if event in ("call", "c_call"):
+                count += 1
+
+        before = sys.getprofile()  # a profiler already set on this thread is set back
+        sys.setprofile(profile)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            sys.setprofile(before)
+            self.calls += count - 1  # (the c_call of setprofile(before))
+            self.ns.append(0)  # one entry per call, as a Timer's
+
+
 def timer_ns(clock: Callable[[], int], n: int = 20000) -> float:
     """What a :class:`Timer` adds to what it times (median over a no-op): subtracted."""
     timer = Timer(lambda *args, **kwargs: None, clock)

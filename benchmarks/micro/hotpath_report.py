@@ -21,8 +21,9 @@ def report(result: dict[str, Any]) -> str:
         f"{result['tasks']} tiny GPU tasks x {result['rounds']} rounds, one in-process worker",
         f"guard per task: {g['total']} us (budget {g['budget']:g}): thread {g['thread']} us "
         f"(the runner alone, {alone['runner_us']} - {alone['bare_us']} bare) + loop "
-        f"{g['loop']} us ({result['loop_calls_per_task']} hook calls); the runner makes "
-        f"{alone.get('calls', '?')} function calls a task",
+        f"{g['loop']} us ({result['loop_calls_per_task']} hook calls); function calls a "
+        f"task: the runner {alone.get('calls', '?')}, the hook "
+        f"{result.get('hook_function_calls', '?')}",
         f"executor thread CPU per task in the rounds: {result['thread_cpu_us']}, "
         f"accelsched - plain {result['thread_delta_in_rounds_us']}",
         f"gc gen0 per 1000 tasks (whole process): {result['gc_gen0_per_1000_tasks']}",
@@ -41,7 +42,8 @@ def report(result: dict[str, Any]) -> str:
         if alone_ctx := ctx.get("runner_alone"):
             lines.append(
                 f"  the runner alone with a context: {alone_ctx['guard_us']} us, "
-                f"{alone_ctx['calls']} function calls a task"
+                f"{alone_ctx['calls']} function calls a task (the hook "
+                f"{ctx.get('hook_calls', '?')})"
             )
     for label, p in result["pieces"].items():
         if p.get("absent"):
