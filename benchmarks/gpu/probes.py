@@ -127,7 +127,7 @@ def bench_guard_check(fake: bool, quick: bool) -> dict:
         used=binder.used,
         ledger=ledger,
         actor=WorkerActor(
-            inventory=None,  # no proposal here reaches the inventory
+            inventory=None,  # type: ignore[arg-type]  # no proposal here reaches it
             set_devices=binder.set_devices,
             emit=no_event,
             spawn=lambda fn, *args: None,

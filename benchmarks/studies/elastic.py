@@ -46,7 +46,7 @@ SETUPS = ("elastic", "fixed", "adaptive")
 POOLS = ("gpu", "cpu")
 MAXIMUM = {"gpu": 2, "cpu": 2}
 ADAPTIVE_MAXIMUM = 4
-LOOK = {"interval": "500ms", "wait_count": 3, "target_duration": "5s"}
+LOOK: dict[str, Any] = {"interval": "500ms", "wait_count": 3, "target_duration": "5s"}
 FALLBACK_TIMEOUT = "60s"
 QUIET = logging.CRITICAL
 
@@ -59,7 +59,7 @@ class DeviceNanny(Nanny):
         pool, _, n = str(name).rpartition("-")
         device = n if pool == "gpu" else ""
         kwargs["env"] = {**kwargs.get("env", {}), "CUDA_VISIBLE_DEVICES": device}
-        super().__init__(*args, name=name, **kwargs)
+        super().__init__(*args, **{**kwargs, "name": name})
 
 
 QUIET_OPTIONS = {"nthreads": 2, "silence_logs": QUIET}
@@ -110,7 +110,9 @@ def _until_empty(client: Client, tail: float) -> bool:
 
 
 def _records(dask_scheduler: Scheduler) -> list[tuple[float, str, int]]:
-    return list(dask_scheduler.plugins[Lifetimes.name].records)
+    plugin = dask_scheduler.plugins[Lifetimes.name]
+    assert isinstance(plugin, Lifetimes)
+    return list(plugin.records)
 
 
 def gpu_task(i: int, seconds: float) -> tuple[int | None, float]:
@@ -241,8 +243,16 @@ def one_run(setup: str, w: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-FIGURES = ("finish_seconds", "gpu_worker_seconds", "cpu_worker_seconds", "gpu_worker_starts")
-FIGURES += ("cpu_worker_starts", "fallbacks", "gpu_tasks_on_gpu", "cpu_tasks_on_gpu_workers")
+FIGURES: tuple[str, ...] = (
+    "finish_seconds",
+    "gpu_worker_seconds",
+    "cpu_worker_seconds",
+    "gpu_worker_starts",
+    "cpu_worker_starts",
+    "fallbacks",
+    "gpu_tasks_on_gpu",
+    "cpu_tasks_on_gpu_workers",
+)
 
 
 def _plot(path: Path, runs: dict[str, list[dict[str, Any]]], summary: dict, w: dict) -> None:
