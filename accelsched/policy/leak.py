@@ -248,10 +248,11 @@ class Attribution:
                 if n > 0:
                     self._bytes[device][prefix] += n
 
-    def left_nothing(self, prefix: str) -> None:
-        """A run of ``prefix`` was seen to leave nothing on its devices."""
+    def left_nothing(self, prefix: str, runs: int = 1) -> None:
+        """``runs`` runs of ``prefix`` were seen to leave nothing on their devices (a
+        measured run and the unmeasured stretch it read across, at once)."""
         with self._lock:
-            self._nothing[prefix] += 1
+            self._nothing[prefix] += runs
 
     def suspects(
         self, devices: Iterable[int], runs: Mapping[str, int], *, clear: bool

@@ -455,13 +455,13 @@ class Ledger:
         monitor: NVMLMonitor,
         *,
         residue: Callable[[str, dict[int, int]], None] | None = None,
-        left_nothing: Callable[[str], None] = lambda prefix: None,
+        left_nothing: Callable[[str, int], None] = lambda prefix, runs: None,
         stored: Callable[[Any], Any] = lambda key: None,
         idle: Callable[[], set[int]] = set,
     ) -> None:
         self.monitor = monitor
         self.residue = residue  # (step or task prefix, bytes it left behind): attribution
-        self.left_nothing = left_nothing  # (task prefix): a run left nothing
+        self.left_nothing = left_nothing  # (task prefix, runs): runs that left nothing
         self._stored = stored  # key -> its value in the worker's memory (or None)
         self._idle = idle  # the owned devices no task holds now
         self._lock = threading.Lock()
@@ -832,7 +832,7 @@ class Meter:
                 return spec(values)
             finally:
                 if ledger.unmeasured(self.devices, self.prefix, self.plan):
-                    ledger.left_nothing(self.prefix)
+                    ledger.left_nothing(self.prefix, 1)
         try:
             result = spec(values)
         except BaseException:  # what it left is no stretch's: a run beside it ends its own
@@ -855,9 +855,8 @@ class Meter:
             ledger.forget(self.devices)
         if ledger.residue is not None and not self.steps:
             ledger.residue(key_split(self.key), left)
-        if self.grew == 0:
-            for _ in range(runs + 1):  # the stretch's runs too: it grew by nothing
-                ledger.left_nothing(self.prefix)
+        if self.grew == 0:  # the stretch's runs too: it grew by nothing
+            ledger.left_nothing(self.prefix, runs + 1)
         ledger.sampler.measured((self.prefix, self.devices), any(n > 0 for n in left.values()))
         return result
 

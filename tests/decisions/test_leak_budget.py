@@ -119,6 +119,18 @@ def test_innocent_prefixes_are_those_every_run_of_which_left_nothing() -> None:
     assert suspects.blamed == ("keep",)  # forgotten
 
 
+def test_a_stretch_of_runs_that_left_nothing_counts_each_run() -> None:
+    """A measured run that grew by nothing clears the unmeasured runs it read across
+    with it, in one call: ``keep`` ran 5 times and is innocent, ``half`` ran 5 times
+    and only 4 are cleared."""
+    a = Attribution()
+    a.left_nothing("keep", 4)
+    a.left_nothing("keep", 1)
+    a.left_nothing("half", 4)
+    (suspects,) = a.suspects([0], {"keep": 5, "half": 5}, clear=True).values()
+    assert suspects.blamed == ("half",)
+
+
 def test_decisions_reject_zero_confirmations() -> None:
     with pytest.raises(ValueError, match="confirmations=0"):
         LeakDecisions(confirmations=0)
