@@ -295,6 +295,11 @@ def check_scheduler(scheduler: Scheduler) -> None:
             type(scheduler).restart_workers,
             ("workers", "wait_for_workers", "on_error", "stimulus_id"),
         ),
+        (
+            "Scheduler.request_remove_replicas",
+            type(scheduler).request_remove_replicas,
+            ("addr", "keys", "stimulus_id"),
+        ),
     ):  # what each function no longer takes
         try:
             params = inspect.signature(fn).parameters

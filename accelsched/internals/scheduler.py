@@ -247,10 +247,6 @@ def offer_unrunnable(scheduler: Scheduler, ws: WorkerState) -> None:
 
 #: How often the retirement is watched (seconds).
 RETIRE_POLL = 0.01
-#: After ``retire_workers`` returned, how long to wait for the keys that have copies
-#: on retiring peers only to be copied to a running one (its policy runs at each of the
-#: memory manager's passes, every 2 s by default) (seconds).
-RETIRE_SETTLE = 5.0
 #: False: wait for ``retire_workers`` to return, as before (the restart benchmark's
 #: "before" arm sets it; nothing else does).
 WATCH_RETIREMENT = True
@@ -286,15 +282,8 @@ def idle_and_empty(ws: WorkerState) -> bool:
     return not ws.has_what and not ws.processing
 
 
-def _holds_sole_copy(scheduler: Scheduler, ws: WorkerState) -> bool:
-    """Whether a key ``ws`` holds has no copy on a running peer. A copy on a worker that
-    retires or is paused does not count: distributed's memory manager drops the extra
-    copies of a key from such workers first (``ReduceReplicas``), so with ``ws`` itself
-    retired it may drop that one, and the key goes with ``ws``."""
-    running = scheduler.running
-    return any(
-        not any(w is not ws and w in running for w in ts.who_has or ()) for ts in ws.has_what
-    )
+def _holds_sole_copy(ws: WorkerState) -> bool:
+    return any(len(ts.who_has or ()) < 2 for ts in ws.has_what)
 
 
 async def replace_worker(
@@ -316,14 +305,10 @@ async def replace_worker(
     at a time: while a retired worker is still registered, another retirement could drop
     the only other copy of its keys ("the retired worker still has it").
     """
-    # no new tasks for it (the scheduler's side only: what it runs finishes there). Not
-    # while another worker is between its retirement and its end: the keys copied to
-    # this one would then have their copies on two retiring workers, of which the
-    # memory manager may drop this one's
-    async with lock:
-        if scheduler.workers.get(ws.address) is not ws:
-            return None  # it left (or another process took its address) meanwhile
-        scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
+    if scheduler.workers.get(ws.address) is not ws:
+        return None  # it left (or another process took its address) meanwhile
+    # no new tasks for it (the scheduler's side only: what it runs finishes there)
+    scheduler.handle_worker_status_change(Status.closing_gracefully, ws, stimulus_id)
     assigned = len(ws.processing)
     await tell_draining(True)  # its guard sends GPU tasks back as they reach execution
     # what has not started moves to the least busy peer that may run it. Without work
@@ -346,8 +331,15 @@ async def replace_worker(
         moved = len(ws.has_what)
         if not await _retire(scheduler, ws, stimulus_id):
             return "no-peer"
-        if _holds_sole_copy(scheduler, ws):
+        if _holds_sole_copy(ws):
             return "retire-failed"
+        # its copies forgotten now, in the same step as the check: the other copy of
+        # each key is then its last, which distributed's memory manager never drops.
+        # Until the worker is gone it would drop one of the two, from a worker not
+        # running first: a peer draining for its own restart, or paused, loses its copy
+        # as readily as this retired one, and the key would go with this worker
+        if keys := [ts.key for ts in ws.has_what]:
+            scheduler.request_remove_replicas(ws.address, keys, stimulus_id=stimulus_id)
         result = await scheduler.restart_workers(
             [ws.address], wait_for_workers=False, on_error="return", stimulus_id=stimulus_id
         )
@@ -374,24 +366,18 @@ async def _retire(scheduler: Scheduler, ws: WorkerState, stimulus_id: str) -> bo
 
     scheduler._ongoing_background_tasks.call_soon(retirement)
     await asyncio.sleep(0)  # retire_workers marked it retiring and kicked the memory manager
-    settle: float | None = None  # once retire_workers returned: until when to wait
-    while True:
-        # every key it holds has a copy on a running peer (retire_workers settles for
-        # any other copy: a key whose copies are on retiring peers only is copied to a
-        # running one by its policy at the memory manager's next pass, after it returned)
-        registered = scheduler.workers.get(ws.address) is ws
-        safe = registered and not _holds_sole_copy(scheduler, ws)
-        if outcome:
-            if isinstance(outcome[0], Exception):
-                raise outcome[0]
-            if safe or not registered or not outcome[0] or not WATCH_RETIREMENT:
-                return outcome[0]  # (not watched: as distributed said, the "before" arm)
-            settle = settle or monotonic() + RETIRE_SETTLE
-            if monotonic() > settle:
-                return True  # the check after it says which key would be lost
-        elif WATCH_RETIREMENT and safe:
+    while not outcome:
+        # it is still the registered one, and every key it holds has another copy
+        if (
+            WATCH_RETIREMENT
+            and scheduler.workers.get(ws.address) is ws
+            and not _holds_sole_copy(ws)
+        ):
             return True
         await asyncio.sleep(RETIRE_POLL)
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
 def resume(scheduler: Scheduler, ws: WorkerState, previous: Status, stimulus_id: str) -> None:
