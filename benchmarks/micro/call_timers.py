@@ -79,6 +79,14 @@ class CallCounter(Timer):
             self.ns.append(0)  # one entry per call, as a Timer's
 
 
+def calls_inside(root: Any, path: str, run: Callable[[], Any], n: int) -> float:
+    """The function calls (Python and C) made inside ``root.<path>`` per task while
+    ``run()`` runs ``n`` tasks, its own calls included (:class:`CallCounter`)."""
+    with timed(root, path, kind=CallCounter) as counter:
+        run()
+    return round(counter.calls / n, 1)
+
+
 def timer_ns(clock: Callable[[], int], n: int = 20000) -> float:
     """What a :class:`Timer` adds to what it times (median over a no-op): subtracted."""
     timer = Timer(lambda *args, **kwargs: None, clock)

@@ -222,15 +222,6 @@ def _runner_alone(guard: Any, n: int) -> dict[str, float]:
     return {**out, "calls": round(calls, 1)}  # the runner's function calls a task
 
 
-def _hook_calls(client: Client, worker: Any, n: int) -> float:
-    """The function calls (Python and C) the transition hook makes per task over a round
-    of ``n`` tasks, its calls included: the loop side's load-independent figure."""
-    guard = worker.plugins[accelsched.GuardPlugin.name]
-    with call_timers.timed(guard, "transition", kind=call_timers.CallCounter) as counter:
-        _run(client, n)
-    return round(counter.calls / n, 1)
-
-
 def measure(tasks: int, rounds: int) -> dict[str, Any]:
     rows: dict[str, list[dict]] = {"plain": [], "accelsched": [], "pieces": []}
     timer = {"wall": call_timers.timer_ns(time.perf_counter_ns)}
@@ -248,11 +239,13 @@ def measure(tasks: int, rounds: int) -> dict[str, Any]:
             rows["pieces"].append(_round(client, worker, tasks, True, timer, True))
         guard = acc[1].plugins[accelsched.GuardPlugin.name]
         alone = _runner_alone(guard, tasks)
-        hook_calls = _hook_calls(*acc, min(500, tasks))
+        hook_calls = call_timers.calls_inside(guard, "transition", lambda: _run(acc[0], 500), 500)
         # last: a context in the process stays for good
         context = _context_rounds(clusters, tasks, rounds, timer)
         context["runner_alone"] = _runner_alone(guard, tasks)
-        context["hook_calls"] = _hook_calls(*acc, min(500, tasks))
+        context["hook_calls"] = call_timers.calls_inside(
+            guard, "transition", lambda: _run(acc[0], 500), 500
+        )
     acc_rows, plain_rows = rows["accelsched"], rows["plain"]
     pairs = zip(plain_rows, acc_rows, strict=True)
     guard_thread = [a["thread_cpu_us"] - p["thread_cpu_us"] for p, a in pairs]
@@ -293,8 +286,7 @@ def measure(tasks: int, rounds: int) -> dict[str, Any]:
             "accelsched": _med([a["thread_cpu_us"] for a in acc_rows]),
         },
         "loop_calls_per_task": _med([a["loop_calls_per_task"] for a in acc_rows]),
-        # the function calls the hook makes per task, its own calls included
-        "hook_function_calls": hook_calls,
+        "hook_function_calls": hook_calls,  # per task, its own calls included
         "gc_gen0_per_1000_tasks": {
             "plain": _med([p["gc_gen0_per_1000_tasks"] for p in plain_rows]),
             "accelsched": _med([a["gc_gen0_per_1000_tasks"] for a in acc_rows]),
@@ -314,10 +306,5 @@ def run(quick: bool, out: Path, rounds: int | None = None) -> dict[str, Any]:
     tasks, default_rounds = (100, 2) if quick else (2000, 5)
     result = measure(tasks, rounds or default_rounds)
     print(report(result))
-    if quick:
-        print(
-            f"quick run: not the README's figures: {tasks} tasks a round, not 2000, so what a "
-            "round pays once (the first NVML reads, the warm-up) weighs 20 times more per task"
-        )
     result["plots"] = [p.name for p in plot(result, out)]
     return result

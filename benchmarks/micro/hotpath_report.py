@@ -53,6 +53,11 @@ def report(result: dict[str, Any]) -> str:
                 f"  {label:26s} ({p['side']:6s}) {p['us_per_task']:7.2f} us/task "
                 f"({p['calls_per_task']} calls, {p['median_us']} us each)"
             )
+    if result["tasks"] < 2000:
+        lines.append(
+            f"quick run: not the README's figures: {result['tasks']} tasks a round, not 2000, "
+            "so what a round pays once (the first NVML reads, the warm-up) weighs more per task"
+        )
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import dask
 import distributed
@@ -110,9 +110,7 @@ def _until_empty(client: Client, tail: float) -> bool:
 
 
 def _records(dask_scheduler: Scheduler) -> list[tuple[float, str, int]]:
-    plugin = dask_scheduler.plugins[Lifetimes.name]
-    assert isinstance(plugin, Lifetimes)
-    return list(plugin.records)
+    return list(cast(Lifetimes, dask_scheduler.plugins[Lifetimes.name]).records)
 
 
 def gpu_task(i: int, seconds: float) -> tuple[int | None, float]:
@@ -243,16 +241,8 @@ def one_run(setup: str, w: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-FIGURES: tuple[str, ...] = (
-    "finish_seconds",
-    "gpu_worker_seconds",
-    "cpu_worker_seconds",
-    "gpu_worker_starts",
-    "cpu_worker_starts",
-    "fallbacks",
-    "gpu_tasks_on_gpu",
-    "cpu_tasks_on_gpu_workers",
-)
+FIGURES = ["finish_seconds", "gpu_worker_seconds", "cpu_worker_seconds", "gpu_worker_starts"]
+FIGURES += ["cpu_worker_starts", "fallbacks", "gpu_tasks_on_gpu", "cpu_tasks_on_gpu_workers"]
 
 
 def _plot(path: Path, runs: dict[str, list[dict[str, Any]]], summary: dict, w: dict) -> None:
