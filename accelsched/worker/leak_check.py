@@ -610,9 +610,16 @@ class Ledger:
 
         No run needs to prove it ran alone: every run ends by joining or ending its
         devices' stretch, and a closing reading is taken only by a run alone on its
-        devices, so what a stretch reaches back over is its prefix's runs alone."""
+        devices, so what a stretch reaches back over is its prefix's runs alone.
+
+        Either way the base for arrivals moves by ``known``: a run left unmeasured is
+        taken to have left its result alone, as sampling it assumed (what else it left
+        the periodic check finds)."""
         with self._lock:
-            fresh = self._fresh
+            settled, fresh = self._settled, self._fresh
+            for d, n in known.items():
+                if d in settled:
+                    settled[d] += n
             for d in devices:
                 f = fresh.get(d)
                 if f is None or f[1] not in (None, prefix):
@@ -622,7 +629,10 @@ class Ledger:
                     f = fresh[d]
                     f[1:] = [prefix, f[2] + 1, f[3] + known.get(d, 0)]
                 return
-        self.forget(devices)  # memory changed unmeasured: no base from before it
+            # memory changed unmeasured: no reading from before it is a task's base
+            for d in devices:
+                fresh.pop(d, None)
+            self._changes += 1
 
     def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
         """Hold the task's growth against ``key`` (None: a marked step's, held by no key);
@@ -670,6 +680,8 @@ class Ledger:
             held = {}
         elif computed or knows(value):
             held = device_nbytes(value)
+            if not computed:
+                self._shift(held, 1)
         else:  # from a peer, of a type nobody described: the growth on the idle devices
             held = {}
             for device in self._idle():
@@ -681,7 +693,9 @@ class Ledger:
                         self._settled[device] = now
                     if now > then:
                         held[device] = now - then
-            held = held or device_nbytes(value)
+            if not held:
+                held = device_nbytes(value)
+                self._shift(held, 1)
         if held:
             self._held[key] = held
             for d, n in held.items():
@@ -699,8 +713,23 @@ class Ledger:
             return False
         for d, n in held.items():
             self._live[d] -= n
-        self.forget(held)
+        # what it held went back: the base for arrivals is lowered by it, not dropped (an
+        # arrival of a type nobody described before the next check would be held at
+        # nothing, and its bytes read as a leak); a task's base is read again
+        self._shift(held, -1)
         return True
+
+    def _shift(self, held: dict[int, int], sign: int) -> None:
+        """Bytes ``held`` came into this process's memory (``sign`` 1: data from elsewhere,
+        known by type) or went back (-1: a key released) unmeasured: the base for arrivals
+        moves by them where there is one; no task's base is reused across the change."""
+        with self._lock:
+            settled = self._settled
+            for d, n in held.items():
+                if d in settled:
+                    settled[d] += sign * n
+                self._fresh.pop(d, None)
+            self._changes += 1
 
     def live(self, device: int) -> int:
         """Bytes results in the worker's memory hold on ``device``."""
@@ -718,7 +747,8 @@ class Ledger:
             self._settled[device] = noncache
 
     def forget(self, devices: Iterable[int]) -> None:
-        """Memory on ``devices`` changed unmeasured (a key released): no base to compare."""
+        """Memory on ``devices`` changed by what no one measured (a task ran beside another,
+        or failed): no base to compare."""
         with self._lock:
             for device in devices:
                 self._settled.pop(device, None)

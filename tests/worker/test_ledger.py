@@ -5,6 +5,9 @@ its worker. Real nanny workers on fake GPUs."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import dask
 import pytest
 from distributed import Nanny
@@ -116,6 +119,34 @@ async def test_opaque_results_are_held_where_made_and_where_moved(c, s, a, b):
     assert len(events(s, "leak")) == 1 and len(events(s, "restart")) == 1
     assert not events(s, "quarantine") and not events(s, "restart-deferred")
     assert (await frame).value == 7
+
+
+def _holds(key: str, dask_worker: Any) -> bool:
+    return key in dask_worker.data
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=90)
+async def test_a_frame_moved_in_right_after_a_release_is_no_leak(c, s, a, b):
+    """A worker lets go of a 1 GiB result and, before its next leak check, receives a
+    peer's 1 GiB result of a type nobody described (as cudf frames move in a shuffle):
+    measured on arrival, held, no leak (before, the release left no base to measure the
+    arrival from, and its gigabyte was declared leaked)."""
+    await accelsched.register(c, **{**FAST, "check_interval": "1s"})
+    A, B = a.worker_address, b.worker_address
+    await wait_for(lambda: gpus(s, A) == 1 and gpus(s, B) == 1)
+    await c.gather([c.submit(marked_warm_up, workers=[w], pure=False) for w in (A, B)])
+    here = c.submit(make_frame, 1024 * MiB, 1, workers=[A], key="here")
+    there = c.submit(make_frame, 1024 * MiB, 2, workers=[B], key="there")
+    await c.gather([here, there])
+    await guard_checks(c, s, [A, B], CONFIRMED)
+    assert not events(s, "leak")
+    del here
+    while (await c.run(_holds, "here", workers=[A]))[A]:  # A let go of it
+        await asyncio.sleep(0.01)
+    await c.replicate([there], n=2)  # to A, within a check interval of the release
+    await guard_checks(c, s, [A, B], CONFIRMED)
+    assert not events(s, "leak") and not events(s, "restart"), events(s)
+    assert (await there).value == 2
 
 
 @accelsched.gpu
@@ -260,3 +291,35 @@ async def test_opaque_results_inside_a_fixed_pool_are_held(c, s, a, b):
     await guard_checks(c, s, [a.worker_address, b.worker_address], CONFIRMED)
     assert not events(s, "leak")
     assert [await f for f in kept] and len(s.workers) == 2
+
+
+def test_an_opaque_arrival_right_after_a_release_is_measured() -> None:
+    """Keys released, then a result of a type nobody described arriving from a peer
+    before any leak check ran (a worker's copy dropped and moved back, a shuffle): the
+    base for arrivals moves by what each change is known to hold (a peer's result known by
+    type, an unmeasured run's result, a release), so the arrival is measured at its size.
+    Before, a release dropped the base and the arrival was held at what its type says
+    (nothing): its bytes read as a leak, and a healthy worker restarted."""
+    from accelsched.devices import NVMLMonitor
+    from accelsched.worker.leak_check import Ledger
+
+    memory: dict[str, object] = {}
+    ledger = Ledger(NVMLMonitor(), stored=memory.get, idle=lambda: {0})
+    device_alloc(MiB, device=0)  # a context on device 0 (its bytes go to the cache)
+    settled = ledger.read(0)[0]
+    assert settled is not None
+    ledger.settle(0, settled)  # a leak check found everything explained
+    memory["peer"] = device_alloc(512 * MiB, device=0)  # a result from a peer, known
+    assert ledger.entered("peer", computed=False) == {0: 512 * MiB}
+    # a run left unmeasured (sampled out) made a result known by type
+    memory["made"] = device_alloc(256 * MiB, device=0)
+    ledger.stretched((0,), "made", {0: 256 * MiB})
+    assert ledger.entered("made", computed=True) == {0: 256 * MiB}
+    for key in ("peer", "made"):  # released: their bytes go back (to the pool's cache)
+        del memory[key]
+        assert ledger.released(key)
+    frame = Frame.__new__(Frame)  # arrives, deserialized here: 1 GiB of an unknown type
+    frame.payload = device_alloc(1024 * MiB, device=0)
+    memory["frame"] = frame
+    assert ledger.entered("frame", computed=False) == {0: 1024 * MiB}
+    assert ledger.live(0) == 1024 * MiB
