@@ -295,6 +295,8 @@ class GuardPlugin(WorkerPlugin):
         elif (start == "memory" or finish == "forgotten") and self.ledger.released(key):
             self.binder.room_freed()
             self._results_moved()
+        elif finish == "flight":  # its data is about to come from a peer
+            self.ledger.fetching()
         # started or ended, as its thread says (cancelled runs on); only a task coming
         # from a thread's states can be running in one (the common transitions stop here)
         if start not in _THREADED or key not in (running := self.binder.leases):

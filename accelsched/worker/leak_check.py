@@ -610,16 +610,9 @@ class Ledger:
 
         No run needs to prove it ran alone: every run ends by joining or ending its
         devices' stretch, and a closing reading is taken only by a run alone on its
-        devices, so what a stretch reaches back over is its prefix's runs alone.
-
-        Either way the base for arrivals moves by ``known``: a run left unmeasured is
-        taken to have left its result alone, as sampling it assumed (what else it left
-        the periodic check finds)."""
+        devices, so what a stretch reaches back over is its prefix's runs alone."""
         with self._lock:
-            settled, fresh = self._settled, self._fresh
-            for d, n in known.items():
-                if d in settled:
-                    settled[d] += n
+            fresh = self._fresh
             for d in devices:
                 f = fresh.get(d)
                 if f is None or f[1] not in (None, prefix):
@@ -629,10 +622,7 @@ class Ledger:
                     f = fresh[d]
                     f[1:] = [prefix, f[2] + 1, f[3] + known.get(d, 0)]
                 return
-            # memory changed unmeasured: no reading from before it is a task's base
-            for d in devices:
-                fresh.pop(d, None)
-            self._changes += 1
+        self.forget(devices)  # memory changed unmeasured: no base from before it
 
     def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
         """Hold the task's growth against ``key`` (None: a marked step's, held by no key);
@@ -680,8 +670,6 @@ class Ledger:
             held = {}
         elif computed or knows(value):
             held = device_nbytes(value)
-            if not computed:
-                self._shift(held, 1)
         else:  # from a peer, of a type nobody described: the growth on the idle devices
             held = {}
             for device in self._idle():
@@ -693,14 +681,31 @@ class Ledger:
                         self._settled[device] = now
                     if now > then:
                         held[device] = now - then
-            if not held:
-                held = device_nbytes(value)
-                self._shift(held, 1)
+            held = held or device_nbytes(value)
         if held:
             self._held[key] = held
             for d, n in held.items():
                 self._live[d] = self._live.get(d, 0) + n
         return held
+
+    def fetching(self) -> None:
+        """Data is about to come from a peer (a key's fetch started, on the event loop):
+        where a change nobody measured (a key released, a task beside another) left no
+        base to measure it from, a reading now is one, taken before its bytes land.
+
+        It counts whatever is there, a leak included: memory left behind before the fetch
+        is not taken for the arrival's. Without it, data of a type nobody described
+        arriving right after a release would be held at what its type says, nothing, and
+        its bytes read as a leak. Where a base is kept, nothing is read: at most one
+        reading per device for the keys of a fetch."""
+        for device in self._idle():
+            if device in self._settled:
+                continue
+            changes = self._changes
+            if (now := self.read(device)[0]) is not None:
+                with self._lock:
+                    if self._changes == changes:  # nothing moved meanwhile
+                        self._settled.setdefault(device, now)
 
     def released(self, key: Any) -> bool:
         """``key`` left the worker's memory, or will not enter it (cancelled, forgotten):
@@ -713,23 +718,8 @@ class Ledger:
             return False
         for d, n in held.items():
             self._live[d] -= n
-        # what it held went back: the base for arrivals is lowered by it, not dropped (an
-        # arrival of a type nobody described before the next check would be held at
-        # nothing, and its bytes read as a leak); a task's base is read again
-        self._shift(held, -1)
+        self.forget(held)
         return True
-
-    def _shift(self, held: dict[int, int], sign: int) -> None:
-        """Bytes ``held`` came into this process's memory (``sign`` 1: data from elsewhere,
-        known by type) or went back (-1: a key released) unmeasured: the base for arrivals
-        moves by them where there is one; no task's base is reused across the change."""
-        with self._lock:
-            settled = self._settled
-            for d, n in held.items():
-                if d in settled:
-                    settled[d] += sign * n
-                self._fresh.pop(d, None)
-            self._changes += 1
 
     def live(self, device: int) -> int:
         """Bytes results in the worker's memory hold on ``device``."""
@@ -747,8 +737,7 @@ class Ledger:
             self._settled[device] = noncache
 
     def forget(self, devices: Iterable[int]) -> None:
-        """Memory on ``devices`` changed by what no one measured (a task ran beside another,
-        or failed): no base to compare."""
+        """Memory on ``devices`` changed unmeasured (a key released): no base to compare."""
         with self._lock:
             for device in devices:
                 self._settled.pop(device, None)

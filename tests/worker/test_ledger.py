@@ -21,7 +21,9 @@ from tests.utils import (
     CONFIRMED,
     FAST,
     TWO_GPU_WORKERS,
+    GiB,
     MiB,
+    _guard_checks,
     events,
     gpus,
     guard_checks,
@@ -125,25 +127,38 @@ def _holds(key: str, dask_worker: Any) -> bool:
     return key in dask_worker.data
 
 
+def _value(frame: Frame) -> int:
+    return frame.value
+
+
 @gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS, timeout=90)
 async def test_a_frame_moved_in_right_after_a_release_is_no_leak(c, s, a, b):
-    """A worker lets go of a 1 GiB result and, before its next leak check, receives a
-    peer's 1 GiB result of a type nobody described (as cudf frames move in a shuffle):
-    measured on arrival, held, no leak (before, the release left no base to measure the
-    arrival from, and its gigabyte was declared leaked)."""
+    """A worker lets go of a 1 GiB result and, before its next leak check, fetches a
+    peer's 1 GiB result of a type nobody described for a task (as cudf frames move in a
+    shuffle): measured on arrival from a base read as the fetch started, held, no leak.
+    Before, the release left no base to measure the arrival from, and its gigabyte was
+    declared leaked. A round in which a check ran between the release and the arrival
+    proves nothing (the check gives a base): tried again, with the next pair of frames."""
     await accelsched.register(c, **{**FAST, "check_interval": "1s"})
     A, B = a.worker_address, b.worker_address
     await wait_for(lambda: gpus(s, A) == 1 and gpus(s, B) == 1)
     await c.gather([c.submit(marked_warm_up, workers=[w], pure=False) for w in (A, B)])
-    here = c.submit(make_frame, 1024 * MiB, 1, workers=[A], key="here")
-    there = c.submit(make_frame, 1024 * MiB, 2, workers=[B], key="there")
-    await c.gather([here, there])
-    await guard_checks(c, s, [A, B], CONFIRMED)
-    assert not events(s, "leak")
-    del here
-    while (await c.run(_holds, "here", workers=[A]))[A]:  # A let go of it
-        await asyncio.sleep(0.01)
-    await c.replicate([there], n=2)  # to A, within a check interval of the release
+    for i in range(3):
+        here = c.submit(make_frame, 1024 * MiB, 1, workers=[A], key=f"here-{i}")
+        there = c.submit(make_frame, 1024 * MiB, 2, workers=[B], key=f"there-{i}")
+        await c.gather([here, there])
+        await guard_checks(c, s, [A, B], CONFIRMED)
+        assert not events(s, "leak")
+        checks = await c.run(_guard_checks, workers=[A])
+        del here
+        while (await c.run(_holds, f"here-{i}", workers=[A]))[A]:  # A let go of it
+            await asyncio.sleep(0.01)
+        # fetched by A for a task there, within a check interval of the release
+        assert await c.submit(_value, there, workers=[A], pure=False) == 2
+        if await c.run(_guard_checks, workers=[A]) == checks:
+            break
+    else:
+        pytest.fail("a leak check ran between the release and the arrival in every round")
     await guard_checks(c, s, [A, B], CONFIRMED)
     assert not events(s, "leak") and not events(s, "restart"), events(s)
     assert (await there).value == 2
@@ -293,33 +308,58 @@ async def test_opaque_results_inside_a_fixed_pool_are_held(c, s, a, b):
     assert [await f for f in kept] and len(s.workers) == 2
 
 
-def test_an_opaque_arrival_right_after_a_release_is_measured() -> None:
-    """Keys released, then a result of a type nobody described arriving from a peer
-    before any leak check ran (a worker's copy dropped and moved back, a shuffle): the
-    base for arrivals moves by what each change is known to hold (a peer's result known by
-    type, an unmeasured run's result, a release), so the arrival is measured at its size.
-    Before, a release dropped the base and the arrival was held at what its type says
-    (nothing): its bytes read as a leak, and a healthy worker restarted."""
-    from accelsched.devices import NVMLMonitor
+def _opaque(nbytes: int) -> Frame:
+    """A result of a type nobody described, as it lands on device 0 from a peer."""
+    frame = Frame.__new__(Frame)
+    frame.payload = device_alloc(nbytes, device=0)
+    return frame
+
+
+def test_data_from_a_peer_is_measured_at_its_own_size() -> None:
+    """Results of a type nobody described arriving from a peer right after a release,
+    before a leak check ran (a worker's copy dropped and fetched back, a shuffle): the
+    release left no base to measure them from, so one is read as the fetch starts; they
+    are measured at their own size, and a leak left before the fetch stays a leak. Before,
+    the arrival was held at nothing and its bytes read as a leak, which restarted a
+    healthy worker. The real monitor on the fake GPUs; ``fetching`` is what the guard
+    calls as a key's fetch starts."""
+    from accelsched.devices import MemoryReading, NVMLMonitor
     from accelsched.worker.leak_check import Ledger
 
+    class Counting(NVMLMonitor):
+        reads = 0
+
+        def process_memory(self, device: int) -> MemoryReading:
+            Counting.reads += 1
+            return super().process_memory(device)
+
     memory: dict[str, object] = {}
-    ledger = Ledger(NVMLMonitor(), stored=memory.get, idle=lambda: {0})
+    ledger = Ledger(Counting(), stored=memory.get, idle=lambda: {0})
     device_alloc(MiB, device=0)  # a context on device 0 (its bytes go to the cache)
     settled = ledger.read(0)[0]
     assert settled is not None
     ledger.settle(0, settled)  # a leak check found everything explained
-    memory["peer"] = device_alloc(512 * MiB, device=0)  # a result from a peer, known
-    assert ledger.entered("peer", computed=False) == {0: 512 * MiB}
-    # a run left unmeasured (sampled out) made a result known by type
-    memory["made"] = device_alloc(256 * MiB, device=0)
-    ledger.stretched((0,), "made", {0: 256 * MiB})
-    assert ledger.entered("made", computed=True) == {0: 256 * MiB}
-    for key in ("peer", "made"):  # released: their bytes go back (to the pool's cache)
-        del memory[key]
+
+    def arrives(key: str, nbytes: int) -> dict[int, int]:
+        memory[key] = _opaque(nbytes)
+        return ledger.entered(key, computed=False)
+
+    def release(key: str) -> None:
+        del memory[key]  # its bytes go back (to the pool's cache)
         assert ledger.released(key)
-    frame = Frame.__new__(Frame)  # arrives, deserialized here: 1 GiB of an unknown type
-    frame.payload = device_alloc(1024 * MiB, device=0)
-    memory["frame"] = frame
-    assert ledger.entered("frame", computed=False) == {0: 1024 * MiB}
-    assert ledger.live(0) == 1024 * MiB
+
+    memory["peer"] = device_alloc(512 * MiB, device=0)  # from a peer, of a known type
+    assert ledger.entered("peer", computed=False) == {0: 512 * MiB}
+    release("peer")
+    ledger.fetching()
+    assert arrives("a", GiB) == {0: GiB}
+    # a leak, then a release: the base read as the next fetch starts counts the leak
+    device_alloc(256 * MiB, device=0, leak=True)
+    release("a")
+    ledger.fetching()
+    assert arrives("b", GiB) == {0: GiB}
+    assert ledger.live(0) == GiB
+    # a base kept (the last arrival's reading): a fetch reads nothing
+    reads = Counting.reads
+    ledger.fetching()
+    assert Counting.reads == reads
