@@ -471,7 +471,12 @@ class Ledger:
         # key -> {device: bytes}: what it holds while in memory (results from elsewhere too)
         self._held: dict[Any, dict[int, int]] = {}
         self._live: dict[int, int] = {}  # device -> bytes results in memory hold
-        self._settled: dict[int, int] = {}  # device -> noncache bytes, all explained
+        # device -> noncache bytes: the base data from peers is measured from, a reading
+        # when all was explained (or, in ``_fetched``, one taken as a fetch started)
+        self._settled: dict[int, int] = {}
+        self._fetched: set[int] = set()  # devices whose base was read as a fetch started
+        # device -> ``_context_gen`` when a reading as a fetch started gave no figure
+        self._unreadable: dict[int, int] = {}
         # device -> [the reading that ended the last measured task there, and the
         # unmeasured runs since: their prefix (None: none), how many, what their results
         # hold there by type]: the next task's base, unless memory changed meanwhile (a
@@ -647,6 +652,7 @@ class Ledger:
                 if self._changes == changes:
                     for d, n in now.items():
                         self._settled[d] = n
+                        self._fetched.discard(d)
                         self._fresh[d] = [n, None, 0, 0]
         return residue, sum(held.values()) + sum(residue.values())
 
@@ -671,17 +677,20 @@ class Ledger:
         elif computed or knows(value):
             held = device_nbytes(value)
         else:  # from a peer, of a type nobody described: the growth on the idle devices
-            held = {}
+            held, typed = {}, device_nbytes(value)
             for device in self._idle():
                 with self._lock:
                     then = self._settled.get(device)
+                    if typed and device in self._fetched:
+                        then = None  # what its type says rather than an unexplained base
                 # without an explained base to measure from: type knowledge only
                 if then is not None and (now := self.read(device)[0]) is not None:
                     with self._lock:
                         self._settled[device] = now
+                        self._fetched.discard(device)
                     if now > then:
                         held[device] = now - then
-            held = held or device_nbytes(value)
+            held = held or typed
         if held:
             self._held[key] = held
             for d, n in held.items():
@@ -696,16 +705,27 @@ class Ledger:
         It counts whatever is there, a leak included: memory left behind before the fetch
         is not taken for the arrival's. Without it, data of a type nobody described
         arriving right after a release would be held at what its type says, nothing, and
-        its bytes read as a leak. Where a base is kept, nothing is read: at most one
-        reading per device for the keys of a fetch."""
-        for device in self._idle():
-            if device in self._settled:
+        its bytes read as a leak. Where a base is kept, nothing is read, nor where a
+        reading gave no figure (no context, none of this process's own) since the last
+        leak check: at most one reading per device for the keys of a fetch.
+
+        Such a base counts what was there unexplained: it is used only for data whose
+        type says nothing of its size (:meth:`entered`), not in place of dask's
+        ``sizeof`` of a GPU library's type (several keys of a fetch land together, and
+        the first to enter would take them all)."""
+        idle = self._idle()
+        for device in idle:
+            if device in self._settled or self._unreadable.get(device) == self._context_gen:
                 continue
-            changes = self._changes
-            if (now := self.read(device)[0]) is not None:
+            changes, gen = self._changes, self._context_gen
+            now = self.read(device)[0]
+            if now is None:
+                self._unreadable[device] = gen
+            elif device in self._idle():  # no task took it meanwhile (its temporaries)
                 with self._lock:
-                    if self._changes == changes:  # nothing moved meanwhile
-                        self._settled.setdefault(device, now)
+                    if self._changes == changes and device not in self._settled:
+                        self._settled[device] = now
+                        self._fetched.add(device)
 
     def released(self, key: Any) -> bool:
         """``key`` left the worker's memory, or will not enter it (cancelled, forgotten):
@@ -735,12 +755,14 @@ class Ledger:
         """Everything on ``device`` is explained now (a check found no leak there)."""
         with self._lock:
             self._settled[device] = noncache
+            self._fetched.discard(device)
 
     def forget(self, devices: Iterable[int]) -> None:
         """Memory on ``devices`` changed unmeasured (a key released): no base to compare."""
         with self._lock:
             for device in devices:
                 self._settled.pop(device, None)
+                self._fetched.discard(device)
                 self._fresh.pop(device, None)
             self._changes += 1
 
