@@ -16,6 +16,7 @@ so their fallback timers wait for it, within ``start_timeout``.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import logging
@@ -230,6 +231,8 @@ class ElasticPools(Adaptive):
         self._listed: set[str] = set()
         #: retired worker whose results no peer took -> (when to try again, the wait)
         self._retry: dict[str, tuple[float, float]] = {}
+        #: the cluster closing retired workers (kept until done: asyncio holds tasks weakly)
+        self._closes: set[asyncio.Future[None]] = set()
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
         self._gpu_idle_with_cpu_work = any(not pool.gpus for pool, _ in self.pools.values())
         super().__init__(
@@ -354,7 +357,7 @@ class ElasticPools(Adaptive):
         moved: set[str] = set()
         if present:
             try:
-                moved = await retire_named(self.scheduler, present)
+                moved = await retire_named(self.scheduler, present, close=True)
             except Exception as exc:  # the scheduler's connection, say: tried again later
                 logger.warning("accelsched.adapt: could not retire %s again: %r", present, exc)
             for w in present:
@@ -364,9 +367,19 @@ class ElasticPools(Adaptive):
                     self._retry[w] = (now + wait, wait)
         if closed := [w for w in done if w not in listed or w in moved]:
             # their specs go; the cluster closes them. Their times went at the look that
-            # first saw them retired (a retired worker is no member)
+            # first saw them retired (a retired worker is no member). Not awaited: the
+            # cluster's correction waits for every worker it is starting (a cloud VM or a
+            # slow host, for minutes), and no look would run meanwhile; they stay retired
+            # until their specs went, and the next look forgets them
+            task = asyncio.ensure_future(self._scale_down(closed))
+            self._closes.add(task)
+            task.add_done_callback(self._closes.discard)
+
+    async def _scale_down(self, closed: list[str]) -> None:
+        try:
             await self.cluster.scale_down(closed)
-            self._closing.difference_update(closed)
+        except Exception as exc:  # the cluster's to say; the next look sees who is there
+            logger.warning("accelsched.adapt: closing %s: %r", closed, exc)
 
     def _states(self, listed: Mapping[str, WorkerDemand], now: float) -> dict[str, PoolState]:
         """Each pool's workers: running (arrived, as the scheduler ``listed`` them; a GPU

@@ -53,13 +53,14 @@ def worker_class(cls: Any) -> bool:
     return isinstance(cls, type) and issubclass(cls, (Server, ProcessInterface))
 
 
-async def retire_named(scheduler_comm: Any, names: list[str]) -> set[str]:
+async def retire_named(scheduler_comm: Any, names: list[str], *, close: bool = False) -> set[str]:
     """Retire workers by name through the scheduler (their data copied to peers first, as
     ``Adaptive.scale_down`` does); the names it did retire. A worker whose data no peer
     can take is not retired: it keeps running, and its data. A retired worker stays
-    registered, closing gracefully, until its cluster closes it (no heartbeat of a
-    removed worker that is still up)."""
-    retired = await scheduler_comm.retire_workers(names=names, remove=False, close_workers=False)
+    registered, closing gracefully (no heartbeat of a removed worker that is still up),
+    until its cluster closes it, or (``close``) the scheduler closes it with its nanny,
+    as ``Adaptive.scale_down`` does before its cluster's own, slower close."""
+    retired = await scheduler_comm.retire_workers(names=names, remove=False, close_workers=close)
     return {str(info.get("name")) for info in (retired or {}).values()}
 
 
