@@ -31,7 +31,13 @@ from distributed.metrics import time
 
 from accelsched import events, internals
 from accelsched.config import ADAPT_OPTIONS, resolve_options
-from accelsched.internals.client_side import retire_named, spec_class, take_adaptive
+from accelsched.internals.client_side import (
+    cluster_holds,
+    retire_named,
+    spec_class,
+    start_failed,
+    take_adaptive,
+)
 from accelsched.policy.requirements import DeviceFacts, parse_requirement
 from accelsched.policy.scaling import (
     GpuDemand,
@@ -231,8 +237,13 @@ class ElasticPools(Adaptive):
         self._listed: set[str] = set()
         #: retired worker whose results no peer took -> (when to try again, the wait)
         self._retry: dict[str, tuple[float, float]] = {}
-        #: the cluster closing retired workers (kept until done: asyncio holds tasks weakly)
-        self._closes: set[asyncio.Future[None]] = set()
+        #: the cluster closing retired workers -> their names (kept until done: asyncio
+        #: holds tasks weakly; a name is free again only after)
+        self._closes: dict[asyncio.Future[None], list[str]] = {}
+        #: pool -> (when it may ask for a worker again, the wait) after one failed to start
+        self._held_back: dict[str, tuple[float, float]] = {}
+        #: members the cluster held a worker object for at the last look
+        self._held: set[str] = set()
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
         self._gpu_idle_with_cpu_work = any(not pool.gpus for pool, _ in self.pools.values())
         super().__init__(
@@ -290,6 +301,7 @@ class ElasticPools(Adaptive):
             # left: closed below); one it lists back in service is a member again
             named = [n for pool in self.pools for n in self._named(pool)]
             self._closing = still_retired(self._closing, named, listed)
+            self._replace_failed(listed, now)
             self.last_plan = plan = decide(
                 [pool for pool, _ in self.pools.values()],
                 self._states(listed, now),
@@ -368,18 +380,54 @@ class ElasticPools(Adaptive):
         if closed := [w for w in done if w not in listed or w in moved]:
             # their specs go; the cluster closes them. Their times went at the look that
             # first saw them retired (a retired worker is no member). Not awaited: the
-            # cluster's correction waits for every worker it is starting (a cloud VM or a
-            # slow host, for minutes), and no look would run meanwhile; they stay retired
+            # cluster's correction waits for every worker it is starting (a cloud VM, a
+            # loaded host: minutes), and no look would run meanwhile; they stay retired
             # until their specs went, and the next look forgets them
             task = asyncio.ensure_future(self._scale_down(closed))
-            self._closes.add(task)
-            task.add_done_callback(self._closes.discard)
+            self._closes[task] = closed
+            task.add_done_callback(self._closes.pop)
 
     async def _scale_down(self, closed: list[str]) -> None:
         try:
             await self.cluster.scale_down(closed)
-        except Exception as exc:  # the cluster's to say; the next look sees who is there
-            logger.warning("accelsched.adapt: closing %s: %r", closed, exc)
+        except Exception as exc:  # any worker's it starts; the next look sees who is there
+            logger.warning(
+                "accelsched.adapt: the cluster, correcting its workers after closing %s: %r",
+                closed,
+                exc,
+            )
+
+    def _replace_failed(self, listed: Mapping[str, WorkerDemand], now: float) -> None:
+        """Members the cluster failed to start, or whose worker closed on its own (a
+        nanny gone; a job ended, which the cluster lets go some seconds after its worker
+        left), the scheduler not listing them: a ``SpecCluster`` never starts them again,
+        and they would count as starting for ever. They are closed as retired workers
+        that left are (their specs go), so a new worker takes their place, the pool
+        asking again after a wait that doubles while its workers fail (a spec that cannot
+        start starts no process a look)."""
+        held = self._held
+        self._held = set()
+        for pool in self.pools:
+            members = self.members(pool)
+            self._held.update(w for w in members if cluster_holds(self.cluster, w))
+            if failed := [
+                w
+                for w in members
+                if w not in listed
+                and (start_failed(self.cluster, w) or (w in held and w not in self._held))
+            ]:
+                wait = min(RETRY_WAIT_MAX, 2 * self._held_back.get(pool, (0.0, 0.0))[1] or 1.0)
+                self._held_back[pool] = (now + wait, wait)
+                logger.warning(
+                    "accelsched.adapt: pool %r: %s failed to start or closed; asked for again "
+                    "in %.0fs",
+                    pool,
+                    ", ".join(failed),
+                    wait,
+                )
+                self._closing.update(failed)
+            elif any(w in listed for w in members):
+                self._held_back.pop(pool, None)  # its workers start again
 
     def _states(self, listed: Mapping[str, WorkerDemand], now: float) -> dict[str, PoolState]:
         """Each pool's workers: running (arrived, as the scheduler ``listed`` them; a GPU
@@ -420,14 +468,22 @@ class ElasticPools(Adaptive):
     async def _scale_up(self, plan: Plan, now: float) -> None:
         spec = self.cluster.worker_spec
         before = len(spec)
+        closing = {w for names in self._closes.values() for w in names}
         for name, (_, worker_spec) in self.pools.items():
+            if now < self._held_back.get(name, (0.0, 0.0))[0]:
+                continue  # one failed to start: asked again after a wait
             # a free name is no member: its times went at this look (_states); nor one
             # the scheduler still lists (a closed worker's may linger, retiring: the new
-            # worker would be taken for it, and refused the name)
+            # worker would be taken for it, and refused the name); nor one the cluster
+            # still holds a worker object for, or is closing (it starts no new worker
+            # under a name it holds one for)
             free = (
-                f"{name}-{n}"
+                w
                 for n in itertools.count()
-                if f"{name}-{n}" not in spec and f"{name}-{n}" not in self._listed
+                if (w := f"{name}-{n}") not in spec
+                and w not in self._listed
+                and w not in closing
+                and not cluster_holds(self.cluster, w)
             )
             new = [next(free) for _ in range(plan.targets[name] - len(self.members(name)))]
             spec.update({worker: copy.deepcopy(worker_spec) for worker in new})

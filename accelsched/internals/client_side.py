@@ -1,7 +1,7 @@
 """What the command line, elastic pools and :mod:`accelsched.testing` borrow from
 distributed: address schemes, the scheduler file, a worker spec's class, retiring workers
-by name, the cluster's adaptive controller, starting one more SpecCluster worker, and
-distributed's own NVML diagnostics.
+by name, the cluster's adaptive controller and its worker objects, starting one more
+SpecCluster worker, and distributed's own NVML diagnostics.
 
 distributed.diagnostics.nvml remembers "no NVML" for the life of the process, and once
 initialized it adds GPU metrics to every worker started in-process.
@@ -59,9 +59,27 @@ async def retire_named(scheduler_comm: Any, names: list[str], *, close: bool = F
     can take is not retired: it keeps running, and its data. A retired worker stays
     registered, closing gracefully (no heartbeat of a removed worker that is still up),
     until its cluster closes it, or (``close``) the scheduler closes it with its nanny,
-    as ``Adaptive.scale_down`` does before its cluster's own, slower close."""
+    as ``Adaptive.scale_down`` does before its cluster's own, slower close (which also
+    removes it; here it goes as it disconnects)."""
     retired = await scheduler_comm.retire_workers(names=names, remove=False, close_workers=close)
     return {str(info.get("name")) for info in (retired or {}).values()}
+
+
+def cluster_holds(cluster: Any, name: str) -> bool:
+    """Whether ``cluster`` still holds a worker object named ``name``: a ``SpecCluster``
+    starts a spec's worker only where it holds none, so a new worker given that name would
+    never start."""
+    return name in cluster.workers
+
+
+def start_failed(cluster: Any, name: str) -> bool:
+    """Whether ``cluster``'s worker ``name`` failed to start or has closed (a ``Nanny``
+    or ``Worker``; a job a queue holds stays running): a ``SpecCluster`` keeps such an
+    object, and never starts that spec again."""
+    from distributed.core import Status
+
+    worker = cluster.workers.get(name)
+    return getattr(worker, "status", None) in (Status.failed, Status.closed)
 
 
 def take_adaptive(cluster: Any, controller: Any) -> Any:

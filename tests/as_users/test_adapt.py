@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -25,11 +26,11 @@ from tests.utils import ROOT, cli, events, gpu_nap, named_nap, until
 
 
 class PoolNanny(Nanny):
-    """A nanny for pool worker ``<pool>-<n>`` that sees simulated GPU ``n`` only, as each
-    host of a real GPU pool sees its own devices."""
+    """A nanny for pool worker ``<pool>-<n>`` that sees simulated GPU ``n`` (of two) only,
+    as each host of a real GPU pool sees its own devices."""
 
     def __init__(self, *args: Any, name: str, **kwargs: Any) -> None:
-        device = str(name).rsplit("-", 1)[1]
+        device = str(int(str(name).rsplit("-", 1)[1]) % 2)
         kwargs["env"] = {**kwargs.get("env", {}), "CUDA_VISIBLE_DEVICES": device}
         super().__init__(*args, name=name, **kwargs)
 
@@ -101,11 +102,25 @@ ARRIVE = threading.Event()
 
 class SlowNanny(PoolNanny):
     """Pool worker ``gpu-0`` comes up only once :data:`ARRIVE` is set, as a cloud VM or a
-    queued job does minutes after it was asked for."""
+    loaded host does long after it was asked for."""
 
     async def start_unsafe(self) -> Any:
         while self.name == "gpu-0" and not ARRIVE.is_set():
             await asyncio.sleep(0.1)
+        return await super().start_unsafe()
+
+
+#: Set once a :class:`FailingNanny` failed to start.
+FAILED = threading.Event()
+
+
+class FailingNanny(PoolNanny):
+    """The first pool worker to start fails to (a host that does not come up)."""
+
+    async def start_unsafe(self) -> Any:
+        if not FAILED.is_set():
+            FAILED.set()
+            raise RuntimeError(f"{self.name}: this host does not come up")
         return await super().start_unsafe()
 
 
@@ -114,7 +129,8 @@ def test_a_worker_slow_to_start_holds_no_look_back() -> None:
     """Two GPU workers asked for, one still starting: the other does the work, and is
     retired and closed once idle while the first has still not arrived, and the looks go
     on (before: the look closing it waited, and every later look with it, for the cluster
-    to start the slow one, which the cluster's own close of the idle one waits for too)."""
+    to start the slow one, which the cluster's own close of the idle one waits for too).
+    A worker asked for meanwhile takes a name the cluster is not closing."""
     ARRIVE.clear()
     spec = {**GPU_SPEC, "cls": SlowNanny}
     with (
@@ -140,11 +156,48 @@ def test_a_worker_slow_to_start_holds_no_look_back() -> None:
             assert pools.members("gpu") == ["gpu-0"]  # still starting
             plan = pools.last_plan  # and the looks go on meanwhile
             until(lambda: pools.last_plan is not plan, timeout=10)
-            # the slow one arrives, idle: retired in its turn
-            ARRIVE.set()
+            # more work: a second worker is asked for, under a name the cluster is not
+            # still closing (it would start none under it: counted as starting for good)
+            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+                futures = client.map(gpu_nap, range(4, 8), seconds=0.5, pure=False)
+            until(lambda: len(events(client, "scale-up")) == 2, timeout=10)
+            assert events(client, "scale-up")[1]["workers"] == ("gpu-2",)
+            ARRIVE.set()  # the slow one arrives
+            assert None not in client.gather(futures)  # each on a GPU
+            del futures  # idle: both retired in turn
             until(lambda: not pools.members("gpu") and not pool_workers(client, "gpu"), 60)
         finally:
             ARRIVE.set()
+            pools.stop()
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_a_worker_that_fails_to_start_is_replaced() -> None:
+    """A GPU pool worker whose start fails is replaced, saying so once: the GPU task runs
+    on the next one, not its CPU form (before: the failed one counted as starting for
+    good, no other was asked for, and the task fell back after its timeout)."""
+    FAILED.clear()
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+        captured_logger("accelsched.deploy.adapt", level=logging.WARNING) as log,
+    ):
+        accelsched.register(client)
+        pools = accelsched.adapt(
+            cluster, pools={"gpu": {"spec": {**GPU_SPEC, "cls": FailingNanny}, "maximum": 1}}
+        )
+        try:
+            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+                future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
+            assert future.result(timeout=45) == 0  # on a GPU
+            assert FAILED.is_set()
+            assert not events(client, "fallback")
+            # asked for again under the name the failed one's spec no longer holds
+            assert [e["workers"] for e in events(client, "scale-up")] == [("gpu-0",)] * 2
+            assert pools.members("gpu") == ["gpu-0"]
+            (line,) = log.getvalue().splitlines()
+            assert "pool 'gpu': gpu-0 failed to start or closed; asked for again in 1s" in line
+        finally:
             pools.stop()
 
 
@@ -459,3 +512,46 @@ def test_a_look_neither_retires_a_drained_worker_nor_reuses_a_lingering_name() -
         plan = Plan({"gpu": 1}, {"gpu": "gpu-demand"}, [], {}, {}, [])
         cluster.sync(pools._scale_up, plan, now)
         assert list(cluster.worker_spec) == ["gpu-1"]
+
+
+def test_a_member_the_cluster_let_go_is_replaced() -> None:
+    """One look's reading of the cluster's worker objects (none started): a member the
+    cluster held a worker for and no longer holds, the scheduler not listing it (a job
+    that ended: the cluster lets its object go some seconds after its worker left), is
+    replaced, once, with the pool asked for again after a wait that doubles while its
+    workers fail; a member not yet held (starting) is not; nor is its name taken while
+    the cluster still holds an object under it."""
+    from accelsched.policy.scaling import Plan
+
+    class Job:  # a worker object as the cluster holds it (a job stays "running")
+        status = "running"
+
+    with (
+        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster,
+        captured_logger("accelsched.deploy.adapt", level=logging.WARNING) as log,
+    ):
+        pools = accelsched.adapt(cluster, pools={"gpu": {"spec": GPU_SPEC, "maximum": 3}})
+        pools.stop()  # looks are taken by hand here
+        cluster.worker_spec.update({"gpu-0": {}, "gpu-1": {}})  # (their specs only)
+        try:
+            cluster.workers["gpu-0"] = Job()  # gpu-1: not held yet
+            pools._replace_failed({}, 100.0)
+            assert pools.members("gpu") == ["gpu-0", "gpu-1"] and not log.getvalue()
+            del cluster.workers["gpu-0"]  # the cluster let it go
+            pools._replace_failed({}, 101.0)
+            assert pools.members("gpu") == ["gpu-1"]
+            assert "pool 'gpu': gpu-0 failed to start or closed; asked for again in 1s" in (
+                log.getvalue()
+            )
+            pools._replace_failed({}, 102.0)  # said once
+            assert len(log.getvalue().splitlines()) == 1
+            plan = Plan({"gpu": 3}, {"gpu": "gpu-demand"}, [], {}, {}, [])
+            cluster.sync(pools._scale_up, plan, 101.5)  # within its wait: none asked for
+            assert list(cluster.worker_spec) == ["gpu-0", "gpu-1"]
+            del cluster.worker_spec["gpu-0"]  # (the cluster's close of it, by hand)
+            cluster.workers["gpu-2"] = Job()  # an object under a free name
+            cluster.sync(pools._scale_up, plan, 102.5)
+            assert sorted(cluster.worker_spec) == ["gpu-0", "gpu-1", "gpu-3"]
+        finally:
+            cluster.workers.clear()
+            cluster.worker_spec.clear()
