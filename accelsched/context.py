@@ -264,17 +264,18 @@ class GPUStep(Generic[R]):
                 for c in type(exc).__mro__
             ):
                 raise
+            # (its text only: the error's frames may hold device arrays, freed now)
+            oom = f"{type(exc).__name__}: {exc}"
             if lease.report is not None:
-                lease.report(
-                    "fallback",
-                    key=lease.key,
-                    waited=0.0,
-                    reason="oom",
-                    error=f"{type(exc).__name__}: {exc}",
-                )
+                lease.report("fallback", key=lease.key, waited=0.0, reason="oom", error=oom)
         _local.lease = None  # the CPU form sees no GPU: array_module() is numpy
         try:
             return self.cpu_fn(*args, **kwargs)
+        except Exception as exc:  # why the CPU form ran, where its error is read
+            raise exc from RuntimeError(
+                f"{_name(self.fn)}: the GPU form ran out of device memory ({oom}); the CPU "
+                "form ran instead"
+            )
         finally:
             _local.lease = lease
 

@@ -196,6 +196,18 @@ async def test_oom_in_gpu_form_retries_cpu_form(c, s, a):
     with dask.annotate(resources={"GPU": 1}):
         assert await c.submit(accelsched.dual(host_oom, lambda n: "cpu"), 1, key="bare") == "cpu"
 
+    def cpu_error(n: int) -> str:
+        raise ValueError("the CPU form failed too")
+
+    # the CPU form's error says why it ran
+    with dask.annotate(resources={"GPU": 1}), pytest.raises(ValueError) as failed:
+        await c.submit(accelsched.dual(host_oom, cpu_error), 1, key="both")
+    assert str(failed.value) == "the CPU form failed too"
+    assert str(failed.value.__cause__) == (
+        "host_oom: the GPU form ran out of device memory (MemoryError: named by its bare "
+        "name); the CPU form ran instead"
+    )
+
 
 def test_oom_exception_is_the_simulated_one() -> None:
     assert issubclass(OutOfDeviceMemory, MemoryError)
