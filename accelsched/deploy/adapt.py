@@ -33,6 +33,7 @@ from accelsched import events, internals
 from accelsched.config import ADAPT_OPTIONS, resolve_options
 from accelsched.internals.client_side import (
     cluster_holds,
+    correct,
     retire_named,
     spec_class,
     start_failed,
@@ -240,8 +241,9 @@ class ElasticPools(Adaptive):
         #: the cluster closing retired workers -> their names (kept until done: asyncio
         #: holds tasks weakly; a name is free again only after)
         self._closes: dict[asyncio.Future[None], list[str]] = {}
-        #: pool -> (when it may ask for a worker again, the wait) after one failed to start
-        self._held_back: dict[str, tuple[float, float]] = {}
+        #: pool -> (when it may ask for a worker again, the wait, when that wait began)
+        #: after one of its workers failed to start
+        self._held_back: dict[str, tuple[float, float, float]] = {}
         #: members the cluster held a worker object for at the last look
         self._held: set[str] = set()
         #: a GPU pool's worker running only CPU tasks is idle (they can go to a CPU pool)
@@ -378,22 +380,29 @@ class ElasticPools(Adaptive):
                     wait = min(RETRY_WAIT_MAX, 2 * last)
                     self._retry[w] = (now + wait, wait)
         if closed := [w for w in done if w not in listed or w in moved]:
-            # their specs go; the cluster closes them. Their times went at the look that
-            # first saw them retired (a retired worker is no member). Not awaited: the
-            # cluster's correction waits for every worker it is starting (a cloud VM, a
-            # loaded host: minutes), and no look would run meanwhile; they stay retired
-            # until their specs went, and the next look forgets them
-            task = asyncio.ensure_future(self._scale_down(closed))
-            self._closes[task] = closed
-            task.add_done_callback(self._closes.pop)
+            # their times went at the look that first saw them retired (a retired worker
+            # is no member)
+            self._drop(closed)
+            self._closing.difference_update(closed)
 
-    async def _scale_down(self, closed: list[str]) -> None:
+    def _drop(self, names: list[str]) -> None:
+        """Drop the specs of ``names`` now, so no correction of the cluster starts them
+        again, and let the cluster close their workers. Not awaited: its correction waits
+        for every worker it is starting (a cloud VM, a loaded host: minutes), and no look
+        would run meanwhile; their names are taken by no new worker until it is done."""
+        for name in names:
+            self.cluster.worker_spec.pop(name, None)
+        task = asyncio.ensure_future(self._scale_down(names))
+        self._closes[task] = names
+        task.add_done_callback(self._closes.pop)
+
+    async def _scale_down(self, names: list[str]) -> None:
         try:
-            await self.cluster.scale_down(closed)
+            await self.cluster.scale_down(names)
         except Exception as exc:  # any worker's it starts; the next look sees who is there
             logger.warning(
                 "accelsched.adapt: the cluster, correcting its workers after closing %s: %r",
-                closed,
+                names,
                 exc,
             )
 
@@ -401,23 +410,27 @@ class ElasticPools(Adaptive):
         """Members the cluster failed to start, or whose worker closed on its own (a
         nanny gone; a job ended, which the cluster lets go some seconds after its worker
         left), the scheduler not listing them: a ``SpecCluster`` never starts them again,
-        and they would count as starting for ever. They are closed as retired workers
-        that left are (their specs go), so a new worker takes their place, the pool
-        asking again after a wait that doubles while its workers fail (a spec that cannot
-        start starts no process a look)."""
+        and they would count as starting for ever. Their specs go (the cluster closes
+        their workers), so a new worker takes their place. The pool asks again after a
+        wait, which doubles when one asked for since the last wait began fails too, and
+        ends once one of those arrives (a spec that cannot start starts no process a
+        look)."""
         held = self._held
         self._held = set()
         for pool in self.pools:
             members = self.members(pool)
             self._held.update(w for w in members if cluster_holds(self.cluster, w))
+            since = self._held_back.get(pool, (0.0, 0.0, math.inf))[2]  # its wait began
             if failed := [
                 w
                 for w in members
                 if w not in listed
                 and (start_failed(self.cluster, w) or (w in held and w not in self._held))
             ]:
-                wait = min(RETRY_WAIT_MAX, 2 * self._held_back.get(pool, (0.0, 0.0))[1] or 1.0)
-                self._held_back[pool] = (now + wait, wait)
+                last = self._held_back.get(pool, (0.0, 0.0, 0.0))[1]
+                again = any(self._started.get(w, -math.inf) >= since for w in failed)
+                wait = min(RETRY_WAIT_MAX, 2 * last) if again else last or 1.0
+                self._held_back[pool] = (now + wait, wait, now)
                 logger.warning(
                     "accelsched.adapt: pool %r: %s failed to start or closed; asked for again "
                     "in %.0fs",
@@ -425,9 +438,9 @@ class ElasticPools(Adaptive):
                     ", ".join(failed),
                     wait,
                 )
-                self._closing.update(failed)
-            elif any(w in listed for w in members):
-                self._held_back.pop(pool, None)  # its workers start again
+                self._drop(failed)
+            elif any(w in listed and self._started.get(w, -math.inf) >= since for w in members):
+                del self._held_back[pool]  # one asked for since it failed has arrived
 
     def _states(self, listed: Mapping[str, WorkerDemand], now: float) -> dict[str, PoolState]:
         """Each pool's workers: running (arrived, as the scheduler ``listed`` them; a GPU
@@ -470,7 +483,7 @@ class ElasticPools(Adaptive):
         before = len(spec)
         closing = {w for names in self._closes.values() for w in names}
         for name, (_, worker_spec) in self.pools.items():
-            if now < self._held_back.get(name, (0.0, 0.0))[0]:
+            if now < self._held_back.get(name, (0.0, 0.0, 0.0))[0]:
                 continue  # one failed to start: asked again after a wait
             # a free name is no member: its times went at this look (_states); nor one
             # the scheduler still lists (a closed worker's may linger, retiring: the new
@@ -499,7 +512,7 @@ class ElasticPools(Adaptive):
                     classes=sorted(c for c, p in plan.coming.items() if p == name),
                 )
         if len(spec) > before:  # the cluster starts what its spec has and it has not (not awaited)
-            self.cluster.scale(len(spec))
+            correct(self.cluster)
 
     async def _event(self, action: str, **figures: Any) -> None:
         msg = events.event(action, **figures)

@@ -73,13 +73,30 @@ def cluster_holds(cluster: Any, name: str) -> bool:
 
 
 def start_failed(cluster: Any, name: str) -> bool:
-    """Whether ``cluster``'s worker ``name`` failed to start or has closed (a ``Nanny``
-    or ``Worker``; a job a queue holds stays running): a ``SpecCluster`` keeps such an
-    object, and never starts that spec again."""
+    """Whether ``cluster``'s worker ``name`` failed to start or has closed: a ``Nanny`` or
+    ``Worker`` failed or closed, or a job whose submission failed (still ``created``: a
+    ``SpecCluster`` holds an object only once its start returned or raised; a job a queue
+    holds is running). The cluster keeps such an object, and never starts that spec
+    again."""
     from distributed.core import Status
 
     worker = cluster.workers.get(name)
-    return getattr(worker, "status", None) in (Status.failed, Status.closed)
+    return getattr(worker, "status", None) in (
+        Status.failed,
+        Status.closed,
+        Status.created,
+        Status.init,
+    )
+
+
+def correct(cluster: Any) -> None:
+    """Let ``cluster`` start the workers its spec has and it has not (in the background):
+    ``SpecCluster.scale`` at its own size. Not the cluster's own ``scale``, which a
+    subclass may read otherwise (dask-jobqueue's counts workers, and divides them by the
+    processes of its default job: a pool's new spec would go)."""
+    from distributed import SpecCluster
+
+    SpecCluster.scale(cluster, len(cluster.worker_spec))
 
 
 def take_adaptive(cluster: Any, controller: Any) -> Any:

@@ -515,16 +515,33 @@ def test_a_look_neither_retires_a_drained_worker_nor_reuses_a_lingering_name() -
 
 
 def test_a_member_the_cluster_let_go_is_replaced() -> None:
-    """One look's reading of the cluster's worker objects (none started): a member the
-    cluster held a worker for and no longer holds, the scheduler not listing it (a job
-    that ended: the cluster lets its object go some seconds after its worker left), is
-    replaced, once, with the pool asked for again after a wait that doubles while its
-    workers fail; a member not yet held (starting) is not; nor is its name taken while
-    the cluster still holds an object under it."""
+    """Looks taken by hand, on a cluster's worker objects set by hand (its corrections
+    stubbed: these objects start nothing). A member the cluster held a worker for and no
+    longer holds, the scheduler not listing it (a job that ended: the cluster lets its
+    object go some seconds after its worker left), or a job whose submission failed
+    (still ``created``), is replaced: its spec goes at once (no correction starts it
+    again), said once. Its pool asks again after a wait, which doubles only when one
+    asked for since it began fails too, and ends when one of those arrives (not when an
+    older member is listed). A member not yet held (starting) is kept, and a new name is
+    none the cluster holds an object under."""
+    from distributed.core import Status
+
     from accelsched.policy.scaling import Plan
 
-    class Job:  # a worker object as the cluster holds it (a job stays "running")
-        status = "running"
+    class Job:  # a worker object as the cluster holds it (a job in a queue: "running")
+        def __init__(self, status: Status = Status.running) -> None:
+            self.status = status
+
+    async def nothing(*args: Any) -> None:
+        """the cluster's correction and close, stubbed"""
+
+    def look(now: float, *listed: str) -> None:
+        """the look's reading of failed members, on the cluster's loop, as a look runs"""
+
+        async def replace() -> None:
+            pools._replace_failed(dict.fromkeys(listed, {"retiring": False}), now)
+
+        cluster.sync(replace)
 
     with (
         LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster,
@@ -532,26 +549,78 @@ def test_a_member_the_cluster_let_go_is_replaced() -> None:
     ):
         pools = accelsched.adapt(cluster, pools={"gpu": {"spec": GPU_SPEC, "maximum": 3}})
         pools.stop()  # looks are taken by hand here
-        cluster.worker_spec.update({"gpu-0": {}, "gpu-1": {}})  # (their specs only)
+        correct, scale_down = cluster._correct_state, cluster.scale_down
+        cluster._correct_state = cluster.scale_down = nothing  # type: ignore[method-assign]
         try:
-            cluster.workers["gpu-0"] = Job()  # gpu-1: not held yet
-            pools._replace_failed({}, 100.0)
-            assert pools.members("gpu") == ["gpu-0", "gpu-1"] and not log.getvalue()
+            cluster.worker_spec.update({"gpu-0": {}, "gpu-1": {}, "gpu-2": {}})
+            pools._started.update({"gpu-0": 90.0, "gpu-1": 90.0, "gpu-2": 90.0})
+            cluster.workers.update({"gpu-0": Job(), "gpu-2": Job()})  # gpu-1: not held yet
+            look(100.0, "gpu-2")
+            assert pools.members("gpu") == ["gpu-0", "gpu-1", "gpu-2"] and not log.getvalue()
             del cluster.workers["gpu-0"]  # the cluster let it go
-            pools._replace_failed({}, 101.0)
-            assert pools.members("gpu") == ["gpu-1"]
-            assert "pool 'gpu': gpu-0 failed to start or closed; asked for again in 1s" in (
-                log.getvalue()
-            )
-            pools._replace_failed({}, 102.0)  # said once
-            assert len(log.getvalue().splitlines()) == 1
+            look(101.0, "gpu-2")
+            assert pools.members("gpu") == ["gpu-1", "gpu-2"]
+            assert "gpu-0" not in cluster.worker_spec  # at once
+            (line,) = log.getvalue().splitlines()
+            assert "pool 'gpu': gpu-0 failed to start or closed; asked for again in 1s" in line
+            look(101.5, "gpu-2")  # said once; gpu-2 ends no wait
+            assert len(log.getvalue().splitlines()) == 1 and "gpu" in pools._held_back
             plan = Plan({"gpu": 3}, {"gpu": "gpu-demand"}, [], {}, {}, [])
             cluster.sync(pools._scale_up, plan, 101.5)  # within its wait: none asked for
-            assert list(cluster.worker_spec) == ["gpu-0", "gpu-1"]
-            del cluster.worker_spec["gpu-0"]  # (the cluster's close of it, by hand)
-            cluster.workers["gpu-2"] = Job()  # an object under a free name
+            assert sorted(cluster.worker_spec) == ["gpu-1", "gpu-2"]
+            cluster.workers["gpu-0"] = Job()  # an object still held under a free name
             cluster.sync(pools._scale_up, plan, 102.5)
-            assert sorted(cluster.worker_spec) == ["gpu-0", "gpu-1", "gpu-3"]
+            assert sorted(cluster.worker_spec) == ["gpu-1", "gpu-2", "gpu-3"]
+            # gpu-3, asked for since the wait began, fails too (its job was never
+            # submitted): the wait doubles
+            cluster.workers["gpu-3"] = Job(Status.created)
+            look(103.0, "gpu-2")
+            assert (
+                log.getvalue()
+                .splitlines()[-1]
+                .endswith("gpu-3 failed to start or closed; asked for again in 2s")
+            )
+            cluster.sync(pools._scale_up, plan, 104.5)  # within its wait
+            assert sorted(cluster.worker_spec) == ["gpu-1", "gpu-2"]
+            cluster.sync(pools._scale_up, plan, 105.0)  # (gpu-3's object is still held)
+            assert sorted(cluster.worker_spec) == ["gpu-1", "gpu-2", "gpu-4"]
+            look(106.0, "gpu-2", "gpu-4")  # it arrives: no wait
+            assert "gpu" not in pools._held_back
         finally:
+            cluster._correct_state, cluster.scale_down = correct, scale_down  # type: ignore[method-assign]
             cluster.workers.clear()
+            cluster.worker_spec.clear()
+
+
+def test_new_pool_workers_on_a_jobqueue_cluster_keep_their_specs() -> None:
+    """dask-jobqueue's ``scale(n)`` counts workers and divides them by its default job's
+    processes: the pools start theirs through ``SpecCluster.scale`` at the cluster's own
+    size, so a pool's new spec stays (before: 2 asked for on a cluster whose default job
+    runs 4 workers, 1 kept). The cluster's correction is stubbed: no Slurm here."""
+    from dask_jobqueue import SLURMCluster
+    from dask_jobqueue.config import reconfigure
+
+    from accelsched.policy.scaling import Plan
+
+    async def nothing() -> None:
+        """the cluster's correction, stubbed"""
+
+    # dask-jobqueue adds its config defaults as it is imported; a test before this one in
+    # the process may have put back a config from before that import
+    reconfigure()
+    with SLURMCluster(
+        cores=8, memory="8GB", scheduler_options={"host": "127.0.0.1", "dashboard_address": ":0"}
+    ) as cluster:
+        assert cluster._dummy_job.worker_processes > 1  # (its default job: several)
+        job = {"cls": cluster.job_cls, "options": dict(cluster.new_spec["options"])}
+        pools = accelsched.adapt(cluster, pools={"gpu": {"spec": job, "maximum": 2}})
+        pools.stop()  # looks are taken by hand here
+        correct = cluster._correct_state
+        cluster._correct_state = nothing  # type: ignore[method-assign]
+        try:
+            plan = Plan({"gpu": 2}, {"gpu": "gpu-demand"}, [], {}, {}, [])
+            cluster.sync(pools._scale_up, plan, time.monotonic())
+            assert sorted(cluster.worker_spec) == ["gpu-0", "gpu-1"]
+        finally:
+            cluster._correct_state = correct  # type: ignore[method-assign]
             cluster.worker_spec.clear()
