@@ -272,10 +272,14 @@ class GPUStep(Generic[R]):
         try:
             return self.cpu_fn(*args, **kwargs)
         except Exception as exc:  # why the CPU form ran, where its error is read
-            raise exc from RuntimeError(
+            if exc.__cause__ is not None:  # its own cause is kept
+                raise
+            why = RuntimeError(
                 f"{_name(self.fn)}: the GPU form ran out of device memory ({oom}); the CPU "
                 "form ran instead"
             )
+            why.__context__ = exc.__context__  # (what it raised while handling, if any)
+            raise exc from why
         finally:
             _local.lease = lease
 

@@ -34,6 +34,7 @@ from accelsched.config import ADAPT_OPTIONS, resolve_options
 from accelsched.internals.client_side import (
     cluster_holds,
     correct,
+    lost_worker_timeout,
     retire_named,
     spec_class,
     start_failed,
@@ -236,6 +237,9 @@ class ElasticPools(Adaptive):
         self._closing: set[str] = set()
         #: the workers' names the scheduler listed at the last look
         self._listed: set[str] = set()
+        #: worker name -> when the scheduler stopped listing it (within the cluster's
+        #: lost-worker-timeout: see :meth:`_see`)
+        self._left: dict[str, float] = {}
         #: retired worker whose results no peer took -> (when to try again, the wait)
         self._retry: dict[str, tuple[float, float]] = {}
         #: the cluster closing retired workers -> their names (kept until done: asyncio
@@ -297,7 +301,7 @@ class ElasticPools(Adaptive):
             self._no_plugin_wait = 0.0
             now = time()
             listed = {w["name"]: w for w in reply["workers"]}
-            self._listed = set(listed)
+            self._see(listed, now)
             # the pools' retired workers: those the scheduler says retire (another
             # controller's too), and those retired before that it no longer lists (they
             # left: closed below); one it lists back in service is a member again
@@ -406,31 +410,44 @@ class ElasticPools(Adaptive):
                 exc,
             )
 
+    def _see(self, listed: Mapping[str, Any], now: float) -> None:
+        """The workers the scheduler lists at this look. A name it stopped listing is
+        given to no new worker for the cluster's ``lost-worker-timeout``: the cluster
+        then closes whatever worker object it holds under that name, which would be the
+        new one if it had not connected yet (a queued job, cancelled)."""
+        bound = lost_worker_timeout()
+        self._left = {w: t for w, t in self._left.items() if now - t < bound and w not in listed}
+        self._left.update(dict.fromkeys(self._listed.difference(listed), now))
+        self._listed = set(listed)
+
     def _replace_failed(self, listed: Mapping[str, WorkerDemand], now: float) -> None:
         """Members the cluster failed to start, or whose worker closed on its own (a
         nanny gone; a job ended, which the cluster lets go some seconds after its worker
-        left), the scheduler not listing them: a ``SpecCluster`` never starts them again,
-        and they would count as starting for ever. Their specs go (the cluster closes
-        their workers), so a new worker takes their place. The pool asks again after a
-        wait, which doubles when one asked for since the last wait began fails too, and
-        ends once one of those arrives (a spec that cannot start starts no process a
-        look)."""
+        left), the scheduler not listing them: a ``SpecCluster`` never starts a failed one
+        again, and would start a let-go one again under its old name at any later
+        correction; either would count as starting meanwhile. Their specs go at once (the
+        cluster closes their workers), so a new worker takes their place. The pool asks
+        again after a wait, which doubles when one asked for since the wait began fails
+        too, and ends once one of those arrives (a spec that cannot start starts no
+        process a look)."""
         held = self._held
         self._held = set()
         for pool in self.pools:
             members = self.members(pool)
             self._held.update(w for w in members if cluster_holds(self.cluster, w))
-            since = self._held_back.get(pool, (0.0, 0.0, math.inf))[2]  # its wait began
+            _, last, since = self._held_back.get(pool, (0.0, 0.0, math.inf))
             if failed := [
                 w
                 for w in members
                 if w not in listed
                 and (start_failed(self.cluster, w) or (w in held and w not in self._held))
             ]:
-                last = self._held_back.get(pool, (0.0, 0.0, 0.0))[1]
+                # one asked for since the wait began failed too: it doubles, and begins
+                # anew (else only older ones failed: the same wait again, still counting
+                # arrivals and failures from when it began)
                 again = any(self._started.get(w, -math.inf) >= since for w in failed)
                 wait = min(RETRY_WAIT_MAX, 2 * last) if again else last or 1.0
-                self._held_back[pool] = (now + wait, wait, now)
+                self._held_back[pool] = (now + wait, wait, now if again or not last else since)
                 logger.warning(
                     "accelsched.adapt: pool %r: %s failed to start or closed; asked for again "
                     "in %.0fs",
@@ -487,14 +504,15 @@ class ElasticPools(Adaptive):
                 continue  # one failed to start: asked again after a wait
             # a free name is no member: its times went at this look (_states); nor one
             # the scheduler still lists (a closed worker's may linger, retiring: the new
-            # worker would be taken for it, and refused the name); nor one the cluster
-            # still holds a worker object for, or is closing (it starts no new worker
-            # under a name it holds one for)
+            # worker would be taken for it, and refused the name), or stopped listing
+            # lately (_see); nor one the cluster still holds a worker object for, or is
+            # closing (it starts no new worker under a name it holds one for)
             free = (
                 w
                 for n in itertools.count()
                 if (w := f"{name}-{n}") not in spec
                 and w not in self._listed
+                and w not in self._left
                 and w not in closing
                 and not cluster_holds(self.cluster, w)
             )

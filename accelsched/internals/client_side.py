@@ -89,6 +89,16 @@ def start_failed(cluster: Any, name: str) -> bool:
     )
 
 
+def lost_worker_timeout() -> float:
+    """Seconds after a worker leaves the scheduler that a ``SpecCluster`` closes the
+    worker object it holds under that worker's name (``distributed.deploy.
+    lost-worker-timeout``)."""
+    import dask
+    from dask.utils import parse_timedelta
+
+    return float(parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout")))
+
+
 def correct(cluster: Any) -> None:
     """Let ``cluster`` start the workers its spec has and it has not (in the background):
     ``SpecCluster.scale`` at its own size. Not the cluster's own ``scale``, which a

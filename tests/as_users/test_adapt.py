@@ -522,8 +522,9 @@ def test_a_member_the_cluster_let_go_is_replaced() -> None:
     (still ``created``), is replaced: its spec goes at once (no correction starts it
     again), said once. Its pool asks again after a wait, which doubles only when one
     asked for since it began fails too, and ends when one of those arrives (not when an
-    older member is listed). A member not yet held (starting) is kept, and a new name is
-    none the cluster holds an object under."""
+    older member is listed, nor when only an older one fails). A member not yet held
+    (starting) is kept, and a new name is none the cluster holds an object under, nor one
+    the scheduler stopped listing within the cluster's lost-worker-timeout."""
     from distributed.core import Status
 
     from accelsched.policy.scaling import Plan
@@ -586,6 +587,36 @@ def test_a_member_the_cluster_let_go_is_replaced() -> None:
             assert sorted(cluster.worker_spec) == ["gpu-1", "gpu-2", "gpu-4"]
             look(106.0, "gpu-2", "gpu-4")  # it arrives: no wait
             assert "gpu" not in pools._held_back
+            # gpu-4 fails: a wait of 1 s; the one asked for then (gpu-5) fails after an
+            # older member (gpu-2) did: the wait doubles, counted from its beginning
+            cluster.workers["gpu-4"] = Job(Status.closed)
+            look(107.0, "gpu-2")
+            cluster.sync(pools._scale_up, plan, 108.0)
+            assert sorted(cluster.worker_spec) == ["gpu-1", "gpu-2", "gpu-5"]
+            cluster.workers["gpu-2"].status = Status.closed
+            look(109.0)
+            cluster.workers["gpu-5"] = Job(Status.failed)
+            look(110.0)
+            assert [line.rsplit(": ", 1)[1] for line in log.getvalue().splitlines()[-3:]] == [
+                "gpu-4 failed to start or closed; asked for again in 1s",
+                "gpu-2 failed to start or closed; asked for again in 1s",
+                "gpu-5 failed to start or closed; asked for again in 2s",
+            ]
+            # a name the scheduler stopped listing is given to no new worker until the
+            # cluster's lost-worker-timeout passed: the cluster then closes whatever it
+            # holds under that name (a new job not connected yet would go)
+            cluster.workers.clear()
+            cluster.worker_spec.clear()
+            pools._held_back.clear()
+            pools._see({"gpu-0": {}}, 200.0)
+            pools._see({}, 201.0)
+            one = Plan({"gpu": 1}, {"gpu": "gpu-demand"}, [], {}, {}, [])
+            cluster.sync(pools._scale_up, one, 202.0)
+            assert list(cluster.worker_spec) == ["gpu-1"]
+            cluster.worker_spec.clear()
+            pools._see({}, 216.0)  # 15 s: distributed's default
+            cluster.sync(pools._scale_up, one, 216.0)
+            assert list(cluster.worker_spec) == ["gpu-0"]
         finally:
             cluster._correct_state, cluster.scale_down = correct, scale_down  # type: ignore[method-assign]
             cluster.workers.clear()

@@ -208,6 +208,17 @@ async def test_oom_in_gpu_form_retries_cpu_form(c, s, a):
         "name); the CPU form ran instead"
     )
 
+    def cpu_error_with_a_cause(n: int) -> str:
+        try:
+            return {}["missing"]
+        except KeyError as exc:
+            raise ValueError("the CPU form's own cause") from exc
+
+    # one that has a cause of its own keeps it
+    with dask.annotate(resources={"GPU": 1}), pytest.raises(ValueError) as own:
+        await c.submit(accelsched.dual(host_oom, cpu_error_with_a_cause), 1, key="own")
+    assert isinstance(own.value.__cause__, KeyError), repr(own.value.__cause__)
+
 
 def test_oom_exception_is_the_simulated_one() -> None:
     assert issubclass(OutOfDeviceMemory, MemoryError)
