@@ -81,12 +81,7 @@ def start_failed(cluster: Any, name: str) -> bool:
     from distributed.core import Status
 
     worker = cluster.workers.get(name)
-    return getattr(worker, "status", None) in (
-        Status.failed,
-        Status.closed,
-        Status.created,
-        Status.init,
-    )
+    return getattr(worker, "status", None) in (Status.failed, Status.closed, Status.created)
 
 
 def lost_worker_timeout() -> float:
