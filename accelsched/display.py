@@ -50,7 +50,13 @@ from dask.utils import format_bytes
 from accelsched import events
 from accelsched.events import shown
 from accelsched.policy import timeouts
-from accelsched.protocol import PLACEMENT_PLUGIN, STATUS_HANDLER, DeviceStatus, StatusReply
+from accelsched.protocol import (
+    PLACEMENT_PLUGIN,
+    STATUS_HANDLER,
+    DeviceStatus,
+    StatusReply,
+    placement_served,
+)
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
@@ -224,9 +230,14 @@ def render(snap: StatusReply) -> str:
 
 def snapshot(client: Client) -> StatusReply | None:
     """The scheduler's snapshot (what ``accelsched status --json`` prints), through a
-    synchronous ``client``; None when the scheduler runs no accelsched (it has no such
-    handler: it answers None, and logs a warning of its own)."""
-    return cast("StatusReply | None", client.sync(getattr(client.scheduler, STATUS_HANDLER)))
+    synchronous ``client``; None when the scheduler runs no accelsched."""
+
+    async def ask() -> StatusReply | None:
+        if await placement_served(client.scheduler) is False:
+            return None  # (asked anyway, it would log the handler it lacks)
+        return cast("StatusReply | None", await getattr(client.scheduler, STATUS_HANDLER)())
+
+    return client.sync(ask)
 
 
 # --- Prometheus metrics ---------------------------------------------------------------

@@ -32,9 +32,14 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
     task's fallback timeout counts from when no worker that could serve it is coming; and
     the pools' names, so ``accelsched status`` shows each worker's pool.
 
-A scheduler without the PlacementPlugin answers a request to a handler above ``None``
-(and logs it, with a traceback): a guard answered so sends no offer and no restart
-request until its next report is answered.
+Scheduler metadata under the PlacementPlugin's name (:data:`PLACEMENT_METADATA`): true
+while a PlacementPlugin serves the handlers above (said again after ``client.restart()``,
+which clears the scheduler's metadata with its tasks). A scheduler without one answers a
+request to them ``None``, but logs it with a traceback; so guards, :func:`accelsched.adapt`
+and ``accelsched status`` ask distributed's own ``get_metadata`` handler first
+(:func:`placement_served`), which such a scheduler answers quietly, and send nothing
+more until it says true. A guard whose report was not answered sends no offer and no
+restart request until its next report is answered.
 
 Worker heartbeat metric ``"accelsched"`` (:data:`GUARD_METRIC`): every heartbeat carries
 a guard's per-device figures only the worker knows (:class:`GuardMetric`), through
@@ -80,6 +85,8 @@ __all__ = [
     "STATUS_HANDLER",
     "DEMAND_HANDLER",
     "POOLS_HANDLER",
+    "PLACEMENT_METADATA",
+    "placement_served",
     "ClassDemand",
     "WorkerDemand",
     "DemandReply",
@@ -130,6 +137,23 @@ DRAIN_HANDLER: Final = "accelsched_drain"
 STATUS_HANDLER: Final = "accelsched_status"
 DEMAND_HANDLER: Final = "accelsched_demand"
 POOLS_HANDLER: Final = "accelsched_pools"
+#: Scheduler metadata key (``Client.get_metadata``): true while a PlacementPlugin serves
+#: the scheduler handlers above, false once the last one was unregistered. (distributed
+#: also keeps a task's metadata under its key: no task is named so.)
+PLACEMENT_METADATA: Final = PLACEMENT_PLUGIN
+
+
+async def placement_served(scheduler: Any) -> bool | None:
+    """Whether the scheduler behind ``scheduler`` (an rpc to it) runs a PlacementPlugin now,
+    by its metadata; None when it could not be asked. Asked through distributed's own
+    handler: one the scheduler lacks would be logged there with a traceback."""
+    try:
+        served = await scheduler.get_metadata(keys=[PLACEMENT_METADATA], default=False)
+    except Exception:
+        return None
+    return served is True
+
+
 #: The guard's custom worker metric, sent with every heartbeat (``Worker.metrics``).
 GUARD_METRIC: Final = "accelsched"
 

@@ -12,7 +12,7 @@ import dask
 import pytest
 from distributed import Event, Nanny, Worker
 from distributed.core import Status
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
 import accelsched.scheduler.placement_plugin as actor_module
@@ -185,15 +185,19 @@ async def test_a_whole_cluster_restart_verifies_the_workers_that_come_back(c, s,
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}})])
 async def test_a_placement_plugin_registered_again_hears_the_guards_again(c, s, a):
-    """Unregistered, the PlacementPlugin's handlers go: a guard's offer is answered None
-    by distributed, and the guard sends no more. Registered again, it asks the guards to
-    report, and hears their offers again."""
+    """Unregistered, the PlacementPlugin's handlers go, and it asks the guards to report:
+    they learn from the scheduler's metadata that nobody listens, and send no more (before:
+    a guard learnt it from its next offer, answered None by distributed, which logged
+    ``No handler accelsched_offer`` with a traceback). Registered again, it asks the
+    guards to report, and hears their offers again."""
     await accelsched.register(c)
     await wait_for(lambda: gpus(s, a.address) == 1)
     inventory = a.plugins[GUARD_PLUGIN].inventory
-    await c.unregister_scheduler_plugin("accelsched-placement")
-    await inventory.offer(lambda usable: None)
-    assert inventory.placement is False
+    with captured_logger("distributed.core") as scheduler_log:
+        await c.unregister_scheduler_plugin("accelsched-placement")
+        await wait_for(lambda: inventory.placement is False)
+        await inventory.offer(lambda usable: None)
+    assert "No handler" not in scheduler_log.getvalue(), scheduler_log.getvalue()
     await c.register_plugin(accelsched.PlacementPlugin())
     await wait_for(lambda: inventory.placement is True)
     await wait_for(lambda: gpus(s, a.address) == 1)

@@ -53,7 +53,7 @@ from accelsched.display import (
     shown,
 )
 from accelsched.events import ACTIONS
-from accelsched.protocol import STATUS_HANDLER, StatusReply
+from accelsched.protocol import STATUS_HANDLER, StatusReply, placement_served
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -184,7 +184,9 @@ def _run(
                     if client.status != "running" or client.scheduler is None:
                         # lost for longer than it tries to reconnect (a --watch pause)
                         raise _Unreachable("the client gave up reconnecting")
-                    snap = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
+                    snap = None
+                    if await _within(seconds, placement_served(client.scheduler)) is not False:
+                        snap = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
                     if snap is None:  # it has no such handler
                         return _fail(
                             command,

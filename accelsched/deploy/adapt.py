@@ -51,7 +51,14 @@ from accelsched.policy.scaling import (
     still_retired,
     to_close,
 )
-from accelsched.protocol import DEMAND_HANDLER, GPU, POOLS_HANDLER, DemandReply, WorkerDemand
+from accelsched.protocol import (
+    DEMAND_HANDLER,
+    GPU,
+    POOLS_HANDLER,
+    DemandReply,
+    WorkerDemand,
+    placement_served,
+)
 
 __all__ = ["adapt", "ElasticPools", "parse_pools", "PoolSpec"]
 
@@ -59,8 +66,8 @@ logger = logging.getLogger(__name__)
 
 POOL_KEYS = ("spec", "minimum", "maximum", "devices")
 DEVICE_KEYS = ("count", "name", "memory", "capability", "mig")
-#: Longest wait (seconds) before trying again: asking a scheduler that had no
-#: PlacementPlugin, moving a retired worker's results no peer took.
+#: Longest wait (seconds) before trying again: moving a retired worker's results no peer
+#: took, starting a pool's worker after one failed to start.
 RETRY_WAIT_MAX = 60.0
 #: A pool's name: its workers are ``<name>-<n>``.
 _NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
@@ -226,10 +233,10 @@ class ElasticPools(Adaptive):
         self._idle_since: dict[str, float] = {}  # worker -> since when it has had no task
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
-        # without the plugin the scheduler logs each unknown request with a traceback:
-        # it is asked again after a wait that doubles, up to RETRY_WAIT_MAX (0: it
-        # answered last time), at ``_ask_at``
-        self._no_plugin_wait = self._ask_at = 0.0
+        #: whether the scheduler answered the last look (None: not asked yet); until it
+        #: does, each look asks its metadata first (:func:`placement_served`): a request
+        #: to a handler it lacks is logged there with a traceback
+        self._served: bool | None = None
         #: pool -> when its latest worker still starting was asked for (at the last look)
         self._awaited: dict[str, float] = {}
         #: the pools' retired workers that still run (as the scheduler said at the last
@@ -282,23 +289,24 @@ class ElasticPools(Adaptive):
 
     async def adapt(self) -> None:
         """One look: demand, decision, scale up, say what is coming, retire."""
-        if self._adapting or time() < self._ask_at:  # as Adaptive: never two at once
+        if self._adapting:  # as Adaptive: never two at once
             return
         self._adapting = True
         try:
-            reply = cast("DemandReply | None", await getattr(self.scheduler, DEMAND_HANDLER)())
-            if reply is None:  # distributed's answer to an operation it has no handler for
-                if not self._no_plugin_wait:  # said once, as the plugin goes missing
+            reply: DemandReply | None = None
+            if self._served or await placement_served(self.scheduler) is not False:
+                reply = await getattr(self.scheduler, DEMAND_HANDLER)()
+            if reply is None:  # None: distributed's answer to an operation it has no handler for
+                if self._served is not False:  # said once, as the plugin goes missing
                     logger.warning(
                         "accelsched.adapt: the scheduler does not answer %s: it runs no "
                         "accelsched PlacementPlugin; register it (accelsched.register(client)) "
                         "or start the scheduler with --preload accelsched. The pools wait",
                         DEMAND_HANDLER,
                     )
-                self._no_plugin_wait = min(RETRY_WAIT_MAX, 2 * self._no_plugin_wait or 1.0)
-                self._ask_at = time() + self._no_plugin_wait
+                self._served = False
                 return
-            self._no_plugin_wait = 0.0
+            self._served = True
             now = time()
             listed = {w["name"]: w for w in reply["workers"]}
             self._see(listed, now)

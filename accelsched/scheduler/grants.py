@@ -321,12 +321,17 @@ class DeviceReports:
         internals.wrap_handler(scheduler, "set_resources", self.set_resources)
         for ws in list(scheduler.workers.values()):
             self.add_worker(ws)
-        # guards already running report again now that someone listens (a guard
-        # registered later reports from its own setup): every worker when the guard is
-        # registered through the scheduler, else those whose heartbeat carries a
-        # guard's metric (``dask worker --preload accelsched``)
         internals.install_handler(scheduler, INVENTORY_HANDLER, self.handle_inventory)
         internals.install_handler(scheduler, OFFER_HANDLER, self.handle_offer)
+        # guards already running report again now that someone listens (a guard
+        # registered later reports from its own setup)
+        self.ask_guards()
+
+    def ask_guards(self) -> None:
+        """Ask the guards to report: every worker when the guard is registered through
+        the scheduler, else those whose heartbeat carries a guard's metric (``dask worker
+        --preload accelsched``)."""
+        scheduler = self.scheduler
         everyone = internals.worker_plugin_registered(scheduler, GUARD_PLUGIN)
         for addr, ws in list(scheduler.workers.items()):
             if everyone or internals.worker_metric(ws, GUARD_METRIC) is not None:

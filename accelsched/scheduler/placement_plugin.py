@@ -84,6 +84,7 @@ from accelsched.protocol import (
     DRAIN_HANDLER,
     GPU,
     GPU_MEMORY,
+    PLACEMENT_METADATA,
     PLACEMENT_PLUGIN,
     RESTART_HANDLER,
     RestartReply,
@@ -182,6 +183,13 @@ class PlacementPlugin(SchedulerPlugin):
             pool_of=self.fallback.pool_of,
         )
         display.install(scheduler)
+        # said last, once every handler serves (the reports asked above run after this)
+        scheduler.set_metadata([PLACEMENT_METADATA], True)
+
+    def restart(self, scheduler: Scheduler) -> None:
+        """``client.restart()``: it cleared the scheduler's metadata with its tasks, so
+        the PlacementPlugin says again that it serves, before the new workers report."""
+        scheduler.set_metadata([PLACEMENT_METADATA], True)
 
     def unregistered(self) -> None:
         """``client.unregister_scheduler_plugin``, once the plugin is closed (see
@@ -193,6 +201,10 @@ class PlacementPlugin(SchedulerPlugin):
             return  # never started
         internals.remove_handler(self.scheduler, RESTART_HANDLER, self.handle_restart)
         self.reports.stop()
+        served = self.name in self.scheduler.plugins  # one registered since serves on
+        self.scheduler.set_metadata([PLACEMENT_METADATA], served)
+        if not served:  # the guards learn now that nobody listens: they send no more
+            self.reports.ask_guards()
 
     async def close(self) -> None:
         """The scheduler closes: stop the periodic checks and the gauge's reading."""

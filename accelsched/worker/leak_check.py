@@ -135,6 +135,7 @@ from accelsched.protocol import (
     RestartReply,
     RestartRequest,
     RestartStatus,
+    placement_served,
 )
 
 if TYPE_CHECKING:
@@ -1017,7 +1018,8 @@ class Inventory:
         }
         reply: InventoryReply | None = None
         try:
-            reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
+            if await placement_served(self.worker.scheduler) is not False:
+                reply = await getattr(self.worker.scheduler, INVENTORY_HANDLER)(**request)
             self.placement = reply is not None  # None: no such handler there
         except Exception as exc:
             if internals.worker_closing(self.worker):  # it closed meanwhile: nothing to say

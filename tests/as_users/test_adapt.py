@@ -18,7 +18,7 @@ from typing import Any
 
 import dask
 import pytest
-from distributed import Client, LocalCluster, Nanny
+from distributed import Client, LocalCluster, Nanny, Worker
 from distributed.utils_test import captured_logger
 
 import accelsched
@@ -432,18 +432,23 @@ def test_without_the_placement_plugin_the_pools_wait_and_say_why_once() -> None:
         LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        pools = accelsched.adapt(cluster, pools={"cpu": {"spec": CPU_SPEC}}, interval="100ms")
+        # (an in-process worker: this cluster's scheduler listens in process only)
+        spec = {"cls": Worker, "options": {"nthreads": 1}}
+        pools = accelsched.adapt(cluster, pools={"cpu": {"spec": spec}}, interval="100ms")
         try:
-            client.submit(sum, [1, 2])
+            future = client.submit(sum, [1, 2])
             until(lambda: "PlacementPlugin" in log.getvalue(), timeout=10)
             time.sleep(0.5)  # more looks: said once
             assert log.getvalue().count("PlacementPlugin") == 1
             assert not pools.members("cpu") and not events(client, "scale-up")
-            # the scheduler logs each unknown request with a traceback: asked again only
-            # after a wait that doubles (every look, 100 ms apart, flooded its log)
-            assert scheduler_log.getvalue().count("accelsched_demand") <= 2, (
-                scheduler_log.getvalue()
-            )
+            # the scheduler logs each request to a handler it lacks with a traceback:
+            # each look asks its metadata instead (before: the demand itself, asked
+            # after a wait that doubled; earlier still, every look flooded its log)
+            assert "No handler" not in scheduler_log.getvalue(), scheduler_log.getvalue()
+            # registered later, it is seen at the next look: the task gets its worker
+            accelsched.register(client)
+            assert future.result(timeout=30) == 3 and pools.members("cpu")
+            assert "No handler" not in scheduler_log.getvalue(), scheduler_log.getvalue()
         finally:
             pools.stop()
 

@@ -257,12 +257,13 @@ def test_guards_under_a_plain_scheduler_stop_sending_what_it_has_no_handler_for(
     gpus: FakeGPUs, tmp_path: Path
 ) -> None:
     """``dask worker --preload accelsched`` under a plain ``dask scheduler``: results that
-    move the device room, then a leak. The guard's report, answered None (no handler),
-    is the one request the scheduler logs; no offer or restart request follows (before:
-    every offer, and a restart request at every check while the leak lasted, each with
-    distributed's ``No handler`` warning and a traceback in the scheduler's log: 18 in
-    10 s). A PlacementPlugin registered later on its own asks this guard (known by its
-    heartbeat metric) to report, and verifies its GPU (before: never)."""
+    move the device room, then a leak. The guard asks the scheduler's metadata first,
+    which says no PlacementPlugin runs there: it sends no report, offer or restart
+    request, and the scheduler logs nothing (before: the report, answered None, left
+    distributed's ``No handler`` warning and a traceback in the scheduler's log; earlier
+    still, every offer and a restart request at every check did: 18 in 10 s). A
+    PlacementPlugin registered later on its own asks this guard (known by its heartbeat
+    metric) to report, and verifies its GPU (before: never)."""
     sched = processes.scheduler(tmp_path)
     with running(sched):
         address = processes.scheduler_address(tmp_path / "scheduler.json", sched)
@@ -290,7 +291,7 @@ def test_guards_under_a_plain_scheduler_stop_sending_what_it_has_no_handler_for(
             until(lambda: events(client, "leak"), timeout=60)
             time.sleep(1)  # ten more checks of the leak: each asked a restart before
             log = sched.output()
-            assert log.count("No handler") == log.count("No handler accelsched_inventory") == 1
+            assert "No handler" not in log, log
             assert worker.output().count("no PlacementPlugin on the scheduler") == 1
             assert not events(client, "gpu-verified")
             client.register_plugin(accelsched.PlacementPlugin())

@@ -26,7 +26,7 @@ import click
 import dask
 import pytest
 from distributed import Client, Nanny
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
 from accelsched.display import snapshot
@@ -303,20 +303,26 @@ async def test_a_workers_or_nannys_address_is_said_to_be_one(c, s, a):
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
 async def test_cluster_without_accelsched_one_line_exit_3(c, s, a):
-    for command in ("status", "events"):
-        code, out, err = await cli(command, s.address)
-        assert code == 3 and out == ""
-        (line,) = err.strip().splitlines()
-        assert line.startswith(
-            f"accelsched {command}: the scheduler at {s.address} runs no accelsched"
-        )
-    # registered, then unregistered: no accelsched again
-    await accelsched.register(c)
-    code, _, err = await cli("status", s.address)
-    assert code == 0, err
-    await c.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
-    code, _, _ = await cli("status", s.address)
-    assert code == 3
+    """The scheduler logs nothing either: it is asked through distributed's own
+    ``get_metadata`` first (before: a ``No handler accelsched_status`` warning with a
+    traceback in its log at every command)."""
+    with captured_logger("distributed.core") as scheduler_log:
+        for command in ("status", "events"):
+            code, out, err = await cli(command, s.address)
+            assert code == 3 and out == ""
+            (line,) = err.strip().splitlines()
+            assert line.startswith(
+                f"accelsched {command}: the scheduler at {s.address} runs no accelsched"
+            )
+        # registered, then unregistered: no accelsched again
+        await accelsched.register(c)
+        code, _, err = await cli("status", s.address)
+        assert code == 0, err
+        await c.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
+        code, _, _ = await cli("status", s.address)
+        assert code == 3
+        assert await c.get_metadata([PLACEMENT_PLUGIN]) is False
+    assert "No handler" not in scheduler_log.getvalue()
 
 
 def test_a_metric_added_during_a_heartbeat_leaves_its_iteration_alone() -> None:
