@@ -510,6 +510,10 @@ class ElasticPools(Adaptive):
         for name, (_, worker_spec) in self.pools.items():
             if now < self._held_back.get(name, (0.0, 0.0, 0.0))[0]:
                 continue  # one failed to start: asked again after a wait
+            if not plan.targets.get(name) and not self.members(name):
+                # its wait is over and nothing is asked of it: its failures are history
+                # (a failure once it is asked again waits 1 s, not double the last wait)
+                self._held_back.pop(name, None)
             # a free name is no member: its times went at this look (_states); nor one
             # the scheduler still lists (a closed worker's may linger, retiring: the new
             # worker would be taken for it, and refused the name), or stopped listing

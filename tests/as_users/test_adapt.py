@@ -607,6 +607,24 @@ def test_a_member_the_cluster_let_go_is_replaced() -> None:
                 "gpu-2 failed to start or closed; asked for again in 1s",
                 "gpu-5 failed to start or closed; asked for again in 2s",
             ]
+            # the demand ends and the pool empties: once its wait is over, its failures
+            # are history, and a failure when it is asked again waits 1 s (before: 4 s,
+            # doubled from the last wait, however long ago)
+            del cluster.worker_spec["gpu-1"]
+            idle = Plan({"gpu": 0}, {}, [], {}, {}, [])
+            cluster.sync(pools._scale_up, idle, 111.0)  # within its wait: kept
+            assert "gpu" in pools._held_back
+            cluster.sync(pools._scale_up, idle, 113.0)
+            assert "gpu" not in pools._held_back
+            cluster.sync(pools._scale_up, Plan({"gpu": 1}, {}, [], {}, {}, []), 300.0)
+            (new,) = cluster.worker_spec
+            cluster.workers[new] = Job(Status.failed)
+            look(301.0)
+            assert (
+                log.getvalue()
+                .splitlines()[-1]
+                .endswith(f"{new} failed to start or closed; asked for again in 1s")
+            )
             # a name the scheduler stopped listing is given to no new worker until the
             # cluster's lost-worker-timeout passed: the cluster then closes whatever it
             # holds under that name (a new job not connected yet would go)
