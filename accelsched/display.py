@@ -65,6 +65,7 @@ __all__ = [
     "one_line",
     "shown",
     "snapshot",
+    "ask_snapshot",
     "table_rows",
     "render",
     "summary",
@@ -231,13 +232,15 @@ def render(snap: StatusReply) -> str:
 def snapshot(client: Client) -> StatusReply | None:
     """The scheduler's snapshot (what ``accelsched status --json`` prints), through a
     synchronous ``client``; None when the scheduler runs no accelsched."""
+    return client.sync(ask_snapshot, client.scheduler)
 
-    async def ask() -> StatusReply | None:
-        if await placement_served(client.scheduler) is False:
-            return None  # (asked anyway, it would log the handler it lacks)
-        return cast("StatusReply | None", await getattr(client.scheduler, STATUS_HANDLER)())
 
-    return client.sync(ask)
+async def ask_snapshot(scheduler: Any) -> StatusReply | None:
+    """The snapshot from ``scheduler`` (an rpc to it); None when it runs no accelsched.
+    Its metadata is asked first: it would log a request to a handler it lacks."""
+    if await placement_served(scheduler) is False:
+        return None
+    return cast("StatusReply | None", await getattr(scheduler, STATUS_HANDLER)())
 
 
 # --- Prometheus metrics ---------------------------------------------------------------

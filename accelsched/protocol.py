@@ -139,7 +139,10 @@ DEMAND_HANDLER: Final = "accelsched_demand"
 POOLS_HANDLER: Final = "accelsched_pools"
 #: Scheduler metadata key (``Client.get_metadata``): true while a PlacementPlugin serves
 #: the scheduler handlers above, false once the last one was unregistered. (distributed
-#: also keeps a task's metadata under its key: no task is named so.)
+#: keeps a task's metadata under its key too, and drops it with the task: the plugin says
+#: it again when a task of this name is forgotten.) Readers take a scheduler that does
+#: not say it for one without accelsched: the scheduler, its workers and the clients that
+#: use accelsched run the same release.
 PLACEMENT_METADATA: Final = PLACEMENT_PLUGIN
 
 

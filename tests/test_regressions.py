@@ -18,7 +18,7 @@ import accelsched
 import accelsched.scheduler.placement_plugin as actor_module
 from accelsched import GuardPlugin
 from accelsched.devices import to_host
-from accelsched.protocol import GUARD_PLUGIN
+from accelsched.protocol import GUARD_PLUGIN, PLACEMENT_PLUGIN
 from accelsched.testing import device_alloc
 from tests.utils import cvd, events, gpus, hold, inc, verified, wait_for
 
@@ -203,6 +203,21 @@ async def test_a_placement_plugin_registered_again_hears_the_guards_again(c, s, 
     await wait_for(lambda: gpus(s, a.address) == 1)
     with dask.annotate(resources={"GPU": 1}):
         assert await c.submit(inc, 1, pure=False) == 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}})])
+async def test_a_task_named_as_the_placement_metadata_leaves_it_said(c, s, a):
+    """distributed drops a task's metadata under the task's key when it forgets the
+    task: a task named ``accelsched-placement`` took the PlacementPlugin's word that it
+    serves with it, and guards, ``accelsched.adapt`` and ``accelsched status`` would take
+    the scheduler for one without accelsched. The plugin says it again."""
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    future = c.submit(inc, 1, key=PLACEMENT_PLUGIN)
+    assert await future == 2
+    del future
+    await wait_for(lambda: PLACEMENT_PLUGIN not in s.tasks)
+    assert await c.get_metadata([PLACEMENT_PLUGIN]) is True
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=30)

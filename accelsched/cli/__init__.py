@@ -48,12 +48,13 @@ from accelsched.display import (
     OK,
     UNREACHABLE,
     USAGE,
+    ask_snapshot,
     one_line,
     render,
     shown,
 )
 from accelsched.events import ACTIONS
-from accelsched.protocol import STATUS_HANDLER, StatusReply, placement_served
+from accelsched.protocol import StatusReply
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -184,10 +185,8 @@ def _run(
                     if client.status != "running" or client.scheduler is None:
                         # lost for longer than it tries to reconnect (a --watch pause)
                         raise _Unreachable("the client gave up reconnecting")
-                    snap = None
-                    if await _within(seconds, placement_served(client.scheduler)) is not False:
-                        snap = await _within(seconds, getattr(client.scheduler, STATUS_HANDLER)())
-                    if snap is None:  # it has no such handler
+                    snap = await _within(seconds, ask_snapshot(client.scheduler))
+                    if snap is None:  # it runs no accelsched
                         return _fail(
                             command,
                             f"the scheduler at {shown(address)} runs no accelsched (no "

@@ -233,9 +233,8 @@ class ElasticPools(Adaptive):
         self._idle_since: dict[str, float] = {}  # worker -> since when it has had no task
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
-        #: whether the scheduler answered the last look (None: not asked yet); until it
-        #: does, each look asks its metadata first (:func:`placement_served`): a request
-        #: to a handler it lacks is logged there with a traceback
+        #: whether the scheduler ran a PlacementPlugin at the last look (None: not asked
+        #: yet): the warning is said once, as it goes missing
         self._served: bool | None = None
         #: pool -> when its latest worker still starting was asked for (at the last look)
         self._awaited: dict[str, float] = {}
@@ -293,8 +292,10 @@ class ElasticPools(Adaptive):
             return
         self._adapting = True
         try:
+            # its metadata first, at every look: a request to a handler the scheduler lacks
+            # is logged there with a traceback (the plugin may be unregistered any time)
             reply: DemandReply | None = None
-            if self._served or await placement_served(self.scheduler) is not False:
+            if await placement_served(self.scheduler) is not False:
                 reply = await getattr(self.scheduler, DEMAND_HANDLER)()
             if reply is None:  # None: distributed's answer to an operation it has no handler for
                 if self._served is not False:  # said once, as the plugin goes missing
@@ -508,11 +509,14 @@ class ElasticPools(Adaptive):
         before = len(spec)
         closing = {w for names in self._closes.values() for w in names}
         for name, (_, worker_spec) in self.pools.items():
-            if now < self._held_back.get(name, (0.0, 0.0, 0.0))[0]:
+            until = self._held_back.get(name, (0.0, 0.0, 0.0))[0]
+            if now < until:
                 continue  # one failed to start: asked again after a wait
-            if not plan.targets.get(name) and not self.members(name):
-                # its wait is over and nothing is asked of it: its failures are history
-                # (a failure once it is asked again waits 1 s, not double the last wait)
+            if now - until >= RETRY_WAIT_MAX and not plan.targets[name] and not self.members(name):
+                # no failure for as long as the longest wait, nothing asked of it, nothing
+                # in it: its failures are history (a failure once it is asked again waits
+                # 1 s, not double the last wait; a look without demand between failures
+                # forgets nothing)
                 self._held_back.pop(name, None)
             # a free name is no member: its times went at this look (_states); nor one
             # the scheduler still lists (a closed worker's may linger, retiring: the new

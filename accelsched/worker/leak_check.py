@@ -968,6 +968,10 @@ class Inventory:
         self.restart_taken: dict[str, float] = {}
         self.draining = False  # the scheduler restarts this worker: GPU tasks go back
         self._offering = asyncio.Lock()
+        # one report at a time: a report still waiting on an answer the scheduler gave
+        # before it changed (a plugin unregistered, registered again) must not undo the
+        # one that heard the change
+        self._reporting = asyncio.Lock()
         #: bytes the results in this worker's memory hold on a device (the ledger's)
         self.held: Callable[[int], int] = lambda device: 0
         #: device -> bytes its declared tasks may take there, as the scheduler divided a
@@ -1009,6 +1013,10 @@ class Inventory:
         ``on_granted`` receives the CUDA indices granted, before the worker advertises
         them, so no GPU task can start before its devices are known.
         """
+        async with self._reporting:
+            return await self._report(on_granted)
+
+    async def _report(self, on_granted: Callable[[list[int]], None]) -> ReportReply:
         request: InventoryRequest = {
             **self._addressed(),
             "devices": [d.as_dict() for d in self.owned],
@@ -1031,10 +1039,10 @@ class Inventory:
             # No PlacementPlugin: nothing enforces placement, but the worker still
             # advertises only what it owns.
             logger.warning(
-                "accelsched: no PlacementPlugin on the scheduler (handler %r missing); "
-                "correcting this worker's GPU count without verification. Placement is "
-                "not enforced: start the scheduler with --preload accelsched or call "
-                "accelsched.register(client)",
+                "accelsched: no PlacementPlugin on the scheduler (its metadata names none, "
+                "or it has no handler %r); correcting this worker's GPU count without "
+                "verification. Placement is not enforced: start the scheduler with "
+                "--preload accelsched or call accelsched.register(client)",
                 INVENTORY_HANDLER,
             )
             granted = {d.uuid for d in self.owned[: self.claim.count]}

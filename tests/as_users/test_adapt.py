@@ -22,6 +22,7 @@ from distributed import Client, LocalCluster, Nanny, Worker
 from distributed.utils_test import captured_logger
 
 import accelsched
+from accelsched.protocol import PLACEMENT_PLUGIN
 from tests.utils import ROOT, cli, events, gpu_nap, named_nap, until
 
 
@@ -448,6 +449,11 @@ def test_without_the_placement_plugin_the_pools_wait_and_say_why_once() -> None:
             # registered later, it is seen at the next look: the task gets its worker
             accelsched.register(client)
             assert future.result(timeout=30) == 3 and pools.members("cpu")
+            # unregistered while the pools run: said again, and still nothing logged there
+            client.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
+            until(lambda: log.getvalue().count("PlacementPlugin") == 2, timeout=10)
+            time.sleep(0.5)
+            assert log.getvalue().count("PlacementPlugin") == 2
             assert "No handler" not in scheduler_log.getvalue(), scheduler_log.getvalue()
         finally:
             pools.stop()
@@ -607,14 +613,17 @@ def test_a_member_the_cluster_let_go_is_replaced() -> None:
                 "gpu-2 failed to start or closed; asked for again in 1s",
                 "gpu-5 failed to start or closed; asked for again in 2s",
             ]
-            # the demand ends and the pool empties: once its wait is over, its failures
-            # are history, and a failure when it is asked again waits 1 s (before: 4 s,
-            # doubled from the last wait, however long ago)
+            # the demand ends and the pool empties: a minute after its wait ended (the
+            # longest wait), its failures are history, and a failure when it is asked
+            # again waits 1 s (before: 4 s, doubled from the last wait, however long ago);
+            # a look without demand sooner forgets nothing (demand that comes and goes
+            # between failures would keep the wait at 1 s)
             del cluster.worker_spec["gpu-1"]
             idle = Plan({"gpu": 0}, {}, [], {}, {}, [])
-            cluster.sync(pools._scale_up, idle, 111.0)  # within its wait: kept
-            assert "gpu" in pools._held_back
-            cluster.sync(pools._scale_up, idle, 113.0)
+            for now in (111.0, 113.0, 171.0):  # within its wait; after it, within a minute
+                cluster.sync(pools._scale_up, idle, now)
+                assert "gpu" in pools._held_back, now
+            cluster.sync(pools._scale_up, idle, 172.0)
             assert "gpu" not in pools._held_back
             cluster.sync(pools._scale_up, Plan({"gpu": 1}, {}, [], {}, {}, []), 300.0)
             (new,) = cluster.worker_spec
