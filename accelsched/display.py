@@ -3,10 +3,12 @@ dashboard page, all drawn from accelsched's events and the scheduler's status sn
 
 **The status table**: what ``accelsched status`` shows and how it ends (the table, the
 summary, the exit codes). The snapshot comes from the scheduler's read-only
-``accelsched_status`` handler (:data:`~accelsched.protocol.STATUS_HANDLER`): a
-scheduler without accelsched answers ``None``, which is how a cluster without the
-PlacementPlugin is told apart from an empty one. The dashboard page draws the same
-rows. The commands themselves, bounded in time, are in :mod:`accelsched.cli`.
+``accelsched_status`` handler (:data:`~accelsched.protocol.STATUS_HANDLER`), asked
+only once the scheduler's metadata says a PlacementPlugin serves
+(:func:`~accelsched.protocol.placement_served`): that is how a cluster without the
+PlacementPlugin is told apart from an empty one, without a request it would log with a
+traceback. The dashboard page draws the same rows. The commands themselves, bounded in
+time, are in :mod:`accelsched.cli`.
 
 Exit codes (also in ``accelsched --help`` and docs/observe.md): :data:`OK`,
 :data:`UNREACHABLE`, :data:`USAGE`, :data:`NO_ACCELSCHED`, and 130 after Ctrl-C before

@@ -34,12 +34,13 @@ Scheduler handlers (``await worker.scheduler.<name>(**request)``):
 
 Scheduler metadata under the PlacementPlugin's name (:data:`PLACEMENT_METADATA`): true
 while a PlacementPlugin serves the handlers above (said again after ``client.restart()``,
-which clears the scheduler's metadata with its tasks). A scheduler without one answers a
-request to them ``None``, but logs it with a traceback; so guards, :func:`accelsched.adapt`
-and ``accelsched status`` ask distributed's own ``get_metadata`` handler first
-(:func:`placement_served`), which such a scheduler answers quietly, and send nothing
-more until it says true. A guard whose report was not answered sends no offer and no
-restart request until its next report is answered.
+which clears the scheduler's metadata with its tasks, and when a task of that name is
+forgotten, whose metadata distributed drops with it). A scheduler without one answers a
+request to them ``None``, but logs it with a traceback; so ``accelsched.adapt`` (at
+each look), ``accelsched status`` and a guard (at each report) ask distributed's own
+``get_metadata`` handler first (:func:`placement_served`), which such a scheduler
+answers quietly. A guard whose report was not answered, or not sent, sends no offer and
+no restart request until its next report is answered.
 
 Worker heartbeat metric ``"accelsched"`` (:data:`GUARD_METRIC`): every heartbeat carries
 a guard's per-device figures only the worker knows (:class:`GuardMetric`), through

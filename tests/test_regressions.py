@@ -220,6 +220,24 @@ async def test_a_task_named_as_the_placement_metadata_leaves_it_said(c, s, a):
     assert await c.get_metadata([PLACEMENT_PLUGIN]) is True
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"GPU": 1}})])
+async def test_a_guard_registered_again_is_heard(c, s, a):
+    """A GuardPlugin registered again (new options: ``register_plugin`` replaces it)
+    sends its requests under ids its worker's process has not used: the scheduler
+    remembers every id a process sent while it is registered (before: the new guard
+    counted from 0 again, its report was refused as replayed, and it held no device)."""
+    await accelsched.register(c)
+    await verified(s, a, count=1)
+    old = a.plugins[GUARD_PLUGIN]
+    await c.register_plugin(GuardPlugin(leak_confirmations=3))
+    new = a.plugins[GUARD_PLUGIN]
+    assert new is not old
+    await wait_for(lambda: [d.index for d in new.inventory.granted] == [0])
+    with dask.annotate(resources={"GPU": 1}):
+        assert await c.submit(accelsched.current_device, pure=False) == 0
+    assert not events(s, "request-refused")
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=30)
 async def test_restart_request_from_another_address_than_advertised(c, s, peer):
     from distributed.utils import open_port

@@ -238,10 +238,10 @@ class PlacementPlugin(SchedulerPlugin):
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         """Inside the transition loop: only bookkeeping and scheduling a check."""
-        self.fallback.transition(key, start, finish, str(kwargs.get("stimulus_id", "")))
-        if finish == "forgotten" and key == PLACEMENT_METADATA:
+        if finish == "forgotten" and isinstance(key, str) and key == PLACEMENT_METADATA:
             # distributed dropped a task's metadata under its key, and this key is ours
             self.scheduler.set_metadata([PLACEMENT_METADATA], True)
+        self.fallback.transition(key, start, finish, str(kwargs.get("stimulus_id", "")))
 
     def log_event(self, topic: str, msg: Any) -> None:
         """Every event the scheduler logs: feed accelsched's own to the metrics.

@@ -156,6 +156,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Request ids: this process uses each once, whatever guard sends it. The scheduler
+#: remembers every id a worker sent while its process is registered, so a GuardPlugin
+#: registered again in the same worker must not start counting anew (its requests would
+#: be refused as replayed). (``next()`` on a count is atomic.)
+_REQUEST_IDS = itertools.count()
+
 
 class LeakCheck:
     """Reads this worker's owned devices, estimates their leaks and acts on what the
@@ -960,7 +966,6 @@ class Inventory:
         #: the parts that judge their answers. Left-out devices are probed at the check's
         #: pace while they answer, at most every 30 s while they do not.
         self.health = DeviceHealth(first=interval, longest=max(interval, 30.0))
-        self._ids = itertools.count()  # request ids: this process uses each once
         self.restart_pending = False
         #: The reason of the last request the scheduler took -> until when (monotonic)
         #: not to ask again for it: it is replacing this process (asking again would only
@@ -971,7 +976,7 @@ class Inventory:
         # one report at a time: a report still waiting on an answer the scheduler gave
         # before it changed (a plugin unregistered, registered again) must not undo the
         # one that heard the change
-        self._reporting = asyncio.Lock()
+        self._report_lock = asyncio.Lock()
         #: bytes the results in this worker's memory hold on a device (the ledger's)
         self.held: Callable[[int], int] = lambda device: 0
         #: device -> bytes its declared tasks may take there, as the scheduler divided a
@@ -1013,10 +1018,10 @@ class Inventory:
         ``on_granted`` receives the CUDA indices granted, before the worker advertises
         them, so no GPU task can start before its devices are known.
         """
-        async with self._reporting:
-            return await self._report(on_granted)
+        async with self._report_lock:
+            return await self._report_once(on_granted)
 
-    async def _report(self, on_granted: Callable[[list[int]], None]) -> ReportReply:
+    async def _report_once(self, on_granted: Callable[[list[int]], None]) -> ReportReply:
         request: InventoryRequest = {
             **self._addressed(),
             "devices": [d.as_dict() for d in self.owned],
@@ -1180,7 +1185,7 @@ class Inventory:
         return {
             "worker": str(self.worker.contact_address),
             "process": str(self.worker.id),
-            "request": str(next(self._ids)),
+            "request": str(next(_REQUEST_IDS)),
         }
 
     def drain(self, on: Any = True, process: Any = "") -> dict[str, str]:
