@@ -388,7 +388,7 @@ class LeaseTable:
         self, devices: Sequence[int] = (), held: Callable[[int], int] | None = None
     ) -> None:
         self._lock = threading.Lock()
-        self._devices: list[int] = list(devices)
+        self._devices: list[int] = sorted(devices)  # (in order: the first idle is the least)
         self._facts: dict[int, DeviceFacts] = {}
         #: bytes the results in the worker's memory hold on a device (the ledger's)
         self._held: Callable[[int], int] = held or (lambda device: 0)
@@ -409,7 +409,7 @@ class LeaseTable:
         of this worker may take on each (the scheduler's division of a device several
         workers share; a device not named: its capacity). None keeps what was set."""
         with self._lock:
-            self._devices = list(devices)
+            self._devices = sorted(devices)
             if facts is not None:
                 self._facts = dict(facts)
             if shares is not None:
@@ -489,6 +489,10 @@ class LeaseTable:
             n = devices_needed(amount)
             share = amount / n if n else 0.0
             if requirement is None and (loads := self._loads()) is not None:
+                if share == 1.0 and n == 1:  # one whole device, the common lease:
+                    for d, used in loads.items():  # the first idle one, as sorted below
+                        if not used:
+                            return self._hold(key, (d,), share, 0, waiting)
                 # Fractions pack onto the fullest used device they fit (best fit),
                 # keeping whole devices idle for whole-device tasks; amounts that do not
                 # tile a device (0.4, 1.5) go to the least busy when nothing fits. Whole

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from accelsched import internals
 from accelsched.devices import BACKEND_ENV
-from accelsched.testing import build, nvml_backend, state
+from accelsched.testing import build, device_memory, nvml_backend, state
 from accelsched.testing.buffers import DeviceBuffer, create_context, device_alloc, fixed_pool
 from accelsched.testing.checks import (
     MAX_DEVICES as MAX_DEVICES,
@@ -254,6 +254,7 @@ def fake_gpus(
             else:
                 os.environ[key] = value
         internals.restore_distributed_nvml(saved_nvml)
+        device_memory.session_ended()
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
         with _active_lock:

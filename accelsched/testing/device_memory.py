@@ -149,13 +149,13 @@ class SimulatedPool:
     # ---- DevicePool ----
 
     def active(self) -> bool:
-        session = self._live()
+        session = self._session
         return session is not None and bool(session.devices)
 
     def free_all(self) -> int:
         with self._lock:
             self._drain()
-            session = self._live()
+            session = self._session
             if session is None:
                 return 0
             released = sum(dev.cached for dev in session.devices.values())
@@ -166,10 +166,10 @@ class SimulatedPool:
         return released
 
     def stats(self, device: int) -> PoolStats:
-        session = self._live()
+        session = self._session
         dev = None if session is None else session.devices.get(device)
-        if dev is None:
-            return PoolStats()
+        if dev is None or not (dev.held or dev.fixed):
+            return _NOTHING  # (the guard asks after every GPU task: no new object)
         return PoolStats(
             held=dev.held + dev.fixed,
             cached=dev.cached,
@@ -177,15 +177,12 @@ class SimulatedPool:
             fixed_free=dev.fixed - dev.fixed_used,
         )
 
-    def _live(self) -> _Session | None:
-        """The session of the ``fake_gpus`` now in effect, if this process used it.
-
-        An ended session's memory went with its state directory: nothing to report.
-        """
-        session = self._session
-        if session is None or session.named != os.environ.get(state.ENV_DIR):
-            return None  # (the text, not a Path: the guard looks after every GPU task)
-        return session
+    def ended(self) -> None:
+        """The ``fake_gpus`` of this process ended: its memory went with its state
+        directory, nothing to report. (Its children's sessions end with them: the
+        guard, which asks after every GPU task, reads no environment.)"""
+        with self._lock:
+            self._session = None
 
     # ---- used by the module functions ----
 
@@ -297,6 +294,16 @@ def _pool() -> SimulatedPool:
             _POOL = SimulatedPool()
             register_pool(_POOL)
         return _POOL
+
+
+def session_ended() -> None:
+    """The ``fake_gpus`` session of this process ended (:meth:`SimulatedPool.ended`)."""
+    if _POOL is not None:
+        _POOL.ended()
+
+
+#: What a device nothing is held on reports (shared: ``PoolStats`` is frozen).
+_NOTHING = PoolStats()
 
 
 def _after_fork() -> None:
