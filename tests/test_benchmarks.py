@@ -30,6 +30,7 @@ import benchmarks
 from benchmarks.gpu.costs import BENCHES as GPU_BENCHES
 from benchmarks.micro import hotpath as bench_hotpath
 from benchmarks.micro import scale as bench_scale
+from benchmarks.micro.worker_threads import ROLES
 from benchmarks.studies import soak_plan
 from tests.utils import ROOT
 
@@ -342,6 +343,18 @@ def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> Non
             assert len(rounds["plain"]) == len(rounds["accelsched"]) == overhead["rounds"] >= 5
             assert all(r["wall"] > 0 for r in rounds["plain"] + rounds["accelsched"])
             assert set(figures["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
+            # and by thread: each worker's event loop and executor thread named (two
+            # workers a side, one thread each), every role's CPU paired
+            threads = figures["worker_thread_cpu_us_per_task"]
+            assert set(threads) == set(ROLES)
+            assert all(set(t) == {"plain", "accelsched", "delta"} for t in threads.values())
+            assert all(
+                set(r["threads_us"]) == set(ROLES) for r in rounds["plain"] + rounds["accelsched"]
+            )
+            if config == "cli":  # (in process, a fresh cluster a round: not kept)
+                assert figures["threads_named"] == {
+                    side: {"executor": 2, "event loop": 2} for side in ("plain", "accelsched")
+                }
     # the guard's measurement: at most one read a task, on a sample of a quiet prefix's
     # runs (accelsched.policy.leak: its first four runs on each worker at least)
     read = overhead["cli"]["gpu"]["nvml_read"]
@@ -357,6 +370,8 @@ def test_overhead_and_scale_figures(results: tuple[Path, dict[str, Any]]) -> Non
     assert len(both) == 2 * overhead["context_rounds"]
     assert all(r["wall"] > 0 and r["worker_us"] >= 0 for r in both)
     assert set(context["worker_cpu_us_per_task"]) == {"plain", "accelsched", "delta"}
+    assert set(context["worker_thread_cpu_us_per_task"]) == set(ROLES)
+    assert context["threads_named"] == overhead["cli"]["gpu"]["threads_named"]
     assert context["wall_ratio"]["min"] > 0
     assert context["worker_cpu_ratio"] is None or context["worker_cpu_ratio"]["min"] >= 0
     assert context["nvml_read"]["reads_per_task"] < 0.5

@@ -26,7 +26,8 @@ Every round runs the same workload on both sides, in alternating order:
 
 Per round and cluster: wall time from submit to the last result, and CPU seconds spent
 by the scheduler and by the worker processes, divided by the task count (in process,
-the scheduler's figure is this whole process: the scheduler and the client). The
+the scheduler's figure is this whole process: the scheduler and the client); the
+workers' also by thread role (:mod:`benchmarks.micro.worker_threads`). The
 figures are the medians over rounds of the paired ratio (accelsched / plain) and of the
 paired CPU differences, with their spread (min, max).
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ from accelsched.testing import fake_gpus
 from benchmarks.micro.cli_cluster import cli_cluster, cpu_seconds, worker_processes
 from benchmarks.micro.in_process_cluster import in_process_cluster
 from benchmarks.micro.overhead_report import plot
+from benchmarks.micro.worker_threads import ROLES, Roles, counted, thread_cpu, thread_roles
 
 NAME = "overhead"
 
@@ -59,16 +62,27 @@ def tiny(i: int) -> int:
     return i + 1
 
 
-def _round(client: Client, sched: psutil.Process, workers: list, n: int, gpu: bool) -> dict:
+def _round(
+    client: Client, sched: psutil.Process, workers: list, n: int, gpu: bool, roles: Roles
+) -> dict:
+    """One round of ``n`` tasks: its wall time and CPU per task, the scheduler's, the
+    workers' and their threads' by ``roles`` (:func:`thread_roles`; none named: other)."""
     kw: dict[str, Any] = {"resources": {"GPU": 1}} if gpu else {}
     s0, w0 = cpu_seconds(sched), sum(cpu_seconds(w) for w in workers)
+    r0 = thread_cpu(workers, roles)
     t0 = time.perf_counter()
     futures = client.map(tiny, range(n), pure=False, **kw)
     client.gather(futures)
     wall = time.perf_counter() - t0
     s1, w1 = cpu_seconds(sched), sum(cpu_seconds(w) for w in workers)
+    r1 = thread_cpu(workers, roles)
     del futures
-    return {"wall": wall, "sched_us": (s1 - s0) / n * 1e6, "worker_us": (w1 - w0) / n * 1e6}
+    return {
+        "wall": wall,
+        "sched_us": (s1 - s0) / n * 1e6,
+        "worker_us": (w1 - w0) / n * 1e6,
+        "threads_us": {role: (r1[role] - r0[role]) / n * 1e6 for role in ROLES},
+    }
 
 
 def _time_nvml_reads() -> None:
@@ -131,7 +145,7 @@ def _nvml_read_cost(
     if context:
         _make_contexts(client)
     client.run(_time_nvml_reads)
-    _round(client, sched, workers, n, gpu=True)
+    _round(client, sched, workers, n, True, {})  # (reads counted, not threads)
     reads = [t for ts in client.run(_nvml_reads_timed).values() for t in ts]
     return {
         "reads": len(reads),
@@ -151,6 +165,13 @@ def _spread(values: list[float]) -> dict[str, float] | None:
     }
 
 
+def _sides(pairs: list[tuple[dict, dict]], figure: Callable[[dict], float]) -> dict[str, Any]:
+    """A per-task figure on both sides, and its paired difference."""
+    plain, acc = [figure(p) for p, _ in pairs], [figure(a) for _, a in pairs]
+    delta = [a - p for p, a in zip(plain, acc, strict=True)]
+    return {"plain": _spread(plain), "accelsched": _spread(acc), "delta": _spread(delta)}
+
+
 def _summary(rows: dict[str, list[dict]]) -> dict[str, Any]:
     """Paired figures of one kind of task: ratios and differences, round by round."""
     pairs = list(zip(rows["plain"], rows["accelsched"], strict=True))
@@ -158,20 +179,17 @@ def _summary(rows: dict[str, list[dict]]) -> dict[str, Any]:
         "wall_ratio": _spread([a["wall"] / p["wall"] for p, a in pairs]),
         "plain_wall_s": _spread([p["wall"] for p, _ in pairs]),
         "accelsched_wall_s": _spread([a["wall"] for _, a in pairs]),
-        "scheduler_cpu_us_per_task": {
-            "plain": _spread([p["sched_us"] for p, _ in pairs]),
-            "accelsched": _spread([a["sched_us"] for _, a in pairs]),
-            "delta": _spread([a["sched_us"] - p["sched_us"] for p, a in pairs]),
-        },
-        "worker_cpu_us_per_task": {
-            "plain": _spread([p["worker_us"] for p, _ in pairs]),
-            "accelsched": _spread([a["worker_us"] for _, a in pairs]),
-            "delta": _spread([a["worker_us"] - p["worker_us"] for p, a in pairs]),
-        },
+        "scheduler_cpu_us_per_task": _sides(pairs, lambda r: r["sched_us"]),
+        "worker_cpu_us_per_task": _sides(pairs, lambda r: r["worker_us"]),
         # a round too short for the CPU clock's ticks reads 0 on plain: no ratio from it
         "worker_cpu_ratio": _spread(
             [a["worker_us"] / p["worker_us"] for p, a in pairs if p["worker_us"] > 0]
         ),
+        # the same by thread (benchmarks.micro.worker_threads): where a difference lies
+        "worker_thread_cpu_us_per_task": {
+            role: _sides(pairs, lambda r, role=role: r["threads_us"][role])  # type: ignore[misc]
+            for role in ROLES
+        },
         "rounds": rows,
     }
 
@@ -187,14 +205,17 @@ def _ready(client: Client, label: str) -> None:
 
 def _paired(clusters: dict[str, tuple], tasks: int, rounds: int, gpu: bool) -> dict[str, Any]:
     """A warm-up round on each side, then ``rounds`` paired rounds in alternating order."""
-    for client, sched, workers in clusters.values():  # warm up: contexts, imports
-        _round(client, sched, workers, min(200, tasks), gpu)
+    roles = {}
+    for name, (client, sched, workers) in clusters.items():  # warm up: contexts, imports
+        _round(client, sched, workers, min(200, tasks), gpu, {})
+        roles[name] = thread_roles(client)
     rows: dict[str, list[dict]] = {"plain": [], "accelsched": []}
     for r in range(rounds):
         for name in ["plain", "accelsched"] if r % 2 == 0 else ["accelsched", "plain"]:
             client, sched, workers = clusters[name]
-            rows[name].append(_round(client, sched, workers, tasks, gpu))
-    return _summary(rows)
+            rows[name].append(_round(client, sched, workers, tasks, gpu, roles[name]))
+    # the threads each side's workers' roles were read from
+    return {**_summary(rows), "threads_named": {k: counted(v) for k, v in roles.items()}}
 
 
 def measure_cli(
@@ -245,9 +266,12 @@ def measure_in_process(tasks: int, rounds: int) -> dict[str, Any]:
                     accelsched.register(client)
                     _ready(client, name)
                 workers = worker_processes(client)
-                _round(client, here, workers, min(200, tasks), True)  # warm up
+                _round(client, here, workers, min(200, tasks), True, {})  # warm up
+                roles = thread_roles(client)
                 for kind in ("gpu", "cpu"):
-                    rows[kind][name].append(_round(client, here, workers, tasks, kind == "gpu"))
+                    rows[kind][name].append(
+                        _round(client, here, workers, tasks, kind == "gpu", roles)
+                    )
     return {kind: _summary(kind_rows) for kind, kind_rows in rows.items()}
 
 
