@@ -194,6 +194,13 @@ def test_lease_table_distinct_devices_and_fractions() -> None:
     f = LeaseTable([0, 1])
     assert [f.grant(i, 0.4) for i in range(5)] == [(0,), (0,), (1,), (1,), (0,)]
     assert f.grant("x", 1.5) == (1, 0)
+    # devices named out of order: a whole device is still the lowest idle index
+    u = LeaseTable([1, 0])
+    assert u.grant("a", 1) == (0,) and u.grant("b", 1) == (1,)
+    u.release("a")
+    u.release("b")
+    u.set_devices([3, 2])
+    assert u.grant("c", 1) == (2,)
 
 
 def test_options_validated_at_construction() -> None:
