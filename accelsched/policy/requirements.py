@@ -503,8 +503,8 @@ class LeaseTable:
                 spread = sorted(
                     (d for d in loads if share < 1.0 or loads[d] < 1 - 1e-9),
                     key=lambda d: (
-                        (0, -loads[d], d)
-                        if loads[d] > 0 and loads[d] + share <= 1
+                        (0, -loads[d], d)  # (a whole device packs onto no shared one)
+                        if share < 1.0 and loads[d] > 0 and loads[d] + share <= 1
                         else (1, loads[d], d)
                     ),
                 )

@@ -248,13 +248,13 @@ def fake_gpus(
             mig=tuple(migs),
         )
     finally:
+        device_memory.session_ended()  # first: a failure below leaves no session reported
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         internals.restore_distributed_nvml(saved_nvml)
-        device_memory.session_ended()
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
         with _active_lock:

@@ -67,7 +67,7 @@ class _Session:
     """
 
     path: Path
-    named: str  # the environment's text naming it: compared per GPU task, cheaply
+    named: str  # the environment's text naming it: a new session is opened when it changes
     nvml: list[int]  # CUDA index -> NVML index (a slot: MIG devices after the GPUs)
     totals: list[int]  # by NVML index (slot)
     context_bytes: int
@@ -180,9 +180,9 @@ class SimulatedPool:
     def ended(self) -> None:
         """The ``fake_gpus`` of this process ended: its memory went with its state
         directory, nothing to report. (Its children's sessions end with them: the
-        guard, which asks after every GPU task, reads no environment.)"""
-        with self._lock:
-            self._session = None
+        guard, which asks after every GPU task, reads no environment.) No lock: a
+        session ended by the garbage collector may end in a thread that holds it."""
+        self._session = None
 
     # ---- used by the module functions ----
 

@@ -27,7 +27,8 @@ def _roles_here(dask_worker: Any) -> dict[int, str]:
     native id; threads not named here (offload, profiling, monitors) are "other"."""
     import threading
 
-    roles = {t.native_id: "executor" for t in dask_worker.executors["default"]._threads}
+    threads = list(dask_worker.executors["default"]._threads)  # (a set a task may grow)
+    roles = {t.native_id: "executor" for t in threads}
     roles[threading.get_native_id()] = "event loop"
     return roles
 
@@ -40,7 +41,10 @@ def thread_roles(client: Client) -> Roles:
 
 
 def thread_cpu(workers: list, roles: Roles) -> dict[str, float]:
-    """CPU seconds the worker processes' threads spent so far, summed by role."""
+    """CPU seconds the worker processes' threads spent so far, summed by role. A thread
+    that ends between two readings takes its CPU with it (the process's figure keeps
+    it): the roles' sum can fall short of the worker's, "other" most (never the
+    executor's thread or the event loop, which live as long as the worker)."""
     spent = dict.fromkeys(ROLES, 0.0)
     for w in workers:
         named = roles.get(w.pid, {})

@@ -201,6 +201,10 @@ def test_lease_table_distinct_devices_and_fractions() -> None:
     u.release("b")
     u.set_devices([3, 2])
     assert u.grant("c", 1) == (2,)
+    # a whole device shares no device a fraction holds, however small (before, one
+    # below float precision left room "for" it)
+    v = LeaseTable([0, 1])
+    assert v.grant("tiny", 1e-17) == (0,) and v.grant("w", 1) == (1,)
 
 
 def test_options_validated_at_construction() -> None:
