@@ -52,8 +52,9 @@ the end of the first run starting :data:`MAX_WAIT` seconds after the leaking one
 
 Two bounds, as a reading's cost and the wait for its answer weigh differently with the
 length of a run: tiny runs, where a reading costs more than the run, are read once in
-:data:`MAX_GAP` (a fraction of a second of them); a prefix whose runs each last
-:data:`MAX_WAIT` or more, beside which a reading costs next to nothing, has each measured.
+:data:`MAX_GAP` or once in :data:`MAX_WAIT` of them, whichever comes first; a prefix
+whose runs each last :data:`MAX_WAIT` or more, beside which a reading costs next to
+nothing, has each measured.
 """
 
 from __future__ import annotations
@@ -625,8 +626,11 @@ def classify(before: Mapping[int, MemoryReading], after: Mapping[int, MemoryRead
 #: Measured runs in a row that left nothing before a prefix's runs are sampled.
 QUIET_RUNS = 4
 #: A sampled prefix has at most this many runs from one measured run to the next
-#: (``MAX_GAP - 1`` unmeasured between them).
-MAX_GAP = 64
+#: (``MAX_GAP - 1`` unmeasured between them). A reading costs a busy worker a few hundred
+#: microseconds of CPU, about what the tiniest task costs it in all (its dispatch):
+#: spread over this many of them it is a tenth of a percent, where 64 made it over one
+#: percent of the guard's five. Runs that short are read by :data:`MAX_WAIT` first.
+MAX_GAP = 1024
 #: Seconds from the start of a prefix's measured run after which its next run is
 #: measured, whatever the gap: a prefix whose runs each last this long has each measured,
 #: and a stretch of unmeasured runs ends at the first run starting this long after.

@@ -49,11 +49,11 @@ def measured_runs(
 
 
 def test_every_run_until_quiet_then_doubling_gaps_up_to_the_bound() -> None:
-    assert (QUIET_RUNS, MAX_GAP, MAX_WAIT) == (4, 64, 0.25)
+    assert (QUIET_RUNS, MAX_GAP, MAX_WAIT) == (4, 1024, 0.25)
     b = Backoff(clock=Runs())
-    got = measured_runs(b, "inc", 260)
-    # 4 runs in a row, then gaps of 2, 4, 8, 16, 32 and 64 from there on
-    assert got == [1, 2, 3, 4, 6, 10, 18, 34, 66, 130, 194, 258]
+    got = measured_runs(b, "inc", 3100)
+    # 4 runs in a row, then gaps of 2, 4, 8, ... and 1024 from there on
+    assert got == [1, 2, 3, 4, 6, 10, 18, 34, 66, 130, 258, 514, 1026, 2050, 3074]
     assert max(b - a for a, b in zip(got, got[1:], strict=False)) == MAX_GAP
     assert b.gap("inc") == MAX_GAP and b.gap("other") == 1
 
@@ -64,9 +64,10 @@ def test_a_run_leaving_something_is_found_within_the_gap_and_resets_it() -> None
     # the leaking run 40 falls in the stretch 35..66: found by run 66, 26 runs later,
     # then every run measured until 4 quiet ones, and backing off again
     assert [r for r in got if 34 <= r <= 90] == [34, 66, 67, 68, 69, 70, 72, 76, 84]
-    for leak in range(35, 300):  # wherever it falls, found at most MAX_GAP - 1 runs later
+    # wherever it falls, found at most MAX_GAP - 1 runs later (2050 to 3073: 1023 later)
+    for leak in [*range(35, 300), *range(300, 3074, 7), 2051, 3073]:
         c = Backoff(clock=Runs())
-        found = [r for r in measured_runs(c, "x", 400, frozenset({leak})) if r >= leak][0]
+        found = [r for r in measured_runs(c, "x", 3100, frozenset({leak})) if r >= leak][0]
         assert found - leak <= MAX_GAP - 1
 
 
@@ -74,7 +75,7 @@ def test_runs_longer_than_the_wait_are_each_measured() -> None:
     # a run a third of a second after the last: past MAX_WAIT, measured, quiet or not
     b = Backoff(clock=(clock := Runs(seconds=1 / 3)))
     assert measured_runs(b, "fit", 50, clock=clock) == list(range(1, 51))
-    assert b.gap("fit") == MAX_GAP  # the run count alone would leave 63 in 64 unmeasured
+    assert b.gap("fit") == MAX_GAP  # the run count alone would leave 1023 in 1024 unmeasured
 
 
 def test_the_wait_bounds_the_gap_of_runs_a_thirty_second_of_a_second_long() -> None:
@@ -91,11 +92,11 @@ def test_the_wait_bounds_the_gap_of_runs_a_thirty_second_of_a_second_long() -> N
 
 
 def test_a_run_the_clock_made_due_stays_due_until_measured() -> None:
-    # backed off to a gap of 64 (run 130 measured), then a quarter of a second passes: the
+    # backed off to a gap of 128 (run 130 measured), then a quarter of a second passes: the
     # run that starts then is due; it could not be measured (not alone on its devices),
     # so the next run is due too, and the one after it once that one is measured
     b = Backoff(clock=(clock := Runs()))
-    assert measured_runs(b, "p", 130)[-1] == 130 and b.gap("p") == 64
+    assert measured_runs(b, "p", 130)[-1] == 130 and b.gap("p") == 128
     clock.seconds = MAX_WAIT
     clock.run = 1
     assert b.measure("p")  # no measured() follows
@@ -132,6 +133,6 @@ def test_bounded_record_and_validated_numbers(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ValueError, match="at least 1"):
         Backoff(max_gap=0)
     for wait in (0, -1.0, math.nan):
-        with pytest.raises(ValueError, match=f"max_wait above 0, not 4, 64, {wait}"):
+        with pytest.raises(ValueError, match=f"max_wait above 0, not 4, 1024, {wait}"):
             Backoff(max_wait=wait)
     assert Backoff(max_wait=math.inf).max_wait == math.inf  # the run count's rule alone
