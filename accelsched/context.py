@@ -96,6 +96,32 @@ class Lease:
     cuda: Cuda | None = None
 
 
+def lease_of(
+    key: object,
+    devices: tuple[int, ...],
+    report: Callable[..., None] | None,
+    oom_exceptions: tuple[str, ...],
+    meter: Callable[[str, Callable[[], Any]], Any] | None,
+    cap: MemoryCap | None,
+    cuda: Cuda | None,
+) -> Lease:
+    """``Lease(key, devices, ...)``, the same object, made without the frozen dataclass's
+    ``__init__`` (a Python call setting each field through ``object.__setattr__``: a
+    microsecond per GPU task, the guard's hot path). Every field is given: nothing a
+    default or ``__post_init__`` would add is left out."""
+    lease = object.__new__(Lease)
+    lease.__dict__.update(
+        key=key,
+        devices=devices,
+        report=report,
+        oom_exceptions=oom_exceptions,
+        meter=meter,
+        cap=cap,
+        cuda=cuda,
+    )
+    return lease
+
+
 _local = threading.local()
 
 

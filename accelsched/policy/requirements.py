@@ -486,13 +486,19 @@ class LeaseTable:
                 if waiting.cancelled:
                     raise Cancelled(f"task {key!r} was cancelled while it waited for a device")
                 waiting.claimed = ()  # claimed again below if it still waits
+            if amount == 1 and requirement is None:  # one whole device, the common lease:
+                busy: set[int] = set()  # the first idle one, as sorted below, unless a
+                for t in self._tasks.values():  # declared task holds one (see below)
+                    if t.nbytes and t.devices:
+                        break
+                    busy.update(t.devices)
+                else:
+                    for d in self._devices:
+                        if d not in busy:
+                            return self._hold(key, (d,), 1.0, 0, waiting)
             n = devices_needed(amount)
             share = amount / n if n else 0.0
             if requirement is None and (loads := self._loads()) is not None:
-                if share == 1.0 and n == 1:  # one whole device, the common lease:
-                    for d, used in loads.items():  # the first idle one, as sorted below
-                        if not used:
-                            return self._hold(key, (d,), share, 0, waiting)
                 # Fractions pack onto the fullest used device they fit (best fit),
                 # keeping whole devices idle for whole-device tasks; amounts that do not
                 # tile a device (0.4, 1.5) go to the least busy when nothing fits. Whole

@@ -87,7 +87,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from accelsched import events, internals
 from accelsched.config import GUARD_OPTIONS, guard_options_here, resolve_options
-from accelsched.context import Lease, bind, unbind, using_device
+from accelsched.context import bind, lease_of, unbind, using_device
 from accelsched.devices import (
     DeviceInfo,
     DevicePool,
@@ -540,30 +540,23 @@ class Binder:
                 )
             )
             bound = bind(
-                Lease(
-                    key,
-                    devices,
-                    report=self._emit,
-                    oom_exceptions=self.oom_exceptions,
-                    meter=meter,
-                    cap=cap,
-                    cuda=self.cuda,
-                )
+                lease_of(key, devices, self._emit, self.oom_exceptions, meter, cap, self.cuda)
             )
             try:
                 result = spec(values) if meter is None else meter.run(spec, values)
-                # what it held at its peak, packed or alone, or (measured alone on its
-                # device) added: more than it declared, its neighbours' room was not what
-                # the packing counted on
-                measured = max(0 if cap is None else cap.peak, (meter and meter.grew) or 0)
-                if declared is not None and measured > declared:
-                    self._emit(
-                        events.OVER_DECLARED,
-                        key=str(key),
-                        device=devices[0],
-                        declared=declared,
-                        measured=measured,
-                    )
+                if cap is not None:  # (declared: so is its cap)
+                    # what it held at its peak, packed or alone, or (measured alone on its
+                    # device) added: more than it declared, its neighbours' room was not
+                    # what the packing counted on
+                    measured = max(cap.peak, (meter and meter.grew) or 0)
+                    if measured > cap.declared:
+                        self._emit(
+                            events.OVER_DECLARED,
+                            key=str(key),
+                            device=devices[0],
+                            declared=cap.declared,
+                            measured=measured,
+                        )
                 return result
             finally:
                 self.pools.after_gpu_task(devices)

@@ -840,9 +840,9 @@ class Meter:
                     ledger.stretched(self.devices, self.prefix, {})
                     raise
                 if not self.steps:
-                    known = (  # holds_nothing first: the common case, per unmeasured run
+                    known = (  # holding nothing first: the common case, per unmeasured run
                         {}
-                        if ledger.holds_nothing(result)
+                        if result is None or type(result) in _PLAIN  # (holds_nothing)
                         else device_nbytes(result)
                         if knows(result)
                         else None
