@@ -627,9 +627,10 @@ def classify(before: Mapping[int, MemoryReading], after: Mapping[int, MemoryRead
 QUIET_RUNS = 4
 #: A sampled prefix has at most this many runs from one measured run to the next
 #: (``MAX_GAP - 1`` unmeasured between them). A reading costs a busy worker a few hundred
-#: microseconds of CPU, about what the tiniest task costs it in all (its dispatch):
-#: spread over this many of them it is a tenth of a percent, where 64 made it over one
-#: percent of the guard's five. Runs that short are read by :data:`MAX_WAIT` first.
+#: microseconds of CPU, half of what it spends on a tiny task or so: one in 64 of them
+#: made the readings most of a percent of its CPU, a large part of the guard's budget of
+#: five. Bound at 1024, tiny runs are read by :data:`MAX_WAIT` first (unless more than
+#: 4096 runs of one prefix start a second on one device): about four readings a second.
 MAX_GAP = 1024
 #: Seconds from the start of a prefix's measured run after which its next run is
 #: measured, whatever the gap: a prefix whose runs each last this long has each measured,
