@@ -89,6 +89,7 @@ from accelsched import events, internals
 from accelsched.config import GUARD_OPTIONS, guard_options_here, resolve_options
 from accelsched.context import bind, lease_of, unbind, using_device
 from accelsched.devices import (
+    POOLS,
     DeviceInfo,
     DevicePool,
     MemoryCap,
@@ -673,13 +674,16 @@ class Watch:
 
 
 def caches_enough(pools: list[DevicePool], devices: tuple[int, ...], minimum: int) -> bool:
-    """Whether the pools cache at least ``minimum`` bytes on one of ``devices``: freeing
-    less is not worth a task's time. RMM owning the device pool (a fixed reserve that
-    never shrinks) has no figure to wait for (CuPy's pinned host pool can be freed)."""
+    """Whether the active ones of ``pools`` cache at least ``minimum`` bytes on one of
+    ``devices``: freeing less is not worth a task's time. RMM owning the device pool (a
+    fixed reserve that never shrinks) has no figure to wait for (CuPy's pinned host pool
+    can be freed)."""
     try:
-        for device in devices:  # (loops: this runs after every GPU task)
+        for device in devices:  # (loops, no list of the active pools: after every GPU task)
             cached = 0
             for pool in pools:
+                if not pool.active():
+                    continue
                 stats = pool.stats(device)
                 if stats.fixed:
                     return True
@@ -712,8 +716,9 @@ class PoolFreer:
         if (
             not self.every
             or next(self._count) % self.every
+            # (the common case: nothing worth freeing, asked of every pool in one pass)
+            or (self.minimum > 0 and not caches_enough(POOLS, devices, self.minimum))
             or not (pools := active_pools())
-            or (self.minimum > 0 and not caches_enough(pools, devices, self.minimum))
         ):
             return
         if self.above > 0:

@@ -176,3 +176,15 @@ def test_freeing_waits_for_a_cache_worth_it_except_under_rmm() -> None:
     # RMM owns the device pool (a fixed reserve, nothing cached): the pinned pool is
     # still freed, as before the threshold existed
     assert enough(PoolStats(held=GiB, fixed=GiB))
+
+    class Inactive(_Pool):  # CuPy not imported: never asked, its cache counts for nothing
+        def active(self) -> bool:
+            return False
+
+        def stats(self, device: int) -> object:
+            raise AssertionError("an inactive pool was asked what it caches")
+
+    cached = _Pool(PoolStats(cached=32 * MiB))
+    both = [Inactive(PoolStats(cached=GiB)), cached, cached]
+    assert not caches_enough(both[:2], (0,), 64 * MiB)  # type: ignore[arg-type]
+    assert caches_enough(both, (0,), 64 * MiB)  # type: ignore[arg-type]  # 32 + 32
