@@ -24,6 +24,7 @@ import dask
 from distributed import Client, Event, Nanny, Scheduler
 
 import accelsched
+from accelsched import internals
 from accelsched.protocol import PLACEMENT_PLUGIN
 from accelsched.testing import device_alloc
 
@@ -159,7 +160,7 @@ def gpus(s: Scheduler, addr: str) -> float:
 def gpu_counts(client: Client, by_name: bool = False) -> dict[str, float]:
     """Worker address (or name) -> the GPU count the scheduler places against, through a
     synchronous client: what a test of ``dask`` command processes can see."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = internals.workers_listed(client)
     return {w["name"] if by_name else a: w["resources"].get("GPU", 0) for a, w in info.items()}
 
 

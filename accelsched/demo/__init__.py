@@ -276,7 +276,7 @@ def _phases(
         "the leaking worker's restart",
     )
     wait(
-        lambda: len(client.scheduler_info(n_workers=-1)["workers"]) == len(names),
+        lambda: len(internals.workers_listed(client)) == len(names),
         60,
         "the restarted worker",
     )

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 from distributed import Client
 
 import accelsched
+from accelsched import internals
 from accelsched.demo.steps import DEMO_TOPIC
 
 
@@ -139,8 +140,7 @@ def uuids(client: Client) -> dict[tuple[str, int], str]:
 
 
 def worker_names(client: Client) -> dict[str, str]:
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    return {addr: str(w["name"]) for addr, w in info.items()}
+    return {addr: str(w["name"]) for addr, w in internals.workers_listed(client).items()}
 
 
 def wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:

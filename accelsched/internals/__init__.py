@@ -34,6 +34,7 @@ from accelsched.internals.client_side import (
     reset_distributed_nvml,
     restore_distributed_nvml,
     worker_class,
+    workers_listed,
 )
 from accelsched.internals.scheduler import (
     add_dashboard_page,
@@ -140,6 +141,7 @@ __all__ = [
     "runs_in_thread",
     "restore_distributed_nvml",
     "worker_class",
+    "workers_listed",
     "cpu_count",
     "resume",
     "run_now",

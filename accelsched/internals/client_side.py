@@ -44,6 +44,18 @@ def cpu_count() -> int:
     return int(CPU_COUNT)
 
 
+def workers_listed(client: Any) -> dict[str, dict[str, Any]]:
+    """The scheduler's workers by address, each as ``client.scheduler_info(n_workers=-1)``
+    describes it, fetched for this call (a synchronous client).
+
+    ``scheduler_info`` refreshes the client's cached identity and returns that attribute,
+    which the client's periodic refresh (``distributed.client.scheduler-info-interval``)
+    replaces with one listing no worker: landing in between, it makes a call list none
+    (measured: 1 call in about 70,000 on a busy 2-core host), which a loop waiting for
+    workers to go takes for their departure."""
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def worker_class(cls: Any) -> bool:
     """Whether a worker spec's class can start a worker: a server (``Nanny``,
     ``Worker``) or a process a cluster manages (a dask-jobqueue job)."""

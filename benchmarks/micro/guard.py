@@ -24,6 +24,7 @@ import dask
 from distributed import Client
 
 import accelsched
+from accelsched import internals
 from accelsched.testing import device_alloc, fake_gpus
 from benchmarks.harness.clusters import MiB, events, gpu_cluster, gpus_ready, wait
 from benchmarks.harness.plots import bars
@@ -40,7 +41,7 @@ def leaky(i: int) -> float:
 
 def leak_trial(client: Client) -> dict[str, float]:
     since = time.time()
-    target = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+    target = sorted(internals.workers_listed(client))[0]
     with dask.annotate(resources={"GPU": 1}):
         ended = client.submit(leaky, since, workers=[target], pure=False).result()
     ((t_leak, leak),) = wait(lambda: events(client, "leak", since), 30, "leak event")

@@ -49,6 +49,7 @@ import psutil
 from distributed import Client
 
 import accelsched
+from accelsched import internals
 from accelsched.testing import fake_gpus
 from benchmarks.micro.cli_cluster import cli_cluster, cpu_seconds, worker_processes
 from benchmarks.micro.in_process_cluster import in_process_cluster
@@ -128,7 +129,7 @@ def _make_context() -> int:
 
 def _make_contexts(client: Client) -> None:
     """One task on each worker makes a context there (it stays for the process's life)."""
-    for addr in client.scheduler_info(n_workers=-1)["workers"]:
+    for addr in internals.workers_listed(client):
         client.submit(_make_context, resources={"GPU": 1}, workers=[addr], pure=False).result()
 
 
@@ -291,7 +292,7 @@ def measure(
 def _verified(client: Client) -> int:
     """Workers whose GPU the scheduler places against (the scheduler process cannot
     import this module: ask through ``scheduler_info``)."""
-    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    workers = internals.workers_listed(client).values()
     return sum(1 for w in workers if w.get("resources", {}).get("GPU", 0) >= 1)
 
 

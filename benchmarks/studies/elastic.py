@@ -36,6 +36,7 @@ import distributed
 from distributed import Client, LocalCluster, Nanny, Scheduler, SchedulerPlugin, SpecCluster
 
 import accelsched
+from accelsched import internals
 from accelsched.testing import fake_gpus
 from benchmarks.harness.clusters import events, wait
 from benchmarks.harness.plots import COLORS, plt, save
@@ -104,9 +105,9 @@ class Lifetimes(SchedulerPlugin):
 def _until_empty(client: Client, tail: float) -> bool:
     """Whether the cluster gave back all its workers within ``tail`` seconds."""
     deadline = time.monotonic() + tail
-    while client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+    while internals.workers_listed(client) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not client.scheduler_info(n_workers=-1)["workers"]
+    return not internals.workers_listed(client)
 
 
 def _records(dask_scheduler: Scheduler) -> list[tuple[float, str, int]]:

@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 from distributed import Client
 
+from accelsched import internals
 from accelsched.testing import FakeGPUs
 from benchmarks.studies.soak_plan import WORKERS, Fault, Spec
 
@@ -206,9 +207,7 @@ class Faults(threading.Thread):
             self._later(self._leave_join, spec[name], fault.seconds)
             return f"{name} (away {fault.seconds:.1f} s)"
         address = [
-            a
-            for a, w in self.client.scheduler_info(n_workers=-1)["workers"].items()
-            if w.get("name") == name
+            a for a, w in internals.workers_listed(self.client).items() if w.get("name") == name
         ]
         if not address:
             return f"skipped: {name} not registered"

@@ -22,6 +22,7 @@ from distributed import Client, LocalCluster, Nanny, Worker
 from distributed.utils_test import captured_logger
 
 import accelsched
+from accelsched import internals
 from accelsched.protocol import PLACEMENT_PLUGIN
 from tests.utils import ROOT, cli, events, gpu_nap, named_nap, until
 
@@ -41,7 +42,7 @@ CPU_SPEC = {"cls": Nanny, "options": {"nthreads": 2, "env": {"CUDA_VISIBLE_DEVIC
 
 
 def pool_workers(client: Client, pool: str) -> list[str]:
-    names = [str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+    names = [str(w["name"]) for w in internals.workers_listed(client).values()]
     return sorted(n for n in names if n.startswith(pool + "-"))
 
 

@@ -17,6 +17,7 @@ from distributed import Client, Scheduler, Status, Worker, get_worker
 from distributed.utils_test import gen_test
 
 import accelsched
+from accelsched import internals
 from accelsched.config import Threshold
 from accelsched.protocol import PLACEMENT_PLUGIN
 from accelsched.testing import FakeGPUs, fake_gpus
@@ -34,7 +35,7 @@ def gpus() -> Iterator[FakeGPUs]:
 
 
 def names(client: Client) -> dict[str, str]:
-    return {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    return {a: w["name"] for a, w in internals.workers_listed(client).items()}
 
 
 # --- a scheduler preloaded with accelsched ---------------------------------------------

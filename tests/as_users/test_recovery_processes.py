@@ -22,6 +22,7 @@ import dask
 import pytest
 from distributed import Client, Event
 
+from accelsched import internals
 from accelsched.testing import state
 from tests import processes
 from tests.processes import running
@@ -55,7 +56,7 @@ def executing(dask_worker: Any) -> int:
 
 def gpus_of(client: Client, name: str) -> tuple[str | None, float]:
     """(address, GPU count placement uses) of the worker called ``name``."""
-    for addr, w in client.scheduler_info(n_workers=-1)["workers"].items():
+    for addr, w in internals.workers_listed(client).items():
         if w["name"] == name:
             return addr, w["resources"].get("GPU", 0)
     return None, 0

@@ -25,6 +25,7 @@ from dask_jobqueue.slurm import SLURMJob
 from distributed import Client
 
 import accelsched
+from accelsched import internals
 from accelsched.testing import FakeGPUs
 from tests.processes import PATHS
 from tests.slurm import Slurm, missing, slurm
@@ -151,9 +152,7 @@ def test_slurm_jobs_are_the_pools_workers(
                 until(lambda: events(client, "gpu-verified"), timeout=90)
                 # while the GPU tasks run (once idle, the pool's workers may go at once)
                 gpu_jobs = [j for j in slurm_cluster.jobs() if j.startswith("gpu-")]
-                ran_on = {
-                    str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()
-                }
+                ran_on = {str(w["name"]) for w in internals.workers_listed(client).values()}
                 # ``accelsched status`` shows each job's worker in its pool
                 code, out, err = asyncio.run(cli("status", cluster.scheduler_address))
                 results = client.gather(futures)
