@@ -16,6 +16,8 @@ from typing import Any
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
+from accelsched import internals
+
 MiB = 2**20
 GiB = 2**30
 
@@ -91,3 +93,11 @@ def gpus_ready(client: Client, n: int) -> bool:
     """All ``n`` workers are running with one GPU placed against each."""
     counts = client.run_on_scheduler(_gpu_counts)
     return len(counts) == n and all(c == 1 for c in counts)
+
+
+def until_empty(client: Client, tail: float) -> bool:
+    """Whether the cluster gave back all its workers within ``tail`` seconds."""
+    deadline = time.monotonic() + tail
+    while (listed := internals.workers_listed(client)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not listed

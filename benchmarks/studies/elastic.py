@@ -36,9 +36,8 @@ import distributed
 from distributed import Client, LocalCluster, Nanny, Scheduler, SchedulerPlugin, SpecCluster
 
 import accelsched
-from accelsched import internals
 from accelsched.testing import fake_gpus
-from benchmarks.harness.clusters import events, wait
+from benchmarks.harness.clusters import events, until_empty, wait
 from benchmarks.harness.plots import COLORS, plt, save
 from benchmarks.harness.results import spread
 
@@ -100,14 +99,6 @@ class Lifetimes(SchedulerPlugin):
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         if worker in self.names:
             self.records.append((time.time(), self.names.pop(worker), -1))
-
-
-def _until_empty(client: Client, tail: float) -> bool:
-    """Whether the cluster gave back all its workers within ``tail`` seconds."""
-    deadline = time.monotonic() + tail
-    while internals.workers_listed(client) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not internals.workers_listed(client)
 
 
 def _records(dask_scheduler: Scheduler) -> list[tuple[float, str, int]]:
@@ -212,7 +203,7 @@ def one_run(setup: str, w: dict[str, Any]) -> dict[str, Any]:
         try:
             r = _drive(client, w)
             # the adaptive ones: until they gave back what they would, or tail s
-            shrunk = None if setup == "fixed" else _until_empty(client, w["tail"])
+            shrunk = None if setup == "fixed" else until_empty(client, w["tail"])
             end = r["done"] if setup == "fixed" else time.time()
             records = client.run_on_scheduler(_records)
             fell = events(client, "fallback", since=r["t0"])
