@@ -52,6 +52,8 @@ PUBLIC_DISTRIBUTED = {
 #: accelsched/internals/ may touch: names flagged on whatever object they are reached.
 PRIVATE = [
     r"_ongoing_background_tasks",
+    r"\bscheduler_info\(",  # its "workers" may be the client's periodic, empty refresh
+    r"scheduler\.identity\b",
     r"stream_comms",
     r"(?<!internals)\.unrunnable\b",
     r"[\"']unrunnable[\"']",

@@ -337,12 +337,15 @@ async def test_a_task_running_when_the_guard_is_registered_again_still_counts(c,
     assert await c.run(running_count) == {a.worker_address: 0}
 
 
-def test_the_workers_listed_are_fetched_for_the_call_not_the_clients_cached_identity() -> None:
-    """``Client.scheduler_info(n_workers=-1)`` returns the client's cached identity, which
-    its periodic refresh replaces with one listing no worker; landing in between, that
-    made a test waiting for a pool's workers to go see them gone while one still ran (1
-    call in about 70,000 on a busy host). The refresh is called here by hand, as the
-    client's periodic callback calls it, rather than waited for."""
+def test_the_workers_listed_are_fetched_for_the_call_not_the_clients_cached_identity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Client.scheduler_info(n_workers=-1)`` refreshes the client's cached identity and
+    returns it, and the client's periodic refresh replaces it with one listing no worker:
+    landing in between, that made a test waiting for a pool's workers to go see them gone
+    while one still ran (1 call in about 70,000 on a busy host). The periodic refresh is
+    made to land in between here (its call, ``_update_scheduler_info()``, right after the
+    fetch), rather than waited for."""
     from distributed import Client, LocalCluster
 
     from accelsched import internals
@@ -352,10 +355,14 @@ def test_the_workers_listed_are_fetched_for_the_call_not_the_clients_cached_iden
         Client(cluster) as client,
     ):
         client.wait_for_workers(2)
-        cached = client.scheduler_info(n_workers=-1)
-        assert len(cached["workers"]) == 2
-        client.sync(client._update_scheduler_info)  # the periodic refresh's call
-        assert client._scheduler_identity["workers"] == {}  # what a caller may be handed
+        fetch = client._update_scheduler_info
+
+        async def fetch_then_periodic(n_workers: int = 0) -> None:
+            await fetch(n_workers=n_workers)
+            await fetch()  # the periodic refresh's own call, landing before the read
+
+        monkeypatch.setattr(client, "_update_scheduler_info", fetch_then_periodic)
+        assert client.scheduler_info(n_workers=-1)["workers"] == {}  # the race, forced
         listed = internals.workers_listed(client)
         assert sorted(w["name"] for w in listed.values()) == [0, 1]
         assert set(listed) == set(cluster.scheduler.workers)

@@ -37,6 +37,7 @@ from typing import Any
 from distributed import Client, LocalCluster
 
 import accelsched
+from accelsched import internals
 from accelsched.testing import create_context, fake_gpus
 from benchmarks.micro import call_timers
 from benchmarks.micro.hotpath_report import med as _med
@@ -86,7 +87,10 @@ def _cluster(acc: bool) -> Iterator[tuple[Client, Any]]:
         if acc:
             accelsched.register(client)
             deadline = time.monotonic() + 30
-            while worker.state.total_resources.get("GPU", 0) < 1 or not _verified(client):
+            while worker.state.total_resources.get("GPU", 0) < 1 or not all(
+                w.get("resources", {}).get("GPU", 0) >= 1  # as the scheduler places by it
+                for w in internals.workers_listed(client).values()
+            ):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the worker's GPU was not verified")
                 time.sleep(0.05)
@@ -127,11 +131,6 @@ def _context_rounds(
         "nvml_reads_per_task": _med(reads),
         "rounds_detail": rows,
     }
-
-
-def _verified(client: Client) -> bool:
-    workers = client.scheduler_info()["workers"].values()
-    return all(w.get("resources", {}).get("GPU", 0) >= 1 for w in workers)
 
 
 def _run(client: Client, n: int) -> None:

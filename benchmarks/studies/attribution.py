@@ -27,6 +27,7 @@ import numpy as np
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import accelsched
+from accelsched import internals
 from accelsched.testing import device_alloc, fake_gpus
 from benchmarks.harness.plots import bars
 
@@ -187,6 +188,6 @@ def _cluster() -> Iterator[Client]:
             time.sleep(0.05)
         # a first GPU task on each worker: its CUDA context, as any real GPU work makes
         warm = accelsched.gpu(lambda: device_alloc(MiB) and None)
-        addrs = list(client.scheduler_info()["workers"])
+        addrs = list(internals.workers_listed(client))
         client.gather([client.submit(warm, workers=[w], pure=False) for w in addrs])
         yield client

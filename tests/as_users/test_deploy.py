@@ -109,9 +109,7 @@ def test_scheduler_preload_installs_both_plugins_with_its_options(preloaded: Cli
     )
     assert placement["max_restarts"] == 7  # DASK_ACCELSCHED__PLACEMENT__MAX_RESTARTS
     assert placement["fallback_timeout"] is None  # the default
-    by_address = {
-        a: w["name"] for a, w in preloaded.scheduler_info(n_workers=-1)["workers"].items()
-    }
+    by_address = {a: w["name"] for a, w in internals.workers_listed(preloaded).items()}
     guards = {
         by_address[a]: o
         for a, o in preloaded.run(
