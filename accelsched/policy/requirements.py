@@ -486,9 +486,11 @@ class LeaseTable:
                 if waiting.cancelled:
                     raise Cancelled(f"task {key!r} was cancelled while it waited for a device")
                 waiting.claimed = ()  # claimed again below if it still waits
-            if amount == 1 and requirement is None:  # one whole device, the common lease:
-                busy: set[int] = set()  # the first idle one, as sorted below, unless a
-                for t in self._tasks.values():  # declared task holds one (see below)
+            if amount == 1 and requirement is None:
+                # one whole device, the common lease: the first idle one (what the sorted
+                # path below chooses), unless a declared task holds a device (below)
+                busy: set[int] = set()
+                for t in self._tasks.values():
                     if t.nbytes and t.devices:
                         break
                     busy.update(t.devices)
