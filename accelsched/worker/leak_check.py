@@ -840,9 +840,9 @@ class Meter:
                     ledger.stretched(self.devices, self.prefix, {})
                     raise
                 if not self.steps:
-                    known = (  # holding nothing first: the common case, per unmeasured run
+                    known = (  # holds_nothing first: the common case, per unmeasured run
                         {}
-                        if result is None or type(result) in _PLAIN  # (holds_nothing)
+                        if ledger.holds_nothing(result)
                         else device_nbytes(result)
                         if knows(result)
                         else None
