@@ -301,9 +301,15 @@ def parse_bool(name: str, value: Any) -> bool:
     raise _bad(name, value, "True or False", TypeError)
 
 
+#: Counts and byte figures an option takes are under this: distributed's messages carry
+#: 64-bit integers (msgpack), and a larger one in a heartbeat or an event closes the worker
+#: or the connection that sends it.
+LIMIT = 2**63
+
+
 def number(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[str, Any], Any]:
     """A parser of a ``kind`` number where ``ok`` (a bool is no number; a string is
-    read as one)."""
+    read as one); an integer under :data:`LIMIT`."""
 
     # numpy's scalars too; a count takes no float (read, it would be cut)
     accepted = (numbers.Integral if kind is int else numbers.Real, str)
@@ -312,7 +318,7 @@ def number(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[st
         if isinstance(value, bool) or not isinstance(value, accepted):
             raise _bad(name, value, expected, TypeError)
         with contextlib.suppress(ValueError):
-            if ok(n := kind(value)):
+            if ok(n := kind(value)) and (kind is not int or n < LIMIT):
                 return n
         raise _bad(name, value, expected)
 
@@ -376,7 +382,7 @@ def parse_threshold(name: str, value: Any) -> Threshold:
         return Threshold(nbytes=n)
     if 0 < f < 1:
         return Threshold(fraction=f)
-    if math.isfinite(f) and f >= 1 and f == int(f):
+    if math.isfinite(f) and 1 <= f < LIMIT and f == int(f):
         return Threshold(nbytes=int(f))
     raise _bad(name, value, expected)
 
@@ -401,17 +407,17 @@ def size_bytes(text: str) -> int | None:
 
 
 def parse_size(name: str, value: Any, expected: str = "bytes like '64MiB', or 0") -> int:
-    """Bytes, zero or more (``"64MiB"``, ``0``), under 2**63."""
+    """Bytes, zero or more (``"64MiB"``, ``0``), under :data:`LIMIT`."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise _bad(name, value, expected, TypeError)
     n = size_bytes(value) if isinstance(value, str) else int(value)
-    if n is None or n < 0 or n >= 2**63:
+    if n is None or n < 0 or n >= LIMIT:
         raise _bad(name, value, expected)
     return n
 
 
-COUNT = number(int, "a non-negative integer", lambda n: n >= 0)
-POSITIVE_COUNT = number(int, "an integer >= 1", lambda n: n >= 1)
+COUNT = number(int, "a non-negative integer under 2**63", lambda n: n >= 0)
+POSITIVE_COUNT = number(int, "an integer >= 1 and under 2**63", lambda n: n >= 1)
 FRACTION = number(float, "a fraction between 0 and 1", lambda f: 0 <= f <= 1)
 
 PLACEMENT_OPTIONS: tuple[Option, ...] = (

@@ -30,7 +30,7 @@ from distributed import Adaptive, SpecCluster
 from distributed.metrics import time
 
 from accelsched import events, internals
-from accelsched.config import ADAPT_OPTIONS, resolve_options
+from accelsched.config import ADAPT_OPTIONS, LIMIT, resolve_options
 from accelsched.internals.client_side import (
     cluster_holds,
     correct,
@@ -81,8 +81,11 @@ class PoolSpec(NamedTuple):
 
 
 def _count(pool: str, key: str, value: Any, least: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"pool {pool!r}: invalid {key}={value!r}: expected an integer >= {least}")
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value < LIMIT:
+        raise ValueError(
+            f"pool {pool!r}: invalid {key}={value!r}: expected an integer >= {least} "
+            "and under 2**63"
+        )
     return value
 
 

@@ -267,6 +267,7 @@ def test_pools_are_checked_when_given() -> None:
                 "minimum=3 > maximum=2",
             ),
             ({"gpu": {"spec": GPU_SPEC, "maximum": -1}}, {}, ValueError, "maximum=-1"),
+            ({"gpu": {"spec": GPU_SPEC, "maximum": 2**64}}, {}, ValueError, f"maximum={2**64}"),
             ({"gpu": {"spec": GPU_SPEC, "size": 2}}, {}, ValueError, "unknown key(s) 'size'"),
             ({"gpu": {"spec": {"options": {}}}}, {}, ValueError, "invalid spec"),
             (

@@ -403,7 +403,11 @@ def test_intervals_have_a_floor(value: object) -> None:
         parse_interval("check_interval", value)
 
 
-@pytest.mark.parametrize("value", ["", "GiB", float("inf"), float("nan"), "1e400", 10**400, 0])
+@pytest.mark.parametrize(
+    "value",
+    # (a float of 2**63 bytes or more: no heartbeat carries it, and the worker closed)
+    ["", "GiB", float("inf"), float("nan"), "1e400", 10**400, 0, 1e30, "1.0e30", 2.0**63, 1e19],
+)
 def test_thresholds_that_are_no_size_name_the_option(value: object) -> None:
     from accelsched.config import parse_threshold
 

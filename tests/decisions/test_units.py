@@ -226,6 +226,20 @@ def test_options_validated_at_construction() -> None:
         accelsched.register(object(), bogus=1)
 
 
+@pytest.mark.parametrize(
+    "option", ["max_restarts", "max_concurrent_restarts", "leak_confirmations", "free_pools_every"]
+)
+def test_a_count_past_what_a_message_carries_is_refused(option: str) -> None:
+    """Counts travel in heartbeats and events as 64-bit integers: one of 2**63 or more is
+    refused at construction, naming it (before: accepted, then the scheduler's status and
+    events connections broke on it, as a worker's heartbeat does for a byte figure)."""
+    cls = accelsched.PlacementPlugin if "restarts" in option else accelsched.GuardPlugin
+    assert cls(**{option: 2**63 - 1}).options[option] == 2**63 - 1
+    for bad in (2**63, 2**64, str(2**64)):
+        with pytest.raises(ValueError, match=rf"invalid {option}={bad!r}: .*under 2\*\*63"):
+            cls(**{option: bad})
+
+
 def test_numpy_numbers_are_numbers_as_gpu_and_dual_take_them() -> None:
     """A count or duration computed with numpy is taken as plain Python's, and kept as
     one (the options travel to every worker); a count is still no float (before: every
