@@ -80,10 +80,14 @@ def exit_nonzero_after_the_command() -> None:
 
 def _dask_command() -> str | None:
     """The module of the distributed/dask-cuda command running in this process's
-    current click context (``distributed.cli.dask_worker``, ...), or None."""
+    current click context (``distributed.cli.dask_worker``, ...), or None; run as
+    ``python -m`` (as dask-jobqueue's job scripts start workers), its module is
+    ``__main__``, named by its spec."""
     ctx = click.get_current_context(silent=True)
     callback = getattr(getattr(ctx, "command", None), "callback", None)
     module = getattr(callback, "__module__", None) or ""
+    if module == "__main__":  # ``python -m distributed.cli.dask_worker`` (dask-jobqueue's)
+        module = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", "")
     return module if module.startswith(("distributed.cli.", "dask_cuda.cli")) else None
 
 

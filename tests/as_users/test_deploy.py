@@ -6,6 +6,7 @@ fake GPUs; a client only looks. The processes of each cluster start once per mod
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -429,6 +430,41 @@ def test_placement_options_given_to_a_worker_stop_it(workers_only: Client, tmp_p
         in out
     )
     assert "Traceback" not in out and "Usage:" not in out
+
+
+def test_python_m_commands_stop_as_dask_commands_do(workers_only: Client, tmp_path: Path) -> None:
+    """``python -m distributed.cli.dask_worker`` (the command dask-jobqueue's job scripts
+    run) and ``python -m distributed.cli.dask_scheduler``: the same exits as ``dask worker``
+    and ``dask scheduler`` (before: 0 every time, and the worker given a scheduler's
+    option started, registered and set its guard up before it stopped)."""
+    address = workers_only.scheduler.address
+    module = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--no-dashboard"]
+    refused = processes.Process(
+        [*module, "--preload", "accelsched", "--fallback-timeout", "5s"], tmp_path / "w1.log", None
+    )
+    assert refused.wait(60) == 2
+    out = refused.output()
+    assert "--fallback-timeout '5s' applies to the scheduler (placement), not to a worker" in out
+    assert "Traceback" not in out and "Usage:" not in out and "Start worker" not in out
+    argv = '["--leak-threshold", "lots"]'
+    env = {"DASK_DISTRIBUTED__WORKER__PRELOAD": '["accelsched"]'}
+    from_config = processes.Process(
+        [*module, "--name", "w2"],
+        tmp_path / "w2.log",
+        {**env, "DASK_DISTRIBUTED__WORKER__PRELOAD_ARGV": argv},
+    )
+    assert from_config.wait(60) == 1, from_config.output()
+    assert "'lots'" in from_config.output()
+    scheduler = processes.Process(
+        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--port", "0", "--no-dashboard"],
+        tmp_path / "scheduler.log",
+        {
+            "DASK_DISTRIBUTED__SCHEDULER__PRELOAD": '["accelsched"]',
+            "DASK_DISTRIBUTED__SCHEDULER__PRELOAD_ARGV": '["--share-gpus", "maybe"]',
+        },
+    )
+    assert scheduler.wait(60) == 1, scheduler.output()
+    assert "stopping this scheduler" in scheduler.output()
 
 
 def test_placement_options_from_config_stop_the_started_worker(
