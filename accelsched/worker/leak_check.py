@@ -492,6 +492,10 @@ class Ledger:
         # changes noted on the event loop (a key released, data arrived): a closing
         # reading taken across one of them is not reused as a base
         self._changes = 0
+        # the same, for a measured run's growth (:meth:`moves`): data that arrived (on
+        # some device), and per device the unmeasured changes there (a key released)
+        self._arrived = 0
+        self._moved: dict[int, int] = {}
         # devices where the last reading found no context of this process, and nothing
         # since can have made one (see plan): no reading can be a base there meanwhile
         self._no_context: set[int] = set()
@@ -636,10 +640,23 @@ class Ledger:
                 return
         self.forget(devices)  # memory changed unmeasured: no base from before it
 
-    def after(self, key: Any, before: dict[int, int], result: Any) -> tuple[dict[int, int], int]:
+    def moves(self, devices: Iterable[int]) -> tuple[int, ...]:
+        """A token of the changes on ``devices`` no task's reading explains: data arrived
+        from a peer (on some device), a key released there. Taken before a base and given
+        to :meth:`after`: memory that moved between the two readings is no growth of the
+        run's (a result released as it ran would hide what it left; a fetch landing as it
+        ran would count as its own)."""
+        moved = self._moved
+        return (self._arrived, *[moved.get(d, 0) for d in devices])
+
+    def after(
+        self, key: Any, before: dict[int, int], result: Any, moves: tuple[int, ...]
+    ) -> tuple[dict[int, int], int] | None:
         """Hold the task's growth against ``key`` (None: a marked step's, held by no key);
         return its residue (bytes left behind beyond its known result: 0 when the result's
-        type is unknown, its growth may be the result itself) and its growth in all."""
+        type is unknown, its growth may be the result itself) and its growth in all. None,
+        and nothing held, when memory moved otherwise since ``before`` was read (``moves``:
+        :meth:`moves` then): no growth is the run's to tell."""
         known = device_nbytes(result) if knows(result) else None
         if key is None and known is None:
             return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
@@ -653,8 +670,10 @@ class Ledger:
                 held[device] = size = known.get(device, 0) if known is not None else grew
                 residue[device] = max(0, grew - size)
                 now[device] = n
-        if key is not None:
-            with self._lock:
+        with self._lock:
+            if self.moves(before) != moves:
+                return None
+            if key is not None:
                 self._measured[key] = held
                 if self._changes == changes:
                     for d, n in now.items():
@@ -677,6 +696,7 @@ class Ledger:
                 measured = self._measured.pop(key, None)
                 self._fresh.clear()
                 self._changes += 1
+                self._arrived += 1
         if measured is not None and computed:  # the measurement wins: known without its value
             held = {d: n for d, n in measured.items() if n}
         elif self.holds_nothing(value := self._stored(key)):
@@ -767,10 +787,12 @@ class Ledger:
     def forget(self, devices: Iterable[int]) -> None:
         """Memory on ``devices`` changed unmeasured (a key released): no base to compare."""
         with self._lock:
+            moved = self._moved
             for device in devices:
                 self._settled.pop(device, None)
                 self._fetched.discard(device)
                 self._fresh.pop(device, None)
+                moved[device] = moved.get(device, 0) + 1
             self._changes += 1
 
 
@@ -832,6 +854,7 @@ class Meter:
         is known by type (it joins its prefix's stretch); one closing reading, from the
         last reading before the stretch, when it is not (held at its growth, as ever)."""
         ledger, token, base, runs = self.ledger, None, None, 0
+        moves: tuple[int, ...] = ()  # the ledger's, taken before the base (:meth:`_close`)
         if self.plan == MEASURE:
             if self.sample and not ledger.sampler.measure((self.prefix, self.devices)):
                 try:
@@ -854,9 +877,10 @@ class Meter:
                     # no other task holds its devices now (one that ran meanwhile ended
                     # the stretch, or joined it)
                     if (token := self.leases.alone_token(self.key)) is not None:
+                        moves = ledger.moves(self.devices)
                         base, _, runs = ledger.take_base(self.devices, self.prefix, reuse_only=True)
                         if base is not None:
-                            return self._close(base, result, runs, token)
+                            return self._close(base, result, runs, token, moves)
                     # the stretch broke meanwhile: held by type, measured from now on
                 ledger.forget(self.devices)  # memory changed unmeasured: no base from before
                 if not ledger.holds_nothing(result) and not knows(result):
@@ -865,6 +889,7 @@ class Meter:
             # alone, the base reading (not alone: none), whether it found no context
             # anywhere, and the unmeasured runs of this prefix it reaches back over
             token = self.leases.alone_token(self.key)
+            moves = ledger.moves(self.devices)
             base, empty, runs = (
                 (None, False, 0)
                 if token is None
@@ -887,16 +912,23 @@ class Meter:
             ledger.forget(self.devices)
             raise
         if base is not None and self.leases.still_alone(self.key, token):
-            return self._close(base, result, runs, token)
+            return self._close(base, result, runs, token, moves)
         ledger.forget(self.devices)  # memory changed unmeasured: no base for arrivals there
         return result
 
-    def _close(self, base: dict[int, int], result: Any, runs: int, token: Any) -> Any:
+    def _close(
+        self, base: dict[int, int], result: Any, runs: int, token: Any, moves: tuple[int, ...]
+    ) -> Any:
         """The closing reading of a run measured from ``base``, taken before ``runs``
         unmeasured runs of its prefix: what they and it left, attributed to the prefix.
-        ``token``: the lease table's, proving it alone until the reading."""
+        ``token``: the lease table's, proving it alone until the reading; ``moves``: the
+        ledger's, taken before the base (memory that moved otherwise meanwhile leaves the
+        run unmeasured, as one not alone)."""
         ledger = self.ledger
-        left, self.grew = ledger.after(self.key, base, result)
+        if (measured := ledger.after(self.key, base, result, moves)) is None:
+            ledger.forget(self.devices)  # no base for arrivals there; due again: no verdict
+            return result
+        left, self.grew = measured
         if not self.leases.still_alone(self.key, token):
             # a task took a lease beside it as it read: what that one held then is in
             # the reading, which no later run may take as its base
@@ -912,15 +944,21 @@ class Meter:
         """Run one marked step of the task, measured when outermost (and attributed)."""
         residue = self.ledger.residue
         token = self.leases.alone_token(self.key) if self.depth == 0 and residue else None
+        moves = self.ledger.moves(self.devices)
         base = None if token is None else self.ledger.take_base(self.devices, None)[0]
         self.depth += 1
         try:
             result = call()
         finally:
             self.depth -= 1
-        if base is not None and residue is not None and self.leases.still_alone(self.key, token):
+        if (
+            base is not None
+            and residue is not None
+            and self.leases.still_alone(self.key, token)
+            and (measured := self.ledger.after(None, base, result, moves)) is not None
+        ):
             self.steps += 1
-            residue(name, self.ledger.after(None, base, result)[0])
+            residue(name, measured[0])
         return result
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import dask
 import pytest
-from distributed import Nanny
+from distributed import Event, Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
@@ -24,6 +24,7 @@ from tests.utils import (
     GiB,
     MiB,
     _guard_checks,
+    cvd,
     events,
     gpus,
     guard_checks,
@@ -245,6 +246,83 @@ def step_total(block):  # type: ignore[no-untyped-def]
     return _scratch(block) + 1
 
 
+@accelsched.gpu
+def kept_buffer(nbytes: int) -> Any:
+    """A result of a known type holding ``nbytes`` on the task's device."""
+    return device_alloc(nbytes, value=1)
+
+
+@accelsched.gpu
+def leaks_as_told(started: str, go: str) -> int:
+    """Leaks 512 MiB, says so, and ends when told."""
+    device_alloc(512 * MiB, leak=True)
+    Event(started).set()
+    Event(go).wait(30)
+    return 1
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=TWO_GPU_WORKERS[:1], timeout=90)
+async def test_a_result_released_while_a_task_leaks_neither_hides_nor_clears_it(c, s, a):
+    """A 1 GiB result is released while a measured task that leaked 512 MiB runs: its
+    closing reading is lower than its base, so its growth is not its own to tell. The
+    run stays unmeasured and a suspect, and the leak event names it (before: its growth
+    read as nothing, it was cleared as having left nothing, and the event named no
+    prefix, or the result's maker when no clean check ran between)."""
+    await accelsched.register(c, **FAST)
+    A = a.worker_address
+    await wait_for(lambda: gpus(s, A) == 1)
+    await c.submit(marked_warm_up, workers=[A], pure=False)  # a context: runs are measured
+    held = c.submit(kept_buffer, 1024 * MiB, workers=[A], key="held")
+    await held
+    await guard_checks(c, s, [A], CONFIRMED)  # clean: no suspect left from before
+    assert not events(s, "leak")
+    leaking = c.submit(leaks_as_told, "leaks-started", "leaks-go", workers=[A], key="leaks")
+    await Event("leaks-started").wait(30)
+    del held
+    while (await c.run(_holds, "held", workers=[A]))[A]:  # A let go of it as the task ran
+        await asyncio.sleep(0.01)
+    await Event("leaks-go").set()
+    assert await leaking == 1
+    await wait_for(lambda: events(s, "leak"), timeout=30)
+    leak = events(s, "leak")[0]
+    assert list(leak["prefixes"]) == ["leaks"], leak  # (its key's prefix)
+
+
+@accelsched.gpu(memory="2GiB")
+def holds_as_told(started: str, go: str) -> Any:
+    """Holds 1.5 GiB of the 2 GiB it declared, says so, and ends when told."""
+    kept = device_alloc(1536 * MiB, value=2)
+    Event(started).set()
+    Event(go).wait(30)
+    return kept
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 2, cvd("0")), ("127.0.0.1", 1, cvd("1"))],
+    timeout=90,
+)
+async def test_data_fetched_while_a_declared_task_runs_is_not_its_growth(c, s, a, b):
+    """A peer's 1 GiB result lands on the device while a task that declared 2 GiB and
+    holds 1.5 runs (fetched for a task in the worker's other thread): no
+    ``over-declared`` (before: 2.5 GiB measured against its 2, the arrival counted as
+    its own growth)."""
+    await accelsched.register(c, **FAST)
+    A, B = a.worker_address, b.worker_address
+    await wait_for(lambda: gpus(s, A) == 1 and gpus(s, B) == 1)
+    await c.gather([c.submit(marked_warm_up, workers=[w], pure=False) for w in (A, B)])
+    there = c.submit(kept_buffer, 1024 * MiB, workers=[B], key="there")
+    await there
+    holding = c.submit(holds_as_told, "holds-started", "holds-go", workers=[A], key="holds")
+    await Event("holds-started").wait(30)
+    assert await c.submit(_value, there, workers=[A], pure=False) == 1  # fetched to A
+    await Event("holds-go").set()
+    assert (await holding).value == 2
+    await guard_checks(c, s, [A], CONFIRMED)  # (events sent meanwhile have arrived)
+    assert not events(s, "over-declared"), events(s)
+
+
 def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None:
     """A key released on the event loop while a GPU task's thread takes its closing
     reading: that reading must not become the next task's base (it still counts the
@@ -265,6 +343,7 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
     monitor = Racing()
     ledger = Ledger(monitor)
     released = [device_alloc(64 * MiB, device=0)]  # a result in memory
+    moves = ledger.moves((0,))
     base, _, _ = ledger.take_base((0,), None)
     assert base is not None
     result = device_alloc(MiB, device=0)
@@ -278,7 +357,7 @@ def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None
         ledger.forget([0])
 
     monitor.race.append(release)
-    ledger.after("k", base, result)
+    assert ledger.after("k", base, result, moves) is None  # the release is no growth of its
     now = ledger.read(0)[0]
     assert now is not None and now <= base[0] + MiB - 64 * MiB
     assert ledger.take_base((0,), None)[0] == {0: now}
