@@ -1104,7 +1104,8 @@ class Inventory:
         """Advertise the granted devices that are not withdrawn; returns their indices.
 
         ``on_usable`` receives them first, so no GPU task starts before its devices are
-        known, and none is leased a withdrawn device.
+        known, and none is leased a withdrawn device. One the worker's closing cut short
+        ends quietly.
         """
         async with self._offering:  # one at a time: the latest state is the last said
             usable = self.usable
@@ -1144,7 +1145,14 @@ class Inventory:
                 self.shares = shares
                 on_usable(usable)
             if self.granted or internals.advertises_gpus(self.worker):  # usable: granted ones
-                await internals.set_own_gpus(self.worker, len(usable), memory)
+                try:
+                    await internals.set_own_gpus(self.worker, len(usable), memory)
+                except Exception:
+                    # its connections went as it closed (results released as it restarts
+                    # ask for offers): there is nobody to tell
+                    if internals.worker_closing(self.worker):
+                        return usable
+                    raise
             self.packs_said = {d.index: packs[d.index] for d in offered}
             self.over = any(n > shares.get(d, 0) for d, n in self.packs_said.items())
             self.let_go(on_usable)  # a smaller share told: room a sharer waits for

@@ -338,3 +338,16 @@ async def test_a_check_while_a_gpu_task_starts_keeps_its_prefix(c, s, a):
     await wait_for(lambda: events(s, "leak"))
     (leak,) = events(s, "leak")
     assert "leaky" in leak["prefixes"], leak
+
+
+@gen_cluster(client=True, Worker=Worker, nthreads=GPU_WORKER)
+async def test_an_offer_its_workers_closing_cut_short_ends_quietly(c, s, a):
+    """Results released as a worker restarts ask for offers, which may still run as it
+    closes: one whose connections went ends quietly, naming its devices (before: the
+    worker's log had a ``Task exception was never retrieved`` traceback per result,
+    ``RuntimeError: ConnectionPool is closed``)."""
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    guard = a.plugins[accelsched.GuardPlugin.name]
+    await a.close()
+    assert await guard.inventory.offer(guard._use_devices) == [0]
