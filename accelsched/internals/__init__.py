@@ -86,6 +86,7 @@ from accelsched.internals.worker import (
     advertises_gpus,
     declared_gpus,
     events_sent,
+    heartbeat_now,
     plugin_modules,
     remove_metric,
     runs_in_thread,
@@ -133,6 +134,7 @@ __all__ = [
     "plugin_modules",
     "release_unfit",
     "remove_handler",
+    "heartbeat_now",
     "remove_metric",
     "replace_worker",
     "retiring",
@@ -338,6 +340,7 @@ def check_worker(worker: Worker) -> None:
                 "_ongoing_background_tasks.call_soon",
                 "_startup_lock.locked",  # held while the worker starts
                 "data.get",  # a mapping
+                "heartbeat",  # sent at once as a guard goes (heartbeat_now)
             ),
         ),
         *(

@@ -4,6 +4,7 @@ figures its heartbeat carries."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping
 from time import monotonic, time
 from types import MappingProxyType
@@ -244,6 +245,14 @@ def add_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
     (``RuntimeError: dictionary changed size during iteration``).
     """
     worker.metrics = {**worker.metrics, name: fn}
+
+
+async def heartbeat_now(worker: Worker) -> None:
+    """A heartbeat now, so the scheduler's view of the worker's metrics is not the last
+    periodic one's (a metric removed is gone before the next); a failure is the periodic
+    heartbeat's business."""
+    with contextlib.suppress(Exception):
+        await worker.heartbeat()
 
 
 def remove_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:

@@ -266,6 +266,10 @@ class GuardPlugin(WorkerPlugin):
         internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
         TABLES.discard(self.binder.leases)  # what it counted no longer runs under this guard
         internals.remove_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
+        if not internals.worker_closing(worker):
+            # the scheduler learns now that no guard answers here: a placement plugin
+            # unregistered right after (docs: to change options) asks no report of it
+            await internals.heartbeat_now(worker)
 
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
         """Track live results; route a task starting to execute (worker event loop).

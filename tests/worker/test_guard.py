@@ -8,6 +8,7 @@ a CuPy array nobody frees.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
@@ -15,7 +16,7 @@ import dask
 import pytest
 from distributed import Nanny, Worker
 from distributed.core import Status, rpc
-from distributed.utils_test import gen_cluster
+from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
 from accelsched.events import TOPIC
@@ -351,3 +352,20 @@ async def test_an_offer_its_workers_closing_cut_short_ends_quietly(c, s, a):
     guard = a.plugins[accelsched.GuardPlugin.name]
     await a.close()
     assert await guard.inventory.offer(guard._use_devices) == [0]
+
+
+@gen_cluster(client=True, Worker=Worker, nthreads=GPU_WORKER)
+async def test_unregistering_in_the_documented_order_logs_nothing_on_the_worker(c, s, a):
+    """The guard first, then the placement plugin (docs/placement.md, to change options):
+    the scheduler asks no worker whose guard went to report (before: the last heartbeat's
+    guard metric said it had one, and the worker logged ``No handler accelsched_report``
+    with a ``KeyError`` traceback)."""
+    await accelsched.register(c)
+    await wait_for(lambda: gpus(s, a.address) == 1)
+    with captured_logger("distributed.core", level=logging.WARNING) as log:
+        await c.unregister_worker_plugin(accelsched.GuardPlugin.name)
+        await c.unregister_scheduler_plugin("accelsched-placement")
+        await asyncio.sleep(0.5)  # (the scheduler's requests are answered by then)
+    assert "accelsched" not in log.getvalue(), log.getvalue()
+    await accelsched.register(c)  # and registered again, the GPU is verified again
+    await wait_for(lambda: gpus(s, a.address) == 1)
