@@ -91,6 +91,23 @@ def _dask_command() -> str | None:
     return module if module.startswith(("distributed.cli.", "dask_cuda.cli")) else None
 
 
+def refuse_swallowed_option() -> None:
+    """A worker's command whose scheduler address is an option: with ``--scheduler-file``
+    its optional address argument takes the first preload argument (``dask worker
+    --scheduler-file s.json --preload accelsched --leak-threshold=2GiB``), which the
+    command then ignores, or hands the rest to the preload. An error naming it, not an
+    option silently dropped."""
+    command = click.get_current_context(silent=True)
+    address = command.params.get("scheduler") if command is not None else None
+    if isinstance(address, str) and address.startswith("-"):
+        raise PreloadError(
+            f"{address!r} was taken for the scheduler's address (with --scheduler-file, or "
+            "the address in dask config, the worker's command takes the first preload "
+            "argument for it): give accelsched's options to this worker in dask config "
+            "instead (DASK_ACCELSCHED__GUARD__..., or distributed.worker.preload-argv)"
+        )
+
+
 def refuse_placement_options(placement_options: dict[str, Any]) -> None:
     """A worker given the scheduler's options: an error naming each with its value."""
     given = [
@@ -227,11 +244,14 @@ class _PreloadCommand(click.Command):
         """Parse as click does; every error becomes one clean line (:class:`PreloadError`),
         and a worker's command refuses the scheduler's options before anything starts."""
         try:
-            rest = super().parse_args(ctx, args)
             # a worker's command (``dask worker``, ``dask cuda worker``) checks a preload's
             # arguments as it parses its command line, before any worker starts
             module = _dask_command() or ""
-            if module.endswith("dask_worker") or "dask_cuda" in module:
+            worker = module.endswith("dask_worker") or "dask_cuda" in module
+            if worker:
+                refuse_swallowed_option()
+            rest = super().parse_args(ctx, args)
+            if worker:
                 refuse_placement_options(split_options(ctx.params)[0])
         except click.BadParameter as exc:
             raise BadPreloadValue(exc.message, param=exc.param, param_hint=exc.param_hint) from None

@@ -432,6 +432,25 @@ def test_placement_options_given_to_a_worker_stop_it(workers_only: Client, tmp_p
     assert "Traceback" not in out and "Usage:" not in out
 
 
+@pytest.mark.parametrize("given", [["--leak-threshold=2GiB"], ["--leak-threshold", "2GiB"]])
+def test_a_preload_option_taken_for_the_address_stops_the_worker(
+    tmp_path: Path, given: list[str]
+) -> None:
+    """``dask worker --scheduler-file ... --preload accelsched --leak-threshold=2GiB``:
+    the command's optional address argument takes the option. Refused by name, exit 2
+    (before: dropped without a word, the worker ran at 10 %; or, with a space, click's
+    ``Got unexpected extra argument (2GiB)``)."""
+    proc = processes.Process(
+        [processes.DASK, "worker", "--scheduler-file", str(tmp_path / "s.json")]
+        + ["--no-dashboard", "--preload", "accelsched", *given],
+        tmp_path / "w.log",
+    )
+    assert proc.wait(60) == 2
+    out = proc.output()
+    assert f"Error: {given[0]!r} was taken for the scheduler's address" in out, out
+    assert "DASK_ACCELSCHED__GUARD__" in out and "Traceback" not in out
+
+
 def test_python_m_commands_stop_as_dask_commands_do(workers_only: Client, tmp_path: Path) -> None:
     """``python -m distributed.cli.dask_worker`` (the command dask-jobqueue's job scripts
     run) and ``python -m distributed.cli.dask_scheduler``: the same exits as ``dask worker``
