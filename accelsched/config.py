@@ -48,6 +48,7 @@ It steps aside where the operator said more:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import difflib
 import functools
@@ -348,8 +349,19 @@ def dotted_names(example: str) -> Callable[[str, Any], tuple[str, ...]]:
 
 def exception_names(name: str, value: Any) -> tuple[str, ...]:
     """Dotted exception names as they are matched (``module.QualName``): a bare name is
-    a builtin's (``MemoryError`` is ``builtins.MemoryError``), else it could never match."""
+    a builtin's (``MemoryError`` is ``builtins.MemoryError``), else it could never match:
+    a bare name no builtin exception has is refused (``OutOfMemoryError`` would never
+    match CuPy's, and no ``dual`` step would run its CPU form on it)."""
     names = dotted_names("cupy.cuda.memory.OutOfMemoryError")(name, value)
+    for n in names:
+        found = getattr(builtins, n, None) if "." not in n else BaseException
+        if not (isinstance(found, type) and issubclass(found, BaseException)):
+            raise _bad(
+                name,
+                value,
+                f"dotted exception names like 'cupy.cuda.memory.OutOfMemoryError' ({n!r} is "
+                "no builtin exception: a bare name is a builtin's)",
+            )
     return tuple(n if "." in n else f"builtins.{n}" for n in names)
 
 

@@ -226,6 +226,17 @@ def test_options_validated_at_construction() -> None:
         accelsched.register(object(), bogus=1)
 
 
+def test_a_bare_exception_name_must_be_a_builtins() -> None:
+    """``oom_exceptions``: a bare name is a builtin's (``MemoryError``); one no builtin
+    exception has is refused, naming it (before: taken as ``builtins.OutOfMemoryError``,
+    which never matches, so no ``dual`` step ran its CPU form on CuPy's)."""
+    taken = accelsched.GuardPlugin(oom_exceptions=["MemoryError", "a.b.OutOfMemoryError"])
+    assert taken.options["oom_exceptions"] == ("builtins.MemoryError", "a.b.OutOfMemoryError")
+    for bad in ("OutOfMemoryError", "len", "nan"):
+        with pytest.raises(ValueError, match=rf"oom_exceptions=.*{bad!r} is no builtin exception"):
+            accelsched.GuardPlugin(oom_exceptions=[bad])
+
+
 @pytest.mark.parametrize(
     "option", ["max_restarts", "max_concurrent_restarts", "leak_confirmations", "free_pools_every"]
 )
