@@ -92,6 +92,8 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     from accelsched.internals.servers import running_options
 
     _config.refuse_unknown(options, _config.PLACEMENT_OPTIONS + _config.GUARD_OPTIONS, "register()")
+    if not all(callable(getattr(client, m, None)) for m in ("sync", "register_plugin")):
+        raise TypeError(f"register() takes a distributed Client, not {client!r:.80}")
     placement = PlacementPlugin(**_config.only(_config.PLACEMENT_OPTIONS, options))
     guard = GuardPlugin(**_config.only(_config.GUARD_OPTIONS, options))
     placement.idempotent = guard.idempotent = True  # type: ignore[attr-defined]

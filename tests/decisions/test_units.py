@@ -224,6 +224,9 @@ def test_options_validated_at_construction() -> None:
         accelsched.PlacementPlugin(fallback_timout=1)
     with pytest.raises(TypeError, match="'bogus'"):
         accelsched.register(object(), bogus=1)
+    for not_a_client in (None, "tcp://scheduler:8786"):
+        with pytest.raises(TypeError, match=f"takes a distributed Client, not {not_a_client!r}"):
+            accelsched.register(not_a_client)
 
 
 def test_a_bare_exception_name_must_be_a_builtins() -> None:
