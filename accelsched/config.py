@@ -218,10 +218,19 @@ def resolve_options(
     option reads are logged, see :func:`warn_unknown_config`)."""
     refuse_unknown(given, options, owner)
     warn_unknown_config()
-    return {
-        o.name: o.parse(o.name, given[o.name] if o.name in given else config_value(o.key))
-        for o in options
-    }
+    return {o.name: parse_option(o, given) for o in options}
+
+
+def parse_option(opt: Option, given: Mapping[str, Any]) -> Any:
+    """``opt``'s value: the one ``given``, else dask config's; an error in a config value
+    says where it came from (``dask config accelsched.guard.leak-threshold: invalid
+    ...``): nobody typed it where the error shows."""
+    if opt.name in given:
+        return opt.parse(opt.name, given[opt.name])
+    try:
+        return opt.parse(opt.name, config_value(opt.key))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"dask config {opt.key}: {exc}") from None
 
 
 # --- parsers: each takes (option name, raw value) and raises naming both ----------------

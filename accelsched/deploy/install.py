@@ -34,7 +34,7 @@ from typing import Any
 import click
 
 from accelsched import config, internals
-from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option, config_value
+from accelsched.config import GUARD_OPTIONS, PLACEMENT_OPTIONS, Option
 from accelsched.internals import servers
 from accelsched.internals.forkserver import FastRestart
 from accelsched.protocol import GUARD_PLUGIN
@@ -148,10 +148,9 @@ def _validator(opt: Option) -> Any:
         if given and isinstance(value, str) and value.strip().lower() in _NONE:
             value = None
         try:
-            opt.parse(opt.name, value if given else config_value(opt.key))
+            config.parse_option(opt, {opt.name: value} if given else {})
         except (TypeError, ValueError) as exc:
-            where = "" if given else f"dask config {opt.key}: "
-            raise click.BadParameter(where + str(exc), ctx=ctx, param=param) from None
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
         return (NOTHING if value is None else value) if given else None
 
     return validate
