@@ -120,8 +120,9 @@ class Option:
 
     def set_here(self) -> tuple[bool, Any]:
         """(whether this process's dask config sets it to a value other than its
-        built-in default, that value parsed). A bad value raises, naming the option."""
-        value = self.parse(self.name, config_value(self.key))
+        built-in default, that value parsed). A bad value raises, naming the option and
+        its key."""
+        value = parse_option(self, {})
         return value != self.parse(self.name, config_value(self.key, builtin=True)), value
 
 
@@ -327,7 +328,7 @@ def number(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[st
     def parse(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, accepted):
             raise _bad(name, value, expected, TypeError)
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, OverflowError):  # (float(10**400) overflows)
             if ok(n := kind(value)) and (kind is not int or n < LIMIT):
                 return n
         raise _bad(name, value, expected)
@@ -437,8 +438,8 @@ def parse_size(name: str, value: Any, expected: str = "bytes like '64MiB', or 0"
     return n
 
 
-COUNT = number(int, "a non-negative integer under 2**63", lambda n: n >= 0)
-POSITIVE_COUNT = number(int, "an integer >= 1 and under 2**63", lambda n: n >= 1)
+COUNT = number(int, f"a non-negative integer under {LIMIT}", lambda n: n >= 0)
+POSITIVE_COUNT = number(int, f"an integer >= 1 and under {LIMIT}", lambda n: n >= 1)
 FRACTION = number(float, "a fraction between 0 and 1", lambda f: 0 <= f <= 1)
 
 PLACEMENT_OPTIONS: tuple[Option, ...] = (

@@ -84,7 +84,7 @@ def _count(pool: str, key: str, value: Any, least: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not least <= value < LIMIT:
         raise ValueError(
             f"pool {pool!r}: invalid {key}={value!r}: expected an integer >= {least} "
-            "and under 2**63"
+            f"and under {LIMIT}"
         )
     return value
 

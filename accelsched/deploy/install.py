@@ -92,19 +92,20 @@ def _dask_command() -> str | None:
 
 
 def refuse_swallowed_option() -> None:
-    """A worker's command whose scheduler address is an option: with ``--scheduler-file``
-    its optional address argument takes the first preload argument (``dask worker
-    --scheduler-file s.json --preload accelsched --leak-threshold=2GiB``), which the
-    command then ignores, or hands the rest to the preload. An error naming it, not an
-    option silently dropped."""
+    """A worker's command whose scheduler address is an option: its optional address
+    argument takes the first argument it does not know, a preload's option when no
+    address comes before it (``dask worker --scheduler-file s.json --preload accelsched
+    --leak-threshold=2GiB``, or the address given last), which the command then ignores.
+    An error naming it, not an option silently dropped."""
     command = click.get_current_context(silent=True)
     address = command.params.get("scheduler") if command is not None else None
     if isinstance(address, str) and address.startswith("-"):
         raise PreloadError(
-            f"{address!r} was taken for the scheduler's address (with --scheduler-file, or "
-            "the address in dask config, the worker's command takes the first preload "
-            "argument for it): give accelsched's options to this worker in dask config "
-            "instead (DASK_ACCELSCHED__GUARD__..., or distributed.worker.preload-argv)"
+            f"{address!r} was taken for the scheduler's address (the worker's command takes "
+            "the first argument it does not know for it): give the address before "
+            "--preload; with --scheduler-file, or the address in dask config, give "
+            "accelsched's options to this worker in dask config instead "
+            "(DASK_ACCELSCHED__GUARD__..., or distributed.worker.preload-argv)"
         )
 
 

@@ -248,9 +248,12 @@ def add_metric(worker: Worker, name: str, fn: Callable[[Any], Any]) -> None:
 
 
 async def heartbeat_now(worker: Worker) -> None:
-    """A heartbeat now, so the scheduler's view of the worker's metrics is not the last
-    periodic one's (a metric removed is gone before the next); a failure is the periodic
-    heartbeat's business."""
+    """A heartbeat now, from a running worker, so the scheduler's view of its metrics is
+    not the last periodic one's (a metric removed is gone before the next). It is
+    distributed's own: a failure is handled (logged, the worker closed when the scheduler
+    says it left) as the periodic one's would be; only what that re-raises is dropped."""
+    if worker.status != Status.running:
+        return
     with contextlib.suppress(Exception):
         await worker.heartbeat()
 

@@ -492,8 +492,9 @@ class Ledger:
         # changes noted on the event loop (a key released, data arrived): a closing
         # reading taken across one of them is not reused as a base
         self._changes = 0
-        # the same, for a measured run's growth (:meth:`moves`): data that arrived (on
-        # some device), and per device the unmeasured changes there (a key released)
+        # the same, for a measured run's growth (:meth:`moves`): data of a type nobody
+        # described that arrived (on some device), and per device the unmeasured changes
+        # there (a key released, data arrived that holds memory there)
         self._arrived = 0
         self._moved: dict[int, int] = {}
         # devices where the last reading found no context of this process, and nothing
@@ -642,10 +643,12 @@ class Ledger:
 
     def moves(self, devices: Iterable[int]) -> tuple[int, ...]:
         """A token of the changes on ``devices`` no task's reading explains: data arrived
-        from a peer (on some device), a key released there. Taken before a base and given
-        to :meth:`after`: memory that moved between the two readings is no growth of the
-        run's (a result released as it ran would hide what it left; a fetch landing as it
-        ran would count as its own)."""
+        from a peer holding memory there (one of a type nobody described: anywhere), a key
+        released there. Taken before a base and given to :meth:`after`: memory that moved
+        between the two readings is no growth of the run's (a result released as it ran
+        would hide what it left; a fetch landing as it ran would count as its own). The
+        hook hears of an arrival once its bytes have landed: a run whose closing reading
+        falls in between still counts them."""
         moved = self._moved
         return (self._arrived, *[moved.get(d, 0) for d in devices])
 
@@ -696,7 +699,6 @@ class Ledger:
                 measured = self._measured.pop(key, None)
                 self._fresh.clear()
                 self._changes += 1
-                self._arrived += 1
         if measured is not None and computed:  # the measurement wins: known without its value
             held = {d: n for d, n in measured.items() if n}
         elif self.holds_nothing(value := self._stored(key)):
@@ -718,11 +720,25 @@ class Ledger:
                     if now > then:
                         held[device] = now - then
             held = held or typed
+        if not computed:  # memory moved under a measured run: where, as far as it is known
+            self._arrival(held, known=self.holds_nothing(value) or knows(value))
         if held:
             self._held[key] = held
             for d, n in held.items():
                 self._live[d] = self._live.get(d, 0) + n
         return held
+
+    def _arrival(self, held: dict[int, int], *, known: bool) -> None:
+        """Data from elsewhere entered, holding ``held``: a measured run on those devices
+        is not to count it (:meth:`moves`); one of a type nobody described may have landed
+        on any device. A plain value moved nothing."""
+        with self._lock:
+            if not known:
+                self._arrived += 1
+            moved = self._moved
+            for d, n in held.items():
+                if n:
+                    moved[d] = moved.get(d, 0) + 1
 
     def fetching(self) -> None:
         """Data is about to come from a peer (a key's fetch started, on the event loop):

@@ -229,6 +229,11 @@ def test_options_validated_at_construction() -> None:
             accelsched.register(not_a_client)
 
 
+def test_a_fraction_too_large_for_a_float_names_the_option() -> None:
+    with pytest.raises(ValueError, match="invalid free_pools_above=1000"):
+        accelsched.GuardPlugin(free_pools_above=10**400)  # (before: a bare OverflowError)
+
+
 def test_a_bare_exception_name_must_be_a_builtins() -> None:
     """``oom_exceptions``: a bare name is a builtin's (``MemoryError``); one no builtin
     exception has is refused, naming it (before: taken as ``builtins.OutOfMemoryError``,
@@ -250,7 +255,7 @@ def test_a_count_past_what_a_message_carries_is_refused(option: str) -> None:
     cls = accelsched.PlacementPlugin if "restarts" in option else accelsched.GuardPlugin
     assert cls(**{option: 2**63 - 1}).options[option] == 2**63 - 1
     for bad in (2**63, 2**64, str(2**64)):
-        with pytest.raises(ValueError, match=rf"invalid {option}={bad!r}: .*under 2\*\*63"):
+        with pytest.raises(ValueError, match=rf"invalid {option}={bad!r}: .*under {2**63}"):
             cls(**{option: bad})
 
 

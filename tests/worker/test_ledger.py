@@ -323,6 +323,29 @@ async def test_data_fetched_while_a_declared_task_runs_is_not_its_growth(c, s, a
     assert not events(s, "over-declared"), events(s)
 
 
+def test_an_arrival_spoils_measured_runs_only_where_it_may_hold_memory() -> None:
+    """Data from a peer that holds nothing (a number) moves nothing; one of a known type
+    moves the devices it holds memory on; one of a type nobody described may be anywhere
+    (before the fix's review: every arrival spoiled every measured run on every device,
+    so a shuffle of plain data left a multi-GPU worker's long GPU tasks unmeasured)."""
+    from accelsched.devices import NVMLMonitor
+    from accelsched.worker.leak_check import Ledger
+
+    memory: dict[str, object] = {}
+    ledger = Ledger(NVMLMonitor(), stored=memory.get)
+    before = {d: ledger.moves((d,)) for d in (0, 1)}
+    memory["number"] = 7
+    assert ledger.entered("number", computed=False) == {}
+    assert {d: ledger.moves((d,)) for d in (0, 1)} == before
+    memory["buffer"] = device_alloc(MiB, device=1)  # a known type on device 1
+    ledger.entered("buffer", computed=False)
+    assert ledger.moves((0,)) == before[0] and ledger.moves((1,)) != before[1]
+    moved = {d: ledger.moves((d,)) for d in (0, 1)}
+    memory["frame"] = _opaque(MiB)  # a type nobody described: it may be on either
+    ledger.entered("frame", computed=False)
+    assert all(ledger.moves((d,)) != moved[d] for d in (0, 1))
+
+
 def test_a_release_during_a_tasks_closing_reading_leaves_no_stale_base() -> None:
     """A key released on the event loop while a GPU task's thread takes its closing
     reading: that reading must not become the next task's base (it still counts the
