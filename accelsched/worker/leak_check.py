@@ -960,7 +960,7 @@ class Meter:
         """Run one marked step of the task, measured when outermost (and attributed)."""
         residue = self.ledger.residue
         token = self.leases.alone_token(self.key) if self.depth == 0 and residue else None
-        moves = self.ledger.moves(self.devices)
+        moves = () if token is None else self.ledger.moves(self.devices)
         base = None if token is None else self.ledger.take_base(self.devices, None)[0]
         self.depth += 1
         try:
