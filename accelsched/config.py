@@ -69,6 +69,8 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
+from accelsched.protocol import INT_LIMIT
+
 __all__ = [
     "Option",
     "resolve_options",
@@ -312,15 +314,9 @@ def parse_bool(name: str, value: Any) -> bool:
     raise _bad(name, value, "True or False", TypeError)
 
 
-#: Counts and byte figures an option takes are under this: distributed's messages carry
-#: 64-bit integers (msgpack), and a larger one in a heartbeat or an event closes the worker
-#: or the connection that sends it.
-LIMIT = 2**63
-
-
 def number(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[str, Any], Any]:
     """A parser of a ``kind`` number where ``ok`` (a bool is no number; a string is
-    read as one); an integer under :data:`LIMIT`."""
+    read as one); an integer under :data:`~accelsched.protocol.INT_LIMIT`."""
 
     # numpy's scalars too; a count takes no float (read, it would be cut)
     accepted = (numbers.Integral if kind is int else numbers.Real, str)
@@ -329,7 +325,7 @@ def number(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[st
         if isinstance(value, bool) or not isinstance(value, accepted):
             raise _bad(name, value, expected, TypeError)
         with contextlib.suppress(ValueError, OverflowError):  # (float(10**400) overflows)
-            if ok(n := kind(value)) and (kind is not int or n < LIMIT):
+            if ok(n := kind(value)) and (kind is not int or n < INT_LIMIT):
                 return n
         raise _bad(name, value, expected)
 
@@ -404,7 +400,7 @@ def parse_threshold(name: str, value: Any) -> Threshold:
         return Threshold(nbytes=n)
     if 0 < f < 1:
         return Threshold(fraction=f)
-    if math.isfinite(f) and 1 <= f < LIMIT and f == int(f):
+    if math.isfinite(f) and 1 <= f < INT_LIMIT and f == int(f):
         return Threshold(nbytes=int(f))
     raise _bad(name, value, expected)
 
@@ -429,17 +425,17 @@ def size_bytes(text: str) -> int | None:
 
 
 def parse_size(name: str, value: Any, expected: str = "bytes like '64MiB', or 0") -> int:
-    """Bytes, zero or more (``"64MiB"``, ``0``), under :data:`LIMIT`."""
+    """Bytes, zero or more (``"64MiB"``, ``0``), under :data:`~accelsched.protocol.INT_LIMIT`."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise _bad(name, value, expected, TypeError)
     n = size_bytes(value) if isinstance(value, str) else int(value)
-    if n is None or n < 0 or n >= LIMIT:
+    if n is None or n < 0 or n >= INT_LIMIT:
         raise _bad(name, value, expected)
     return n
 
 
-COUNT = number(int, f"a non-negative integer under {LIMIT}", lambda n: n >= 0)
-POSITIVE_COUNT = number(int, f"an integer >= 1 and under {LIMIT}", lambda n: n >= 1)
+COUNT = number(int, f"a non-negative integer under {INT_LIMIT}", lambda n: n >= 0)
+POSITIVE_COUNT = number(int, f"an integer >= 1 and under {INT_LIMIT}", lambda n: n >= 1)
 FRACTION = number(float, "a fraction between 0 and 1", lambda f: 0 <= f <= 1)
 
 PLACEMENT_OPTIONS: tuple[Option, ...] = (

@@ -74,6 +74,7 @@ from typing_extensions import NotRequired, TypedDict
 __all__ = [
     "GPU",
     "GPU_MEMORY",
+    "INT_LIMIT",
     "REQUIREMENT_ANNOTATION",
     "PLACEMENT_PLUGIN",
     "GUARD_PLUGIN",
@@ -123,6 +124,11 @@ GPU_MEMORY: Final = "GPU-memory"
 #: :mod:`accelsched.policy.requirements`). The scheduler writes it back normalised (bytes,
 #: ``[major, minor]``), for marked steps too; the worker binds by it.
 REQUIREMENT_ANNOTATION: Final = "gpu"
+
+#: Every integer a message carries is under this: distributed's messages carry 64-bit
+#: integers (msgpack), and a larger one in a heartbeat or an event closes the worker or
+#: the connection that sends it. Counts and byte figures an option takes are held to it.
+INT_LIMIT: Final = 2**63
 
 #: Plugin names: ``client.register_plugin`` registers under them, so re-registering
 #: replaces rather than stacks, and each side can tell whether the other is installed.

@@ -30,7 +30,7 @@ from distributed import Adaptive, SpecCluster
 from distributed.metrics import time
 
 from accelsched import events, internals
-from accelsched.config import ADAPT_OPTIONS, LIMIT, resolve_options
+from accelsched.config import ADAPT_OPTIONS, resolve_options
 from accelsched.internals.client_side import (
     cluster_holds,
     correct,
@@ -54,6 +54,7 @@ from accelsched.policy.scaling import (
 from accelsched.protocol import (
     DEMAND_HANDLER,
     GPU,
+    INT_LIMIT,
     POOLS_HANDLER,
     DemandReply,
     WorkerDemand,
@@ -81,10 +82,10 @@ class PoolSpec(NamedTuple):
 
 
 def _count(pool: str, key: str, value: Any, least: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value < LIMIT:
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value < INT_LIMIT:
         raise ValueError(
             f"pool {pool!r}: invalid {key}={value!r}: expected an integer >= {least} "
-            f"and under {LIMIT}"
+            f"and under {INT_LIMIT}"
         )
     return value
 

@@ -128,8 +128,13 @@ def refuse_placement_options(placement_options: dict[str, Any]) -> None:
 _NONE = ("none", "null", "never")
 
 
-#: Options given as a list: repeated on the command line.
+#: Options given as a list: repeated on the command line (``none``: the empty list).
 _SEVERAL = ("oom_exceptions", "preimport")
+
+
+def _is_none(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() in _NONE
+
 
 #: An option given as ``none`` on the command line: None, which wins over config (a
 #: value click leaves None is one not given, which config fills).
@@ -146,8 +151,17 @@ def _validator(opt: Option) -> Any:
 
     def validate(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
         given = value is not None and value != ()
-        if given and isinstance(value, str) and value.strip().lower() in _NONE:
+        if given and _is_none(value):
             value = None
+        elif given and isinstance(value, tuple) and any(_is_none(v) for v in value):
+            if len(value) > 1:  # "none" and names: which one was meant is not ours to guess
+                none = next(v for v in value if _is_none(v))
+                raise click.BadParameter(
+                    f"invalid {opt.name}={list(value)!r}: {none!r} stands alone (no names)",
+                    ctx=ctx,
+                    param=param,
+                )
+            return ()  # a list option given as none: the empty list, which wins over config
         try:
             config.parse_option(opt, {opt.name: value} if given else {})
         except (TypeError, ValueError) as exc:

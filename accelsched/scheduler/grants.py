@@ -80,6 +80,7 @@ from accelsched.protocol import (
     GPU_MEMORY,
     GUARD_METRIC,
     GUARD_PLUGIN,
+    INT_LIMIT,
     INVENTORY_HANDLER,
     OFFER_HANDLER,
     REPORT_HANDLER,
@@ -762,7 +763,7 @@ def _figures(metric: Any) -> tuple[dict[int, dict[str, Any]], bool]:
         if isinstance(d, dict)
         and isinstance(d.get("withdrawn"), bool)
         and all(_integer(d.get(k)) for k in ("index", "leases", "leak_threshold"))
-        and (d.get("leak_estimate") is None or _integer(d["leak_estimate"], least=1 - 2**63))
+        and (d.get("leak_estimate") is None or _integer(d["leak_estimate"], least=1 - INT_LIMIT))
     }
     return out, len(out) == len(devices)
 
@@ -770,4 +771,4 @@ def _figures(metric: Any) -> tuple[dict[int, dict[str, Any]], bool]:
 def _integer(value: Any, least: int = 0) -> bool:
     """An int from ``least`` on that a reader can turn into a float (a byte count, a lease
     count; a leak estimate may be negative)."""
-    return isinstance(value, int) and not isinstance(value, bool) and least <= value < 2**63
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value < INT_LIMIT

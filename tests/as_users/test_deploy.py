@@ -581,6 +581,23 @@ def test_oom_exceptions_repeat() -> None:
     assert options["leak_threshold"] == Threshold(fraction=0.2)
 
 
+def test_a_list_option_given_as_none_is_the_empty_list() -> None:
+    """``--preimport none`` imports nothing, whatever dask config says (before: a module
+    named ``none``, skipped with a log line); ``none`` beside names is refused."""
+    from accelsched.deploy.install import dask_setup, split_options
+
+    with dask.config.set({"accelsched.guard.oom-exceptions": ["a.OOM"]}):
+        argv = ["--preimport", "none", "--oom-exceptions", "None"]
+        _, guard = split_options(dask_setup.make_context("dask_setup", argv).params)
+        options = accelsched.GuardPlugin(**guard).options
+    assert (options["preimport"], options["oom_exceptions"]) == ((), ())
+    argv = ["--preimport", "none", "--preimport", "a.b"]
+    assert dask_setup.make_context("dask_setup", argv).params == {
+        "invalid": "Invalid value for '--preimport': invalid preimport=['none', 'a.b']: "
+        "'none' stands alone (no names)"
+    }
+
+
 # --- dask config without accelsched's keys ----------------------------------------------------
 
 
