@@ -898,10 +898,7 @@ class Meter:
                         if base is not None:
                             return self._close(base, result, runs, token, moves)
                     # the stretch broke meanwhile: held by type, measured from now on
-                ledger.forget(self.devices)  # memory changed unmeasured: no base from before
-                if not ledger.holds_nothing(result) and not knows(result):
-                    ledger.sampler.reset((self.prefix, self.devices))  # its results need measuring
-                return result
+                return self._unmeasured(result)  # memory changed unmeasured
             # alone, the base reading (not alone: none), whether it found no context
             # anywhere, and the unmeasured runs of this prefix it reaches back over
             token = self.leases.alone_token(self.key)
@@ -932,6 +929,16 @@ class Meter:
         ledger.forget(self.devices)  # memory changed unmeasured: no base for arrivals there
         return result
 
+    def _unmeasured(self, result: Any) -> Any:
+        """``result``, whose run could not be measured after all: no base from before it
+        is left for arrivals on its devices, and a result nothing describes (held only
+        at a measured growth) has every run of its prefix measured again."""
+        ledger = self.ledger
+        ledger.forget(self.devices)
+        if not ledger.holds_nothing(result) and not knows(result):
+            ledger.sampler.reset((self.prefix, self.devices))
+        return result
+
     def _close(
         self, base: dict[int, int], result: Any, runs: int, token: Any, moves: tuple[int, ...]
     ) -> Any:
@@ -942,8 +949,7 @@ class Meter:
         run unmeasured, as one not alone)."""
         ledger = self.ledger
         if (measured := ledger.after(self.key, base, result, moves)) is None:
-            ledger.forget(self.devices)  # no base for arrivals there; due again: no verdict
-            return result
+            return self._unmeasured(result)  # memory moved meanwhile: due again, no verdict
         left, self.grew = measured
         if not self.leases.still_alone(self.key, token):
             # a task took a lease beside it as it read: what that one held then is in

@@ -414,6 +414,31 @@ def test_a_result_of_unknown_type_in_an_unmeasured_run_is_measured() -> None:
     assert not [r for r in tasks.residues if r[1].get(0)]
 
 
+def test_an_unmeasured_runs_reading_spoiled_by_an_arrival_measures_its_prefix_again() -> None:
+    """A result nothing describes, from a backed-off prefix, is measured from before its
+    stretch; when data from a peer lands on the device as that reading is taken, the
+    reading cannot say what the result holds, so every run of the prefix is measured
+    again, as when its stretch broke (before: left backed off, its next opaque results
+    read only at the gap's next run)."""
+    tasks = Tasks()
+    quiet_inc(tasks, 100)
+    assert tasks.gap("inc") == 64
+
+    def inc_frame(i: int) -> Frame:  # the same prefix, a result nothing describes
+        return Frame(MiB)
+
+    inc_frame.__name__ = "inc"
+
+    def arrival() -> None:  # a peer's frame entering the worker's memory meanwhile
+        tasks.results["from-a-peer"] = Frame(MiB)
+        tasks.ledger.entered("from-a-peer", computed=False)
+
+    tasks.monitor.race.append(arrival)  # runs just after the closing reading
+    tasks.run(inc_frame, 0)
+    assert not tasks.monitor.race  # the reading was taken, the arrival came with it
+    assert tasks.gap("inc") == 1  # measured again, run by run
+
+
 def test_known_device_results_of_a_stretch_are_not_taken_for_residue() -> None:
     """Results of a known type holding device memory (arrays a rule describes), kept in
     memory, in unmeasured runs: held by type, and the stretch's next reading takes them
