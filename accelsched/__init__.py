@@ -80,16 +80,16 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     Options go to the plugin that owns them (``fallback_timeout`` to placement,
     ``leak_threshold`` to the guard, ...). Idempotent: when plugins of these names are
     already registered (by an earlier call or the scheduler's ``--preload accelsched``)
-    they are kept, and an option given here that differs from what they run with raises
-    ``ValueError`` naming both values (unregister them first to change options); this
-    client's own config that differs is only logged (:mod:`accelsched.config`).
+    they are kept, and returned: an option given here that differs from what they run
+    with raises ``ValueError`` naming both values (unregister them first to change
+    options); this client's own config that differs is only logged (:mod:`accelsched.config`).
     With an asynchronous client, await the result.
     The scheduler plugin goes first so the guards' reports find it listening. With
     ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.FastRestart`)
     makes the nannies start new worker processes from a fork server.
     """
     from accelsched import FastRestart, GuardPlugin, PlacementPlugin  # (loaded now: _LAZY)
-    from accelsched.internals.servers import running_options
+    from accelsched.internals.servers import running_plugins
 
     _config.refuse_unknown(options, _config.PLACEMENT_OPTIONS + _config.GUARD_OPTIONS, "register()")
     if not all(callable(getattr(client, m, None)) for m in ("sync", "register_plugin")):
@@ -101,14 +101,15 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     fast = [FastRestart()] if guard.options["fast_restart"] else []
 
     async def register_all() -> tuple[PlacementPlugin, GuardPlugin]:
+        running = await client.run_on_scheduler(running_plugins)
         _config.check_running(
             options,
             {"placement": placement.options, "guard": guard.options},
-            await client.run_on_scheduler(running_options),
+            {side: getattr(plugin, "options", None) for side, plugin in running.items()},
         )
         for plugin in [placement, guard, *fast]:
             await client.register_plugin(plugin)
-        return placement, guard
+        return running["placement"] or placement, running["guard"] or guard
 
     # an asynchronous client hands back the coroutine; a synchronous one runs it
     return client.sync(register_all)  # type: ignore[no-any-return]

@@ -185,10 +185,10 @@ def unregister():
 
 def register_defaults():
     # the session's registration, after a block that registered its own options
-    from accelsched.internals.servers import running_options
+    from accelsched.internals.servers import running_plugins
 
-    running = client.run_on_scheduler(running_options)
-    if running == {
+    running = client.run_on_scheduler(running_plugins)
+    if {side: getattr(p, "options", None) for side, p in running.items()} == {
         "placement": accelsched.PlacementPlugin().options,
         "guard": accelsched.GuardPlugin().options,
     }:

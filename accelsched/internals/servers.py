@@ -107,13 +107,12 @@ async def stop(server: Scheduler | Worker, reason: str, in_nanny: Callable[[], N
     await server.close(reason=reason)  # a worker's nanny too (Worker.close's default)
 
 
-def running_options(dask_scheduler: Scheduler) -> dict[str, dict[str, Any] | None]:
-    """Run on the scheduler (``client.run_on_scheduler``): the options of accelsched's
-    plugins registered there, if any (the guard as stored for the workers, before each
-    worker's own settings)."""
-    placement = dask_scheduler.plugins.get(PLACEMENT_PLUGIN)
+def running_plugins(dask_scheduler: Scheduler) -> dict[str, Any]:
+    """Run on the scheduler (``client.run_on_scheduler``): accelsched's plugins registered
+    there, None where none is (they travel as their options: the guard as stored for the
+    workers, before each worker's own settings)."""
     guard = dask_scheduler.worker_plugins.get(GUARD_PLUGIN)
     return {
-        "placement": getattr(placement, "options", None),
-        "guard": getattr(loads(guard), "options", None) if guard is not None else None,
+        "placement": dask_scheduler.plugins.get(PLACEMENT_PLUGIN),
+        "guard": loads(guard) if guard is not None else None,
     }

@@ -199,7 +199,11 @@ def test_a_later_register_keeps_the_plugins_and_refuses_other_options(preloaded:
         lambda dask_scheduler: id(dask_scheduler.plugins["accelsched-placement"])
     )
     verified = len(events(preloaded, "gpu-verified"))
-    accelsched.register(preloaded)
+    placement, guard = accelsched.register(preloaded)  # the running ones, not this client's
+    assert (placement.options["max_restarts"], guard.options["leak_threshold"]) == (
+        7,
+        Threshold(nbytes=256 * 2**20),
+    )
     accelsched.register(preloaded, max_restarts=7, leak_threshold="256MiB")  # as they run
     with pytest.raises(
         ValueError,
