@@ -515,15 +515,24 @@ class Fallback:
                 errs.append(Proposal("err", key, task.problem))
             elif (w := self._waiting(ts, task)) is not None:
                 waiting.append(w)
-        if errs or waiting:
-            proposals, later = sweep(
-                waiting, now=now, largest=internals.largest_gpu_count(self.scheduler)
-            )
-            for key, at in later.items():  # due but kept waiting (a chain with GPUs now)
-                self._due(key, self.tasks[key], at)
-            self._act(errs + proposals)
-        self._schedule()
-        self.checks += 1
+        try:
+            if errs or waiting:
+                proposals, later = sweep(
+                    waiting, now=now, largest=internals.largest_gpu_count(self.scheduler)
+                )
+                for key, at in later.items():  # due but kept waiting (a chain with GPUs now)
+                    self._due(key, self.tasks[key], at)
+                self._act(errs + proposals)
+        finally:  # whatever befell this one, the next check is timed (its tasks are popped)
+            self._schedule()
+            self.checks += 1
+
+    def still_unrunnable(self, key: Any) -> bool:
+        """Whether the GPU task ``key`` still waits in ``no-worker``, where a check found it
+        (acting on one task of a check can release another: erring a task errs its
+        dependents, and a dependency nobody waits for then is released)."""
+        ts = self.scheduler.tasks.get(key)
+        return ts is not None and ts.state == "no-worker" and key in self.tasks
 
     def fall_back(self, proposals: list[Proposal]) -> None:
         """Run these unrunnable GPU tasks' CPU form now (the plugin's ``fall-back``).
@@ -533,6 +542,9 @@ class Fallback:
         sent on together.
         """
         tasks: dict[Any, Any] = self.scheduler.tasks  # keys as the proposals carry them
+        # (an err acted on before them in the same batch may have released some: their
+        # dependents erred, nobody waits for them now)
+        proposals = [p for p in proposals if self.still_unrunnable(p.subject)]
         if monotonic() - self._full_at > FULL_SAID_FOR:  # the pools stopped saying so
             self._full = {}
         full: set[str] = set()  # the pools at their maximum that could have served them

@@ -275,6 +275,8 @@ class PlacementPlugin(SchedulerPlugin):
             if p.action == "fall-back":
                 fall_back.append(p)
             elif p.action == "err":
+                if not self.fallback.still_unrunnable(p.subject):
+                    continue  # an action before it in this batch released it: nobody waits
                 internals.fail_task(
                     self.scheduler,
                     p.subject,

@@ -227,6 +227,10 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[object, ...]] = []
+        self.released: set[str] = set()  # tasks no longer unrunnable
+
+    def still_unrunnable(self, key: str) -> bool:
+        return key not in self.released
 
     def fall_back(self, proposals: list[Proposal]) -> None:
         self.calls.append(("fall_back", [p.subject for p in proposals]))
@@ -283,6 +287,9 @@ def test_the_actor_carries_out_each_proposal_through_its_part(monkeypatch) -> No
         actor.act([Proposal("withdraw", 0)])
     actor.act([])
     assert len(parts.calls) == 1  # nothing proposed, nothing done
+    parts.released.add("gone")  # released by an action before it (its dependents erred)
+    actor.act([Proposal("err", "gone", "invalid resources")])
+    assert len(parts.calls) == 1  # nobody waits for it: not erred
 
 
 # --- de-duplication of leak reports -------------------------------------------------------

@@ -90,6 +90,28 @@ async def test_invalid_annotation_errs_that_task_only(c, s, a):
     assert await c.submit(lambda: 42) == 42
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_task_released_as_its_check_errs_a_sibling_loses_no_fallback(c, s, a):
+    """Two leaves with a bad annotation feed one sum, beside a task due to fall back in
+    the same check: erring the first leaf errs the sum, which releases the second before
+    its turn. It is left alone, and the fallback decided with them happens (before: the
+    check raised on erring a released task, ``TypeError ... _transition_released_erred``,
+    and the other task waited in ``no-worker`` for ever, unsaid)."""
+    await accelsched.register(c)
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="soon"):
+        leaves = [dask.delayed(inc)(i, dask_key_name=f"leaf-{i}") for i in range(2)]
+    bad = dask.delayed(sum)(leaves, dask_key_name="sum")
+    with dask.annotate(resources={"GPU": 2}, fallback_timeout=0):
+        ok = dask.delayed(inc)(41, dask_key_name="ok")
+    with captured_logger("distributed.scheduler") as log:
+        fut_bad, fut_ok = c.compute([bad, ok], optimize_graph=False)
+        with pytest.raises(ValueError, match="'soon'"):
+            await fut_bad
+        assert await fut_ok == 42
+    assert "Error transitioning" not in log.getvalue()
+    assert [e["key"] for e in events(s, "fallback")] == ["ok"]
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)])
 async def test_chain_falls_back_together(c, s, a):
     await accelsched.register(c, fallback_timeout="1s")
