@@ -212,6 +212,20 @@ def test_a_bad_command_line_is_a_usage_error_naming_the_value(args, named):
     )
 
 
+@pytest.mark.parametrize("value, kind", [("0", "int"), ("8786", "int"), ("True", "bool")])
+def test_a_scheduler_address_dask_config_reads_as_no_string_is_refused(monkeypatch, value, kind):
+    """dask config reads ``DASK_SCHEDULER_ADDRESS=8786`` as the int 8786: exit 2 naming
+    it (before: no word, and the number was the exit code: ``0`` said success, ``8786``
+    exited 82)."""
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", value)
+    code, out, err = asyncio.run(cli("status", "--timeout", "1s"))
+    assert (code, out) == (2, "")
+    (line,) = err.strip().splitlines()
+    assert (
+        line == f"accelsched status: invalid scheduler address {value}: expected str, got {kind!r}"
+    )
+
+
 def test_a_timeout_is_read_as_accelsched_reads_durations():
     """``.5s`` is half a second (dask alone reads it as 1.5 s)."""
     code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--timeout", ".5s"))

@@ -478,14 +478,22 @@ def _timeout(ctx: click.Context, param: click.Parameter, value: str) -> float:
     return seconds
 
 
+#: The shortest ``--watch`` pause: each snapshot is a request the scheduler answers on its
+#: event loop, so a watch costs it at most ten a second.
+MIN_WATCH = 0.1
+
+
 def _interval(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
-    """``--watch`` SECONDS: a positive number."""
+    """``--watch`` SECONDS: a number from :data:`MIN_WATCH` on."""
     if value is None:
         return None
     with contextlib.suppress(ValueError):
-        if 0 < (seconds := float(value)) < float("inf"):
+        if MIN_WATCH <= (seconds := float(value)) < float("inf"):
             return seconds
-    raise click.BadParameter(f"invalid SECONDS {value!r}: expected a number > 0")
+    raise click.BadParameter(
+        f"invalid SECONDS {value!r}: expected a number >= {MIN_WATCH} (each snapshot asks "
+        "the scheduler)"
+    )
 
 
 def _scheduler_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -534,9 +542,12 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
             connect = timeout
             if path is not None:
                 deadline = time.monotonic() + timeout
-                address = address_from_file(path, deadline, str(ctx.command.name))
+                found = address_from_file(path, deadline, str(ctx.command.name))
+                if isinstance(found, int):  # its exit code (dask config's address may be
+                    ctx.exit(found)  # an int too, which is no exit code: a bad address)
+                address = found
                 connect = max(deadline - time.monotonic(), MIN_CONNECT)
-            ctx.exit(address if isinstance(address, int) else run(address, connect))
+            ctx.exit(run(address, connect))
         except BrokenPipeError:  # `accelsched status --watch | head`: the reader left
             # nothing more can be written there, not even the flush at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

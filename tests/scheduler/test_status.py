@@ -279,9 +279,12 @@ def test_unreachable_scheduler_one_line_exit_1():
     assert line.startswith("accelsched status: cannot reach a scheduler at tcp://127.0.0.1:1")
 
 
-def test_invalid_watch_interval_is_a_usage_error():
-    code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--watch", "0"))
-    assert code == 2 and "invalid SECONDS '0'" in err
+@pytest.mark.parametrize("every", ["0", "1e-9", "0.09", "inf", "soon"])
+def test_invalid_watch_interval_is_a_usage_error(every):
+    """A pause under a tenth of a second is refused too: each snapshot is a request to
+    the scheduler (before: ``--watch 1e-9`` asked it about 1200 times a second)."""
+    code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--watch", every))
+    assert code == 2 and f"invalid SECONDS {every!r}: expected a number >= 0.1" in err
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1)], timeout=60)
