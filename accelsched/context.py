@@ -53,8 +53,8 @@ import cloudpickle
 from accelsched import devices
 from accelsched.devices import Cuda, MemoryCap, cuda
 from accelsched.policy.marks import Mark, note_marked
-from accelsched.policy.requirements import invalid_amount, parse_requirement
-from accelsched.policy.timeouts import DUAL_TIMEOUT, parse_task_timeout
+from accelsched.policy.requirements import device_count_problem, invalid_amount, parse_requirement
+from accelsched.policy.timeouts import DUAL_TIMEOUT, MAX_GPUS, parse_task_timeout
 
 __all__ = [
     "GPUStep",
@@ -214,15 +214,18 @@ def _unwrapped(f: Any) -> Any:
     return f
 
 
+def _call_of(f: Any) -> Any:
+    """What calling ``f`` runs: ``f`` (a partial's function), or its class's ``__call__``."""
+    f = _unwrapped(f)
+    if inspect.isfunction(f) or inspect.ismethod(f):
+        return f
+    return inspect.getattr_static(type(f), "__call__", None)
+
+
 def _async(f: Any) -> bool:
     """An ``async def`` function or generator, a partial of one, or an instance whose
     ``__call__`` is one."""
-    f = _unwrapped(f)
-    call = (
-        f
-        if inspect.isfunction(f) or inspect.ismethod(f)
-        else inspect.getattr_static(type(f), "__call__", None)
-    )
+    call = _call_of(f)
     return inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
 
 
@@ -242,6 +245,14 @@ def _check_form(who: str, f: Any) -> None:
             f"{who} cannot be a coroutine function ({_name(_unwrapped(f))} is async def): it "
             "runs in its task's thread under the device lease; call asyncio.run in a plain "
             "function"
+        )
+    if f is not None and inspect.isgeneratorfunction(_call_of(f)):
+        # its body runs as the generator is iterated, after the step returned and its
+        # lease ended: on no device, with numpy for array_module()
+        raise TypeError(
+            f"{who} cannot be a generator function ({_name(_unwrapped(f))} yields): its "
+            "body would run after the step returns, outside the device lease; return a "
+            "list (or another value) instead"
         )
 
 
@@ -350,12 +361,18 @@ def _mark(
     mig, enforce); a bad one raises naming ``who`` and the value."""
     if invalid_amount(count) is not None:
         raise ValueError(f"{who}(): invalid count={count!r}: expected a positive number of GPUs")
+    if count > MAX_GPUS:  # every task of it would err, or fall back at once
+        raise ValueError(
+            f"{who}(): invalid count={count!r}: no worker can ever offer more than {MAX_GPUS} GPUs"
+        )
     given = fallback_timeout is not _UNSET
     try:
         timeout = parse_task_timeout(fallback_timeout) if given else None
         requirement = parse_requirement(device)
     except ValueError as exc:
         raise ValueError(f"{who}(): {exc}") from None
+    if problem := device_count_problem(requirement, count):  # every task of it would err
+        raise ValueError(f"{who}(): {problem}")
     return Mark(count, timeout, given, cpu_form, requirement or None)
 
 

@@ -106,6 +106,14 @@ def invalid_amount(amount: Any) -> str | None:
     return f"invalid resources={{'GPU': {amount!r}}}: expected a positive, finite number of GPUs"
 
 
+def device_count_problem(need: Requirement | None, count: float) -> str | None:
+    """Why a task asking ``count`` GPUs cannot have the requirement ``need``, or None: one
+    that declares memory shares a single device (its memory is what it takes)."""
+    if need is not None and need.memory is not None and count != 1:
+        return f"{need.label()}: a task that declares memory takes one device, not {count}"
+    return None
+
+
 @dataclass(frozen=True)
 class Requirement:
     """What one GPU task needs of each device it holds; None: anything goes."""

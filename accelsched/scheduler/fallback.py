@@ -79,6 +79,7 @@ from accelsched.policy.requirements import (
     Requirement,
     capacity,
     combine,
+    device_count_problem,
     devices_needed,
     invalid_amount,
     mebibytes,
@@ -381,8 +382,8 @@ class Fallback:
             return str(exc)
         if not need:
             return None
-        if need.memory is not None and count != 1:
-            return f"{need.label()}: a task that declares memory takes one device, not {count}"
+        if problem := device_count_problem(need, count):
+            return problem
         # the requirement as the worker reads it back (plain, msgpack-safe values)
         internals.annotate(
             ts,

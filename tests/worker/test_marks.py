@@ -8,7 +8,7 @@ import functools
 import pickle
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import dask
 import dask.array as da
@@ -115,6 +115,29 @@ def test_gpu_decorator_validates_and_pickles() -> None:
     for odd in (agen, Awaited(), functools.partial(coro, 1)):  # async all the same
         with pytest.raises(TypeError, match=r"\((agen|Awaited|coro) is async def\)"):
             accelsched.gpu(odd)
+
+    def gen(x: int) -> Iterator[int]:
+        yield x
+
+    class Yields:
+        def __call__(self, x: int) -> Iterator[int]:
+            yield x
+
+    # a generator's body runs as it is iterated, after the step and its lease ended
+    # (before: taken, and run on no device with numpy, without a word)
+    for lazy in (gen, Yields(), functools.partial(gen, 1)):
+        with pytest.raises(TypeError, match=r"generator function \((gen|Yields) yields\)"):
+            accelsched.gpu(lazy)
+    with pytest.raises(TypeError, match="cpu_fn cannot be a generator function"):
+        accelsched.dual(host, gen)
+    # a count no worker can have, or a declared memory on more than one device: every
+    # task of the step would err (before: taken here, each task erred on the scheduler)
+    with pytest.raises(ValueError, match=r"count=1000000: no worker can ever offer more"):
+        accelsched.gpu(count=10**6)
+    for count in (2, 0.5):
+        with pytest.raises(ValueError, match=f"declares memory takes one device, not {count}"):
+            accelsched.gpu(count=count, memory="1GiB")
+    assert find_mark(accelsched.gpu(count=1.0, memory="1GiB")(host)) is not None
     with pytest.raises(TypeError, match="put @staticmethod above"):  # bound on instances
         accelsched.gpu(staticmethod(host))
     with pytest.raises(TypeError, match=r"dual\(\) needs a gpu_fn, got None"):
