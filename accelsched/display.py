@@ -88,12 +88,14 @@ UNREACHABLE: Final = 1
 USAGE: Final = 2
 #: The scheduler answers but runs no accelsched (no PlacementPlugin registered).
 NO_ACCELSCHED: Final = 3
+#: Its output could not be written (stdout closed, a full disk): sysexits' EX_IOERR.
+OUTPUT_FAILED: Final = 74
 
 EXIT_CODES_HELP: Final = (
     "exit codes: 0 ok (also Ctrl-C under --watch, or the reader of the output gone); "
     "1 scheduler unreachable or its scheduler file not there yet (or lost while watching); "
     "2 bad arguments; 3 the scheduler runs no accelsched (PlacementPlugin not registered); "
-    "130 Ctrl-C before an answer"
+    "74 its output could not be written (stdout closed or full); 130 Ctrl-C before an answer"
 )
 
 #: The table's columns (field, heading), shared with the dashboard page. ``accelsched

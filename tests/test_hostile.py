@@ -21,6 +21,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -396,19 +397,53 @@ def test_ctrl_c_before_an_answer_is_exit_130_without_traceback(watch: list[str])
     assert code == 130 and err == b"", err  # no traceback, no warning of a half-made client
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["status", "--json", "--watch", "0.1"], ["events", "--follow", "--json"]],
+    ids=["status-watch", "events-follow"],
+)
 @gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
-async def test_a_reader_that_leaves_ends_watch_quietly(c, s, a):
-    """``accelsched status --json --watch | head -1``: the pipe closes under it."""
+async def test_a_reader_that_leaves_ends_watch_quietly(c, s, a, args):
+    """``accelsched status --json --watch | head -1``: the pipe closes under it. So does
+    ``events --follow | head -1`` on a cluster where nothing more happens (before: it
+    waited for ever, as nothing more was written)."""
     await accelsched.register(c)
-    proc = await cli_process("status", s.address, "--json", "--watch", "0.1")
+    await wait_for(lambda: gpus(s, a.address) == 1)  # its gpu-verified event is logged
+    command, *rest = args
+    proc = await cli_process(command, s.address, *rest)
     assert proc.stdout is not None and proc.stderr is not None
-    assert json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))["version"] == 1
+    assert json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
     proc.stdout.feed_eof()
     transport = proc._transport  # type: ignore[attr-defined]
     transport.get_pipe_transport(1).close()  # the reader is gone
     code = await asyncio.wait_for(proc.wait(), 30)
     err = await proc.stderr.read()
     assert code == 0 and err == b"", err
+
+
+@pytest.mark.parametrize("output", ["closed", "full"])
+@gen_cluster(client=True, nthreads=GPU_WORKER, Worker=Worker, timeout=60)
+async def test_output_that_cannot_be_written_is_one_line_and_exit_74(c, s, a, output):
+    """stdout closed (``accelsched status >&-``) or a full disk (``> /dev/full``): one
+    line and exit 74, sysexits' EX_IOERR (before: a traceback and exit 1, which says the
+    scheduler could not be reached)."""
+    if output == "full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    await accelsched.register(c)
+    with open(os.devnull if output == "closed" else "/dev/full", "w") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "accelsched.cli", "status", s.address],
+            stdout=sink,
+            stderr=subprocess.PIPE,
+            # (a descriptor closed in the child: Python starts with sys.stdout None)
+            preexec_fn=(lambda: os.close(1)) if output == "closed" else None,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    reason = "stdout is closed" if output == "closed" else "No space left on device"
+    assert (proc.returncode, err.decode()) == (
+        74,
+        f"accelsched status: cannot write its output: {reason}\n",
+    )
 
 
 #: Worker names that act on a terminal printed raw: clear the screen; forge a row.

@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import stat
 import sys
@@ -46,6 +47,7 @@ from accelsched.display import (
     EXIT_CODES_HELP,
     NO_ACCELSCHED,
     OK,
+    OUTPUT_FAILED,
     UNREACHABLE,
     USAGE,
     ask_snapshot,
@@ -83,6 +85,36 @@ def _fail(command: str, problem: str, code: int) -> int:
 
 class _Unreachable(Exception):
     """The scheduler did not answer within the time given, or not as a scheduler."""
+
+
+class _OutputFailed(Exception):
+    """The output could not be written (not the reader gone: that is ``BrokenPipeError``)."""
+
+
+def _write(out: TextIO, text: str) -> None:
+    """Write ``text`` to ``out`` now. ``BrokenPipeError``: the reader left, also when
+    nothing is written (``events --follow | head`` on a quiet cluster); another
+    failure (a full disk) is :class:`_OutputFailed`."""
+    try:
+        if text:
+            out.write(text)
+            out.flush()
+        elif _reader_gone(out):
+            raise BrokenPipeError
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise _OutputFailed(exc.strerror or str(exc)) from None
+
+
+def _reader_gone(out: TextIO) -> bool:
+    """Whether ``out`` is a pipe whose reading end was closed (a write would fail)."""
+    try:
+        poll = select.poll()
+        poll.register(out.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or no file descriptor
+        return False
 
 
 def address_problem(address: str) -> str | None:
@@ -157,6 +189,8 @@ def _run(
     problem = address_problem(address)
     if problem is not None:
         return _fail(command, f"invalid scheduler address {address!r}: {shown(problem)}", USAGE)
+    if out is None:  # (sys.stdout, started with its descriptor closed)
+        return _fail(command, "cannot write its output: stdout is closed", OUTPUT_FAILED)
 
     async def session() -> int:
         from distributed import Client
@@ -194,13 +228,16 @@ def _run(
                             "scheduler --preload accelsched)",
                             NO_ACCELSCHED,
                         )
-                    out.write(await text(client, cast(StatusReply, snap)))
-                    out.flush()  # BrokenPipeError: the reader left (status --watch | head)
+                    # BrokenPipeError: the reader left (status --watch | head)
+                    _write(out, await text(client, cast(StatusReply, snap)))
                     if every is None:
                         return OK
                     await asyncio.sleep(every)
             except _Unreachable as exc:
                 return _fail(command, f"{failed} {shown(address)}: {exc}", UNREACHABLE)
+            except _OutputFailed as exc:
+                _quiet_stdout()  # nor can the flush at exit write there
+                return _fail(command, f"cannot write its output: {exc}", OUTPUT_FAILED)
 
         async def close() -> None:  # a half-started client too, now rather than at exit
             with contextlib.suppress(Exception):  # one that never connected, or lost
@@ -496,6 +533,12 @@ def _interval(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     )
 
 
+def _quiet_stdout() -> None:
+    """Point stdout at ``os.devnull``: what it still buffers goes nowhere at exit."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _scheduler_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Where the scheduler is, as dask's own commands take it: the address, the file
     ``dask scheduler --scheduler-file`` writes, or dask config ``scheduler-address``
@@ -549,8 +592,7 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
                 connect = max(deadline - time.monotonic(), MIN_CONNECT)
             ctx.exit(run(address, connect))
         except BrokenPipeError:  # `accelsched status --watch | head`: the reader left
-            # nothing more can be written there, not even the flush at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _quiet_stdout()  # nothing more can be written there, not even the flush at exit
             ctx.exit(0)
         except KeyboardInterrupt:  # Ctrl-C before anything was shown, or ending --follow
             ctx.exit(INTERRUPTED)
