@@ -180,6 +180,11 @@ class RestartBudget:
     def in_flight(self) -> frozenset[str]:
         return frozenset(self._in_flight)
 
+    def taken_from(self, other: RestartBudget) -> None:
+        """Count the restarts ``other`` took (a budget this one replaces) as this one's."""
+        for key, history in other._history.items():
+            self._history[key] = deque(history)
+
 
 def admit_restart(
     budget: RestartBudget,

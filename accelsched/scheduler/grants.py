@@ -140,6 +140,7 @@ class WorkerGrant:
     packs: Mapping[str, int] = field(default_factory=dict)
     told: Mapping[str, int] = field(default_factory=dict)  # UUID -> the share last told it
     quarantined: str | None = None  # why its GPUs are out of placement; None: they are not
+    quarantined_in: str | None = None  # the worker process quarantined (its server id)
 
 
 class Grants:
@@ -277,12 +278,21 @@ class Grants:
         # packs against, byte for byte (else it is sent back, again and again)
         return mine, sum(max(0, b - g.held.get(u, 0)) // MiB for u, b in mine.items())
 
-    def quarantine(self, worker: str, reason: str) -> bool:
-        """Note ``worker``'s quarantine; False when it was quarantined already."""
+    def quarantine(self, worker: str, reason: str, process: str | None = None) -> bool:
+        """Note ``worker``'s quarantine (``process``: its server id); False when it was
+        quarantined already."""
         if self.of(worker).quarantined is not None:
             return False
-        self._set(worker, quarantined=reason)
+        self._set(worker, quarantined=reason, quarantined_in=process)
         return True
+
+    def quarantines(self) -> list[tuple[str, str, str | None]]:
+        """(worker, reason, process) of each quarantined worker."""
+        return [
+            (w, g.quarantined, g.quarantined_in)
+            for w, g in self._workers.items()
+            if g.quarantined is not None
+        ]
 
     def remove(self, worker: str) -> list[str]:
         """Forget ``worker`` (it left) and free its GPUs; returns the other workers that

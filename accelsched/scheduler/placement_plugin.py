@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Iterable
 from functools import partial
 from time import monotonic, time
@@ -99,6 +100,9 @@ if TYPE_CHECKING:
 __all__ = ["PlacementPlugin", "DRAIN_TIMEOUT", "GPU"]
 
 logger = logging.getLogger(__name__)
+
+#: The instance that last started on each scheduler: the one a new instance replaces.
+_STARTED: weakref.WeakKeyDictionary[Scheduler, PlacementPlugin] = weakref.WeakKeyDictionary()
 
 
 #: How long a restart waits for the worker's executing tasks before giving up.
@@ -147,6 +151,7 @@ class PlacementPlugin(SchedulerPlugin):
         """
         internals.check_scheduler(scheduler)
         self.scheduler = scheduler
+        previous, _STARTED[scheduler] = _STARTED.get(scheduler), self
         o, emit, active = self.options, self._emit, self._active
         internals.notify_unregistered(scheduler)
         self.grants = grants = Grants(share_gpus=o["share_gpus"])
@@ -183,8 +188,23 @@ class PlacementPlugin(SchedulerPlugin):
             pool_of=self.fallback.pool_of,
         )
         display.install(scheduler)
+        if previous is not None and previous is not self and previous.status_history is not None:
+            self._carry(previous)
         # said last, once every handler serves (the reports asked above run after this)
         scheduler.set_metadata([PLACEMENT_METADATA], True)
+
+    def _carry(self, previous: PlacementPlugin) -> None:
+        """What the instance this one replaces (re-registered, say to change an option)
+        decided that lasts: its quarantines, while the same worker process runs (a worker
+        is quarantined until it restarts or leaves), and the restarts it took, which count
+        against this one's budget. Without them a leaking worker would take GPU tasks
+        again until its new guard found the leak once more."""
+        for worker, reason, process in previous.grants.quarantines():
+            ws = self.scheduler.workers.get(worker)
+            if ws is not None and ws.server_id == process:
+                self.grants.quarantine(worker, reason, process)
+                internals.spawn(self.scheduler, self.tell_draining, worker, True)
+        self.budget.taken_from(previous.budget)
 
     def restart(self, scheduler: Scheduler) -> None:
         """``client.restart()``: it cleared the scheduler's metadata with its tasks, so
@@ -310,7 +330,7 @@ class PlacementPlugin(SchedulerPlugin):
         quarantined already: nothing). No GPU task is placed on it any more; what it was
         sent already is its guard's to send back, as it reaches execution."""
         ws = self.scheduler.workers.get(worker)
-        if ws is None or not self.grants.quarantine(worker, reason):
+        if ws is None or not self.grants.quarantine(worker, reason, ws.server_id):
             return
         for name in (GPU, GPU_MEMORY):
             if name in ws.resources:

@@ -179,6 +179,19 @@ def test_admission_refuses_strangers_and_defers_what_would_lose_data() -> None:
     assert budget.in_flight == frozenset()  # none of them took budget
 
 
+def test_a_budget_replacing_another_counts_the_restarts_it_took() -> None:
+    """A placement plugin registered again (to change an option) takes over the restarts
+    its predecessor took: a worker past the new budget is not restarted again."""
+    before = RestartBudget(max_restarts=2, window=60.0)
+    assert before.request("nanny-a", 0.0) is None
+    before.done("nanny-a")
+    after = RestartBudget(max_restarts=1, window=60.0)
+    after.taken_from(before)
+    assert after.request("nanny-a", 1.0) == "budget"
+    assert after.request("nanny-a", 61.0) is None  # out of the window: allowed again
+    assert RestartBudget(max_restarts=1, window=60.0).request("nanny-a", 1.0) is None
+
+
 def test_admission_counts_the_budget() -> None:
     budget = RestartBudget(max_restarts=2, window=60.0, max_concurrent=1)
     first = admit(budget, now=0.0)

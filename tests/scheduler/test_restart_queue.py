@@ -14,6 +14,7 @@ from distributed import Nanny
 from distributed.utils_test import gen_cluster
 
 import accelsched
+from accelsched.protocol import PLACEMENT_PLUGIN
 from accelsched.testing import device_alloc
 from tests.utils import FAST, TWO_GPU_WORKERS, MiB, events, gpus, wait_for
 
@@ -108,3 +109,33 @@ async def test_a_restarted_worker_takes_its_share_of_its_peers_queue(c, s, a, b)
     # a good part of what was left at its start, not one stray task (an even split is half)
     new = [w for w in s.workers if w not in before]  # the new process's address
     assert len(new) == 1 and counts.get(new[0], 0) >= left // 4, (left, counts, new)
+
+
+def where_now(i: int) -> str:
+    from distributed import get_worker
+
+    return get_worker().address
+
+
+@gen_cluster(**TWO_GPU_NANNIES)
+async def test_a_quarantine_outlasts_registering_again(c, s, a, b):
+    """Unregistering both plugins and registering again, as the docs say to change an
+    option, keeps a quarantined worker out of placement while its process runs, and the
+    restarts taken count against the new budget (before: its GPU was placed on again at
+    once, until its new guard found the leak a second time)."""
+    await accelsched.register(c, max_restarts=0, **GUARD)
+    await wait_for(lambda: gpus(s, a.worker_address) == gpus(s, b.worker_address) == 1, 30)
+    await c.gather(c.map(work, range(10), resources={"GPU": 1}, pure=False))
+    await wait_for(lambda: events(s, "quarantine"), 60)
+    (quarantine,) = events(s, "quarantine")
+    leaking = quarantine["worker"]
+    (peer,) = {a.worker_address, b.worker_address} - {leaking}
+    await c.unregister_worker_plugin("accelsched-guard")
+    await c.unregister_scheduler_plugin(PLACEMENT_PLUGIN)
+    await accelsched.register(c, max_restarts=0, fallback_timeout="10s", **GUARD)
+    grants = s.plugins[PLACEMENT_PLUGIN].grants
+    await wait_for(lambda: grants.of(leaking).reported and gpus(s, peer) == 1, 30)
+    assert gpus(s, leaking) == 0 and grants.of(leaking).quarantined == "restart-budget"
+    ran_on = await c.gather(c.map(where_now, range(20), resources={"GPU": 1}, pure=False))
+    assert set(ran_on) == {peer}
+    assert len(events(s, "quarantine")) == 1  # the same quarantine, not a second one
