@@ -227,6 +227,25 @@ def test_a_scheduler_address_dask_config_reads_as_no_string_is_refused(monkeypat
     )
 
 
+def test_a_transport_that_cannot_connect_here_is_a_bad_address():
+    """``ucx://`` without UCX's package: distributed keeps an abstract connector, which
+    failed as ``TypeError: Can't instantiate abstract class`` (exit 1, "cannot reach")."""
+    from distributed.comm.registry import get_backend
+
+    try:
+        get_backend("ucx").get_connector()
+    except Exception:
+        pass
+    else:
+        pytest.skip("UCX can connect from here")
+    code, out, err = asyncio.run(cli("status", "ucx://127.0.0.1:1", "--timeout", "1s"))
+    (line,) = err.strip().splitlines()
+    assert (code, out) == (2, "") and line.startswith(
+        "accelsched status: invalid scheduler address 'ucx://127.0.0.1:1': distributed's "
+        "'ucx' transport cannot connect from here"
+    )
+
+
 def test_a_timeout_is_read_as_accelsched_reads_durations():
     """``.5s`` is half a second (dask alone reads it as 1.5 s)."""
     code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--timeout", ".5s"))

@@ -56,15 +56,16 @@ def report_path(value: str | Path) -> Path:
     """Where ``accelsched demo --report`` writes: a ``.html`` file in a folder that
     exists, or a folder that exists (the file is then ``accelsched-demo.html`` in it).
     Checked before the demo starts, so a typo costs no cluster run."""
+    if not str(value).strip():  # (Path("") is the working directory)
+        raise ValueError(f"invalid report path {str(value)!r}: expected a .html file or a folder")
     path = Path(value).expanduser()
     if path.is_dir():
         path = path / DEFAULT_REPORT
     if path.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"invalid report path {str(value)!r}: expected a .html file or a folder")
     if not path.parent.is_dir():
-        raise ValueError(
-            f"invalid report path {str(value)!r}: folder {str(path.parent)!r} does not exist"
-        )
+        missing = "is no folder" if path.parent.exists() else "does not exist"
+        raise ValueError(f"invalid report path {str(value)!r}: {str(path.parent)!r} {missing}")
     existed = path.exists()
     try:  # writable? (a read-only or virtual folder would fail only after the whole run)
         with path.open("a"):

@@ -15,10 +15,19 @@ from typing import Any
 
 
 def check_scheme(scheme: str) -> None:
-    """Raise ``ValueError`` when distributed knows no comm backend for ``scheme``."""
+    """Raise ``ValueError`` when distributed knows no comm backend for ``scheme``, or its
+    backend cannot connect from this process (``ucx`` without its package: distributed
+    keeps an abstract stand-in)."""
     from distributed.comm.registry import get_backend
 
-    get_backend(scheme)
+    backend = get_backend(scheme)
+    try:
+        backend.get_connector()
+    except Exception as exc:
+        raise ValueError(
+            f"distributed's {scheme!r} transport cannot connect from here (is its package "
+            f"installed?): {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def read_json_file(path: str, load: Callable[[Any], Any], timeout: float) -> Any:

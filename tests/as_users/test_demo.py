@@ -189,6 +189,19 @@ def test_demo_refuses_a_report_path_it_cannot_write(tmp_path: Path, bad: str, ca
     assert len(err) == 1 and "invalid report path" in err[0]
 
 
+def test_a_report_path_names_what_is_wrong_with_it(tmp_path: Path) -> None:
+    """A file where a folder should be is said to be no folder (before: "does not
+    exist", of a file that exists); an empty path is refused (before: the report went to
+    the working directory without a word)."""
+    (tmp_path / "a-file").write_text("")
+    bad = str(tmp_path / "a-file" / "report.html")
+    with pytest.raises(ValueError, match=re.escape(f"{str(tmp_path / 'a-file')!r} is no folder")):
+        report_path(bad)
+    for empty in ("", " "):
+        with pytest.raises(ValueError, match="expected a .html file or a folder"):
+            report_path(empty)
+
+
 def test_events_cli_prints_what_happened(fake_gpus_2) -> None:
     from distributed import Client, LocalCluster
 
