@@ -465,6 +465,28 @@ async def test_output_that_cannot_be_written_is_one_line_and_exit_74(c, s, a, ou
     )
 
 
+@pytest.mark.parametrize("output", ["closed", "full"])
+def test_the_version_that_cannot_be_written_is_one_line_and_exit_74(output):
+    """As status and events (before: a traceback and exit 1 on a full disk; exit 0,
+    nothing said, with stdout closed)."""
+    if output == "full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    with open(os.devnull if output == "closed" else "/dev/full", "w") as sink:
+        done = subprocess.run(
+            [sys.executable, "-m", "accelsched.cli", "version"],
+            stdout=sink,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=(lambda: os.close(1)) if output == "closed" else None,
+            timeout=60,
+        )
+    reason = "stdout is closed" if output == "closed" else "No space left on device"
+    assert (done.returncode, done.stderr) == (
+        74,
+        f"accelsched version: cannot write its output: {reason}\n",
+    )
+
+
 #: Worker names that act on a terminal printed raw: clear the screen; forge a row.
 HOSTILE_NAMES = ["\x1b[2J", "evil\nrow"]
 

@@ -703,6 +703,17 @@ def simulate(ctx: click.Context) -> NoReturn:
 
 
 @cli.command()
-def version() -> None:
+@click.pass_context
+def version(ctx: click.Context) -> NoReturn:
     """Print the version."""
-    click.echo(__version__)
+    try:
+        if sys.stdout is None:
+            raise _OutputFailed("stdout is closed")
+        _write(sys.stdout, f"{__version__}\n")
+    except BrokenPipeError:  # `accelsched version | true`: the reader left
+        _quiet_stdout()
+        ctx.exit(OK)
+    except _OutputFailed as exc:
+        _quiet_stdout()
+        ctx.exit(_fail("version", f"cannot write its output: {exc}", OUTPUT_FAILED))
+    ctx.exit(OK)
