@@ -80,9 +80,10 @@ def register(client: Any, **options: Any) -> tuple[PlacementPlugin, GuardPlugin]
     Options go to the plugin that owns them (``fallback_timeout`` to placement,
     ``leak_threshold`` to the guard, ...). Idempotent: when plugins of these names are
     already registered (by an earlier call or the scheduler's ``--preload accelsched``)
-    they are kept, and returned: an option given here that differs from what they run
-    with raises ``ValueError`` naming both values (unregister them first to change
-    options); this client's own config that differs is only logged (:mod:`accelsched.config`).
+    they are kept, and copies carrying the options they run with are returned: an option
+    given here that differs from what they run with raises ``ValueError`` naming both
+    values (unregister them first to change options); this client's own config that
+    differs is only logged (:mod:`accelsched.config`).
     With an asynchronous client, await the result.
     The scheduler plugin goes first so the guards' reports find it listening. With
     ``fast_restart`` (the default), a nanny plugin (:class:`~accelsched.FastRestart`)

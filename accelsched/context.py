@@ -251,8 +251,8 @@ def _check_form(who: str, f: Any) -> None:
         # lease ended: on no device, with numpy for array_module()
         raise TypeError(
             f"{who} cannot be a generator function ({_name(_unwrapped(f))} yields): its "
-            "body would run after the step returns, outside the device lease; return a "
-            "list (or another value) instead"
+            "body would run only as the generator is iterated, after the step returned (a "
+            "GPU form's outside its lease); return a list (or another value) instead"
         )
 
 

@@ -237,10 +237,13 @@ class InventoryRequest(Addressed):
 
 class InventoryReply(TypedDict):
     """``OK`` with the granted ``uuids``; otherwise why not (``refused``: stale or
-    replayed, or a device record that is no device)."""
+    replayed, or a device record that is no device). ``draining``: the worker is
+    quarantined, so its guard sends GPU tasks back as they reach execution (a guard
+    registered again on it learns it here, as its predecessor was told by a drain order)."""
 
     status: Literal["OK", "no-plugin", "unknown-worker", "refused"]
     uuids: NotRequired[list[str]]
+    draining: NotRequired[bool]
 
 
 class OfferRequest(Addressed):

@@ -36,7 +36,7 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO, TypeVar, cast
 
 import click
@@ -87,8 +87,9 @@ class _Unreachable(Exception):
     """The scheduler did not answer within the time given, or not as a scheduler."""
 
 
-class _OutputFailed(Exception):
-    """The output could not be written (not the reader gone: that is ``BrokenPipeError``)."""
+class _OutputFailed(OSError):
+    """The output could not be written (not the reader gone: that is ``BrokenPipeError``);
+    an ``OSError`` still for callers in Python."""
 
 
 def _write(out: TextIO, text: str) -> None:
@@ -112,7 +113,8 @@ def _reader_gone(out: TextIO) -> bool:
     try:
         poll = select.poll()
         poll.register(out.fileno(), select.POLLOUT)
-        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+        # a pipe's reader gone: POLLERR on Linux, POLLHUP elsewhere (and for a socket)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
     except (AttributeError, OSError, ValueError):  # no poll here, or no file descriptor
         return False
 
@@ -189,8 +191,6 @@ def _run(
     problem = address_problem(address)
     if problem is not None:
         return _fail(command, f"invalid scheduler address {address!r}: {shown(problem)}", USAGE)
-    if out is None:  # (sys.stdout, started with its descriptor closed)
-        return _fail(command, "cannot write its output: stdout is closed", OUTPUT_FAILED)
 
     async def session() -> int:
         from distributed import Client
@@ -235,9 +235,6 @@ def _run(
                     await asyncio.sleep(every)
             except _Unreachable as exc:
                 return _fail(command, f"{failed} {shown(address)}: {exc}", UNREACHABLE)
-            except _OutputFailed as exc:
-                _quiet_stdout()  # nor can the flush at exit write there
-                return _fail(command, f"cannot write its output: {exc}", OUTPUT_FAILED)
 
         async def close() -> None:  # a half-started client too, now rather than at exit
             with contextlib.suppress(Exception):  # one that never connected, or lost
@@ -313,6 +310,8 @@ def print_status(
     """``accelsched status``: the table (or ``--json``), once or every ``watch`` seconds
     until Ctrl-C (exit 0 then); ``timeout`` seconds for each wait on the scheduler,
     ``connect`` (default ``timeout``) for the connection."""
+    if watch is not None and not MIN_WATCH <= watch < float("inf"):
+        raise ValueError(f"invalid watch={watch!r}: expected seconds >= {MIN_WATCH}")
     drawn = False  # once drawn, Ctrl-C under --watch is the way to stop: exit 0
 
     async def status(client: Client, snap: StatusReply) -> str:
@@ -533,8 +532,26 @@ def _interval(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     )
 
 
+@contextlib.contextmanager
+def _to_stdout(ctx: click.Context) -> Iterator[TextIO]:
+    """stdout, for a command to write to: its reader gone (``accelsched status --watch |
+    head``) ends the command with exit 0; output that cannot be written (stdout closed,
+    a full disk) with one line and exit 74. Either way stdout then points at
+    ``os.devnull``, so the flush at exit does not fail again. The command line's alone: a
+    caller in Python gets the error."""
+    try:
+        if sys.stdout is None:  # (started with its descriptor closed)
+            raise _OutputFailed("stdout is closed")
+        yield sys.stdout
+    except BrokenPipeError:
+        _quiet_stdout()
+        ctx.exit(OK)
+    except _OutputFailed as exc:
+        _quiet_stdout()
+        ctx.exit(_fail(str(ctx.command.name), f"cannot write its output: {exc}", OUTPUT_FAILED))
+
+
 def _quiet_stdout() -> None:
-    """Point stdout at ``os.devnull``: what it still buffers goes nowhere at exit."""
     with contextlib.suppress(AttributeError, OSError, ValueError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -559,9 +576,10 @@ def _scheduler_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return click.argument("scheduler", required=False)(command)
 
 
-def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
+def _ask(ctx: click.Context, run: Callable[[str, float, TextIO], int]) -> NoReturn:
     """``status`` or ``events``: the address (one ``--timeout`` for the scheduler file and
-    the connection together), then ``run(address, seconds to connect)``'s exit code."""
+    the connection together), then ``run(address, seconds to connect, stdout)``'s exit
+    code."""
     address, timeout, path = (ctx.params[k] for k in ("scheduler", "timeout", "scheduler_file"))
     if path == "":
         raise click.BadParameter(
@@ -580,7 +598,7 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
         ctx.exit(INTERRUPTED)
     # distributed's own log lines (a reconnect that failed, ...) would come on top of the
     # one line each error is
-    with quiet_logs(logging.CRITICAL):
+    with quiet_logs(logging.CRITICAL), _to_stdout(ctx) as out:
         try:
             connect = timeout
             if path is not None:
@@ -590,10 +608,7 @@ def _ask(ctx: click.Context, run: Callable[[str, float], int]) -> NoReturn:
                     ctx.exit(found)  # an int too, which is no exit code: a bad address)
                 address = found
                 connect = max(deadline - time.monotonic(), MIN_CONNECT)
-            ctx.exit(run(address, connect))
-        except BrokenPipeError:  # `accelsched status --watch | head`: the reader left
-            _quiet_stdout()  # nothing more can be written there, not even the flush at exit
-            ctx.exit(0)
+            ctx.exit(run(address, connect, out))
         except KeyboardInterrupt:  # Ctrl-C before anything was shown, or ending --follow
             ctx.exit(INTERRUPTED)
 
@@ -621,8 +636,8 @@ def status(
 ) -> NoReturn:
     _ask(
         ctx,
-        lambda address, connect: print_status(
-            address, sys.stdout, as_json=as_json, watch=watch, timeout=timeout, connect=connect
+        lambda address, connect, out: print_status(
+            address, out, as_json=as_json, watch=watch, timeout=timeout, connect=connect
         ),
     )
 
@@ -649,8 +664,8 @@ def events(
 ) -> NoReturn:
     _ask(
         ctx,
-        lambda address, connect: print_events(
-            address, list(actions), sys.stdout, timeout, connect, as_json=as_json, follow=follow
+        lambda address, connect, out: print_events(
+            address, list(actions), out, timeout, connect, as_json=as_json, follow=follow
         ),
     )
 
@@ -706,14 +721,6 @@ def simulate(ctx: click.Context) -> NoReturn:
 @click.pass_context
 def version(ctx: click.Context) -> NoReturn:
     """Print the version."""
-    try:
-        if sys.stdout is None:
-            raise _OutputFailed("stdout is closed")
-        _write(sys.stdout, f"{__version__}\n")
-    except BrokenPipeError:  # `accelsched version | true`: the reader left
-        _quiet_stdout()
-        ctx.exit(OK)
-    except _OutputFailed as exc:
-        _quiet_stdout()
-        ctx.exit(_fail("version", f"cannot write its output: {exc}", OUTPUT_FAILED))
+    with _to_stdout(ctx) as out:
+        _write(out, f"{__version__}\n")
     ctx.exit(OK)

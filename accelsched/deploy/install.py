@@ -133,6 +133,7 @@ _SEVERAL = ("oom_exceptions", "preimport")
 
 
 def _is_none(value: Any) -> bool:
+    """Whether a command-line value says "no value" (``none``, ``null``, ``never``)."""
     return isinstance(value, str) and value.strip().lower() in _NONE
 
 

@@ -37,6 +37,16 @@ def notify_unregistered(scheduler: Scheduler) -> None:
     wrap_handler(scheduler, "unregister_scheduler_plugin", unregister)
 
 
+def last_started(scheduler: Scheduler, name: str, plugin: Any) -> Any:
+    """The plugin that started as ``name`` on ``scheduler`` before ``plugin`` (None: none
+    did), noting ``plugin`` as the one started now. Kept on the scheduler, so a plugin
+    unregistered (which nothing else holds) can still hand on what it decided, and both
+    go with the scheduler."""
+    started = scheduler.__dict__.setdefault("_accelsched_started", {})
+    previous, started[name] = started.get(name), plugin
+    return previous
+
+
 def restore_handler(scheduler: Scheduler, name: str) -> None:
     """Undo :func:`wrap_handler`: distributed's own handler ``name`` again."""
     handler = scheduler.handlers[name]

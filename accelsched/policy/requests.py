@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from accelsched.policy.proposals import Proposal
@@ -180,10 +180,17 @@ class RestartBudget:
     def in_flight(self) -> frozenset[str]:
         return frozenset(self._in_flight)
 
-    def taken_from(self, other: RestartBudget) -> None:
-        """Count the restarts ``other`` took (a budget this one replaces) as this one's."""
-        for key, history in other._history.items():
-            self._history[key] = deque(history)
+    def held_to(self, limits: RestartBudget) -> RestartBudget:
+        """This budget's record of the restarts taken and under way, held to the limits of
+        ``limits`` (the budget of a PlacementPlugin registered again, with other
+        options): the same record, not a copy, as a restart under way ends on it
+        (:meth:`done`)."""
+        return replace(
+            self,
+            max_restarts=limits.max_restarts,
+            window=limits.window,
+            max_concurrent=limits.max_concurrent,
+        )
 
 
 def admit_restart(

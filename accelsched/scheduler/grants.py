@@ -446,7 +446,10 @@ class DeviceReports:
                     granted=len(granted),
                     reason="owned" if refused else reason,
                 )
-        return {"status": "OK", "uuids": self._grants.uuids(worker)}
+        reply: InventoryReply = {"status": "OK", "uuids": self._grants.uuids(worker)}
+        if self._grants.of(worker).quarantined is not None:
+            reply["draining"] = True
+        return reply
 
     # --- the offer handler -----------------------------------------------------------------
 

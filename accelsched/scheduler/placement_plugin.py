@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Iterable
 from functools import partial
 from time import monotonic, time
@@ -100,9 +99,6 @@ if TYPE_CHECKING:
 __all__ = ["PlacementPlugin", "DRAIN_TIMEOUT", "GPU"]
 
 logger = logging.getLogger(__name__)
-
-#: The instance that last started on each scheduler: the one a new instance replaces.
-_STARTED: weakref.WeakKeyDictionary[Scheduler, PlacementPlugin] = weakref.WeakKeyDictionary()
 
 
 #: How long a restart waits for the worker's executing tasks before giving up.
@@ -151,7 +147,6 @@ class PlacementPlugin(SchedulerPlugin):
         """
         internals.check_scheduler(scheduler)
         self.scheduler = scheduler
-        previous, _STARTED[scheduler] = _STARTED.get(scheduler), self
         o, emit, active = self.options, self._emit, self._active
         internals.notify_unregistered(scheduler)
         self.grants = grants = Grants(share_gpus=o["share_gpus"])
@@ -188,6 +183,7 @@ class PlacementPlugin(SchedulerPlugin):
             pool_of=self.fallback.pool_of,
         )
         display.install(scheduler)
+        previous = internals.last_started(scheduler, self.name, self)  # (now started)
         if previous is not None and previous is not self and previous.status_history is not None:
             self._carry(previous)
         # said last, once every handler serves (the reports asked above run after this)
@@ -202,9 +198,9 @@ class PlacementPlugin(SchedulerPlugin):
         for worker, reason, process in previous.grants.quarantines():
             ws = self.scheduler.workers.get(worker)
             if ws is not None and ws.server_id == process:
+                # (its guard, registered again or not, is told to drain as it reports)
                 self.grants.quarantine(worker, reason, process)
-                internals.spawn(self.scheduler, self.tell_draining, worker, True)
-        self.budget.taken_from(previous.budget)
+        self.budget = previous.budget.held_to(self.budget)
 
     def restart(self, scheduler: Scheduler) -> None:
         """``client.restart()``: it cleared the scheduler's metadata with its tasks, so

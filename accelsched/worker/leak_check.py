@@ -896,7 +896,7 @@ class Meter:
                         moves = ledger.moves(self.devices)
                         base, _, runs = ledger.take_base(self.devices, self.prefix, reuse_only=True)
                         if base is not None:
-                            return self._close(base, result, runs, token, moves)
+                            return self._close(base, result, runs, token, moves, stretch=True)
                     # the stretch broke meanwhile: held by type, measured from now on
                 return self._unmeasured(result)  # memory changed unmeasured
             # alone, the base reading (not alone: none), whether it found no context
@@ -926,30 +926,40 @@ class Meter:
             raise
         if base is not None and self.leases.still_alone(self.key, token):
             return self._close(base, result, runs, token, moves)
-        ledger.forget(self.devices)  # memory changed unmeasured: no base for arrivals there
-        return result
+        # not alone: the sampler keeps this run due, so the next one is measured
+        return self._unmeasured(result, stretch=False)
 
-    def _unmeasured(self, result: Any) -> Any:
+    def _unmeasured(self, result: Any, *, stretch: bool = True) -> Any:
         """``result``, whose run could not be measured after all: no base from before it
-        is left for arrivals on its devices, and a result nothing describes (held only
-        at a measured growth) has every run of its prefix measured again."""
+        is left for arrivals on its devices. A result nothing describes (held only at a
+        measured growth) from a run of its prefix's stretch (``stretch``: one the sampler
+        left unmeasured) has every run of the prefix measured again; a run the sampler
+        wanted measured stays due without it."""
         ledger = self.ledger
         ledger.forget(self.devices)
-        if not ledger.holds_nothing(result) and not knows(result):
+        if stretch and not ledger.holds_nothing(result) and not knows(result):
             ledger.sampler.reset((self.prefix, self.devices))
         return result
 
     def _close(
-        self, base: dict[int, int], result: Any, runs: int, token: Any, moves: tuple[int, ...]
+        self,
+        base: dict[int, int],
+        result: Any,
+        runs: int,
+        token: Any,
+        moves: tuple[int, ...],
+        *,
+        stretch: bool = False,
     ) -> Any:
         """The closing reading of a run measured from ``base``, taken before ``runs``
         unmeasured runs of its prefix: what they and it left, attributed to the prefix.
         ``token``: the lease table's, proving it alone until the reading; ``moves``: the
         ledger's, taken before the base (memory that moved otherwise meanwhile leaves the
-        run unmeasured, as one not alone)."""
+        run unmeasured, as one not alone); ``stretch``: a run the sampler left unmeasured,
+        measured now for its result's sake."""
         ledger = self.ledger
         if (measured := ledger.after(self.key, base, result, moves)) is None:
-            return self._unmeasured(result)  # memory moved meanwhile: due again, no verdict
+            return self._unmeasured(result, stretch=stretch)  # memory moved: no verdict
         left, self.grew = measured
         if not self.leases.still_alone(self.key, token):
             # a task took a lease beside it as it read: what that one held then is in
@@ -1100,6 +1110,8 @@ class Inventory:
             logger.info("accelsched: GPU report to the scheduler failed: %r", exc)
         if isinstance(reply, dict) and reply.get("status") == "OK":
             granted = set(reply.get("uuids", ()))
+            if reply.get("draining") is True:  # quarantined (its guard registered again)
+                self.draining = True
         elif reply is None:
             # No PlacementPlugin: nothing enforces placement, but the worker still
             # advertises only what it owns.

@@ -181,15 +181,20 @@ def test_admission_refuses_strangers_and_defers_what_would_lose_data() -> None:
 
 def test_a_budget_replacing_another_counts_the_restarts_it_took() -> None:
     """A placement plugin registered again (to change an option) takes over the restarts
-    its predecessor took: a worker past the new budget is not restarted again."""
+    its predecessor took and those under way: a worker past the new budget is not
+    restarted again, nor one its predecessor is restarting."""
     before = RestartBudget(max_restarts=2, window=60.0)
     assert before.request("nanny-a", 0.0) is None
     before.done("nanny-a")
-    after = RestartBudget(max_restarts=1, window=60.0)
-    after.taken_from(before)
+    after = before.held_to(RestartBudget(max_restarts=1, window=60.0))
     assert after.request("nanny-a", 1.0) == "budget"
-    assert after.request("nanny-a", 61.0) is None  # out of the window: allowed again
     assert RestartBudget(max_restarts=1, window=60.0).request("nanny-a", 1.0) is None
+    # one under way when it was replaced ends on the old budget: one record for both
+    assert before.request("nanny-b", 2.0) is None
+    assert after.request("nanny-b", 3.0) == "in-flight"
+    before.done("nanny-b")
+    assert after.in_flight == frozenset() and after.request("nanny-b", 4.0) == "budget"
+    assert after.request("nanny-a", 61.0) is None  # out of the window: allowed again
 
 
 def test_admission_counts_the_budget() -> None:

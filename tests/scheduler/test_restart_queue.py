@@ -8,6 +8,7 @@ grow for as long as the queue runs; the drain sends the queued tasks back instea
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from distributed import Nanny
@@ -136,6 +137,12 @@ async def test_a_quarantine_outlasts_registering_again(c, s, a, b):
     grants = s.plugins[PLACEMENT_PLUGIN].grants
     await wait_for(lambda: grants.of(leaking).reported and gpus(s, peer) == 1, 30)
     assert gpus(s, leaking) == 0 and grants.of(leaking).quarantined == "restart-budget"
+
+    def draining(dask_worker: Any) -> bool:
+        return dask_worker.plugins["accelsched-guard"].inventory.draining
+
+    # its new guard sends back what was already queued on it, as the old one did
+    assert (await c.run(draining, workers=[leaking]))[leaking] is True
     ran_on = await c.gather(c.map(where_now, range(20), resources={"GPU": 1}, pure=False))
     assert set(ran_on) == {peer}
     assert len(events(s, "quarantine")) == 1  # the same quarantine, not a second one

@@ -8,6 +8,7 @@ address and against a cluster without accelsched. Nothing is mocked.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from distributed import Client, Nanny
 from distributed.utils_test import captured_logger, gen_cluster
 
 import accelsched
+from accelsched.cli import print_status
 from accelsched.display import snapshot
 from accelsched.protocol import PLACEMENT_PLUGIN, DeviceStatus, StatusReply, WorkerStatus
 from tests import processes
@@ -285,6 +287,9 @@ def test_invalid_watch_interval_is_a_usage_error(every):
     the scheduler (before: ``--watch 1e-9`` asked it about 1200 times a second)."""
     code, _, err = asyncio.run(cli("status", "tcp://127.0.0.1:1", "--watch", every))
     assert code == 2 and f"invalid SECONDS {every!r}: expected a number >= 0.1" in err
+    if every == "1e-9":  # from Python too
+        with pytest.raises(ValueError, match=r"invalid watch=1e-09: expected seconds >= 0.1"):
+            print_status("tcp://127.0.0.1:1", io.StringIO(), watch=1e-9)
 
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1)], timeout=60)
