@@ -478,6 +478,11 @@ class Ledger:
         # key -> {device: bytes}: what it holds while in memory (results from elsewhere too)
         self._held: dict[Any, dict[int, int]] = {}
         self._live: dict[int, int] = {}  # device -> bytes results in memory hold
+        # results known by type that share an allocation (an identity step's result is
+        # its input; a view keeps its base): the allocation's id -> [keys holding it,
+        # what the first held, which alone is live], and each such key's allocation id
+        self._shared: dict[int, list[Any]] = {}
+        self._allocation_of: dict[Any, int] = {}
         # device -> noncache bytes: the base data from peers is measured from, a reading
         # when all was explained (or, in ``_fetched``, one taken as a fetch started)
         self._settled: dict[int, int] = {}
@@ -705,6 +710,10 @@ class Ledger:
             held = {}
         elif computed or knows(value):
             held = device_nbytes(value)
+            if held:  # by type: another key may hold the same allocation
+                if not computed:
+                    self._arrival(held, known=True)
+                return self._hold_allocation(key, held, value)
         else:  # from a peer, of a type nobody described: the growth on the idle devices
             held, typed = {}, device_nbytes(value)
             for device in self._idle():
@@ -779,10 +788,32 @@ class Ledger:
         held = self._held.pop(key, None)
         if not held:
             return False
+        if (allocation := self._allocation_of.pop(key, None)) is not None:
+            sharing = self._shared[allocation]
+            sharing[0] -= 1
+            if sharing[0]:  # another key holds it still: nothing went back
+                return False
+            del self._shared[allocation]
+            held = sharing[1]  # (what was counted live)
         for d, n in held.items():
             self._live[d] -= n
         self.forget(held)
         return True
+
+    def _hold_allocation(self, key: Any, held: dict[int, int], value: Any) -> dict[int, int]:
+        """``key`` holds ``held`` by its value's type: live once per allocation, however
+        many keys hold it (counted twice, its bytes would later lower the baseline below
+        the context, and once released the context would read as a leak)."""
+        allocation = id(_allocation(value))
+        self._held[key] = held
+        self._allocation_of[key] = allocation
+        if (sharing := self._shared.get(allocation)) is not None:
+            sharing[0] += 1
+            return held
+        self._shared[allocation] = [1, held]
+        for d, n in held.items():
+            self._live[d] = self._live.get(d, 0) + n
+        return held
 
     def live(self, device: int) -> int:
         """Bytes results in the worker's memory hold on ``device``."""
@@ -810,6 +841,20 @@ class Ledger:
                 self._fresh.pop(device, None)
                 moved[device] = moved.get(device, 0) + 1
             self._changes += 1
+
+
+def _allocation(value: Any) -> Any:
+    """The object that owns ``value``'s memory: its ``base``, for an array that is a view
+    of another (CuPy's, as NumPy's), else ``value``."""
+    for _ in range(8):  # (a chain of views is short)
+        try:
+            base = getattr(value, "base", None)
+        except Exception:  # an odd property: the value itself
+            return value
+        if base is None:
+            return value
+        value = base
+    return value
 
 
 class Meter:

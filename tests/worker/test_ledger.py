@@ -517,3 +517,46 @@ def test_a_fetch_reads_a_device_with_no_figure_once_per_check() -> None:
     ledger.recheck()  # as every leak check does
     ledger.fetching()
     assert Counting.reads == [1, 1]
+
+
+def make_gigabyte() -> object:
+    return device_alloc(GiB, device=0)
+
+
+def passthrough(value: object) -> object:
+    """An identity step (a select, a getitem that returns its input): its result is the
+    same object as its input's."""
+    return value
+
+
+def _live(dask_worker: Any) -> int:
+    return dask_worker.plugins["accelsched-guard"].ledger.live(0)
+
+
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=90)
+async def test_a_result_that_is_another_results_allocation_is_live_once(c, s, a, fake_gpus_2):
+    """A CPU task returning its input, a 1 GiB device buffer: two keys, one allocation,
+    live once; both released, no leak, with a 512 MiB context over a 256 MiB threshold
+    (before: live twice, which lowered the baseline below the context, and once both were
+    released the context was declared leaked, naming no prefix, and the idle worker was
+    restarted)."""
+    fake_gpus_2.set_flags(context_memory="512MiB")  # (its pool reads it at its first alloc)
+    await accelsched.register(c, **FAST)
+    A = a.worker_address
+    await wait_for(lambda: gpus(s, A) == 1)
+    with dask.annotate(resources={"GPU": 1}):
+        buffer = c.submit(make_gigabyte, key="buffer")
+    same = c.submit(passthrough, buffer, key="same")
+    await c.gather([buffer, same])
+    assert (await c.run(_live, workers=[A]))[A] == GiB
+    await guard_checks(c, s, [A], CONFIRMED)
+    del buffer
+    while (await c.run(_holds, "buffer", workers=[A]))[A]:  # the worker let go of it
+        await asyncio.sleep(0.01)
+    assert (await c.run(_live, workers=[A]))[A] == GiB  # the other key holds it still
+    del same
+    while (await c.run(_holds, "same", workers=[A]))[A]:
+        await asyncio.sleep(0.01)
+    await guard_checks(c, s, [A], CONFIRMED)
+    assert (await c.run(_live, workers=[A]))[A] == 0
+    assert not events(s, "leak") and not events(s, "restart")
