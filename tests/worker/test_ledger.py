@@ -560,3 +560,64 @@ async def test_a_result_that_is_another_results_allocation_is_live_once(c, s, a,
     await guard_checks(c, s, [A], CONFIRMED)
     assert (await c.run(_live, workers=[A]))[A] == 0
     assert not events(s, "leak") and not events(s, "restart")
+
+
+def make_buffer(i: int) -> object:
+    return device_alloc(GiB, device=0)
+
+
+def _spilled(dask_worker: Any) -> int:
+    return len(dask_worker.data.slow)
+
+
+def _size(buffer: Any) -> int:
+    return int(buffer.nbytes)
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, cvd("0"))],
+    worker_kwargs={"memory_limit": "2GiB"},
+    timeout=90,
+)
+async def test_device_results_spilled_and_read_back_are_live_only_while_in_memory(
+    c, s, a, fake_gpus_2
+):
+    """Three 1 GiB device results on a worker whose memory limit is 2 GiB: distributed
+    spills two to disk, which gives their device memory back; read back for a task, one
+    holds it again; all released, no leak, with a 512 MiB context over a 256 MiB threshold
+    (before: spilled results stayed live, which lowered the baseline below the context,
+    and once they were released the context was declared leaked and the worker
+    restarted)."""
+    fake_gpus_2.set_flags(context_memory="512MiB")
+    await accelsched.register(c, **FAST)
+    A = a.worker_address
+    await wait_for(lambda: gpus(s, A) == 1)
+    with dask.annotate(resources={"GPU": 1}):
+        buffers = c.map(make_buffer, range(3), key=[f"buffer-{i}" for i in range(3)])
+    await c.gather(buffers)
+
+    async def spilled_and_live() -> tuple[int, int]:
+        spilled = (await c.run(_spilled, workers=[A]))[A]
+        return spilled, (await c.run(_live, workers=[A]))[A]
+
+    async def live_is_what_is_in_memory() -> None:
+        deadline = asyncio.get_running_loop().time() + 30
+        while (now := await spilled_and_live())[0] < 1 or now[1] != (3 - now[0]) * GiB:
+            assert asyncio.get_running_loop().time() < deadline, now
+            await asyncio.sleep(0.05)
+
+    await live_is_what_is_in_memory()
+    # each read back for a task on the worker (another spilled in its place)
+    sizes = c.map(_size, buffers, workers=[A], key=[f"size-{i}" for i in range(3)])
+    assert await c.gather(sizes) == [GiB] * 3
+    await live_is_what_is_in_memory()
+    await guard_checks(c, s, [A], CONFIRMED)
+    assert not events(s, "leak")
+    del buffers, sizes
+    while (await c.run(lambda dask_worker: len(dask_worker.data), workers=[A]))[A]:
+        await asyncio.sleep(0.01)
+    await guard_checks(c, s, [A], CONFIRMED)
+    assert (await c.run(_live, workers=[A]))[A] == 0
+    assert not events(s, "leak") and not events(s, "restart")
