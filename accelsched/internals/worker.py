@@ -96,38 +96,6 @@ def plugin_modules(worker: Worker) -> list[str]:
     return [type(p).__module__ for p in getattr(worker, "plugins", {}).values()]
 
 
-def watch_spills(
-    worker: Worker, spilled: Callable[[Any], None], unspilled: Callable[[Any], None]
-) -> Callable[[], None]:
-    """Call ``spilled(key)`` when the worker moves a key's value out of memory (to disk,
-    or wherever its ``data`` spills), ``unspilled(key)`` when it reads one back, on the
-    worker's event loop; the undo. distributed's ``SpillBuffer`` is zict's ``Buffer``,
-    which calls back either way, from whatever thread touched the data. A worker whose
-    data spills otherwise (dask-cuda's device-to-host buffers) or not at all: nothing."""
-    data = worker.data
-    out = getattr(data, "fast_to_slow_callbacks", None)
-    back = getattr(data, "slow_to_fast_callbacks", None)
-    if not isinstance(out, list) or not isinstance(back, list):
-        return lambda: None
-
-    def went(key: Any, value: Any) -> None:
-        worker.loop.add_callback(spilled, key)
-
-    def came(key: Any, value: Any) -> None:
-        worker.loop.add_callback(unspilled, key)
-
-    out.append(went)
-    back.append(came)
-
-    def undo() -> None:
-        with contextlib.suppress(ValueError):
-            out.remove(went)
-        with contextlib.suppress(ValueError):
-            back.remove(came)
-
-    return undo
-
-
 def stored_values(worker: Worker) -> Callable[[Any], Any]:
     """``lookup(key)``: the value of ``key`` in the worker's memory (not read back from
     spill), or None. The worker keeps one mapping for its life: resolved once, as every

@@ -245,7 +245,6 @@ class GuardPlugin(WorkerPlugin):
                 self.binder.leases.started(key, gpu=gpu)
         internals.install_handler(worker, REPORT_HANDLER, self.report)
         internals.install_handler(worker, DRAIN_HANDLER, inv.drain)
-        self._unwatch = internals.watch_spills(worker, self._spilled, self._unspilled)
         if internals.serving(worker):
             await self.report()
         else:
@@ -265,7 +264,6 @@ class GuardPlugin(WorkerPlugin):
         if not hasattr(self, "leaks"):
             return  # set up no further than the check of distributed's internals
         internals.remove_handler(worker, DRAIN_HANDLER, self.inventory.drain)
-        self._unwatch()
         TABLES.discard(self.binder.leases)  # what it counted no longer runs under this guard
         internals.remove_metric(worker, GUARD_METRIC, self.leaks.heartbeat_metric)
         if not internals.worker_closing(worker):
@@ -339,20 +337,6 @@ class GuardPlugin(WorkerPlugin):
                 self.leaks.check()
             if self.inventory.over:
                 self.inventory.let_go(self._use_devices)
-
-    def _spilled(self, key: Any) -> None:
-        """``key``'s value left memory (spilled): what it held on a device went back as
-        if it were released (counted live, it would lower the baseline below the context,
-        and once the key went the context would read as a leak)."""
-        if self.ledger.released(key):
-            self.binder.room_freed()
-            self._results_moved()
-
-    def _unspilled(self, key: Any) -> None:
-        """``key``'s value was read back into memory: it holds what it holds now, as data
-        arriving does."""
-        if self.ledger.entered(key, computed=False):
-            self._results_moved()
 
     def _results_moved(self) -> None:
         """Results took or gave back device memory: offered again once the room they
