@@ -479,10 +479,13 @@ class Ledger:
         self._held: dict[Any, dict[int, int]] = {}
         self._live: dict[int, int] = {}  # device -> bytes results in memory hold
         # results known by type that share an allocation (an identity step's result is
-        # its input; a view keeps its base): the allocation's id -> [keys holding it,
-        # what the first held, which alone is live], and each such key's allocation id
-        self._shared: dict[int, list[Any]] = {}
+        # its input; a view keeps its base): per allocation (a token), the keys holding
+        # it and what is live of it (the most any of them held, per device); the token
+        # of each such key; the token by the allocation's id, while one of them holds it
+        self._shared: dict[int, tuple[set[Any], dict[int, int], int]] = {}
         self._allocation_of: dict[Any, int] = {}
+        self._by_id: dict[int, int] = {}
+        self._tokens = itertools.count()
         # device -> noncache bytes: the base data from peers is measured from, a reading
         # when all was explained (or, in ``_fetched``, one taken as a fetch started)
         self._settled: dict[int, int] = {}
@@ -706,6 +709,8 @@ class Ledger:
                 self._changes += 1
         if measured is not None and computed:  # the measurement wins: known without its value
             held = {d: n for d, n in measured.items() if n}
+            if held and knows(value := self._stored(key)):  # another key may hold it too
+                return self._hold_allocation(key, held, value)
         elif self.holds_nothing(value := self._stored(key)):
             held = {}
         elif computed or knows(value):
@@ -788,31 +793,46 @@ class Ledger:
         held = self._held.pop(key, None)
         if not held:
             return False
-        if (allocation := self._allocation_of.pop(key, None)) is not None:
-            sharing = self._shared[allocation]
-            sharing[0] -= 1
-            if sharing[0]:  # another key holds it still: nothing went back
+        if (token := self._allocation_of.pop(key, None)) is not None:
+            keys, counted, allocation = self._shared[token]
+            keys.discard(key)
+            if keys:  # another key holds it still: nothing went back
                 return False
-            del self._shared[allocation]
-            held = sharing[1]  # (what was counted live)
+            del self._shared[token]
+            if self._by_id.get(allocation) == token:
+                del self._by_id[allocation]
+            held = counted  # (what was live)
         for d, n in held.items():
             self._live[d] -= n
         self.forget(held)
         return True
 
     def _hold_allocation(self, key: Any, held: dict[int, int], value: Any) -> dict[int, int]:
-        """``key`` holds ``held`` by its value's type: live once per allocation, however
-        many keys hold it (counted twice, its bytes would later lower the baseline below
-        the context, and once released the context would read as a leak)."""
-        allocation = id(_allocation(value))
+        """``key`` holds ``held`` of its value's allocation: live once per allocation,
+        however many keys hold it (counted twice, its bytes would later lower the
+        baseline below the context, and once released the context would read as a leak).
+        An id is only the allocation's while a key holding it still has it in memory: a
+        freed object's id taken by a new one starts a new allocation."""
+        if key in self._allocation_of:  # (entered again: what it held first goes)
+            self.released(key)
+        root = _allocation(value)
+        token = self._by_id.get(allocation := id(root))
+        if token is not None:
+            holder = next(iter(self._shared[token][0]))
+            mine = self._stored(holder)
+            if mine is None or _allocation(mine) is not root:
+                token = None  # that allocation went (spilled, say) and its id was reused
         self._held[key] = held
-        self._allocation_of[key] = allocation
-        if (sharing := self._shared.get(allocation)) is not None:
-            sharing[0] += 1
-            return held
-        self._shared[allocation] = [1, held]
-        for d, n in held.items():
-            self._live[d] = self._live.get(d, 0) + n
+        if token is None:
+            token = self._by_id[allocation] = next(self._tokens)
+            self._shared[token] = (set(), {}, allocation)
+        keys, counted, _ = self._shared[token]
+        keys.add(key)
+        self._allocation_of[key] = token
+        for d, n in held.items():  # live: the most any key sharing it held there
+            if n > (was := counted.get(d, 0)):
+                counted[d] = n
+                self._live[d] = self._live.get(d, 0) + n - was
         return held
 
     def live(self, device: int) -> int:
@@ -845,13 +865,14 @@ class Ledger:
 
 def _allocation(value: Any) -> Any:
     """The object that owns ``value``'s memory: its ``base``, for an array that is a view
-    of another (CuPy's, as NumPy's), else ``value``."""
+    of another (CuPy's, as NumPy's), else ``value``. A ``base`` that holds no device
+    memory by its type (a handle, a pool, a host object) is no allocation: not followed."""
     for _ in range(8):  # (a chain of views is short)
         try:
             base = getattr(value, "base", None)
+            if base is None or not knows(base) or not device_nbytes(base):
+                return value
         except Exception:  # an odd property: the value itself
-            return value
-        if base is None:
             return value
         value = base
     return value

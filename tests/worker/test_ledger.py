@@ -535,8 +535,9 @@ def _live(dask_worker: Any) -> int:
 
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=90)
 async def test_a_result_that_is_another_results_allocation_is_live_once(c, s, a, fake_gpus_2):
-    """A CPU task returning its input, a 1 GiB device buffer: two keys, one allocation,
-    live once; both released, no leak, with a 512 MiB context over a 256 MiB threshold
+    """A CPU task returning its input, a 1 GiB device buffer a measured GPU task made:
+    two keys, one allocation, live once; both released, no leak, with a 512 MiB context
+    over a 256 MiB threshold
     (before: live twice, which lowered the baseline below the context, and once both were
     released the context was declared leaked, naming no prefix, and the idle worker was
     restarted)."""
@@ -544,6 +545,7 @@ async def test_a_result_that_is_another_results_allocation_is_live_once(c, s, a,
     await accelsched.register(c, **FAST)
     A = a.worker_address
     await wait_for(lambda: gpus(s, A) == 1)
+    await c.submit(marked_warm_up, pure=False)  # the context: the buffer's run is measured
     with dask.annotate(resources={"GPU": 1}):
         buffer = c.submit(make_gigabyte, key="buffer")
     same = c.submit(passthrough, buffer, key="same")
@@ -560,3 +562,36 @@ async def test_a_result_that_is_another_results_allocation_is_live_once(c, s, a,
     await guard_checks(c, s, [A], CONFIRMED)
     assert (await c.run(_live, workers=[A]))[A] == 0
     assert not events(s, "leak") and not events(s, "restart")
+
+
+def test_an_allocation_is_live_once_whatever_holds_it_and_however_often() -> None:
+    """Keys sharing one object, a key entered again, a base that holds no device memory:
+    live is what is on the device (the ledger alone, its values in a dict)."""
+    from accelsched.devices import NVMLMonitor
+    from accelsched.worker.leak_check import Ledger
+
+    memory: dict[str, Any] = {}
+    ledger = Ledger(NVMLMonitor(), stored=memory.get)
+    buffer = memory["a"] = memory["b"] = device_alloc(MiB, device=0)
+    for key in ("a", "b", "b"):  # "b" entered twice (what it held first goes)
+        ledger.entered(key, computed=True)
+    assert ledger.live(0) == MiB
+    assert ledger.released("a") is False and ledger.live(0) == MiB  # "b" holds it
+    assert ledger.released("b") is True and ledger.live(0) == 0
+
+    from accelsched.devices import device_nbytes
+
+    class Handled:
+        """A device type whose ``base`` is a handle every value shares, no allocation."""
+
+        base = object()
+
+        def __init__(self) -> None:
+            self.payload = device_alloc(MiB, device=0)
+
+    device_nbytes.register(Handled)(lambda frame: {0: MiB})
+    for i in range(2):
+        memory[f"h{i}"] = Handled()
+        ledger.entered(f"h{i}", computed=True)
+    assert ledger.live(0) == 2 * MiB  # two allocations, not one
+    del buffer
