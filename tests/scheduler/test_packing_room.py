@@ -186,6 +186,8 @@ async def test_three_sharers_through_a_restart_never_overpack_and_settle_even(c,
     first = c.map(four, range(12), pure=False)
     await wait_for(lambda: any(f.status == "finished" for f in first))
     await c.restart_workers([b.worker_address])
+    # the nanny learns its new worker's address a moment after the scheduler does
+    await wait_for(lambda: b.worker_address in s.workers)
     spans = await c.gather(first + c.map(four, range(12, 24), pure=False))
     at_once = max(sum(st <= t < en for st, en in spans) for t, _ in spans)
     assert at_once <= 3, spans
