@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask._task_spec import GraphNode, Task
 from distributed.core import Status
+from distributed.spill import SpillBuffer
 from distributed.worker_state_machine import UnpauseEvent
 
 from accelsched.policy.requests import valid_declaration
@@ -114,6 +115,18 @@ def stored_values(worker: Worker) -> Callable[[Any], Any]:
             return None
 
     return lookup
+
+
+def in_memory(worker: Worker) -> Callable[[Any], bool] | None:
+    """``resident(key)``: whether the value of ``key``, one the worker holds, is in its
+    memory now rather than spilled to disk by distributed's ``SpillBuffer`` (its device
+    memory then went back); None where nothing spills that way (a plain dict holds every
+    value in memory; another mapping, dask-cuda's device-to-host buffers, says nothing)."""
+    if not isinstance(worker.data, SpillBuffer):
+        return None
+    fast = worker.data.fast
+    store = getattr(fast, "d", fast)  # (as :func:`stored_values`: no LRU lock per key)
+    return store.__contains__
 
 
 _IN_THREAD = frozenset({"executing", "long-running"})

@@ -189,6 +189,7 @@ class GuardPlugin(WorkerPlugin):
             left_nothing=attribution.left_nothing,
             stored=internals.stored_values(worker),
             idle=lambda: {d.index for d in inv.owned} - self.binder.leases.busy(),
+            in_memory=internals.in_memory(worker),
         )
         inv.held = ledger.live  # offered room is net of what results hold
         self.binder = Binder(

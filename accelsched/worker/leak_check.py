@@ -278,7 +278,13 @@ class LeakCheck:
         arrives from peers."""
         pool = sum((p.stats(device) for p in pools), PoolStats())
         live = self._ledger.live(device)
-        baseline = self._decisions.devices[device].observe_baseline(process, live, pool.held)
+        # The baseline is lowered by what is on the device now: a result spilled out of
+        # memory gave its device memory back (counted, the baseline would fall below the
+        # context, and once its key went the context would read as a leak). The estimate
+        # still counts it as live: a run measured while another key spilled measured
+        # that much less, so counting it gone there could make a leak of nothing.
+        resident = self._ledger.resident(device)
+        baseline = self._decisions.devices[device].observe_baseline(process, resident, pool.held)
         leaked = estimate(process, baseline, live, pool)
         if leaked <= limit:
             self._ledger.settle(device, net_of_pools(process, pool))
@@ -465,12 +471,15 @@ class Ledger:
         left_nothing: Callable[[str, int], None] = lambda prefix, runs: None,
         stored: Callable[[Any], Any] = lambda key: None,
         idle: Callable[[], set[int]] = set,
+        in_memory: Callable[[Any], bool] | None = None,
     ) -> None:
         self.monitor = monitor
         self.residue = residue  # (step or task prefix, bytes it left behind): attribution
         self.left_nothing = left_nothing  # (task prefix, runs): runs that left nothing
         self._stored = stored  # key -> its value in the worker's memory (or None)
         self._idle = idle  # the owned devices no task holds now
+        # key -> whether its value is in memory, not spilled (None: nothing spills)
+        self._in_memory = in_memory
         self._lock = threading.Lock()
         # key -> {device: bytes}: measured as its task returned, until it enters memory
         # (or is released without)
@@ -838,6 +847,27 @@ class Ledger:
     def live(self, device: int) -> int:
         """Bytes results in the worker's memory hold on ``device``."""
         return self._live.get(device, 0)
+
+    def resident(self, device: int) -> int:
+        """:meth:`live` less what results spilled out of memory held on ``device``: their
+        device memory went back as they left (read back, they hold it again). An
+        allocation several keys share is gone once none of them is in memory.
+        O(results holding device memory), once per leak check."""
+        live = self._live.get(device, 0)
+        if (here := self._in_memory) is None or not live:
+            return live
+        gone, seen = 0, set()
+        for key, held in list(self._held.items()):
+            if not held.get(device) or here(key):
+                continue
+            if (token := self._allocation_of.get(key)) is None:
+                gone += held[device]
+            elif token not in seen:
+                seen.add(token)
+                keys, counted, _ = self._shared[token]
+                if not any(here(k) for k in keys):
+                    gone += counted.get(device, 0)
+        return live - gone
 
     @staticmethod
     def holds_nothing(value: Any) -> bool:

@@ -595,3 +595,81 @@ def test_an_allocation_is_live_once_whatever_holds_it_and_however_often() -> Non
         ledger.entered(f"h{i}", computed=True)
     assert ledger.live(0) == 2 * MiB  # two allocations, not one
     del buffer
+
+
+def make_buffer(i: int) -> object:
+    return device_alloc(GiB, device=0)
+
+
+def _spilled(dask_worker: Any) -> int:
+    return len(dask_worker.data.slow)
+
+
+def _size(buffer: Any) -> int:
+    return int(buffer.nbytes)
+
+
+@gen_cluster(
+    client=True,
+    Worker=Nanny,
+    nthreads=[("127.0.0.1", 1, cvd("0"))],
+    worker_kwargs={"memory_limit": "2GiB"},
+    timeout=90,
+)
+async def test_device_results_spilled_while_a_check_runs_leave_the_context_in_the_baseline(
+    c, s, a, fake_gpus_2
+):
+    """Three 1 GiB device results on a worker whose memory limit is 2 GiB: distributed
+    spills some to disk, which gives their device memory back; checks run while they are
+    spilled, and while they are read back for tasks; all released, no leak, with a 512 MiB
+    context over a 256 MiB threshold (before: spilled results still counted on the
+    device lowered the baseline below the context, and once they were released the
+    context was declared leaked and the worker restarted)."""
+    fake_gpus_2.set_flags(context_memory="512MiB")
+    await accelsched.register(c, **FAST)
+    A = a.worker_address
+    await wait_for(lambda: gpus(s, A) == 1)
+    with dask.annotate(resources={"GPU": 1}):
+        buffers = c.map(make_buffer, range(3), key=[f"buffer-{i}" for i in range(3)])
+    await c.gather(buffers)
+    while (await c.run(_spilled, workers=[A]))[A] < 1:
+        await asyncio.sleep(0.05)
+    await guard_checks(c, s, [A], CONFIRMED)  # while spilled
+    # each read back for a task on the worker (another spilled in its place)
+    sizes = c.map(_size, buffers, workers=[A], key=[f"size-{i}" for i in range(3)])
+    assert await c.gather(sizes) == [GiB] * 3
+    await guard_checks(c, s, [A], CONFIRMED)
+    assert (await c.run(_live, workers=[A]))[A] == 3 * GiB  # spilled or not: still live
+    assert not events(s, "leak")
+    del buffers, sizes
+    while (await c.run(lambda dask_worker: len(dask_worker.data), workers=[A]))[A]:
+        await asyncio.sleep(0.01)
+    await guard_checks(c, s, [A], CONFIRMED)
+    assert (await c.run(_live, workers=[A]))[A] == 0
+    assert not events(s, "leak") and not events(s, "restart")
+
+
+def test_resident_is_live_less_what_left_memory() -> None:
+    """What results hold on a device now: a key out of memory (spilled) holds nothing
+    there; an allocation two keys share is there while either is in memory; without a
+    way to tell, all that is live (the ledger alone, its values in a dict)."""
+    from accelsched.devices import NVMLMonitor
+    from accelsched.worker.leak_check import Ledger
+
+    memory: dict[str, Any] = {}
+    out: set[str] = set()
+    ledger = Ledger(NVMLMonitor(), stored=memory.get, in_memory=lambda key: key not in out)
+    memory["one"] = device_alloc(MiB, device=0)
+    memory["two"] = device_alloc(2 * MiB, device=0)
+    memory["a"] = memory["b"] = device_alloc(4 * MiB, device=0)
+    for key in ("one", "two", "a", "b"):
+        ledger.entered(key, computed=True)
+    assert ledger.live(0) == ledger.resident(0) == 7 * MiB
+    out.update({"two", "a"})
+    assert (ledger.live(0), ledger.resident(0)) == (7 * MiB, 5 * MiB)  # "b" holds it
+    out.add("b")
+    assert (ledger.live(0), ledger.resident(0)) == (7 * MiB, MiB)
+    assert ledger.resident(1) == 0
+    unknowing = Ledger(NVMLMonitor(), stored=memory.get)
+    unknowing.entered("two", computed=True)
+    assert unknowing.resident(0) == 2 * MiB
