@@ -16,6 +16,7 @@ import functools
 import itertools
 import types
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,9 @@ MARK_ATTRIBUTE = "__accelsched_gpu__"
 #: At most this many objects are looked at per task: a task is a small tree of calls,
 #: and the walk must never cost what the task's data would (arrays are never entered).
 MAX_VISITS = 1000
-#: Of a long list or dict argument, only this many items are looked at: data, not calls.
+#: Of a long list or dict argument, only this many items are looked at, and those after
+#: them only as long as they are calls (a fused task's subgraph: one task per step it runs,
+#: however long the chain): data, not calls.
 MAX_ITEMS = 64
 
 #: Whether this process ever built (or unpickled) a marked step: until then no task can
@@ -166,9 +169,9 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     """The GPU requirement of a task: the marks of every step it calls, combined.
 
     Several marked steps in one task (fused) need as many GPUs as the largest of them; a
-    step's own fallback timeout counts when only one is given (several: the shortest);
-    the task has a CPU form only when every step has one (a GPU-only step keeps it
-    strict by default).
+    step's own fallback timeout counts when only one is given (several: the shortest; one
+    of them strict, ``fallback_timeout=None``: strict); the task has a CPU form only when
+    every step has one (a GPU-only step keeps it strict by default).
     """
     if not _seen:
         return None
@@ -183,7 +186,7 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
         if cls in atoms:
             continue
         if cls is tuple or cls is list:
-            queue.extend(itertools.islice(obj, MAX_ITEMS))
+            queue.extend(_items(obj, max_visits - visits))
             visits += 1
             continue
         ident = id(obj)
@@ -193,7 +196,7 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
         visits += 1
         if isinstance(obj, _CONTAINERS):
             queue.extend(
-                itertools.islice(obj.values() if isinstance(obj, dict) else obj, MAX_ITEMS)
+                _items(obj.values() if isinstance(obj, dict) else obj, max_visits - visits)
             )
             continue
         mark = mark_of(obj)
@@ -224,12 +227,34 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
             found.append(mark)
     if not found:
         return None
-    timeouts = [m.timeout for m in found if m.timeout_given and m.timeout is not None]
+    given = [m.timeout for m in found if m.timeout_given]
     cpu_forms = [m.cpu_form for m in found if m.cpu_form is not None]
     return Mark(
         count=max(m.count for m in found),
-        timeout=min(timeouts, default=None),
-        timeout_given=any(m.timeout_given for m in found),
+        # a step marked strict keeps the task it is fused into strict, whatever the others
+        # allow: it must never run on the host (before: the shortest of theirs, and it ran
+        # there once one of them timed out)
+        timeout=None if None in given else min((t for t in given if t is not None), default=None),
+        timeout_given=bool(given),
         requirement=combine([m.requirement for m in found if m.requirement]),
         cpu_form=min(cpu_forms) if len(cpu_forms) == len(found) else None,
     )
+
+
+def _items(container: Any, most: int) -> Iterator[Any]:
+    """The items of ``container`` the walk looks at (:data:`MAX_ITEMS`), at most
+    ``most`` of them."""
+    items = iter(container)
+    yield from itertools.islice(items, MAX_ITEMS)
+    yield from itertools.islice(itertools.takewhile(_is_call, items), max(0, most - MAX_ITEMS))
+
+
+def _is_call(obj: Any) -> bool:
+    """Whether the walk would read into ``obj`` (a task, a partial): a call, not data."""
+    if type(obj) in _ATOMS:
+        return False
+    try:
+        plan = _PLANS.get(type(obj)) or _plan(obj)
+    except Exception:
+        return False
+    return plan.call_mark is not None or bool(plan.reads) or mark_of(obj) is not None

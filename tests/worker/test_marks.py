@@ -65,6 +65,51 @@ def test_marks_found_where_dask_nests_them() -> None:
     assert find_mark(both) == Mark(count=2, timeout=5.0, timeout_given=True)
 
 
+@accelsched.gpu(count=2, fallback_timeout=None)
+def strict(x):  # type: ignore[no-untyped-def]
+    return x
+
+
+def test_a_step_marked_strict_keeps_the_task_it_is_fused_into_strict() -> None:
+    """Fused with a step that gives a timeout, a step marked ``fallback_timeout=None``
+    (GPU-only: it must never run on the host) keeps the task strict, whichever comes
+    first (before: the other's 1 s, and the strict step ran on the host after it)."""
+    from accelsched.policy.timeouts import task_timeout
+
+    quick = accelsched.dual(on_device, host, fallback_timeout="1s")
+    for steps in ((quick, strict), (strict, quick), (big, strict, quick)):
+        fused = Task("k", host, *(Task(f"s{i}", f, 1) for i, f in enumerate(steps)))
+        mark = find_mark(fused)
+        assert mark == Mark(count=2, timeout=None, timeout_given=True), steps
+        assert task_timeout(30.0, {}, mark) is None
+    # a fused dask.array chain, as dask builds it
+    chain = da.ones(4, chunks=2).map_blocks(quick).map_blocks(strict)
+    (chain,) = dask.optimize(chain)
+    marks = [find_mark(t) for t in dict(chain.__dask_graph__()).values()]
+    assert marks == [Mark(count=2, timeout=None, timeout_given=True)] * 2
+
+
+def inc(x):  # type: ignore[no-untyped-def]
+    return x + 1
+
+
+def test_a_step_fused_into_a_long_chain_is_found() -> None:
+    """A marked step followed by hundreds of operations dask.array fuses into one task:
+    the fused subgraph's tasks are calls, all read (before: the first 64 items of it, and
+    a step further from the chain's end ran as a CPU task, without a GPU or a word)."""
+    for n in (63, 64, 200):
+        chain = da.ones(4, chunks=2).map_blocks(step)
+        for _ in range(n):
+            chain = chain.map_blocks(inc)
+        (chain,) = dask.optimize(chain)
+        tasks = list(dict(chain.__dask_graph__()).values())
+        assert len(tasks) == 2 and all(find_mark(t) == DUAL for t in tasks), n
+    # data stays data: past 64 items of a list, the walk goes on only while it meets calls
+    assert find_mark(Task("k", host, [0] * 64 + [step])) == DUAL
+    assert find_mark(Task("k", host, [0] * 65 + [step])) is None
+    assert find_mark(Task("k", host, [functools.partial(host, 0)] * 999 + [step])) is None
+
+
 def test_the_walk_never_enters_data_and_is_bounded() -> None:
     class Trap:
         """An array-like whose attributes must not be walked."""
