@@ -148,8 +148,8 @@ def backend_module() -> ModuleType:
         and not getattr(module.__spec__, "_initializing", False)  # another thread imports it
     ):
         return module
-    if not isinstance(name, str) or not name.replace(".", "").replace("_", "").isalnum():
-        raise ValueError(f"{where}: {name!r} is no module name")
+    if not isinstance(name, str) or not all(p.isidentifier() for p in name.split(".")):
+        raise ValueError(f"{where}: {name!r} is no module name")  # (".pynvml": relative)
     return importlib.import_module(name)
 
 

@@ -137,6 +137,10 @@ def test_backend_by_name(tmp_path, monkeypatch) -> None:
         ("no_such_backend_module", "the NVML backend cannot be imported"),
         ("os; rm -rf", "is no module name"),
         ("", "is no module name"),
+        # a relative name (before: a TypeError traceback from the import, not naming the
+        # setting, and the worker ran on without its guard)
+        (".pynvml", "is no module name"),
+        ("pynvml.", "is no module name"),
     ],
 )
 def test_a_bad_backend_means_zero_gpus_and_says_which(monkeypatch, caplog, value, said) -> None:
