@@ -487,6 +487,11 @@ ADAPT_OPTIONS: tuple[Option, ...] = (
 
 # --- which value wins: a worker's own settings, a register() against running plugins -----
 
+#: Guard options a worker's own settings do not change: ``fast_restart`` says how nannies
+#: start worker processes (:class:`accelsched.FastRestart`), which is decided where the
+#: plugins are installed (``register()``, the scheduler's ``--preload accelsched``).
+NOT_PER_WORKER = frozenset({"fast_restart"})
+
 #: worker -> the guard options its own ``--preload accelsched`` was given (parsed).
 worker_preload_options: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -498,7 +503,8 @@ def on_this_worker(
     the names given explicitly there), with this worker's ``preload`` arguments and own
     dask config applied where no explicit option says otherwise. With them, where each
     one not as handed came from (name -> where), and this worker's own settings that an
-    explicit option overrules (name -> (value, where))."""
+    explicit option overrules, or that are not a worker's to set (:data:`NOT_PER_WORKER`)
+    (name -> (value, where))."""
     options, sources, overruled = dict(handed), {}, {}
     for opt in GUARD_OPTIONS:
         mine = opt.name in preload  # (this worker's config is not read then)
@@ -508,7 +514,7 @@ def on_this_worker(
         )
         if not own or value == handed[opt.name]:
             continue
-        if opt.name in explicit:
+        if opt.name in explicit or opt.name in NOT_PER_WORKER:
             overruled[opt.name] = (value, source)
         else:
             options[opt.name] = value
@@ -521,12 +527,23 @@ def guard_options_here(
 ) -> dict[str, Any]:
     """:func:`on_this_worker` for ``worker`` (in its process), logged: a warning naming
     the worker's own settings taken and each one an explicit option overrules (shown by
-    default), and every value in effect (at INFO, ``DASK_LOGGING__ACCELSCHED=info``)."""
+    default), and every value in effect (at INFO, also shown by default)."""
     warn_unknown_config()  # this worker's own config: keys no option reads
     options, sources, overruled = on_this_worker(
         handed, explicit, worker_preload_options.get(worker, {})
     )
     for name, (value, source) in overruled.items():
+        if name in NOT_PER_WORKER:
+            logger.warning(
+                "accelsched: %s=%s from %s is not used: it says how nannies start workers, "
+                "which register() or the scheduler's --preload accelsched decides (%s=%s)",
+                name,
+                value,
+                source,
+                name,
+                handed[name],
+            )
+            continue
         logger.warning(
             "accelsched: %s=%s from %s is not used: the GuardPlugin was given %s=%s "
             "explicitly (register() or the scheduler's --preload accelsched), which wins",

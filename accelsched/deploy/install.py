@@ -210,6 +210,17 @@ async def _install(server: Any, given: dict[str, Any]) -> None:
         placement = PlacementPlugin(**placement_options)  # validated: a bad value stops here
         guard = GuardPlugin(**guard_options)
         fast = FastRestart() if guard.options["fast_restart"] else None
+        running = servers.running_plugins(server)
+        if running["placement"] is not None:  # an earlier preload (a second --preload)
+            logger.warning(
+                "accelsched: the plugins are installed already: this preload's options are "
+                "not used (placement %s, guard %s; running: placement %s, guard %s)",
+                placement.options,
+                guard.options,
+                running["placement"].options,
+                running["guard"].options if running["guard"] is not None else None,
+            )
+            return
         await servers.install_on_scheduler(server, placement, guard, fast)
         logger.info(
             "accelsched: PlacementPlugin installed, GuardPlugin handed to every worker "
@@ -319,8 +330,8 @@ dask_setup = _PreloadCommand(
             default=None,
             multiple=opt.name in _SEVERAL,
             callback=_validator(opt),
-            help=f"({side}) dask config {opt.key}"
-            + ("; repeat for several" if opt.name in _SEVERAL else ""),
+            help=f"({'scheduler' if opt.name in config.NOT_PER_WORKER else side}) dask config "
+            f"{opt.key}" + ("; repeat for several" if opt.name in _SEVERAL else ""),
         )
         for side, options in (("scheduler", PLACEMENT_OPTIONS), ("worker", GUARD_OPTIONS))
         for opt in options

@@ -372,6 +372,17 @@ def test_precedence_on_one_worker_in_numbers() -> None:
     }
     # nothing set on the worker: exactly as handed, nothing to say
     assert on_this_worker(handed, {"leak_confirmations"}, {}) == (handed, {}, {})
+    # how nannies start workers is not a worker's to set: said, not used (before: logged
+    # as applied, while its nanny went on forking)
+    with dask.config.set({"accelsched.guard.fast-restart": False}):
+        assert on_this_worker(handed, (), {}) == (
+            handed,
+            {},
+            {"fast_restart": (False, "this worker's dask config accelsched.guard.fast-restart")},
+        )
+    assert on_this_worker(handed, (), {"fast_restart": False})[2] == {
+        "fast_restart": (False, "this worker's --preload accelsched")
+    }
     with (
         dask.config.set({"accelsched.guard.leak-threshold": "lots"}),
         pytest.raises(ValueError, match="invalid leak_threshold='lots'"),
@@ -628,3 +639,26 @@ async def test_absent_config_keys_are_the_built_in_defaults() -> None:
             assert placement.options["fallback_timeout"] is None
     finally:
         dask.config.config["accelsched"] = saved
+
+
+@gen_test()
+async def test_a_second_preload_on_one_scheduler_says_its_options_are_not_used(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``--preload accelsched --preload accelsched.configured`` with other options in
+    dask config: the first installs, the second says its options are not used (before:
+    both logged "installed" with their own options, and the second's were not running)."""
+    with (
+        dask.config.set({"accelsched.placement.fallback-timeout": "5s"}),
+        caplog.at_level("INFO", logger="accelsched"),
+    ):
+        async with Scheduler(
+            dashboard_address=":0",
+            preload=["accelsched", "accelsched.configured"],
+            preload_argv=[["--fallback-timeout", "30s"], []],
+        ) as s:
+            assert s.plugins[PLACEMENT_PLUGIN].options["fallback_timeout"] == 30
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("accelsched")]
+    assert sum("PlacementPlugin installed" in m for m in said) == 1, said
+    (kept,) = [m for m in said if "installed already" in m]
+    assert "'fallback_timeout': 5.0" in kept and "'fallback_timeout': 30.0" in kept
