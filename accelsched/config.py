@@ -388,7 +388,7 @@ class Threshold:
 def parse_threshold(name: str, value: Any) -> Threshold:
     """Bytes (``"1GiB"``, ``2**30``) or a fraction of device memory (``0.1``)."""
     expected = "bytes like '1GiB' or a fraction of device memory like 0.1"
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise _bad(name, value, expected, TypeError)
     try:  # a float, or a string of one with a point ("1.5GiB" is bytes)
         f = float(value) if isinstance(value, float) or "." in str(value) else None
@@ -425,8 +425,10 @@ def size_bytes(text: str) -> int | None:
 
 
 def parse_size(name: str, value: Any, expected: str = "bytes like '64MiB', or 0") -> int:
-    """Bytes, zero or more (``"64MiB"``, ``0``), under :data:`~accelsched.protocol.INT_LIMIT`."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    """Bytes, zero or more (``"64MiB"``, ``0``, a numpy integer, or ``1e6``: dask config
+    reads an environment value so), under :data:`~accelsched.protocol.INT_LIMIT`."""
+    whole = isinstance(value, float) and math.isfinite(value) and value == int(value)
+    if isinstance(value, bool) or not (whole or isinstance(value, (numbers.Integral, str))):
         raise _bad(name, value, expected, TypeError)
     n = size_bytes(value) if isinstance(value, str) else int(value)
     if n is None or n < 0 or n >= INT_LIMIT:

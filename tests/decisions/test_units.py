@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import re
+from typing import Any
 
 import dask
 import numpy as np
@@ -327,6 +329,25 @@ def test_thresholds() -> None:
         with pytest.raises((ValueError, TypeError), match="leak_threshold"):
             resolve_options(GUARD_OPTIONS, {"leak_threshold": bad}, "G")
     assert resolve_options(PLACEMENT_OPTIONS, {}, "P")["share_gpus"] is False
+
+
+def test_numbers_of_bytes_as_numpy_and_dask_config_give_them() -> None:
+    """A numpy integer, and a whole number of bytes written as a float (dask config reads
+    ``DASK_ACCELSCHED__GUARD__FREE_POOLS_MIN=1e6`` so), are bytes; a fraction of a byte
+    is not (before: both refused, while ``np.float64(0.2)`` and ``1e9`` as a threshold
+    were taken)."""
+    import numpy as np
+
+    def guard(**given: Any) -> dict[str, Any]:
+        return resolve_options(GUARD_OPTIONS, given, "G")
+
+    assert guard(leak_threshold=np.int64(4096))["leak_threshold"] == Threshold(nbytes=4096)
+    assert guard(free_pools_min=np.int32(7))["free_pools_min"] == 7
+    with dask.config.set({"accelsched.guard.free-pools-min": 1e6}):
+        assert guard()["free_pools_min"] == 10**6
+    for bad in (1.5, -1.0, float("nan"), 1e30):
+        with pytest.raises((ValueError, TypeError), match=re.escape(f"free_pools_min={bad!r}")):
+            guard(free_pools_min=bad)
 
 
 def test_plugins_pickle_only_options() -> None:
