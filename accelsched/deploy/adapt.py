@@ -71,7 +71,7 @@ DEVICE_KEYS = ("count", "name", "memory", "capability", "mig")
 #: took, starting a pool's worker after one failed to start.
 RETRY_WAIT_MAX = 60.0
 #: A pool's name: its workers are ``<name>-<n>``.
-_NAME = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_.]{1,64}")  # (whole: fullmatch, no newline after it)
 
 
 class PoolSpec(NamedTuple):
@@ -138,7 +138,12 @@ def _declared_gpus(pool: str, options: Mapping[str, Any]) -> Any:
             f"pool {pool!r}: invalid spec options worker_extra_args={args!r:.80}: expected a "
             "list of arguments, like ['--resources', 'GPU=1']"
         )
-    args = list(args)
+    # "--resources GPU=1", or one argument "--resources=GPU=1" (click takes both)
+    args = [
+        part
+        for a in args
+        for part in (str(a).split("=", 1) if str(a).startswith("--resources=") else (a,))
+    ]
     for flag, value in zip(args, args[1:], strict=False):
         if flag == "--resources":
             for item in str(value).replace(",", " ").split():
@@ -160,7 +165,7 @@ def parse_pools(pools: Any) -> dict[str, PoolSpec]:
         raise TypeError(f"invalid pools={pools!r:.80}: expected a non-empty mapping of pools")
     out: dict[str, PoolSpec] = {}
     for name, given in pools.items():
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(
                 f"invalid pool name {name!r}: expected letters, digits, '_' or '.' "
                 "(its workers are named '<pool>-<n>')"

@@ -73,10 +73,15 @@ def workers_listed(client: Any) -> dict[str, dict[str, Any]]:
 def worker_class(cls: Any) -> bool:
     """Whether a worker spec's class can start a worker: a server (``Nanny``,
     ``Worker``) or a process a cluster manages (a dask-jobqueue job)."""
+    from distributed import Scheduler
     from distributed.core import Server
     from distributed.deploy.spec import ProcessInterface
 
-    return isinstance(cls, type) and issubclass(cls, (Server, ProcessInterface))
+    return (
+        isinstance(cls, type)
+        and issubclass(cls, (Server, ProcessInterface))
+        and not issubclass(cls, Scheduler)
+    )
 
 
 async def retire_named(scheduler_comm: Any, names: list[str], *, close: bool = False) -> set[str]:

@@ -182,14 +182,18 @@ def decide(
         if (now := states.get(p.name, PoolState())).starting > 0
         or targets[p.name] > now.running + now.starting
     }
+    # at its maximum: as many workers as it may have, running, starting or planned
+    held = {p.name: (s := states.get(p.name, PoolState())).running + s.starting for p in pools}
+    at_most = {p.name for p in pools if max(targets[p.name], held[p.name]) >= p.maximum}
     for d in (d for d in gpu if d.waiting > 0):
         serving = [p.name for p in pools if p.slots(d.need, d.devices) > 0]
         if not serving:
             plan.unserved.append(d.name)
         elif coming := [p for p in serving if p in starting]:
             plan.coming[d.name] = coming[0]
-        else:
-            plan.full[d.name] = serving
+        elif at_maximum := [p for p in serving if p in at_most]:
+            # (a pool below its maximum serves it with the workers it runs: not full)
+            plan.full[d.name] = at_maximum
     return plan
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import dask
 import pytest
-from distributed import Client, LocalCluster, Nanny, Worker
+from distributed import Client, LocalCluster, Nanny, Scheduler, Worker
 from distributed.utils_test import captured_logger
 
 import accelsched
@@ -301,6 +301,10 @@ def test_pools_are_checked_when_given() -> None:
             ({"cpu": {"spec": {"cls": "distributed.Nany"}}}, {}, ValueError, "'distributed.Nany'"),
             ({"cpu": {"spec": {"cls": 42, "options": {}}}}, {}, TypeError, "invalid spec cls"),
             ({"cpu": {"spec": {"cls": int}}}, {}, TypeError, "expected a worker class"),
+            # a server, but no worker (before: taken)
+            ({"cpu": {"spec": {"cls": Scheduler}}}, {}, TypeError, "expected a worker class"),
+            # a name and a newline after it (before: taken, "$" matching before it)
+            ({"cpu\n": {"spec": CPU_SPEC}}, {}, ValueError, "invalid pool name 'cpu\\n'"),
             (
                 {"cpu": {"spec": {"cls": "collections.OrderedDict"}}},
                 {},
@@ -357,6 +361,9 @@ def test_a_jobqueue_jobs_options_say_its_gpus_and_threads() -> None:
     gpu = job(worker_extra_args=["--lifetime", "1h", "--resources", "GPU=2 fast=1"])
     parsed = parse_pools({"gpu": gpu, "cpu": job(cores=3)})
     assert (parsed["gpu"].pool.gpus, parsed["gpu"].pool.threads) == (2, 4)
+    # one argument, as click takes it too (before: read as no GPU, a CPU pool)
+    for one in (["--resources=GPU=2"], ["--lifetime=1h", "--resources=fast=1,GPU=2"]):
+        assert parse_pools({"gpu": job(worker_extra_args=one)})["gpu"].pool.gpus == 2, one
     assert (parsed["cpu"].pool.gpus, parsed["cpu"].pool.threads) == (0, 3)
     with pytest.raises(ValueError, match="devices count=1 but its workers declare"):
         parse_pools({"gpu": {**gpu, "devices": {"count": 1}}})

@@ -107,6 +107,18 @@ def test_at_maximum_with_no_worker_starting_the_class_is_full() -> None:
     assert plan.full == {"1x any": ["gpu"]} and plan.coming == {}
 
 
+def test_a_pool_below_its_maximum_serving_the_class_is_not_full() -> None:
+    """One worker of four runs and is enough by time for the tasks waiting: they wait
+    for it, the pool is not full (before: listed in ``full``, and a fallback then said
+    ``pools_at_maximum: ['gpu']`` of a pool at one worker of four)."""
+    pool = Pool("gpu", maximum=4, gpus=1)
+    plan = decide([pool], {"gpu": PoolState(running=1)}, [gpu_tasks(3, running=1)])
+    assert plan.targets == {"gpu": 1} and plan.full == {} and plan.coming == {}
+    # at four (running, or planned): full
+    plan = decide([pool], {"gpu": PoolState(running=4)}, [gpu_tasks(3, running=4)])
+    assert plan.full == {"1x any": ["gpu"]}
+
+
 def test_a_starting_worker_covers_the_class_even_at_maximum() -> None:
     states = {"gpu": PoolState(running=1, starting=1)}
     plan = decide([GPU_POOL], states, [gpu_tasks(3)])
