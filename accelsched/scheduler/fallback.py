@@ -144,6 +144,8 @@ _SENT_BACK = "reschedule"
 #: Seconds what elastic pools last said of pools at their maximum holds (they say it
 #: every interval while they run; stopped, they say nothing more).
 FULL_SAID_FOR = 60.0
+#: The classes whose last promise of a starting worker is kept (the pools have a few).
+_CLASSES_KEPT = 1024
 #: What makes tasks one class: requirement, devices it takes, own ``workers=``.
 ClassKey = tuple[Requirement, int, frozenset[str] | None]
 
@@ -713,11 +715,14 @@ class Fallback:
         # which classes a starting worker serves, for how many more seconds (c), and
         # which wait on pools at their maximum (f); a promise once made keeps counting
         # for the tasks that waited then (counted_from), at most b seconds past when
-        # each became unrunnable
+        # each became unrunnable, however long their timeouts: it is kept (one past
+        # holds back no task that became unrunnable after it), the latest few classes
         now = monotonic()
         self._bound = b
-        kept = {n: u for n, u in self._coming.items() if u + b >= now}  # past: gone
-        self._coming = kept | {n: max(kept.get(n, 0.0), now + s) for n, s in c.items()}
+        coming = self._coming | {n: max(self._coming.get(n, 0.0), now + s) for n, s in c.items()}
+        if len(coming) > _CLASSES_KEPT:  # (anyone may name classes: not without end)
+            coming = dict(sorted(coming.items(), key=lambda nu: nu[1])[-_CLASSES_KEPT:])
+        self._coming = coming
         self._full, self._full_at = f, now
         if names is not None:
             self.pool_names = names

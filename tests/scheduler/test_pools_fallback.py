@@ -4,6 +4,7 @@ task whose pools are at their maximum falls back as before, its event naming the
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import dask
@@ -126,3 +127,21 @@ async def test_the_pools_see_a_retired_worker_but_not_one_accelsched_drains_to_r
     assert (await flags())[b.address] == (False, False, True)
     budget.done(b.address, counted=False)
     assert (await flags())[b.address] == (True, False, True)
+
+
+@gen_cluster(client=True, nthreads=CPU_WORKER)
+async def test_a_promise_holds_a_timeout_longer_than_twice_the_bound(c, s, a):
+    """A worker said to be starting for 1 s (bound 1 s) holds back a 3 s timeout by that
+    second, though the task's plain deadline comes after the promise and its bound have
+    passed (before: forgotten by then, and the CPU form ran at 3 s)."""
+    await accelsched.register(c)
+    with dask.annotate(resources={"GPU": 1}, fallback_timeout="3s"):
+        fut = c.submit(inc, 1, key="x")
+    await wait_for(lambda: s.tasks.get("x") is not None and s.tasks["x"].state == "no-worker")
+    t0 = time.monotonic()
+    await getattr(c.scheduler, POOLS_HANDLER)(coming={"1x any": 1.0}, full={}, bound=1.0)
+    await asyncio.sleep(2.2)  # the pools say again, as they do every interval: none coming
+    await getattr(c.scheduler, POOLS_HANDLER)(coming={}, full={}, bound=1.0)
+    assert await fut == 2
+    waited = time.monotonic() - t0
+    assert 1.0 + 3.0 - 0.3 <= waited < 1.0 + 3.0 + 2, waited
