@@ -239,6 +239,9 @@ class ElasticPools(Adaptive):
             )
         self.options = resolve_options(ADAPT_OPTIONS, options, "accelsched.adapt")
         self.pools = parse_pools(pools)
+        # each pool's class, built so that one raising as it is built fails its worker
+        # alone (SpecCluster builds all new workers in one loop)
+        self._build = {n: internals.built_or_failed(s["cls"]) for n, (_, s) in self.pools.items()}
         self._idle_since: dict[str, float] = {}  # worker -> since when it has had no task
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
@@ -470,7 +473,10 @@ class ElasticPools(Adaptive):
                     "accelsched.adapt: pool %r: %s failed to start or closed; asked for again "
                     "in %.0fs",
                     pool,
-                    ", ".join(failed),
+                    ", ".join(
+                        w + (f" ({why})" if (why := internals.build_error(self.cluster, w)) else "")
+                        for w in failed
+                    ),
                     wait,
                 )
                 self._drop(failed)
@@ -542,7 +548,7 @@ class ElasticPools(Adaptive):
                 and not cluster_holds(self.cluster, w)
             )
             new = [next(free) for _ in range(plan.targets[name] - len(self.members(name)))]
-            spec.update({worker: copy.deepcopy(worker_spec) for worker in new})
+            spec.update({w: {**copy.deepcopy(worker_spec), "cls": self._build[name]} for w in new})
             self._started.update(dict.fromkeys(new, now))
             if new:
                 self._awaited[name] = now  # awaited as of this look

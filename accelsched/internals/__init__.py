@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from accelsched.internals.client_side import (
     add_spec_worker,
+    build_error,
+    built_or_failed,
     cpu_count,
     distributed_nvml_state,
     reset_distributed_nvml,
@@ -105,6 +107,8 @@ if TYPE_CHECKING:
     from distributed import Scheduler, Worker
 
 __all__ = [
+    "build_error",
+    "built_or_failed",
     "TESTED_DISTRIBUTED",
     "Bound",
     "IncompatibleDistributed",

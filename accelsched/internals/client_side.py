@@ -45,6 +45,41 @@ def spec_class(cls: Any) -> Any:
     return import_term(cls) if isinstance(cls, str) else cls
 
 
+def built_or_failed(cls: Any) -> Callable[..., Any]:
+    """A worker spec's ``cls`` for ``SpecCluster`` that never raises as it builds: a worker
+    whose class raises when built (a bad option, as ``memory_limit="lots"``) becomes one
+    whose start fails with that error, so :func:`start_failed` sees it. ``SpecCluster``
+    builds every new worker in one loop and starts them after: one that raised there
+    kept every other, of any pool, from starting, and left no worker object to tell."""
+    from distributed.deploy.spec import ProcessInterface
+
+    cls = spec_class(cls)
+
+    class NotBuilt(ProcessInterface):
+        def __init__(self, error: Exception) -> None:
+            super().__init__()
+            self.build_error = error
+
+        async def start(self) -> None:
+            raise self.build_error
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return cls(*args, **kwargs)
+        except Exception as exc:
+            return NotBuilt(exc)
+
+    build.__name__ = build.__qualname__ = f"built_or_failed({getattr(cls, '__name__', cls)})"
+    return build
+
+
+def build_error(cluster: Any, name: str) -> str | None:
+    """What the class of ``cluster``'s worker ``name`` raised as it was built (see
+    :func:`built_or_failed`), said in a line; None if it was built."""
+    error = getattr(cluster.workers.get(name), "build_error", None)
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
 def cpu_count() -> int:
     """The threads a worker given no ``nthreads`` (or 0) runs, as distributed counts
     this host's cores."""

@@ -24,7 +24,7 @@ from distributed.utils_test import captured_logger
 import accelsched
 from accelsched import internals
 from accelsched.protocol import PLACEMENT_PLUGIN
-from tests.utils import ROOT, cli, events, gpu_nap, named_nap, until
+from tests.utils import ROOT, cli, events, gpu_nap, inc, named_nap, until
 
 
 class PoolNanny(Nanny):
@@ -199,6 +199,37 @@ def test_a_worker_that_fails_to_start_is_replaced() -> None:
             assert pools.members("gpu") == ["gpu-0"]
             (line,) = log.getvalue().splitlines()
             assert "pool 'gpu': gpu-0 failed to start or closed; asked for again in 1s" in line
+        finally:
+            pools.stop()
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
+def test_a_pool_whose_class_raises_as_it_is_built_holds_up_no_other() -> None:
+    """A CPU pool whose worker class raises as it is built (a bad option, as
+    ``memory_limit="lots"``): the GPU pool's worker starts and runs the GPU task; the CPU
+    pool's is said to have failed, naming the error, and is asked for again (before:
+    distributed built every new worker in one loop, so no worker of any pool started, the
+    failed one counted as starting for ever, and nothing was said but a traceback)."""
+    bad = {"cls": Nanny, "options": {**CPU_SPEC["options"], "memory_limit": "lots"}}
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+        captured_logger("accelsched.deploy.adapt", level=logging.WARNING) as log,
+    ):
+        accelsched.register(client)
+        pools = accelsched.adapt(
+            cluster,
+            pools={"gpu": {"spec": GPU_SPEC, "maximum": 1}, "cpu": {"spec": bad, "maximum": 1}},
+            interval="200ms",
+        )
+        try:
+            on_cpu = client.submit(inc, 1, pure=False)  # CPU work too: the CPU pool is asked
+            until(lambda: "cpu-0 (ValueError: Could not interpret 'lots'" in log.getvalue(), 30)
+            with dask.annotate(resources={"GPU": 1}):  # strict
+                assert client.submit(gpu_nap, 0, seconds=0.0, pure=False).result(timeout=45) == 0
+            assert pools.members("gpu") == ["gpu-0"]
+            assert "failed to start or closed; asked for again in" in log.getvalue()
+            assert on_cpu.result(timeout=30) == 2  # (the GPU worker runs CPU tasks too)
         finally:
             pools.stop()
 
