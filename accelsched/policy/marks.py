@@ -16,7 +16,6 @@ import functools
 import itertools
 import types
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,14 +179,19 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     seen: set[int] = set()
     visits = 0
     atoms = _ATOMS
-    while queue and visits < max_visits:
+    # a long container's items past MAX_ITEMS: walked once all else is (so a fused
+    # subgraph's hundreds of tasks do not spend the walk before a step deeper in its first)
+    later: deque[Any] = deque()
+    while (queue or later) and visits < max_visits:
+        if not queue:
+            queue, later = later, queue
         obj = queue.popleft()
         cls = type(obj)
         if cls in atoms:
             continue
         if cls is tuple or cls is list:
-            queue.extend(_items(obj, max_visits - visits))
             visits += 1
+            _items(obj, queue, later, max_visits - visits)
             continue
         ident = id(obj)
         if ident in seen:
@@ -195,9 +199,8 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
         seen.add(ident)
         visits += 1
         if isinstance(obj, _CONTAINERS):
-            queue.extend(
-                _items(obj.values() if isinstance(obj, dict) else obj, max_visits - visits)
-            )
+            items = obj.values() if isinstance(obj, dict) else obj
+            _items(items, queue, later, max_visits - visits)
             continue
         mark = mark_of(obj)
         if mark is None:
@@ -241,20 +244,12 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     )
 
 
-def _items(container: Any, most: int) -> Iterator[Any]:
-    """The items of ``container`` the walk looks at (:data:`MAX_ITEMS`), at most
-    ``most`` of them."""
-    items = iter(container)
-    yield from itertools.islice(items, MAX_ITEMS)
-    yield from itertools.islice(itertools.takewhile(_is_call, items), max(0, most - MAX_ITEMS))
-
-
-def _is_call(obj: Any) -> bool:
-    """Whether the walk would read into ``obj`` (a task, a partial): a call, not data."""
-    if type(obj) in _ATOMS:
-        return False
-    try:
-        plan = _PLANS.get(type(obj)) or _plan(obj)
-    except Exception:
-        return False
-    return plan.call_mark is not None or bool(plan.reads) or mark_of(obj) is not None
+def _items(items: Any, queue: deque[Any], later: deque[Any], budget: int) -> None:
+    """Queue the items of a container the walk looks at: its first :data:`MAX_ITEMS`,
+    then (``later``) those after them while they are calls, as long as the walk's
+    ``budget`` of visits left is not spent on what is queued already."""
+    it = iter(items)
+    queue.extend(itertools.islice(it, MAX_ITEMS))
+    if (room := budget - len(queue) - len(later)) > 0:
+        # data, not calls (a Timestamp, an Enum member): never callable
+        later.extend(itertools.islice(itertools.takewhile(callable, it), room))

@@ -104,6 +104,15 @@ def test_a_step_fused_into_a_long_chain_is_found() -> None:
         (chain,) = dask.optimize(chain)
         tasks = list(dict(chain.__dask_graph__()).values())
         assert len(tasks) == 2 and all(find_mark(t) == DUAL for t in tasks), n
+    # a step deep in a fused subgraph's first task is not crowded out by the others
+    # (before: a walk that read every task of a long subgraph first missed it)
+    for op in (lambda x: (x + 1)[:, None][:, 0], lambda x: (x + 1).T):
+        chain = da.ones((400, 400), chunks=(100, 400)).map_blocks(step)
+        for _ in range(100):
+            chain = op(chain)
+        (chain,) = dask.optimize(chain)
+        tasks = list(dict(chain.__dask_graph__()).values())
+        assert sum(find_mark(t) == DUAL for t in tasks) == 4
     # data stays data: past 64 items of a list, the walk goes on only while it meets calls
     assert find_mark(Task("k", host, [0] * 64 + [step])) == DUAL
     assert find_mark(Task("k", host, [0] * 65 + [step])) is None
