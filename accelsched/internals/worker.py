@@ -97,16 +97,47 @@ def plugin_modules(worker: Worker) -> list[str]:
     return [type(p).__module__ for p in getattr(worker, "plugins", {}).values()]
 
 
+def _in_memory_stores(data: Any) -> list[Any] | None:
+    """The mappings that hold the worker's values in memory, device objects first, each
+    read without a lock (zict's LRU keeps its values in a dict: read that, not the LRU,
+    whose every read takes its lock and moves the key to the end of the eviction order);
+    None where the values that spilled cannot be told apart.
+
+    - a plain dict (no spilling): itself;
+    - distributed's ``SpillBuffer``: its ``fast`` dict (``slow``: on disk);
+    - dask-cuda's ``DeviceHostFile`` (a ``dask cuda worker``'s, a ``LocalCUDACluster``'s):
+      its ``device`` dict, its ``others`` (objects that spill themselves, cudf's) and its
+      ``host`` dict. Its ``fast``, kept for distributed, is only the host's: a device
+      object is never there.
+    """
+    if type(data) is dict:
+        return [data]
+    if isinstance(data, SpillBuffer):
+        fast = data.fast
+        return [getattr(fast, "d", fast)]
+    stores = [getattr(data, name, None) for name in ("device", "others", "host")]
+    if hasattr(data, "device_keys") and all(type(s) is dict for s in stores):
+        return stores
+    return None
+
+
 def stored_values(worker: Worker) -> Callable[[Any], Any]:
     """``lookup(key)``: the value of ``key`` in the worker's memory (not read back from
     spill), or None. The worker keeps one mapping for its life: resolved once, as every
     task entering memory is looked up."""
+    stores = _in_memory_stores(worker.data)
+    if stores is not None and len(stores) == 1:
+        return stores[0].get
+    if stores is not None:
+
+        def found(key: Any) -> Any:
+            for store in stores:
+                if (value := store.get(key)) is not None:
+                    return value
+            return None
+
+        return found
     fast = getattr(worker.data, "fast", worker.data)
-    # zict's LRU keeps its values in a dict: read that, not the LRU, whose every read
-    # takes its lock and moves the key to the end of the eviction order
-    store = getattr(fast, "d", fast)  # (a worker without spilling: a dict itself)
-    if type(store) is dict:
-        return store.get
 
     def lookup(key: Any) -> Any:
         try:
@@ -119,14 +150,16 @@ def stored_values(worker: Worker) -> Callable[[Any], Any]:
 
 def in_memory(worker: Worker) -> Callable[[Any], bool] | None:
     """``resident(key)``: whether the value of ``key``, one the worker holds, is in its
-    memory now rather than spilled to disk by distributed's ``SpillBuffer`` (its device
-    memory then went back); None where nothing spills that way (a plain dict holds every
-    value in memory; another mapping, dask-cuda's device-to-host buffers, says nothing)."""
-    if not isinstance(worker.data, SpillBuffer):
+    memory now rather than spilled (its device memory then went back): to disk by
+    distributed's ``SpillBuffer``, to the host by dask-cuda's ``DeviceHostFile``; None
+    where nothing spills (a plain dict) or a spilled value cannot be told apart."""
+    stores = _in_memory_stores(worker.data)
+    if stores is None or type(worker.data) is dict:
         return None
-    fast = worker.data.fast
-    store = getattr(fast, "d", fast)  # (as :func:`stored_values`: no LRU lock per key)
-    return store.__contains__
+    if len(stores) == 1:
+        return stores[0].__contains__
+    device, others, _ = stores  # (a device object spilled to the host is in no device dict)
+    return lambda key: key in device or key in others
 
 
 _IN_THREAD = frozenset({"executing", "long-running"})

@@ -9,9 +9,11 @@ that environment), skipped elsewhere.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import dask
+import dask.sizeof
 import pytest
 from distributed import Client, get_worker
 
@@ -113,6 +115,73 @@ def test_leak_restarts_the_worker_and_the_new_one_is_verified(
     owns_first_visible(cuda_cluster, gpus)
     new = next(a for a, i in first_visible(cuda_cluster).items() if i == device)
     assert granted(cuda_cluster)[new] == gpus.uuids[int(device)]
+
+
+# --- device results in dask-cuda's DeviceHostFile -----------------------------------------------
+
+
+class Frame:
+    """Stands in for a cudf frame: device memory behind a type accelsched has no rule for,
+    which dask-cuda takes for a device object (it has ``__cuda_array_interface__``), so a
+    ``DeviceHostFile`` keeps it in its device dict, and spills it to the host past its
+    ``device_memory_limit`` (its ``sizeof`` is its bytes)."""
+
+    def __init__(self, nbytes: int) -> None:
+        from accelsched.testing import device_alloc
+
+        self.payload = device_alloc(nbytes)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:  # (what dask-cuda asks; nobody reads it)
+        return {"shape": (self.payload.nbytes,), "typestr": "|u1", "data": (0, False), "version": 3}
+
+
+dask.sizeof.sizeof.register(Frame)(lambda frame: frame.payload.nbytes)
+
+
+@accelsched.gpu
+def make_frame(i: int) -> Frame:
+    return Frame(64 * 2**20)
+
+
+def _guard_state(dask_worker) -> tuple[str, int, int]:  # type: ignore[no-untyped-def]
+    ledger = dask_worker.plugins["accelsched-guard"].ledger
+    return type(dask_worker.data).__name__, ledger.live(0), ledger.resident(0)
+
+
+@pytest.mark.parametrize("device_memory_limit", ["default", "200MiB"])
+def test_device_results_in_a_device_host_file_are_held_where_they_are(
+    gpus: FakeGPUs, device_memory_limit: str
+) -> None:
+    """Twelve 64 MiB device results of one step on a dask-cuda worker (its data a
+    ``DeviceHostFile``): after the step's first runs, sampling leaves most runs unmeasured,
+    and their results are held by what the worker stores in its device dict; past a
+    200 MiB ``device_memory_limit`` most are spilled to the host, which gives their device
+    memory back. Checks run, then all released: no leak (before: the guard read the
+    ``DeviceHostFile``'s ``fast``, its host dict alone, found no device object there, held
+    the unmeasured runs' results at nothing, and declared them a leak)."""
+    with (
+        dask_cuda.LocalCUDACluster(
+            CUDA_VISIBLE_DEVICES="0",
+            device_memory_limit=device_memory_limit,
+            dashboard_address=":0",
+            protocol="tcp",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        accelsched.register(client, **FAST)
+        until(lambda: len(granted(client)) == 1, timeout=60)
+        frames = [client.submit(make_frame, i, pure=False) for i in range(12)]
+        client.gather(frames)
+        ((data, live, resident),) = client.run(_guard_state).values()
+        assert data == "DeviceHostFile" and live == 12 * 64 * 2**20
+        assert resident < live if device_memory_limit == "200MiB" else resident == live
+        time.sleep(1)  # checks
+        assert not events(client, "leak")
+        del frames
+        until(lambda: list(client.run(_guard_state).values())[0][1] == 0, timeout=30)
+        time.sleep(1)
+        assert not events(client, "leak") and not events(client, "quarantine")
 
 
 # --- dask cuda worker --preload accelsched, against a preloaded dask scheduler ------------------
