@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Callable, Mapping
 from time import monotonic, time
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dask._task_spec import GraphNode, Task
 from distributed.core import Status
@@ -148,18 +148,29 @@ def stored_values(worker: Worker) -> Callable[[Any], Any]:
     return lookup
 
 
-def in_memory(worker: Worker) -> Callable[[Any], bool] | None:
-    """``resident(key)``: whether the value of ``key``, one the worker holds, is in its
-    memory now rather than spilled (its device memory then went back): to disk by
+class Residence(NamedTuple):
+    """Where a worker's values are: ``holds(key)``, whether the value of ``key`` is in its
+    memory now rather than spilled (its device memory then went back); ``any_out()``,
+    whether any is spilled now (a length or two: most checks need no more)."""
+
+    holds: Callable[[Any], bool]
+    any_out: Callable[[], bool]
+
+
+def in_memory(worker: Worker) -> Residence | None:
+    """Where the worker's values are (:class:`Residence`): spilled to disk by
     distributed's ``SpillBuffer``, to the host by dask-cuda's ``DeviceHostFile``; None
     where nothing spills (a plain dict) or a spilled value cannot be told apart."""
-    stores = _in_memory_stores(worker.data)
-    if stores is None or type(worker.data) is dict:
+    data: Any = worker.data
+    stores = _in_memory_stores(data)
+    if stores is None or type(data) is dict:
         return None
-    if len(stores) == 1:
-        return stores[0].__contains__
+    if len(stores) == 1:  # a SpillBuffer
+        slow = data.slow
+        return Residence(stores[0].__contains__, lambda: len(slow) > 0)
     device, others, _ = stores  # (a device object spilled to the host is in no device dict)
-    return lambda key: key in device or key in others
+    keys = data.device_keys  # every device object's key, wherever it is
+    return Residence(lambda key: key in device or key in others, lambda: len(keys) > len(device))
 
 
 _IN_THREAD = frozenset({"executing", "long-running"})

@@ -141,6 +141,8 @@ from accelsched.protocol import (
 if TYPE_CHECKING:
     from distributed import Worker
 
+    from accelsched.internals.worker import Residence
+
 __all__ = [
     "Inventory",
     "LEARN",
@@ -471,14 +473,14 @@ class Ledger:
         left_nothing: Callable[[str, int], None] = lambda prefix, runs: None,
         stored: Callable[[Any], Any] = lambda key: None,
         idle: Callable[[], set[int]] = set,
-        in_memory: Callable[[Any], bool] | None = None,
+        in_memory: Residence | None = None,
     ) -> None:
         self.monitor = monitor
         self.residue = residue  # (step or task prefix, bytes it left behind): attribution
         self.left_nothing = left_nothing  # (task prefix, runs): runs that left nothing
         self._stored = stored  # key -> its value in the worker's memory (or None)
         self._idle = idle  # the owned devices no task holds now
-        # key -> whether its value is in memory, not spilled (None: nothing spills)
+        # where the values are: in memory or spilled (None: nothing spills)
         self._in_memory = in_memory
         self._lock = threading.Lock()
         # key -> {device: bytes}: measured as its task returned, until it enters memory
@@ -854,8 +856,9 @@ class Ledger:
         allocation several keys share is gone once none of them is in memory.
         O(results holding device memory), once per leak check."""
         live = self._live.get(device, 0)
-        if (here := self._in_memory) is None or not live:
+        if (where := self._in_memory) is None or not live or not where.any_out():
             return live
+        here = where.holds
         gone, seen = 0, set()
         for key, held in list(self._held.items()):
             if not held.get(device) or here(key):

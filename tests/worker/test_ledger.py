@@ -28,6 +28,7 @@ from tests.utils import (
     events,
     gpus,
     guard_checks,
+    inc,
     marked_warm_up,
     wait_for,
 )
@@ -609,6 +610,11 @@ def _size(buffer: Any) -> int:
     return int(buffer.nbytes)
 
 
+def _live_and_resident(dask_worker: Any) -> tuple[int, int]:
+    ledger = dask_worker.plugins["accelsched-guard"].ledger
+    return ledger.live(0), ledger.resident(0)
+
+
 @gen_cluster(
     client=True,
     Worker=Nanny,
@@ -634,6 +640,12 @@ async def test_device_results_spilled_while_a_check_runs_leave_the_context_in_th
     await c.gather(buffers)
     while (await c.run(_spilled, workers=[A]))[A] < 1:
         await asyncio.sleep(0.05)
+    # a GPU task: the guard frees the pool's cache after it, so the memory of the
+    # buffers spilled goes back to the device, as CuPy's pool gives it back
+    with dask.annotate(resources={"GPU": 1}):
+        assert await c.submit(inc, 1, workers=[A], pure=False) == 2
+    live_and_resident = (await c.run(_live_and_resident, workers=[A]))[A]
+    assert live_and_resident[0] == 3 * GiB and live_and_resident[1] < 3 * GiB
     await guard_checks(c, s, [A], CONFIRMED)  # while spilled
     # each read back for a task on the worker (another spilled in its place)
     sizes = c.map(_size, buffers, workers=[A], key=[f"size-{i}" for i in range(3)])
@@ -645,8 +657,8 @@ async def test_device_results_spilled_while_a_check_runs_leave_the_context_in_th
     while (await c.run(lambda dask_worker: len(dask_worker.data), workers=[A]))[A]:
         await asyncio.sleep(0.01)
     await guard_checks(c, s, [A], CONFIRMED)
-    assert (await c.run(_live, workers=[A]))[A] == 0
     assert not events(s, "leak") and not events(s, "restart")
+    assert (await c.run(_live, workers=[A]))[A] == 0
 
 
 def test_resident_is_live_less_what_left_memory() -> None:
@@ -658,7 +670,10 @@ def test_resident_is_live_less_what_left_memory() -> None:
 
     memory: dict[str, Any] = {}
     out: set[str] = set()
-    ledger = Ledger(NVMLMonitor(), stored=memory.get, in_memory=lambda key: key not in out)
+    from accelsched.internals.worker import Residence
+
+    where = Residence(lambda key: key not in out, lambda: bool(out))
+    ledger = Ledger(NVMLMonitor(), stored=memory.get, in_memory=where)
     memory["one"] = device_alloc(MiB, device=0)
     memory["two"] = device_alloc(2 * MiB, device=0)
     memory["a"] = memory["b"] = device_alloc(4 * MiB, device=0)
