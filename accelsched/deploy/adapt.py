@@ -243,6 +243,9 @@ class ElasticPools(Adaptive):
         # alone (SpecCluster builds all new workers in one loop)
         self._build = {n: internals.built_or_failed(s["cls"]) for n, (_, s) in self.pools.items()}
         self._idle_since: dict[str, float] = {}  # worker -> since when it has had no task
+        #: GPU pool workers seen with verified GPUs, or said to have none (once each)
+        self._verified: set[str] = set()
+        self._said_deviceless: set[str] = set()
         self._started: dict[str, float] = {}  # worker -> when this asked for it
         self.last_plan: Plan | None = None
         #: whether the scheduler ran a PlacementPlugin at the last look (None: not asked
@@ -498,9 +501,24 @@ class ElasticPools(Adaptive):
                 seen = listed.get(w)
                 started = self._started.setdefault(w, now)  # (asked for by another)
                 late = now - started >= self.options["start_timeout"]
+                if pool.gpus and seen is not None and seen["gpus"]:
+                    self._verified.add(w)
                 if seen is None or (pool.gpus and not seen["gpus"] and not late):
                     starting.append(started)
-                elif (
+                    continue
+                if pool.gpus and w not in self._verified and w not in self._said_deviceless:
+                    # it counts as the pool's worker from now on, serving no GPU task:
+                    # said once, or GPU tasks waiting for the pool would wait unexplained
+                    self._said_deviceless.add(w)
+                    logger.warning(
+                        "accelsched.adapt: pool %r: %s has no verified GPU %.0fs after it "
+                        "was asked for; it counts as one of the pool's workers and serves "
+                        "no GPU task (its GPU events, `accelsched status`, say why)",
+                        name,
+                        w,
+                        now - started,
+                    )
+                if (
                     # a GPU pool's worker running only CPU tasks is idle where a CPU pool is
                     seen["gpu_busy" if pool.gpus and self._gpu_idle_with_cpu_work else "busy"]
                     or not seen["running"]  # paused, or drained by accelsched to restart it
@@ -517,6 +535,8 @@ class ElasticPools(Adaptive):
         known = {w for name in self.pools for w in self.members(name)}
         self._idle_since = {w: t for w, t in self._idle_since.items() if w in known}
         self._started = {w: t for w, t in self._started.items() if w in known}
+        self._verified &= known
+        self._said_deviceless &= known
         return states
 
     async def _scale_up(self, plan: Plan, now: float) -> None:

@@ -235,6 +235,36 @@ def test_a_pool_whose_class_raises_as_it_is_built_holds_up_no_other() -> None:
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
+def test_a_gpu_pool_worker_without_a_verified_gpu_is_said_once() -> None:
+    """A GPU pool's worker that sees no GPU (its ``CUDA_VISIBLE_DEVICES`` empty) counts as
+    the pool's worker once ``start_timeout`` passed, and serves no GPU task: said once,
+    naming it (before: nothing was said, and GPU tasks waited for the pool unexplained)."""
+    blind = {"cls": Nanny, "options": {**GPU_SPEC["options"], "env": {"CUDA_VISIBLE_DEVICES": ""}}}
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+        captured_logger("accelsched.deploy.adapt", level=logging.WARNING) as log,
+    ):
+        accelsched.register(client)
+        pools = accelsched.adapt(
+            cluster,
+            pools={"gpu": {"spec": blind, "maximum": 1}},
+            interval="200ms",
+            start_timeout="1s",
+        )
+        try:
+            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+                future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
+            said = "pool 'gpu': gpu-0 has no verified GPU"
+            until(lambda: said in log.getvalue(), 60)
+            time.sleep(1)  # more looks: said once
+            assert log.getvalue().count(said) == 1, log.getvalue()
+            assert future.status == "pending"
+        finally:
+            pools.stop()
+
+
+@pytest.mark.usefixtures("fake_gpus_2")
 def test_a_gpu_worker_running_only_cpu_tasks_retires_and_finishes_them(tmp_path: Path) -> None:
     """Distributed puts CPU tasks on GPU workers too: with a CPU pool there, a GPU pool
     worker that runs only a CPU task counts as idle and is retired while it runs it (no
