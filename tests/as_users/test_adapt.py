@@ -41,6 +41,23 @@ GPU_SPEC = {"cls": PoolNanny, "options": {"nthreads": 2, "resources": {"GPU": 1}
 CPU_SPEC = {"cls": Nanny, "options": {"nthreads": 2, "env": {"CUDA_VISIBLE_DEVICES": ""}}}
 
 
+@contextlib.contextmanager
+def adapted(pools: dict[str, Any], **options: Any) -> Iterator[tuple[Client, Any, Any]]:
+    """A process cluster with no worker, its client with the plugins registered, and
+    elastic ``pools`` sizing it: (client, the pools, adapt's warnings as logged)."""
+    with (
+        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+        captured_logger("accelsched.deploy.adapt", level=logging.WARNING) as log,
+    ):
+        accelsched.register(client)
+        elastic = accelsched.adapt(cluster, pools=pools, **options)
+        try:
+            yield client, elastic, log
+        finally:
+            elastic.stop()
+
+
 def pool_workers(client: Client, pool: str) -> list[str]:
     names = [str(w["name"]) for w in internals.workers_listed(client).values()]
     return sorted(n for n in names if n.startswith(pool + "-"))
@@ -179,28 +196,18 @@ def test_a_worker_that_fails_to_start_is_replaced() -> None:
     on the next one, not its CPU form (before: the failed one counted as starting for
     good, no other was asked for, and the task fell back after its timeout)."""
     FAILED.clear()
-    with (
-        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-        captured_logger("accelsched.deploy.adapt", level=logging.WARNING) as log,
-    ):
-        accelsched.register(client)
-        pools = accelsched.adapt(
-            cluster, pools={"gpu": {"spec": {**GPU_SPEC, "cls": FailingNanny}, "maximum": 1}}
-        )
-        try:
-            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
-                future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
-            assert future.result(timeout=45) == 0  # on a GPU
-            assert FAILED.is_set()
-            assert not events(client, "fallback")
-            # asked for again under the name the failed one's spec no longer holds
-            assert [e["workers"] for e in events(client, "scale-up")] == [("gpu-0",)] * 2
-            assert pools.members("gpu") == ["gpu-0"]
-            (line,) = log.getvalue().splitlines()
-            assert "pool 'gpu': gpu-0 failed to start or closed; asked for again in 1s" in line
-        finally:
-            pools.stop()
+    failing = {**GPU_SPEC, "cls": FailingNanny}
+    with adapted({"gpu": {"spec": failing, "maximum": 1}}) as (client, pools, log):
+        with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+            future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
+        assert future.result(timeout=45) == 0  # on a GPU
+        assert FAILED.is_set()
+        assert not events(client, "fallback")
+        # asked for again under the name the failed one's spec no longer holds
+        assert [e["workers"] for e in events(client, "scale-up")] == [("gpu-0",)] * 2
+        assert pools.members("gpu") == ["gpu-0"]
+        (line,) = log.getvalue().splitlines()
+        assert "pool 'gpu': gpu-0 failed to start or closed; asked for again in 1s" in line
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
@@ -211,27 +218,15 @@ def test_a_pool_whose_class_raises_as_it_is_built_holds_up_no_other() -> None:
     distributed built every new worker in one loop, so no worker of any pool started, the
     failed one counted as starting for ever, and nothing was said but a traceback)."""
     bad = {"cls": Nanny, "options": {**CPU_SPEC["options"], "memory_limit": "lots"}}
-    with (
-        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-        captured_logger("accelsched.deploy.adapt", level=logging.WARNING) as log,
-    ):
-        accelsched.register(client)
-        pools = accelsched.adapt(
-            cluster,
-            pools={"gpu": {"spec": GPU_SPEC, "maximum": 1}, "cpu": {"spec": bad, "maximum": 1}},
-            interval="200ms",
-        )
-        try:
-            on_cpu = client.submit(inc, 1, pure=False)  # CPU work too: the CPU pool is asked
-            until(lambda: "cpu-0 (ValueError: Could not interpret 'lots'" in log.getvalue(), 30)
-            with dask.annotate(resources={"GPU": 1}):  # strict
-                assert client.submit(gpu_nap, 0, seconds=0.0, pure=False).result(timeout=45) == 0
-            assert pools.members("gpu") == ["gpu-0"]
-            assert "failed to start or closed; asked for again in" in log.getvalue()
-            assert on_cpu.result(timeout=30) == 2  # (the GPU worker runs CPU tasks too)
-        finally:
-            pools.stop()
+    pools = {"gpu": {"spec": GPU_SPEC, "maximum": 1}, "cpu": {"spec": bad, "maximum": 1}}
+    with adapted(pools, interval="200ms") as (client, elastic, log):
+        on_cpu = client.submit(inc, 1, pure=False)  # CPU work too: the CPU pool is asked
+        until(lambda: "cpu-0 (ValueError: Could not interpret 'lots'" in log.getvalue(), 30)
+        with dask.annotate(resources={"GPU": 1}):  # strict
+            assert client.submit(gpu_nap, 0, seconds=0.0, pure=False).result(timeout=45) == 0
+        assert elastic.members("gpu") == ["gpu-0"]
+        assert "failed to start or closed; asked for again in" in log.getvalue()
+        assert on_cpu.result(timeout=30) == 2  # (the GPU worker runs CPU tasks too)
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
@@ -240,28 +235,15 @@ def test_a_gpu_pool_worker_without_a_verified_gpu_is_said_once() -> None:
     the pool's worker once ``start_timeout`` passed, and serves no GPU task: said once,
     naming it (before: nothing was said, and GPU tasks waited for the pool unexplained)."""
     blind = {"cls": Nanny, "options": {**GPU_SPEC["options"], "env": {"CUDA_VISIBLE_DEVICES": ""}}}
-    with (
-        LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-        captured_logger("accelsched.deploy.adapt", level=logging.WARNING) as log,
-    ):
-        accelsched.register(client)
-        pools = accelsched.adapt(
-            cluster,
-            pools={"gpu": {"spec": blind, "maximum": 1}},
-            interval="200ms",
-            start_timeout="1s",
-        )
-        try:
-            with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
-                future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
-            said = "pool 'gpu': gpu-0 has no verified GPU"
-            until(lambda: said in log.getvalue(), 60)
-            time.sleep(1)  # more looks: said once
-            assert log.getvalue().count(said) == 1, log.getvalue()
-            assert future.status == "pending"
-        finally:
-            pools.stop()
+    pools = {"gpu": {"spec": blind, "maximum": 1}}
+    with adapted(pools, interval="200ms", start_timeout="1s") as (client, _, log):
+        with dask.annotate(resources={"GPU": 1}, fallback_timeout="60s"):
+            future = client.submit(gpu_nap, 0, seconds=0.0, pure=False)
+        said = "pool 'gpu': gpu-0 has no verified GPU"
+        until(lambda: said in log.getvalue(), 60)
+        time.sleep(1)  # more looks: said once
+        assert log.getvalue().count(said) == 1, log.getvalue()
+        assert future.status == "pending"
 
 
 @pytest.mark.usefixtures("fake_gpus_2")
