@@ -101,7 +101,14 @@ class FakeGPUs:
 
     def mig_uuids(self, device: int) -> tuple[str, ...]:
         """UUIDs (``MIG-...``) of the MIG devices of GPU ``device`` (its NVML index)."""
+        self._check_device(device)
         return tuple(m.uuid for m in self.mig if m.parent == device)
+
+    def _check_device(self, device: int) -> None:
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"fake_gpus: device must be an int, got {device!r}")
+        if not 0 <= device < self.count:
+            raise ValueError(f"fake_gpus: no device {device!r}; devices are 0..{self.count - 1}")
 
     @property
     def count(self) -> int:
@@ -116,10 +123,7 @@ class FakeGPUs:
         the next call on: ``calls="all"`` every device query (NVML_ERROR_UNKNOWN),
         ``"memory"`` or ``"processes"`` only those queries, ``"lost"`` every query with
         NVML_ERROR_GPU_IS_LOST (a GPU that fell off the bus)."""
-        if isinstance(device, bool) or not isinstance(device, int):
-            raise TypeError(f"fake_gpus: device must be an int, got {device!r}")
-        if not 0 <= device < self.count:
-            raise ValueError(f"fake_gpus: no device {device!r}; devices are 0..{self.count - 1}")
+        self._check_device(device)
         if calls not in state.FAULT_KINDS:
             raise ValueError(
                 f"fake_gpus: calls must be one of {', '.join(state.FAULT_KINDS)}, got {calls!r}"
@@ -132,6 +136,8 @@ class FakeGPUs:
 
     def recover(self, device: int | None = None) -> None:
         """Undo :meth:`fail` for ``device``, or for every device."""
+        if device is not None:
+            self._check_device(device)
         faults = {f for f in self._flags.faults if device is not None and f[0] != device}
         self._write(replace(self._flags, faults=frozenset(faults)))
 
@@ -215,6 +221,7 @@ def fake_gpus(
             )
         _active = True
     saved_env = {key: os.environ.get(key) for key in _ENV_KEYS}
+    entered_by = os.getpid()
     saved_nvml = internals.distributed_nvml_state()
     path: Path | None = None
     try:
@@ -248,17 +255,20 @@ def fake_gpus(
             mig=tuple(migs),
         )
     finally:
-        device_memory.session_ended()  # first: a failure below leaves no session reported
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        internals.restore_distributed_nvml(saved_nvml)
-        if path is not None:
-            shutil.rmtree(path, ignore_errors=True)
-        with _active_lock:
-            _active = False
+        # a child forked inside the block that leaves it (sys.exit in the child) leaves
+        # the session to its parent, which goes on using it
+        if os.getpid() == entered_by:
+            device_memory.session_ended()  # first: a failure below leaves none reported
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            internals.restore_distributed_nvml(saved_nvml)
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+            with _active_lock:
+                _active = False
 
 
 # ---- the library in this process ----

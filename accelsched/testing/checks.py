@@ -53,7 +53,9 @@ def _check_context(context: int, totals: Sequence[int], value: Any) -> int:
 def _check_name(value: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"fake_gpus: names must be strings, got {value!r}")
-    if not value.strip() or any(c in value for c in "\t\n\r") or len(value.encode()) > 95:
+    # printable: no tab, no line break of any kind (a vertical tab, U+2028: the state
+    # files are read by lines), no NUL (the library's reader stops at it)
+    if not value.strip() or not value.isprintable() or len(value.encode()) > 95:
         raise ValueError(
             f"fake_gpus: a name must be non-empty, one line without tabs, "
             f"at most 95 bytes; got {value!r}"
@@ -64,7 +66,8 @@ def _check_name(value: str) -> str:
 def _check_capability(value: str) -> tuple[int, int]:
     """``"8.0"``: a CUDA compute capability, major.minor."""
     major, dot, minor = value.partition(".") if isinstance(value, str) else ("", "", "")
-    if not (dot and major.isdigit() and minor.isdigit() and len(major + minor) <= 4):
+    digits = (major + minor).isascii() and major.isdigit() and minor.isdigit()  # not '²'
+    if not (dot and digits and len(major + minor) <= 4):
         raise ValueError(
             f"fake_gpus: capability must be 'major.minor' such as '8.0', got {value!r}"
         )

@@ -759,6 +759,11 @@ def test_library_builds_once_even_concurrently(
         ({"memory": ["1GiB"]}, ValueError, "memory"),
         ({"memory": 1.5}, TypeError, "memory"),
         ({"names": ["a\tb", "c"]}, ValueError, "name"),
+        # any line break the state files' reader splits at, and a NUL, where the library's
+        # reader stops (before: taken; the device went, or every allocation failed)
+        *(({"names": [f"a{c}b", "c"]}, ValueError, "one line") for c in "\x0b\x1c\x85\u2028\x00"),
+        ({"capability": "\u00b2.0"}, ValueError, "capability must be"),  # digits, ASCII ones
+        ({"capability": "\u0663.\u0660"}, ValueError, "capability must be"),
         ({"names": [1, 2]}, TypeError, "names"),
         ({"context_memory": "-1MiB"}, ValueError, "context_memory"),
         ({"memory": 2**64}, ValueError, "memory must be at most 18446744073709551615 bytes"),
@@ -786,6 +791,43 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: st
     with pytest.raises(error, match=match), fake_gpus(**kwargs):
         pass
     assert state.ENV_DIR not in os.environ
+
+
+def test_faults_name_a_device_the_session_has(gpus: FakeGPUs) -> None:
+    """``fail``, ``lose``, ``recover`` and ``mig_uuids`` refuse a device the session has
+    not, naming it (before: ``recover(5)`` did nothing and ``recover(True)`` cleared
+    device 1's faults, without a word; ``mig_uuids("a")`` was empty)."""
+    for method in (gpus.fail, gpus.lose, gpus.recover, gpus.mig_uuids):
+        with pytest.raises(ValueError, match=r"no device 5; devices are 0\.\.1"):
+            method(5)
+        for odd in (True, 0.0, "x"):
+            with pytest.raises(TypeError, match=f"device must be an int, got {odd!r}"):
+                method(odd)  # type: ignore[arg-type]
+    gpus.fail(0)
+    gpus.fail(1)
+    gpus.recover(1)
+    with pytest.raises(pynvml.NVMLError):
+        pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+    pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(1))
+
+
+def test_a_child_forked_in_a_session_leaves_it_to_its_parent() -> None:
+    """A child forked inside the block that leaves it (``sys.exit``) ends nothing of its
+    parent's session (before: it deleted the session's files and the parent's next
+    allocation failed)."""
+    child = False
+    try:
+        with fake_gpus(1) as g:
+            child = os.fork() == 0
+            if child:
+                sys.exit(0)  # leaves the block, in the child alone
+            os.wait()
+            assert g.path.exists() and os.environ[state.ENV_DIR] == str(g.path)
+            device_alloc(MiB, device=0).free()
+    finally:
+        if child:  # never back into pytest
+            os._exit(0)
+    assert not g.path.exists() and state.ENV_DIR not in os.environ
 
 
 def test_bad_allocations(gpus: FakeGPUs) -> None:
