@@ -186,6 +186,17 @@ async def test_odd_events_break_nothing_and_grow_nothing(c, s, a):
     assert len(out.strip().splitlines()) == 54
     code, out, err = await cli("events", s.address, "--action", "gpu-rejected")
     assert code == 0 and "owner" in out, err
+    # as JSON: strict, a NaN or infinity as its name (before: NaN and Infinity, no JSON)
+    s.log_event("accelsched", {"action": "fallback", "waited": float("inf"), "n": [float("nan")]})
+    code, out, err = await cli("events", s.address, "--action", "fallback", "--json")
+    assert code == 0, err
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"no JSON: {constant}")
+
+    said = [json.loads(line, parse_constant=strict) for line in out.splitlines()]
+    assert {"waited": "nan"} in [{"waited": e.get("waited")} for e in said]
+    assert said[-1]["waited"] == "inf" and said[-1]["n"] == ["nan"]
 
 
 @pytest.mark.parametrize(
@@ -465,15 +476,16 @@ async def test_output_that_cannot_be_written_is_one_line_and_exit_74(c, s, a, ou
     )
 
 
+@pytest.mark.parametrize("asked", ["version", "--version"])
 @pytest.mark.parametrize("output", ["closed", "full"])
-def test_the_version_that_cannot_be_written_is_one_line_and_exit_74(output):
+def test_the_version_that_cannot_be_written_is_one_line_and_exit_74(output, asked):
     """As status and events (before: a traceback and exit 1 on a full disk; exit 0,
-    nothing said, with stdout closed)."""
+    nothing said, with stdout closed; ``--version`` as click wrote it too)."""
     if output == "full" and not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")
     with open(os.devnull if output == "closed" else "/dev/full", "w") as sink:
         done = subprocess.run(
-            [sys.executable, "-m", "accelsched.cli", "version"],
+            [sys.executable, "-m", "accelsched.cli", asked],
             stdout=sink,
             stderr=subprocess.PIPE,
             text=True,
@@ -481,9 +493,10 @@ def test_the_version_that_cannot_be_written_is_one_line_and_exit_74(output):
             timeout=60,
         )
     reason = "stdout is closed" if output == "closed" else "No space left on device"
+    command = " version" if asked == "version" else ""
     assert (done.returncode, done.stderr) == (
         74,
-        f"accelsched version: cannot write its output: {reason}\n",
+        f"accelsched{command}: cannot write its output: {reason}\n",
     )
 
 

@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -78,8 +79,9 @@ FOLLOW_EVERY = 0.5
 
 
 def _fail(command: str, problem: str, code: int) -> int:
-    """Say what went wrong on one line of stderr; the exit code."""
-    print(f"accelsched {command}: {problem}", file=sys.stderr)
+    """Say what went wrong on one line of stderr; the exit code. ``command``: '' for
+    the program itself (``accelsched --version``)."""
+    print(f"accelsched{f' {command}' if command else ''}: {problem}", file=sys.stderr)
     return code
 
 
@@ -318,9 +320,7 @@ def print_status(
         nonlocal drawn
         drawn = True
         if as_json:
-            # ASCII only: a name's control characters arrive as \u001b, never raw,
-            # and so do C1 and bidi controls, which JSON would let through as they are
-            return json.dumps(snap, sort_keys=True, ensure_ascii=True) + "\n"
+            return _json_line(snap, sort_keys=True)
         # under --watch, redrawn in place on a terminal
         clear = "\x1b[H\x1b[2J" if out.isatty() else time.strftime("-- %H:%M:%S\n")
         return ("" if watch is None else clear) + render(snap) + "\n"
@@ -364,11 +364,8 @@ def print_events(
             or (actions and msg["action"] not in actions)
         ):
             return ""  # not one of ours, or not asked for
-        if as_json:  # as logged, ASCII (see status --json); odd figures as their repr
-            return (
-                json.dumps({"time": stamp, **msg}, ensure_ascii=True, default=repr, skipkeys=True)
-                + "\n"
-            )
+        if as_json:  # as logged; odd figures as their repr
+            return _json_line({"time": stamp, **msg}, default=repr, skipkeys=True)
         owner = msg.get("owner")
         if isinstance(owner, str):  # gpu-rejected: the owner's address(es), by name too
             msg = {**msg, "owner": names.get(owner, owner)}
@@ -389,6 +386,27 @@ def print_events(
     return _run(
         "events", address, timeout, connect, FOLLOW_EVERY if follow else None, out, new_lines
     )
+
+
+def _json_line(value: Any, **options: Any) -> str:
+    """``value`` as one line of strict JSON, ASCII: a name's control characters arrive
+    as \\u001b, never raw (C1 and bidi controls too, which JSON would let through), and a
+    figure that is no finite number (an odd event's NaN, inf) as its name in a string:
+    ``NaN`` and ``Infinity`` are no JSON, and strict parsers refuse the line."""
+    try:
+        return json.dumps(value, ensure_ascii=True, allow_nan=False, **options) + "\n"
+    except ValueError:  # (out of range float values: only then walk it)
+        return json.dumps(_finite(value), ensure_ascii=True, **options) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # 'nan', 'inf', '-inf'
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 #: A scheduler file is a few hundred bytes; anything this large is not one.
@@ -470,7 +488,14 @@ INTERRUPTED = 130
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 88},
     epilog=f"status and events: {EXIT_CODES_HELP}",
 )
-@click.version_option(__version__, prog_name="accelsched")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=lambda ctx, _, given: given and not ctx.resilient_parsing and _print_version(ctx),
+    help="Show the version and exit.",
+)
 def cli() -> None:
     """GPUs as real, scarce, fallible hardware for Dask's distributed scheduler.
 
@@ -548,7 +573,8 @@ def _to_stdout(ctx: click.Context) -> Iterator[TextIO]:
         ctx.exit(OK)
     except _OutputFailed as exc:
         _quiet_stdout()
-        ctx.exit(_fail(str(ctx.command.name), f"cannot write its output: {exc}", OUTPUT_FAILED))
+        command = "" if ctx.parent is None else str(ctx.command.name)
+        ctx.exit(_fail(command, f"cannot write its output: {exc}", OUTPUT_FAILED))
 
 
 def _quiet_stdout() -> None:
@@ -723,4 +749,12 @@ def version(ctx: click.Context) -> NoReturn:
     """Print the version."""
     with _to_stdout(ctx) as out:
         _write(out, f"{__version__}\n")
+    ctx.exit(OK)
+
+
+def _print_version(ctx: click.Context) -> NoReturn:
+    """``accelsched --version``, as click's own option says it, its output checked as
+    every command's (click's wrote a traceback to a full disk, and exited 1)."""
+    with _to_stdout(ctx) as out:
+        _write(out, f"accelsched, version {__version__}\n")
     ctx.exit(OK)

@@ -66,7 +66,9 @@ def report_path(value: str | Path) -> Path:
     if not path.parent.is_dir():
         missing = "is no folder" if path.parent.exists() else "does not exist"
         raise ValueError(f"invalid report path {str(value)!r}: {str(path.parent)!r} {missing}")
-    existed = path.exists()
+    existed = path.exists()  # (through a link: what it points to)
+    if existed and not path.is_file():  # a FIFO would block the open below for ever
+        raise ValueError(f"invalid report path {str(value)!r}: it is no regular file")
     try:  # writable? (a read-only or virtual folder would fail only after the whole run)
         with path.open("a"):
             pass
@@ -76,7 +78,9 @@ def report_path(value: str | Path) -> Path:
         ) from None
     if not existed:
         path.unlink(missing_ok=True)
-    return path.resolve()
+    # as given, made absolute (a link named .html stays the path to write through: its
+    # target may have any name, and checked again it would be refused)
+    return path.absolute()
 
 
 def lines(samples: Sequence[Sample]) -> dict[str, tuple[list[float], list[float]]]:

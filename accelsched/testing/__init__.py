@@ -9,8 +9,16 @@ process started inside it (a ``LocalCluster``'s nanny workers, ``subprocess``)::
     from accelsched.testing import fake_gpus, device_alloc
 
     with fake_gpus(count=2, memory="16GiB") as gpus:
-        with LocalCluster(n_workers=2, resources={"GPU": 1}) as cluster, Client(cluster):
+        workers = {  # one nanny worker per fake GPU, as on a GPU machine
+            f"gpu-{i}": {"cls": Nanny, "options": {"env": {"CUDA_VISIBLE_DEVICES": str(i)}}}
+            for i in range(gpus.count)
+        }
+        scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+        with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster):
             ...  # tasks call device_alloc(nbytes) to use (or leak) device memory
+
+(docs/testing.md has it in full: a ``LocalCluster``'s workers would each see both
+devices.)
 
 It builds a fake ``libnvidia-ml.so.1`` (a small C file, compiled once into a cache) and
 puts it first on ``LD_LIBRARY_PATH``, so the unmodified pynvml, distributed's GPU

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import re
 import subprocess
 import sys
@@ -176,7 +177,7 @@ def test_the_report_goes_to_the_temporary_folder_by_default(tmp_path, monkeypatc
     given: list[Path] = []
     monkeypatch.setattr(accelsched.demo, "run", lambda out, report: given.append(report) or 0)
     assert main(out=io.StringIO()) == 0
-    assert given == [temp.resolve() / "accelsched-demo.html"]
+    assert given == [temp.absolute() / "accelsched-demo.html"]
     assert list(project.iterdir()) == []  # the writability check left nothing behind
 
 
@@ -200,6 +201,24 @@ def test_a_report_path_names_what_is_wrong_with_it(tmp_path: Path) -> None:
     for empty in ("", " "):
         with pytest.raises(ValueError, match="expected a .html file or a folder"):
             report_path(empty)
+
+
+def test_a_report_path_that_is_a_fifo_or_a_link_is_said_or_written_through(
+    tmp_path: Path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    """A FIFO named ``.html`` is no regular file: exit 2, one line (before: the check
+    opened it and waited for a reader for ever); a link named ``.html`` is written
+    through, whatever its target's name (before: resolved to ``target.txt`` and refused
+    by the demo's second look with a traceback, exit 1)."""
+    fifo = tmp_path / "report.html"
+    os.mkfifo(fifo)
+    assert main(str(fifo), out=io.StringIO()) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "it is no regular file" in err
+    (tmp_path / "target.txt").write_text("")
+    link = tmp_path / "link.html"
+    link.symlink_to("target.txt")
+    assert report_path(link) == link and report_path(report_path(link)) == link
 
 
 def test_events_cli_prints_what_happened(fake_gpus_2) -> None:
