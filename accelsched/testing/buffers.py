@@ -179,6 +179,8 @@ def fixed_pool(nbytes: int, device: int | None = None) -> None:
     visible device. Calling again with the same size is a no-op.
     """
     _check_nbytes(nbytes, "fixed_pool")
+    if nbytes == 0:  # (it never grows: a pool of nothing, which a second call would not see)
+        raise ValueError("fixed_pool: nbytes must be more than 0, got 0")
     if device is None:
         device = current_device()
     _pool().reserve(nbytes, 0 if device is None else device)

@@ -763,6 +763,7 @@ def test_library_builds_once_even_concurrently(
         # reader stops (before: taken; the device went, or every allocation failed)
         *(({"names": [f"a{c}b", "c"]}, ValueError, "one line") for c in "\x0b\x1c\x85\u2028\x00"),
         ({"capability": "\u00b2.0"}, ValueError, "capability must be"),  # digits, ASCII ones
+        ({"count": 5, "memory": b"16GiB"}, TypeError, "memory must be one value or a sequence"),
         ({"capability": "\u0663.\u0660"}, ValueError, "capability must be"),
         ({"names": [1, 2]}, TypeError, "names"),
         ({"context_memory": "-1MiB"}, ValueError, "context_memory"),
@@ -841,6 +842,8 @@ def test_bad_allocations(gpus: FakeGPUs) -> None:
         device_alloc(1, device=2)
     with pytest.raises(TypeError, match="device"):
         device_alloc(1, device="0")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fixed_pool: nbytes must be more than 0, got 0"):
+        fixed_pool(0, device=0)  # (before: taken, and a later fixed_pool(10) too)
 
 
 def test_device_alloc_needs_fake_gpus() -> None:
