@@ -678,20 +678,23 @@ class Ledger:
         return its residue (bytes left behind beyond its known result: 0 when the result's
         type is unknown, its growth may be the result itself) and its growth in all. None,
         and nothing held, when memory moved otherwise since ``before`` was read (``moves``:
-        :meth:`moves` then): no growth is the run's to tell."""
+        :meth:`moves` then), or a closing reading gave no figure (NVML failed on the
+        device for a moment): no growth is the run's to tell. (Taken as no growth, its
+        result would be held at nothing and read as a leak: a healthy worker restarted.)"""
         known = device_nbytes(result) if knows(result) else None
         if key is None and known is None:
             return {}, 0  # a step's unknown result: nothing to learn, nothing to hold
         changes = self._changes  # a key released or data arrived meanwhile: no base from it
         held, residue, now = {}, {}, {}
         for device, then in before.items():
-            if (n := self.read(device)[0]) is not None:
-                grew = max(0, n - then)
-                # a known result holds its own size, and what else the run left is
-                # residue; an unknown one holds all the growth (nothing tells it from a leak)
-                held[device] = size = known.get(device, 0) if known is not None else grew
-                residue[device] = max(0, grew - size)
-                now[device] = n
+            if (n := self.read(device)[0]) is None:
+                return None
+            grew = max(0, n - then)
+            # a known result holds its own size, and what else the run left is residue;
+            # an unknown one holds all the growth (nothing tells it from a leak)
+            held[device] = size = known.get(device, 0) if known is not None else grew
+            residue[device] = max(0, grew - size)
+            now[device] = n
         with self._lock:
             if self.moves(before) != moves:
                 return None

@@ -19,7 +19,17 @@ from distributed.utils_test import gen_cluster
 
 import accelsched
 from accelsched.testing import fake_gpus
-from tests.utils import TWO_GPU_WORKERS, cvd, events, gpus, hold, inc, run_python, wait_for
+from tests.utils import (
+    TWO_GPU_WORKERS,
+    cvd,
+    events,
+    gpus,
+    hold,
+    inc,
+    marked_warm_up,
+    run_python,
+    wait_for,
+)
 
 # ---- distributed's SystemMonitor in a process whose GPU fails NVML -----------------------
 
@@ -99,4 +109,55 @@ def test_a_transient_fault_after_verification_costs_no_worker(peer: bool) -> Non
         assert {next(iter(s.tasks[f.key].who_has)).address for f in held} == set(workers)
 
     with fake_gpus(2) as g:
+        run()
+
+
+# ---- a fault as a measured GPU task closes ---------------------------------------------------
+
+
+@accelsched.gpu
+def holds_a_gigabyte(seconds: float) -> object:
+    """A GiB held on the device by its result, after ``seconds`` of work."""
+    import time
+
+    from accelsched.testing import device_alloc
+
+    buffer = device_alloc(2**30)
+    time.sleep(seconds)
+    return buffer
+
+
+def _live(dask_worker) -> int:  # type: ignore[no-untyped-def]
+    return dask_worker.plugins["accelsched-guard"].ledger.live(0)
+
+
+def test_a_fault_at_a_measured_runs_end_leaves_its_result_held() -> None:
+    """NVML fails on the device from the middle of a measured GPU task until after it
+    returned: its closing reading gives no figure, so the run is not measured; its result
+    (a type accelsched knows) is held at its size, and once the device answers again no
+    leak is found and the worker keeps its process (before: the run was taken as having
+    grown by nothing, its result held at nothing, and the GiB it holds was declared a
+    leak naming no step: the healthy worker was restarted)."""
+
+    @gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1, cvd("0"))], timeout=90)
+    async def run(c, s, a):  # type: ignore[no-untyped-def]
+        await accelsched.register(c, check_interval="100ms", leak_threshold="256MiB")
+        A = a.worker_address
+        await wait_for(lambda: gpus(s, A) == 1)
+        assert await c.submit(marked_warm_up, pure=False) == 0  # the context: runs measured
+        pid = (await c.run(os.getpid))[A]
+        held = c.submit(holds_a_gigabyte, 1.0, pure=False)
+        await asyncio.sleep(0.5)
+        g.fail(0)
+        await held
+        await asyncio.sleep(0.5)
+        g.recover()
+        await wait_for(lambda: events(s, "gpu-recovered") or events(s, "leak"), timeout=30)
+        await asyncio.sleep(1)  # checks after it answers again
+        assert not events(s, "leak") and not events(s, "restart")
+        assert gpus(s, A) == 1
+        assert (await c.run(_live))[A] == 2**30 and (await c.run(os.getpid))[A] == pid
+        del held
+
+    with fake_gpus(1) as g:
         run()
