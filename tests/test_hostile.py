@@ -476,7 +476,7 @@ async def test_output_that_cannot_be_written_is_one_line_and_exit_74(c, s, a, ou
     )
 
 
-@pytest.mark.parametrize("asked", ["version", "--version"])
+@pytest.mark.parametrize("asked", ["version", "--version", "dask --version"])
 @pytest.mark.parametrize("output", ["closed", "full"])
 def test_the_version_that_cannot_be_written_is_one_line_and_exit_74(output, asked):
     """As status and events (before: a traceback and exit 1 on a full disk; exit 0,
@@ -484,8 +484,14 @@ def test_the_version_that_cannot_be_written_is_one_line_and_exit_74(output, aske
     if output == "full" and not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")
     with open(os.devnull if output == "closed" else "/dev/full", "w") as sink:
+        # (as dask's own subcommand: the program is `dask accelsched`)
+        argv = (
+            [sys.executable, "-m", "dask", "accelsched", "--version"]
+            if asked.startswith("dask")
+            else [sys.executable, "-m", "accelsched.cli", asked]
+        )
         done = subprocess.run(
-            [sys.executable, "-m", "accelsched.cli", asked],
+            argv,
             stdout=sink,
             stderr=subprocess.PIPE,
             text=True,

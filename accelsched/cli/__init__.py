@@ -573,7 +573,8 @@ def _to_stdout(ctx: click.Context) -> Iterator[TextIO]:
         ctx.exit(OK)
     except _OutputFailed as exc:
         _quiet_stdout()
-        command = "" if ctx.parent is None else str(ctx.command.name)
+        # (the program itself: --version, as `accelsched` or under `dask accelsched`)
+        command = "" if isinstance(ctx.command, click.Group) else str(ctx.command.name)
         ctx.exit(_fail(command, f"cannot write its output: {exc}", OUTPUT_FAILED))
 
 

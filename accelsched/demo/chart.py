@@ -67,6 +67,7 @@ def report_path(value: str | Path) -> Path:
         missing = "is no folder" if path.parent.exists() else "does not exist"
         raise ValueError(f"invalid report path {str(value)!r}: {str(path.parent)!r} {missing}")
     existed = path.exists()  # (through a link: what it points to)
+    target = path.resolve()  # what the check's open makes, if nothing was there
     if existed and not path.is_file():  # a FIFO would block the open below for ever
         raise ValueError(f"invalid report path {str(value)!r}: it is no regular file")
     try:  # writable? (a read-only or virtual folder would fail only after the whole run)
@@ -77,7 +78,7 @@ def report_path(value: str | Path) -> Path:
             f"invalid report path {str(value)!r}: cannot write there ({exc.strerror})"
         ) from None
     if not existed:
-        path.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)  # (a dangling link stays as it was)
     # as given, made absolute (a link named .html stays the path to write through: its
     # target may have any name, and checked again it would be refused)
     return path.absolute()

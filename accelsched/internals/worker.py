@@ -128,13 +128,15 @@ def stored_values(worker: Worker) -> Callable[[Any], Any]:
     stores = _in_memory_stores(worker.data)
     if stores is not None and len(stores) == 1:
         return stores[0].get
-    if stores is not None:
+    if stores is not None:  # a DeviceHostFile
+        device, others, host = stores
+        data: Any = worker.data
+        spilled_from = data.device_keys  # (a device object in the host dict: spilled)
 
         def found(key: Any) -> Any:
-            for store in stores:
-                if (value := store.get(key)) is not None:
-                    return value
-            return None
+            if (value := device.get(key)) is not None or (value := others.get(key)) is not None:
+                return value
+            return None if key in spilled_from else host.get(key)
 
         return found
     fast = getattr(worker.data, "fast", worker.data)
@@ -168,9 +170,12 @@ def in_memory(worker: Worker) -> Residence | None:
     if len(stores) == 1:  # a SpillBuffer
         slow = data.slow
         return Residence(stores[0].__contains__, lambda: len(slow) > 0)
-    device, others, _ = stores  # (a device object spilled to the host is in no device dict)
-    keys = data.device_keys  # every device object's key, wherever it is
-    return Residence(lambda key: key in device or key in others, lambda: len(keys) > len(device))
+    # only a device object spills off the device (its key is in device_keys, wherever it
+    # is): any other value, in others or the host dict, is where it was made (a result
+    # holding device memory that dask-cuda does not take for a device object, as a
+    # model on the GPU, is kept in the host dict and is on the device all the same)
+    device, keys = stores[0], data.device_keys
+    return Residence(lambda key: key not in keys or key in device, lambda: len(keys) > len(device))
 
 
 _IN_THREAD = frozenset({"executing", "long-running"})

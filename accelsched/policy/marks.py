@@ -182,6 +182,24 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     # a long container's items past MAX_ITEMS: walked once all else is (so a fused
     # subgraph's hundreds of tasks do not spend the walk before a step deeper in its first)
     later: deque[Any] = deque()
+
+    def glance(added: int) -> Mark | None:
+        """A first look at the items just put off: each one, and the function it calls
+        (a fused task's), whose mark is taken now, however much of the walk the others'
+        insides take before it reaches them; a mark the task errs on, or None."""
+        for item in itertools.islice(reversed(later), added):
+            try:
+                calls = (item, getattr(item, "func", None))
+            except Exception:  # an object whose attributes misbehave: nothing to learn
+                continue
+            for one in calls:
+                if (mark := mark_of(one)) is not None and id(one) not in seen:
+                    seen.add(id(one))
+                    if mark_problem(mark) is not None:
+                        return mark
+                    found.append(mark)
+        return None
+
     while (queue or later) and visits < max_visits:
         if not queue:
             queue, later = later, queue
@@ -191,7 +209,8 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
             continue
         if cls is tuple or cls is list:
             visits += 1
-            _items(obj, queue, later, max_visits - visits)
+            if bad := glance(_items(obj, queue, later, max_visits - visits)):
+                return bad
             continue
         ident = id(obj)
         if ident in seen:
@@ -200,7 +219,8 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
         visits += 1
         if isinstance(obj, _CONTAINERS):
             items = obj.values() if isinstance(obj, dict) else obj
-            _items(items, queue, later, max_visits - visits)
+            if bad := glance(_items(items, queue, later, max_visits - visits)):
+                return bad
             continue
         mark = mark_of(obj)
         if mark is None:
@@ -244,12 +264,16 @@ def find_mark(spec: Any, max_visits: int = MAX_VISITS) -> Mark | None:
     )
 
 
-def _items(items: Any, queue: deque[Any], later: deque[Any], budget: int) -> None:
+def _items(items: Any, queue: deque[Any], later: deque[Any], budget: int) -> int:
     """Queue the items of a container the walk looks at: its first :data:`MAX_ITEMS`,
     then (``later``) those after them while they are calls, as long as the walk's
-    ``budget`` of visits left is not spent on what is queued already."""
+    ``budget`` of visits left is not spent on what is queued already; how many went
+    ``later``."""
     it = iter(items)
     queue.extend(itertools.islice(it, MAX_ITEMS))
-    if (room := budget - len(queue) - len(later)) > 0:
-        # data, not calls (a Timestamp, an Enum member): never callable
-        later.extend(itertools.islice(itertools.takewhile(callable, it), room))
+    if (room := budget - len(queue) - len(later)) <= 0:
+        return 0
+    before = len(later)
+    # data, not calls (a Timestamp, an Enum member): never callable
+    later.extend(itertools.islice(itertools.takewhile(callable, it), room))
+    return len(later) - before

@@ -92,7 +92,7 @@ def _per_device(value: Any, count: int, what: str, check: Any) -> list[Any]:
     """One value for every device, or a sequence with one per device."""
     if isinstance(value, (str, int)):
         return [check(value)] * count
-    if not isinstance(value, Sequence) or isinstance(value, (bytes, bytearray)):
+    if not isinstance(value, Sequence) or isinstance(value, (bytes, bytearray, memoryview)):
         # (bytes are a sequence: b"16GiB" would be five devices of 49, 54, ... bytes)
         raise TypeError(f"fake_gpus: {what} must be one value or a sequence, got {value!r}")
     if len(value) != count:

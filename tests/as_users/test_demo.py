@@ -219,6 +219,10 @@ def test_a_report_path_that_is_a_fifo_or_a_link_is_said_or_written_through(
     link = tmp_path / "link.html"
     link.symlink_to("target.txt")
     assert report_path(link) == link and report_path(report_path(link)) == link
+    dangling = tmp_path / "dangling.html"
+    dangling.symlink_to("nowhere.html")
+    assert report_path(dangling) == dangling  # checked, and left as it was
+    assert dangling.is_symlink() and not (tmp_path / "nowhere.html").exists()
 
 
 def test_events_cli_prints_what_happened(fake_gpus_2) -> None:

@@ -764,6 +764,7 @@ def test_library_builds_once_even_concurrently(
         *(({"names": [f"a{c}b", "c"]}, ValueError, "one line") for c in "\x0b\x1c\x85\u2028\x00"),
         ({"capability": "\u00b2.0"}, ValueError, "capability must be"),  # digits, ASCII ones
         ({"count": 5, "memory": b"16GiB"}, TypeError, "memory must be one value or a sequence"),
+        ({"count": 5, "memory": memoryview(b"16GiB")}, TypeError, "memory must be one value"),
         ({"capability": "\u0663.\u0660"}, ValueError, "capability must be"),
         ({"names": [1, 2]}, TypeError, "names"),
         ({"context_memory": "-1MiB"}, ValueError, "context_memory"),

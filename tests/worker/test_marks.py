@@ -113,6 +113,18 @@ def test_a_step_fused_into_a_long_chain_is_found() -> None:
         (chain,) = dask.optimize(chain)
         tasks = list(dict(chain.__dask_graph__()).values())
         assert sum(find_mark(t) == DUAL for t in tasks) == 4
+    # nor one in a late task of a subgraph whose first tasks are wide (each reads twelve
+    # others): a glance at each task past the first 64 takes its function's mark
+    for at in (0, 70, 199):
+        subgraph = {
+            f"k{i}": Task(
+                f"k{i}",
+                step if i == at else host,
+                *[TaskRef(f"k{j}") for j in range(max(0, i - 12), i)],
+            )
+            for i in range(200)
+        }
+        assert find_mark(Task("out", host, DataNode(None, subgraph))) == DUAL, at
     # data stays data: past 64 items of a list, the walk goes on only while it meets calls
     assert find_mark(Task("k", host, [0] * 64 + [step])) == DUAL
     assert find_mark(Task("k", host, [0] * 65 + [step])) is None
